@@ -1,0 +1,371 @@
+/*
+ * nsa.h -- Native Sparse Attention (DeepSeek, arXiv 2502.11089) as a C11 library.
+ *
+ * What is computed is fixed by spec/nsa.md (shared with the project); every backend
+ * computes that one function. Conventions used on every declaration below:
+ *
+ *   - Tensors are views (nsa_tensor): a data pointer, a dtype, a rank <= 4, int64 shapes
+ *     and int64 strides counted in ELEMENTS (not bytes). The last dimension must have
+ *     stride 1; other strides are free (transposed / sliced views are fine).
+ *   - Shapes are written beside each argument, e.g. q: [B, T, HQ, DK].
+ *     B batch, T tokens, HQ query heads, H key/value heads (G = HQ / H must be an
+ *     integer), DK key dim, DV value dim, Nc compressed blocks, n = config.slc_topk.
+ *   - Variable length (packed) input: set varlen.cu_seqlens (HOST memory, int32,
+ *     num_seqs + 1 entries, non-decreasing, cu[0] == 0, cu[num_seqs] == T) and B == 1.
+ *     Compressed tensors are then packed too: [1, Nc_total, H, D], sequence s owning rows
+ *     [cu_cmp[s], cu_cmp[s+1]) with cu_cmp from nsa_cmp_offsets().
+ *   - An "optional" tensor is absent when its data pointer is NULL.
+ *   - Outputs are caller-owned and fully overwritten (gradients are NOT accumulated).
+ *   - Every call validates all arguments first; on any error it returns a specific
+ *     status and has not written to any output.
+ *   - Scratch memory: each op has a *_workspace_size() query; pass a buffer of at least
+ *     that many bytes (host memory for the CPU backend, device memory for CUDA).
+ *   - The library never prints, never exits, never aborts, holds no global state.
+ */
+#ifndef NSA_H
+#define NSA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define NSA_VERSION_MAJOR 0
+#define NSA_VERSION_MINOR 1
+#define NSA_VERSION_PATCH 0
+/* MAJOR * 10000 + MINOR * 100 + PATCH, comparable with nsa_version_number(). */
+#define NSA_VERSION_NUMBER (NSA_VERSION_MAJOR * 10000 + NSA_VERSION_MINOR * 100 + NSA_VERSION_PATCH)
+
+#if defined(_WIN32) && defined(NSA_BUILD_SHARED)
+#define NSA_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define NSA_API __attribute__((visibility("default")))
+#else
+#define NSA_API
+#endif
+
+/* ------------------------------------------------------------------------------------ */
+/* Status codes. The numbers are stable: they never change meaning between versions.     */
+/* ------------------------------------------------------------------------------------ */
+typedef enum nsa_status {
+    NSA_STATUS_SUCCESS = 0,
+    NSA_STATUS_NULL_POINTER = 1,          /* a required pointer (context, args, data) is NULL */
+    NSA_STATUS_BAD_RANK = 2,              /* a tensor has the wrong number of dimensions */
+    NSA_STATUS_BAD_SHAPE = 3,             /* a dimension disagrees with another argument */
+    NSA_STATUS_BAD_STRIDE = 4,            /* last-dim stride != 1, or a negative stride */
+    NSA_STATUS_BAD_DTYPE = 5,             /* dtype not allowed here or not the same as q's */
+    NSA_STATUS_BAD_GQA = 6,               /* HQ is not a multiple of H */
+    NSA_STATUS_BAD_CMP_STRIDE = 7,        /* cmp_stride d < 1, or d does not divide cmp_len l */
+    NSA_STATUS_BAD_CMP_LEN = 8,           /* cmp_len l < 1, or l > slc_block l' */
+    NSA_STATUS_BAD_SLC_BLOCK = 9,         /* d does not divide slc_block l' */
+    NSA_STATUS_BAD_TOPK = 10,             /* slc_topk n < 1, n < n_init + n_local, or negative forced counts */
+    NSA_STATUS_BAD_WINDOW = 11,           /* window w < 1 (NSA), or window_left/right < -1 (attention) */
+    NSA_STATUS_BAD_SCALE = 12,            /* scale is negative, NaN or infinite */
+    NSA_STATUS_BAD_CU_SEQLENS = 13,       /* cu_seqlens: cu[0] != 0, decreasing, last != T, or B != 1 */
+    NSA_STATUS_SIZE_OVERFLOW = 14,        /* an element count or offset does not fit in int64 */
+    NSA_STATUS_WORKSPACE_TOO_SMALL = 15,  /* workspace_bytes below the *_workspace_size() answer */
+    NSA_STATUS_BACKEND_UNAVAILABLE = 16,  /* backend not compiled in, or no device present */
+    NSA_STATUS_NOT_SUPPORTED = 17,        /* valid request that this backend does not implement */
+    NSA_STATUS_OUT_OF_MEMORY = 18,        /* host allocation failed (context creation only) */
+    NSA_STATUS_DEVICE_ERROR = 19,         /* the device runtime reported an error */
+    NSA_STATUS_BAD_ARGUMENT = 20,         /* any other invalid scalar (e.g. num_threads < 0) */
+    NSA_STATUS_MISSING_OUTPUT = 21        /* an output that this call must write was not given */
+} nsa_status;
+
+/* A static, never-NULL English description of a status ("unknown status" if out of range). */
+NSA_API const char *nsa_status_string(nsa_status status);
+
+/* @return NSA_VERSION_NUMBER of the library actually linked. */
+NSA_API int nsa_version_number(void);
+/* @return "MAJOR.MINOR.PATCH" of the library actually linked. */
+NSA_API const char *nsa_version_string(void);
+
+/* ------------------------------------------------------------------------------------ */
+/* Tensors                                                                               */
+/* ------------------------------------------------------------------------------------ */
+typedef enum nsa_dtype {
+    NSA_DTYPE_F32 = 0,   /* IEEE float; CPU backend only for attention inputs */
+    NSA_DTYPE_F16 = 1,   /* IEEE half */
+    NSA_DTYPE_BF16 = 2,  /* bfloat16 */
+    NSA_DTYPE_I32 = 3    /* int32: block_indices, block_counts */
+} nsa_dtype;
+
+#define NSA_MAX_RANK 4
+
+typedef struct nsa_tensor {
+    void *data;                     /* NULL = absent (for optional tensors) */
+    nsa_dtype dtype;
+    int32_t rank;                   /* 1..NSA_MAX_RANK */
+    int64_t shape[NSA_MAX_RANK];    /* entries >= rank are ignored */
+    int64_t stride[NSA_MAX_RANK];   /* in elements; stride[rank - 1] must be 1 */
+} nsa_tensor;
+
+/* A contiguous row-major view of `data` with the given shape (rank 1..4).
+ * @return the view (rank 0, data NULL if rank is out of range). */
+NSA_API nsa_tensor nsa_tensor_make(void *data, nsa_dtype dtype, int32_t rank, const int64_t *shape);
+/* Shorthands for contiguous rank-3 / rank-4 views. @return the view. */
+NSA_API nsa_tensor nsa_tensor_3d(void *data, nsa_dtype dtype, int64_t d0, int64_t d1, int64_t d2);
+NSA_API nsa_tensor nsa_tensor_4d(void *data, nsa_dtype dtype, int64_t d0, int64_t d1, int64_t d2, int64_t d3);
+/* @return bytes per element of dtype (0 for an unknown dtype). */
+NSA_API size_t nsa_dtype_size(nsa_dtype dtype);
+
+/* ------------------------------------------------------------------------------------ */
+/* Configuration (defaults = the paper's values)                                         */
+/* ------------------------------------------------------------------------------------ */
+typedef struct nsa_config {
+    int64_t cmp_len;     /* l:  tokens per compressed block                    (32)  */
+    int64_t cmp_stride;  /* d:  stride between compressed blocks, d | l        (16)  */
+    int64_t slc_block;   /* l': tokens per selection block, d | l', l <= l'     (64)  */
+    int64_t slc_topk;    /* n:  selected blocks per query, forced ones included (16)  */
+    int64_t n_init;      /* leading blocks always selected                      (1)   */
+    int64_t n_local;     /* blocks ending at the query's own block, always kept (2)   */
+    int64_t window;      /* w:  sliding window, keys in [t - w + 1, t]          (512) */
+    float scale;         /* softmax scale; 0 = 1 / sqrt(DK)                     (0)   */
+} nsa_config;
+
+/* @return the paper's configuration: l=32, d=16, l'=64, n=16, n_init=1, n_local=2,
+ *         w=512, scale=0 (meaning 1/sqrt(DK)). */
+NSA_API nsa_config nsa_config_default(void);
+/* @return NSA_STATUS_SUCCESS, or the status naming the first invalid field. */
+NSA_API nsa_status nsa_config_validate(const nsa_config *config);
+/* @return Nc = floor((T - l) / d) + 1 for T >= l, else 0 (spec section 1). */
+NSA_API int64_t nsa_num_cmp_blocks(const nsa_config *config, int64_t T);
+/* @return nb = ceil(T / l'), the number of selection blocks of a T-token sequence. */
+NSA_API int64_t nsa_num_slc_blocks(const nsa_config *config, int64_t T);
+/* Packed compressed-row offsets for varlen: cu_cmp[s] = sum_{r<s} Nc(len_r), num_seqs + 1
+ * entries written to cu_cmp (host). @return SUCCESS, NULL_POINTER or BAD_CU_SEQLENS. */
+NSA_API nsa_status nsa_cmp_offsets(const nsa_config *config, const int32_t *cu_seqlens,
+                                   int64_t num_seqs, int64_t *cu_cmp);
+
+/* Variable-length description, shared by every op. Zero-initialised = not varlen. */
+typedef struct nsa_varlen {
+    const int32_t *cu_seqlens;  /* HOST [num_seqs + 1] or NULL; requires B == 1 */
+    int64_t num_seqs;           /* N >= 0 (ignored when cu_seqlens is NULL) */
+} nsa_varlen;
+
+/* ------------------------------------------------------------------------------------ */
+/* Context: one per backend (and per device / stream for CUDA)                           */
+/* ------------------------------------------------------------------------------------ */
+typedef enum nsa_backend {
+    NSA_BACKEND_CPU = 0,   /* C11 + OpenMP; host pointers */
+    NSA_BACKEND_CUDA = 1   /* NVIDIA GPUs; device pointers, calls are async on `stream` */
+} nsa_backend;
+
+typedef struct nsa_context_desc {
+    nsa_backend backend;
+    int32_t num_threads;   /* CPU: worker threads, 0 = OpenMP default (OMP_NUM_THREADS) */
+    int32_t device;        /* CUDA: device ordinal */
+    void *stream;          /* CUDA: cudaStream_t, NULL = default stream */
+} nsa_context_desc;
+
+typedef struct nsa_context nsa_context;
+
+/* @return nonzero when `backend` is compiled in and (for CUDA) a device is present. */
+NSA_API int nsa_backend_available(nsa_backend backend);
+/* Creates a context; *ctx is set to NULL on failure.
+ * @return SUCCESS, NULL_POINTER, BAD_ARGUMENT, BACKEND_UNAVAILABLE or OUT_OF_MEMORY. */
+NSA_API nsa_status nsa_context_create(nsa_context **ctx, const nsa_context_desc *desc);
+/* CUDA: the stream later calls run on. CPU: ignored. @return SUCCESS or NULL_POINTER. */
+NSA_API nsa_status nsa_context_set_stream(nsa_context *ctx, void *stream);
+/* @return the backend of ctx (NSA_BACKEND_CPU for NULL). */
+NSA_API nsa_backend nsa_context_backend(const nsa_context *ctx);
+/* Frees ctx; NULL is a no-op. */
+NSA_API void nsa_context_destroy(nsa_context *ctx);
+
+/* ==================================================================================== */
+/* Operations. Each has args (inputs and outputs), a workspace query and a call.         */
+/* Backward args embed the forward args as their first member: fill the forward part     */
+/* exactly as for the forward (its outputs become inputs there), then the gradients.     */
+/* All floating tensors of one call share q's dtype unless noted; lse is always F32.     */
+/* ==================================================================================== */
+
+/* ---- 1. Compression: mean over overlapping blocks (spec 1) ------------------------- */
+typedef struct nsa_compress_args {
+    nsa_tensor x;        /* in  [B, T, H, D]   (k or v)                                 */
+    nsa_tensor x_cmp;    /* out [B, Nc, H, D]; x_cmp[b,i] = mean(x[b, i*d : i*d + l])   */
+    nsa_varlen varlen;
+    nsa_config config;   /* cmp_len, cmp_stride */
+} nsa_compress_args;
+
+typedef struct nsa_compress_bwd_args {
+    nsa_compress_args fwd;  /* x: only its shape and dtype are read; x_cmp unused      */
+    nsa_tensor dx_cmp;      /* in  [B, Nc, H, D] */
+    nsa_tensor dx;          /* out [B, T, H, D]  */
+} nsa_compress_bwd_args;
+
+NSA_API nsa_status nsa_compress_workspace_size(nsa_context *ctx, const nsa_compress_args *args, size_t *bytes);
+NSA_API nsa_status nsa_compress(nsa_context *ctx, const nsa_compress_args *args, void *workspace, size_t workspace_bytes);
+NSA_API nsa_status nsa_compress_bwd_workspace_size(nsa_context *ctx, const nsa_compress_bwd_args *args, size_t *bytes);
+NSA_API nsa_status nsa_compress_bwd(nsa_context *ctx, const nsa_compress_bwd_args *args, void *workspace, size_t workspace_bytes);
+
+/* ---- 2. Compressed attention (spec 2) ---------------------------------------------- */
+/* Query t sees block i iff i*d + l - 1 <= t; a query that sees no block gets o = 0 and
+ * lse = -inf. Query head hq uses kv head hq / G. */
+typedef struct nsa_cmp_attn_args {
+    nsa_tensor q;        /* in  [B, T, HQ, DK]  */
+    nsa_tensor k_cmp;    /* in  [B, Nc, H, DK]  */
+    nsa_tensor v_cmp;    /* in  [B, Nc, H, DV]  */
+    nsa_tensor o;        /* out [B, T, HQ, DV]  */
+    nsa_tensor lse;      /* out [B, T, HQ] F32: log sum_i exp(scale * q.k_cmp[i])       */
+    nsa_varlen varlen;
+    nsa_config config;   /* cmp_len, cmp_stride, scale */
+} nsa_cmp_attn_args;
+
+typedef struct nsa_cmp_attn_bwd_args {
+    nsa_cmp_attn_args fwd;  /* o and lse: the forward's outputs, read here */
+    nsa_tensor dout;        /* in  [B, T, HQ, DV] */
+    nsa_tensor dq;          /* out [B, T, HQ, DK] */
+    nsa_tensor dk_cmp;      /* out [B, Nc, H, DK] */
+    nsa_tensor dv_cmp;      /* out [B, Nc, H, DV] */
+} nsa_cmp_attn_bwd_args;
+
+NSA_API nsa_status nsa_cmp_attn_workspace_size(nsa_context *ctx, const nsa_cmp_attn_args *args, size_t *bytes);
+NSA_API nsa_status nsa_cmp_attn(nsa_context *ctx, const nsa_cmp_attn_args *args, void *workspace, size_t workspace_bytes);
+NSA_API nsa_status nsa_cmp_attn_bwd_workspace_size(nsa_context *ctx, const nsa_cmp_attn_bwd_args *args, size_t *bytes);
+NSA_API nsa_status nsa_cmp_attn_bwd(nsa_context *ctx, const nsa_cmp_attn_bwd_args *args, void *workspace, size_t workspace_bytes);
+
+/* ---- 3. Importance + top-n selection (spec 3). No gradient. ------------------------- */
+/* Importance of selection block j for kv head h = sum over the G query heads and over
+ * the compressed blocks i of p_cmp[t, hq, i] * overlap(i, j) / d. Forced blocks
+ * (j < n_init, j > cur - n_local) rank first; ties go to the lower index; the kept
+ * indices are written ascending, padded with -1. */
+typedef struct nsa_select_args {
+    nsa_tensor q;              /* in  [B, T, HQ, DK] */
+    nsa_tensor k_cmp;          /* in  [B, Nc, H, DK] */
+    nsa_tensor lse_cmp;        /* in, optional [B, T, HQ] F32 from nsa_cmp_attn; recomputed if absent */
+    nsa_tensor block_indices;  /* out [B, T, H, n] I32, ascending, -1 padded */
+    nsa_tensor block_counts;   /* out, optional [B, T, H] I32: valid entries per row */
+    nsa_varlen varlen;
+    nsa_config config;         /* all selection fields, scale */
+} nsa_select_args;
+
+NSA_API nsa_status nsa_select_workspace_size(nsa_context *ctx, const nsa_select_args *args, size_t *bytes);
+NSA_API nsa_status nsa_select(nsa_context *ctx, const nsa_select_args *args, void *workspace, size_t workspace_bytes);
+
+/* ---- 4. Selected attention (spec 4) ------------------------------------------------ */
+/* Query t (all heads of group h) attends to the tokens of blocks block_indices[b,t,h,:]
+ * with key position <= t. Entries that are -1 or outside [0, nb) are skipped, duplicates
+ * count once; with block_counts only the first block_counts[b,t,h] entries are read. */
+typedef struct nsa_slc_attn_args {
+    nsa_tensor q;              /* in  [B, T, HQ, DK] */
+    nsa_tensor k;              /* in  [B, T, H, DK]  */
+    nsa_tensor v;              /* in  [B, T, H, DV]  */
+    nsa_tensor block_indices;  /* in  [B, T, H, m] I32 (any m >= 1; m = n from nsa_select) */
+    nsa_tensor block_counts;   /* in, optional [B, T, H] I32 */
+    nsa_tensor o;              /* out [B, T, HQ, DV] */
+    nsa_tensor lse;            /* out [B, T, HQ] F32 */
+    nsa_varlen varlen;
+    nsa_config config;         /* slc_block, scale */
+} nsa_slc_attn_args;
+
+typedef struct nsa_slc_attn_bwd_args {
+    nsa_slc_attn_args fwd;
+    nsa_tensor dout;           /* in  [B, T, HQ, DV] */
+    nsa_tensor dq;             /* out [B, T, HQ, DK] */
+    nsa_tensor dk;             /* out [B, T, H, DK]  */
+    nsa_tensor dv;             /* out [B, T, H, DV]  */
+} nsa_slc_attn_bwd_args;
+
+NSA_API nsa_status nsa_slc_attn_workspace_size(nsa_context *ctx, const nsa_slc_attn_args *args, size_t *bytes);
+NSA_API nsa_status nsa_slc_attn(nsa_context *ctx, const nsa_slc_attn_args *args, void *workspace, size_t workspace_bytes);
+NSA_API nsa_status nsa_slc_attn_bwd_workspace_size(nsa_context *ctx, const nsa_slc_attn_bwd_args *args, size_t *bytes);
+NSA_API nsa_status nsa_slc_attn_bwd(nsa_context *ctx, const nsa_slc_attn_bwd_args *args, void *workspace, size_t workspace_bytes);
+
+/* ---- 5. Dense / windowed attention (the flash-attention core; spec 5) --------------- */
+/* Query t attends to keys s with t - window_left <= s <= t + window_right (-1 = unbounded
+ * on that side), s < T. causal != 0 forces window_right = 0. NSA's sliding window w is
+ * causal with window_left = w - 1. Rows that see no key get o = 0, lse = -inf. */
+typedef struct nsa_attention_args {
+    nsa_tensor q;          /* in  [B, T, HQ, DK] */
+    nsa_tensor k;          /* in  [B, T, H, DK]  */
+    nsa_tensor v;          /* in  [B, T, H, DV]  */
+    nsa_tensor o;          /* out [B, T, HQ, DV] */
+    nsa_tensor lse;        /* out [B, T, HQ] F32 */
+    nsa_varlen varlen;
+    float scale;           /* 0 = 1 / sqrt(DK) */
+    int32_t causal;
+    int64_t window_left;   /* -1 = unbounded */
+    int64_t window_right;  /* -1 = unbounded (ignored when causal) */
+} nsa_attention_args;
+
+typedef struct nsa_attention_bwd_args {
+    nsa_attention_args fwd;
+    nsa_tensor dout;       /* in  [B, T, HQ, DV] */
+    nsa_tensor dq;         /* out [B, T, HQ, DK] */
+    nsa_tensor dk;         /* out [B, T, H, DK]  */
+    nsa_tensor dv;         /* out [B, T, H, DV]  */
+} nsa_attention_bwd_args;
+
+NSA_API nsa_status nsa_attention_workspace_size(nsa_context *ctx, const nsa_attention_args *args, size_t *bytes);
+NSA_API nsa_status nsa_attention(nsa_context *ctx, const nsa_attention_args *args, void *workspace, size_t workspace_bytes);
+NSA_API nsa_status nsa_attention_bwd_workspace_size(nsa_context *ctx, const nsa_attention_bwd_args *args, size_t *bytes);
+NSA_API nsa_status nsa_attention_bwd(nsa_context *ctx, const nsa_attention_bwd_args *args, void *workspace, size_t workspace_bytes);
+
+/* ---- 6. Gated combination (spec 6) -------------------------------------------------- */
+/* o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa; a branch whose gate is absent is
+ * skipped (its o_* may be absent too). At least one gate must be present. */
+typedef struct nsa_gate_args {
+    nsa_tensor o_cmp, o_slc, o_swa;  /* in  [B, T, HQ, DV] (any float dtype each) */
+    nsa_tensor g_cmp, g_slc, g_swa;  /* in  [B, T, HQ], optional */
+    nsa_tensor o;                    /* out [B, T, HQ, DV] */
+} nsa_gate_args;
+
+typedef struct nsa_gate_bwd_args {
+    nsa_gate_args fwd;
+    nsa_tensor dout;                    /* in  [B, T, HQ, DV] */
+    nsa_tensor do_cmp, do_slc, do_swa;  /* out [B, T, HQ, DV] for present gates: g * dout */
+    nsa_tensor dg_cmp, dg_slc, dg_swa;  /* out [B, T, HQ] for present gates: sum_d dout * o_* */
+} nsa_gate_bwd_args;
+
+NSA_API nsa_status nsa_gate_workspace_size(nsa_context *ctx, const nsa_gate_args *args, size_t *bytes);
+NSA_API nsa_status nsa_gate(nsa_context *ctx, const nsa_gate_args *args, void *workspace, size_t workspace_bytes);
+NSA_API nsa_status nsa_gate_bwd_workspace_size(nsa_context *ctx, const nsa_gate_bwd_args *args, size_t *bytes);
+NSA_API nsa_status nsa_gate_bwd(nsa_context *ctx, const nsa_gate_bwd_args *args, void *workspace, size_t workspace_bytes);
+
+/* ---- 7. The whole NSA forward and backward ------------------------------------------ */
+/* What nsa_forward leaves for nsa_backward. Tensors of disabled branches may be absent. */
+typedef struct nsa_saved {
+    nsa_tensor block_indices;          /* out [B, T, H, n] I32 (selection branch on and no caller indices) */
+    nsa_tensor o_cmp, o_slc, o_swa;    /* out [B, T, HQ, DV] per-branch outputs (any float dtype) */
+    nsa_tensor lse_cmp, lse_slc, lse_swa;  /* out [B, T, HQ] F32 */
+} nsa_saved;
+
+typedef struct nsa_forward_args {
+    nsa_tensor q;                /* in  [B, T, HQ, DK] */
+    nsa_tensor k, v;             /* in  [B, T, H, DK], [B, T, H, DV]: compression source and the
+                                        default K/V of the selection and window branches */
+    nsa_tensor k_slc, v_slc;     /* in, optional: separate K/V of the selection branch (both or none) */
+    nsa_tensor k_swa, v_swa;     /* in, optional: separate K/V of the window branch (both or none) */
+    nsa_tensor k_cmp, v_cmp;     /* in, optional [B, Nc, H, DK/DV]: the caller's compression
+                                        (a learnable phi); default mean pooling of k, v */
+    nsa_tensor g_cmp, g_slc, g_swa;  /* in, optional [B, T, HQ]: branch gates; absent = branch off */
+    nsa_tensor block_indices;    /* in, optional [B, T, H, m] I32: the caller's selection */
+    nsa_tensor block_counts;     /* in, optional [B, T, H] I32 (with block_indices only) */
+    nsa_tensor o;                /* out [B, T, HQ, DV] */
+    nsa_saved saved;             /* out: what the backward needs */
+    nsa_varlen varlen;
+    nsa_config config;
+} nsa_forward_args;
+
+typedef struct nsa_backward_args {
+    nsa_forward_args fwd;        /* the forward's args; saved.* are read */
+    nsa_tensor dout;             /* in  [B, T, HQ, DV] */
+    nsa_tensor dq;               /* out [B, T, HQ, DK] */
+    nsa_tensor dk, dv;           /* out [B, T, H, DK/DV] */
+    nsa_tensor dk_slc, dv_slc;   /* out when k_slc/v_slc were given */
+    nsa_tensor dk_swa, dv_swa;   /* out when k_swa/v_swa were given */
+    nsa_tensor dk_cmp, dv_cmp;   /* out when k_cmp/v_cmp were given */
+    nsa_tensor dg_cmp, dg_slc, dg_swa;  /* out for present gates */
+} nsa_backward_args;
+
+NSA_API nsa_status nsa_forward_workspace_size(nsa_context *ctx, const nsa_forward_args *args, size_t *bytes);
+NSA_API nsa_status nsa_forward(nsa_context *ctx, const nsa_forward_args *args, void *workspace, size_t workspace_bytes);
+NSA_API nsa_status nsa_backward_workspace_size(nsa_context *ctx, const nsa_backward_args *args, size_t *bytes);
+NSA_API nsa_status nsa_backward(nsa_context *ctx, const nsa_backward_args *args, void *workspace, size_t workspace_bytes);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* NSA_H */

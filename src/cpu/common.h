@@ -1,0 +1,227 @@
+/* common.h -- what every CPU op file shares: sequences of a (varlen) batch, strided tensor
+ * rows in any dtype, packed fp32 K/V panels, workspace carving, threads, and the fp32
+ * attention core (core.c) that compressed, selected and windowed attention are built on. */
+#ifndef NSA_CPU_COMMON_H
+#define NSA_CPU_COMMON_H
+
+#include "../internal.h"
+#include "../rules.h"
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ---- sequences ---------------------------------------------------------------------- */
+/* One sequence of the call: batch index, first packed row, length, first compressed row. */
+typedef struct cpu_seq {
+    int64_t b, row0, len, cmp_row0, ncmp;
+} cpu_seq;
+
+/* cu_cmp: varlen compressed offsets (num_seqs + 1), or NULL when not varlen. */
+static inline cpu_seq cpu_seq_get(const nsa_problem *p, const int64_t *cu_cmp, int64_t s)
+{
+    cpu_seq q;
+    if (p->cu_seqlens) {
+        q.b = 0;
+        q.row0 = p->cu_seqlens[s];
+        q.len = p->cu_seqlens[s + 1] - p->cu_seqlens[s];
+        q.cmp_row0 = cu_cmp ? cu_cmp[s] : 0;
+    } else {
+        q.b = s;
+        q.row0 = 0;
+        q.len = p->T;
+        q.cmp_row0 = 0;
+    }
+    q.ncmp = p->cfg.cmp_stride > 0 ? nsa_rule_num_cmp(q.len, p->cfg.cmp_len, p->cfg.cmp_stride) : 0; /* attention has no config */
+    return q;
+}
+
+/* ---- strided tensors ----------------------------------------------------------------- */
+static inline int nsa_present(const nsa_tensor *t) { return t->data != NULL; }
+
+/* Element offset of [i0, i1, i2, 0] (rank 4) or [i0, i1, i2] (rank 3). */
+static inline int64_t io_off(const nsa_tensor *t, int64_t i0, int64_t i1, int64_t i2)
+{
+    return i0 * t->stride[0] + i1 * t->stride[1] + i2 * t->stride[2];
+}
+
+void io_load(const nsa_tensor *t, int64_t off, int64_t n, float *dst);
+void io_load_scaled(const nsa_tensor *t, int64_t off, int64_t n, float scale, float *dst);
+void io_store(const nsa_tensor *t, int64_t off, int64_t n, const float *src);
+float io_get(const nsa_tensor *t, int64_t off);
+void io_set(const nsa_tensor *t, int64_t off, float v);
+/* Rows of an I32 tensor. */
+static inline const int32_t *io_i32(const nsa_tensor *t, int64_t off) { return (const int32_t *)t->data + off; }
+
+/* Packed fp32 panel of a [B, R, H, D] tensor: panel[((b * H + h) * R + r) * D + d]. Each
+ * (b, h) is then one contiguous [R, D] matrix, which is what the core wants. */
+void cpu_pack_heads(const nsa_context *ctx, const nsa_tensor *x, float *panel);
+static inline float *panel_at(float *panel, const nsa_tensor *x, int64_t b, int64_t h)
+{
+    return panel + ((b * x->shape[2] + h) * x->shape[1]) * x->shape[3];
+}
+/* Writes a panel back to a [B, R, H, D] tensor (storage dtype rounding). */
+void cpu_unpack_heads(const nsa_context *ctx, const float *panel, const nsa_tensor *x);
+static inline size_t panel_bytes(const nsa_tensor *x)
+{
+    return (size_t)(x->shape[0] * x->shape[1] * x->shape[2] * x->shape[3]) * sizeof(float);
+}
+
+/* ---- workspace ----------------------------------------------------------------------- */
+/* A bump allocator over the caller's workspace; the same sequence of takes run with
+ * base == NULL measures the size, so sizing and carving can never disagree. */
+typedef struct ws_arena {
+    char *base;
+    size_t used;
+} ws_arena;
+
+static inline void *ws_take(ws_arena *a, size_t bytes)
+{
+    size_t at = (a->used + 63) & ~(size_t)63;
+    a->used = at + bytes;
+    return a->base ? (void *)(a->base + at) : NULL;
+}
+
+int cpu_threads(const nsa_context *ctx);
+
+/* varlen compressed offsets in the arena (NULL when not varlen). */
+int64_t *cpu_cmp_offsets(ws_arena *a, const nsa_problem *p);
+
+/* ---- fp32 attention core (core.c) ------------------------------------------------------ */
+/* A tile is R rows (query position x query head), each with its own visible key range
+ * [lo[r], hi[r]] (inclusive, in the key panel's index space). Q is pre-multiplied by the
+ * softmax scale, so s = Q . K. */
+typedef struct core_tile {
+    int R, DK, DV;
+    float *Q;        /* [R, DK] scaled queries */
+    int64_t *lo, *hi;/* [R] visible key range per row */
+    float *m, *l;    /* [R] running max and sum (forward) */
+    float *O;        /* [R, DV] unnormalised output accumulator (forward) */
+    float *S;        /* [R, S_cap] scores / probabilities scratch */
+    int64_t S_cap;
+    /* backward */
+    float *dO;       /* [R, DV] upstream gradient (already gated) */
+    float *lse;      /* [R] */
+    float *Drow;     /* [R] rowsum(dO * O) */
+    float *dQ;       /* [R, DK] accumulator of dS K (unscaled: multiply by scale at the end) */
+} core_tile;
+
+/* Carves a tile with R rows and S capacity s_cap from the arena. */
+void core_tile_alloc(core_tile *t, ws_arena *a, int R, int DK, int DV, int64_t s_cap, int backward);
+/* Resets m = -inf, l = 0, O = 0. */
+void core_fwd_begin(core_tile *t);
+/* Online softmax over keys [c0, c1) of K [*, DK] / V [*, DV] (V may be NULL: scores only).
+ * Afterwards S[r * S_cap + (c - c0)] holds exp(s - m_r) for visible keys (0 otherwise),
+ * relative to the row max m_r after this block. c1 - c0 <= S_cap. */
+void core_fwd_block(core_tile *t, const float *K, const float *V, int64_t c0, int64_t c1);
+/* Normalises: O /= l and lse = m + log(l); rows with no visible key get O = 0, lse = -inf. */
+void core_fwd_end(core_tile *t, float *lse_out);
+/* Backward over keys [c0, c1): P = exp(s - lse), dS = P * (dO V^T - Drow). Accumulates
+ * t->dQ += dS K (if t->dQ), dK[c] += dS^T Q (if dK), dV[c] += P^T dO (if dV), with dK/dV
+ * pointing at the panel rows of key c0. */
+void core_bwd_block(core_tile *t, const float *K, const float *V, int64_t c0, int64_t c1, float *dK, float *dV);
+
+/* Fast exp for x <= 0 region and beyond; ~1 ulp, vectorisable. */
+static inline float core_exp(float x)
+{
+    if (x < -87.0f) return 0.0f;
+    if (x > 88.0f) x = 88.0f;
+    float y = x * 1.44269504088896341f;
+    float n = floorf(y + 0.5f);
+    float f = (y - n) * 0.693147180559945309f;
+    /* exp(f) on |f| <= ln2/2: degree-7 Taylor/minimax style, relative error ~1e-8 */
+    float p = 1.0f + f * (1.0f + f * (0.5f + f * (0.166666667f + f * (0.0416666667f + f * (0.00833333333f + f * (0.00138888889f + f * 0.000198412698f))))));
+    int32_t e = (int32_t)n + 127;
+    uint32_t bits = (uint32_t)e << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+#endif
+
+/* ---- tasks over (sequence, kv head, tile) --------------------------------------------- */
+/* Flattens a ragged set of per-sequence tiles into one index range, so that one OpenMP
+ * loop balances short and long sequences alike. first[s] = first task of sequence s. */
+typedef struct cpu_tasks {
+    int64_t *first;   /* [num_seqs + 1] */
+    int64_t total;
+    int64_t H, nseq;
+} cpu_tasks;
+
+/* tiles_of(seq) tiles per (sequence, head); first[] carved from the arena. */
+void cpu_tasks_build(cpu_tasks *tk, ws_arena *a, const nsa_problem *p, const int64_t *cu_cmp,
+                     int64_t (*tiles_of)(const cpu_seq *, const void *), const void *arg);
+/* Decodes a task into sequence, head and tile index. */
+void cpu_tasks_decode(const cpu_tasks *tk, int64_t task, int64_t *s, int64_t *h, int64_t *tile);
+
+/* Per-thread scratch: thread `tid` gets bytes [tid * per, (tid + 1) * per) of `base`. */
+static inline ws_arena cpu_thread_arena(char *base, size_t per, int tid)
+{
+    ws_arena a = {base ? base + (size_t)tid * per : NULL, 0};
+    return a;
+}
+
+/* The upstream gradient of one branch: dout (times the branch gate when present), the
+ * branch's forward output o and lse. */
+typedef struct grad_src {
+    const nsa_tensor *dout, *gate, *o, *lse;
+} grad_src;
+
+/* Fills tile rows r0.. for query position `row` (packed), heads h*G .. h*G+G-1:
+ * Q (scaled), and for the backward dO (gated), lse and Drow = rowsum(dO * O). */
+void tile_load_rows(core_tile *t, int r0, const nsa_tensor *q, float scale, int64_t b, int64_t row, int64_t h,
+                    int64_t G, const grad_src *g, float *tmp);
+/* Writes rows r0.. (G of them) of O and lse back to o [B,T,HQ,DV] / lse [B,T,HQ]. */
+void tile_store_rows(const core_tile *t, int r0, const nsa_tensor *o, const nsa_tensor *lse, const float *lse_rows,
+                     int64_t b, int64_t row, int64_t h, int64_t G);
+/* Adds scale * dQ rows r0.. into dq32 laid out as [B, T, HQ, DK] fp32. */
+void tile_add_dq(const core_tile *t, int r0, float *dq32, const nsa_problem *p, int64_t b, int64_t row, int64_t h,
+                 float scale);
+/* Stores an fp32 [B, T, HQ, DK] accumulator into a strided tensor. */
+void cpu_store_dense(const nsa_context *ctx, const float *acc, const nsa_tensor *x);
+
+/* ---- selection (select.c) ---------------------------------------------------------------- */
+/* Top-n of imp[0..cur] with the forced blocks first and ties to the lower index; writes the
+ * kept indices ascending into out[0..n), -1 padded. @return the number kept. */
+int64_t select_top_n(const float *imp, int64_t cur, const nsa_config *c, int32_t *out);
+
+/* ---- branch drivers shared by the single ops and the whole pipeline -------------------- */
+/* Masks of the range-attention branches: compressed (key i visible iff i*d + l - 1 <= t)
+ * or window (t - wl <= s <= t + wr, causal: s <= t). */
+typedef struct range_rule {
+    int cmp;
+    int64_t l, d;
+    int64_t wl, wr;
+    int causal;
+} range_rule;
+
+/* Selection outputs fused into the compressed forward (NULL members: no selection). */
+typedef struct select_sink {
+    const nsa_tensor *lse_in;      /* optional given lse_cmp */
+    const nsa_tensor *indices;     /* [B,T,H,n] I32 out */
+    const nsa_tensor *counts;      /* optional [B,T,H] I32 out */
+} select_sink;
+
+size_t range_fwd_ws(const nsa_context *ctx, const nsa_problem *p, const range_rule *rule, int with_select);
+void range_fwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *rule, const int64_t *cu_cmp,
+               const nsa_tensor *q, const float *Kp, const float *Vp, int64_t key_rows,
+               const nsa_tensor *o, const nsa_tensor *lse, const select_sink *sel, void *ws);
+size_t range_bwd_ws(const nsa_context *ctx, const nsa_problem *p, const range_rule *rule);
+void range_bwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *rule, const int64_t *cu_cmp,
+               const nsa_tensor *q, const float *Kp, const float *Vp, int64_t key_rows, const grad_src *g,
+               float *dq32, float *dKp, float *dVp, void *ws);
+
+size_t slc_fwd_ws(const nsa_context *ctx, const nsa_problem *p);
+void slc_fwd(const nsa_context *ctx, const nsa_problem *p, const nsa_tensor *q, const float *Kp, const float *Vp,
+             const nsa_tensor *idx, const nsa_tensor *counts, const nsa_tensor *o, const nsa_tensor *lse, void *ws);
+size_t slc_bwd_ws(const nsa_context *ctx, const nsa_problem *p);
+void slc_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_tensor *q, const float *Kp, const float *Vp,
+             const nsa_tensor *idx, const nsa_tensor *counts, const grad_src *g, float *dq32, float *dKp,
+             float *dVp, void *ws);
+
+/* Mean pooling panel -> panel (fp32, [B,H,rows,D] layout) and its backward (adds). */
+void compress_panel(const nsa_context *ctx, const nsa_problem *p, const int64_t *cu_cmp, const float *xp,
+                    int64_t D, float *xcp);
+void compress_panel_bwd(const nsa_context *ctx, const nsa_problem *p, const int64_t *cu_cmp, const float *dxcp,
+                        int64_t D, float *dxp);

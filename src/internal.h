@@ -1,0 +1,44 @@
+/* internal.h -- what the front end (api.c, validate.c) and the backends share.
+ * Not installed; never included by users. */
+#ifndef NSA_INTERNAL_H
+#define NSA_INTERNAL_H
+
+#include "nsa.h"
+
+/* Sizes of one validated call, derived once by validate.c so that no backend re-derives
+ * them. Fields an op does not use stay 0. */
+typedef struct nsa_problem {
+    int64_t B, T, HQ, H, G, DK, DV;
+    int64_t num_seqs;          /* B (dense batch) or varlen.num_seqs */
+    const int32_t *cu_seqlens; /* host, varlen only; else NULL */
+    int64_t cmp_rows;          /* dim 1 of k_cmp/x_cmp: Nc(T) dense, sum of Nc(len_s) varlen */
+    int64_t m;                 /* last dim of block_indices (selection width) */
+    float scale;               /* resolved: config.scale, or 1/sqrt(DK) when that is 0 */
+    nsa_config cfg;
+} nsa_problem;
+
+/* Validators: return SUCCESS and fill *p, or the specific error status. They read no
+ * tensor data except cu_seqlens (host) and never write to any tensor. */
+nsa_status nsa_validate_compress(const nsa_compress_args *a, nsa_problem *p);
+nsa_status nsa_validate_compress_bwd(const nsa_compress_bwd_args *a, nsa_problem *p);
+nsa_status nsa_validate_cmp_attn(const nsa_cmp_attn_args *a, nsa_problem *p);
+nsa_status nsa_validate_cmp_attn_bwd(const nsa_cmp_attn_bwd_args *a, nsa_problem *p);
+nsa_status nsa_validate_select(const nsa_select_args *a, nsa_problem *p);
+nsa_status nsa_validate_slc_attn(const nsa_slc_attn_args *a, nsa_problem *p);
+nsa_status nsa_validate_slc_attn_bwd(const nsa_slc_attn_bwd_args *a, nsa_problem *p);
+nsa_status nsa_validate_attention(const nsa_attention_args *a, nsa_problem *p);
+nsa_status nsa_validate_attention_bwd(const nsa_attention_bwd_args *a, nsa_problem *p);
+nsa_status nsa_validate_gate(const nsa_gate_args *a, nsa_problem *p);
+nsa_status nsa_validate_gate_bwd(const nsa_gate_bwd_args *a, nsa_problem *p);
+nsa_status nsa_validate_forward(const nsa_forward_args *a, nsa_problem *p);
+nsa_status nsa_validate_backward(const nsa_backward_args *a, nsa_problem *p);
+
+/* Context, shared by all backends. */
+struct nsa_context {
+    nsa_backend backend;
+    int32_t num_threads;
+    int32_t device;
+    void *stream;
+};
+
+#endif

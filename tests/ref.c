@@ -1,0 +1,750 @@
+/* ref.c -- the float64 reference of spec/nsa.md, one sequence at a time (see ref.h).
+ *
+ * Written from the spec alone and deliberately plain: every mask is a materialised 0/1
+ * array built from the spec's visibility rule, every softmax is the textbook one, every
+ * selection sorts a whole candidate row. It shares no code with src/, so a backend bug
+ * cannot hide behind a shared helper. Speed matters only enough for T ~ 1000.
+ *
+ * Layout (all contiguous, row-major): q [T, HQ, DK], k [T, H, DK], v [T, H, DV],
+ * k_cmp [Nc, H, DK], v_cmp [Nc, H, DV], o [T, HQ, DV], lse / gates [T, HQ],
+ * block_indices [T, H, m]. Query head hq reads kv head hq / G, G = HQ / H. */
+#include "ref.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------------------ */
+/* Small helpers                                                                         */
+/* ------------------------------------------------------------------------------------ */
+
+/* Zeroed array of count elements (count 0 still gives a valid pointer). An oracle that
+ * runs out of memory cannot answer, so it stops loudly instead of passing silently. */
+static void *ref_alloc(int64_t count, size_t size)
+{
+    void *p = calloc(count > 0 ? (size_t)count : 1, size);
+    if (!p) {
+        fprintf(stderr, "ref: out of memory (%lld x %zu bytes)\n", (long long)count, size);
+        abort();
+    }
+    return p;
+}
+
+static double *dalloc(int64_t n) { return ref_alloc(n, sizeof(double)); }
+static unsigned char *ualloc(int64_t n) { return ref_alloc(n, 1); }
+
+/* a [n] . b [n]. Four partial sums: a single dependency chain made T ~ 1000 too slow. */
+static double dot(const double *a, const double *b, int64_t n)
+{
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        s0 += a[i] * b[i];
+        s1 += a[i + 1] * b[i + 1];
+        s2 += a[i + 2] * b[i + 2];
+        s3 += a[i + 3] * b[i + 3];
+    }
+    for (; i < n; i++) s0 += a[i] * b[i];
+    return (s0 + s1) + (s2 + s3);
+}
+
+/* y [n] += a * x [n]. */
+static void axpy(double *y, double a, const double *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* y [n] += x [n]. */
+static void add_to(double *y, const double *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) y[i] += x[i];
+}
+
+/* dst [n] = 0 when dst is wanted (non-NULL). */
+static void zero_if(double *dst, int64_t n)
+{
+    if (dst) memset(dst, 0, (size_t)(n > 0 ? n : 0) * sizeof(double));
+}
+
+/* dst [n] = src [n] when both exist. */
+static void copy_if(double *dst, const double *src, int64_t n)
+{
+    if (dst && src && n > 0) memcpy(dst, src, (size_t)n * sizeof(double));
+}
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* nb = ceil(T / l'): selection blocks of a T-token sequence (spec 3). */
+static int64_t num_slc(const nsa_config *c, int64_t T) { return (T + c->slc_block - 1) / c->slc_block; }
+
+/* ------------------------------------------------------------------------------------ */
+/* The attention row: one query against Tk keys under a 0/1 visibility row               */
+/* ------------------------------------------------------------------------------------ */
+
+/* q_row [DK]; key s is k + s*k_stride [DK] and v + s*v_stride [DV]; vis [Tk] 0/1.
+ * Writes p [Tk] = softmax(scale * q.k) over the visible keys (0 elsewhere) and, when
+ * o_row != NULL, o_row [DV] = sum_s p[s] v[s].
+ * @return the natural-log sum-exp of the visible scores; -INFINITY (with p = 0, o = 0)
+ *         when no key is visible, so an empty row never produces NaN. */
+static double attend_row(double scale, int64_t DK, int64_t DV, const double *q_row, const double *k,
+                         int64_t k_stride, const double *v, int64_t v_stride, int64_t Tk,
+                         const unsigned char *vis, double *p, double *o_row)
+{
+    double mx = -INFINITY;
+    int any = 0;
+    for (int64_t s = 0; s < Tk; s++) {
+        p[s] = 0.0;
+        if (!vis[s]) continue;
+        p[s] = scale * dot(q_row, k + s * k_stride, DK);
+        if (!any || p[s] > mx) mx = p[s];
+        any = 1;
+    }
+    if (o_row) memset(o_row, 0, (size_t)DV * sizeof(double));
+    if (!any) return -INFINITY;
+    /* Textbook softmax with the max subtracted, so large scores cannot overflow. */
+    double sum = 0.0;
+    for (int64_t s = 0; s < Tk; s++)
+        if (vis[s]) {
+            p[s] = exp(p[s] - mx);
+            sum += p[s];
+        }
+    for (int64_t s = 0; s < Tk; s++)
+        if (vis[s]) p[s] /= sum;
+    if (o_row)
+        for (int64_t s = 0; s < Tk; s++)
+            if (vis[s]) axpy(o_row, p[s], v + s * v_stride, DV);
+    return mx + log(sum);
+}
+
+/* Backward of attend_row for the loss sum(o_row * do_row):
+ * dq_row [DK] is overwritten; dk (rows at dk + s*k_stride, [DK]) and dv (rows at
+ * dv + s*v_stride, [DV]) are accumulated. p, dp: scratch [Tk].
+ * dS_s = p_s (dP_s - sum_r p_r dP_r) with dP_s = do . v_s; dq = scale sum_s dS_s k_s,
+ * dk_s += scale dS_s q, dv_s += p_s do. An empty row gives zero everywhere. */
+static void attend_row_bwd(double scale, int64_t DK, int64_t DV, const double *q_row, const double *k,
+                           int64_t k_stride, const double *v, int64_t v_stride, int64_t Tk,
+                           const unsigned char *vis, const double *do_row, double *p, double *dp,
+                           double *dq_row, double *dk, double *dv)
+{
+    memset(dq_row, 0, (size_t)DK * sizeof(double));
+    if (attend_row(scale, DK, 0, q_row, k, k_stride, NULL, 0, Tk, vis, p, NULL) == -INFINITY) return;
+    double D = 0.0;
+    for (int64_t s = 0; s < Tk; s++) {
+        dp[s] = 0.0;
+        if (!vis[s]) continue;
+        dp[s] = dot(do_row, v + s * v_stride, DV);
+        D += p[s] * dp[s];
+    }
+    for (int64_t s = 0; s < Tk; s++) {
+        if (!vis[s]) continue;
+        double ds = p[s] * (dp[s] - D);
+        axpy(dq_row, scale * ds, k + s * k_stride, DK);
+        axpy(dk + s * k_stride, scale * ds, q_row, DK);
+        axpy(dv + s * v_stride, p[s], do_row, DV);
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Masked dense attention: the core under spec 2, 4 and 5                                */
+/* ------------------------------------------------------------------------------------ */
+
+/* q [T, HQ, DK], k [Tk, H, DK], v [Tk, H, DV], mask [T, mh, Tk] with mh = 1 (one row per
+ * query, shared by all heads) or mh = H (one row per query and kv head)
+ * -> o [T, HQ, DV] and lse [T, HQ] (either may be NULL). */
+static void masked_attn(double scale, ref_dims d, int64_t Tk, const unsigned char *mask, int64_t mh,
+                        const double *q, const double *k, const double *v, double *o, double *lse)
+{
+    const int64_t G = d.HQ / d.H;
+    double *p = dalloc(Tk);
+    for (int64_t t = 0; t < d.T; t++)
+        for (int64_t hq = 0; hq < d.HQ; hq++) {
+            const int64_t h = hq / G;
+            const unsigned char *vis = mask + (t * mh + (mh == 1 ? 0 : h)) * Tk;
+            double l = attend_row(scale, d.DK, d.DV, q + (t * d.HQ + hq) * d.DK, k + h * d.DK, d.H * d.DK,
+                                  v + h * d.DV, d.H * d.DV, Tk, vis, p, o ? o + (t * d.HQ + hq) * d.DV : NULL);
+            if (lse) lse[t * d.HQ + hq] = l;
+        }
+    free(p);
+}
+
+/* Backward of masked_attn for the loss sum(o * dout): dout [T, HQ, DV] ->
+ * dq [T, HQ, DK], dk [Tk, H, DK], dv [Tk, H, DV], all overwritten. */
+static void masked_attn_bwd(double scale, ref_dims d, int64_t Tk, const unsigned char *mask, int64_t mh,
+                            const double *q, const double *k, const double *v, const double *dout,
+                            double *dq, double *dk, double *dv)
+{
+    const int64_t G = d.HQ / d.H;
+    double *p = dalloc(Tk), *dp = dalloc(Tk);
+    zero_if(dk, Tk * d.H * d.DK);
+    zero_if(dv, Tk * d.H * d.DV);
+    for (int64_t t = 0; t < d.T; t++)
+        for (int64_t hq = 0; hq < d.HQ; hq++) {
+            const int64_t h = hq / G;
+            const unsigned char *vis = mask + (t * mh + (mh == 1 ? 0 : h)) * Tk;
+            attend_row_bwd(scale, d.DK, d.DV, q + (t * d.HQ + hq) * d.DK, k + h * d.DK, d.H * d.DK,
+                           v + h * d.DV, d.H * d.DV, Tk, vis, dout + (t * d.HQ + hq) * d.DV, p, dp,
+                           dq + (t * d.HQ + hq) * d.DK, dk + h * d.DK, dv + h * d.DV);
+        }
+    free(p);
+    free(dp);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Visibility rows (the spec's rules, one query at a time)                               */
+/* ------------------------------------------------------------------------------------ */
+
+/* Spec 2: vis [Nc]; query t sees compressed block i iff its last token i*d + l - 1 <= t. */
+static void cmp_mask_row(const nsa_config *c, int64_t t, int64_t Nc, unsigned char *vis)
+{
+    for (int64_t i = 0; i < Nc; i++) vis[i] = (unsigned char)(i * c->cmp_stride + c->cmp_len - 1 <= t);
+}
+
+/* Spec 5 / the attention core: vis [T]; key s visible iff (wl < 0 || s >= t - wl) and
+ * (causal ? s <= t : (wr < 0 || s <= t + wr)). */
+static void win_mask_row(int causal, int64_t wl, int64_t wr, int64_t t, int64_t T, unsigned char *vis)
+{
+    for (int64_t s = 0; s < T; s++) {
+        int left = wl < 0 || s >= t - wl;
+        int right = causal ? s <= t : (wr < 0 || s <= t + wr);
+        vis[s] = (unsigned char)(left && right);
+    }
+}
+
+/* Entries of row (t, h) that are read: counts ? clamp(counts[t, h], 0, m) : m. */
+static int64_t slc_count(const int32_t *counts, int64_t t, int64_t h, int64_t H, int64_t m)
+{
+    if (!counts) return m;
+    return min64(max64((int64_t)counts[t * H + h], 0), m);
+}
+
+/* Spec 4: vis [T]; query t sees token s iff s <= t and s lies in a block of idx [cnt].
+ * Entries -1 or outside [0, nb) are skipped; a duplicate sets the same bits again, so it
+ * counts once. */
+static void slc_mask_row(const nsa_config *c, int64_t T, int64_t t, const int32_t *idx, int64_t cnt,
+                         unsigned char *vis)
+{
+    const int64_t lp = c->slc_block, nb = num_slc(c, T);
+    memset(vis, 0, (size_t)T);
+    for (int64_t e = 0; e < cnt; e++) {
+        int64_t b = idx[e];
+        if (b < 0 || b >= nb) continue;
+        for (int64_t s = b * lp; s < (b + 1) * lp && s < T && s <= t; s++) vis[s] = 1;
+    }
+}
+
+/* mask [T, Nc] of spec 2. */
+static unsigned char *cmp_mask(const nsa_config *c, int64_t T, int64_t Nc)
+{
+    unsigned char *m = ualloc(T * Nc);
+    for (int64_t t = 0; t < T; t++) cmp_mask_row(c, t, Nc, m + t * Nc);
+    return m;
+}
+
+/* mask [T, T] of the window / dense core. */
+static unsigned char *win_mask(int causal, int64_t wl, int64_t wr, int64_t T)
+{
+    unsigned char *m = ualloc(T * T);
+    for (int64_t t = 0; t < T; t++) win_mask_row(causal, wl, wr, t, T, m + t * T);
+    return m;
+}
+
+/* mask [T, H, T] of spec 4 from block_indices [T, H, m] and counts [T, H] (or NULL). */
+static unsigned char *slc_mask(const nsa_config *c, ref_dims d, const int32_t *idx, int64_t m,
+                               const int32_t *counts)
+{
+    unsigned char *mask = ualloc(d.T * d.H * d.T);
+    for (int64_t t = 0; t < d.T; t++)
+        for (int64_t h = 0; h < d.H; h++)
+            slc_mask_row(c, d.T, t, idx + (t * d.H + h) * m, slc_count(counts, t, h, d.H, m),
+                         mask + (t * d.H + h) * d.T);
+    return mask;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Spec 1: compression                                                                   */
+/* ------------------------------------------------------------------------------------ */
+
+int64_t ref_num_cmp(const nsa_config *c, int64_t T)
+{
+    return T >= c->cmp_len ? (T - c->cmp_len) / c->cmp_stride + 1 : 0;
+}
+
+/* x [T, H, D] -> x_cmp [Nc, H, D]: x_cmp[i] = mean(x[i*d .. i*d + l)). */
+void ref_compress(const nsa_config *c, int64_t T, int64_t H, int64_t D, const double *x, double *x_cmp)
+{
+    const int64_t Nc = ref_num_cmp(c, T), l = c->cmp_len, st = c->cmp_stride;
+    for (int64_t i = 0; i < Nc; i++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t e = 0; e < D; e++) {
+                double sum = 0.0;
+                for (int64_t r = 0; r < l; r++) sum += x[((i * st + r) * H + h) * D + e];
+                x_cmp[(i * H + h) * D + e] = sum / (double)l;
+            }
+}
+
+/* dx_cmp [Nc, H, D] -> dx [T, H, D]: dx[t] = sum over blocks i holding t of dx_cmp[i] / l. */
+void ref_compress_bwd(const nsa_config *c, int64_t T, int64_t H, int64_t D, const double *dx_cmp, double *dx)
+{
+    const int64_t Nc = ref_num_cmp(c, T), l = c->cmp_len, st = c->cmp_stride;
+    zero_if(dx, T * H * D);
+    for (int64_t i = 0; i < Nc; i++)
+        for (int64_t r = 0; r < l; r++)
+            for (int64_t h = 0; h < H; h++)
+                axpy(dx + ((i * st + r) * H + h) * D, 1.0 / (double)l, dx_cmp + (i * H + h) * D, D);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Spec 2: compressed attention                                                          */
+/* ------------------------------------------------------------------------------------ */
+
+/* q [T, HQ, DK], k_cmp [Nc, H, DK], v_cmp [Nc, H, DV] -> o [T, HQ, DV], lse [T, HQ]. */
+void ref_cmp_attn(const nsa_config *c, double scale, ref_dims d, int64_t Nc, const double *q,
+                  const double *k_cmp, const double *v_cmp, double *o, double *lse)
+{
+    unsigned char *mask = cmp_mask(c, d.T, Nc);
+    masked_attn(scale, d, Nc, mask, 1, q, k_cmp, v_cmp, o, lse);
+    free(mask);
+}
+
+/* dout [T, HQ, DV] -> dq [T, HQ, DK], dk_cmp [Nc, H, DK], dv_cmp [Nc, H, DV]. */
+void ref_cmp_attn_bwd(const nsa_config *c, double scale, ref_dims d, int64_t Nc, const double *q,
+                      const double *k_cmp, const double *v_cmp, const double *dout, double *dq,
+                      double *dk_cmp, double *dv_cmp)
+{
+    unsigned char *mask = cmp_mask(c, d.T, Nc);
+    masked_attn_bwd(scale, d, Nc, mask, 1, q, k_cmp, v_cmp, dout, dq, dk_cmp, dv_cmp);
+    free(mask);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Spec 3: importance and selection                                                      */
+/* ------------------------------------------------------------------------------------ */
+
+/* One candidate block of one (t, h) row, in the order selection ranks them. */
+typedef struct ref_cand {
+    int64_t j;
+    int forced;
+    double imp;
+} ref_cand;
+
+/* Forced first, then higher importance, then the lower block index (the tie rule). */
+static int cand_order(const void *pa, const void *pb)
+{
+    const ref_cand *a = pa, *b = pb;
+    if (a->forced != b->forced) return a->forced ? -1 : 1;
+    if (a->imp != b->imp) return a->imp > b->imp ? -1 : 1;
+    return (a->j > b->j) - (a->j < b->j);
+}
+
+static int int32_order(const void *pa, const void *pb)
+{
+    int32_t a = *(const int32_t *)pa, b = *(const int32_t *)pb;
+    return (a > b) - (a < b);
+}
+
+/* Scratch of one selection row, reused across rows. */
+typedef struct ref_sel_work {
+    double *p;          /* [G, Nc] compressed probabilities of the group's query heads */
+    double *p_slc;      /* [nb] one head's block importance */
+    double *imp;        /* [nb] the group's importance */
+    ref_cand *cand;     /* [nb] */
+} ref_sel_work;
+
+static ref_sel_work sel_work_open(int64_t G, int64_t Nc, int64_t nb)
+{
+    ref_sel_work w;
+    w.p = dalloc(G * Nc);
+    w.p_slc = dalloc(nb);
+    w.imp = dalloc(nb);
+    w.cand = ref_alloc(nb, sizeof(ref_cand));
+    return w;
+}
+
+static void sel_work_close(ref_sel_work *w)
+{
+    free(w->p);
+    free(w->p_slc);
+    free(w->imp);
+    free(w->cand);
+}
+
+/* Selection of query t, kv head h: q [T, HQ, DK], k_cmp [Nc, H, DK], vis_cmp [Nc] (the
+ * spec-2 row of t) -> w->imp [nb] and idx [n] (ascending, -1 padded).
+ * p_slc[j] = sum_i p_cmp[i] * ov(i, j) / d with ov the count of tokens shared by
+ * compressed block i = [i*d, i*d + l) and selection block j = [j*l', (j+1)*l');
+ * imp[j] = sum of p_slc over the G heads of the group. */
+static void select_one(const nsa_config *c, double scale, ref_dims d, int64_t Nc, const double *q,
+                       const double *k_cmp, const unsigned char *vis_cmp, int64_t t, int64_t h,
+                       ref_sel_work *w, int32_t *idx)
+{
+    const int64_t G = d.HQ / d.H, nb = num_slc(c, d.T), lp = c->slc_block, n = c->slc_topk;
+    const int64_t l = c->cmp_len, st = c->cmp_stride;
+    for (int64_t g = 0; g < G; g++)
+        attend_row(scale, d.DK, 0, q + (t * d.HQ + h * G + g) * d.DK, k_cmp + h * d.DK, d.H * d.DK, NULL, 0,
+                   Nc, vis_cmp, w->p + g * Nc, NULL);
+    memset(w->imp, 0, (size_t)nb * sizeof(double));
+    for (int64_t g = 0; g < G; g++) {
+        memset(w->p_slc, 0, (size_t)nb * sizeof(double));
+        for (int64_t i = 0; i < Nc; i++) {
+            const int64_t lo = i * st, hi = i * st + l;  /* tokens [lo, hi) */
+            /* Only the blocks j that intersect [lo, hi) have ov > 0. */
+            for (int64_t j = lo / lp; j < nb && j * lp < hi; j++) {
+                int64_t ov = min64(hi, (j + 1) * lp) - max64(lo, j * lp);
+                if (ov > 0) w->p_slc[j] += w->p[g * Nc + i] * (double)ov / (double)st;
+            }
+        }
+        add_to(w->imp, w->p_slc, nb);
+    }
+    /* Candidates j <= cur; forced ones (leading n_init, trailing n_local) rank first. */
+    const int64_t cur = t / lp, ncand = cur + 1;
+    for (int64_t j = 0; j < ncand; j++) {
+        w->cand[j].j = j;
+        w->cand[j].forced = j < c->n_init || j > cur - c->n_local;
+        w->cand[j].imp = w->imp[j];
+    }
+    qsort(w->cand, (size_t)ncand, sizeof(ref_cand), cand_order);
+    const int64_t kept = min64(n, ncand);
+    for (int64_t r = 0; r < kept; r++) idx[r] = (int32_t)w->cand[r].j;
+    qsort(idx, (size_t)kept, sizeof(int32_t), int32_order);
+    for (int64_t r = kept; r < n; r++) idx[r] = -1;
+}
+
+/* q [T, HQ, DK], k_cmp [Nc, H, DK] -> block_indices [T, H, n], imp [T, H, nb] (optional). */
+void ref_select(const nsa_config *c, double scale, ref_dims d, int64_t Nc, const double *q,
+                const double *k_cmp, int32_t *block_indices, double *imp)
+{
+    const int64_t G = d.HQ / d.H, nb = num_slc(c, d.T), n = c->slc_topk;
+    unsigned char *mask = cmp_mask(c, d.T, Nc);
+    ref_sel_work w = sel_work_open(G, Nc, nb);
+    for (int64_t t = 0; t < d.T; t++)
+        for (int64_t h = 0; h < d.H; h++) {
+            select_one(c, scale, d, Nc, q, k_cmp, mask + t * Nc, t, h, &w, block_indices + (t * d.H + h) * n);
+            if (imp) memcpy(imp + (t * d.H + h) * nb, w.imp, (size_t)nb * sizeof(double));
+        }
+    sel_work_close(&w);
+    free(mask);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Spec 4: selected attention                                                            */
+/* ------------------------------------------------------------------------------------ */
+
+/* q [T, HQ, DK], k [T, H, DK], v [T, H, DV], block_indices [T, H, m], counts [T, H] or NULL
+ * -> o [T, HQ, DV], lse [T, HQ]. */
+void ref_slc_attn(const nsa_config *c, double scale, ref_dims d, const double *q, const double *k,
+                  const double *v, const int32_t *block_indices, int64_t m, const int32_t *counts,
+                  double *o, double *lse)
+{
+    unsigned char *mask = slc_mask(c, d, block_indices, m, counts);
+    masked_attn(scale, d, d.T, mask, d.H, q, k, v, o, lse);
+    free(mask);
+}
+
+/* dout [T, HQ, DV] -> dq [T, HQ, DK], dk [T, H, DK], dv [T, H, DV]. */
+void ref_slc_attn_bwd(const nsa_config *c, double scale, ref_dims d, const double *q, const double *k,
+                      const double *v, const int32_t *block_indices, int64_t m, const int32_t *counts,
+                      const double *dout, double *dq, double *dk, double *dv)
+{
+    unsigned char *mask = slc_mask(c, d, block_indices, m, counts);
+    masked_attn_bwd(scale, d, d.T, mask, d.H, q, k, v, dout, dq, dk, dv);
+    free(mask);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Spec 5: dense / windowed attention                                                    */
+/* ------------------------------------------------------------------------------------ */
+
+/* q [T, HQ, DK], k [T, H, DK], v [T, H, DV] -> o [T, HQ, DV], lse [T, HQ]. */
+void ref_attention(double scale, int causal, int64_t window_left, int64_t window_right, ref_dims d,
+                   const double *q, const double *k, const double *v, double *o, double *lse)
+{
+    unsigned char *mask = win_mask(causal, window_left, window_right, d.T);
+    masked_attn(scale, d, d.T, mask, 1, q, k, v, o, lse);
+    free(mask);
+}
+
+/* dout [T, HQ, DV] -> dq [T, HQ, DK], dk [T, H, DK], dv [T, H, DV]. */
+void ref_attention_bwd(double scale, int causal, int64_t window_left, int64_t window_right, ref_dims d,
+                       const double *q, const double *k, const double *v, const double *dout,
+                       double *dq, double *dk, double *dv)
+{
+    unsigned char *mask = win_mask(causal, window_left, window_right, d.T);
+    masked_attn_bwd(scale, d, d.T, mask, 1, q, k, v, dout, dq, dk, dv);
+    free(mask);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Spec 6: the whole pipeline                                                            */
+/* ------------------------------------------------------------------------------------ */
+
+/* One pipeline call's inputs with every default resolved. */
+typedef struct ref_pipe {
+    int64_t Nc;
+    const double *ks, *vs;        /* selection branch K/V [T, H, D] */
+    const double *kw, *vw;        /* window branch K/V [T, H, D] */
+    const double *kc, *vc;        /* [Nc, H, D]: the caller's or mean pooling (NULL if unneeded) */
+    const int32_t *idx;           /* [T, H, width] or NULL when no dense selection was asked */
+    int64_t width;
+    const int32_t *counts;        /* [T, H] or NULL */
+    double *kc_own, *vc_own;
+    int32_t *idx_own;
+} ref_pipe;
+
+/* Resolves the defaults of `in`. want_sel: the selection is needed (selection branch on, or
+ * the caller wants the indices); then k_cmp is needed unless the caller gave indices.
+ * dense_sel: run ref_select over all T rows now (ref_nsa_forward_rows selects per row). */
+static ref_pipe pipe_open(const nsa_config *c, double scale, ref_dims d, const ref_nsa_inputs *in, int want_sel,
+                          int dense_sel)
+{
+    ref_pipe p;
+    memset(&p, 0, sizeof p);
+    p.Nc = ref_num_cmp(c, d.T);
+    p.ks = in->k_slc ? in->k_slc : in->k;
+    p.vs = in->v_slc ? in->v_slc : in->v;
+    p.kw = in->k_swa ? in->k_swa : in->k;
+    p.vw = in->v_swa ? in->v_swa : in->v;
+    const int must_select = want_sel && !in->block_indices;
+    if (in->g_cmp || must_select) {
+        p.kc = in->k_cmp;
+        if (!p.kc) {
+            p.kc_own = dalloc(p.Nc * d.H * d.DK);
+            ref_compress(c, d.T, d.H, d.DK, in->k, p.kc_own);
+            p.kc = p.kc_own;
+        }
+    }
+    if (in->g_cmp) {
+        p.vc = in->v_cmp;
+        if (!p.vc) {
+            p.vc_own = dalloc(p.Nc * d.H * d.DV);
+            ref_compress(c, d.T, d.H, d.DV, in->v, p.vc_own);
+            p.vc = p.vc_own;
+        }
+    }
+    if (in->block_indices) {
+        p.idx = in->block_indices;
+        p.width = in->m;
+        p.counts = in->block_counts;
+    } else if (must_select) {
+        /* The computed selection is read in full: no counts. */
+        p.width = c->slc_topk;
+        if (dense_sel) {
+            p.idx_own = ref_alloc(d.T * d.H * p.width, sizeof(int32_t));
+            ref_select(c, scale, d, p.Nc, in->q, p.kc, p.idx_own, NULL);
+            p.idx = p.idx_own;
+        }
+    }
+    return p;
+}
+
+static void pipe_close(ref_pipe *p)
+{
+    free(p->kc_own);
+    free(p->vc_own);
+    free(p->idx_own);
+}
+
+/* out [DV] = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa, skipping every branch whose
+ * gate pointer is NULL (its o_x is then not read). Gates point at one scalar each. */
+static void combine_row(int64_t DV, const double *gc, const double *gs, const double *gw, const double *oc,
+                        const double *os, const double *ow, double *out)
+{
+    for (int64_t e = 0; e < DV; e++) {
+        double acc = 0.0;
+        if (gc) acc += *gc * oc[e];
+        if (gs) acc += *gs * os[e];
+        if (gw) acc += *gw * ow[e];
+        out[e] = acc;
+    }
+}
+
+/* Gate backward over N = T*HQ rows: dout [N, DV], g [N], o_x [N, DV] ->
+ * do_x [N, DV] = g * dout and dg [N] = sum_e dout * o_x (dg may be NULL). */
+static void gate_bwd(int64_t N, int64_t DV, const double *g, const double *dout, const double *o_x, double *do_x,
+                     double *dg)
+{
+    for (int64_t r = 0; r < N; r++) {
+        for (int64_t e = 0; e < DV; e++) do_x[r * DV + e] = g[r] * dout[r * DV + e];
+        if (dg) dg[r] = dot(dout + r * DV, o_x + r * DV, DV);
+    }
+}
+
+/* A branch gradient src [n] goes to the caller's separate tensor when one was given
+ * (sep_given; copied there if dst_sep is wanted), else it adds into the shared dst_main [n]. */
+static void route(int sep_given, double *dst_sep, double *dst_main, const double *src, int64_t n)
+{
+    if (sep_given)
+        copy_if(dst_sep, src, n);
+    else
+        add_to(dst_main, src, n);
+}
+
+/* Inputs: see ref_nsa_inputs (one sequence). Outputs: o [T, HQ, DV]; when non-NULL the
+ * branch outputs o_cmp / o_slc / o_swa [T, HQ, DV] (zeros for a disabled branch) and
+ * block_indices_used [T, H, width] (width = in->m with caller indices, else slc_topk).
+ * When block_indices_used is asked for, the selection is computed even if g_slc is NULL. */
+void ref_nsa_forward(const nsa_config *c, double scale, ref_dims d, const ref_nsa_inputs *in, double *o,
+                     double *o_cmp, double *o_slc, double *o_swa, int32_t *block_indices_used)
+{
+    ref_pipe p = pipe_open(c, scale, d, in, in->g_slc != NULL || block_indices_used != NULL, 1);
+    const int64_t NO = d.T * d.HQ * d.DV;
+    double *oc = dalloc(NO), *os = dalloc(NO), *ow = dalloc(NO), *lse = dalloc(d.T * d.HQ);
+    if (in->g_cmp) ref_cmp_attn(c, scale, d, p.Nc, in->q, p.kc, p.vc, oc, lse);
+    if (in->g_slc) ref_slc_attn(c, scale, d, in->q, p.ks, p.vs, p.idx, p.width, p.counts, os, lse);
+    if (in->g_swa) ref_attention(scale, 1, c->window - 1, 0, d, in->q, p.kw, p.vw, ow, lse);
+    for (int64_t r = 0; r < d.T * d.HQ; r++)
+        combine_row(d.DV, in->g_cmp ? in->g_cmp + r : NULL, in->g_slc ? in->g_slc + r : NULL,
+                    in->g_swa ? in->g_swa + r : NULL, oc + r * d.DV, os + r * d.DV, ow + r * d.DV, o + r * d.DV);
+    copy_if(o_cmp, oc, NO);
+    copy_if(o_slc, os, NO);
+    copy_if(o_swa, ow, NO);
+    if (block_indices_used && d.T * d.H * p.width > 0)
+        memcpy(block_indices_used, p.idx, (size_t)(d.T * d.H * p.width) * sizeof(int32_t));
+    free(oc);
+    free(os);
+    free(ow);
+    free(lse);
+    pipe_close(&p);
+}
+
+/* Backward of ref_nsa_forward for the loss sum(o * dout), dout [T, HQ, DV]. Every non-NULL
+ * gradient is overwritten; one that no enabled branch reaches (a disabled branch's gate or
+ * K/V, dk_slc without k_slc, ...) is written as zeros. The selection is treated as a
+ * constant (it carries no gradient). */
+void ref_nsa_backward(const nsa_config *c, double scale, ref_dims d, const ref_nsa_inputs *in,
+                      const double *dout, ref_nsa_grads *grads)
+{
+    ref_pipe p = pipe_open(c, scale, d, in, in->g_slc != NULL, 1);
+    const int64_t T = d.T, H = d.H, Nc = p.Nc;
+    const int64_t NQ = T * d.HQ * d.DK, NO = T * d.HQ * d.DV, NK = T * H * d.DK, NV = T * H * d.DV;
+    zero_if(grads->dq, NQ);
+    zero_if(grads->dk, NK);
+    zero_if(grads->dv, NV);
+    zero_if(grads->dk_slc, NK);
+    zero_if(grads->dv_slc, NV);
+    zero_if(grads->dk_swa, NK);
+    zero_if(grads->dv_swa, NV);
+    zero_if(grads->dk_cmp, Nc * H * d.DK);
+    zero_if(grads->dv_cmp, Nc * H * d.DV);
+    zero_if(grads->dg_cmp, T * d.HQ);
+    zero_if(grads->dg_slc, T * d.HQ);
+    zero_if(grads->dg_swa, T * d.HQ);
+
+    /* Shared accumulators: every branch adds its dq; dk/dv collect the branches that use k, v. */
+    double *dq = dalloc(NQ), *dk = dalloc(NK), *dv = dalloc(NV);
+    double *o_x = dalloc(NO), *do_x = dalloc(NO), *lse = dalloc(T * d.HQ), *dq_x = dalloc(NQ);
+    double *dk_x = dalloc(NK), *dv_x = dalloc(NV);
+
+    if (in->g_cmp) {
+        double *dkc = dalloc(Nc * H * d.DK), *dvc = dalloc(Nc * H * d.DV);
+        ref_cmp_attn(c, scale, d, Nc, in->q, p.kc, p.vc, o_x, lse);
+        gate_bwd(T * d.HQ, d.DV, in->g_cmp, dout, o_x, do_x, grads->dg_cmp);
+        ref_cmp_attn_bwd(c, scale, d, Nc, in->q, p.kc, p.vc, do_x, dq_x, dkc, dvc);
+        add_to(dq, dq_x, NQ);
+        /* Mean pooling is linear: its backward spreads dk_cmp[i] / l over block i's tokens. */
+        if (in->k_cmp) {
+            copy_if(grads->dk_cmp, dkc, Nc * H * d.DK);
+        } else {
+            ref_compress_bwd(c, T, H, d.DK, dkc, dk_x);
+            add_to(dk, dk_x, NK);
+        }
+        if (in->v_cmp) {
+            copy_if(grads->dv_cmp, dvc, Nc * H * d.DV);
+        } else {
+            ref_compress_bwd(c, T, H, d.DV, dvc, dv_x);
+            add_to(dv, dv_x, NV);
+        }
+        free(dkc);
+        free(dvc);
+    }
+    if (in->g_slc) {
+        ref_slc_attn(c, scale, d, in->q, p.ks, p.vs, p.idx, p.width, p.counts, o_x, lse);
+        gate_bwd(T * d.HQ, d.DV, in->g_slc, dout, o_x, do_x, grads->dg_slc);
+        ref_slc_attn_bwd(c, scale, d, in->q, p.ks, p.vs, p.idx, p.width, p.counts, do_x, dq_x, dk_x, dv_x);
+        add_to(dq, dq_x, NQ);
+        route(in->k_slc != NULL, grads->dk_slc, dk, dk_x, NK);
+        route(in->v_slc != NULL, grads->dv_slc, dv, dv_x, NV);
+    }
+    if (in->g_swa) {
+        ref_attention(scale, 1, c->window - 1, 0, d, in->q, p.kw, p.vw, o_x, lse);
+        gate_bwd(T * d.HQ, d.DV, in->g_swa, dout, o_x, do_x, grads->dg_swa);
+        ref_attention_bwd(scale, 1, c->window - 1, 0, d, in->q, p.kw, p.vw, do_x, dq_x, dk_x, dv_x);
+        add_to(dq, dq_x, NQ);
+        route(in->k_swa != NULL, grads->dk_swa, dk, dk_x, NK);
+        route(in->v_swa != NULL, grads->dv_swa, dv, dv_x, NV);
+    }
+    copy_if(grads->dq, dq, NQ);
+    copy_if(grads->dk, dk, NK);
+    copy_if(grads->dv, dv, NV);
+    free(dq);
+    free(dk);
+    free(dv);
+    free(o_x);
+    free(do_x);
+    free(lse);
+    free(dq_x);
+    free(dk_x);
+    free(dv_x);
+    pipe_close(&p);
+}
+
+/* ref_nsa_forward's o for the query rows rows[0..nrows) only -> o_rows [nrows, HQ, DV].
+ * Each row rebuilds its own visibility rows and selection, so the memory is O(T) (plus the
+ * O(Nc) pooled k_cmp / v_cmp) and the time O(nrows * T * (DK + DV) * HQ). The per-row
+ * pieces (attend_row, select_one, combine_row) are the ones the dense path uses, so both
+ * agree to the last bit on the same inputs. */
+void ref_nsa_forward_rows(const nsa_config *c, double scale, ref_dims d, const ref_nsa_inputs *in,
+                          const int64_t *rows, int64_t nrows, double *o_rows)
+{
+    ref_pipe p = pipe_open(c, scale, d, in, in->g_slc != NULL, 0);
+    const int64_t T = d.T, H = d.H, G = d.HQ / d.H, Nc = p.Nc, nb = num_slc(c, T), n = c->slc_topk;
+    unsigned char *vis_c = ualloc(Nc), *vis_s = ualloc(T), *vis_w = ualloc(T);
+    double *pbuf = dalloc(max64(T, Nc));
+    double *oc = dalloc(d.DV), *os = dalloc(d.DV), *ow = dalloc(d.DV);
+    int32_t *sel = ref_alloc(n, sizeof(int32_t));
+    ref_sel_work w = sel_work_open(G, Nc, nb);
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t t = rows[r];
+        cmp_mask_row(c, t, Nc, vis_c);
+        win_mask_row(1, c->window - 1, 0, t, T, vis_w);
+        for (int64_t h = 0; h < H; h++) {
+            if (in->g_slc) {
+                const int32_t *row = sel;
+                int64_t cnt = n;
+                if (p.idx) {
+                    row = p.idx + (t * H + h) * p.width;
+                    cnt = slc_count(p.counts, t, h, H, p.width);
+                } else {
+                    select_one(c, scale, d, Nc, in->q, p.kc, vis_c, t, h, &w, sel);
+                }
+                slc_mask_row(c, T, t, row, cnt, vis_s);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t hq = h * G + g, qr = t * d.HQ + hq;
+                const double *q_row = in->q + qr * d.DK;
+                if (in->g_cmp)
+                    attend_row(scale, d.DK, d.DV, q_row, p.kc + h * d.DK, H * d.DK, p.vc + h * d.DV, H * d.DV, Nc,
+                               vis_c, pbuf, oc);
+                if (in->g_slc)
+                    attend_row(scale, d.DK, d.DV, q_row, p.ks + h * d.DK, H * d.DK, p.vs + h * d.DV, H * d.DV, T,
+                               vis_s, pbuf, os);
+                if (in->g_swa)
+                    attend_row(scale, d.DK, d.DV, q_row, p.kw + h * d.DK, H * d.DK, p.vw + h * d.DV, H * d.DV, T,
+                               vis_w, pbuf, ow);
+                combine_row(d.DV, in->g_cmp ? in->g_cmp + qr : NULL, in->g_slc ? in->g_slc + qr : NULL,
+                            in->g_swa ? in->g_swa + qr : NULL, oc, os, ow, o_rows + (r * d.HQ + hq) * d.DV);
+            }
+        }
+    }
+    sel_work_close(&w);
+    free(sel);
+    free(vis_c);
+    free(vis_s);
+    free(vis_w);
+    free(pbuf);
+    free(oc);
+    free(os);
+    free(ow);
+    pipe_close(&p);
+}

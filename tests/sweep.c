@@ -1,0 +1,1078 @@
+/* sweep.c -- the backend against the float64 reference on seeded random problems.
+ *
+ * Every tensor is built by tens_*: storage in the case's dtype (possibly strided, with
+ * sentinel bytes around and between the elements), and the exact stored values as doubles,
+ * which are what the reference reads. After each call the whole output is compared (never
+ * a prefix) and the sentinel bytes are checked untouched.
+ *
+ * Tolerance rule (../shared/style.md): err(kernel) <= 2 * err(naive), per tensor, where
+ * err(naive) bounds a straightforward same-precision implementation from below: the error
+ * of the exact result rounded to the storage dtype, plus fp32 accumulation (2^-20 of the
+ * tensor's largest magnitude, at least 2^-20: the sweep's data are O(1)). NaN never passes; -inf must match -inf. */
+#include "sweep.h"
+#include "harness.h"
+#include "ref.h"
+#include "../src/dtype.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* ---- tensors with sentinels --------------------------------------------------------- */
+
+typedef struct tens {
+    nsa_tensor t;
+    unsigned char *buf;
+    size_t bytes;
+    int64_t numel;
+    double *val;          /* logical row-major values as stored */
+    unsigned char sentinel;
+} tens;
+
+static double round_to(nsa_dtype dt, double x)
+{
+    switch (dt) {
+    case NSA_DTYPE_BF16: return nsa_bf16_to_f32(nsa_f32_to_bf16((float)x));
+    case NSA_DTYPE_F16: return nsa_f16_to_f32(nsa_f32_to_f16((float)x));
+    case NSA_DTYPE_F32: return (float)x;
+    default: return x;
+    }
+}
+
+static int64_t storage_offset(const nsa_tensor *t, int64_t idx)
+{
+    int64_t off = 0;
+    for (int i = t->rank - 1; i >= 0; i--) {
+        off += (idx % t->shape[i]) * t->stride[i];
+        idx /= t->shape[i];
+    }
+    return off;
+}
+
+static double get_elem(const nsa_tensor *t, int64_t off)
+{
+    switch (t->dtype) {
+    case NSA_DTYPE_F32: return ((const float *)t->data)[off];
+    case NSA_DTYPE_BF16: return nsa_bf16_to_f32(((const uint16_t *)t->data)[off]);
+    case NSA_DTYPE_F16: return nsa_f16_to_f32(((const uint16_t *)t->data)[off]);
+    case NSA_DTYPE_I32: return ((const int32_t *)t->data)[off];
+    }
+    return 0;
+}
+
+static void set_elem(const nsa_tensor *t, int64_t off, double v)
+{
+    switch (t->dtype) {
+    case NSA_DTYPE_F32: ((float *)t->data)[off] = (float)v; break;
+    case NSA_DTYPE_BF16: ((uint16_t *)t->data)[off] = nsa_f32_to_bf16((float)v); break;
+    case NSA_DTYPE_F16: ((uint16_t *)t->data)[off] = nsa_f32_to_f16((float)v); break;
+    case NSA_DTYPE_I32: ((int32_t *)t->data)[off] = (int32_t)v; break;
+    }
+}
+
+/* layout 0: contiguous; 1: padded (dim 1 and the last dim longer than the view);
+ * 2: rank 4 stored head-major ([d0, d2, d1, d3] in memory). */
+static void tens_alloc(tens *x, int rank, const int64_t *shape, nsa_dtype dt, int layout)
+{
+    memset(x, 0, sizeof *x);
+    x->t.dtype = dt;
+    x->t.rank = rank;
+    x->numel = 1;
+    for (int i = 0; i < rank; i++) {
+        x->t.shape[i] = shape[i];
+        x->numel *= shape[i];
+    }
+    int64_t pshape[4];
+    for (int i = 0; i < rank; i++) pshape[i] = shape[i];
+    if (layout == 1 && rank >= 2) {
+        pshape[rank - 1] += 3;
+        pshape[1] += 1;
+    }
+    if (layout == 2 && rank == 4) {
+        x->t.stride[3] = 1;
+        x->t.stride[1] = shape[3];
+        x->t.stride[2] = shape[1] * shape[3];
+        x->t.stride[0] = shape[2] * shape[1] * shape[3];
+    } else {
+        int64_t st = 1;
+        for (int i = rank - 1; i >= 0; i--) {
+            x->t.stride[i] = st;
+            st *= pshape[i] > 0 ? pshape[i] : 1;
+        }
+    }
+    int64_t maxoff = 0;
+    for (int i = 0; i < rank; i++) maxoff += (shape[i] > 0 ? shape[i] - 1 : 0) * x->t.stride[i];
+    x->bytes = (size_t)(maxoff + 1) * nsa_dtype_size(dt) + 16;
+    x->buf = (unsigned char *)malloc(x->bytes);
+    x->sentinel = dt == NSA_DTYPE_I32 ? 0xA5 : 0xFF; /* floats: NaN; ints: large negative */
+    memset(x->buf, x->sentinel, x->bytes);
+    x->t.data = x->buf;
+    x->val = (double *)calloc((size_t)(x->numel > 0 ? x->numel : 1), sizeof(double));
+}
+
+static void tens_free(tens *x)
+{
+    free(x->buf);
+    free(x->val);
+    memset(x, 0, sizeof *x);
+}
+
+static void tens_set(tens *x, const double *v)
+{
+    for (int64_t i = 0; i < x->numel; i++) {
+        int64_t off = storage_offset(&x->t, i);
+        set_elem(&x->t, off, v[i]);
+        x->val[i] = get_elem(&x->t, off);
+    }
+}
+
+static void tens_random(tens *x, test_rng *r, double lo, double hi, int normal)
+{
+    for (int64_t i = 0; i < x->numel; i++) x->val[i] = normal ? rng_normal(r) * hi : lo + (hi - lo) * rng_uniform(r);
+    tens_set(x, x->val);
+}
+
+static void tens_read(const tens *x, double *out)
+{
+    for (int64_t i = 0; i < x->numel; i++) out[i] = get_elem(&x->t, storage_offset(&x->t, i));
+}
+
+/* Every byte outside the view's elements still holds the sentinel. */
+static int tens_guard_ok(const tens *x)
+{
+    unsigned char *mark = (unsigned char *)calloc(x->bytes, 1);
+    const size_t es = nsa_dtype_size(x->t.dtype);
+    for (int64_t i = 0; i < x->numel; i++) memset(mark + (size_t)storage_offset(&x->t, i) * es, 1, es);
+    int ok = 1;
+    for (size_t b = 0; b < x->bytes && ok; b++)
+        if (!mark[b] && x->buf[b] != x->sentinel) ok = 0;
+    free(mark);
+    return ok;
+}
+
+/* ---- comparison --------------------------------------------------------------------- */
+
+static char g_desc[512];
+static int g_verbose;
+
+/* Compares a whole output against the reference with the tolerance rule above. */
+static long check_close(const char *what, const tens *got, const double *ref, nsa_dtype storage)
+{
+    const int64_t n = got->numel;
+    double *g = (double *)malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
+    tens_read(got, g);
+    double maxref = 0, e_round = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (!isfinite(ref[i])) continue;
+        maxref = fabs(ref[i]) > maxref ? fabs(ref[i]) : maxref;
+        double e = fabs(round_to(storage, ref[i]) - ref[i]);
+        e_round = e > e_round ? e : e_round;
+    }
+    /* inputs are O(1) by construction, so accumulation error is O(2^-20) even where the
+     * exact result is 0 (e.g. T = 1, where dS = dP - D cancels exactly) */
+    const double tol = 2.0 * (e_round + ldexp(maxref > 1.0 ? maxref : 1.0, -20));
+    long bad = 0;
+    double worst = 0;
+    char msg[1024];
+    int len = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int ok;
+        if (isnan(g[i]) || isnan(ref[i])) ok = 0;
+        else if (isinf(ref[i]) || isinf(g[i])) ok = g[i] == ref[i];
+        else {
+            double e = fabs(g[i] - ref[i]);
+            worst = e > worst ? e : worst;
+            ok = e <= tol;
+        }
+        if (!ok) {
+            if (bad < 4 && len < (int)sizeof msg - 120)
+                len += snprintf(msg + len, sizeof msg - (size_t)len, " [%lld] got %.9g want %.9g;", (long long)i, g[i],
+                                ref[i]);
+            bad++;
+        }
+    }
+    char full[2048];
+    snprintf(full, sizeof full, "%s: %ld of %lld elements off (tol %.3g, worst %.3g):%s case %s", what, bad,
+             (long long)n, tol, worst, msg, g_desc);
+    harness_record(bad == 0, __FILE__, __LINE__, what, full);
+    if (g_verbose && bad == 0) fprintf(stderr, "  ok %-22s worst %.3g tol %.3g\n", what, worst, tol);
+    free(g);
+    return bad ? 1 : 0;
+}
+
+static long check_guard(const char *what, const tens *x)
+{
+    char full[700];
+    snprintf(full, sizeof full, "%s: bytes outside the view were written; case %s", what, g_desc);
+    int ok = tens_guard_ok(x);
+    harness_record(ok, __FILE__, __LINE__, what, full);
+    return ok ? 0 : 1;
+}
+
+static long check_status(const char *what, nsa_status st)
+{
+    char full[700];
+    snprintf(full, sizeof full, "%s returned %d (%s); case %s", what, st, nsa_status_string(st), g_desc);
+    harness_record(st == NSA_STATUS_SUCCESS, __FILE__, __LINE__, what, full);
+    return st == NSA_STATUS_SUCCESS ? 0 : 1;
+}
+
+/* ---- the problem ---------------------------------------------------------------------- */
+
+typedef struct seqinfo {
+    int64_t b, row0, len, cmp0, ncmp;
+} seqinfo;
+
+typedef struct problem {
+    sweep_case c;
+    int64_t nseq, cmp_rows, nmax;  /* nmax: widest block count */
+    int32_t *cu;
+    seqinfo *seq;
+    double scale;
+    nsa_varlen vl;
+    test_rng rng;
+} problem;
+
+static void problem_init(problem *p, const sweep_case *c, uint64_t seed)
+{
+    memset(p, 0, sizeof *p);
+    p->c = *c;
+    p->rng.s = seed;
+    p->nseq = c->varlen ? c->num_seqs : c->B;
+    p->seq = (seqinfo *)calloc((size_t)(p->nseq > 0 ? p->nseq : 1), sizeof(seqinfo));
+    if (c->varlen) {
+        p->cu = (int32_t *)calloc((size_t)p->nseq + 1, sizeof(int32_t));
+        for (int64_t s = 0; s < p->nseq; s++) p->cu[s + 1] = p->cu[s] + c->lens[s];
+        p->vl.cu_seqlens = p->cu;
+        p->vl.num_seqs = p->nseq;
+    }
+    for (int64_t s = 0; s < p->nseq; s++) {
+        seqinfo *q = &p->seq[s];
+        q->b = c->varlen ? 0 : s;
+        q->row0 = c->varlen ? p->cu[s] : 0;
+        q->len = c->varlen ? c->lens[s] : c->T;
+        q->cmp0 = p->cmp_rows;
+        q->ncmp = nsa_num_cmp_blocks(&c->cfg, q->len);
+        p->cmp_rows = c->varlen ? p->cmp_rows + q->ncmp : q->ncmp;
+        if (!c->varlen) q->cmp0 = 0;
+    }
+    p->scale = c->cfg.scale > 0 ? c->cfg.scale : 1.0 / sqrt((double)c->DK);
+}
+
+static void problem_free(problem *p)
+{
+    free(p->cu);
+    free(p->seq);
+}
+
+static ref_dims seq_dims(const problem *p, const seqinfo *s)
+{
+    ref_dims d = {s->len, p->c.HQ, p->c.H, p->c.DK, p->c.DV};
+    return d;
+}
+
+/* Row offset (in elements) of sequence s in a [B, T, X, D] contiguous array. */
+static int64_t row_off(const problem *p, const seqinfo *s, int64_t X, int64_t D)
+{
+    return ((s->b * p->c.T) + s->row0) * X * D;
+}
+
+static int64_t cmp_off(const problem *p, const seqinfo *s, int64_t X, int64_t D)
+{
+    return ((s->b * p->cmp_rows) + s->cmp0) * X * D;
+}
+
+static void alloc4(tens *x, const problem *p, int64_t d1, int64_t d2, int64_t d3, nsa_dtype dt)
+{
+    const int64_t shape[4] = {p->c.B, d1, d2, d3};
+    tens_alloc(x, 4, shape, dt, p->c.strided);
+}
+
+static void alloc3(tens *x, const problem *p, int64_t d2, nsa_dtype dt)
+{
+    const int64_t shape[3] = {p->c.B, p->c.T, d2};
+    tens_alloc(x, 3, shape, dt, p->c.strided == 1 ? 1 : 0);
+}
+
+static size_t ws_size;
+static void *ws_buf;
+static void *workspace(size_t bytes)
+{
+    if (bytes > ws_size) {
+        free(ws_buf);
+        ws_buf = malloc(bytes);
+        ws_size = bytes;
+    }
+    return ws_buf;
+}
+
+static double *dalloc(int64_t n) { return (double *)calloc((size_t)(n > 0 ? n : 1), sizeof(double)); }
+
+/* ---- selection comparison (near ties allowed) ------------------------------------------- */
+
+/* Rows where the backend's kept set differs from the reference's must be a near tie: the
+ * importance of what one kept and the other dropped within 1e-4 of the row's largest. */
+static long check_selection(const problem *p, const tens *idx, const double *q, const double *kc)
+{
+    const sweep_case *c = &p->c;
+    const int64_t n = c->cfg.slc_topk;
+    long bad_rows = 0;
+    char msg[512] = "";
+    for (int64_t s = 0; s < p->nseq; s++) {
+        const seqinfo *sq = &p->seq[s];
+        if (sq->len == 0) continue;
+        ref_dims d = seq_dims(p, sq);
+        const int64_t nb = nsa_num_slc_blocks(&c->cfg, sq->len);
+        int32_t *ri = (int32_t *)calloc((size_t)(sq->len * c->H * n), sizeof(int32_t));
+        double *imp = dalloc(sq->len * c->H * nb);
+        ref_select(&c->cfg, p->scale, d, sq->ncmp, q + row_off(p, sq, c->HQ, c->DK), kc + cmp_off(p, sq, c->H, c->DK),
+                   ri, imp);
+        for (int64_t t = 0; t < sq->len; t++)
+            for (int64_t h = 0; h < c->H; h++) {
+                const int32_t *r = ri + (t * c->H + h) * n;
+                int32_t got[1024];
+                for (int64_t e = 0; e < n; e++)
+                    got[e] = (int32_t)get_elem(&idx->t, storage_offset(&idx->t, ((sq->b * c->T + sq->row0 + t) * c->H + h) * n + e));
+                int same = 1;
+                for (int64_t e = 0; e < n; e++) same &= got[e] == r[e];
+                if (same) continue;
+                /* near tie? both valid sets of the same size, ascending, and swapped blocks
+                 * of equal importance within tolerance */
+                const double *im = imp + (t * c->H + h) * nb;
+                double mx = 0, in_ref_only = -1, in_got_only = INFINITY;
+                int sizes_ok = 1, nr = 0, ng = 0;
+                for (int64_t e = 0; e < n; e++) {
+                    nr += r[e] >= 0;
+                    ng += got[e] >= 0;
+                    if (e > 0 && got[e] >= 0 && got[e] <= got[e - 1]) sizes_ok = 0;
+                    if (got[e] >= nb) sizes_ok = 0;
+                }
+                if (nr != ng) sizes_ok = 0;
+                for (int64_t j = 0; j < nb; j++) mx = im[j] > mx ? im[j] : mx;
+                for (int64_t e = 0; e < n && sizes_ok; e++) {
+                    int in_g = 0, in_r = 0;
+                    for (int64_t f = 0; f < n; f++) {
+                        in_g |= got[f] == r[e];
+                        in_r |= r[f] == got[e];
+                    }
+                    if (r[e] >= 0 && !in_g) in_ref_only = fmax(in_ref_only, im[r[e]]);
+                    if (got[e] >= 0 && !in_r) in_got_only = fmin(in_got_only, im[got[e]]);
+                }
+                if (sizes_ok && in_ref_only - in_got_only <= 1e-4 * mx + 1e-7) continue;
+                if (bad_rows++ == 0)
+                    snprintf(msg, sizeof msg, "seq %lld t %lld h %lld: got [%d %d %d ...] want [%d %d %d ...]",
+                             (long long)s, (long long)t, (long long)h, got[0], n > 1 ? got[1] : 0, n > 2 ? got[2] : 0,
+                             r[0], n > 1 ? r[1] : 0, n > 2 ? r[2] : 0);
+            }
+        free(ri);
+        free(imp);
+    }
+    char full[1200];
+    snprintf(full, sizeof full, "block_indices: %ld rows differ beyond near ties: %s; case %s", bad_rows, msg, g_desc);
+    harness_record(bad_rows == 0, __FILE__, __LINE__, "selection", full);
+    return bad_rows ? 1 : 0;
+}
+
+/* ---- the whole pipeline ------------------------------------------------------------------ */
+
+/* Compressed K/V the reference uses: the caller's, or its own mean pooling of k / v. */
+static double *ref_cmp_of(const problem *p, const tens *x, int64_t D)
+{
+    double *out = dalloc(p->c.B * p->cmp_rows * p->c.H * D);
+    for (int64_t s = 0; s < p->nseq; s++) {
+        const seqinfo *sq = &p->seq[s];
+        ref_compress(&p->c.cfg, sq->len, p->c.H, D, x->val + row_off(p, sq, p->c.H, D), out + cmp_off(p, sq, p->c.H, D));
+    }
+    return out;
+}
+
+static int32_t *to_i32(const tens *x)
+{
+    int32_t *o = (int32_t *)calloc((size_t)(x->numel > 0 ? x->numel : 1), sizeof(int32_t));
+    double *v = dalloc(x->numel);
+    tens_read(x, v);
+    for (int64_t i = 0; i < x->numel; i++) o[i] = (int32_t)v[i];
+    free(v);
+    return o;
+}
+
+typedef struct pipe {
+    tens q, k, v, ks, vs, kw, vw, kc, vc, g[3], bi, bc, o, so[3], sl[3], sidx;
+    tens dout, dq, dk, dv, dks, dvs, dkw, dvw, dkc, dvc, dg[3];
+    nsa_forward_args fa;
+    nsa_backward_args ba;
+} pipe;
+
+static void pipe_free(pipe *x)
+{
+    tens *all[] = {&x->q, &x->k, &x->v, &x->ks, &x->vs, &x->kw, &x->vw, &x->kc, &x->vc, &x->g[0], &x->g[1], &x->g[2],
+                   &x->bi, &x->bc, &x->o, &x->so[0], &x->so[1], &x->so[2], &x->sl[0], &x->sl[1], &x->sl[2], &x->sidx,
+                   &x->dout, &x->dq, &x->dk, &x->dv, &x->dks, &x->dvs, &x->dkw, &x->dvw, &x->dkc, &x->dvc,
+                   &x->dg[0], &x->dg[1], &x->dg[2]};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tens_free(all[i]);
+}
+
+static int64_t max_blocks(const problem *p)
+{
+    int64_t mx = 1;
+    for (int64_t s = 0; s < p->nseq; s++) {
+        int64_t nb = nsa_num_slc_blocks(&p->c.cfg, p->seq[s].len);
+        mx = nb > mx ? nb : mx;
+    }
+    return mx;
+}
+
+/* Random caller selection: -1, duplicates and out-of-range entries included. */
+static void random_indices(problem *p, tens *bi, tens *bc, int64_t m, int with_counts)
+{
+    const int64_t shape[4] = {p->c.B, p->c.T, p->c.H, m};
+    tens_alloc(bi, 4, shape, NSA_DTYPE_I32, p->c.strided == 1 ? 1 : 0);
+    const int64_t nb = max_blocks(p);
+    for (int64_t i = 0; i < bi->numel; i++) bi->val[i] = (double)rng_int(&p->rng, -1, nb + 1);
+    tens_set(bi, bi->val);
+    if (!with_counts) return;
+    const int64_t cshape[3] = {p->c.B, p->c.T, p->c.H};
+    tens_alloc(bc, 3, cshape, NSA_DTYPE_I32, 0);
+    for (int64_t i = 0; i < bc->numel; i++) bc->val[i] = (double)rng_int(&p->rng, -1, m + 1);
+    tens_set(bc, bc->val);
+}
+
+static void build_pipe(problem *p, pipe *x)
+{
+    const sweep_case *c = &p->c;
+    const nsa_dtype dt = c->dtype;
+    memset(x, 0, sizeof *x);
+    alloc4(&x->q, p, c->T, c->HQ, c->DK, dt);
+    alloc4(&x->k, p, c->T, c->H, c->DK, dt);
+    alloc4(&x->v, p, c->T, c->H, c->DV, dt);
+    tens_random(&x->q, &p->rng, 0, c->zero_q ? 0.0 : 1.0, 1);
+    tens_random(&x->k, &p->rng, 0, 1.0, 1);
+    tens_random(&x->v, &p->rng, 0, 1.0, 1);
+    nsa_forward_args *a = &x->fa;
+    a->q = x->q.t;
+    a->k = x->k.t;
+    a->v = x->v.t;
+    if (c->sep_slc) {
+        alloc4(&x->ks, p, c->T, c->H, c->DK, dt);
+        alloc4(&x->vs, p, c->T, c->H, c->DV, dt);
+        tens_random(&x->ks, &p->rng, 0, 1.0, 1);
+        tens_random(&x->vs, &p->rng, 0, 1.0, 1);
+        a->k_slc = x->ks.t;
+        a->v_slc = x->vs.t;
+    }
+    if (c->sep_swa) {
+        alloc4(&x->kw, p, c->T, c->H, c->DK, dt);
+        alloc4(&x->vw, p, c->T, c->H, c->DV, dt);
+        tens_random(&x->kw, &p->rng, 0, 1.0, 1);
+        tens_random(&x->vw, &p->rng, 0, 1.0, 1);
+        a->k_swa = x->kw.t;
+        a->v_swa = x->vw.t;
+    }
+    if (c->own_cmp) {
+        alloc4(&x->kc, p, p->cmp_rows, c->H, c->DK, dt);
+        alloc4(&x->vc, p, p->cmp_rows, c->H, c->DV, dt);
+        tens_random(&x->kc, &p->rng, 0, 1.0, 1);
+        tens_random(&x->vc, &p->rng, 0, 1.0, 1);
+        a->k_cmp = x->kc.t;
+        a->v_cmp = x->vc.t;
+    }
+    nsa_tensor *gates[3] = {&a->g_cmp, &a->g_slc, &a->g_swa};
+    nsa_tensor *so[3] = {&a->saved.o_cmp, &a->saved.o_slc, &a->saved.o_swa};
+    nsa_tensor *sl[3] = {&a->saved.lse_cmp, &a->saved.lse_slc, &a->saved.lse_swa};
+    for (int b = 0; b < 3; b++) {
+        if (!(c->gates >> b & 1)) continue;
+        alloc3(&x->g[b], p, c->HQ, dt);
+        tens_random(&x->g[b], &p->rng, 0.05, 1.0, 0);
+        *gates[b] = x->g[b].t;
+        alloc4(&x->so[b], p, c->T, c->HQ, c->DV, dt);
+        *so[b] = x->so[b].t;
+        alloc3(&x->sl[b], p, c->HQ, NSA_DTYPE_F32);
+        *sl[b] = x->sl[b].t;
+    }
+    if (c->own_idx && (c->gates & 2)) {
+        int64_t m = c->cfg.slc_topk + rng_int(&p->rng, -2, 2);
+        random_indices(p, &x->bi, &x->bc, m > 0 ? m : 1, (int)rng_int(&p->rng, 0, 1));
+        a->block_indices = x->bi.t;
+        if (x->bc.buf) a->block_counts = x->bc.t;
+    } else if (c->gates & 2) {
+        const int64_t shape[4] = {c->B, c->T, c->H, c->cfg.slc_topk};
+        tens_alloc(&x->sidx, 4, shape, NSA_DTYPE_I32, c->strided == 1 ? 1 : 0);
+        a->saved.block_indices = x->sidx.t;
+    }
+    alloc4(&x->o, p, c->T, c->HQ, c->DV, dt);
+    a->o = x->o.t;
+    a->varlen = p->vl;
+    a->config = c->cfg;
+}
+
+/* The selection the backend used, as the reference's caller-supplied indices. */
+static const tens *used_indices(const pipe *x) { return x->bi.buf ? &x->bi : &x->sidx; }
+
+static long check_pipeline_forward(problem *p, pipe *x, double **kc_ref, double **vc_ref, int32_t **idx_used)
+{
+    const sweep_case *c = &p->c;
+    long fails = 0;
+    *kc_ref = c->own_cmp ? x->kc.val : ref_cmp_of(p, &x->k, c->DK);
+    *vc_ref = c->own_cmp ? x->vc.val : ref_cmp_of(p, &x->v, c->DV);
+    if ((c->gates & 2) && !x->bi.buf) fails += check_selection(p, &x->sidx, x->q.val, *kc_ref);
+    *idx_used = (c->gates & 2) ? to_i32(used_indices(x)) : NULL;
+    const int64_t m = (c->gates & 2) ? used_indices(x)->t.shape[3] : 1;
+    int32_t *counts = x->bc.buf ? to_i32(&x->bc) : NULL;
+
+    const int64_t nO = c->B * c->T * c->HQ * c->DV, nL = c->B * c->T * c->HQ;
+    double *o = dalloc(nO), *ob[3] = {dalloc(nO), dalloc(nO), dalloc(nO)}, *lse[3] = {dalloc(nL), dalloc(nL), dalloc(nL)};
+    double *tmp = dalloc(nO);
+    for (int64_t s = 0; s < p->nseq; s++) {
+        const seqinfo *sq = &p->seq[s];
+        const ref_dims d = seq_dims(p, sq);
+        const int64_t oq = row_off(p, sq, c->HQ, c->DK), ok = row_off(p, sq, c->H, c->DK), ov = row_off(p, sq, c->H, c->DV);
+        const int64_t oo = row_off(p, sq, c->HQ, c->DV), ol = row_off(p, sq, c->HQ, 1), oi = row_off(p, sq, c->H, m);
+        const double *ks = c->sep_slc ? x->ks.val : x->k.val, *vs = c->sep_slc ? x->vs.val : x->v.val;
+        const double *kw = c->sep_swa ? x->kw.val : x->k.val, *vw = c->sep_swa ? x->vw.val : x->v.val;
+        ref_nsa_inputs in;
+        memset(&in, 0, sizeof in);
+        in.q = x->q.val + oq;
+        in.k = x->k.val + ok;
+        in.v = x->v.val + ov;
+        if (c->sep_slc) in.k_slc = ks + ok, in.v_slc = vs + ov;
+        if (c->sep_swa) in.k_swa = kw + ok, in.v_swa = vw + ov;
+        if (c->own_cmp) in.k_cmp = x->kc.val + cmp_off(p, sq, c->H, c->DK), in.v_cmp = x->vc.val + cmp_off(p, sq, c->H, c->DV);
+        in.g_cmp = (c->gates & 1) ? x->g[0].val + ol : NULL;
+        in.g_slc = (c->gates & 2) ? x->g[1].val + ol : NULL;
+        in.g_swa = (c->gates & 4) ? x->g[2].val + ol : NULL;
+        in.block_indices = *idx_used ? *idx_used + oi : NULL;
+        in.m = m;
+        in.block_counts = counts ? counts + row_off(p, sq, c->H, 1) : NULL;
+        ref_nsa_forward(&c->cfg, p->scale, d, &in, o + oo, ob[0] + oo, ob[1] + oo, ob[2] + oo, NULL);
+        if (c->gates & 1)
+            ref_cmp_attn(&c->cfg, p->scale, d, sq->ncmp, in.q, *kc_ref + cmp_off(p, sq, c->H, c->DK),
+                         *vc_ref + cmp_off(p, sq, c->H, c->DV), tmp, lse[0] + ol);
+        if (c->gates & 2)
+            ref_slc_attn(&c->cfg, p->scale, d, in.q, ks + ok, vs + ov, in.block_indices, m, in.block_counts, tmp,
+                         lse[1] + ol);
+        if (c->gates & 4)
+            ref_attention(p->scale, 1, c->cfg.window - 1, 0, d, in.q, kw + ok, vw + ov, tmp, lse[2] + ol);
+    }
+    fails += check_close("nsa_forward o", &x->o, o, c->dtype);
+    static const char *names[3][2] = {{"saved o_cmp", "saved lse_cmp"}, {"saved o_slc", "saved lse_slc"},
+                                      {"saved o_swa", "saved lse_swa"}};
+    for (int b = 0; b < 3; b++)
+        if (c->gates >> b & 1) {
+            fails += check_close(names[b][0], &x->so[b], ob[b], c->dtype);
+            fails += check_close(names[b][1], &x->sl[b], lse[b], NSA_DTYPE_F32);
+            fails += check_guard(names[b][0], &x->so[b]);
+        }
+    fails += check_guard("o", &x->o);
+    if (x->sidx.buf) fails += check_guard("saved block_indices", &x->sidx);
+    free(o);
+    free(tmp);
+    for (int b = 0; b < 3; b++) free(ob[b]), free(lse[b]);
+    free(counts);
+    return fails;
+}
+
+static long check_pipeline_backward(nsa_context *ctx, problem *p, pipe *x, const double *kc_ref, const double *vc_ref,
+                                    const int32_t *idx_used)
+{
+    const sweep_case *c = &p->c;
+    const nsa_dtype dt = c->dtype;
+    nsa_backward_args *a = &x->ba;
+    a->fwd = x->fa;
+    alloc4(&x->dout, p, c->T, c->HQ, c->DV, dt);
+    tens_random(&x->dout, &p->rng, 0, 1.0, 1);
+    a->dout = x->dout.t;
+    alloc4(&x->dq, p, c->T, c->HQ, c->DK, dt);
+    alloc4(&x->dk, p, c->T, c->H, c->DK, dt);
+    alloc4(&x->dv, p, c->T, c->H, c->DV, dt);
+    a->dq = x->dq.t, a->dk = x->dk.t, a->dv = x->dv.t;
+    if (c->sep_slc) {
+        alloc4(&x->dks, p, c->T, c->H, c->DK, dt), alloc4(&x->dvs, p, c->T, c->H, c->DV, dt);
+        a->dk_slc = x->dks.t, a->dv_slc = x->dvs.t;
+    }
+    if (c->sep_swa) {
+        alloc4(&x->dkw, p, c->T, c->H, c->DK, dt), alloc4(&x->dvw, p, c->T, c->H, c->DV, dt);
+        a->dk_swa = x->dkw.t, a->dv_swa = x->dvw.t;
+    }
+    if (c->own_cmp) {
+        alloc4(&x->dkc, p, p->cmp_rows, c->H, c->DK, dt), alloc4(&x->dvc, p, p->cmp_rows, c->H, c->DV, dt);
+        a->dk_cmp = x->dkc.t, a->dv_cmp = x->dvc.t;
+    }
+    nsa_tensor *dg[3] = {&a->dg_cmp, &a->dg_slc, &a->dg_swa};
+    for (int b = 0; b < 3; b++)
+        if (c->gates >> b & 1) {
+            alloc3(&x->dg[b], p, c->HQ, dt);
+            *dg[b] = x->dg[b].t;
+        }
+    size_t need = 0;
+    long fails = check_status("nsa_backward_workspace_size", nsa_backward_workspace_size(ctx, a, &need));
+    fails += check_status("nsa_backward", nsa_backward(ctx, a, workspace(need), need));
+    if (fails) return fails;
+
+    const int64_t nQ = c->B * c->T * c->HQ * c->DK, nK = c->B * c->T * c->H * c->DK, nV = c->B * c->T * c->H * c->DV;
+    const int64_t nKc = c->B * p->cmp_rows * c->H * c->DK, nVc = c->B * p->cmp_rows * c->H * c->DV, nG = c->B * c->T * c->HQ;
+    double *dq = dalloc(nQ), *dk = dalloc(nK), *dv = dalloc(nV), *dks = dalloc(nK), *dvs = dalloc(nV), *dkw = dalloc(nK),
+           *dvw = dalloc(nV), *dkc = dalloc(nKc), *dvc = dalloc(nVc), *dg3[3] = {dalloc(nG), dalloc(nG), dalloc(nG)};
+    const int64_t m = (c->gates & 2) ? used_indices(x)->t.shape[3] : 1;
+    int32_t *counts = x->bc.buf ? to_i32(&x->bc) : NULL;
+    (void)kc_ref, (void)vc_ref;
+    for (int64_t s = 0; s < p->nseq; s++) {
+        const seqinfo *sq = &p->seq[s];
+        const ref_dims d = seq_dims(p, sq);
+        const int64_t oq = row_off(p, sq, c->HQ, c->DK), ok = row_off(p, sq, c->H, c->DK), ov = row_off(p, sq, c->H, c->DV);
+        const int64_t oo = row_off(p, sq, c->HQ, c->DV), ol = row_off(p, sq, c->HQ, 1);
+        const int64_t ock = cmp_off(p, sq, c->H, c->DK), ocv = cmp_off(p, sq, c->H, c->DV);
+        ref_nsa_inputs in;
+        memset(&in, 0, sizeof in);
+        in.q = x->q.val + oq, in.k = x->k.val + ok, in.v = x->v.val + ov;
+        if (c->sep_slc) in.k_slc = x->ks.val + ok, in.v_slc = x->vs.val + ov;
+        if (c->sep_swa) in.k_swa = x->kw.val + ok, in.v_swa = x->vw.val + ov;
+        if (c->own_cmp) in.k_cmp = x->kc.val + ock, in.v_cmp = x->vc.val + ocv;
+        in.g_cmp = (c->gates & 1) ? x->g[0].val + ol : NULL;
+        in.g_slc = (c->gates & 2) ? x->g[1].val + ol : NULL;
+        in.g_swa = (c->gates & 4) ? x->g[2].val + ol : NULL;
+        in.block_indices = idx_used ? idx_used + row_off(p, sq, c->H, m) : NULL;
+        in.m = m;
+        in.block_counts = counts ? counts + row_off(p, sq, c->H, 1) : NULL;
+        ref_nsa_grads g;
+        memset(&g, 0, sizeof g);
+        g.dq = dq + oq, g.dk = dk + ok, g.dv = dv + ov;
+        if (c->sep_slc) g.dk_slc = dks + ok, g.dv_slc = dvs + ov;
+        if (c->sep_swa) g.dk_swa = dkw + ok, g.dv_swa = dvw + ov;
+        if (c->own_cmp) g.dk_cmp = dkc + ock, g.dv_cmp = dvc + ocv;
+        if (c->gates & 1) g.dg_cmp = dg3[0] + ol;
+        if (c->gates & 2) g.dg_slc = dg3[1] + ol;
+        if (c->gates & 4) g.dg_swa = dg3[2] + ol;
+        ref_nsa_backward(&c->cfg, p->scale, d, &in, x->dout.val + oo, &g);
+    }
+    fails += check_close("nsa_backward dq", &x->dq, dq, dt);
+    fails += check_close("nsa_backward dk", &x->dk, dk, dt);
+    fails += check_close("nsa_backward dv", &x->dv, dv, dt);
+    if (c->sep_slc) fails += check_close("nsa_backward dk_slc", &x->dks, dks, dt) + check_close("nsa_backward dv_slc", &x->dvs, dvs, dt);
+    if (c->sep_swa) fails += check_close("nsa_backward dk_swa", &x->dkw, dkw, dt) + check_close("nsa_backward dv_swa", &x->dvw, dvw, dt);
+    if (c->own_cmp) fails += check_close("nsa_backward dk_cmp", &x->dkc, dkc, dt) + check_close("nsa_backward dv_cmp", &x->dvc, dvc, dt);
+    static const char *gn[3] = {"nsa_backward dg_cmp", "nsa_backward dg_slc", "nsa_backward dg_swa"};
+    for (int b = 0; b < 3; b++)
+        if (c->gates >> b & 1) fails += check_close(gn[b], &x->dg[b], dg3[b], dt);
+    fails += check_guard("dq", &x->dq) + check_guard("dk", &x->dk) + check_guard("dv", &x->dv);
+    free(dq), free(dk), free(dv), free(dks), free(dvs), free(dkw), free(dvw), free(dkc), free(dvc), free(counts);
+    for (int b = 0; b < 3; b++) free(dg3[b]);
+    return fails;
+}
+
+/* Same call on a one-thread context: outputs must be bitwise identical. */
+static long check_determinism(nsa_context *ctx, pipe *x)
+{
+    nsa_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.backend = nsa_context_backend(ctx);
+    d.num_threads = 1;
+    nsa_context *c1 = NULL;
+    if (nsa_context_create(&c1, &d) != NSA_STATUS_SUCCESS) return check_status("context for determinism", NSA_STATUS_BACKEND_UNAVAILABLE);
+    unsigned char *o0 = (unsigned char *)malloc(x->o.bytes), *dq0 = (unsigned char *)malloc(x->dq.bytes);
+    memcpy(o0, x->o.buf, x->o.bytes);
+    memcpy(dq0, x->dq.buf, x->dq.bytes);
+    size_t need = 0;
+    long fails = check_status("forward (1 thread)", nsa_forward_workspace_size(c1, &x->fa, &need));
+    fails += check_status("forward (1 thread)", nsa_forward(c1, &x->fa, workspace(need), need));
+    fails += check_status("backward (1 thread)", nsa_backward_workspace_size(c1, &x->ba, &need));
+    fails += check_status("backward (1 thread)", nsa_backward(c1, &x->ba, workspace(need), need));
+    char msg[600];
+    snprintf(msg, sizeof msg, "outputs differ between thread counts; case %s", g_desc);
+    int same = !memcmp(o0, x->o.buf, x->o.bytes) && !memcmp(dq0, x->dq.buf, x->dq.bytes);
+    harness_record(same, __FILE__, __LINE__, "determinism", msg);
+    free(o0);
+    free(dq0);
+    nsa_context_destroy(c1);
+    return fails + (same ? 0 : 1);
+}
+
+/* ---- single ops ---------------------------------------------------------------------------- */
+
+static long run_status(nsa_status ws_st, size_t need, nsa_status (*dummy)(void), const char *what)
+{
+    (void)dummy, (void)need;
+    return check_status(what, ws_st);
+}
+
+#define RUN_OP(op, ctx, args)                                                                     \
+    do {                                                                                          \
+        size_t need_ = 0;                                                                         \
+        nsa_status st_ = nsa_##op##_workspace_size((ctx), (args), &need_);                        \
+        if (st_ == NSA_STATUS_SUCCESS) st_ = nsa_##op((ctx), (args), workspace(need_), need_);    \
+        fails += run_status(st_, need_, NULL, "nsa_" #op);                                        \
+    } while (0)
+
+static long check_ops(nsa_context *ctx, problem *p)
+{
+    const sweep_case *c = &p->c;
+    const nsa_dtype dt = c->dtype;
+    const int64_t B = c->B, T = c->T, HQ = c->HQ, H = c->H, DK = c->DK, DV = c->DV, R = p->cmp_rows;
+    long fails = 0;
+    tens q, k, v, kc, vc, o, lse, dout, dq, dk, dv, dkc, dvc, idx, cnt, bi, bc;
+    memset(&bi, 0, sizeof bi);
+    memset(&bc, 0, sizeof bc);
+    alloc4(&q, p, T, HQ, DK, dt), alloc4(&k, p, T, H, DK, dt), alloc4(&v, p, T, H, DV, dt);
+    tens_random(&q, &p->rng, 0, c->zero_q ? 0.0 : 1.0, 1), tens_random(&k, &p->rng, 0, 1, 1), tens_random(&v, &p->rng, 0, 1, 1);
+    alloc4(&kc, p, R, H, DK, dt), alloc4(&vc, p, R, H, DV, dt);
+    alloc4(&o, p, T, HQ, DV, dt), alloc3(&lse, p, HQ, NSA_DTYPE_F32);
+    alloc4(&dout, p, T, HQ, DV, dt), tens_random(&dout, &p->rng, 0, 1, 1);
+    alloc4(&dq, p, T, HQ, DK, dt), alloc4(&dk, p, T, H, DK, dt), alloc4(&dv, p, T, H, DV, dt);
+    alloc4(&dkc, p, R, H, DK, dt), alloc4(&dvc, p, R, H, DV, dt);
+    const int64_t nO = B * T * HQ * DV, nL = B * T * HQ;
+    double *ro = dalloc(nO), *rl = dalloc(nL), *rdq = dalloc(B * T * HQ * DK), *rdk = dalloc(B * T * H * DK),
+           *rdv = dalloc(B * T * H * DV), *rkc = dalloc(B * R * H * DK), *rvc = dalloc(B * R * H * DV);
+
+    /* 1. compression of k, and its backward from a random dk_cmp */
+    {
+        nsa_compress_args a;
+        memset(&a, 0, sizeof a);
+        a.x = k.t, a.x_cmp = kc.t, a.varlen = p->vl, a.config = c->cfg;
+        RUN_OP(compress, ctx, &a);
+        for (int64_t s = 0; s < p->nseq; s++) {
+            const seqinfo *sq = &p->seq[s];
+            ref_compress(&c->cfg, sq->len, H, DK, k.val + row_off(p, sq, H, DK), rkc + cmp_off(p, sq, H, DK));
+        }
+        fails += check_close("nsa_compress", &kc, rkc, dt) + check_guard("x_cmp", &kc);
+        nsa_compress_bwd_args b;
+        memset(&b, 0, sizeof b);
+        b.fwd = a;
+        tens_random(&dkc, &p->rng, 0, 1, 1);
+        b.dx_cmp = dkc.t, b.dx = dk.t;
+        RUN_OP(compress_bwd, ctx, &b);
+        for (int64_t s = 0; s < p->nseq; s++) {
+            const seqinfo *sq = &p->seq[s];
+            ref_compress_bwd(&c->cfg, sq->len, H, DK, dkc.val + cmp_off(p, sq, H, DK), rdk + row_off(p, sq, H, DK));
+        }
+        fails += check_close("nsa_compress_bwd", &dk, rdk, dt);
+    }
+    /* 2. compressed attention on random compressed K/V, forward and backward */
+    tens_random(&kc, &p->rng, 0, 1, 1), tens_random(&vc, &p->rng, 0, 1, 1);
+    nsa_cmp_attn_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.q = q.t, ca.k_cmp = kc.t, ca.v_cmp = vc.t, ca.o = o.t, ca.lse = lse.t, ca.varlen = p->vl, ca.config = c->cfg;
+    {
+        RUN_OP(cmp_attn, ctx, &ca);
+        for (int64_t s = 0; s < p->nseq; s++) {
+            const seqinfo *sq = &p->seq[s];
+            ref_cmp_attn(&c->cfg, p->scale, seq_dims(p, sq), sq->ncmp, q.val + row_off(p, sq, HQ, DK),
+                         kc.val + cmp_off(p, sq, H, DK), vc.val + cmp_off(p, sq, H, DV), ro + row_off(p, sq, HQ, DV),
+                         rl + row_off(p, sq, HQ, 1));
+        }
+        fails += check_close("nsa_cmp_attn o", &o, ro, dt) + check_close("nsa_cmp_attn lse", &lse, rl, NSA_DTYPE_F32);
+        nsa_cmp_attn_bwd_args b;
+        memset(&b, 0, sizeof b);
+        b.fwd = ca, b.dout = dout.t, b.dq = dq.t, b.dk_cmp = dkc.t, b.dv_cmp = dvc.t;
+        RUN_OP(cmp_attn_bwd, ctx, &b);
+        for (int64_t s = 0; s < p->nseq; s++) {
+            const seqinfo *sq = &p->seq[s];
+            ref_cmp_attn_bwd(&c->cfg, p->scale, seq_dims(p, sq), sq->ncmp, q.val + row_off(p, sq, HQ, DK),
+                             kc.val + cmp_off(p, sq, H, DK), vc.val + cmp_off(p, sq, H, DV), dout.val + row_off(p, sq, HQ, DV),
+                             rdq + row_off(p, sq, HQ, DK), rkc + cmp_off(p, sq, H, DK), rvc + cmp_off(p, sq, H, DV));
+        }
+        fails += check_close("nsa_cmp_attn_bwd dq", &dq, rdq, dt) + check_close("nsa_cmp_attn_bwd dk_cmp", &dkc, rkc, dt) +
+                 check_close("nsa_cmp_attn_bwd dv_cmp", &dvc, rvc, dt);
+    }
+    /* 3. selection, with the lse of step 2 and without it */
+    {
+        const int64_t shape[4] = {B, T, H, c->cfg.slc_topk}, cshape[3] = {B, T, H};
+        tens_alloc(&idx, 4, shape, NSA_DTYPE_I32, c->strided == 1 ? 1 : 0);
+        tens_alloc(&cnt, 3, cshape, NSA_DTYPE_I32, 0);
+        for (int with_lse = 0; with_lse < 2; with_lse++) {
+            nsa_select_args a;
+            memset(&a, 0, sizeof a);
+            a.q = q.t, a.k_cmp = kc.t, a.block_indices = idx.t, a.block_counts = cnt.t, a.varlen = p->vl, a.config = c->cfg;
+            if (with_lse) a.lse_cmp = lse.t;
+            RUN_OP(select, ctx, &a);
+            fails += check_selection(p, &idx, q.val, kc.val) + check_guard("block_indices", &idx);
+            /* counts agree with the indices and with the candidate count min(n, cur + 1) */
+            long bad = 0;
+            for (int64_t s = 0; s < p->nseq; s++)
+                for (int64_t t = 0; t < p->seq[s].len; t++)
+                    for (int64_t h = 0; h < H; h++) {
+                        const int64_t row = (p->seq[s].b * T + p->seq[s].row0 + t) * H + h;
+                        int64_t valid = 0;
+                        for (int64_t e = 0; e < c->cfg.slc_topk; e++)
+                            valid += get_elem(&idx.t, storage_offset(&idx.t, row * c->cfg.slc_topk + e)) >= 0;
+                        const int64_t cur = t / c->cfg.slc_block;
+                        const int64_t want = cur + 1 < c->cfg.slc_topk ? cur + 1 : c->cfg.slc_topk;
+                        const double got = get_elem(&cnt.t, storage_offset(&cnt.t, row));
+                        bad += valid != want || got != (double)want;
+                    }
+            char msg[600];
+            snprintf(msg, sizeof msg, "%ld rows with a wrong block count; case %s", bad, g_desc);
+            harness_record(bad == 0, __FILE__, __LINE__, "select counts", msg);
+            fails += bad != 0;
+        }
+    }
+    /* 4. selected attention on a random caller selection */
+    {
+        int64_t m = c->cfg.slc_topk + rng_int(&p->rng, -2, 3);
+        random_indices(p, &bi, &bc, m > 0 ? m : 1, (int)rng_int(&p->rng, 0, 1));
+        m = bi.t.shape[3];
+        int32_t *ix = to_i32(&bi), *cn = bc.buf ? to_i32(&bc) : NULL;
+        nsa_slc_attn_args a;
+        memset(&a, 0, sizeof a);
+        a.q = q.t, a.k = k.t, a.v = v.t, a.block_indices = bi.t, a.o = o.t, a.lse = lse.t, a.varlen = p->vl, a.config = c->cfg;
+        if (cn) a.block_counts = bc.t;
+        RUN_OP(slc_attn, ctx, &a);
+        for (int64_t s = 0; s < p->nseq; s++) {
+            const seqinfo *sq = &p->seq[s];
+            ref_slc_attn(&c->cfg, p->scale, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK), k.val + row_off(p, sq, H, DK),
+                         v.val + row_off(p, sq, H, DV), ix + row_off(p, sq, H, m), m, cn ? cn + row_off(p, sq, H, 1) : NULL,
+                         ro + row_off(p, sq, HQ, DV), rl + row_off(p, sq, HQ, 1));
+        }
+        fails += check_close("nsa_slc_attn o", &o, ro, dt) + check_close("nsa_slc_attn lse", &lse, rl, NSA_DTYPE_F32);
+        nsa_slc_attn_bwd_args b;
+        memset(&b, 0, sizeof b);
+        b.fwd = a, b.dout = dout.t, b.dq = dq.t, b.dk = dk.t, b.dv = dv.t;
+        RUN_OP(slc_attn_bwd, ctx, &b);
+        for (int64_t s = 0; s < p->nseq; s++) {
+            const seqinfo *sq = &p->seq[s];
+            ref_slc_attn_bwd(&c->cfg, p->scale, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK), k.val + row_off(p, sq, H, DK),
+                             v.val + row_off(p, sq, H, DV), ix + row_off(p, sq, H, m), m, cn ? cn + row_off(p, sq, H, 1) : NULL,
+                             dout.val + row_off(p, sq, HQ, DV), rdq + row_off(p, sq, HQ, DK), rdk + row_off(p, sq, H, DK),
+                             rdv + row_off(p, sq, H, DV));
+        }
+        fails += check_close("nsa_slc_attn_bwd dq", &dq, rdq, dt) + check_close("nsa_slc_attn_bwd dk", &dk, rdk, dt) +
+                 check_close("nsa_slc_attn_bwd dv", &dv, rdv, dt);
+        free(ix);
+        free(cn);
+    }
+    /* 5. dense / windowed attention with random window and causality */
+    {
+        nsa_attention_args a;
+        memset(&a, 0, sizeof a);
+        a.q = q.t, a.k = k.t, a.v = v.t, a.o = o.t, a.lse = lse.t, a.varlen = p->vl;
+        a.causal = (int)rng_int(&p->rng, 0, 1);
+        a.window_left = rng_int(&p->rng, 0, 2) == 0 ? -1 : rng_int(&p->rng, 0, T + 2);
+        a.window_right = rng_int(&p->rng, 0, 2) == 0 ? -1 : rng_int(&p->rng, 0, T + 2);
+        a.scale = rng_int(&p->rng, 0, 1) ? 0.0f : 0.3f;
+        const double sc = a.scale > 0 ? (double)a.scale : 1.0 / sqrt((double)DK);
+        RUN_OP(attention, ctx, &a);
+        for (int64_t s = 0; s < p->nseq; s++) {
+            const seqinfo *sq = &p->seq[s];
+            ref_attention(sc, a.causal, a.window_left, a.window_right, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK),
+                          k.val + row_off(p, sq, H, DK), v.val + row_off(p, sq, H, DV), ro + row_off(p, sq, HQ, DV),
+                          rl + row_off(p, sq, HQ, 1));
+        }
+        fails += check_close("nsa_attention o", &o, ro, dt) + check_close("nsa_attention lse", &lse, rl, NSA_DTYPE_F32);
+        nsa_attention_bwd_args b;
+        memset(&b, 0, sizeof b);
+        b.fwd = a, b.dout = dout.t, b.dq = dq.t, b.dk = dk.t, b.dv = dv.t;
+        RUN_OP(attention_bwd, ctx, &b);
+        for (int64_t s = 0; s < p->nseq; s++) {
+            const seqinfo *sq = &p->seq[s];
+            ref_attention_bwd(sc, a.causal, a.window_left, a.window_right, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK),
+                              k.val + row_off(p, sq, H, DK), v.val + row_off(p, sq, H, DV), dout.val + row_off(p, sq, HQ, DV),
+                              rdq + row_off(p, sq, HQ, DK), rdk + row_off(p, sq, H, DK), rdv + row_off(p, sq, H, DV));
+        }
+        fails += check_close("nsa_attention_bwd dq", &dq, rdq, dt) + check_close("nsa_attention_bwd dk", &dk, rdk, dt) +
+                 check_close("nsa_attention_bwd dv", &dv, rdv, dt);
+    }
+    /* 6. gating: the spec's formula written out here, and its gradients */
+    {
+        tens ob[3], g[3], dob[3], dg[3];
+        nsa_gate_args a;
+        nsa_gate_bwd_args b;
+        memset(&a, 0, sizeof a);
+        memset(&b, 0, sizeof b);
+        nsa_tensor *ao[3] = {&a.o_cmp, &a.o_slc, &a.o_swa}, *ag[3] = {&a.g_cmp, &a.g_slc, &a.g_swa};
+        nsa_tensor *bo[3] = {&b.do_cmp, &b.do_slc, &b.do_swa}, *bg[3] = {&b.dg_cmp, &b.dg_slc, &b.dg_swa};
+        double *rdo[3], *rdg[3];
+        for (int x = 0; x < 3; x++) {
+            memset(&ob[x], 0, sizeof ob[x]), memset(&g[x], 0, sizeof g[x]), memset(&dob[x], 0, sizeof dob[x]);
+            memset(&dg[x], 0, sizeof dg[x]);
+            rdo[x] = dalloc(nO), rdg[x] = dalloc(nL);
+            if (!(c->gates >> x & 1)) continue;
+            alloc4(&ob[x], p, T, HQ, DV, x == 1 ? NSA_DTYPE_F32 : dt); /* branch outputs may differ in dtype */
+            tens_random(&ob[x], &p->rng, 0, 1, 1);
+            alloc3(&g[x], p, HQ, dt), tens_random(&g[x], &p->rng, 0.05, 1, 0);
+            alloc4(&dob[x], p, T, HQ, DV, dt), alloc3(&dg[x], p, HQ, dt);
+            *ao[x] = ob[x].t, *ag[x] = g[x].t, *bo[x] = dob[x].t, *bg[x] = dg[x].t;
+        }
+        a.o = o.t;
+        RUN_OP(gate, ctx, &a);
+        for (int64_t r = 0; r < nL; r++)
+            for (int64_t e = 0; e < DV; e++) {
+                double acc = 0, dd = dout.val[r * DV + e];
+                for (int x = 0; x < 3; x++)
+                    if (c->gates >> x & 1) {
+                        acc += g[x].val[r] * ob[x].val[r * DV + e];
+                        rdo[x][r * DV + e] = g[x].val[r] * dd;
+                        rdg[x][r] += dd * ob[x].val[r * DV + e];
+                    }
+                ro[r * DV + e] = acc;
+            }
+        fails += check_close("nsa_gate", &o, ro, dt);
+        b.fwd = a, b.dout = dout.t;
+        RUN_OP(gate_bwd, ctx, &b);
+        for (int x = 0; x < 3; x++) {
+            if (c->gates >> x & 1) fails += check_close("nsa_gate_bwd do", &dob[x], rdo[x], dt) + check_close("nsa_gate_bwd dg", &dg[x], rdg[x], dt);
+            tens_free(&ob[x]), tens_free(&g[x]), tens_free(&dob[x]), tens_free(&dg[x]);
+            free(rdo[x]), free(rdg[x]);
+        }
+    }
+    tens *all[] = {&q, &k, &v, &kc, &vc, &o, &lse, &dout, &dq, &dk, &dv, &dkc, &dvc, &idx, &cnt, &bi, &bc};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tens_free(all[i]);
+    free(ro), free(rl), free(rdq), free(rdk), free(rdv), free(rkc), free(rvc);
+    return fails;
+}
+
+/* ---- cases ------------------------------------------------------------------------------------ */
+
+void sweep_case_describe(const sweep_case *c, char *buf, size_t n)
+{
+    int len = snprintf(buf, n, "B=%lld T=%lld HQ=%lld H=%lld DK=%lld DV=%lld %s l=%lld d=%lld l'=%lld n=%lld init=%lld local=%lld w=%lld "
+                       "layout=%d gates=%d own_cmp=%d own_idx=%d sep=%d/%d zero_q=%d",
+                       (long long)c->B, (long long)c->T, (long long)c->HQ, (long long)c->H, (long long)c->DK, (long long)c->DV,
+                       c->dtype == NSA_DTYPE_F32 ? "f32" : c->dtype == NSA_DTYPE_BF16 ? "bf16" : "f16", (long long)c->cfg.cmp_len,
+                       (long long)c->cfg.cmp_stride, (long long)c->cfg.slc_block, (long long)c->cfg.slc_topk,
+                       (long long)c->cfg.n_init, (long long)c->cfg.n_local, (long long)c->cfg.window, c->strided, c->gates,
+                       c->own_cmp, c->own_idx, c->sep_slc, c->sep_swa, c->zero_q);
+    if (c->varlen && len > 0 && (size_t)len < n) {
+        len += snprintf(buf + len, n - (size_t)len, " varlen=[");
+        for (int64_t s = 0; s < c->num_seqs && (size_t)len < n; s++)
+            len += snprintf(buf + len, n - (size_t)len, "%s%d", s ? "," : "", c->lens[s]);
+        if ((size_t)len < n) snprintf(buf + len, n - (size_t)len, "]");
+    }
+}
+
+static int64_t pick(test_rng *r, const int64_t *xs, int n) { return xs[rng_int(r, 0, n - 1)]; }
+
+void sweep_case_random(sweep_case *c, uint64_t *state, int64_t max_T)
+{
+    test_rng r = {*state};
+    static const int64_t Ts[] = {1, 17, 31, 32, 63, 64, 65, 200, 1000};
+    static const int64_t Gs[] = {1, 2, 4, 16};
+    static const int64_t Ds[][2] = {{64, 64}, {128, 128}, {192, 128}, {16, 16}, {8, 12}};
+    if (!c->T) {
+        do c->T = pick(&r, Ts, 9);
+        while (c->T > max_T);
+    }
+    if (!c->H) c->H = rng_int(&r, 1, 2);
+    if (!c->HQ) c->HQ = c->H * pick(&r, Gs, 4);
+    if (!c->DK) {
+        int i = (int)rng_int(&r, 0, 4);
+        c->DK = Ds[i][0], c->DV = Ds[i][1];
+    }
+    /* keep the O(T^2) reference affordable: shrink heads/dims for long sequences */
+    while ((double)c->T * c->T * c->HQ * (c->DK + c->DV) > 3e8 && c->HQ > c->H) c->HQ /= 2;
+    while ((double)c->T * c->T * c->HQ * (c->DK + c->DV) > 3e8 && c->DK > 16) c->DK /= 2, c->DV = c->DV > 16 ? c->DV / 2 : c->DV;
+    if (c->HQ % c->H) c->HQ = c->H;
+    if (!c->dtype) c->dtype = rng_int(&r, 0, 3) == 0 ? NSA_DTYPE_F32 : (rng_int(&r, 0, 3) == 0 ? NSA_DTYPE_F16 : NSA_DTYPE_BF16);
+    if (!c->cfg.cmp_len) {
+        int kind = (int)rng_int(&r, 0, 3);
+        if (kind == 0) c->cfg = nsa_config_default();
+        else if (kind == 1) {
+            c->cfg = nsa_config_default();
+            c->cfg.cmp_len = c->cfg.cmp_stride = c->cfg.slc_block = 64;
+        } else {
+            const int64_t d = pick(&r, (const int64_t[]){1, 2, 4, 8}, 4);
+            c->cfg.cmp_stride = d;
+            c->cfg.cmp_len = d * rng_int(&r, 1, 4);
+            c->cfg.slc_block = c->cfg.cmp_len + d * rng_int(&r, 0, 4);
+            c->cfg.n_init = rng_int(&r, 0, 2);
+            c->cfg.n_local = rng_int(&r, 0, 3);
+            c->cfg.slc_topk = c->cfg.n_init + c->cfg.n_local + rng_int(&r, 0, 4);
+            if (c->cfg.slc_topk < 1) c->cfg.slc_topk = 1;
+            c->cfg.window = rng_int(&r, 1, 80);
+        }
+        if (rng_int(&r, 0, 4) == 0) c->cfg.scale = 0.2f;
+    }
+    if (!c->B && !c->varlen && rng_int(&r, 0, 3) == 0) {
+        c->varlen = 1;
+        c->num_seqs = rng_int(&r, 1, 5);
+        int64_t total = 0;
+        for (int64_t s = 0; s < c->num_seqs; s++) {
+            int64_t kind = rng_int(&r, 0, 5);
+            c->lens[s] = (int32_t)(kind == 0 ? 0 : kind == 1 ? 1 : rng_int(&r, 2, c->T > 2 ? c->T : 2));
+            total += c->lens[s];
+        }
+        c->T = total;
+    }
+    if (c->varlen) c->B = 1;
+    if (!c->B) c->B = rng_int(&r, 1, 2);
+    if (!c->strided) c->strided = (int)rng_int(&r, 0, 2);
+    if (!c->gates) c->gates = (int)rng_int(&r, 1, 7);
+    if (!c->own_cmp) c->own_cmp = rng_int(&r, 0, 4) == 0;
+    if (!c->own_idx) c->own_idx = rng_int(&r, 0, 4) == 0;
+    if (!c->sep_slc) c->sep_slc = rng_int(&r, 0, 5) == 0;
+    if (!c->sep_swa) c->sep_swa = rng_int(&r, 0, 5) == 0;
+    *state = r.s;
+}
+
+long sweep_run_case(nsa_context *ctx, const sweep_case *c, uint64_t seed, int verbose)
+{
+    const long f0 = g_tests_failed;
+    g_verbose = verbose;
+    char d[400];
+    sweep_case_describe(c, d, sizeof d);
+    snprintf(g_desc, sizeof g_desc, "seed=%llu %s", (unsigned long long)seed, d);
+    if (verbose) fprintf(stderr, "case %s\n", g_desc);
+    problem p;
+    problem_init(&p, c, seed);
+    pipe x;
+    build_pipe(&p, &x);
+    size_t need = 0;
+    long fails = check_status("nsa_forward_workspace_size", nsa_forward_workspace_size(ctx, &x.fa, &need));
+    if (!fails) fails += check_status("nsa_forward", nsa_forward(ctx, &x.fa, workspace(need), need));
+    if (!fails) {
+        double *kc = NULL, *vc = NULL;
+        int32_t *idx = NULL;
+        fails += check_pipeline_forward(&p, &x, &kc, &vc, &idx);
+        fails += check_pipeline_backward(ctx, &p, &x, kc, vc, idx);
+        if (nsa_context_backend(ctx) == NSA_BACKEND_CPU) fails += check_determinism(ctx, &x);
+        if (!c->own_cmp) free(kc), free(vc);
+        free(idx);
+        fails += check_ops(ctx, &p);
+    }
+    pipe_free(&x);
+    problem_free(&p);
+    return g_tests_failed - f0;
+}
+
+long sweep_run(const sweep_opts *o)
+{
+    nsa_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.backend = o->backend;
+    d.num_threads = o->threads;
+    nsa_context *ctx = NULL;
+    nsa_status st = nsa_context_create(&ctx, &d);
+    if (st != NSA_STATUS_SUCCESS) {
+        char msg[200];
+        snprintf(msg, sizeof msg, "cannot create the context: %s", nsa_status_string(st));
+        harness_record(0, __FILE__, __LINE__, "sweep context", msg);
+        return 1;
+    }
+    const long f0 = g_tests_failed;
+    uint64_t state = o->seed;
+    const double t0 = (double)time(NULL);
+    double last = t0;
+    long cases = 0;
+    for (;;) {
+        if (o->max_cases && cases >= o->max_cases) break;
+        if (o->minutes > 0 && (double)time(NULL) - t0 >= o->minutes * 60.0) break;
+        sweep_case c;
+        memset(&c, 0, sizeof c);
+        const uint64_t case_seed = state;
+        sweep_case_random(&c, &state, o->max_T > 0 ? o->max_T : 1000);
+        sweep_run_case(ctx, &c, case_seed, o->verbose > 1);
+        cases++;
+        if (o->verbose && (double)time(NULL) - last >= 10.0) {
+            last = (double)time(NULL);
+            printf("check: %ld cases, %ld checks passed, %ld failed, %.0f s\n", cases, g_tests_passed, g_tests_failed - f0,
+                   last - t0);
+            fflush(stdout);
+        }
+        if (g_tests_failed - f0 > 0 && o->minutes > 0) break; /* a long run stops at the first failing case */
+    }
+    if (o->verbose) printf("check: %ld cases done\n", cases);
+    nsa_context_destroy(ctx);
+    free(ws_buf);
+    ws_buf = NULL;
+    ws_size = 0;
+    return g_tests_failed - f0;
+}

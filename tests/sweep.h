@@ -1,0 +1,45 @@
+/* sweep.h -- the random correctness sweep: the backend against the float64 reference
+ * (tests/ref.c) on seeded random problems, op by op and for the whole pipeline, forward
+ * and backward. Shared by `make test` (fixed seed, fixed case count) and `nsa check`. */
+#ifndef NSA_TEST_SWEEP_H
+#define NSA_TEST_SWEEP_H
+
+#include <stdint.h>
+#include "nsa.h"
+
+/* A problem the sweep runs; fields left 0 are drawn at random by sweep_case_random. */
+typedef struct sweep_case {
+    int64_t B, T, HQ, H, DK, DV;
+    nsa_dtype dtype;
+    nsa_config cfg;
+    int varlen;               /* pack several sequences (B = 1) */
+    int64_t num_seqs;
+    int32_t lens[8];          /* varlen lengths, num_seqs of them */
+    int strided;              /* 0 contiguous, 1 padded rows/dims, 2 head-major */
+    int gates;                /* bit 0 cmp, 1 slc, 2 swa */
+    int own_cmp, own_idx, sep_slc, sep_swa;
+    int zero_q;               /* q = 0: every score equal (tie rule) */
+} sweep_case;
+
+typedef struct sweep_opts {
+    uint64_t seed;
+    long max_cases;           /* stop after this many random cases (0 = no limit) */
+    double minutes;           /* stop after this long (0 = no limit) */
+    nsa_backend backend;
+    int threads;
+    int verbose;
+    int64_t max_T;            /* cap for random T (default 1000) */
+} sweep_opts;
+
+/* Draws a random valid case from rng state *s (fields already nonzero in *c are kept). */
+void sweep_case_random(sweep_case *c, uint64_t *s, int64_t max_T);
+/* Runs every check on one case, recording passes and failures in the harness counters.
+ * @return the number of failed checks in this case. */
+long sweep_run_case(nsa_context *ctx, const sweep_case *c, uint64_t seed, int verbose);
+/* Random cases until max_cases or minutes; prints a progress line every ~10 s when
+ * verbose. @return total failed checks. */
+long sweep_run(const sweep_opts *o);
+/* One-line description of a case (for failure messages). */
+void sweep_case_describe(const sweep_case *c, char *buf, size_t n);
+
+#endif
