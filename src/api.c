@@ -189,8 +189,11 @@ void nsa_context_destroy(nsa_context *ctx) { free(ctx); }
 /* ---- the one dispatch place ---------------------------------------------------------- */
 
 #ifdef NSA_WITH_CUDA
-#define NSA_CUDA_WS(op, ctx, p, a) \
-    if ((ctx)->backend == NSA_BACKEND_CUDA) return nsa_cuda_##op##_workspace((ctx), (p), (a))
+#define NSA_CUDA_WS(op, ctx, p, a)                                      \
+    if ((ctx)->backend == NSA_BACKEND_CUDA) {                           \
+        *bytes = nsa_cuda_##op##_workspace((ctx), (p), (a));            \
+        return NSA_STATUS_SUCCESS;                                      \
+    }
 #define NSA_CUDA_RUN(op, ctx, p, a, ws) \
     if ((ctx)->backend == NSA_BACKEND_CUDA) return nsa_cuda_##op((ctx), (p), (a), (ws))
 #else

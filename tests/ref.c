@@ -34,29 +34,43 @@ static void *ref_alloc(int64_t count, size_t size)
 static double *dalloc(int64_t n) { return ref_alloc(n, sizeof(double)); }
 static unsigned char *ualloc(int64_t n) { return ref_alloc(n, 1); }
 
-/* a [n] . b [n]. Four partial sums: a single dependency chain made T ~ 1000 too slow. */
+/* a [n] . b [n]. Eight partial sums, unrolled by hand: one long chain of dependent adds
+ * (or a loop gcc -O2 will not vectorise) made T ~ 1000, D ~ 192 several times slower.
+ * Every dot product of the reference goes through here, so all paths round alike. */
 static double dot(const double *a, const double *b, int64_t n)
 {
-    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0, s4 = 0.0, s5 = 0.0, s6 = 0.0, s7 = 0.0;
     int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
+    for (; i + 8 <= n; i += 8) {
         s0 += a[i] * b[i];
         s1 += a[i + 1] * b[i + 1];
         s2 += a[i + 2] * b[i + 2];
         s3 += a[i + 3] * b[i + 3];
+        s4 += a[i + 4] * b[i + 4];
+        s5 += a[i + 5] * b[i + 5];
+        s6 += a[i + 6] * b[i + 6];
+        s7 += a[i + 7] * b[i + 7];
     }
     for (; i < n; i++) s0 += a[i] * b[i];
-    return (s0 + s1) + (s2 + s3);
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7));
 }
 
-/* y [n] += a * x [n]. */
-static void axpy(double *y, double a, const double *x, int64_t n)
+/* y [n] += a * x [n]; y and x never overlap. Unrolled by hand because gcc -O2 vectorises
+ * straight-line groups but not a loop of unknown length; each y[i] is the same either way. */
+static void axpy(double *restrict y, double a, const double *restrict x, int64_t n)
 {
-    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        y[i] += a * x[i];
+        y[i + 1] += a * x[i + 1];
+        y[i + 2] += a * x[i + 2];
+        y[i + 3] += a * x[i + 3];
+    }
+    for (; i < n; i++) y[i] += a * x[i];
 }
 
-/* y [n] += x [n]. */
-static void add_to(double *y, const double *x, int64_t n)
+/* y [n] += x [n]; no overlap. */
+static void add_to(double *restrict y, const double *restrict x, int64_t n)
 {
     for (int64_t i = 0; i < n; i++) y[i] += x[i];
 }
@@ -80,93 +94,134 @@ static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static int64_t num_slc(const nsa_config *c, int64_t T) { return (T + c->slc_block - 1) / c->slc_block; }
 
 /* ------------------------------------------------------------------------------------ */
-/* The attention row: one query against Tk keys under a 0/1 visibility row               */
+/* The attention core: R query rows of one kv head against its Tk keys                   */
 /* ------------------------------------------------------------------------------------ */
 
-/* q_row [DK]; key s is k + s*k_stride [DK] and v + s*v_stride [DV]; vis [Tk] 0/1.
- * Writes p [Tk] = softmax(scale * q.k) over the visible keys (0 elsewhere) and, when
- * o_row != NULL, o_row [DV] = sum_s p[s] v[s].
- * @return the natural-log sum-exp of the visible scores; -INFINITY (with p = 0, o = 0)
- *         when no key is visible, so an empty row never produces NaN. */
-static double attend_row(double scale, int64_t DK, int64_t DV, const double *q_row, const double *k,
-                         int64_t k_stride, const double *v, int64_t v_stride, int64_t Tk,
-                         const unsigned char *vis, double *p, double *o_row)
+/* Query rows processed together. Each key row is then read once per block instead of once
+ * per query row, which is what keeps T ~ 1000, D ~ 192 affordable; every row's own
+ * arithmetic (and so its result, to the bit) is the same whatever the block. */
+enum { REF_ROW_BLOCK = 32 };
+
+/* Key s is k + s*k_stride [DK] and v + s*v_stride [DV]. Row r: q[r] [DK], vis[r] [Tk] 0/1.
+ * Writes P [R, Tk] = softmax(scale * q[r] . k_s) over the visible keys (0 elsewhere),
+ * lse [R] (optional) = natural-log sum-exp of the visible scores, and, when o != NULL,
+ * o[r] [DV] = sum_s P[r, s] v_s. A row that sees no key gets P = 0, o = 0, lse = -INFINITY,
+ * so an empty row never produces NaN. */
+static void attend_rows(double scale, int64_t DK, int64_t DV, int64_t Tk, const double *k, int64_t k_stride,
+                        const double *v, int64_t v_stride, int64_t R, const double *const *q,
+                        const unsigned char *const *vis, double *P, double *const *o, double *lse)
 {
-    double mx = -INFINITY;
-    int any = 0;
-    for (int64_t s = 0; s < Tk; s++) {
-        p[s] = 0.0;
-        if (!vis[s]) continue;
-        p[s] = scale * dot(q_row, k + s * k_stride, DK);
-        if (!any || p[s] > mx) mx = p[s];
-        any = 1;
-    }
-    if (o_row) memset(o_row, 0, (size_t)DV * sizeof(double));
-    if (!any) return -INFINITY;
-    /* Textbook softmax with the max subtracted, so large scores cannot overflow. */
-    double sum = 0.0;
+    /* S = scale * Q K^T on the visible entries. */
     for (int64_t s = 0; s < Tk; s++)
-        if (vis[s]) {
-            p[s] = exp(p[s] - mx);
-            sum += p[s];
-        }
-    for (int64_t s = 0; s < Tk; s++)
-        if (vis[s]) p[s] /= sum;
-    if (o_row)
+        for (int64_t r = 0; r < R; r++)
+            P[r * Tk + s] = vis[r][s] ? scale * dot(q[r], k + s * k_stride, DK) : 0.0;
+    /* Textbook softmax per row, the max subtracted so large scores cannot overflow. */
+    for (int64_t r = 0; r < R; r++) {
+        double *p = P + r * Tk, mx = -INFINITY, sum = 0.0;
+        int any = 0;
         for (int64_t s = 0; s < Tk; s++)
-            if (vis[s]) axpy(o_row, p[s], v + s * v_stride, DV);
-    return mx + log(sum);
+            if (vis[r][s] && (!any || p[s] > mx)) {
+                mx = p[s];
+                any = 1;
+            }
+        if (lse) lse[r] = -INFINITY;
+        if (!any) continue;
+        for (int64_t s = 0; s < Tk; s++)
+            if (vis[r][s]) {
+                p[s] = exp(p[s] - mx);
+                sum += p[s];
+            }
+        for (int64_t s = 0; s < Tk; s++)
+            if (vis[r][s]) p[s] /= sum;
+        if (lse) lse[r] = mx + log(sum);
+    }
+    if (!o) return;
+    /* O = P V; per row the keys are still summed in ascending order. */
+    for (int64_t r = 0; r < R; r++) memset(o[r], 0, (size_t)DV * sizeof(double));
+    for (int64_t s = 0; s < Tk; s++)
+        for (int64_t r = 0; r < R; r++)
+            if (vis[r][s]) axpy(o[r], P[r * Tk + s], v + s * v_stride, DV);
 }
 
-/* Backward of attend_row for the loss sum(o_row * do_row):
- * dq_row [DK] is overwritten; dk (rows at dk + s*k_stride, [DK]) and dv (rows at
- * dv + s*v_stride, [DV]) are accumulated. p, dp: scratch [Tk].
- * dS_s = p_s (dP_s - sum_r p_r dP_r) with dP_s = do . v_s; dq = scale sum_s dS_s k_s,
- * dk_s += scale dS_s q, dv_s += p_s do. An empty row gives zero everywhere. */
-static void attend_row_bwd(double scale, int64_t DK, int64_t DV, const double *q_row, const double *k,
-                           int64_t k_stride, const double *v, int64_t v_stride, int64_t Tk,
-                           const unsigned char *vis, const double *do_row, double *p, double *dp,
-                           double *dq_row, double *dk, double *dv)
+/* Backward of attend_rows for the loss sum_r o[r] . dout[r]; dout[r] [DV].
+ * dq[r] [DK] is overwritten; dk (key s at dk + s*k_stride, [DK]) and dv (dv + s*v_stride,
+ * [DV]) are accumulated. P, dS: scratch [R, Tk].
+ * dP = dO V^T, D_r = sum_s P dP, dS = P (dP - D); dQ = scale dS K, dK += scale dS^T Q,
+ * dV += P^T dO. Empty rows have P = 0 and so contribute nothing. */
+static void attend_rows_bwd(double scale, int64_t DK, int64_t DV, int64_t Tk, const double *k, int64_t k_stride,
+                            const double *v, int64_t v_stride, int64_t R, const double *const *q,
+                            const unsigned char *const *vis, const double *const *dout, double *P, double *dS,
+                            double *const *dq, double *dk, double *dv)
 {
-    memset(dq_row, 0, (size_t)DK * sizeof(double));
-    if (attend_row(scale, DK, 0, q_row, k, k_stride, NULL, 0, Tk, vis, p, NULL) == -INFINITY) return;
-    double D = 0.0;
-    for (int64_t s = 0; s < Tk; s++) {
-        dp[s] = 0.0;
-        if (!vis[s]) continue;
-        dp[s] = dot(do_row, v + s * v_stride, DV);
-        D += p[s] * dp[s];
+    attend_rows(scale, DK, 0, Tk, k, k_stride, NULL, 0, R, q, vis, P, NULL, NULL);
+    for (int64_t s = 0; s < Tk; s++)
+        for (int64_t r = 0; r < R; r++)
+            dS[r * Tk + s] = vis[r][s] ? dot(dout[r], v + s * v_stride, DV) : 0.0;
+    for (int64_t r = 0; r < R; r++) {
+        double D = 0.0;
+        for (int64_t s = 0; s < Tk; s++) D += P[r * Tk + s] * dS[r * Tk + s];
+        for (int64_t s = 0; s < Tk; s++) dS[r * Tk + s] = P[r * Tk + s] * (dS[r * Tk + s] - D);
+        memset(dq[r], 0, (size_t)DK * sizeof(double));
     }
-    for (int64_t s = 0; s < Tk; s++) {
-        if (!vis[s]) continue;
-        double ds = p[s] * (dp[s] - D);
-        axpy(dq_row, scale * ds, k + s * k_stride, DK);
-        axpy(dk + s * k_stride, scale * ds, q_row, DK);
-        axpy(dv + s * v_stride, p[s], do_row, DV);
-    }
+    for (int64_t s = 0; s < Tk; s++)
+        for (int64_t r = 0; r < R; r++) {
+            if (!vis[r][s]) continue;
+            axpy(dq[r], scale * dS[r * Tk + s], k + s * k_stride, DK);
+            axpy(dk + s * k_stride, scale * dS[r * Tk + s], q[r], DK);
+            axpy(dv + s * v_stride, P[r * Tk + s], dout[r], DV);
+        }
 }
 
 /* ------------------------------------------------------------------------------------ */
 /* Masked dense attention: the core under spec 2, 4 and 5                                */
 /* ------------------------------------------------------------------------------------ */
 
-/* q [T, HQ, DK], k [Tk, H, DK], v [Tk, H, DV], mask [T, mh, Tk] with mh = 1 (one row per
- * query, shared by all heads) or mh = H (one row per query and kv head)
+/* One block of the query rows of kv head h, numbered r = t * G + g (query head h*G + g):
+ * pointers into q [T, HQ, DK], mask [T, mh, Tk] (mh = 1: one row per query shared by all
+ * heads; mh = H: one per query and kv head), an output x [T, HQ, out_w] and an input
+ * y [T, HQ, in_w] (out / in NULL = none). */
+typedef struct ref_block {
+    int64_t R;
+    int64_t row[REF_ROW_BLOCK];  /* t * HQ + hq of each row */
+    const double *q[REF_ROW_BLOCK];
+    const unsigned char *vis[REF_ROW_BLOCK];
+    double *out[REF_ROW_BLOCK];
+    const double *in[REF_ROW_BLOCK];
+} ref_block;
+
+/* Fills B with rows r0 .. r0 + R - 1 of kv head h (R = REF_ROW_BLOCK or what is left). */
+static void block_rows(ref_block *B, ref_dims d, int64_t h, int64_t r0, int64_t Tk, const unsigned char *mask,
+                       int64_t mh, const double *q, double *out, int64_t out_w, const double *in, int64_t in_w)
+{
+    const int64_t G = d.HQ / d.H;
+    B->R = min64(REF_ROW_BLOCK, d.T * G - r0);
+    for (int64_t r = 0; r < B->R; r++) {
+        const int64_t t = (r0 + r) / G, hq = h * G + (r0 + r) % G, row = t * d.HQ + hq;
+        B->row[r] = row;
+        B->q[r] = q + row * d.DK;
+        B->vis[r] = mask + (t * mh + (mh == 1 ? 0 : h)) * Tk;
+        B->out[r] = out ? out + row * out_w : NULL;
+        B->in[r] = in ? in + row * in_w : NULL;
+    }
+}
+
+/* q [T, HQ, DK], k [Tk, H, DK], v [Tk, H, DV], mask [T, mh, Tk] (see block_rows)
  * -> o [T, HQ, DV] and lse [T, HQ] (either may be NULL). */
 static void masked_attn(double scale, ref_dims d, int64_t Tk, const unsigned char *mask, int64_t mh,
                         const double *q, const double *k, const double *v, double *o, double *lse)
 {
     const int64_t G = d.HQ / d.H;
-    double *p = dalloc(Tk);
-    for (int64_t t = 0; t < d.T; t++)
-        for (int64_t hq = 0; hq < d.HQ; hq++) {
-            const int64_t h = hq / G;
-            const unsigned char *vis = mask + (t * mh + (mh == 1 ? 0 : h)) * Tk;
-            double l = attend_row(scale, d.DK, d.DV, q + (t * d.HQ + hq) * d.DK, k + h * d.DK, d.H * d.DK,
-                                  v + h * d.DV, d.H * d.DV, Tk, vis, p, o ? o + (t * d.HQ + hq) * d.DV : NULL);
-            if (lse) lse[t * d.HQ + hq] = l;
+    double *P = dalloc(REF_ROW_BLOCK * Tk), lse_b[REF_ROW_BLOCK];
+    ref_block B;
+    for (int64_t h = 0; h < d.H; h++)
+        for (int64_t r0 = 0; r0 < d.T * G; r0 += REF_ROW_BLOCK) {
+            block_rows(&B, d, h, r0, Tk, mask, mh, q, o, d.DV, NULL, 0);
+            attend_rows(scale, d.DK, d.DV, Tk, k + h * d.DK, d.H * d.DK, v + h * d.DV, d.H * d.DV, B.R, B.q, B.vis, P,
+                        o ? B.out : NULL, lse_b);
+            if (lse)
+                for (int64_t r = 0; r < B.R; r++) lse[B.row[r]] = lse_b[r];
         }
-    free(p);
+    free(P);
 }
 
 /* Backward of masked_attn for the loss sum(o * dout): dout [T, HQ, DV] ->
@@ -176,19 +231,18 @@ static void masked_attn_bwd(double scale, ref_dims d, int64_t Tk, const unsigned
                             double *dq, double *dk, double *dv)
 {
     const int64_t G = d.HQ / d.H;
-    double *p = dalloc(Tk), *dp = dalloc(Tk);
+    double *P = dalloc(REF_ROW_BLOCK * Tk), *dS = dalloc(REF_ROW_BLOCK * Tk);
+    ref_block B;
     zero_if(dk, Tk * d.H * d.DK);
     zero_if(dv, Tk * d.H * d.DV);
-    for (int64_t t = 0; t < d.T; t++)
-        for (int64_t hq = 0; hq < d.HQ; hq++) {
-            const int64_t h = hq / G;
-            const unsigned char *vis = mask + (t * mh + (mh == 1 ? 0 : h)) * Tk;
-            attend_row_bwd(scale, d.DK, d.DV, q + (t * d.HQ + hq) * d.DK, k + h * d.DK, d.H * d.DK,
-                           v + h * d.DV, d.H * d.DV, Tk, vis, dout + (t * d.HQ + hq) * d.DV, p, dp,
-                           dq + (t * d.HQ + hq) * d.DK, dk + h * d.DK, dv + h * d.DV);
+    for (int64_t h = 0; h < d.H; h++)
+        for (int64_t r0 = 0; r0 < d.T * G; r0 += REF_ROW_BLOCK) {
+            block_rows(&B, d, h, r0, Tk, mask, mh, q, dq, d.DK, dout, d.DV);
+            attend_rows_bwd(scale, d.DK, d.DV, Tk, k + h * d.DK, d.H * d.DK, v + h * d.DV, d.H * d.DV, B.R, B.q,
+                            B.vis, B.in, P, dS, B.out, dk + h * d.DK, dv + h * d.DV);
         }
-    free(p);
-    free(dp);
+    free(P);
+    free(dS);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -347,6 +401,8 @@ static int int32_order(const void *pa, const void *pb)
 /* Scratch of one selection row, reused across rows. */
 typedef struct ref_sel_work {
     double *p;          /* [G, Nc] compressed probabilities of the group's query heads */
+    const double **q;   /* [G] the group's query rows */
+    const unsigned char **vis;  /* [G] the query's spec-2 row, once per head */
     double *p_slc;      /* [nb] one head's block importance */
     double *imp;        /* [nb] the group's importance */
     ref_cand *cand;     /* [nb] */
@@ -356,6 +412,8 @@ static ref_sel_work sel_work_open(int64_t G, int64_t Nc, int64_t nb)
 {
     ref_sel_work w;
     w.p = dalloc(G * Nc);
+    w.q = ref_alloc(G, sizeof(const double *));
+    w.vis = ref_alloc(G, sizeof(const unsigned char *));
     w.p_slc = dalloc(nb);
     w.imp = dalloc(nb);
     w.cand = ref_alloc(nb, sizeof(ref_cand));
@@ -365,6 +423,8 @@ static ref_sel_work sel_work_open(int64_t G, int64_t Nc, int64_t nb)
 static void sel_work_close(ref_sel_work *w)
 {
     free(w->p);
+    free((void *)w->q);
+    free((void *)w->vis);
     free(w->p_slc);
     free(w->imp);
     free(w->cand);
@@ -381,9 +441,11 @@ static void select_one(const nsa_config *c, double scale, ref_dims d, int64_t Nc
 {
     const int64_t G = d.HQ / d.H, nb = num_slc(c, d.T), lp = c->slc_block, n = c->slc_topk;
     const int64_t l = c->cmp_len, st = c->cmp_stride;
-    for (int64_t g = 0; g < G; g++)
-        attend_row(scale, d.DK, 0, q + (t * d.HQ + h * G + g) * d.DK, k_cmp + h * d.DK, d.H * d.DK, NULL, 0,
-                   Nc, vis_cmp, w->p + g * Nc, NULL);
+    for (int64_t g = 0; g < G; g++) {
+        w->q[g] = q + (t * d.HQ + h * G + g) * d.DK;
+        w->vis[g] = vis_cmp;
+    }
+    attend_rows(scale, d.DK, 0, Nc, k_cmp + h * d.DK, d.H * d.DK, NULL, 0, G, w->q, w->vis, w->p, NULL, NULL);
     memset(w->imp, 0, (size_t)nb * sizeof(double));
     for (int64_t g = 0; g < G; g++) {
         memset(w->p_slc, 0, (size_t)nb * sizeof(double));
@@ -691,9 +753,9 @@ void ref_nsa_backward(const nsa_config *c, double scale, ref_dims d, const ref_n
 
 /* ref_nsa_forward's o for the query rows rows[0..nrows) only -> o_rows [nrows, HQ, DV].
  * Each row rebuilds its own visibility rows and selection, so the memory is O(T) (plus the
- * O(Nc) pooled k_cmp / v_cmp) and the time O(nrows * T * (DK + DV) * HQ). The per-row
- * pieces (attend_row, select_one, combine_row) are the ones the dense path uses, so both
- * agree to the last bit on the same inputs. */
+ * O(Nc) pooled k_cmp / v_cmp) and the time O(nrows * T * (DK + DV) * HQ). The pieces
+ * (attend_rows, select_one, combine_row) are the ones the dense path uses, and a row's
+ * arithmetic does not depend on its block, so both agree to the last bit. */
 void ref_nsa_forward_rows(const nsa_config *c, double scale, ref_dims d, const ref_nsa_inputs *in,
                           const int64_t *rows, int64_t nrows, double *o_rows)
 {
@@ -722,16 +784,18 @@ void ref_nsa_forward_rows(const nsa_config *c, double scale, ref_dims d, const r
             }
             for (int64_t g = 0; g < G; g++) {
                 const int64_t hq = h * G + g, qr = t * d.HQ + hq;
-                const double *q_row = in->q + qr * d.DK;
+                const double *q_row[1] = {in->q + qr * d.DK};
+                const unsigned char *vc_row[1] = {vis_c}, *vs_row[1] = {vis_s}, *vw_row[1] = {vis_w};
+                double *oc_row[1] = {oc}, *os_row[1] = {os}, *ow_row[1] = {ow};
                 if (in->g_cmp)
-                    attend_row(scale, d.DK, d.DV, q_row, p.kc + h * d.DK, H * d.DK, p.vc + h * d.DV, H * d.DV, Nc,
-                               vis_c, pbuf, oc);
+                    attend_rows(scale, d.DK, d.DV, Nc, p.kc + h * d.DK, H * d.DK, p.vc + h * d.DV, H * d.DV, 1, q_row,
+                                vc_row, pbuf, oc_row, NULL);
                 if (in->g_slc)
-                    attend_row(scale, d.DK, d.DV, q_row, p.ks + h * d.DK, H * d.DK, p.vs + h * d.DV, H * d.DV, T,
-                               vis_s, pbuf, os);
+                    attend_rows(scale, d.DK, d.DV, T, p.ks + h * d.DK, H * d.DK, p.vs + h * d.DV, H * d.DV, 1, q_row,
+                                vs_row, pbuf, os_row, NULL);
                 if (in->g_swa)
-                    attend_row(scale, d.DK, d.DV, q_row, p.kw + h * d.DK, H * d.DK, p.vw + h * d.DV, H * d.DV, T,
-                               vis_w, pbuf, ow);
+                    attend_rows(scale, d.DK, d.DV, T, p.kw + h * d.DK, H * d.DK, p.vw + h * d.DV, H * d.DV, 1, q_row,
+                                vw_row, pbuf, ow_row, NULL);
                 combine_row(d.DV, in->g_cmp ? in->g_cmp + qr : NULL, in->g_slc ? in->g_slc + qr : NULL,
                             in->g_swa ? in->g_swa + qr : NULL, oc, os, ow, o_rows + (r * d.HQ + hq) * d.DV);
             }

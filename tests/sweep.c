@@ -29,7 +29,28 @@ typedef struct tens {
     int64_t numel;
     double *val;          /* logical row-major values as stored */
     unsigned char sentinel;
+    void *dev;            /* device copy of buf when a device memory is set (t.data points there) */
 } tens;
+
+static sweep_memory g_mem; /* all NULL: tensors live in host memory */
+
+void sweep_set_memory(const sweep_memory *m)
+{
+    if (m) g_mem = *m;
+    else memset(&g_mem, 0, sizeof g_mem);
+}
+
+/* Host buffer -> device copy (no-op for host memory). */
+static void tens_push(tens *x)
+{
+    if (x->dev) g_mem.upload(x->dev, x->buf, x->bytes);
+}
+
+/* Device copy -> host buffer, before any read of an output (no-op for host memory). */
+static void tens_pull(const tens *x)
+{
+    if (x->dev) g_mem.download(x->buf, x->dev, x->bytes);
+}
 
 static double round_to(nsa_dtype dt, double x)
 {
@@ -51,24 +72,27 @@ static int64_t storage_offset(const nsa_tensor *t, int64_t idx)
     return off;
 }
 
-static double get_elem(const nsa_tensor *t, int64_t off)
+/* Element at storage offset `off` of the host buffer. */
+static double get_elem(const tens *x, int64_t off)
 {
-    switch (t->dtype) {
-    case NSA_DTYPE_F32: return ((const float *)t->data)[off];
-    case NSA_DTYPE_BF16: return nsa_bf16_to_f32(((const uint16_t *)t->data)[off]);
-    case NSA_DTYPE_F16: return nsa_f16_to_f32(((const uint16_t *)t->data)[off]);
-    case NSA_DTYPE_I32: return ((const int32_t *)t->data)[off];
+    const void *data = x->buf;
+    switch (x->t.dtype) {
+    case NSA_DTYPE_F32: return ((const float *)data)[off];
+    case NSA_DTYPE_BF16: return nsa_bf16_to_f32(((const uint16_t *)data)[off]);
+    case NSA_DTYPE_F16: return nsa_f16_to_f32(((const uint16_t *)data)[off]);
+    case NSA_DTYPE_I32: return ((const int32_t *)data)[off];
     }
     return 0;
 }
 
-static void set_elem(const nsa_tensor *t, int64_t off, double v)
+static void set_elem(tens *x, int64_t off, double v)
 {
-    switch (t->dtype) {
-    case NSA_DTYPE_F32: ((float *)t->data)[off] = (float)v; break;
-    case NSA_DTYPE_BF16: ((uint16_t *)t->data)[off] = nsa_f32_to_bf16((float)v); break;
-    case NSA_DTYPE_F16: ((uint16_t *)t->data)[off] = nsa_f32_to_f16((float)v); break;
-    case NSA_DTYPE_I32: ((int32_t *)t->data)[off] = (int32_t)v; break;
+    void *data = x->buf;
+    switch (x->t.dtype) {
+    case NSA_DTYPE_F32: ((float *)data)[off] = (float)v; break;
+    case NSA_DTYPE_BF16: ((uint16_t *)data)[off] = nsa_f32_to_bf16((float)v); break;
+    case NSA_DTYPE_F16: ((uint16_t *)data)[off] = nsa_f32_to_f16((float)v); break;
+    case NSA_DTYPE_I32: ((int32_t *)data)[off] = (int32_t)v; break;
     }
 }
 
@@ -109,11 +133,17 @@ static void tens_alloc(tens *x, int rank, const int64_t *shape, nsa_dtype dt, in
     x->sentinel = dt == NSA_DTYPE_I32 ? 0xA5 : 0xFF; /* floats: NaN; ints: large negative */
     memset(x->buf, x->sentinel, x->bytes);
     x->t.data = x->buf;
+    if (g_mem.alloc) {
+        x->dev = g_mem.alloc(x->bytes);
+        x->t.data = x->dev;
+        tens_push(x);
+    }
     x->val = (double *)calloc((size_t)(x->numel > 0 ? x->numel : 1), sizeof(double));
 }
 
 static void tens_free(tens *x)
 {
+    if (x->dev) g_mem.release(x->dev);
     free(x->buf);
     free(x->val);
     memset(x, 0, sizeof *x);
@@ -123,9 +153,10 @@ static void tens_set(tens *x, const double *v)
 {
     for (int64_t i = 0; i < x->numel; i++) {
         int64_t off = storage_offset(&x->t, i);
-        set_elem(&x->t, off, v[i]);
-        x->val[i] = get_elem(&x->t, off);
+        set_elem(x, off, v[i]);
+        x->val[i] = get_elem(x, off);
     }
+    tens_push(x);
 }
 
 static void tens_random(tens *x, test_rng *r, double lo, double hi, int normal)
@@ -136,12 +167,14 @@ static void tens_random(tens *x, test_rng *r, double lo, double hi, int normal)
 
 static void tens_read(const tens *x, double *out)
 {
-    for (int64_t i = 0; i < x->numel; i++) out[i] = get_elem(&x->t, storage_offset(&x->t, i));
+    tens_pull(x);
+    for (int64_t i = 0; i < x->numel; i++) out[i] = get_elem(x, storage_offset(&x->t, i));
 }
 
 /* Every byte outside the view's elements still holds the sentinel. */
 static int tens_guard_ok(const tens *x)
 {
+    tens_pull(x);
     unsigned char *mark = (unsigned char *)calloc(x->bytes, 1);
     const size_t es = nsa_dtype_size(x->t.dtype);
     for (int64_t i = 0; i < x->numel; i++) memset(mark + (size_t)storage_offset(&x->t, i) * es, 1, es);
@@ -298,11 +331,23 @@ static void alloc3(tens *x, const problem *p, int64_t d2, nsa_dtype dt)
 
 static size_t ws_size;
 static void *ws_buf;
+static void ws_release(void)
+{
+    if (ws_buf) {
+        if (g_mem.release) g_mem.release(ws_buf);
+        else free(ws_buf);
+    }
+    ws_buf = NULL;
+    ws_size = 0;
+}
+
+/* One growing scratch buffer in the tensors' memory (host or device). */
 static void *workspace(size_t bytes)
 {
-    if (bytes > ws_size) {
-        free(ws_buf);
-        ws_buf = malloc(bytes);
+    if (bytes > ws_size || !ws_buf) {
+        ws_release();
+        bytes = bytes > 0 ? bytes : 1;
+        ws_buf = g_mem.alloc ? g_mem.alloc(bytes) : malloc(bytes);
         ws_size = bytes;
     }
     return ws_buf;
@@ -320,6 +365,7 @@ static long check_selection(const problem *p, const tens *idx, const double *q, 
     const int64_t n = c->cfg.slc_topk;
     long bad_rows = 0;
     char msg[512] = "";
+    tens_pull(idx);
     for (int64_t s = 0; s < p->nseq; s++) {
         const seqinfo *sq = &p->seq[s];
         if (sq->len == 0) continue;
@@ -334,7 +380,7 @@ static long check_selection(const problem *p, const tens *idx, const double *q, 
                 const int32_t *r = ri + (t * c->H + h) * n;
                 int32_t got[1024];
                 for (int64_t e = 0; e < n; e++)
-                    got[e] = (int32_t)get_elem(&idx->t, storage_offset(&idx->t, ((sq->b * c->T + sq->row0 + t) * c->H + h) * n + e));
+                    got[e] = (int32_t)get_elem(idx, storage_offset(&idx->t, ((sq->b * c->T + sq->row0 + t) * c->H + h) * n + e));
                 int same = 1;
                 for (int64_t e = 0; e < n; e++) same &= got[e] == r[e];
                 if (same) continue;
@@ -661,30 +707,39 @@ static long check_pipeline_backward(nsa_context *ctx, problem *p, pipe *x, const
     return fails;
 }
 
-/* Same call on a one-thread context: outputs must be bitwise identical. */
+/* The same call again (CPU: on a one-thread context): outputs must be bitwise identical. */
 static long check_determinism(nsa_context *ctx, pipe *x)
 {
     nsa_context_desc d;
     memset(&d, 0, sizeof d);
     d.backend = nsa_context_backend(ctx);
     d.num_threads = 1;
-    nsa_context *c1 = NULL;
-    if (nsa_context_create(&c1, &d) != NSA_STATUS_SUCCESS) return check_status("context for determinism", NSA_STATUS_BACKEND_UNAVAILABLE);
-    unsigned char *o0 = (unsigned char *)malloc(x->o.bytes), *dq0 = (unsigned char *)malloc(x->dq.bytes);
+    nsa_context *c1 = ctx;
+    if (d.backend == NSA_BACKEND_CPU && nsa_context_create(&c1, &d) != NSA_STATUS_SUCCESS)
+        return check_status("context for determinism", NSA_STATUS_BACKEND_UNAVAILABLE);
+    tens_pull(&x->o);
+    tens_pull(&x->dq);
+    tens_pull(&x->dk);
+    unsigned char *o0 = (unsigned char *)malloc(x->o.bytes), *dq0 = (unsigned char *)malloc(x->dq.bytes),
+                  *dk0 = (unsigned char *)malloc(x->dk.bytes);
     memcpy(o0, x->o.buf, x->o.bytes);
     memcpy(dq0, x->dq.buf, x->dq.bytes);
+    memcpy(dk0, x->dk.buf, x->dk.bytes);
     size_t need = 0;
-    long fails = check_status("forward (1 thread)", nsa_forward_workspace_size(c1, &x->fa, &need));
-    fails += check_status("forward (1 thread)", nsa_forward(c1, &x->fa, workspace(need), need));
-    fails += check_status("backward (1 thread)", nsa_backward_workspace_size(c1, &x->ba, &need));
-    fails += check_status("backward (1 thread)", nsa_backward(c1, &x->ba, workspace(need), need));
+    long fails = check_status("forward (again)", nsa_forward_workspace_size(c1, &x->fa, &need));
+    fails += check_status("forward (again)", nsa_forward(c1, &x->fa, workspace(need), need));
+    fails += check_status("backward (again)", nsa_backward_workspace_size(c1, &x->ba, &need));
+    fails += check_status("backward (again)", nsa_backward(c1, &x->ba, workspace(need), need));
+    tens_pull(&x->o);
+    tens_pull(&x->dq);
+    tens_pull(&x->dk);
     char msg[600];
-    snprintf(msg, sizeof msg, "outputs differ between thread counts; case %s", g_desc);
-    int same = !memcmp(o0, x->o.buf, x->o.bytes) && !memcmp(dq0, x->dq.buf, x->dq.bytes);
+    snprintf(msg, sizeof msg, "outputs differ between two runs of the same call; case %s", g_desc);
+    int same = !memcmp(o0, x->o.buf, x->o.bytes) && !memcmp(dq0, x->dq.buf, x->dq.bytes) &&
+               !memcmp(dk0, x->dk.buf, x->dk.bytes);
     harness_record(same, __FILE__, __LINE__, "determinism", msg);
-    free(o0);
-    free(dq0);
-    nsa_context_destroy(c1);
+    free(o0), free(dq0), free(dk0);
+    if (c1 != ctx) nsa_context_destroy(c1);
     return fails + (same ? 0 : 1);
 }
 
@@ -788,16 +843,18 @@ static long check_ops(nsa_context *ctx, problem *p)
             fails += check_selection(p, &idx, q.val, kc.val) + check_guard("block_indices", &idx);
             /* counts agree with the indices and with the candidate count min(n, cur + 1) */
             long bad = 0;
+            tens_pull(&idx);
+            tens_pull(&cnt);
             for (int64_t s = 0; s < p->nseq; s++)
                 for (int64_t t = 0; t < p->seq[s].len; t++)
                     for (int64_t h = 0; h < H; h++) {
                         const int64_t row = (p->seq[s].b * T + p->seq[s].row0 + t) * H + h;
                         int64_t valid = 0;
                         for (int64_t e = 0; e < c->cfg.slc_topk; e++)
-                            valid += get_elem(&idx.t, storage_offset(&idx.t, row * c->cfg.slc_topk + e)) >= 0;
+                            valid += get_elem(&idx, storage_offset(&idx.t, row * c->cfg.slc_topk + e)) >= 0;
                         const int64_t cur = t / c->cfg.slc_block;
                         const int64_t want = cur + 1 < c->cfg.slc_topk ? cur + 1 : c->cfg.slc_topk;
-                        const double got = get_elem(&cnt.t, storage_offset(&cnt.t, row));
+                        const double got = get_elem(&cnt, storage_offset(&cnt.t, row));
                         bad += valid != want || got != (double)want;
                     }
             char msg[600];
@@ -1023,7 +1080,7 @@ long sweep_run_case(nsa_context *ctx, const sweep_case *c, uint64_t seed, int ve
         int32_t *idx = NULL;
         fails += check_pipeline_forward(&p, &x, &kc, &vc, &idx);
         fails += check_pipeline_backward(ctx, &p, &x, kc, vc, idx);
-        if (nsa_context_backend(ctx) == NSA_BACKEND_CPU) fails += check_determinism(ctx, &x);
+        fails += check_determinism(ctx, &x);
         if (!c->own_cmp) free(kc), free(vc);
         free(idx);
         fails += check_ops(ctx, &p);
@@ -1071,8 +1128,6 @@ long sweep_run(const sweep_opts *o)
     }
     if (o->verbose) printf("check: %ld cases done\n", cases);
     nsa_context_destroy(ctx);
-    free(ws_buf);
-    ws_buf = NULL;
-    ws_size = 0;
+    ws_release();
     return g_tests_failed - f0;
 }

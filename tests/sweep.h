@@ -4,6 +4,7 @@
 #ifndef NSA_TEST_SWEEP_H
 #define NSA_TEST_SWEEP_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include "nsa.h"
 
@@ -30,6 +31,17 @@ typedef struct sweep_opts {
     int verbose;
     int64_t max_T;            /* cap for random T (default 1000) */
 } sweep_opts;
+
+/* Where the sweep's tensors and workspace live. All NULL (the default): host memory, for
+ * the CPU backend. A CUDA build passes cudaMalloc/cudaFree/cudaMemcpy wrappers, so that
+ * tests/sweep.c itself needs no CUDA header. */
+typedef struct sweep_memory {
+    void *(*alloc)(size_t bytes);
+    void (*release)(void *p);
+    void (*upload)(void *dev, const void *host, size_t bytes);
+    void (*download)(void *host, const void *dev, size_t bytes);
+} sweep_memory;
+void sweep_set_memory(const sweep_memory *m);
 
 /* Draws a random valid case from rng state *s (fields already nonzero in *c are kept). */
 void sweep_case_random(sweep_case *c, uint64_t *s, int64_t max_T);

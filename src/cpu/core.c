@@ -69,6 +69,24 @@ static inline void row_span(const core_tile *t, int r, int64_t c0, int64_t c1, i
     *b = t->hi[r] + 1 < c1 ? t->hi[r] + 1 : c1;
 }
 
+/* o [n] += sum_{c < cnt} w[c] * X[c] [n]: four rows of X per pass, so o is loaded and
+ * stored once per four keys instead of once per key. */
+static void accumulate_rows(float *o, const float *w, const float *X, int n, int64_t cnt)
+{
+    int64_t c = 0;
+    for (; c + 4 <= cnt; c += 4) {
+        const float w0 = w[c], w1 = w[c + 1], w2 = w[c + 2], w3 = w[c + 3];
+        const float *x0 = X + c * n, *x1 = x0 + n, *x2 = x1 + n, *x3 = x2 + n;
+#pragma omp simd
+        for (int d = 0; d < n; d++) o[d] += w0 * x0[d] + w1 * x1[d] + w2 * x2[d] + w3 * x3[d];
+    }
+    for (; c < cnt; c++) {
+        const float w0 = w[c], *x0 = X + c * n;
+#pragma omp simd
+        for (int d = 0; d < n; d++) o[d] += w0 * x0[d];
+    }
+}
+
 void core_fwd_block(core_tile *t, const float *K, const float *V, int64_t c0, int64_t c1)
 {
     const int DK = t->DK, DV = t->DV;
@@ -101,12 +119,7 @@ void core_fwd_block(core_tile *t, const float *K, const float *V, int64_t c0, in
         float *o = t->O + (size_t)r * DV;
         if (alpha != 1.0f)
             for (int d = 0; d < DV; d++) o[d] *= alpha;
-        for (int64_t c = a; c < b; c++) {
-            const float p = s[c - c0];
-            const float *v = V + c * DV;
-#pragma omp simd
-            for (int d = 0; d < DV; d++) o[d] += p * v[d];
-        }
+        accumulate_rows(o, s + (a - c0), V + a * DV, DV, b - a);
     }
 }
 
@@ -128,45 +141,67 @@ void core_fwd_end(core_tile *t, float *lse_out)
 void core_bwd_block(core_tile *t, const float *K, const float *V, int64_t c0, int64_t c1, float *dK, float *dV)
 {
     const int DK = t->DK, DV = t->DV;
+    const int64_t n = c1 - c0, half = t->S_cap / 2;
+    /* Pass 1, per row: P = exp(s - lse) and dS = P * (dO.V - Drow), stored as [R, n] matrices
+     * (P at S[r][c - c0], dS at S[r][half + c - c0]; zero outside the row's visible span),
+     * and dQ += dS K. */
     for (int r = 0; r < t->R; r++) {
-        if (t->lse[r] == -INFINITY) continue; /* row saw no key: no gradient */
+        float *P = t->S + (size_t)r * t->S_cap, *dS = P + half;
         int64_t a, b;
         row_span(t, r, c0, c1, &a, &b);
-        if (a >= b) continue;
-        float *s = t->S + (size_t)r * t->S_cap;
+        if (t->lse[r] == -INFINITY || a >= b) { /* row saw no key here: no gradient */
+            memset(P, 0, (size_t)n * sizeof(float));
+            memset(dS, 0, (size_t)n * sizeof(float));
+            continue;
+        }
+        memset(P, 0, (size_t)(a - c0) * sizeof(float));
+        memset(P + (b - c0), 0, (size_t)(c1 - b) * sizeof(float));
+        memset(dS, 0, (size_t)(a - c0) * sizeof(float));
+        memset(dS + (b - c0), 0, (size_t)(c1 - b) * sizeof(float));
         const float *q = t->Q + (size_t)r * DK, *dO = t->dO + (size_t)r * DV;
-        scores_row(q, K, DK, a, b, s);
-        /* dP[c] = dO . V[c]; reuse scores_row on V with dO as the "query" */
-        float *dp = s + (b - a);
-        scores_row(dO, V, DV, a, b, dp);
+        scores_row(q, K, DK, a, b, P + (a - c0));
+        scores_row(dO, V, DV, a, b, dS + (a - c0));
         const float lse = t->lse[r], D = t->Drow[r];
-        for (int64_t i = 0; i < b - a; i++) {
-            float p = core_exp(s[i] - lse);
-            s[i] = p;
-            dp[i] = p * (dp[i] - D); /* dS */
+#pragma omp simd
+        for (int64_t i = a - c0; i < b - c0; i++) {
+            const float p = core_exp(P[i] - lse);
+            P[i] = p;
+            dS[i] = p * (dS[i] - D);
         }
-        if (t->dQ) {
-            float *dq = t->dQ + (size_t)r * DK;
-            for (int64_t i = 0; i < b - a; i++) {
-                const float ds = dp[i];
-                const float *k = K + (a + i) * DK;
+        if (t->dQ) accumulate_rows(t->dQ + (size_t)r * DK, dS + (a - c0), K + a * DK, DK, b - a);
+    }
+    /* Pass 2, per key: dK[c] += sum_r dS[r][c] Q[r], dV[c] += sum_r P[r][c] dO[r], four rows
+     * at a time so each key row is loaded and stored once per four query rows. */
+    if (!dK && !dV) return;
+    for (int64_t i = 0; i < n; i++) {
+        float *dk = dK ? dK + i * DK : NULL, *dv = dV ? dV + i * DV : NULL;
+        int r = 0;
+        for (; r + 4 <= t->R; r += 4) {
+            const float *S0 = t->S + (size_t)r * t->S_cap;
+            const size_t cap = (size_t)t->S_cap;
+            const float p0 = S0[i], p1 = S0[cap + i], p2 = S0[2 * cap + i], p3 = S0[3 * cap + i];
+            const float d0 = S0[half + i], d1 = S0[cap + half + i], d2 = S0[2 * cap + half + i], d3 = S0[3 * cap + half + i];
+            if (dk && (d0 != 0.0f || d1 != 0.0f || d2 != 0.0f || d3 != 0.0f)) {
+                const float *q0 = t->Q + (size_t)r * DK, *q1 = q0 + DK, *q2 = q1 + DK, *q3 = q2 + DK;
 #pragma omp simd
-                for (int d = 0; d < DK; d++) dq[d] += ds * k[d];
+                for (int d = 0; d < DK; d++) dk[d] += d0 * q0[d] + d1 * q1[d] + d2 * q2[d] + d3 * q3[d];
+            }
+            if (dv && (p0 != 0.0f || p1 != 0.0f || p2 != 0.0f || p3 != 0.0f)) {
+                const float *o0 = t->dO + (size_t)r * DV, *o1 = o0 + DV, *o2 = o1 + DV, *o3 = o2 + DV;
+#pragma omp simd
+                for (int d = 0; d < DV; d++) dv[d] += p0 * o0[d] + p1 * o1[d] + p2 * o2[d] + p3 * o3[d];
             }
         }
-        if (dK)
-            for (int64_t i = 0; i < b - a; i++) {
-                const float ds = dp[i];
-                float *dk = dK + (a - c0 + i) * DK;
+        for (; r < t->R; r++) {
+            const float *S0 = t->S + (size_t)r * t->S_cap;
+            const float p0 = S0[i], d0 = S0[half + i];
+            const float *q0 = t->Q + (size_t)r * DK, *o0 = t->dO + (size_t)r * DV;
+            if (dk && d0 != 0.0f)
 #pragma omp simd
-                for (int d = 0; d < DK; d++) dk[d] += ds * q[d];
-            }
-        if (dV)
-            for (int64_t i = 0; i < b - a; i++) {
-                const float p = s[i];
-                float *dv = dV + (a - c0 + i) * DV;
+                for (int d = 0; d < DK; d++) dk[d] += d0 * q0[d];
+            if (dv && p0 != 0.0f)
 #pragma omp simd
-                for (int d = 0; d < DV; d++) dv[d] += p * dO[d];
-            }
+                for (int d = 0; d < DV; d++) dv[d] += p0 * o0[d];
+        }
     }
 }
