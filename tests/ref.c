@@ -94,6 +94,16 @@ static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static int64_t num_slc(const nsa_config *c, int64_t T) { return (T + c->slc_block - 1) / c->slc_block; }
 
 /* ------------------------------------------------------------------------------------ */
+/* Rounding hook: the "straightforward same-precision implementation"                     */
+/* ------------------------------------------------------------------------------------ */
+
+/* See ref.h: NULL = exact float64. Set, every tensor a plain low-precision implementation
+ * materialises (scores, probabilities, outputs, dP, dS, compressed K/V) is rounded. */
+double (*ref_store_round)(double) = NULL;
+
+static double rnd(double x) { return ref_store_round ? ref_store_round(x) : x; }
+
+/* ------------------------------------------------------------------------------------ */
 /* The attention core: R query rows of one kv head against its Tk keys                   */
 /* ------------------------------------------------------------------------------------ */
 
@@ -114,7 +124,7 @@ static void attend_rows(double scale, int64_t DK, int64_t DV, int64_t Tk, const 
     /* S = scale * Q K^T on the visible entries. */
     for (int64_t s = 0; s < Tk; s++)
         for (int64_t r = 0; r < R; r++)
-            P[r * Tk + s] = vis[r][s] ? scale * dot(q[r], k + s * k_stride, DK) : 0.0;
+            P[r * Tk + s] = vis[r][s] ? rnd(scale * dot(q[r], k + s * k_stride, DK)) : 0.0;
     /* Textbook softmax per row, the max subtracted so large scores cannot overflow. */
     for (int64_t r = 0; r < R; r++) {
         double *p = P + r * Tk, mx = -INFINITY, sum = 0.0;
@@ -132,7 +142,7 @@ static void attend_rows(double scale, int64_t DK, int64_t DV, int64_t Tk, const 
                 sum += p[s];
             }
         for (int64_t s = 0; s < Tk; s++)
-            if (vis[r][s]) p[s] /= sum;
+            if (vis[r][s]) p[s] = rnd(p[s] / sum);
         if (lse) lse[r] = mx + log(sum);
     }
     if (!o) return;
@@ -141,6 +151,9 @@ static void attend_rows(double scale, int64_t DK, int64_t DV, int64_t Tk, const 
     for (int64_t s = 0; s < Tk; s++)
         for (int64_t r = 0; r < R; r++)
             if (vis[r][s]) axpy(o[r], P[r * Tk + s], v + s * v_stride, DV);
+    if (ref_store_round)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t e = 0; e < DV; e++) o[r][e] = rnd(o[r][e]);
 }
 
 /* Backward of attend_rows for the loss sum_r o[r] . dout[r]; dout[r] [DV].
@@ -153,14 +166,20 @@ static void attend_rows_bwd(double scale, int64_t DK, int64_t DV, int64_t Tk, co
                             const unsigned char *const *vis, const double *const *dout, double *P, double *dS,
                             double *const *dq, double *dk, double *dv)
 {
-    attend_rows(scale, DK, 0, Tk, k, k_stride, NULL, 0, R, q, vis, P, NULL, NULL);
+    /* The naive same-precision implementation (ref_store_round set) takes D from its stored,
+     * rounded output, D = dO . O, as a fused kernel does; exactly, that equals sum_s P dP. */
+    double *o_store[REF_ROW_BLOCK], *o_buf = ref_store_round ? dalloc(R * DV) : NULL;
+    for (int64_t r = 0; r < R; r++) o_store[r] = o_buf ? o_buf + r * DV : NULL;
+    attend_rows(scale, DK, DV, Tk, k, k_stride, v, v_stride, R, q, vis, P, o_buf ? o_store : NULL, NULL);
     for (int64_t s = 0; s < Tk; s++)
         for (int64_t r = 0; r < R; r++)
-            dS[r * Tk + s] = vis[r][s] ? dot(dout[r], v + s * v_stride, DV) : 0.0;
+            dS[r * Tk + s] = vis[r][s] ? rnd(dot(dout[r], v + s * v_stride, DV)) : 0.0;
     for (int64_t r = 0; r < R; r++) {
         double D = 0.0;
-        for (int64_t s = 0; s < Tk; s++) D += P[r * Tk + s] * dS[r * Tk + s];
-        for (int64_t s = 0; s < Tk; s++) dS[r * Tk + s] = P[r * Tk + s] * (dS[r * Tk + s] - D);
+        if (o_buf) D = dot(dout[r], o_store[r], DV);
+        else
+            for (int64_t s = 0; s < Tk; s++) D += P[r * Tk + s] * dS[r * Tk + s];
+        for (int64_t s = 0; s < Tk; s++) dS[r * Tk + s] = rnd(P[r * Tk + s] * (dS[r * Tk + s] - D));
         memset(dq[r], 0, (size_t)DK * sizeof(double));
     }
     for (int64_t s = 0; s < Tk; s++)
@@ -170,6 +189,7 @@ static void attend_rows_bwd(double scale, int64_t DK, int64_t DV, int64_t Tk, co
             axpy(dk + s * k_stride, scale * dS[r * Tk + s], q[r], DK);
             axpy(dv + s * v_stride, P[r * Tk + s], dout[r], DV);
         }
+    free(o_buf);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -334,7 +354,7 @@ void ref_compress(const nsa_config *c, int64_t T, int64_t H, int64_t D, const do
             for (int64_t e = 0; e < D; e++) {
                 double sum = 0.0;
                 for (int64_t r = 0; r < l; r++) sum += x[((i * st + r) * H + h) * D + e];
-                x_cmp[(i * H + h) * D + e] = sum / (double)l;
+                x_cmp[(i * H + h) * D + e] = rnd(sum / (double)l);
             }
 }
 
@@ -423,8 +443,8 @@ static ref_sel_work sel_work_open(int64_t G, int64_t Nc, int64_t nb)
 static void sel_work_close(ref_sel_work *w)
 {
     free(w->p);
-    free((void *)w->q);
-    free((void *)w->vis);
+    free(w->q);
+    free(w->vis);
     free(w->p_slc);
     free(w->imp);
     free(w->cand);

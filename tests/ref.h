@@ -17,6 +17,12 @@ typedef struct ref_dims {
     int64_t T, HQ, H, DK, DV;   /* G = HQ / H */
 } ref_dims;
 
+/* The tolerance rule's "straightforward same-precision implementation" (../shared/style.md):
+ * when set, the reference rounds every tensor that a plain implementation in the storage
+ * dtype would materialise (scores S, probabilities P, outputs O and branch outputs, dP, dS,
+ * the compressed K/V) with this function. NULL (the default) = exact float64. */
+extern double (*ref_store_round)(double);
+
 /* Nc for a T-token sequence (0 when T < l). */
 int64_t ref_num_cmp(const nsa_config *c, int64_t T);
 

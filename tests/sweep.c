@@ -190,22 +190,37 @@ static int tens_guard_ok(const tens *x)
 static char g_desc[512];
 static int g_verbose;
 
-/* Compares a whole output against the reference with the tolerance rule above. */
-static long check_close(const char *what, const tens *got, const double *ref, nsa_dtype storage)
+/* The dtype the naive implementation rounds to, and the hook handed to the reference. */
+static nsa_dtype g_store_dtype;
+static double store_round(double x) { return round_to(g_store_dtype, x); }
+
+/* Runs the statement after it twice: pass_ 0 is the exact reference, pass_ 1 the naive
+ * same-precision implementation (the reference with storage rounding, see ref.h). */
+#define REF_TWICE(dt)                                                                          \
+    for (int pass_ = (g_store_dtype = (dt), 0); pass_ < 2; pass_++, ref_store_round = NULL) \
+        if ((ref_store_round = pass_ ? store_round : NULL), 1)
+
+/* Compares a whole output against the reference with the tolerance rule above; naive is the
+ * naive implementation's result (NULL: only the storage rounding of the exact result). */
+static long check_close(const char *what, const tens *got, const double *ref, const double *naive, nsa_dtype storage)
 {
     const int64_t n = got->numel;
     double *g = (double *)malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
     tens_read(got, g);
-    double maxref = 0, e_round = 0;
+    double maxref = 0, e_naive = 0;
     for (int64_t i = 0; i < n; i++) {
         if (!isfinite(ref[i])) continue;
         maxref = fabs(ref[i]) > maxref ? fabs(ref[i]) : maxref;
-        double e = fabs(round_to(storage, ref[i]) - ref[i]);
-        e_round = e > e_round ? e : e_round;
+        /* the naive result is stored in the storage dtype too */
+        double e = fabs(round_to(storage, naive && isfinite(naive[i]) ? naive[i] : ref[i]) - ref[i]);
+        e_naive = e > e_naive ? e : e_naive;
     }
-    /* inputs are O(1) by construction, so accumulation error is O(2^-20) even where the
-     * exact result is 0 (e.g. T = 1, where dS = dP - D cancels exactly) */
-    const double tol = 2.0 * (e_round + ldexp(maxref > 1.0 ? maxref : 1.0, -20));
+    /* An absolute floor where the exact result is ~0 (e.g. T = 1, where dS = dP - D cancels
+     * exactly): FlashAttention-3's, half an ulp at 0.3 in the storage dtype, or fp32
+     * accumulation of terms up to ~16 in size (inputs are O(1), dot products O(sqrt(D))). */
+    const int half_ulp_03 = storage == NSA_DTYPE_BF16 ? -10 : storage == NSA_DTYPE_F16 ? -13 : -26;
+    const double floor_abs = fmax(ldexp(1.0, half_ulp_03), ldexp(maxref > 16.0 ? maxref : 16.0, -20));
+    const double tol = 2.0 * (e_naive + floor_abs);
     long bad = 0;
     double worst = 0;
     char msg[1024];
@@ -568,9 +583,13 @@ static long check_pipeline_forward(problem *p, pipe *x, double **kc_ref, double 
     int32_t *counts = x->bc.buf ? to_i32(&x->bc) : NULL;
 
     const int64_t nO = c->B * c->T * c->HQ * c->DV, nL = c->B * c->T * c->HQ;
-    double *o = dalloc(nO), *ob[3] = {dalloc(nO), dalloc(nO), dalloc(nO)}, *lse[3] = {dalloc(nL), dalloc(nL), dalloc(nL)};
+    double *o[2], *ob[2][3], *lse[2][3];
     double *tmp = dalloc(nO);
-    for (int64_t s = 0; s < p->nseq; s++) {
+    for (int q2 = 0; q2 < 2; q2++) {
+        o[q2] = dalloc(nO);
+        for (int b = 0; b < 3; b++) ob[q2][b] = dalloc(nO), lse[q2][b] = dalloc(nL);
+    }
+    REF_TWICE(c->dtype) for (int64_t s = 0; s < p->nseq; s++) {
         const seqinfo *sq = &p->seq[s];
         const ref_dims d = seq_dims(p, sq);
         const int64_t oq = row_off(p, sq, c->HQ, c->DK), ok = row_off(p, sq, c->H, c->DK), ov = row_off(p, sq, c->H, c->DV);
@@ -591,30 +610,32 @@ static long check_pipeline_forward(problem *p, pipe *x, double **kc_ref, double 
         in.block_indices = *idx_used ? *idx_used + oi : NULL;
         in.m = m;
         in.block_counts = counts ? counts + row_off(p, sq, c->H, 1) : NULL;
-        ref_nsa_forward(&c->cfg, p->scale, d, &in, o + oo, ob[0] + oo, ob[1] + oo, ob[2] + oo, NULL);
+        ref_nsa_forward(&c->cfg, p->scale, d, &in, o[pass_] + oo, ob[pass_][0] + oo, ob[pass_][1] + oo, ob[pass_][2] + oo, NULL);
         if (c->gates & 1)
             ref_cmp_attn(&c->cfg, p->scale, d, sq->ncmp, in.q, *kc_ref + cmp_off(p, sq, c->H, c->DK),
-                         *vc_ref + cmp_off(p, sq, c->H, c->DV), tmp, lse[0] + ol);
+                         *vc_ref + cmp_off(p, sq, c->H, c->DV), tmp, lse[pass_][0] + ol);
         if (c->gates & 2)
             ref_slc_attn(&c->cfg, p->scale, d, in.q, ks + ok, vs + ov, in.block_indices, m, in.block_counts, tmp,
-                         lse[1] + ol);
+                         lse[pass_][1] + ol);
         if (c->gates & 4)
-            ref_attention(p->scale, 1, c->cfg.window - 1, 0, d, in.q, kw + ok, vw + ov, tmp, lse[2] + ol);
+            ref_attention(p->scale, 1, c->cfg.window - 1, 0, d, in.q, kw + ok, vw + ov, tmp, lse[pass_][2] + ol);
     }
-    fails += check_close("nsa_forward o", &x->o, o, c->dtype);
+    fails += check_close("nsa_forward o", &x->o, o[0], o[1], c->dtype);
     static const char *names[3][2] = {{"saved o_cmp", "saved lse_cmp"}, {"saved o_slc", "saved lse_slc"},
                                       {"saved o_swa", "saved lse_swa"}};
     for (int b = 0; b < 3; b++)
         if (c->gates >> b & 1) {
-            fails += check_close(names[b][0], &x->so[b], ob[b], c->dtype);
-            fails += check_close(names[b][1], &x->sl[b], lse[b], NSA_DTYPE_F32);
+            fails += check_close(names[b][0], &x->so[b], ob[0][b], ob[1][b], c->dtype);
+            fails += check_close(names[b][1], &x->sl[b], lse[0][b], lse[1][b], NSA_DTYPE_F32);
             fails += check_guard(names[b][0], &x->so[b]);
         }
     fails += check_guard("o", &x->o);
     if (x->sidx.buf) fails += check_guard("saved block_indices", &x->sidx);
-    free(o);
     free(tmp);
-    for (int b = 0; b < 3; b++) free(ob[b]), free(lse[b]);
+    for (int q2 = 0; q2 < 2; q2++) {
+        free(o[q2]);
+        for (int b = 0; b < 3; b++) free(ob[q2][b]), free(lse[q2][b]);
+    }
     free(counts);
     return fails;
 }
@@ -658,12 +679,17 @@ static long check_pipeline_backward(nsa_context *ctx, problem *p, pipe *x, const
 
     const int64_t nQ = c->B * c->T * c->HQ * c->DK, nK = c->B * c->T * c->H * c->DK, nV = c->B * c->T * c->H * c->DV;
     const int64_t nKc = c->B * p->cmp_rows * c->H * c->DK, nVc = c->B * p->cmp_rows * c->H * c->DV, nG = c->B * c->T * c->HQ;
-    double *dq = dalloc(nQ), *dk = dalloc(nK), *dv = dalloc(nV), *dks = dalloc(nK), *dvs = dalloc(nV), *dkw = dalloc(nK),
-           *dvw = dalloc(nV), *dkc = dalloc(nKc), *dvc = dalloc(nVc), *dg3[3] = {dalloc(nG), dalloc(nG), dalloc(nG)};
+    /* [0]: exact reference, [1]: naive same-precision implementation */
+    double *dq[2], *dk[2], *dv[2], *dks[2], *dvs[2], *dkw[2], *dvw[2], *dkc[2], *dvc[2], *dg3[2][3];
+    for (int q2 = 0; q2 < 2; q2++) {
+        dq[q2] = dalloc(nQ), dk[q2] = dalloc(nK), dv[q2] = dalloc(nV), dks[q2] = dalloc(nK), dvs[q2] = dalloc(nV);
+        dkw[q2] = dalloc(nK), dvw[q2] = dalloc(nV), dkc[q2] = dalloc(nKc), dvc[q2] = dalloc(nVc);
+        for (int b = 0; b < 3; b++) dg3[q2][b] = dalloc(nG);
+    }
     const int64_t m = (c->gates & 2) ? used_indices(x)->t.shape[3] : 1;
     int32_t *counts = x->bc.buf ? to_i32(&x->bc) : NULL;
     (void)kc_ref, (void)vc_ref;
-    for (int64_t s = 0; s < p->nseq; s++) {
+    REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
         const seqinfo *sq = &p->seq[s];
         const ref_dims d = seq_dims(p, sq);
         const int64_t oq = row_off(p, sq, c->HQ, c->DK), ok = row_off(p, sq, c->H, c->DK), ov = row_off(p, sq, c->H, c->DV);
@@ -683,27 +709,31 @@ static long check_pipeline_backward(nsa_context *ctx, problem *p, pipe *x, const
         in.block_counts = counts ? counts + row_off(p, sq, c->H, 1) : NULL;
         ref_nsa_grads g;
         memset(&g, 0, sizeof g);
-        g.dq = dq + oq, g.dk = dk + ok, g.dv = dv + ov;
-        if (c->sep_slc) g.dk_slc = dks + ok, g.dv_slc = dvs + ov;
-        if (c->sep_swa) g.dk_swa = dkw + ok, g.dv_swa = dvw + ov;
-        if (c->own_cmp) g.dk_cmp = dkc + ock, g.dv_cmp = dvc + ocv;
-        if (c->gates & 1) g.dg_cmp = dg3[0] + ol;
-        if (c->gates & 2) g.dg_slc = dg3[1] + ol;
-        if (c->gates & 4) g.dg_swa = dg3[2] + ol;
+        g.dq = dq[pass_] + oq, g.dk = dk[pass_] + ok, g.dv = dv[pass_] + ov;
+        if (c->sep_slc) g.dk_slc = dks[pass_] + ok, g.dv_slc = dvs[pass_] + ov;
+        if (c->sep_swa) g.dk_swa = dkw[pass_] + ok, g.dv_swa = dvw[pass_] + ov;
+        if (c->own_cmp) g.dk_cmp = dkc[pass_] + ock, g.dv_cmp = dvc[pass_] + ocv;
+        if (c->gates & 1) g.dg_cmp = dg3[pass_][0] + ol;
+        if (c->gates & 2) g.dg_slc = dg3[pass_][1] + ol;
+        if (c->gates & 4) g.dg_swa = dg3[pass_][2] + ol;
         ref_nsa_backward(&c->cfg, p->scale, d, &in, x->dout.val + oo, &g);
     }
-    fails += check_close("nsa_backward dq", &x->dq, dq, dt);
-    fails += check_close("nsa_backward dk", &x->dk, dk, dt);
-    fails += check_close("nsa_backward dv", &x->dv, dv, dt);
-    if (c->sep_slc) fails += check_close("nsa_backward dk_slc", &x->dks, dks, dt) + check_close("nsa_backward dv_slc", &x->dvs, dvs, dt);
-    if (c->sep_swa) fails += check_close("nsa_backward dk_swa", &x->dkw, dkw, dt) + check_close("nsa_backward dv_swa", &x->dvw, dvw, dt);
-    if (c->own_cmp) fails += check_close("nsa_backward dk_cmp", &x->dkc, dkc, dt) + check_close("nsa_backward dv_cmp", &x->dvc, dvc, dt);
+    fails += check_close("nsa_backward dq", &x->dq, dq[0], dq[1], dt);
+    fails += check_close("nsa_backward dk", &x->dk, dk[0], dk[1], dt);
+    fails += check_close("nsa_backward dv", &x->dv, dv[0], dv[1], dt);
+    if (c->sep_slc) fails += check_close("nsa_backward dk_slc", &x->dks, dks[0], dks[1], dt) + check_close("nsa_backward dv_slc", &x->dvs, dvs[0], dvs[1], dt);
+    if (c->sep_swa) fails += check_close("nsa_backward dk_swa", &x->dkw, dkw[0], dkw[1], dt) + check_close("nsa_backward dv_swa", &x->dvw, dvw[0], dvw[1], dt);
+    if (c->own_cmp) fails += check_close("nsa_backward dk_cmp", &x->dkc, dkc[0], dkc[1], dt) + check_close("nsa_backward dv_cmp", &x->dvc, dvc[0], dvc[1], dt);
     static const char *gn[3] = {"nsa_backward dg_cmp", "nsa_backward dg_slc", "nsa_backward dg_swa"};
     for (int b = 0; b < 3; b++)
-        if (c->gates >> b & 1) fails += check_close(gn[b], &x->dg[b], dg3[b], dt);
+        if (c->gates >> b & 1) fails += check_close(gn[b], &x->dg[b], dg3[0][b], dg3[1][b], dt);
     fails += check_guard("dq", &x->dq) + check_guard("dk", &x->dk) + check_guard("dv", &x->dv);
-    free(dq), free(dk), free(dv), free(dks), free(dvs), free(dkw), free(dvw), free(dkc), free(dvc), free(counts);
-    for (int b = 0; b < 3; b++) free(dg3[b]);
+    for (int q2 = 0; q2 < 2; q2++) {
+        free(dq[q2]), free(dk[q2]), free(dv[q2]), free(dks[q2]), free(dvs[q2]), free(dkw[q2]), free(dvw[q2]);
+        free(dkc[q2]), free(dvc[q2]);
+        for (int b = 0; b < 3; b++) free(dg3[q2][b]);
+    }
+    free(counts);
     return fails;
 }
 
@@ -776,8 +806,12 @@ static long check_ops(nsa_context *ctx, problem *p)
     alloc4(&dq, p, T, HQ, DK, dt), alloc4(&dk, p, T, H, DK, dt), alloc4(&dv, p, T, H, DV, dt);
     alloc4(&dkc, p, R, H, DK, dt), alloc4(&dvc, p, R, H, DV, dt);
     const int64_t nO = B * T * HQ * DV, nL = B * T * HQ;
-    double *ro = dalloc(nO), *rl = dalloc(nL), *rdq = dalloc(B * T * HQ * DK), *rdk = dalloc(B * T * H * DK),
-           *rdv = dalloc(B * T * H * DV), *rkc = dalloc(B * R * H * DK), *rvc = dalloc(B * R * H * DV);
+    /* reference results, [0] exact and [1] the naive same-precision implementation */
+    double *ro[2], *rl[2], *rdq[2], *rdk[2], *rdv[2], *rkc[2], *rvc[2];
+    for (int q2 = 0; q2 < 2; q2++) {
+        ro[q2] = dalloc(nO), rl[q2] = dalloc(nL), rdq[q2] = dalloc(B * T * HQ * DK), rdk[q2] = dalloc(B * T * H * DK);
+        rdv[q2] = dalloc(B * T * H * DV), rkc[q2] = dalloc(B * R * H * DK), rvc[q2] = dalloc(B * R * H * DV);
+    }
 
     /* 1. compression of k, and its backward from a random dk_cmp */
     {
@@ -785,22 +819,22 @@ static long check_ops(nsa_context *ctx, problem *p)
         memset(&a, 0, sizeof a);
         a.x = k.t, a.x_cmp = kc.t, a.varlen = p->vl, a.config = c->cfg;
         RUN_OP(compress, ctx, &a);
-        for (int64_t s = 0; s < p->nseq; s++) {
+        REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
             const seqinfo *sq = &p->seq[s];
-            ref_compress(&c->cfg, sq->len, H, DK, k.val + row_off(p, sq, H, DK), rkc + cmp_off(p, sq, H, DK));
+            ref_compress(&c->cfg, sq->len, H, DK, k.val + row_off(p, sq, H, DK), rkc[pass_] + cmp_off(p, sq, H, DK));
         }
-        fails += check_close("nsa_compress", &kc, rkc, dt) + check_guard("x_cmp", &kc);
+        fails += check_close("nsa_compress", &kc, rkc[0], rkc[1], dt) + check_guard("x_cmp", &kc);
         nsa_compress_bwd_args b;
         memset(&b, 0, sizeof b);
         b.fwd = a;
         tens_random(&dkc, &p->rng, 0, 1, 1);
         b.dx_cmp = dkc.t, b.dx = dk.t;
         RUN_OP(compress_bwd, ctx, &b);
-        for (int64_t s = 0; s < p->nseq; s++) {
+        REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
             const seqinfo *sq = &p->seq[s];
-            ref_compress_bwd(&c->cfg, sq->len, H, DK, dkc.val + cmp_off(p, sq, H, DK), rdk + row_off(p, sq, H, DK));
+            ref_compress_bwd(&c->cfg, sq->len, H, DK, dkc.val + cmp_off(p, sq, H, DK), rdk[pass_] + row_off(p, sq, H, DK));
         }
-        fails += check_close("nsa_compress_bwd", &dk, rdk, dt);
+        fails += check_close("nsa_compress_bwd", &dk, rdk[0], rdk[1], dt);
     }
     /* 2. compressed attention on random compressed K/V, forward and backward */
     tens_random(&kc, &p->rng, 0, 1, 1), tens_random(&vc, &p->rng, 0, 1, 1);
@@ -809,25 +843,25 @@ static long check_ops(nsa_context *ctx, problem *p)
     ca.q = q.t, ca.k_cmp = kc.t, ca.v_cmp = vc.t, ca.o = o.t, ca.lse = lse.t, ca.varlen = p->vl, ca.config = c->cfg;
     {
         RUN_OP(cmp_attn, ctx, &ca);
-        for (int64_t s = 0; s < p->nseq; s++) {
+        REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
             const seqinfo *sq = &p->seq[s];
             ref_cmp_attn(&c->cfg, p->scale, seq_dims(p, sq), sq->ncmp, q.val + row_off(p, sq, HQ, DK),
-                         kc.val + cmp_off(p, sq, H, DK), vc.val + cmp_off(p, sq, H, DV), ro + row_off(p, sq, HQ, DV),
-                         rl + row_off(p, sq, HQ, 1));
+                         kc.val + cmp_off(p, sq, H, DK), vc.val + cmp_off(p, sq, H, DV), ro[pass_] + row_off(p, sq, HQ, DV),
+                         rl[pass_] + row_off(p, sq, HQ, 1));
         }
-        fails += check_close("nsa_cmp_attn o", &o, ro, dt) + check_close("nsa_cmp_attn lse", &lse, rl, NSA_DTYPE_F32);
+        fails += check_close("nsa_cmp_attn o", &o, ro[0], ro[1], dt) + check_close("nsa_cmp_attn lse", &lse, rl[0], rl[1], NSA_DTYPE_F32);
         nsa_cmp_attn_bwd_args b;
         memset(&b, 0, sizeof b);
         b.fwd = ca, b.dout = dout.t, b.dq = dq.t, b.dk_cmp = dkc.t, b.dv_cmp = dvc.t;
         RUN_OP(cmp_attn_bwd, ctx, &b);
-        for (int64_t s = 0; s < p->nseq; s++) {
+        REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
             const seqinfo *sq = &p->seq[s];
             ref_cmp_attn_bwd(&c->cfg, p->scale, seq_dims(p, sq), sq->ncmp, q.val + row_off(p, sq, HQ, DK),
                              kc.val + cmp_off(p, sq, H, DK), vc.val + cmp_off(p, sq, H, DV), dout.val + row_off(p, sq, HQ, DV),
-                             rdq + row_off(p, sq, HQ, DK), rkc + cmp_off(p, sq, H, DK), rvc + cmp_off(p, sq, H, DV));
+                             rdq[pass_] + row_off(p, sq, HQ, DK), rkc[pass_] + cmp_off(p, sq, H, DK), rvc[pass_] + cmp_off(p, sq, H, DV));
         }
-        fails += check_close("nsa_cmp_attn_bwd dq", &dq, rdq, dt) + check_close("nsa_cmp_attn_bwd dk_cmp", &dkc, rkc, dt) +
-                 check_close("nsa_cmp_attn_bwd dv_cmp", &dvc, rvc, dt);
+        fails += check_close("nsa_cmp_attn_bwd dq", &dq, rdq[0], rdq[1], dt) + check_close("nsa_cmp_attn_bwd dk_cmp", &dkc, rkc[0], rkc[1], dt) +
+                 check_close("nsa_cmp_attn_bwd dv_cmp", &dvc, rvc[0], rvc[1], dt);
     }
     /* 3. selection, with the lse of step 2 and without it */
     {
@@ -874,26 +908,26 @@ static long check_ops(nsa_context *ctx, problem *p)
         a.q = q.t, a.k = k.t, a.v = v.t, a.block_indices = bi.t, a.o = o.t, a.lse = lse.t, a.varlen = p->vl, a.config = c->cfg;
         if (cn) a.block_counts = bc.t;
         RUN_OP(slc_attn, ctx, &a);
-        for (int64_t s = 0; s < p->nseq; s++) {
+        REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
             const seqinfo *sq = &p->seq[s];
             ref_slc_attn(&c->cfg, p->scale, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK), k.val + row_off(p, sq, H, DK),
                          v.val + row_off(p, sq, H, DV), ix + row_off(p, sq, H, m), m, cn ? cn + row_off(p, sq, H, 1) : NULL,
-                         ro + row_off(p, sq, HQ, DV), rl + row_off(p, sq, HQ, 1));
+                         ro[pass_] + row_off(p, sq, HQ, DV), rl[pass_] + row_off(p, sq, HQ, 1));
         }
-        fails += check_close("nsa_slc_attn o", &o, ro, dt) + check_close("nsa_slc_attn lse", &lse, rl, NSA_DTYPE_F32);
+        fails += check_close("nsa_slc_attn o", &o, ro[0], ro[1], dt) + check_close("nsa_slc_attn lse", &lse, rl[0], rl[1], NSA_DTYPE_F32);
         nsa_slc_attn_bwd_args b;
         memset(&b, 0, sizeof b);
         b.fwd = a, b.dout = dout.t, b.dq = dq.t, b.dk = dk.t, b.dv = dv.t;
         RUN_OP(slc_attn_bwd, ctx, &b);
-        for (int64_t s = 0; s < p->nseq; s++) {
+        REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
             const seqinfo *sq = &p->seq[s];
             ref_slc_attn_bwd(&c->cfg, p->scale, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK), k.val + row_off(p, sq, H, DK),
                              v.val + row_off(p, sq, H, DV), ix + row_off(p, sq, H, m), m, cn ? cn + row_off(p, sq, H, 1) : NULL,
-                             dout.val + row_off(p, sq, HQ, DV), rdq + row_off(p, sq, HQ, DK), rdk + row_off(p, sq, H, DK),
-                             rdv + row_off(p, sq, H, DV));
+                             dout.val + row_off(p, sq, HQ, DV), rdq[pass_] + row_off(p, sq, HQ, DK), rdk[pass_] + row_off(p, sq, H, DK),
+                             rdv[pass_] + row_off(p, sq, H, DV));
         }
-        fails += check_close("nsa_slc_attn_bwd dq", &dq, rdq, dt) + check_close("nsa_slc_attn_bwd dk", &dk, rdk, dt) +
-                 check_close("nsa_slc_attn_bwd dv", &dv, rdv, dt);
+        fails += check_close("nsa_slc_attn_bwd dq", &dq, rdq[0], rdq[1], dt) + check_close("nsa_slc_attn_bwd dk", &dk, rdk[0], rdk[1], dt) +
+                 check_close("nsa_slc_attn_bwd dv", &dv, rdv[0], rdv[1], dt);
         free(ix);
         free(cn);
     }
@@ -908,25 +942,25 @@ static long check_ops(nsa_context *ctx, problem *p)
         a.scale = rng_int(&p->rng, 0, 1) ? 0.0f : 0.3f;
         const double sc = a.scale > 0 ? (double)a.scale : 1.0 / sqrt((double)DK);
         RUN_OP(attention, ctx, &a);
-        for (int64_t s = 0; s < p->nseq; s++) {
+        REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
             const seqinfo *sq = &p->seq[s];
             ref_attention(sc, a.causal, a.window_left, a.window_right, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK),
-                          k.val + row_off(p, sq, H, DK), v.val + row_off(p, sq, H, DV), ro + row_off(p, sq, HQ, DV),
-                          rl + row_off(p, sq, HQ, 1));
+                          k.val + row_off(p, sq, H, DK), v.val + row_off(p, sq, H, DV), ro[pass_] + row_off(p, sq, HQ, DV),
+                          rl[pass_] + row_off(p, sq, HQ, 1));
         }
-        fails += check_close("nsa_attention o", &o, ro, dt) + check_close("nsa_attention lse", &lse, rl, NSA_DTYPE_F32);
+        fails += check_close("nsa_attention o", &o, ro[0], ro[1], dt) + check_close("nsa_attention lse", &lse, rl[0], rl[1], NSA_DTYPE_F32);
         nsa_attention_bwd_args b;
         memset(&b, 0, sizeof b);
         b.fwd = a, b.dout = dout.t, b.dq = dq.t, b.dk = dk.t, b.dv = dv.t;
         RUN_OP(attention_bwd, ctx, &b);
-        for (int64_t s = 0; s < p->nseq; s++) {
+        REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
             const seqinfo *sq = &p->seq[s];
             ref_attention_bwd(sc, a.causal, a.window_left, a.window_right, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK),
                               k.val + row_off(p, sq, H, DK), v.val + row_off(p, sq, H, DV), dout.val + row_off(p, sq, HQ, DV),
-                              rdq + row_off(p, sq, HQ, DK), rdk + row_off(p, sq, H, DK), rdv + row_off(p, sq, H, DV));
+                              rdq[pass_] + row_off(p, sq, HQ, DK), rdk[pass_] + row_off(p, sq, H, DK), rdv[pass_] + row_off(p, sq, H, DV));
         }
-        fails += check_close("nsa_attention_bwd dq", &dq, rdq, dt) + check_close("nsa_attention_bwd dk", &dk, rdk, dt) +
-                 check_close("nsa_attention_bwd dv", &dv, rdv, dt);
+        fails += check_close("nsa_attention_bwd dq", &dq, rdq[0], rdq[1], dt) + check_close("nsa_attention_bwd dk", &dk, rdk[0], rdk[1], dt) +
+                 check_close("nsa_attention_bwd dv", &dv, rdv[0], rdv[1], dt);
     }
     /* 6. gating: the spec's formula written out here, and its gradients */
     {
@@ -960,20 +994,20 @@ static long check_ops(nsa_context *ctx, problem *p)
                         rdo[x][r * DV + e] = g[x].val[r] * dd;
                         rdg[x][r] += dd * ob[x].val[r * DV + e];
                     }
-                ro[r * DV + e] = acc;
+                ro[0][r * DV + e] = acc;
             }
-        fails += check_close("nsa_gate", &o, ro, dt);
+        fails += check_close("nsa_gate", &o, ro[0], NULL, dt);
         b.fwd = a, b.dout = dout.t;
         RUN_OP(gate_bwd, ctx, &b);
         for (int x = 0; x < 3; x++) {
-            if (c->gates >> x & 1) fails += check_close("nsa_gate_bwd do", &dob[x], rdo[x], dt) + check_close("nsa_gate_bwd dg", &dg[x], rdg[x], dt);
+            if (c->gates >> x & 1) fails += check_close("nsa_gate_bwd do", &dob[x], rdo[x], NULL, dt) + check_close("nsa_gate_bwd dg", &dg[x], rdg[x], NULL, dt);
             tens_free(&ob[x]), tens_free(&g[x]), tens_free(&dob[x]), tens_free(&dg[x]);
             free(rdo[x]), free(rdg[x]);
         }
     }
     tens *all[] = {&q, &k, &v, &kc, &vc, &o, &lse, &dout, &dq, &dk, &dv, &dkc, &dvc, &idx, &cnt, &bi, &bc};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tens_free(all[i]);
-    free(ro), free(rl), free(rdq), free(rdk), free(rdv), free(rkc), free(rvc);
+    for (int q2 = 0; q2 < 2; q2++) free(ro[q2]), free(rl[q2]), free(rdq[q2]), free(rdk[q2]), free(rdv[q2]), free(rkc[q2]), free(rvc[q2]);
     return fails;
 }
 
