@@ -4,7 +4,7 @@ CC ?= cc
 NATIVE ?= 1
 OPT ?= -O3
 ARCH := $(if $(filter 1,$(NATIVE)),-march=native,)
-CFLAGS_BASE := -std=c11 -Wall -Wextra -Werror -fPIC -fopenmp -ffp-contract=fast -g $(OPT) $(ARCH) -Iinclude -Isrc
+CFLAGS_BASE := -std=c11 -Wall -Wextra -Werror -fPIC -fopenmp -ffp-contract=fast -fno-math-errno -g $(OPT) $(ARCH) -Iinclude -Isrc
 LDLIBS := -fopenmp -lm
 
 LIB_SRC := src/api.c src/validate.c $(sort $(wildcard src/cpu/*.c))

@@ -1,5 +1,8 @@
 /* test_backend.c -- the CPU backend against the float64 reference: the spec's edge cases
  * one by one, then a fixed-seed random sweep (see sweep.c for the tolerance rule). */
+#define _DEFAULT_SOURCE /* mmap flags MAP_ANONYMOUS, MAP_NORESERVE */
+#include <sys/mman.h>
+
 #include "harness.h"
 #include "sweep.h"
 #include <math.h>
@@ -73,6 +76,7 @@ static void test_edge_cases(nsa_context *ctx)
 }
 
 static void test_finite_differences(nsa_context *ctx);
+static void test_int64_offsets(nsa_context *ctx);
 
 void test_backend_all(void)
 {
@@ -81,6 +85,7 @@ void test_backend_all(void)
     if (!ctx) return;
     test_edge_cases(ctx);
     test_finite_differences(ctx);
+    test_int64_offsets(ctx);
     nsa_context_destroy(ctx);
     sweep_opts o;
     memset(&o, 0, sizeof o);
@@ -204,4 +209,75 @@ static void test_finite_differences(nsa_context *ctx)
     }
     free(f.q), free(f.k), free(f.v), free(f.w), free(f.o), free(f.idx), free(dq), free(dk), free(dv);
     for (int x = 0; x < 3; x++) free(f.g[x]), free(f.so[x]), free(f.sl[x]), free(dg[x]);
+}
+
+/* ---- int64 offsets -------------------------------------------------------------------------- */
+/* Batch 1 of every tensor starts 2^31 + 1021 elements after batch 0 (an 8 GiB jump in f32):
+ * the same problem must give bitwise the results of a contiguous copy. The big buffers are
+ * sparse mappings (MAP_NORESERVE), so only the touched pages cost memory. */
+
+static void *sparse_alloc(size_t bytes)
+{
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void test_int64_offsets(nsa_context *ctx)
+{
+    const int64_t B = 2, T = 70, HQ = 4, H = 2, D = 16, jump = ((int64_t)1 << 31) + 1021;
+    const int64_t rowsQ = T * HQ * D, rowsK = T * H * D, rowsL = T * HQ;
+    const size_t big = (size_t)(jump + rowsQ) * sizeof(float);
+    struct { float *big, *small; int64_t per; int64_t shape[4]; int rank; } t[8];
+    const int64_t shapes[8][4] = {{B, T, HQ, D}, {B, T, H, D}, {B, T, H, D}, {B, T, HQ, D},
+                                  {B, T, HQ, 0}, {B, T, HQ, 0}, {B, T, HQ, D}, {B, T, HQ, 0}};
+    const int64_t per[8] = {rowsQ, rowsK, rowsK, rowsQ, rowsL, rowsL, rowsQ, rowsL};
+    test_rng r = {4242};
+    int ok_alloc = 1;
+    for (int i = 0; i < 8; i++) {
+        t[i].per = per[i];
+        t[i].rank = shapes[i][3] ? 4 : 3;
+        memcpy(t[i].shape, shapes[i], sizeof t[i].shape);
+        t[i].big = (float *)sparse_alloc(big);
+        t[i].small = (float *)calloc((size_t)(B * per[i]), sizeof(float));
+        if (!t[i].big || !t[i].small) ok_alloc = 0;
+    }
+    CHECK_MSG(ok_alloc, "could not map the sparse buffers");
+    if (!ok_alloc) return;
+    for (int i = 0; i < 8; i++)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t e = 0; e < per[i]; e++) {
+                float v = i < 3 || i == 5 ? (float)rng_normal(&r) : 0.0f; /* q, k, v inputs; gate */
+                if (i == 5) v = (float)(0.2 + 0.8 * rng_uniform(&r));
+                t[i].small[b * per[i] + e] = v;
+                t[i].big[b * jump + e] = v;
+            }
+    /* views: 0 q, 1 k, 2 v, 3 o, 4 lse, 5 gate, 6 saved o_swa, 7 (unused) */
+    nsa_tensor vb[8], vs[8];
+    for (int i = 0; i < 8; i++) {
+        vs[i] = nsa_tensor_make(t[i].small, NSA_DTYPE_F32, t[i].rank, t[i].shape);
+        vb[i] = nsa_tensor_make(t[i].big, NSA_DTYPE_F32, t[i].rank, t[i].shape);
+        vb[i].stride[0] = jump;
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        nsa_tensor *v = pass ? vb : vs;
+        nsa_forward_args a;
+        memset(&a, 0, sizeof a);
+        a.q = v[0], a.k = v[1], a.v = v[2], a.o = v[3], a.g_swa = v[5], a.saved.o_swa = v[6], a.saved.lse_swa = v[4];
+        a.config = nsa_config_default();
+        a.config.window = 9;
+        size_t need = 0;
+        CHECK_STATUS(nsa_forward_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
+        void *ws = malloc(need);
+        CHECK_STATUS(nsa_forward(ctx, &a, ws, need), NSA_STATUS_SUCCESS);
+        free(ws);
+    }
+    int same = 1;
+    for (int i = 3; i < 7; i++)
+        for (int64_t b = 0; b < B && same; b++)
+            same = !memcmp(t[i].small + b * per[i], t[i].big + b * jump, (size_t)per[i] * sizeof(float));
+    CHECK_MSG(same, "results differ when batch 1 lies 2^31 elements past batch 0");
+    for (int i = 0; i < 8; i++) {
+        munmap(t[i].big, big);
+        free(t[i].small);
+    }
 }

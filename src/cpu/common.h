@@ -126,7 +126,7 @@ void core_bwd_block(core_tile *t, const float *K, const float *V, int64_t c0, in
  * |f| <= ln2/2, and e^f comes from a degree-7 polynomial (relative error ~1e-7). */
 static inline float core_exp(float x)
 {
-    x = fminf(fmaxf(x, -87.0f), 88.0f);
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x); /* not fminf: that is a libm call */
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
     const float f = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* ln2 split in two: exact n*hi */
     const float p = 1.0f + f * (1.0f + f * (0.5f + f * (0.166666667f + f * (0.0416666667f + f * (0.00833333333f + f * (0.00138888889f + f * 0.000198412698f))))));
