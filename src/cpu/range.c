@@ -83,7 +83,7 @@ static size_t fwd_thread_bytes(const nsa_problem *p, const range_rule *r, int wi
     const int R = (int)(positions_per_tile(p) * p->G);
     core_tile_alloc(t, a, R, (int)p->DK, (int)p->DV, max_keys(p, r), 0);
     *lse_rows = (float *)ws_take(a, (size_t)R * sizeof(float));
-    *imp = with_select ? (float *)ws_take(a, (size_t)max_slc_blocks(p) * sizeof(float)) : NULL;
+    *imp = with_select ? (float *)ws_take(a, (size_t)(max_slc_blocks(p) + max_keys(p, r)) * sizeof(float)) : NULL;
     return (a->used + 127) & ~(size_t)63;
 }
 
@@ -101,16 +101,18 @@ size_t range_fwd_ws(const nsa_context *ctx, const nsa_problem *p, const range_ru
 }
 
 /* Importance of every selection block for query t of kv head h (spec 3), from the tile's
- * probabilities, then top-n. Rows ti * G .. ti * G + G - 1 are the group's heads. */
+ * probabilities, then top-n. Rows ti * G .. ti * G + G - 1 are the group's heads: their
+ * probabilities are summed first (psum), then each selection block j gathers the few
+ * compressed blocks that overlap it, so there is no division in the inner loops. */
 static void select_position(const nsa_problem *p, const core_tile *t, int64_t ti, int64_t tpos, int64_t nkeys,
-                            const select_sink *sel, int64_t b, int64_t row, int64_t h, float *imp)
+                            const select_sink *sel, int64_t b, int64_t row, int64_t h, float *imp, float *psum)
 {
     const nsa_config *c = &p->cfg;
-    const int64_t cur = tpos / c->slc_block;
-    int64_t nv = nsa_rule_cmp_visible(tpos, c->cmp_len, c->cmp_stride);
+    const int64_t l = c->cmp_len, d = c->cmp_stride, lp = c->slc_block;
+    const int64_t cur = tpos / lp;
+    int64_t nv = nsa_rule_cmp_visible(tpos, l, d);
     nv = nv < nkeys ? nv : nkeys;
-    for (int64_t j = 0; j <= cur; j++) imp[j] = 0.0f;
-    const float inv_d = 1.0f / (float)c->cmp_stride;
+    for (int64_t i = 0; i < nv; i++) psum[i] = 0.0f;
     for (int64_t g = 0; g < p->G; g++) {
         const int r = (int)(ti * p->G + g);
         if (t->l[r] <= 0.0f) continue; /* no visible block: p_cmp = 0 */
@@ -120,13 +122,18 @@ static void select_position(const nsa_problem *p, const core_tile *t, int64_t ti
             w = lse == -INFINITY ? 0.0f : core_exp(t->m[r] - lse);
         }
         const float *s = t->S + (size_t)r * t->S_cap;
-        for (int64_t i = 0; i < nv; i++) {
-            const float pi = s[i] * w * inv_d;
-            const int64_t j0 = nsa_rule_cmp_first_slc(i, c->cmp_stride, c->slc_block);
-            const int64_t j1 = nsa_rule_cmp_last_slc(i, c->cmp_len, c->cmp_stride, c->slc_block);
-            for (int64_t j = j0; j <= j1; j++)
-                imp[j] += pi * (float)nsa_rule_overlap(i, j, c->cmp_len, c->cmp_stride, c->slc_block);
-        }
+#pragma omp simd
+        for (int64_t i = 0; i < nv; i++) psum[i] += s[i] * w;
+    }
+    const float inv_d = 1.0f / (float)d;
+    for (int64_t j = 0; j <= cur; j++) {
+        /* compressed blocks overlapping [j*l', (j+1)*l'): i*d + l > j*l' and i*d < (j+1)*l' */
+        int64_t i0 = j * lp - l + 1 > 0 ? (j * lp - l + 1 + d - 1) / d : 0;
+        int64_t i1 = ((j + 1) * lp - 1) / d;
+        if (i1 > nv - 1) i1 = nv - 1;
+        float acc = 0.0f;
+        for (int64_t i = i0; i <= i1; i++) acc += psum[i] * (float)nsa_rule_overlap(i, j, l, d, lp);
+        imp[j] = acc * inv_d;
     }
     int32_t *out = (int32_t *)sel->indices->data + io_off(sel->indices, b, row, h);
     int64_t kept = select_top_n(imp, cur, c, out);
@@ -146,7 +153,7 @@ void range_fwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *r
     ws_arena probe = {NULL, 0};
     const size_t per = fwd_thread_bytes(p, rule, sel != NULL, &t0, &probe, &lr0, &im0);
     char *thread_base = (char *)ws_take(&a, per * (size_t)cpu_threads(ctx));
-    const int64_t bq = ta.per_tile, G = p->G;
+    const int64_t bq = ta.per_tile, G = p->G, nb_max = sel ? max_slc_blocks(p) : 0;
 
 #pragma omp parallel num_threads(cpu_threads(ctx))
     {
@@ -193,7 +200,7 @@ void range_fwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *r
             if (sel)
                 for (int64_t i = 0; i < nt; i++) {
                     /* core_fwd_block stored S relative to kmin; selection reads from key 0 */
-                    select_position(p, &t, i, t0 + i, nkeys, sel, sq.b, sq.row0 + t0 + i, h, imp);
+                    select_position(p, &t, i, t0 + i, nkeys, sel, sq.b, sq.row0 + t0 + i, h, imp, imp + nb_max);
                 }
             core_fwd_end(&t, lse_rows);
             for (int64_t i = 0; i < nt; i++)
