@@ -168,7 +168,7 @@ static void attend_rows_bwd(double scale, int64_t DK, int64_t DV, int64_t Tk, co
 {
     /* The naive same-precision implementation (ref_store_round set) takes D from its stored,
      * rounded output, D = dO . O, as a fused kernel does; exactly, that equals sum_s P dP. */
-    double *o_store[REF_ROW_BLOCK], *o_buf = ref_store_round ? dalloc(R * DV) : NULL;
+    double *o_store[REF_ROW_BLOCK] = {0}, *o_buf = ref_store_round ? dalloc(R * DV) : NULL;
     for (int64_t r = 0; r < R; r++) o_store[r] = o_buf ? o_buf + r * DV : NULL;
     attend_rows(scale, DK, DV, Tk, k, k_stride, v, v_stride, R, q, vis, P, o_buf ? o_store : NULL, NULL);
     for (int64_t s = 0; s < Tk; s++)

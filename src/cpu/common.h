@@ -99,6 +99,7 @@ typedef struct core_tile {
     float *O;        /* [R, DV] unnormalised output accumulator (forward) */
     float *S;        /* [R, S_cap] scores / probabilities scratch */
     int64_t S_cap;
+    float *xt;       /* [max(DK, DV), 16] keys transposed for the score micro-kernel */
     /* backward */
     float *dO;       /* [R, DV] upstream gradient (already gated) */
     float *lse;      /* [R] */
@@ -130,10 +131,8 @@ static inline float core_exp(float x)
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
     const float f = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* ln2 split in two: exact n*hi */
     const float p = 1.0f + f * (1.0f + f * (0.5f + f * (0.166666667f + f * (0.0416666667f + f * (0.00833333333f + f * (0.00138888889f + f * 0.000198412698f))))));
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
+    union { uint32_t u; float f; } scale = {(uint32_t)((int32_t)n + 127) << 23}; /* 2^n */
+    return p * scale.f;
 }
 
 #endif

@@ -16,6 +16,7 @@ void core_tile_alloc(core_tile *t, ws_arena *a, int R, int DK, int DV, int64_t s
     t->l = (float *)ws_take(a, (size_t)R * sizeof(float));
     t->O = (float *)ws_take(a, (size_t)R * DV * sizeof(float));
     t->S = (float *)ws_take(a, (size_t)R * (size_t)s_cap * sizeof(float));
+    t->xt = (float *)ws_take(a, (size_t)(DK > DV ? DK : DV) * 16 * sizeof(float));
     t->dO = t->lse = t->Drow = t->dQ = NULL;
     if (backward) {
         t->dO = (float *)ws_take(a, (size_t)R * DV * sizeof(float));
@@ -34,31 +35,172 @@ void core_fwd_begin(core_tile *t)
     memset(t->O, 0, (size_t)t->R * t->DV * sizeof(float));
 }
 
-/* s[c] = q . K[c] for c in [c0, c1): four keys at a time so each q load feeds 4 FMAs. */
-static void scores_row(const float *q, const float *K, int DK, int64_t c0, int64_t c1, float *s)
+/* ---- micro-kernels ----------------------------------------------------------------------
+ * Register-blocked products: 8 rows x 16 lanes of fp32 accumulators held in GCC/Clang
+ * vector types, so they stay in vector registers (one zmm each with AVX-512, two ymm with
+ * AVX2) instead of being spilled as plain arrays are. vf16 is only 4-byte aligned, so
+ * loads and stores through it may be unaligned. */
+typedef float vf16 __attribute__((vector_size(64), aligned(4)));
+enum { MK_ROWS = 8, MK_LANES = 16 };
+
+static inline vf16 vload(const float *p) { return *(const vf16 *)p; }
+static inline void vstore(float *p, vf16 v) { *(vf16 *)p = v; }
+static inline vf16 vzero(void) { return (vf16){0}; }
+/* First w lanes of p (the rest 0) and the matching partial store: for dims not a multiple of 16. */
+static inline vf16 vload_n(const float *p, int w)
 {
-    int64_t c = c0;
-    for (; c + 4 <= c1; c += 4) {
-        const float *k0 = K + c * DK, *k1 = k0 + DK, *k2 = k1 + DK, *k3 = k2 + DK;
-        float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-        for (int d = 0; d < DK; d++) {
-            a0 += q[d] * k0[d];
-            a1 += q[d] * k1[d];
-            a2 += q[d] * k2[d];
-            a3 += q[d] * k3[d];
-        }
-        s[c - c0] = a0;
-        s[c - c0 + 1] = a1;
-        s[c - c0 + 2] = a2;
-        s[c - c0 + 3] = a3;
+    vf16 v = vzero();
+    for (int j = 0; j < w; j++) v[j] = p[j];
+    return v;
+}
+static inline void vstore_n(float *p, vf16 v, int w)
+{
+    for (int j = 0; j < w; j++) p[j] = v[j];
+}
+
+typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
+
+/* core_exp on 16 lanes (same polynomial, same clamp), written with vector types because
+ * the scalar version's rounding and bit tricks defeat the auto-vectoriser. Rounding to the
+ * nearest integer uses the 1.5 * 2^23 trick (exact for |y| < 2^22). */
+static inline vf16 vexp(vf16 x)
+{
+    const vf16 lo = vzero() - 87.0f, hi = vzero() + 88.0f;
+    vi16 m = x < lo;
+    x = (vf16)((m & (vi16)lo) | (~m & (vi16)x));
+    m = x > hi;
+    x = (vf16)((m & (vi16)hi) | (~m & (vi16)x));
+    const vf16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const vf16 f = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    const vf16 p =
+        1.0f + f * (1.0f + f * (0.5f + f * (0.166666667f + f * (0.0416666667f + f * (0.00833333333f + f * (0.00138888889f + f * 0.000198412698f))))));
+    const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+    return p * (vf16)bits;
+}
+
+/* s[i] = exp(s[i] - shift) for i < n; @return their sum. */
+static float exp_row(float *s, int64_t n, float shift)
+{
+    vf16 acc = vzero();
+    int64_t i = 0;
+    for (; i + MK_LANES <= n; i += MK_LANES) {
+        const vf16 e = vexp(vload(s + i) - shift);
+        vstore(s + i, e);
+        acc += e;
     }
-    for (; c < c1; c++) {
-        const float *k0 = K + c * DK;
-        float a0 = 0;
-#pragma omp simd reduction(+ : a0)
-        for (int d = 0; d < DK; d++) a0 += q[d] * k0[d];
-        s[c - c0] = a0;
+    float sum = 0.0f;
+    for (int j = 0; j < MK_LANES; j++) sum += acc[j];
+    for (; i < n; i++) {
+        s[i] = core_exp(s[i] - shift);
+        sum += s[i];
+    }
+    return sum;
+}
+
+/* p[i] = exp(p[i] - lse), ds[i] = p[i] * (ds[i] - D) for i < n (the backward's P and dS). */
+static void grad_row(float *p, float *ds, int64_t n, float lse, float D)
+{
+    int64_t i = 0;
+    for (; i + MK_LANES <= n; i += MK_LANES) {
+        const vf16 e = vexp(vload(p + i) - lse);
+        vstore(p + i, e);
+        vstore(ds + i, e * (vload(ds + i) - D));
+    }
+    for (; i < n; i++) {
+        p[i] = core_exp(p[i] - lse);
+        ds[i] = p[i] * (ds[i] - D);
+    }
+}
+
+/* S[r * ldS + (c - c0)] = A[r] . X[c] for r < R, c in [c0, c1); A [R, D], X [*, D].
+ * Sixteen keys at a time are transposed into xt [D, 16] (8 KiB at D = 128, in L1), so the
+ * inner loop is one 16-lane FMA per row against a broadcast value of A; MK_ROWS rows share
+ * each load and keep enough independent FMAs in flight. */
+static void mk_scores(const float *A, int R, int D, const float *X, int64_t c0, int64_t c1, float *S, int64_t ldS,
+                      float *xt)
+{
+    for (int64_t cb = c0; cb < c1; cb += MK_LANES) {
+        const int nk = c1 - cb < MK_LANES ? (int)(c1 - cb) : MK_LANES;
+        for (int j = 0; j < MK_LANES; j++)
+            for (int d = 0; d < D; d++) xt[d * MK_LANES + j] = j < nk ? X[(cb + j) * D + d] : 0.0f;
+        float *out = S + (cb - c0);
+        int r = 0;
+        for (; r + MK_ROWS <= R; r += MK_ROWS) {
+            vf16 acc[MK_ROWS];
+            const float *a = A + (size_t)r * D;
+#pragma GCC unroll 8
+            for (int i = 0; i < MK_ROWS; i++) acc[i] = vzero();
+            for (int d = 0; d < D; d++) {
+                const vf16 x = vload(xt + d * MK_LANES);
+#pragma GCC unroll 8
+                for (int i = 0; i < MK_ROWS; i++) acc[i] += a[i * D + d] * x;
+            }
+            for (int i = 0; i < MK_ROWS; i++) vstore_n(out + (size_t)(r + i) * ldS, acc[i], nk);
+        }
+        for (; r < R; r++) {
+            vf16 acc = vzero();
+            const float *a = A + (size_t)r * D;
+            for (int d = 0; d < D; d++) acc += a[d] * vload(xt + d * MK_LANES);
+            vstore_n(out + (size_t)r * ldS, acc, nk);
+        }
+    }
+}
+
+/* Acc[r] [D] += sum_{c < n} W[r * ldW + c] * X[c] [D] for r < R (P V, dS K). */
+static void mk_accum(float *Acc, const float *W, int64_t ldW, int R, const float *X, int D, int64_t n)
+{
+    for (int d0 = 0; d0 < D; d0 += MK_LANES) {
+        const int w = D - d0 < MK_LANES ? D - d0 : MK_LANES;
+        int r = 0;
+        for (; r + MK_ROWS <= R; r += MK_ROWS) {
+            float *o = Acc + (size_t)r * D + d0;
+            const float *wr = W + (size_t)r * ldW;
+            vf16 acc[MK_ROWS];
+#pragma GCC unroll 8
+            for (int i = 0; i < MK_ROWS; i++) acc[i] = vload_n(o + (size_t)i * D, w);
+            for (int64_t c = 0; c < n; c++) {
+                const vf16 x = w == MK_LANES ? vload(X + c * D + d0) : vload_n(X + c * D + d0, w);
+#pragma GCC unroll 8
+                for (int i = 0; i < MK_ROWS; i++) acc[i] += wr[(size_t)i * ldW + c] * x;
+            }
+            for (int i = 0; i < MK_ROWS; i++) vstore_n(o + (size_t)i * D, acc[i], w);
+        }
+        for (; r < R; r++) {
+            float *o = Acc + (size_t)r * D + d0;
+            const float *wr = W + (size_t)r * ldW;
+            vf16 acc = vload_n(o, w);
+            for (int64_t c = 0; c < n; c++) acc += wr[c] * vload_n(X + c * D + d0, w);
+            vstore_n(o, acc, w);
+        }
+    }
+}
+
+/* Acc[c] [D] += sum_{r < R} W[r * ldW + c] * Y[r] [D] for c < n (dS^T Q, P^T dO):
+ * MK_ROWS keys at a time, so each row of Y is loaded once per MK_ROWS keys. */
+static void mk_accum_t(float *Acc, const float *W, int64_t ldW, int R, const float *Y, int D, int64_t n)
+{
+    for (int d0 = 0; d0 < D; d0 += MK_LANES) {
+        const int w = D - d0 < MK_LANES ? D - d0 : MK_LANES;
+        int64_t c = 0;
+        for (; c + MK_ROWS <= n; c += MK_ROWS) {
+            float *o = Acc + c * D + d0;
+            vf16 acc[MK_ROWS];
+#pragma GCC unroll 8
+            for (int i = 0; i < MK_ROWS; i++) acc[i] = vload_n(o + (size_t)i * D, w);
+            for (int r = 0; r < R; r++) {
+                const float *wr = W + (size_t)r * ldW + c;
+                const vf16 y = w == MK_LANES ? vload(Y + (size_t)r * D + d0) : vload_n(Y + (size_t)r * D + d0, w);
+#pragma GCC unroll 8
+                for (int i = 0; i < MK_ROWS; i++) acc[i] += wr[i] * y;
+            }
+            for (int i = 0; i < MK_ROWS; i++) vstore_n(o + (size_t)i * D, acc[i], w);
+        }
+        for (; c < n; c++) {
+            float *o = Acc + c * D + d0;
+            vf16 acc = vload_n(o, w);
+            for (int r = 0; r < R; r++) acc += W[(size_t)r * ldW + c] * vload_n(Y + (size_t)r * D + d0, w);
+            vstore_n(o, acc, w);
+        }
     }
 }
 
@@ -69,28 +211,30 @@ static inline void row_span(const core_tile *t, int r, int64_t c0, int64_t c1, i
     *b = t->hi[r] + 1 < c1 ? t->hi[r] + 1 : c1;
 }
 
-/* o [n] += sum_{c < cnt} w[c] * X[c] [n]: four rows of X per pass, so o is loaded and
- * stored once per four keys instead of once per key. */
-static void accumulate_rows(float *o, const float *w, const float *X, int n, int64_t cnt)
+/* Union of the rows' visible parts of [c0, c1), as [ua, ub) (ua >= ub: nobody sees any). */
+static void union_span(const core_tile *t, int64_t c0, int64_t c1, int64_t *ua, int64_t *ub)
 {
-    int64_t c = 0;
-    for (; c + 4 <= cnt; c += 4) {
-        const float w0 = w[c], w1 = w[c + 1], w2 = w[c + 2], w3 = w[c + 3];
-        const float *x0 = X + c * n, *x1 = x0 + n, *x2 = x1 + n, *x3 = x2 + n;
-#pragma omp simd
-        for (int d = 0; d < n; d++) o[d] += w0 * x0[d] + w1 * x1[d] + w2 * x2[d] + w3 * x3[d];
-    }
-    for (; c < cnt; c++) {
-        const float w0 = w[c], *x0 = X + c * n;
-#pragma omp simd
-        for (int d = 0; d < n; d++) o[d] += w0 * x0[d];
+    *ua = c1;
+    *ub = c0;
+    for (int r = 0; r < t->R; r++) {
+        int64_t a, b;
+        row_span(t, r, c0, c1, &a, &b);
+        if (a >= b) continue;
+        *ua = a < *ua ? a : *ua;
+        *ub = b > *ub ? b : *ub;
     }
 }
 
 void core_fwd_block(core_tile *t, const float *K, const float *V, int64_t c0, int64_t c1)
 {
-    const int DK = t->DK, DV = t->DV;
     const int64_t n = c1 - c0;
+    int64_t ua, ub;
+    union_span(t, c0, c1, &ua, &ub);
+    if (ua >= ub) {
+        for (int r = 0; r < t->R; r++) memset(t->S + (size_t)r * t->S_cap, 0, (size_t)n * sizeof(float));
+        return;
+    }
+    mk_scores(t->Q, t->R, t->DK, K, ua, ub, t->S + (ua - c0), t->S_cap, t->xt);
     for (int r = 0; r < t->R; r++) {
         float *s = t->S + (size_t)r * t->S_cap;
         int64_t a, b;
@@ -101,26 +245,20 @@ void core_fwd_block(core_tile *t, const float *K, const float *V, int64_t c0, in
         }
         memset(s, 0, (size_t)(a - c0) * sizeof(float));
         memset(s + (b - c0), 0, (size_t)(c1 - b) * sizeof(float));
-        scores_row(t->Q + (size_t)r * DK, K, DK, a, b, s + (a - c0));
         float mx = t->m[r];
-        for (int64_t c = a; c < b; c++) mx = s[c - c0] > mx ? s[c - c0] : mx;
+#pragma omp simd reduction(max : mx)
+        for (int64_t c = a - c0; c < b - c0; c++) mx = s[c] > mx ? s[c] : mx;
         /* rescale what was accumulated under the old max */
-        float alpha = t->m[r] == -INFINITY ? 0.0f : core_exp(t->m[r] - mx);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t c = a; c < b; c++) {
-            float e = core_exp(s[c - c0] - mx);
-            s[c - c0] = e;
-            sum += e;
-        }
+        const float alpha = t->m[r] == -INFINITY ? 0.0f : core_exp(t->m[r] - mx);
+        const float sum = exp_row(s + (a - c0), b - a, mx);
         t->m[r] = mx;
         t->l[r] = t->l[r] * alpha + sum;
-        if (!V) continue;
-        float *o = t->O + (size_t)r * DV;
-        if (alpha != 1.0f)
-            for (int d = 0; d < DV; d++) o[d] *= alpha;
-        accumulate_rows(o, s + (a - c0), V + a * DV, DV, b - a);
+        if (V && alpha != 1.0f) {
+            float *o = t->O + (size_t)r * t->DV;
+            for (int d = 0; d < t->DV; d++) o[d] *= alpha;
+        }
     }
+    if (V) mk_accum(t->O, t->S + (ua - c0), t->S_cap, t->R, V + ua * t->DV, t->DV, ub - ua);
 }
 
 void core_fwd_end(core_tile *t, float *lse_out)
@@ -140,68 +278,31 @@ void core_fwd_end(core_tile *t, float *lse_out)
 
 void core_bwd_block(core_tile *t, const float *K, const float *V, int64_t c0, int64_t c1, float *dK, float *dV)
 {
-    const int DK = t->DK, DV = t->DV;
-    const int64_t n = c1 - c0, half = t->S_cap / 2;
-    /* Pass 1, per row: P = exp(s - lse) and dS = P * (dO.V - Drow), stored as [R, n] matrices
-     * (P at S[r][c - c0], dS at S[r][half + c - c0]; zero outside the row's visible span),
-     * and dQ += dS K. */
+    const int64_t half = t->S_cap / 2;
+    int64_t ua, ub;
+    union_span(t, c0, c1, &ua, &ub);
+    if (ua >= ub) return;
+    const int64_t n = ub - ua;
+    /* P at S[r][c - ua], dS at S[r][half + c - ua]: the rows' [R, n] matrices */
+    float *P = t->S, *dS = t->S + half;
+    mk_scores(t->Q, t->R, t->DK, K, ua, ub, P, t->S_cap, t->xt);
+    mk_scores(t->dO, t->R, t->DV, V, ua, ub, dS, t->S_cap, t->xt);
     for (int r = 0; r < t->R; r++) {
-        float *P = t->S + (size_t)r * t->S_cap, *dS = P + half;
+        float *p = P + (size_t)r * t->S_cap, *ds = dS + (size_t)r * t->S_cap;
         int64_t a, b;
-        row_span(t, r, c0, c1, &a, &b);
+        row_span(t, r, ua, ub, &a, &b);
         if (t->lse[r] == -INFINITY || a >= b) { /* row saw no key here: no gradient */
-            memset(P, 0, (size_t)n * sizeof(float));
-            memset(dS, 0, (size_t)n * sizeof(float));
+            memset(p, 0, (size_t)n * sizeof(float));
+            memset(ds, 0, (size_t)n * sizeof(float));
             continue;
         }
-        memset(P, 0, (size_t)(a - c0) * sizeof(float));
-        memset(P + (b - c0), 0, (size_t)(c1 - b) * sizeof(float));
-        memset(dS, 0, (size_t)(a - c0) * sizeof(float));
-        memset(dS + (b - c0), 0, (size_t)(c1 - b) * sizeof(float));
-        const float *q = t->Q + (size_t)r * DK, *dO = t->dO + (size_t)r * DV;
-        scores_row(q, K, DK, a, b, P + (a - c0));
-        scores_row(dO, V, DV, a, b, dS + (a - c0));
-        const float lse = t->lse[r], D = t->Drow[r];
-#pragma omp simd
-        for (int64_t i = a - c0; i < b - c0; i++) {
-            const float p = core_exp(P[i] - lse);
-            P[i] = p;
-            dS[i] = p * (dS[i] - D);
-        }
-        if (t->dQ) accumulate_rows(t->dQ + (size_t)r * DK, dS + (a - c0), K + a * DK, DK, b - a);
+        memset(p, 0, (size_t)(a - ua) * sizeof(float));
+        memset(p + (b - ua), 0, (size_t)(ub - b) * sizeof(float));
+        memset(ds, 0, (size_t)(a - ua) * sizeof(float));
+        memset(ds + (b - ua), 0, (size_t)(ub - b) * sizeof(float));
+        grad_row(p + (a - ua), ds + (a - ua), b - a, t->lse[r], t->Drow[r]);
     }
-    /* Pass 2, per key: dK[c] += sum_r dS[r][c] Q[r], dV[c] += sum_r P[r][c] dO[r], four rows
-     * at a time so each key row is loaded and stored once per four query rows. */
-    if (!dK && !dV) return;
-    for (int64_t i = 0; i < n; i++) {
-        float *dk = dK ? dK + i * DK : NULL, *dv = dV ? dV + i * DV : NULL;
-        int r = 0;
-        for (; r + 4 <= t->R; r += 4) {
-            const float *S0 = t->S + (size_t)r * t->S_cap;
-            const size_t cap = (size_t)t->S_cap;
-            const float p0 = S0[i], p1 = S0[cap + i], p2 = S0[2 * cap + i], p3 = S0[3 * cap + i];
-            const float d0 = S0[half + i], d1 = S0[cap + half + i], d2 = S0[2 * cap + half + i], d3 = S0[3 * cap + half + i];
-            if (dk && (d0 != 0.0f || d1 != 0.0f || d2 != 0.0f || d3 != 0.0f)) {
-                const float *q0 = t->Q + (size_t)r * DK, *q1 = q0 + DK, *q2 = q1 + DK, *q3 = q2 + DK;
-#pragma omp simd
-                for (int d = 0; d < DK; d++) dk[d] += d0 * q0[d] + d1 * q1[d] + d2 * q2[d] + d3 * q3[d];
-            }
-            if (dv && (p0 != 0.0f || p1 != 0.0f || p2 != 0.0f || p3 != 0.0f)) {
-                const float *o0 = t->dO + (size_t)r * DV, *o1 = o0 + DV, *o2 = o1 + DV, *o3 = o2 + DV;
-#pragma omp simd
-                for (int d = 0; d < DV; d++) dv[d] += p0 * o0[d] + p1 * o1[d] + p2 * o2[d] + p3 * o3[d];
-            }
-        }
-        for (; r < t->R; r++) {
-            const float *S0 = t->S + (size_t)r * t->S_cap;
-            const float p0 = S0[i], d0 = S0[half + i];
-            const float *q0 = t->Q + (size_t)r * DK, *o0 = t->dO + (size_t)r * DV;
-            if (dk && d0 != 0.0f)
-#pragma omp simd
-                for (int d = 0; d < DK; d++) dk[d] += d0 * q0[d];
-            if (dv && p0 != 0.0f)
-#pragma omp simd
-                for (int d = 0; d < DV; d++) dv[d] += p0 * o0[d];
-        }
-    }
+    if (t->dQ) mk_accum(t->dQ, dS, t->S_cap, t->R, K + ua * t->DK, t->DK, n);
+    if (dK) mk_accum_t(dK + (ua - c0) * t->DK, dS, t->S_cap, t->R, t->Q, t->DK, n);
+    if (dV) mk_accum_t(dV + (ua - c0) * t->DV, P, t->S_cap, t->R, t->dO, t->DV, n);
 }
