@@ -1,0 +1,1232 @@
+/* nsa_cli.c -- the one tool of the project: `nsa demo | check | bench | version`.
+ *
+ *   demo   NSA forward + backward on a realistic synthetic input: time per branch op, the
+ *          whole forward/backward, dense causal attention for comparison, the fraction of
+ *          keys each query reads, and sampled rows against the float64 reference.
+ *   check  the random correctness sweep of tests/sweep.c for a given time or case count.
+ *   bench  per-op and whole-NSA timings over several lengths, as a table and/or JSON.
+ *
+ * It calls the library only through nsa.h. Every buffer the library touches is "backend
+ * memory" (bmem_* below): host memory on the CPU, device memory for CUDA, so a CUDA build
+ * plugs in by filling the NSA_WITH_CUDA branches. Errors: a library status prints
+ * nsa_status_string and exits 1; a bad command line prints the usage and exits 2. */
+#define _POSIX_C_SOURCE 200809L
+
+#include "nsa.h"
+#include "harness.h"
+#include "ref.h"
+#include "sweep.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#ifdef NSA_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+/* ==== errors ========================================================================= */
+
+/* Set while `nsa check` runs: its last line must be the counts, even when it dies. */
+static int g_check_running = 0;
+
+static void fail(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "nsa: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    if (g_check_running) printf("%ld passed, %ld failed\n", g_tests_passed, g_tests_failed + 1);
+    exit(1);
+}
+
+/* Every library call goes through here: a tool may exit, the library never does. */
+static void need(nsa_status st, const char *what)
+{
+    if (st != NSA_STATUS_SUCCESS) fail("%s: %s (status %d)", what, nsa_status_string(st), (int)st);
+}
+
+static void *host_alloc(size_t bytes, const char *what)
+{
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) fail("out of host memory allocating %zu bytes for %s", bytes, what);
+    return p;
+}
+
+static double clock_s(clockid_t id)
+{
+    struct timespec ts;
+    clock_gettime(id, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static double now_s(void) { return clock_s(CLOCK_MONOTONIC); }
+/* CPU seconds of all our threads: against wall time it shows whether we had the cores. */
+static double cpu_s(void) { return clock_s(CLOCK_PROCESS_CPUTIME_ID); }
+
+static const char *backend_name(nsa_backend be) { return be == NSA_BACKEND_CUDA ? "cuda" : "cpu"; }
+
+static const char *dtype_name(nsa_dtype dt)
+{
+    switch (dt) {
+    case NSA_DTYPE_F32: return "f32";
+    case NSA_DTYPE_F16: return "f16";
+    case NSA_DTYPE_BF16: return "bf16";
+    case NSA_DTYPE_I32: return "i32";
+    }
+    return "?";
+}
+
+/* ==== backend memory ==================================================================
+ * The only place that knows where the backend's tensors live. */
+
+static void *bmem_alloc(nsa_backend be, size_t bytes, const char *what)
+{
+#ifdef NSA_WITH_CUDA
+    if (be == NSA_BACKEND_CUDA) {
+        void *p = NULL;
+        if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) fail("out of device memory allocating %zu bytes for %s", bytes, what);
+        return p;
+    }
+#endif
+    (void)be;
+    return host_alloc(bytes, what);
+}
+
+static void bmem_free(nsa_backend be, void *p)
+{
+#ifdef NSA_WITH_CUDA
+    if (be == NSA_BACKEND_CUDA) {
+        cudaFree(p);
+        return;
+    }
+#endif
+    (void)be;
+    free(p);
+}
+
+static void bmem_upload(nsa_backend be, void *dst, const void *src, size_t bytes)
+{
+#ifdef NSA_WITH_CUDA
+    if (be == NSA_BACKEND_CUDA) {
+        if (cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice) != cudaSuccess) fail("copy to the device failed");
+        return;
+    }
+#endif
+    (void)be;
+    if (dst != src) memcpy(dst, src, bytes);
+}
+
+static void bmem_download(nsa_backend be, void *dst, const void *src, size_t bytes)
+{
+#ifdef NSA_WITH_CUDA
+    if (be == NSA_BACKEND_CUDA) {
+        if (cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) fail("copy from the device failed");
+        return;
+    }
+#endif
+    (void)be;
+    if (dst != src) memcpy(dst, src, bytes);
+}
+
+/* CUDA calls return before the work is done: wait before reading the clock. */
+static void bmem_sync(nsa_backend be)
+{
+#ifdef NSA_WITH_CUDA
+    if (be == NSA_BACKEND_CUDA && cudaDeviceSynchronize() != cudaSuccess) fail("the device reported an error");
+#endif
+    (void)be;
+}
+
+/* ==== storage dtypes (round to nearest even, as the sweep does) ======================= */
+
+static uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static float bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t f32_to_f16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return sign | 0x7e00u;          /* NaN */
+    if (ax >= 0x477ff000u) return sign | 0x7c00u;         /* >= 65520 rounds to inf */
+    if (ax < 0x38800000u) {                               /* below 2^-14: half subnormal */
+        float a;
+        memcpy(&a, &ax, 4);
+        return (uint16_t)(sign | (uint16_t)lrintf(a * 16777216.0f));
+    }
+    const uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u);   /* round the 13 dropped bits */
+    return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+}
+
+static float f16_to_f32(uint16_t h)
+{
+    const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    float f;
+    if (e == 0) {
+        f = ldexpf((float)m, -24);
+    } else if (e == 31) {
+        f = m ? NAN : INFINITY;
+    } else {
+        const uint32_t u = ((e + 112u) << 23) | (m << 13);
+        memcpy(&f, &u, 4);
+    }
+    return (h & 0x8000u) ? -f : f;
+}
+
+/* ==== tensors in backend memory ======================================================= */
+
+typedef struct tbuf {
+    void *mem;        /* backend memory holding n elements of dtype */
+    nsa_dtype dtype;
+    int64_t n;
+    int aliased;      /* mem is the caller's host array (CPU, f32): not ours to free */
+} tbuf;
+
+static size_t tbuf_bytes(nsa_dtype dt, int64_t n)
+{
+    const size_t es = nsa_dtype_size(dt);
+    if (n < 0 || (uint64_t)n > SIZE_MAX / es) fail("tensor of %lld elements does not fit in memory", (long long)n);
+    return (size_t)n * es;
+}
+
+static void tbuf_alloc(tbuf *b, nsa_backend be, nsa_dtype dt, int64_t n, const char *what)
+{
+    b->dtype = dt;
+    b->n = n;
+    b->aliased = 0;
+    b->mem = bmem_alloc(be, tbuf_bytes(dt, n), what);
+}
+
+/* Stores host values vals[n] in dtype and rounds vals in place to what was stored, so the
+ * reference reads exactly the backend's inputs. On the CPU an f32 tensor is vals itself. */
+static void tbuf_from_host(tbuf *b, nsa_backend be, nsa_dtype dt, float *vals, int64_t n, const char *what)
+{
+    if (be == NSA_BACKEND_CPU && dt == NSA_DTYPE_F32) {
+        b->mem = vals, b->dtype = dt, b->n = n, b->aliased = 1;
+        return;
+    }
+    tbuf_alloc(b, be, dt, n, what);
+    const size_t bytes = tbuf_bytes(dt, n);
+    void *stage = be == NSA_BACKEND_CPU ? b->mem : host_alloc(bytes, what);
+    if (dt == NSA_DTYPE_F32) {
+        memcpy(stage, vals, bytes);
+    } else {
+        uint16_t *s = (uint16_t *)stage;
+        for (int64_t i = 0; i < n; i++) {
+            s[i] = dt == NSA_DTYPE_BF16 ? f32_to_bf16(vals[i]) : f32_to_f16(vals[i]);
+            vals[i] = dt == NSA_DTYPE_BF16 ? bf16_to_f32(s[i]) : f16_to_f32(s[i]);
+        }
+    }
+    bmem_upload(be, b->mem, stage, bytes);
+    if (stage != b->mem) free(stage);
+}
+
+/* dst[n] = the tensor's values as f32 (host). */
+static void tbuf_to_host_f32(const tbuf *b, nsa_backend be, float *dst)
+{
+    const size_t bytes = tbuf_bytes(b->dtype, b->n);
+    if (b->dtype == NSA_DTYPE_F32) {
+        bmem_download(be, dst, b->mem, bytes);
+        return;
+    }
+    uint16_t *s = (uint16_t *)host_alloc(bytes, "a download");
+    bmem_download(be, s, b->mem, bytes);
+    for (int64_t i = 0; i < b->n; i++) dst[i] = b->dtype == NSA_DTYPE_BF16 ? bf16_to_f32(s[i]) : f16_to_f32(s[i]);
+    free(s);
+}
+
+static void tbuf_free(tbuf *b, nsa_backend be)
+{
+    if (b->mem && !b->aliased) bmem_free(be, b->mem);
+    memset(b, 0, sizeof *b);
+}
+
+/* ==== the problem: sizes, buffers, and every call built once ========================== */
+
+enum { BR_CMP, BR_SLC, BR_SWA, NBRANCH };
+
+typedef struct problem {
+    nsa_backend backend;
+    nsa_context *ctx;
+    int64_t B, T, HQ, H, DK, DV, Nc, n;
+    nsa_dtype dtype;
+    nsa_config cfg;
+    int with_bwd, with_dense;
+    /* host values of the inputs, as stored (the reference reads these) */
+    float *hq, *hk, *hv, *hg[NBRANCH], *hdout;
+    /* backend tensors; shapes in the comments of nsa.h */
+    tbuf q, k, v, kc, vc, g[NBRANCH], o, ob[NBRANCH], lse[NBRANCH], idx, od, lsed;
+    tbuf dout, dq, dk, dv, dkc, dvc, dg[NBRANCH];
+    void *ws;
+    size_t ws_bytes;
+    /* the calls */
+    nsa_compress_args ck, cv;
+    nsa_cmp_attn_args cmp;
+    nsa_select_args sel;
+    nsa_slc_attn_args slc;
+    nsa_attention_args swa, dense;
+    nsa_gate_args gate;
+    nsa_forward_args fwd;
+    nsa_cmp_attn_bwd_args cmp_b;
+    nsa_slc_attn_bwd_args slc_b;
+    nsa_attention_bwd_args swa_b;
+    nsa_backward_args bwd;
+} problem;
+
+typedef struct problem_opts {
+    nsa_backend backend;
+    int threads;
+    int64_t T, HQ, H, DK, DV;
+    nsa_dtype dtype;
+    nsa_config cfg;
+    int with_bwd, with_dense;
+    uint64_t seed;
+} problem_opts;
+
+static int64_t mul3(int64_t a, int64_t b, int64_t c)
+{
+    if (a < 0 || b < 0 || c < 0) fail("negative size");
+    if (a && b > INT64_MAX / a) fail("problem too large");
+    const int64_t ab = a * b;
+    if (ab && c > INT64_MAX / ab) fail("problem too large");
+    return ab * c;
+}
+
+static float *random_normal(test_rng *r, int64_t n, const char *what)
+{
+    float *x = (float *)host_alloc(tbuf_bytes(NSA_DTYPE_F32, n), what);
+    for (int64_t i = 0; i < n; i++) x[i] = (float)rng_normal(r);
+    return x;
+}
+
+/* Gates as the paper makes them, sigmoid(MLP): strictly inside (0, 1). */
+static float *random_gates(test_rng *r, int64_t n)
+{
+    float *x = random_normal(r, n, "gates");
+    for (int64_t i = 0; i < n; i++) x[i] = 1.0f / (1.0f + expf(-x[i]));
+    return x;
+}
+
+static nsa_tensor t4(const tbuf *b, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
+{
+    return nsa_tensor_4d(b->mem, b->dtype, d0, d1, d2, d3);
+}
+
+static nsa_tensor t3(const tbuf *b, int64_t d0, int64_t d1, int64_t d2)
+{
+    return nsa_tensor_3d(b->mem, b->dtype, d0, d1, d2);
+}
+
+static void alloc_buffers(problem *p)
+{
+    const nsa_backend be = p->backend;
+    const nsa_dtype dt = p->dtype;
+    const int64_t rows = mul3(p->B, p->T, 1), nq = mul3(rows, p->HQ, p->DK), no = mul3(rows, p->HQ, p->DV);
+    const int64_t nrow = mul3(rows, p->HQ, 1), nkc = mul3(p->B * p->Nc, p->H, p->DK), nvc = mul3(p->B * p->Nc, p->H, p->DV);
+    tbuf_alloc(&p->kc, be, dt, nkc, "k_cmp");
+    tbuf_alloc(&p->vc, be, dt, nvc, "v_cmp");
+    tbuf_alloc(&p->o, be, dt, no, "o");
+    for (int b = 0; b < NBRANCH; b++) {
+        tbuf_alloc(&p->ob[b], be, dt, no, "branch outputs");
+        tbuf_alloc(&p->lse[b], be, NSA_DTYPE_F32, nrow, "branch lse");
+    }
+    tbuf_alloc(&p->idx, be, NSA_DTYPE_I32, mul3(rows, p->H, p->n), "block_indices");
+    if (p->with_dense) {
+        tbuf_alloc(&p->od, be, dt, no, "dense o");
+        tbuf_alloc(&p->lsed, be, NSA_DTYPE_F32, nrow, "dense lse");
+    }
+    if (!p->with_bwd) return;
+    tbuf_alloc(&p->dq, be, dt, nq, "dq");
+    tbuf_alloc(&p->dk, be, dt, mul3(rows, p->H, p->DK), "dk");
+    tbuf_alloc(&p->dv, be, dt, mul3(rows, p->H, p->DV), "dv");
+    tbuf_alloc(&p->dkc, be, dt, nkc, "dk_cmp");
+    tbuf_alloc(&p->dvc, be, dt, nvc, "dv_cmp");
+    for (int b = 0; b < NBRANCH; b++) tbuf_alloc(&p->dg[b], be, dt, nrow, "gate gradients");
+}
+
+static void fill_inputs(problem *p, uint64_t seed)
+{
+    const nsa_backend be = p->backend;
+    const int64_t rows = mul3(p->B, p->T, 1);
+    test_rng r = {seed};
+    p->hq = random_normal(&r, mul3(rows, p->HQ, p->DK), "q");
+    p->hk = random_normal(&r, mul3(rows, p->H, p->DK), "k");
+    p->hv = random_normal(&r, mul3(rows, p->H, p->DV), "v");
+    tbuf_from_host(&p->q, be, p->dtype, p->hq, mul3(rows, p->HQ, p->DK), "q");
+    tbuf_from_host(&p->k, be, p->dtype, p->hk, mul3(rows, p->H, p->DK), "k");
+    tbuf_from_host(&p->v, be, p->dtype, p->hv, mul3(rows, p->H, p->DV), "v");
+    for (int b = 0; b < NBRANCH; b++) {
+        p->hg[b] = random_gates(&r, mul3(rows, p->HQ, 1));
+        tbuf_from_host(&p->g[b], be, p->dtype, p->hg[b], mul3(rows, p->HQ, 1), "gates");
+    }
+    if (p->with_bwd) {
+        p->hdout = random_normal(&r, mul3(rows, p->HQ, p->DV), "dout");
+        tbuf_from_host(&p->dout, be, p->dtype, p->hdout, mul3(rows, p->HQ, p->DV), "dout");
+    }
+}
+
+/* The branch ops write into the same buffers nsa_forward saves to: same values, and the
+ * branch backward ops then read a consistent forward. */
+static void build_forward_calls(problem *p)
+{
+    const int64_t B = p->B, T = p->T, HQ = p->HQ, H = p->H, DK = p->DK, DV = p->DV, Nc = p->Nc;
+    const nsa_tensor q = t4(&p->q, B, T, HQ, DK), k = t4(&p->k, B, T, H, DK), v = t4(&p->v, B, T, H, DV);
+    const nsa_tensor kc = t4(&p->kc, B, Nc, H, DK), vc = t4(&p->vc, B, Nc, H, DV);
+    const nsa_tensor idx = t4(&p->idx, B, T, H, p->n);
+    nsa_tensor ob[NBRANCH], lse[NBRANCH], g[NBRANCH];
+    for (int b = 0; b < NBRANCH; b++) {
+        ob[b] = t4(&p->ob[b], B, T, HQ, DV);
+        lse[b] = t3(&p->lse[b], B, T, HQ);
+        g[b] = t3(&p->g[b], B, T, HQ);
+    }
+    p->ck = (nsa_compress_args){.x = k, .x_cmp = kc, .config = p->cfg};
+    p->cv = (nsa_compress_args){.x = v, .x_cmp = vc, .config = p->cfg};
+    p->cmp = (nsa_cmp_attn_args){.q = q, .k_cmp = kc, .v_cmp = vc, .o = ob[BR_CMP], .lse = lse[BR_CMP], .config = p->cfg};
+    /* lse from the compressed attention spares the selection recomputing it, as in the paper */
+    p->sel = (nsa_select_args){.q = q, .k_cmp = kc, .lse_cmp = lse[BR_CMP], .block_indices = idx, .config = p->cfg};
+    p->slc = (nsa_slc_attn_args){.q = q, .k = k, .v = v, .block_indices = idx, .o = ob[BR_SLC], .lse = lse[BR_SLC],
+                                 .config = p->cfg};
+    p->swa = (nsa_attention_args){.q = q, .k = k, .v = v, .o = ob[BR_SWA], .lse = lse[BR_SWA], .scale = p->cfg.scale,
+                                  .causal = 1, .window_left = p->cfg.window - 1, .window_right = 0};
+    p->gate = (nsa_gate_args){.o_cmp = ob[BR_CMP], .o_slc = ob[BR_SLC], .o_swa = ob[BR_SWA], .g_cmp = g[BR_CMP],
+                              .g_slc = g[BR_SLC], .g_swa = g[BR_SWA], .o = t4(&p->o, B, T, HQ, DV)};
+    p->fwd = (nsa_forward_args){.q = q, .k = k, .v = v, .g_cmp = g[BR_CMP], .g_slc = g[BR_SLC], .g_swa = g[BR_SWA],
+                                .o = t4(&p->o, B, T, HQ, DV), .config = p->cfg};
+    p->fwd.saved = (nsa_saved){.block_indices = idx, .o_cmp = ob[BR_CMP], .o_slc = ob[BR_SLC], .o_swa = ob[BR_SWA],
+                               .lse_cmp = lse[BR_CMP], .lse_slc = lse[BR_SLC], .lse_swa = lse[BR_SWA]};
+    if (p->with_dense)
+        p->dense = (nsa_attention_args){.q = q, .k = k, .v = v, .o = t4(&p->od, B, T, HQ, DV), .lse = t3(&p->lsed, B, T, HQ),
+                                        .scale = p->cfg.scale, .causal = 1, .window_left = -1, .window_right = 0};
+}
+
+static void build_backward_calls(problem *p)
+{
+    const int64_t B = p->B, T = p->T, HQ = p->HQ, H = p->H, DK = p->DK, DV = p->DV, Nc = p->Nc;
+    const nsa_tensor dout = t4(&p->dout, B, T, HQ, DV), dq = t4(&p->dq, B, T, HQ, DK);
+    const nsa_tensor dk = t4(&p->dk, B, T, H, DK), dv = t4(&p->dv, B, T, H, DV);
+    p->cmp_b = (nsa_cmp_attn_bwd_args){.fwd = p->cmp, .dout = dout, .dq = dq, .dk_cmp = t4(&p->dkc, B, Nc, H, DK),
+                                       .dv_cmp = t4(&p->dvc, B, Nc, H, DV)};
+    p->slc_b = (nsa_slc_attn_bwd_args){.fwd = p->slc, .dout = dout, .dq = dq, .dk = dk, .dv = dv};
+    p->swa_b = (nsa_attention_bwd_args){.fwd = p->swa, .dout = dout, .dq = dq, .dk = dk, .dv = dv};
+    p->bwd = (nsa_backward_args){.fwd = p->fwd, .dout = dout, .dq = dq, .dk = dk, .dv = dv,
+                                 .dg_cmp = t3(&p->dg[BR_CMP], B, T, HQ), .dg_slc = t3(&p->dg[BR_SLC], B, T, HQ),
+                                 .dg_swa = t3(&p->dg[BR_SWA], B, T, HQ)};
+}
+
+/* ==== the operations this tool times ================================================== */
+
+typedef enum op_id {
+    OP_COMPRESS, OP_CMP_ATTN, OP_SELECT, OP_SLC_ATTN, OP_SWA, OP_GATE, OP_FORWARD, OP_DENSE,
+    OP_CMP_ATTN_BWD, OP_SLC_ATTN_BWD, OP_SWA_BWD, OP_BACKWARD, OP_COUNT
+} op_id;
+
+static const struct op_info {
+    const char *name;   /* short name in tables and JSON */
+    const char *call;   /* the library call(s) */
+    int bwd, dense;
+} OPS[OP_COUNT] = {
+    [OP_COMPRESS] = {"compress", "nsa_compress (k and v)", 0, 0},
+    [OP_CMP_ATTN] = {"cmp_attn", "nsa_cmp_attn", 0, 0},
+    [OP_SELECT] = {"select", "nsa_select", 0, 0},
+    [OP_SLC_ATTN] = {"slc_attn", "nsa_slc_attn", 0, 0},
+    [OP_SWA] = {"window", "nsa_attention (causal, window w)", 0, 0},
+    [OP_GATE] = {"gate", "nsa_gate", 0, 0},
+    [OP_FORWARD] = {"forward", "nsa_forward", 0, 0},
+    [OP_DENSE] = {"dense", "nsa_attention (causal, no window)", 0, 1},
+    [OP_CMP_ATTN_BWD] = {"cmp_attn_bwd", "nsa_cmp_attn_bwd", 1, 0},
+    [OP_SLC_ATTN_BWD] = {"slc_attn_bwd", "nsa_slc_attn_bwd", 1, 0},
+    [OP_SWA_BWD] = {"window_bwd", "nsa_attention_bwd (causal, window w)", 1, 0},
+    [OP_BACKWARD] = {"backward", "nsa_backward", 1, 0},
+};
+
+static int op_enabled(const problem *p, op_id id) { return (!OPS[id].bwd || p->with_bwd) && (!OPS[id].dense || p->with_dense); }
+
+static nsa_status op_workspace(problem *p, op_id id, size_t *bytes)
+{
+    nsa_context *c = p->ctx;
+    switch (id) {
+    case OP_COMPRESS: {
+        size_t a = 0, b = 0;
+        nsa_status st = nsa_compress_workspace_size(c, &p->ck, &a);
+        if (st == NSA_STATUS_SUCCESS) st = nsa_compress_workspace_size(c, &p->cv, &b);
+        *bytes = a > b ? a : b;
+        return st;
+    }
+    case OP_CMP_ATTN: return nsa_cmp_attn_workspace_size(c, &p->cmp, bytes);
+    case OP_SELECT: return nsa_select_workspace_size(c, &p->sel, bytes);
+    case OP_SLC_ATTN: return nsa_slc_attn_workspace_size(c, &p->slc, bytes);
+    case OP_SWA: return nsa_attention_workspace_size(c, &p->swa, bytes);
+    case OP_GATE: return nsa_gate_workspace_size(c, &p->gate, bytes);
+    case OP_FORWARD: return nsa_forward_workspace_size(c, &p->fwd, bytes);
+    case OP_DENSE: return nsa_attention_workspace_size(c, &p->dense, bytes);
+    case OP_CMP_ATTN_BWD: return nsa_cmp_attn_bwd_workspace_size(c, &p->cmp_b, bytes);
+    case OP_SLC_ATTN_BWD: return nsa_slc_attn_bwd_workspace_size(c, &p->slc_b, bytes);
+    case OP_SWA_BWD: return nsa_attention_bwd_workspace_size(c, &p->swa_b, bytes);
+    case OP_BACKWARD: return nsa_backward_workspace_size(c, &p->bwd, bytes);
+    case OP_COUNT: break;
+    }
+    return NSA_STATUS_BAD_ARGUMENT;
+}
+
+static nsa_status op_call(problem *p, op_id id)
+{
+    nsa_context *c = p->ctx;
+    void *w = p->ws;
+    const size_t n = p->ws_bytes;
+    switch (id) {
+    case OP_COMPRESS: {
+        nsa_status st = nsa_compress(c, &p->ck, w, n);
+        return st == NSA_STATUS_SUCCESS ? nsa_compress(c, &p->cv, w, n) : st;
+    }
+    case OP_CMP_ATTN: return nsa_cmp_attn(c, &p->cmp, w, n);
+    case OP_SELECT: return nsa_select(c, &p->sel, w, n);
+    case OP_SLC_ATTN: return nsa_slc_attn(c, &p->slc, w, n);
+    case OP_SWA: return nsa_attention(c, &p->swa, w, n);
+    case OP_GATE: return nsa_gate(c, &p->gate, w, n);
+    case OP_FORWARD: return nsa_forward(c, &p->fwd, w, n);
+    case OP_DENSE: return nsa_attention(c, &p->dense, w, n);
+    case OP_CMP_ATTN_BWD: return nsa_cmp_attn_bwd(c, &p->cmp_b, w, n);
+    case OP_SLC_ATTN_BWD: return nsa_slc_attn_bwd(c, &p->slc_b, w, n);
+    case OP_SWA_BWD: return nsa_attention_bwd(c, &p->swa_b, w, n);
+    case OP_BACKWARD: return nsa_backward(c, &p->bwd, w, n);
+    case OP_COUNT: break;
+    }
+    return NSA_STATUS_BAD_ARGUMENT;
+}
+
+/* One run of an op, synchronised; @return its wall time in seconds. */
+static double op_run(problem *p, op_id id)
+{
+    const double t0 = now_s();
+    need(op_call(p, id), OPS[id].call);
+    bmem_sync(p->backend);
+    return now_s() - t0;
+}
+
+/* One workspace for every op: the largest of their size queries. */
+static void alloc_workspace(problem *p)
+{
+    size_t most = 0;
+    for (int id = 0; id < OP_COUNT; id++) {
+        if (!op_enabled(p, (op_id)id)) continue;
+        size_t b = 0;
+        need(op_workspace(p, (op_id)id, &b), OPS[id].call);
+        if (b > most) most = b;
+    }
+    p->ws_bytes = most;
+    p->ws = most ? bmem_alloc(p->backend, most, "the workspace") : NULL;
+}
+
+static void problem_init(problem *p, const problem_opts *o)
+{
+    memset(p, 0, sizeof *p);
+    p->backend = o->backend;
+    p->B = 1, p->T = o->T, p->HQ = o->HQ, p->H = o->H, p->DK = o->DK, p->DV = o->DV;
+    p->dtype = o->dtype;
+    p->cfg = o->cfg;
+    p->with_bwd = o->with_bwd;
+    p->with_dense = o->with_dense;
+    need(nsa_config_validate(&p->cfg), "the configuration");
+    p->Nc = nsa_num_cmp_blocks(&p->cfg, p->T);
+    p->n = p->cfg.slc_topk;
+    nsa_context_desc d = {.backend = o->backend, .num_threads = o->threads};
+    need(nsa_context_create(&p->ctx, &d), "creating the context");
+    fill_inputs(p, o->seed);
+    alloc_buffers(p);
+    build_forward_calls(p);
+    if (p->with_bwd) build_backward_calls(p);
+    alloc_workspace(p);
+}
+
+static void problem_free(problem *p)
+{
+    const nsa_backend be = p->backend;
+    tbuf *all[] = {&p->q, &p->k, &p->v, &p->kc, &p->vc, &p->o, &p->idx, &p->od, &p->lsed, &p->dout, &p->dq,
+                   &p->dk, &p->dv, &p->dkc, &p->dvc};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tbuf_free(all[i], be);
+    for (int b = 0; b < NBRANCH; b++) {
+        tbuf_free(&p->g[b], be), tbuf_free(&p->ob[b], be), tbuf_free(&p->lse[b], be), tbuf_free(&p->dg[b], be);
+        free(p->hg[b]);
+    }
+    free(p->hq), free(p->hk), free(p->hv), free(p->hdout);
+    if (p->ws) bmem_free(be, p->ws);
+    nsa_context_destroy(p->ctx);
+    memset(p, 0, sizeof *p);
+}
+
+/* ==== counting: keys read and FLOPs =================================================== */
+
+/* Compressed blocks query t sees (spec 2: block i visible iff i*d + l - 1 <= t). */
+static int64_t cmp_visible(const nsa_config *c, int64_t t, int64_t Nc)
+{
+    const int64_t v = t + 1 >= c->cmp_len ? (t + 1 - c->cmp_len) / c->cmp_stride + 1 : 0;
+    return v < Nc ? v : Nc;
+}
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Distinct key tokens s < below, s <= t, in the usable blocks of one selection row (spec 4:
+ * -1 and out-of-range entries skipped, duplicates once). below = t + 1 counts all of them. */
+static int64_t slc_row_tokens(const int32_t *row, int64_t m, int64_t t, int64_t T, int64_t lp, int64_t below)
+{
+    const int64_t nb = (T + lp - 1) / lp;
+    int64_t tokens = 0;
+    for (int64_t e = 0; e < m; e++) {
+        const int64_t j = row[e];
+        if (j < 0 || j >= nb) continue;
+        int dup = 0;
+        for (int64_t f = 0; f < e && !dup; f++) dup = row[f] == row[e];
+        if (dup) continue;
+        const int64_t lo = j * lp, hi = min64(min64((j + 1) * lp, t + 1), below);
+        tokens += max64(0, hi - lo);
+    }
+    return tokens;
+}
+
+/* (query head, key) pairs each branch scores, summed over every query: the FLOP basis. */
+typedef struct work {
+    double cmp, slc, swa, dense;
+} work;
+
+/* idx NULL: the selection is not known yet, w.slc stays 0. */
+static work count_work(const problem *p, const int32_t *idx)
+{
+    work w = {0, 0, 0, 0};
+    const int64_t G = p->HQ / p->H;
+    for (int64_t t = 0; t < p->T; t++) {
+        w.cmp += (double)(cmp_visible(&p->cfg, t, p->Nc) * p->HQ);
+        w.swa += (double)(min64(t + 1, p->cfg.window) * p->HQ);
+        w.dense += (double)((t + 1) * p->HQ);
+        for (int64_t h = 0; idx && h < p->H; h++)
+            w.slc += (double)(slc_row_tokens(idx + (t * p->H + h) * p->n, p->n, t, p->T, p->cfg.slc_block, t + 1) * G);
+    }
+    const double B = (double)p->B;
+    w.cmp *= B, w.slc *= B, w.swa *= B, w.dense *= B;
+    return w;
+}
+
+/* FLOPs of one op. Attention: 2*DK + 2*DV per (query head, key) pair forward (QK^T and PV),
+ * 2.5x that backward (recompute S, dP, dS K, dS^T Q, P^T dO: the FlashAttention-2 count).
+ * Selection: the scores q.k_cmp it ranks, 2*DK per pair. Compression: l adds per output
+ * element; gating: 5 per output element. nsa_forward/backward: the sum of their parts. */
+static double op_flops(const problem *p, const work *w, op_id id)
+{
+    const double fa = (double)(2 * p->DK + 2 * p->DV), rows = (double)(p->B * p->T * p->HQ);
+    const double compress = (double)(p->B * p->Nc * p->H * (p->DK + p->DV) * p->cfg.cmp_len);
+    const double gate = 5.0 * rows * (double)p->DV;
+    switch (id) {
+    case OP_COMPRESS: return compress;
+    case OP_CMP_ATTN: return w->cmp * fa;
+    case OP_SELECT: return w->cmp * 2.0 * (double)p->DK;
+    case OP_SLC_ATTN: return w->slc * fa;
+    case OP_SWA: return w->swa * fa;
+    case OP_GATE: return gate;
+    case OP_FORWARD: return compress + (w->cmp + w->slc + w->swa) * fa + gate;
+    case OP_DENSE: return w->dense * fa;
+    case OP_CMP_ATTN_BWD: return 2.5 * w->cmp * fa;
+    case OP_SLC_ATTN_BWD: return 2.5 * w->slc * fa;
+    case OP_SWA_BWD: return 2.5 * w->swa * fa;
+    case OP_BACKWARD: return compress + 2.5 * (w->cmp + w->slc + w->swa) * fa + 2.0 * gate;
+    case OP_COUNT: break;
+    }
+    return 0.0;
+}
+
+/* Keys a query reads, as a fraction of dense causal attention's t + 1: distinct tokens of
+ * the selected blocks and the window, plus 1 per visible compressed block. Averaged over
+ * the kv heads (selection is per kv head). */
+static double keys_fraction(const problem *p, const int32_t *idx, int64_t t)
+{
+    const int64_t win_lo = max64(0, t - p->cfg.window + 1);
+    double sum = 0.0;
+    for (int64_t h = 0; h < p->H; h++) {
+        const int64_t slc_outside_window = slc_row_tokens(idx + (t * p->H + h) * p->n, p->n, t, p->T, p->cfg.slc_block, win_lo);
+        sum += (double)(slc_outside_window + (t + 1 - win_lo) + cmp_visible(&p->cfg, t, p->Nc));
+    }
+    return sum / (double)p->H / (double)(t + 1);
+}
+
+static int32_t *download_indices(const problem *p)
+{
+    int32_t *idx = (int32_t *)host_alloc(tbuf_bytes(NSA_DTYPE_I32, p->idx.n), "block_indices (host)");
+    bmem_download(p->backend, idx, p->idx.mem, tbuf_bytes(NSA_DTYPE_I32, p->idx.n));
+    return idx;
+}
+
+/* ==== command-line parsing ============================================================ */
+
+static const char *USAGE =
+    "usage: nsa <command> [options]\n"
+    "\n"
+    "  nsa demo  [--backend cpu|cuda] [--T N] [--threads N] [--seed N]\n"
+    "      NSA forward + backward on random input (paper config, B=1 HQ=16 H=1 D=128,\n"
+    "      T=8192): time per branch, dense causal attention for comparison, keys read\n"
+    "      per query, and sampled rows against the float64 reference.\n"
+    "  nsa check [--seed N] [--minutes M] [--cases N] [--backend cpu|cuda] [--threads N] [-v]\n"
+    "      random correctness sweep against the float64 reference (default 1 minute);\n"
+    "      the last line is \"N passed, N failed\"; exit code 0 iff nothing failed.\n"
+    "  nsa bench [--T 8192,16384,32768] [--config paper|fla] [--HQ 16] [--H 1]\n"
+    "            [--D 128 | --DK 128 --DV 128] [--dtype f32|bf16|f16] [--threads N]\n"
+    "            [--backend cpu|cuda] [--reps N] [--no-dense] [--bwd] [--json FILE]\n"
+    "      per-op and whole-NSA times (median of --reps runs after a warm-up, default 5),\n"
+    "      GFLOP/s, and dense causal attention / NSA forward.\n"
+    "  nsa version      library version and the backends present\n"
+    "  nsa --help       this text\n"
+    "\n"
+    "Sizes accept a k suffix (16k = 16384). Exit codes: 0 success, 1 failure, 2 bad usage.\n";
+
+static void usage_error(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "nsa: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n\n%s", USAGE);
+    va_end(ap);
+    exit(2);
+}
+
+/* Walks argv[first..]: `--name value` and `--name=value` both work. */
+typedef struct args {
+    int argc, i;
+    char **argv;
+    const char *value;
+} args;
+
+static int arg_is(args *a, const char *name)
+{
+    return !strcmp(a->argv[a->i], name);
+}
+
+/* @return nonzero when the current argument is option `name`; a->value is its value. */
+static int arg_opt(args *a, const char *name)
+{
+    const char *s = a->argv[a->i];
+    const size_t n = strlen(name);
+    if (strncmp(s, name, n) != 0) return 0;
+    if (s[n] == '=') {
+        a->value = s + n + 1;
+        return 1;
+    }
+    if (s[n] != '\0') return 0;
+    if (a->i + 1 >= a->argc) usage_error("option %s needs a value", name);
+    a->value = a->argv[++a->i];
+    return 1;
+}
+
+static int64_t parse_int(const char *s, const char *name, int64_t lo, int64_t hi)
+{
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (end != s && (*end == 'k' || *end == 'K') && v <= INT64_MAX / 1024) v *= 1024, end++;
+    if (errno || end == s || *end != '\0' || v < lo || v > hi)
+        usage_error("%s: expected an integer in [%lld, %lld], got '%s'", name, (long long)lo, (long long)hi, s);
+    return v;
+}
+
+static double parse_double(const char *s, const char *name, double lo, double hi)
+{
+    char *end = NULL;
+    errno = 0;
+    const double v = strtod(s, &end);
+    if (errno || end == s || *end != '\0' || !(v >= lo && v <= hi)) usage_error("%s: expected a number in [%g, %g], got '%s'", name, lo, hi, s);
+    return v;
+}
+
+static nsa_backend parse_backend(const char *s)
+{
+    if (!strcmp(s, "cpu")) return NSA_BACKEND_CPU;
+    if (!strcmp(s, "cuda")) return NSA_BACKEND_CUDA;
+    usage_error("--backend: expected cpu or cuda, got '%s'", s);
+    return NSA_BACKEND_CPU;
+}
+
+static nsa_dtype parse_dtype(const char *s)
+{
+    if (!strcmp(s, "f32")) return NSA_DTYPE_F32;
+    if (!strcmp(s, "bf16")) return NSA_DTYPE_BF16;
+    if (!strcmp(s, "f16")) return NSA_DTYPE_F16;
+    usage_error("--dtype: expected f32, bf16 or f16, got '%s'", s);
+    return NSA_DTYPE_F32;
+}
+
+/* The best backend present: CUDA when it is compiled in and sees a device. */
+static nsa_backend best_backend(void) { return nsa_backend_available(NSA_BACKEND_CUDA) ? NSA_BACKEND_CUDA : NSA_BACKEND_CPU; }
+
+/* A named backend that is absent is an error, not a silent fallback. */
+static void require_backend(nsa_backend be)
+{
+    if (!nsa_backend_available(be)) fail("backend %s: %s", backend_name(be), nsa_status_string(NSA_STATUS_BACKEND_UNAVAILABLE));
+}
+
+/* The CPU takes f32 attention inputs; CUDA takes f16/bf16 only. */
+static nsa_dtype default_dtype(nsa_backend be) { return be == NSA_BACKEND_CUDA ? NSA_DTYPE_BF16 : NSA_DTYPE_F32; }
+
+static int threads_used(int requested)
+{
+#ifdef _OPENMP
+    return requested > 0 ? requested : omp_get_max_threads();
+#else
+    (void)requested;
+    return 1;
+#endif
+}
+
+/* "cpu (2 threads)" or "cuda (device 0)": threads only matter to the CPU backend. */
+static const char *backend_desc(nsa_backend be, int threads)
+{
+    static char buf[64];
+    if (be == NSA_BACKEND_CUDA) snprintf(buf, sizeof buf, "cuda (device 0)");
+    else snprintf(buf, sizeof buf, "cpu (%d threads)", threads_used(threads));
+    return buf;
+}
+
+static void print_config(const problem *p)
+{
+    const nsa_config *c = &p->cfg;
+    printf("  config  l=%lld d=%lld l'=%lld n=%lld (init %lld, local %lld) w=%lld\n", (long long)c->cmp_len,
+           (long long)c->cmp_stride, (long long)c->slc_block, (long long)c->slc_topk, (long long)c->n_init,
+           (long long)c->n_local, (long long)c->window);
+    printf("  shape   B=%lld T=%lld HQ=%lld H=%lld DK=%lld DV=%lld %s\n", (long long)p->B, (long long)p->T,
+           (long long)p->HQ, (long long)p->H, (long long)p->DK, (long long)p->DV, dtype_name(p->dtype));
+}
+
+/* ==== nsa demo ======================================================================== */
+
+enum { DEMO_ROWS = 16 };
+
+/* Max |o - ref| over DEMO_ROWS rows spread over T, and max |ref| there. The reference gets
+ * the backend's own selection, so this checks the attention math, not near-tie ranking. */
+static void demo_accuracy(const problem *p, const int32_t *idx, double *max_err, double *max_ref)
+{
+    const int64_t nq = p->T * p->HQ * p->DK, nk = p->T * p->H * p->DK, nv = p->T * p->H * p->DV, nr = p->T * p->HQ;
+    double *q = (double *)host_alloc((size_t)nq * sizeof(double), "reference q");
+    double *k = (double *)host_alloc((size_t)nk * sizeof(double), "reference k");
+    double *v = (double *)host_alloc((size_t)nv * sizeof(double), "reference v");
+    double *g[NBRANCH];
+    for (int64_t i = 0; i < nq; i++) q[i] = p->hq[i];
+    for (int64_t i = 0; i < nk; i++) k[i] = p->hk[i];
+    for (int64_t i = 0; i < nv; i++) v[i] = p->hv[i];
+    for (int b = 0; b < NBRANCH; b++) {
+        g[b] = (double *)host_alloc((size_t)nr * sizeof(double), "reference gates");
+        for (int64_t i = 0; i < nr; i++) g[b][i] = p->hg[b][i];
+    }
+    int64_t rows[DEMO_ROWS];
+    for (int r = 0; r < DEMO_ROWS; r++) rows[r] = (p->T - 1) * r / (DEMO_ROWS - 1);
+    const ref_nsa_inputs in = {.q = q, .k = k, .v = v, .g_cmp = g[BR_CMP], .g_slc = g[BR_SLC], .g_swa = g[BR_SWA],
+                               .block_indices = idx, .m = p->n};
+    const ref_dims dims = {p->T, p->HQ, p->H, p->DK, p->DV};
+    const double scale = p->cfg.scale > 0 ? p->cfg.scale : 1.0 / sqrt((double)p->DK);
+    const int64_t row_len = p->HQ * p->DV;
+    double *want = (double *)host_alloc((size_t)(DEMO_ROWS * row_len) * sizeof(double), "reference rows");
+    ref_nsa_forward_rows(&p->cfg, scale, dims, &in, rows, DEMO_ROWS, want);
+    float *o = (float *)host_alloc(tbuf_bytes(NSA_DTYPE_F32, p->o.n), "o (host)");
+    tbuf_to_host_f32(&p->o, p->backend, o);
+    *max_err = 0.0, *max_ref = 0.0;
+    for (int r = 0; r < DEMO_ROWS; r++)
+        for (int64_t e = 0; e < row_len; e++) {
+            const double got = o[rows[r] * row_len + e], ref = want[r * row_len + e];
+            const double err = fabs(got - ref);
+            if (!(err <= *max_err)) *max_err = err; /* NaN sticks */
+            if (fabs(ref) > *max_ref) *max_ref = fabs(ref);
+        }
+    free(o), free(want), free(q), free(k), free(v);
+    for (int b = 0; b < NBRANCH; b++) free(g[b]);
+}
+
+/* The error a correct kernel stays under, relative to max |o|: fp32 accumulation for f32;
+ * for 16-bit storage, the rounding of the branch outputs and of o itself. */
+static double demo_tolerance(nsa_dtype dt)
+{
+    return dt == NSA_DTYPE_BF16 ? 2e-2 : dt == NSA_DTYPE_F16 ? 4e-3 : 1e-4;
+}
+
+static int cmd_demo(int argc, char **argv)
+{
+    problem_opts o = {.backend = best_backend(), .T = 8192, .HQ = 16, .H = 1, .DK = 128, .DV = 128,
+                      .cfg = nsa_config_default(), .with_bwd = 1, .with_dense = 1, .seed = 1};
+    int named_backend = 0;
+    args a = {argc, 2, argv, NULL};
+    for (; a.i < argc; a.i++) {
+        if (arg_opt(&a, "--backend")) o.backend = parse_backend(a.value), named_backend = 1;
+        else if (arg_opt(&a, "--T")) o.T = parse_int(a.value, "--T", 1, INT32_MAX);
+        else if (arg_opt(&a, "--threads")) o.threads = (int)parse_int(a.value, "--threads", 0, 4096);
+        else if (arg_opt(&a, "--seed")) o.seed = (uint64_t)parse_int(a.value, "--seed", 0, INT64_MAX);
+        else usage_error("demo: unknown option '%s'", argv[a.i]);
+    }
+    if (named_backend) require_backend(o.backend);
+    o.dtype = default_dtype(o.backend);
+
+    problem p;
+    problem_init(&p, &o);
+    printf("nsa demo: NSA forward + backward, backend %s, library %s\n", backend_desc(p.backend, o.threads),
+           nsa_version_string());
+    print_config(&p);
+    fflush(stdout);
+
+    /* The branch ops one by one, in pipeline order (each reads the previous ones' outputs). */
+    static const struct { op_id id; const char *branch; } steps[] = {
+        {OP_COMPRESS, "compression"},   {OP_CMP_ATTN, "compressed attention"}, {OP_SELECT, "  + selection"},
+        {OP_SLC_ATTN, "selected attention"}, {OP_SWA, "sliding window"},   {OP_GATE, "gating"},
+    };
+    double sum = 0.0;
+    printf("\n  %-22s %-36s %10s\n", "branch", "call", "ms");
+    for (size_t i = 0; i < sizeof steps / sizeof steps[0]; i++) {
+        const double s = op_run(&p, steps[i].id);
+        sum += s;
+        printf("  %-22s %-36s %10.1f\n", steps[i].branch, OPS[steps[i].id].call, 1e3 * s);
+        fflush(stdout);
+    }
+    printf("  %-22s %-36s %10.1f\n", "sum of the ops", "", 1e3 * sum);
+    const double fwd = op_run(&p, OP_FORWARD);
+    printf("  %-22s %-36s %10.1f\n", "whole forward", OPS[OP_FORWARD].call, 1e3 * fwd);
+    fflush(stdout);
+    const double bwd = op_run(&p, OP_BACKWARD);
+    printf("  %-22s %-36s %10.1f\n", "whole backward", OPS[OP_BACKWARD].call, 1e3 * bwd);
+    fflush(stdout);
+    const double dense = op_run(&p, OP_DENSE);
+    printf("  %-22s %-36s %10.1f\n", "dense causal", OPS[OP_DENSE].call, 1e3 * dense);
+    printf("  dense / nsa_forward = %.2fx\n", dense / fwd);
+
+    int32_t *idx = download_indices(&p);
+    double mean = 0.0;
+    for (int64_t t = 0; t < p.T; t++) mean += keys_fraction(&p, idx, t);
+    mean /= (double)p.T;
+    printf("\n  keys read per query / (t+1) of dense causal (selected + window tokens, 1 per compressed block):\n");
+    printf("    mean over queries %.4f, last query (t=%lld) %.4f\n", mean, (long long)(p.T - 1),
+           keys_fraction(&p, idx, p.T - 1));
+
+    double err = 0.0, mx = 0.0;
+    demo_accuracy(&p, idx, &err, &mx);
+    const double rel = mx > 0 ? err / mx : err, tol = demo_tolerance(p.dtype);
+    const int ok = rel <= tol;
+    printf("\n  accuracy: %d rows vs the float64 reference (backend's selection): max |o - ref| = %.3g,\n", DEMO_ROWS, err);
+    printf("    %.3g of max |o| = %.3g (tolerance %.0e): %s\n", rel, mx, tol, ok ? "ok" : "TOO LARGE");
+    free(idx);
+    problem_free(&p);
+    return ok ? 0 : 1;
+}
+
+/* ==== nsa check ======================================================================= */
+
+/* The sweep's tensors and workspace in device memory (tests/sweep.h). */
+static void *sweep_dev_alloc(size_t bytes) { return bmem_alloc(NSA_BACKEND_CUDA, bytes, "the sweep"); }
+static void sweep_dev_release(void *p) { bmem_free(NSA_BACKEND_CUDA, p); }
+static void sweep_dev_upload(void *dev, const void *host, size_t bytes) { bmem_upload(NSA_BACKEND_CUDA, dev, host, bytes); }
+static void sweep_dev_download(void *host, const void *dev, size_t bytes) { bmem_download(NSA_BACKEND_CUDA, host, dev, bytes); }
+
+/* sweep_run for the GPU: it takes 16-bit storage only, and sweep_run draws f32 too. The same
+ * loop, with each case's dtype drawn as nsa_gpu_tests draws it (a seed reproduces there). */
+static long check_device(const sweep_opts *o)
+{
+    static const sweep_memory dev = {sweep_dev_alloc, sweep_dev_release, sweep_dev_upload, sweep_dev_download};
+    sweep_set_memory(&dev);
+    nsa_context *ctx = NULL;
+    nsa_context_desc d = {.backend = o->backend, .num_threads = o->threads};
+    need(nsa_context_create(&ctx, &d), "creating the context");
+    const long f0 = g_tests_failed;
+    uint64_t state = o->seed;
+    const double t0 = now_s();
+    double last = t0;
+    long cases = 0;
+    while (!(o->max_cases && cases >= o->max_cases) && !(o->minutes > 0 && now_s() - t0 >= 60.0 * o->minutes)) {
+        sweep_case c;
+        memset(&c, 0, sizeof c);
+        const uint64_t case_seed = state;
+        test_rng r = {state ^ 0x5DEECE66Dull};
+        c.dtype = rng_int(&r, 0, 1) ? NSA_DTYPE_BF16 : NSA_DTYPE_F16; /* kept by the draw */
+        sweep_case_random(&c, &state, 1000);
+        sweep_run_case(ctx, &c, case_seed, o->verbose > 1);
+        cases++;
+        if (o->verbose && now_s() - last >= 10.0) {
+            last = now_s();
+            printf("check: %ld cases, %ld checks passed, %ld failed, %.0f s\n", cases, g_tests_passed,
+                   g_tests_failed - f0, last - t0);
+            fflush(stdout);
+        }
+        if (g_tests_failed > f0 && o->minutes > 0) break; /* as sweep_run: a timed run stops at a failure */
+    }
+    if (o->verbose) printf("check: %ld cases done\n", cases);
+    nsa_context_destroy(ctx);
+    return g_tests_failed - f0;
+}
+
+static int cmd_check(int argc, char **argv)
+{
+    sweep_opts o = {.seed = (uint64_t)time(NULL), .minutes = 1.0, .backend = best_backend(), .verbose = 1};
+    int named_backend = 0, named_minutes = 0;
+    args a = {argc, 2, argv, NULL};
+    for (; a.i < argc; a.i++) {
+        if (arg_opt(&a, "--seed")) o.seed = (uint64_t)parse_int(a.value, "--seed", 0, INT64_MAX);
+        else if (arg_opt(&a, "--minutes")) o.minutes = parse_double(a.value, "--minutes", 0.0, 1e6), named_minutes = 1;
+        else if (arg_opt(&a, "--cases")) o.max_cases = (long)parse_int(a.value, "--cases", 0, INT32_MAX);
+        else if (arg_opt(&a, "--backend")) o.backend = parse_backend(a.value), named_backend = 1;
+        else if (arg_opt(&a, "--threads")) o.threads = (int)parse_int(a.value, "--threads", 0, 4096);
+        else if (arg_is(&a, "-v")) o.verbose = 2;
+        else usage_error("check: unknown option '%s'", argv[a.i]);
+    }
+    if (named_backend) require_backend(o.backend);
+    /* --cases alone means exactly that many cases, however long they take */
+    if (o.max_cases > 0 && !named_minutes) o.minutes = 0.0;
+    if (o.max_cases == 0 && o.minutes <= 0.0) usage_error("check: --minutes 0 needs --cases N");
+    g_tests_verbose = o.verbose > 1;
+    printf("nsa check: backend %s, seed %llu, ", backend_name(o.backend), (unsigned long long)o.seed);
+    if (o.max_cases) printf("%ld cases%s", o.max_cases, o.minutes > 0 ? " or " : "");
+    if (o.minutes > 0) printf("%g minutes", o.minutes);
+    printf(" (reproduce with --seed %llu)\n", (unsigned long long)o.seed);
+    fflush(stdout);
+    g_check_running = 1;
+    if (o.backend == NSA_BACKEND_CUDA) check_device(&o);
+    else sweep_run(&o);
+    g_check_running = 0;
+    printf("%ld passed, %ld failed\n", g_tests_passed, g_tests_failed);
+    return g_tests_failed == 0 ? 0 : 1;
+}
+
+/* ==== nsa bench ======================================================================= */
+
+enum { MAX_LENGTHS = 32 };
+/* A warm-up this long is itself a fair measurement (cold caches are noise next to it) and
+ * counts as the first run; without an explicit --reps, repeats stop after BUDGET_S. */
+static const double LONG_RUN_S = 2.0, BUDGET_S = 20.0;
+
+typedef struct bench_opts {
+    problem_opts prob;
+    const char *config_name;
+    int64_t lengths[MAX_LENGTHS];
+    int nlengths;
+    int reps, reps_given;
+    const char *json;
+} bench_opts;
+
+typedef struct measurement {
+    op_id id;
+    double ms, gflops;
+    double cpu_util;  /* CPU time / (wall time * threads): well below 1 = cores shared or idle; CPU backend only */
+    int runs;
+} measurement;
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static measurement measure(problem *p, op_id id, const bench_opts *o)
+{
+    double s[64];
+    int runs = 0;
+    const int reps = o->reps < 64 ? o->reps : 64;
+    const double w0 = now_s(), c0 = cpu_s();
+    const double warm = op_run(p, id), t0 = now_s();
+    if (warm >= LONG_RUN_S) s[runs++] = warm;
+    while (runs < reps && (o->reps_given || runs == 0 || now_s() - t0 < BUDGET_S)) s[runs++] = op_run(p, id);
+    const double util = p->backend == NSA_BACKEND_CPU ? (cpu_s() - c0) / ((now_s() - w0) * threads_used(o->prob.threads)) : -1.0;
+    qsort(s, (size_t)runs, sizeof s[0], cmp_double);
+    const double med = runs % 2 ? s[runs / 2] : 0.5 * (s[runs / 2 - 1] + s[runs / 2]);
+    measurement m = {id, 1e3 * med, 0.0, util, runs};
+    return m;
+}
+
+static void parse_lengths(bench_opts *o, const char *s)
+{
+    o->nlengths = 0;
+    char buf[512];
+    if (strlen(s) >= sizeof buf) usage_error("--T: list too long");
+    strcpy(buf, s);
+    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+        if (o->nlengths == MAX_LENGTHS) usage_error("--T: at most %d lengths", MAX_LENGTHS);
+        o->lengths[o->nlengths++] = parse_int(tok, "--T", 1, INT32_MAX);
+    }
+    if (o->nlengths == 0) usage_error("--T: no length given");
+}
+
+static void parse_bench(bench_opts *o, int argc, char **argv)
+{
+    int named_backend = 0, named_dtype = 0;
+    args a = {argc, 2, argv, NULL};
+    for (; a.i < argc; a.i++) {
+        if (arg_opt(&a, "--T")) parse_lengths(o, a.value);
+        else if (arg_opt(&a, "--config")) {
+            o->config_name = a.value;
+            if (!strcmp(a.value, "fla")) o->prob.cfg.cmp_len = o->prob.cfg.cmp_stride = o->prob.cfg.slc_block = 64;
+            else if (!strcmp(a.value, "paper")) o->prob.cfg = nsa_config_default();
+            else usage_error("--config: expected paper or fla, got '%s'", a.value);
+        }
+        else if (arg_opt(&a, "--HQ")) o->prob.HQ = parse_int(a.value, "--HQ", 1, 4096);
+        else if (arg_opt(&a, "--H")) o->prob.H = parse_int(a.value, "--H", 1, 4096);
+        else if (arg_opt(&a, "--D")) o->prob.DK = o->prob.DV = parse_int(a.value, "--D", 1, 4096);
+        else if (arg_opt(&a, "--DK")) o->prob.DK = parse_int(a.value, "--DK", 1, 4096);
+        else if (arg_opt(&a, "--DV")) o->prob.DV = parse_int(a.value, "--DV", 1, 4096);
+        else if (arg_opt(&a, "--dtype")) o->prob.dtype = parse_dtype(a.value), named_dtype = 1;
+        else if (arg_opt(&a, "--threads")) o->prob.threads = (int)parse_int(a.value, "--threads", 0, 4096);
+        else if (arg_opt(&a, "--backend")) o->prob.backend = parse_backend(a.value), named_backend = 1;
+        else if (arg_opt(&a, "--reps")) o->reps = (int)parse_int(a.value, "--reps", 1, 64), o->reps_given = 1;
+        else if (arg_opt(&a, "--json")) o->json = a.value;
+        else if (arg_opt(&a, "--seed")) o->prob.seed = (uint64_t)parse_int(a.value, "--seed", 0, INT64_MAX);
+        else if (arg_is(&a, "--no-dense")) o->prob.with_dense = 0;
+        else if (arg_is(&a, "--bwd")) o->prob.with_bwd = 1;
+        else usage_error("bench: unknown option '%s'", argv[a.i]);
+    }
+    if (o->prob.HQ % o->prob.H != 0) usage_error("--HQ must be a multiple of --H");
+    if (named_backend) require_backend(o->prob.backend);
+    if (!named_dtype) o->prob.dtype = default_dtype(o->prob.backend);
+}
+
+static void json_row(FILE *f, int *first, const bench_opts *o, const problem *p, const measurement *m)
+{
+    const int cpu = p->backend == NSA_BACKEND_CPU;
+    fprintf(f, "%s\n  {\"impl\":\"%s\",\"backend\":\"%s\",\"config\":\"%s\",\"T\":%lld,\"pass\":\"%s\",\"op\":\"%s\","
+               "\"ms\":%.4f,\"gflops\":%.3f,\"runs\":%d,\"HQ\":%lld,\"H\":%lld,\"DK\":%lld,\"DV\":%lld,\"dtype\":\"%s\"",
+            *first ? "" : ",", OPS[m->id].dense ? "dense" : "nsa", backend_name(p->backend), o->config_name,
+            (long long)p->T, OPS[m->id].bwd ? "bwd" : "fwd", OPS[m->id].name, m->ms, m->gflops, m->runs,
+            (long long)p->HQ, (long long)p->H, (long long)p->DK, (long long)p->DV, dtype_name(p->dtype));
+    if (cpu) fprintf(f, ",\"threads\":%d,\"cpu_util\":%.3f", threads_used(o->prob.threads), m->cpu_util);
+    fprintf(f, "}");
+    *first = 0;
+}
+
+/* Every op at one length, in pipeline order; rows appear as they are measured. */
+static void bench_length(const bench_opts *o, int64_t T, FILE *json, int *first, double *fwd_ms, double *dense_ms)
+{
+    problem_opts po = o->prob;
+    po.T = T;
+    fprintf(stderr, "bench: T=%lld: building the problem...\n", (long long)T);
+    problem p;
+    problem_init(&p, &po);
+    work w = count_work(&p, NULL);
+    *fwd_ms = *dense_ms = 0.0;
+    for (int id = 0; id < OP_COUNT; id++) {
+        if (!op_enabled(&p, (op_id)id)) continue;
+        fprintf(stderr, "bench: T=%lld: %s ...\n", (long long)T, OPS[id].call);
+        measurement m = measure(&p, (op_id)id, o);
+        if (id == OP_SELECT) { /* the selection fixes the selected branch's work (op order matters) */
+            int32_t *idx = download_indices(&p);
+            w = count_work(&p, idx);
+            free(idx);
+        }
+        m.gflops = op_flops(&p, &w, m.id) / (m.ms * 1e6);
+        if (id == OP_FORWARD) *fwd_ms = m.ms;
+        if (id == OP_DENSE) *dense_ms = m.ms;
+        printf("%8lld  %-4s %-14s %12.2f %10.2f %5d", (long long)T, OPS[id].bwd ? "bwd" : "fwd", OPS[id].name, m.ms,
+               m.gflops, m.runs);
+        if (m.cpu_util >= 0) printf(" %5.0f", 100.0 * m.cpu_util);
+        printf("\n");
+        fflush(stdout);
+        if (json) json_row(json, first, o, &p, &m);
+    }
+    problem_free(&p);
+}
+
+/* Other processes on the machine skew every timing: say how busy it was. */
+static void print_loadavg(const char *when)
+{
+    char buf[128] = "";
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (f && fgets(buf, sizeof buf, f)) {
+        buf[strcspn(buf, "\n")] = 0;
+        printf("%s: %s\n", when, buf);
+    }
+    if (f) fclose(f);
+}
+
+static int cmd_bench(int argc, char **argv)
+{
+    bench_opts o = {.prob = {.backend = best_backend(), .HQ = 16, .H = 1, .DK = 128, .DV = 128,
+                             .cfg = nsa_config_default(), .with_dense = 1, .seed = 1},
+                    .config_name = "paper", .lengths = {8192, 16384, 32768}, .nlengths = 3, .reps = 5};
+    parse_bench(&o, argc, argv);
+    FILE *json = NULL;
+    if (o.json && !(json = fopen(o.json, "w"))) fail("cannot write %s: %s", o.json, strerror(errno));
+    if (json) fprintf(json, "[");
+    int first = 1;
+
+    problem_opts *po = &o.prob;
+    printf("nsa bench: backend %s, config %s (l=%lld d=%lld l'=%lld n=%lld w=%lld), HQ=%lld H=%lld "
+           "DK=%lld DV=%lld %s, B=1\n",
+           backend_desc(po->backend, po->threads), o.config_name, (long long)po->cfg.cmp_len,
+           (long long)po->cfg.cmp_stride, (long long)po->cfg.slc_block, (long long)po->cfg.slc_topk,
+           (long long)po->cfg.window, (long long)po->HQ, (long long)po->H, (long long)po->DK, (long long)po->DV,
+           dtype_name(po->dtype));
+    printf("median of up to %d runs after a warm-up%s; GFLOP/s from the visible (query head, key) pairs\n", o.reps,
+           o.reps_given ? "" : " (repeats stop after 20 s)");
+    const int cpu = po->backend == NSA_BACKEND_CPU;
+    if (cpu) printf("cpu%%: our CPU time / (wall time x threads); well below 100 means the cores were shared or idle\n");
+    print_loadavg("load average before");
+    printf("%8s  %-4s %-14s %12s %10s %5s %s\n", "T", "pass", "op", "ms", "GFLOP/s", "runs", cpu ? " cpu%" : "");
+    double fwd[MAX_LENGTHS], dense[MAX_LENGTHS];
+    for (int i = 0; i < o.nlengths; i++) bench_length(&o, o.lengths[i], json, &first, &fwd[i], &dense[i]);
+
+    printf("\n");
+    for (int i = 0; i < o.nlengths; i++) {
+        printf("T=%-7lld nsa_forward %10.2f ms", (long long)o.lengths[i], fwd[i]);
+        if (dense[i] > 0) printf("   dense causal %10.2f ms   dense / nsa_forward = %.2fx", dense[i], dense[i] / fwd[i]);
+        if (i > 0) printf("   nsa_forward(T) / nsa_forward(%lld) = %.2f", (long long)o.lengths[i - 1], fwd[i] / fwd[i - 1]);
+        printf("\n");
+    }
+    print_loadavg("load average after");
+    if (json) {
+        fprintf(json, "\n]\n");
+        if (fclose(json) != 0) fail("cannot write %s", o.json);
+    }
+    return 0;
+}
+
+/* ==== nsa version / main ============================================================== */
+
+static int cmd_version(int argc, char **argv)
+{
+    (void)argv;
+    if (argc > 2) usage_error("version takes no options");
+    printf("nsa %s (header %d.%d.%d)\n", nsa_version_string(), NSA_VERSION_MAJOR, NSA_VERSION_MINOR, NSA_VERSION_PATCH);
+    printf("backends: cpu%s\n", nsa_backend_available(NSA_BACKEND_CUDA) ? ", cuda" : " (cuda not available)");
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) usage_error("no command given");
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h") || !strcmp(cmd, "help")) {
+        fputs(USAGE, stdout);
+        return 0;
+    }
+    for (int i = 2; i < argc; i++)
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            fputs(USAGE, stdout);
+            return 0;
+        }
+    if (!strcmp(cmd, "demo")) return cmd_demo(argc, argv);
+    if (!strcmp(cmd, "check")) return cmd_check(argc, argv);
+    if (!strcmp(cmd, "bench")) return cmd_bench(argc, argv);
+    if (!strcmp(cmd, "version") || !strcmp(cmd, "--version")) return cmd_version(argc, argv);
+    usage_error("unknown command '%s'", cmd);
+    return 2;
+}
