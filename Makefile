@@ -4,14 +4,49 @@ CC ?= cc
 NATIVE ?= 1
 OPT ?= -O3
 ARCH := $(if $(filter 1,$(NATIVE)),-march=native,)
-CFLAGS_BASE := -std=c11 -Wall -Wextra -Werror -fPIC -fopenmp -ffp-contract=fast -fno-math-errno -g $(OPT) $(ARCH) -Iinclude -Isrc
+CFLAGS_BASE := -std=c11 -Wall -Wextra -Werror -fPIC -fopenmp -ffp-contract=fast -fno-math-errno -Wno-psabi -g $(OPT) $(ARCH) -Iinclude -Isrc
 LDLIBS := -fopenmp -lm
 
 LIB_SRC := src/api.c src/validate.c $(sort $(wildcard src/cpu/*.c))
 LIB_OBJ := $(LIB_SRC:%.c=build/obj/%.o)
 TEST_SUPPORT := tests/harness.c tests/ref.c tests/sweep.c
-TEST_SRC := $(TEST_SUPPORT) tests/main.c $(filter-out $(TEST_SUPPORT) tests/main.c,$(sort $(wildcard tests/*.c)))
+TEST_SRC := $(TEST_SUPPORT) tests/main.c $(filter-out $(TEST_SUPPORT) tests/main.c tests/gpu_main.c,$(sort $(wildcard tests/*.c)))
 CLI_SRC := tools/nsa_cli.c tests/harness.c tests/ref.c tests/sweep.c
+
+# ---- CUDA backend (src/cuda/*.cu) -------------------------------------------------------------
+# NSA_CUDA=auto (default) builds it when nvcc is on PATH; NSA_CUDA=1 forces it, NSA_CUDA=0 keeps
+# the build CPU-only. Enabled, it compiles src/cuda/*.cu for sm_80 and sm_90a into libnsa,
+# defines NSA_WITH_CUDA for api.c and the CLI, links cudart statically into every program and
+# libnsa.so, and adds build/nsa_gpu_tests (the sweep on the GPU) and build/nsa_gpu_bench.
+NSA_CUDA ?= auto
+NVCC ?= nvcc
+ifeq ($(NSA_CUDA),auto)
+override NSA_CUDA := $(if $(shell command -v $(NVCC) 2>/dev/null),1,0)
+endif
+ifeq ($(NSA_CUDA),1)
+CUDA_HOME ?= $(patsubst %/bin/,%,$(dir $(shell command -v $(NVCC) 2>/dev/null)))
+NVCCFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a
+CUDA_SRC := $(sort $(wildcard src/cuda/*.cu))
+CUDA_OBJ := $(CUDA_SRC:%.cu=build/obj/%.o)
+CUDA_CFLAGS := -DNSA_WITH_CUDA -I$(CUDA_HOME)/include
+LIB_OBJ += $(CUDA_OBJ)
+LDLIBS += -L$(CUDA_HOME)/lib64 -lcudart_static -lstdc++ -ldl -lrt -lpthread
+GPU_TEST_SRC := tests/gpu_main.c $(TEST_SUPPORT)
+all: build/nsa_gpu_tests build/nsa_gpu_bench
+
+build/obj/src/cuda/%.o: src/cuda/%.cu $(wildcard src/cuda/*.h src/cuda/*.cuh src/*.h include/*.h)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -Iinclude -Isrc -c $< -o $@
+
+build/obj/src/api.o build/nsa build/nsa_gpu_tests build/nsa_gpu_bench: CFLAGS_BASE += $(CUDA_CFLAGS)
+
+build/nsa_gpu_tests: $(GPU_TEST_SRC) $(wildcard tests/*.h) build/libnsa.a
+	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests -o $@ $(GPU_TEST_SRC) build/libnsa.a $(LDLIBS)
+
+build/nsa_gpu_bench: tools/gpu_bench.c build/libnsa.a
+	$(CC) $(CFLAGS_BASE) $(CFLAGS) -o $@ tools/gpu_bench.c build/libnsa.a $(LDLIBS)
+endif
+# ---- end of the CUDA section --------------------------------------------------------------------
 
 .PHONY: all lib test demo clean check
 all: build/libnsa.a build/libnsa.so build/nsa build/nsa_tests

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# device-check.sh -- the CUDA backend on a GPU machine, in one go:
+#   1. records the GPU (nvidia-smi: name, driver, clocks) and nvcc;
+#   2. builds build/nsa_gpu_tests, build/nsa_gpu_bench and the CLI with the Makefile
+#      (or uses binaries prebuilt elsewhere: NSA_PREBUILT=dir, if they start);
+#   3. the GPU sweep: the random cases of tests/sweep.c against the float64 reference,
+#      every case in its own process (--jobs in parallel);
+#   4. compute-sanitizer memcheck on a few small cases;
+#   5. CUDA-event timings of the whole forward / backward (paper config, bf16) per length.
+# Logs go to $OUT (default ./device-out); a short table is printed last.
+#
+#   bash scripts/device-check.sh                     # what the device tool runs
+#   SEED=.. CASES=.. BENCH_T=8192,16384 REPS=5 bash scripts/device-check.sh
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-$PWD/device-out}"
+mkdir -p "$OUT"
+SEED="${SEED:-20260301}"
+CASES="${CASES:-96}"
+MAXT="${MAXT:-1000}"
+BENCH_T="${BENCH_T:-8192,16384,32768,65536}"
+REPS="${REPS:-5}"
+JOBS="${JOBS:-8}"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+say() { echo "== $(date +%T) $*"; }
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+say "machine"
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem,power.limit,temperature.gpu --format=csv
+    nvidia-smi
+    nvcc --version
+    nproc
+} > "$OUT/gpu.txt" 2>&1
+note "gpu: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader 2>/dev/null | head -1)"
+
+BIN=build
+if [ -n "${NSA_PREBUILT:-}" ] && "$NSA_PREBUILT/nsa_gpu_tests" --cases 0 > /tmp/nsa-prebuilt.txt 2>&1; then
+    BIN="$NSA_PREBUILT"
+    note "build: prebuilt binaries from $NSA_PREBUILT"
+else
+    say "build"
+    t0=$(date +%s)
+    if ! make -j"$(nproc)" NATIVE=0 CFLAGS=-Wno-psabi build/nsa_gpu_tests build/nsa_gpu_bench build/nsa > "$OUT/build.log" 2>&1; then
+        tail -40 "$OUT/build.log"
+        note "build: FAILED"
+        exit 1
+    fi
+    note "build: $(( $(date +%s) - t0 )) s (make -j$(nproc))"
+fi
+
+say "gpu sweep ($CASES cases, seed $SEED, max T $MAXT, $JOBS jobs)"
+t0=$(date +%s)
+timeout 240 "$BIN/nsa_gpu_tests" --seed "$SEED" --cases "$CASES" --max-T "$MAXT" --jobs "$JOBS" > "$OUT/sweep.log" 2>&1
+rc=$?
+grep -E "^FAIL" "$OUT/sweep.log" | head -30
+note "sweep: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/sweep.log" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s; $(grep -c 'crashed' "$OUT/sweep.log") crash lines)"
+grep -E "^FAIL" "$OUT/sweep.log" | awk -F' -- ' '{print $1}' | sed -E 's/^FAIL [^ ]+ //' | sort | uniq -c | sort -rn | head -20 | tee -a "$SUMMARY"
+
+say "memcheck"
+t0=$(date +%s)
+timeout 120 compute-sanitizer --tool memcheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --seed 7 --cases 4 --max-T 200 > "$OUT/memcheck.log" 2>&1
+note "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/memcheck.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
+
+if [ -n "${PROFILE:-}" ]; then
+    say "ncu profile (T=$PROFILE)"
+    timeout 150 ncu --clock-control none -k 'regex:qtile|ktile|select_kernel|gate_kernel|store32|compress|inv_|slc_' \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        "$BIN/nsa_gpu_bench" --T "$PROFILE" --profile > "$OUT/ncu.txt" 2>&1
+    note "ncu rc $?: $(grep -c 'Duration' "$OUT/ncu.txt") kernels"
+    grep -E '^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall' "$OUT/ncu.txt" | head -120 > "$OUT/ncu-short.txt"
+fi
+
+say "bench"
+timeout 180 "$BIN/nsa_gpu_bench" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench.log" 2>&1
+note "bench rc $?"
+nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader >> "$OUT/gpu.txt" 2>&1
+
+echo
+echo "================ summary ================"
+cat "$SUMMARY"
+cat "$OUT/bench.log"

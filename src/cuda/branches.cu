@@ -1,0 +1,340 @@
+/* branches.cu -- host drivers of the attention branches (see branches.h): fill the kernels'
+ * parameter blocks from a validated problem, pick the tile shape, dispatch on the head-dim
+ * class (the one place where run-time dims become template arguments). */
+#include "branches.h"
+
+#include <limits.h>
+
+void g_init(grun *g, const nsa_context *ctx, const nsa_problem *p, void *ws, int dry)
+{
+    memset(g, 0, sizeof *g);
+    g->st = (cudaStream_t)ctx->stream;
+    g->base = (char *)ws;
+    g->dry = dry;
+    g->err = NSA_STATUS_SUCCESS;
+    g->p = p;
+    if (!dry) {
+        if (cudaSetDevice(ctx->device) != cudaSuccess ||
+            cudaDeviceGetAttribute(&g->smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device) != cudaSuccess)
+            g->err = NSA_STATUS_DEVICE_ERROR;
+    }
+}
+
+int cu_dims_class(int64_t DK, int64_t DV)
+{
+    if (DK <= 64 && DV <= 64) return 64;
+    if (DK <= 128 && DV <= 128) return 128;
+    if (DK <= 192 && DV <= 128) return 192;
+    return 0;
+}
+
+static int class_dv(int cls) { return cls == 192 ? 128 : cls; }
+
+int cu_attn_supported(grun *g, nsa_dtype dt)
+{
+    const nsa_problem *p = g->p;
+    if ((dt != NSA_DTYPE_F16 && dt != NSA_DTYPE_BF16) || !cu_dims_class(p->DK, p->DV) || p->T > INT_MAX / 2 ||
+        p->H > 65535 || (p->cfg.slc_block > 0 && p->cfg.slc_block > INT_MAX / 4)) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED);
+        return 0;
+    }
+    return 1;
+}
+
+rule_t cu_rule_window(int64_t wl, int64_t wr, int causal)
+{
+    rule_t r;
+    memset(&r, 0, sizeof r);
+    r.kind = RULE_WIN;
+    r.wl = wl;
+    r.wr = causal ? 0 : wr;
+    r.causal = causal != 0;
+    return r;
+}
+
+rule_t cu_rule_cmp(const nsa_problem *p)
+{
+    rule_t r;
+    memset(&r, 0, sizeof r);
+    r.kind = RULE_CMP;
+    r.cl = (int)p->cfg.cmp_len;
+    r.cd = (int)p->cfg.cmp_stride;
+    return r;
+}
+
+rule_t cu_rule_slc(const nsa_problem *p)
+{
+    rule_t r;
+    memset(&r, 0, sizeof r);
+    r.kind = RULE_SLC;
+    r.lp = (int)p->cfg.slc_block;
+    return r;
+}
+
+float *cu_take_f32(grun *g, int64_t n, int zero)
+{
+    float *x = (float *)g_take(g, (size_t)(n > 0 ? n : 1) * sizeof(float));
+    if (zero) g_zero(g, x, (size_t)(n > 0 ? n : 0) * sizeof(float));
+    return x;
+}
+
+/* ---- dispatch ------------------------------------------------------------------------- */
+
+static void run_qtile(grun *g, const qparams *P, int mode, int64_t tiles, nsa_dtype dt)
+{
+    const int cls = cu_dims_class(g->p->DK, g->p->DV);
+    if (!g_live(g) || tiles == 0) return;
+    if (qtile_smem(cls, class_dv(cls), P->nw, P->npl, mode, P->nst) > (size_t)g->smem_max) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED);
+        return;
+    }
+    const int bf16 = dt == NSA_DTYPE_BF16;
+    switch (cls) {
+    case 64: nsa_cu_qtile_64(g, P, mode, bf16, tiles); break;
+    case 128: nsa_cu_qtile_128(g, P, mode, bf16, tiles); break;
+    default: nsa_cu_qtile_192(g, P, mode, bf16, tiles); break;
+    }
+}
+
+static void run_ktile(grun *g, const kparams *P, int64_t tiles, nsa_dtype dt)
+{
+    const int cls = cu_dims_class(g->p->DK, g->p->DV);
+    if (!g_live(g) || tiles == 0) return;
+    if (ktile_smem(cls, class_dv(cls)) > (size_t)g->smem_max) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED);
+        return;
+    }
+    const int bf16 = dt == NSA_DTYPE_BF16;
+    switch (cls) {
+    case 64: nsa_cu_ktile_64(g, P, bf16, tiles); break;
+    case 128: nsa_cu_ktile_128(g, P, bf16, tiles); break;
+    default: nsa_cu_ktile_192(g, P, bf16, tiles); break;
+    }
+}
+
+static void qparams_base(qparams *P, const nsa_problem *p, const dview *q)
+{
+    memset(P, 0, sizeof *P);
+    P->q = *q;
+    P->T = p->T, P->HQ = p->HQ, P->H = p->H, P->G = p->G;
+    P->DK = (int)p->DK, P->DV = (int)p->DV;
+    P->scale = p->scale;
+    P->sl2 = p->scale * NSA_LOG2E;
+}
+
+/* ---- forward ---------------------------------------------------------------------------- */
+
+void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, const dview kp[3], int npl,
+                  const dview *v, const dview *o, const dview *lse, float *lse_ws)
+{
+    const nsa_problem *p = g->p;
+    qparams P;
+    qparams_base(&P, p, q);
+    for (int i = 0; i < npl; i++) P.k[i] = kp[i];
+    P.npl = npl;
+    if (v) P.v = *v;
+    if (o) P.o = *o;
+    if (lse) P.lse = *lse;
+    P.lse_ws = lse_ws;
+    P.rule = *rule;
+    P.nw = 4;
+    P.nst = npl >= 3 ? 1 : 2; /* three K planes double-buffered fit one CTA per SM; single, two */
+    unitspec u = {UK_ROWS, p->G, 16 * P.nw, 0, 0};
+    int64_t tiles;
+    P.sm = g_seqmap(g, u, &tiles);
+    run_qtile(g, &P, MODE_FWD, tiles, dt);
+}
+
+/* G >= 16: one warp (16 rows) per CTA, so a tile never mixes the selections of different
+ * positions, single-buffered so that more CTAs fit an SM; smaller G: 64 rows over several
+ * positions, keys = the union of their blocks, double-buffered. */
+static int slc_warps(const nsa_problem *p) { return p->G >= 16 ? 1 : 4; }
+static int slc_stages(const nsa_problem *p) { return p->G >= 16 ? 1 : 2; }
+
+void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dview *v, const int32_t *U,
+                const int32_t *ucnt, int64_t m, const dview *o, const dview *lse)
+{
+    const nsa_problem *p = g->p;
+    qparams P;
+    qparams_base(&P, p, q);
+    P.k[0] = *k;
+    P.npl = 1;
+    P.v = *v;
+    P.o = *o;
+    P.lse = *lse;
+    P.rule = cu_rule_slc(p);
+    P.U = U, P.ucnt = ucnt, P.m = (int)m;
+    P.nw = slc_warps(p);
+    P.nst = slc_stages(p);
+    unitspec u = {UK_ROWS, p->G, 16 * P.nw, 0, 0};
+    int64_t tiles;
+    P.sm = g_seqmap(g, u, &tiles);
+    run_qtile(g, &P, MODE_FWD, tiles, dt);
+}
+
+void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview kp[3], int npl, const dview *lse, const dview *idx,
+               const dview *cnt)
+{
+    const nsa_problem *p = g->p;
+    const nsa_config *c = &p->cfg;
+    sparams P;
+    memset(&P, 0, sizeof P);
+    P.q = *q, P.lse = *lse, P.idx = *idx;
+    if (cnt) P.cnt = *cnt;
+    for (int i = 0; i < npl; i++) P.k[i] = kp[i];
+    P.npl = npl;
+    P.T = p->T, P.HQ = p->HQ, P.H = p->H, P.G = p->G, P.DK = (int)p->DK;
+    P.sl2 = p->scale * NSA_LOG2E;
+    P.cl = (int)c->cmp_len, P.cd = (int)c->cmp_stride, P.lp = (int)c->slc_block;
+    P.n = (int)c->slc_topk, P.n_init = (int)(c->n_init < INT_MAX ? c->n_init : INT_MAX);
+    P.n_local = (int)(c->n_local < INT_MAX ? c->n_local : INT_MAX);
+    P.HC = (int)(p->G < 64 ? p->G : 64);
+    P.P = 64 / P.HC;
+    const int64_t cap = (48 * 1024) / (8 * (c->slc_topk > 0 ? c->slc_topk : 1));
+    if (P.P > cap) P.P = (int)cap;
+    if (P.P < 1 || c->slc_topk > INT_MAX / 8) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED); /* n > 6144: the per-position lists would not fit */
+        return;
+    }
+    /* selection blocks per pass: as many as keep the overlapping compressed keys within 64 */
+    P.JC = 1;
+    for (int jc = 64; jc >= 1; jc--)
+        if ((jc * c->slc_block + c->cmp_len - 1) / c->cmp_stride + 1 <= 64) {
+            P.JC = jc;
+            break;
+        }
+    unitspec u = {UK_ROWS, 1, P.P, 0, 0};
+    int64_t tiles;
+    P.sm = g_seqmap(g, u, &tiles);
+    const int cls = cu_dims_class(p->DK, 0);
+    if (!g_live(g) || tiles == 0) return;
+    if (select_smem(cls, npl, P.P, P.JC, P.n) > (size_t)g->smem_max) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED);
+        return;
+    }
+    const int bf16 = dt == NSA_DTYPE_BF16;
+    switch (cls) {
+    case 64: nsa_cu_select_64(g, &P, bf16, tiles); break;
+    case 128: nsa_cu_select_128(g, &P, bf16, tiles); break;
+    default: nsa_cu_select_192(g, &P, bf16, tiles); break;
+    }
+}
+
+/* ---- backward ----------------------------------------------------------------------------- */
+
+static void dq_params(qparams *P, const nsa_problem *p, const bwd_io *io)
+{
+    qparams_base(P, p, io->q);
+    P->k[0] = *io->k;
+    P->npl = 1;
+    P->v = *io->v;
+    P->lse = *io->lse;
+    P->dout = *io->dout;
+    P->Dw = io->Dw;
+    P->gw = io->gate ? io->gw : NULL;
+    P->dq = io->dq32;
+}
+
+static void dkdv_params(kparams *P, const nsa_problem *p, const bwd_io *io)
+{
+    memset(P, 0, sizeof *P);
+    P->q = *io->q, P->k = *io->k, P->v = *io->v, P->dout = *io->dout, P->lse = *io->lse;
+    P->Dw = io->Dw;
+    P->gw = io->gate ? io->gw : NULL;
+    P->dk = io->dk32, P->dv = io->dv32;
+    P->T = p->T, P->HQ = p->HQ, P->H = p->H, P->G = p->G, P->KR = io->KR;
+    P->DK = (int)p->DK, P->DV = (int)p->DV;
+    P->scale = p->scale;
+    P->sl2 = p->scale * NSA_LOG2E;
+}
+
+void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
+{
+    const nsa_problem *p = g->p;
+    nsa_cu_dprep(g, io->dout, io->o, io->gate, io->Dw, io->gate ? io->gw : NULL, p->B, p->T, p->HQ, p->DV);
+    qparams Q;
+    dq_params(&Q, p, io);
+    Q.rule = *rule;
+    Q.nw = 4;
+    Q.nst = 2;
+    unitspec uq = {UK_ROWS, p->G, 64, 0, 0};
+    int64_t qtiles;
+    Q.sm = g_seqmap(g, uq, &qtiles);
+    run_qtile(g, &Q, MODE_DQ, qtiles, io->dt);
+
+    kparams K;
+    dkdv_params(&K, p, io);
+    K.rule = *rule;
+    unitspec uk = {UK_ROWS, 1, 64, 0, 0};
+    if (rule->kind == RULE_CMP) { /* few key tiles, each seen by most queries: 8 row segments each */
+        K.nseg = 8;
+        uk.kind = UK_CMP_TILES_X, uk.a = K.nseg, uk.b = 64, uk.cl = p->cfg.cmp_len, uk.cd = p->cfg.cmp_stride;
+    }
+    int64_t ktiles;
+    K.sm = g_seqmap(g, uk, &ktiles);
+    if (K.nseg > 1) K.part = cu_take_f32(g, ktiles * p->H * 64 * (p->DK + p->DV), 0);
+    run_ktile(g, &K, ktiles, io->dt);
+    if (K.nseg > 1) {
+        unitspec ut = {UK_CMP_TILES, 0, 64, p->cfg.cmp_len, p->cfg.cmp_stride};
+        int64_t ntiles;
+        const seqmap tm = g_seqmap(g, ut, &ntiles);
+        nsa_cu_seg_reduce(g, &K, tm, ntiles);
+    }
+}
+
+void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt, int64_t m)
+{
+    const nsa_problem *p = g->p;
+    const int64_t lp = p->cfg.slc_block;
+    nsa_cu_dprep(g, io->dout, io->o, io->gate, io->Dw, io->gate ? io->gw : NULL, p->B, p->T, p->HQ, p->DV);
+    qparams Q;
+    dq_params(&Q, p, io);
+    Q.rule = cu_rule_slc(p);
+    Q.U = U, Q.ucnt = ucnt, Q.m = (int)m;
+    Q.nw = slc_warps(p);
+    Q.nst = slc_stages(p);
+    unitspec uq = {UK_ROWS, p->G, 16 * Q.nw, 0, 0};
+    int64_t qtiles;
+    Q.sm = g_seqmap(g, uq, &qtiles);
+    run_qtile(g, &Q, MODE_DQ, qtiles, io->dt);
+
+    inv_index ix;
+    memset(&ix, 0, sizeof ix);
+    nsa_cu_invert(g, U, ucnt, m, lp, &ix);
+    kparams K;
+    dkdv_params(&K, p, io);
+    K.rule = cu_rule_slc(p);
+    K.offs = ix.offs, K.list = ix.list, K.offs_pref = ix.offs_pref, K.list_pref = ix.list_pref;
+    K.m = (int)m;
+    K.nsub = (int)((lp + 63) / 64);
+    unitspec uk = {UK_SLC_TILES, K.nsub, lp, 0, 0};
+    int64_t ktiles;
+    K.sm = g_seqmap(g, uk, &ktiles);
+
+    /* A block every query selects (the forced first one) would leave one CTA with all T * G
+     * rows: lists longer than segp queries (~16k rows, fewer for short inputs so the tests
+     * see it) are cut into segments whose partials are reduced in order. */
+    int64_t segp = 16384 / p->G, tq = p->T / 8;
+    segp = segp < tq ? segp : tq;
+    segp = segp > 16 ? segp : 16;
+    unitspec uo = {UK_INV_OFFS, 0, lp, 0, 0};
+    int64_t noffs = 0, ebound = 0; /* further segments: at most len * m / segp per (sequence, head) */
+    for (int64_t s = 0; s < p->num_seqs; s++) {
+        const int64_t len = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T;
+        noffs += seq_units(uo, len);
+        ebound += len * m / segp;
+    }
+    const int64_t nflat = noffs * p->H;
+    ebound *= p->H;
+    int32_t *xoff = (int32_t *)g_take(g, (size_t)(nflat + 1) * sizeof(int32_t));
+    float *part = cu_take_f32(g, ebound * K.nsub * 64 * (p->DK + p->DV), 0);
+    nsa_cu_slc_segments(g, &ix, nflat, segp, xoff);
+    K.segp = (int)segp, K.xoff = xoff, K.nflat = nflat, K.part = part;
+    run_ktile(g, &K, ktiles, io->dt);
+    if (ebound > 0) {
+        kparams X = K;
+        X.extra = 1;
+        run_ktile(g, &X, ebound * K.nsub, io->dt);
+        nsa_cu_slc_reduce(g, &K, ktiles);
+    }
+}

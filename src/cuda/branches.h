@@ -1,0 +1,46 @@
+/* branches.h -- the host drivers of the attention branches, shared by the single ops
+ * (ops.cu) and the whole pipeline (nsa.cu). Each takes the run state, carves what it needs
+ * from the workspace and launches on g->st; in the sizing pass it only carves. */
+#ifndef NSA_CUDA_BRANCHES_H
+#define NSA_CUDA_BRANCHES_H
+
+#include "kernels.h"
+
+/* Run state of one op call (dry: sizing pass, ws unused). */
+void g_init(grun *g, const nsa_context *ctx, const nsa_problem *p, void *ws, int dry);
+/* Head-dim class of the engine (64, 128, 192) or 0 when the dims are not supported. */
+int cu_dims_class(int64_t DK, int64_t DV);
+/* The attention kernels need f16/bf16 storage, supported dims, int32 positions. Marks
+ * NOT_SUPPORTED on g and returns 0 otherwise. */
+int cu_attn_supported(grun *g, nsa_dtype dt);
+
+rule_t cu_rule_window(int64_t wl, int64_t wr, int causal);
+rule_t cu_rule_cmp(const nsa_problem *p);
+rule_t cu_rule_slc(const nsa_problem *p);
+
+/* Forward of a range branch (window / dense / compressed): o and lse (either may be
+ * absent: o absent = lse only, V unread), optional flat lse copy. kp: npl key planes. */
+void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, const dview kp[3], int npl,
+                  const dview *v, const dview *o, const dview *lse, float *lse_ws);
+/* Forward of selected attention over usable lists U/ucnt of width m. */
+void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dview *v, const int32_t *U,
+                const int32_t *ucnt, int64_t m, const dview *o, const dview *lse);
+/* Importance + top-n into idx (and cnt when cnt->p). */
+void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview kp[3], int npl, const dview *lse, const dview *idx,
+               const dview *cnt);
+
+/* Backward of one branch: dq added to dq32 [B*T*HQ*DK], dK/dV added to flat fp32 [B, KR, H, D]
+ * buffers. Dw, gw: per-row scratch [B*T*HQ] (shared by branches run one after another). */
+typedef struct bwd_io {
+    const dview *q, *k, *v, *o, *lse, *dout, *gate; /* gate may be NULL */
+    nsa_dtype dt;
+    float *Dw, *gw, *dq32, *dk32, *dv32;
+    int64_t KR;
+} bwd_io;
+void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io);
+void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt, int64_t m);
+
+/* fp32 scratch helpers */
+float *cu_take_f32(grun *g, int64_t n, int zero);
+
+#endif

@@ -1,0 +1,153 @@
+/* kernels.h -- parameter blocks of the backend's kernels and their host launchers.
+ * Kernels take their params struct by value; the host fills it from validated args. Every
+ * launcher is a no-op in the sizing pass (g->dry) or after an earlier error. */
+#ifndef NSA_CUDA_KERNELS_H
+#define NSA_CUDA_KERNELS_H
+
+#include "common.cuh"
+
+enum { MODE_FWD = 0, MODE_DQ = 1 };
+enum { RULE_WIN = 0, RULE_CMP = 1, RULE_SLC = 2 };
+
+/* Which keys a query row sees: window/dense (wl, wr, causal), compressed (l, d) or
+ * selected (block lp, causal inside the block). */
+typedef struct rule_t {
+    int kind;
+    int64_t wl, wr;
+    int causal;
+    int cl, cd, lp;
+} rule_t;
+
+/* qtile: forward (o, lse) or dQ of one branch. Key planes: the compressed K of the default
+ * mean pooling is fp32; it arrives as 3 storage-dtype planes whose sum is that fp32 value,
+ * so scores (and lse) keep fp32 accuracy. */
+typedef struct qparams {
+    dview q, v, o, lse, dout;
+    dview k[3];
+    int npl;
+    float *lse_ws;         /* FWD: optional flat [B*T*HQ] lse copy */
+    const float *Dw, *gw;  /* DQ: flat per-row D = g * rowsum(dout * o), gate g (NULL: 1) */
+    float *dq;             /* DQ: flat fp32 [B*T*HQ*DK], added to */
+    int64_t T, HQ, H, G;
+    int DK, DV;
+    float sl2, scale;      /* scale * log2(e), scale */
+    rule_t rule;
+    const int32_t *U, *ucnt; /* SLC: usable blocks [B*T*H][m] ascending, counts */
+    int m;
+    seqmap sm;
+    int nw;                /* warps per CTA: tile rows = 16 * nw */
+    int nst;               /* K/V buffers: 2 = double-buffered, 1 = single (less shared memory) */
+} qparams;
+
+/* ktile: dK, dV of one branch into flat fp32 [B, KR, H, D] buffers (added to). */
+typedef struct kparams {
+    dview q, k, v, dout, lse;
+    const float *Dw, *gw;
+    float *dk, *dv;
+    int64_t T, HQ, H, G, KR;
+    int DK, DV;
+    float sl2, scale;
+    rule_t rule;
+    /* SLC: inverted selection, per (sequence, head) region: offs[nb + 1], list[len * m] */
+    const int32_t *offs, *list;
+    const int64_t *offs_pref, *list_pref; /* varlen region prefixes (NULL: dense) */
+    int m, nsub;                          /* list width, 64-key tiles per block */
+    /* Long lists are cut into segments of segp queries (0: never): the first segment adds
+     * into dk/dv, each further one (enumerated by xoff over the flat offs array of nflat
+     * entries) writes an fp32 partial that nsa_cu_slc_reduce adds in order afterwards. */
+    int segp, extra;                      /* extra: this launch runs the further segments */
+    const int32_t *xoff;
+    int64_t nflat;
+    float *part;
+    /* Compressed keys are few (Nc / 64 tiles) and each is seen by most queries: nseg > 1
+     * splits a tile's rows into nseg tasks; segment 0 adds into dk/dv, the others write the
+     * partial of slot (task, head), added in order by nsa_cu_seg_reduce. */
+    int nseg;
+    seqmap sm;
+} kparams;
+
+/* select: importance of every candidate block, top-n per (position, kv head). */
+typedef struct sparams {
+    dview q, lse, idx, cnt;
+    dview k[3];
+    int npl;
+    int64_t T, HQ, H, G;
+    int DK;
+    float sl2;
+    int cl, cd, lp, n, n_init, n_local;
+    int P, HC, JC; /* positions per CTA, heads per pass, selection blocks per key pass */
+    seqmap sm;
+} sparams;
+
+/* Shared memory of each kernel (bytes); the kernels carve in the same order. */
+static inline size_t qtile_smem(int DKP, int DVP, int nw, int npl, int mode, int nst)
+{
+    const size_t BM = 16 * (size_t)nw, LDK = DKP + 8, LDV = DVP + 8;
+    const size_t el = BM * LDK + (mode == MODE_DQ ? BM * LDV : 0) + (size_t)nst * npl * 64 * LDK + (size_t)nst * 64 * LDV;
+    return el * 2 + 2 * BM * 8 + 12 * 4 + 3 * 64;
+}
+
+static inline size_t ktile_smem(int DKP, int DVP)
+{
+    const size_t LDK = DKP + 8, LDV = DVP + 8;
+    const size_t el = 3 * 64 * LDK + 3 * 64 * LDV;
+    return el * 2 + 2 * 3 * 64 * 8 + 5 * 3 * 64 * 4;
+}
+
+static inline size_t select_smem(int DKP, int npl, int P, int JC, int n)
+{
+    const size_t LDK = DKP + 8;
+    const size_t el = 64 * LDK + (size_t)npl * 64 * LDK;
+    return el * 2 + 64 * 65 * 4 + (size_t)P * JC * 4 + (size_t)P * n * 8 + (size_t)P * 4 + 64 * 4 + 64 * 4 + 16 + 64 * 8 +
+           (size_t)P * 64 * 4;
+}
+
+/* Engine launchers, one set per head-dim class (engine_d64.cu, engine_d128.cu,
+ * engine_d192.cu): 64 = DK, DV <= 64; 128 = DK, DV <= 128; 192 = DK <= 192, DV <= 128. */
+void nsa_cu_qtile_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
+void nsa_cu_qtile_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
+void nsa_cu_qtile_192(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
+void nsa_cu_ktile_64(grun *g, const kparams *P, int bf16, int64_t tiles);
+void nsa_cu_ktile_128(grun *g, const kparams *P, int bf16, int64_t tiles);
+void nsa_cu_ktile_192(grun *g, const kparams *P, int bf16, int64_t tiles);
+void nsa_cu_select_64(grun *g, const sparams *P, int bf16, int64_t tiles);
+void nsa_cu_select_128(grun *g, const sparams *P, int bf16, int64_t tiles);
+void nsa_cu_select_192(grun *g, const sparams *P, int bf16, int64_t tiles);
+
+/* ---- prep.cu: the small kernels ------------------------------------------------------- */
+
+/* x [B, T, H, D] -> mean-pooled x_cmp [B, cmp_rows, H, D]: into `out` (any float view) when
+ * out.p, and/or into `planes` (3 flat storage-dtype buffers hi/mid/lo) when planes[0]. */
+void nsa_cu_compress(grun *g, const dview *x, int64_t D, const dview *out, void *const planes[3], nsa_dtype plane_dt);
+/* dx [B, T, H, D] from dx_cmp: src is a view (src32 NULL) or a flat fp32 buffer (src32);
+ * the result is stored into `dx` (a view) or added to the flat fp32 buffer dx32. */
+void nsa_cu_compress_bwd(grun *g, const dview *src, const float *src32, int64_t D, const dview *dx, float *dx32);
+/* o = sum of g_x * o_x over present gates (gs[x].p != NULL). */
+void nsa_cu_gate(grun *g, const dview os[3], const dview gs[3], const dview *o, int64_t B, int64_t T, int64_t HQ,
+                 int64_t DV);
+/* dg_x = rowsum(dout * o_x), do_x = g_x * dout, each when its view is given. */
+void nsa_cu_gate_bwd(grun *g, const dview *dout, const dview os[3], const dview gs[3], const dview dos[3],
+                     const dview dgs[3], int64_t B, int64_t T, int64_t HQ, int64_t DV);
+/* Per row of a branch's backward: Dw = g * rowsum(dout * o), gw = g (when gate given). */
+void nsa_cu_dprep(grun *g, const dview *dout, const dview *o, const dview *gate, float *Dw, float *gw, int64_t B,
+                  int64_t T, int64_t HQ, int64_t DV);
+/* Flat fp32 [B, R, H, D] -> a view of the same shape. */
+void nsa_cu_store32(grun *g, const float *src, const dview *dst, int64_t B, int64_t R, int64_t H, int64_t D);
+/* Usable blocks per (b, t, h) row (spec 4): -1, out of range, not yet started, duplicates
+ * removed, ascending -> U [B*T*H][m], ucnt. */
+void nsa_cu_usable(grun *g, const dview *idx, const dview *counts, int64_t m, int64_t lp, int32_t *U, int32_t *ucnt);
+/* Inverted selection per (sequence, head): offs[nb + 1] and the ascending query lists. */
+typedef struct inv_index {
+    int32_t *offs, *list;
+    const int64_t *offs_pref, *list_pref;
+} inv_index;
+void nsa_cu_invert(grun *g, const int32_t *U, const int32_t *ucnt, int64_t m, int64_t lp, inv_index *ix);
+/* xoff[f] = further segments before flat offs entry f (nflat + 1 entries). */
+void nsa_cu_slc_segments(grun *g, const inv_index *ix, int64_t nflat, int64_t segp, int32_t *xoff);
+/* dk32/dv32 of every key tile += its further segments' partials, in segment order. */
+void nsa_cu_slc_reduce(grun *g, const kparams *P, int64_t tiles);
+/* The same for the row segments of compressed key tiles (P: the ktile launch's params;
+ * tiles over seqmap tm = compressed key tiles, one per task). */
+void nsa_cu_seg_reduce(grun *g, const kparams *P, seqmap tm, int64_t tiles);
+
+#endif

@@ -1,0 +1,668 @@
+/* prep.cu -- the backend's small kernels: per-sequence prefixes of a varlen batch, mean
+ * pooling and its backward, gating, the per-row D of every backward, fp32 -> storage
+ * stores, the usable-block lists of selected attention and their inversion (per block, the
+ * ascending queries that selected it), which makes the selected dK/dV deterministic. */
+#include "kernels.h"
+
+#define PREP_THREADS 256
+#define INV_CHUNK 1024 /* positions per inversion task */
+
+static unsigned grid1(int64_t n, int per) { return (unsigned)((n + per - 1) / per); }
+
+/* ==== sequences ============================================================================ */
+
+/* out[s] = sum of units over sequences < s, out[nseq] = total (one block). */
+__global__ void prefix_kernel(const int32_t *cu, int64_t nseq, unitspec u, int64_t *out)
+{
+    __shared__ int64_t wsum[32];
+    __shared__ int64_t carry;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+    if (threadIdx.x == 0) carry = 0;
+    __syncthreads();
+    for (int64_t base = 0; base < nseq; base += blockDim.x) {
+        const int64_t s = base + threadIdx.x;
+        const int64_t v = s < nseq ? seq_units(u, (int64_t)(cu[s + 1] - cu[s])) : 0;
+        int64_t x = v;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int64_t y = __shfl_up_sync(0xffffffffu, x, o);
+            if (lane >= o) x += y;
+        }
+        if (lane == 31) wsum[warp] = x;
+        __syncthreads();
+        if (warp == 0) {
+            int64_t t = lane < nwarp ? wsum[lane] : 0;
+            for (int o = 1; o < 32; o <<= 1) {
+                const int64_t y = __shfl_up_sync(0xffffffffu, t, o);
+                if (lane >= o) t += y;
+            }
+            wsum[lane] = t;
+        }
+        __syncthreads();
+        if (warp > 0) x += wsum[warp - 1];
+        if (s < nseq) out[s] = carry + x - v;
+        __syncthreads();
+        if (threadIdx.x == blockDim.x - 1) carry += x;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[nseq] = carry;
+}
+
+static int64_t host_total(const nsa_problem *p, unitspec u)
+{
+    if (!p->cu_seqlens) return p->B * seq_units(u, p->T);
+    int64_t t = 0;
+    for (int64_t s = 0; s < p->num_seqs; s++) t += seq_units(u, (int64_t)(p->cu_seqlens[s + 1] - p->cu_seqlens[s]));
+    return t;
+}
+
+void g_seq_setup(grun *g, int need_cmp)
+{
+    const nsa_problem *p = g->p;
+    g->cu = NULL;
+    g->cmp0 = NULL;
+    if (!p->cu_seqlens) return;
+    const int64_t N = p->num_seqs;
+    g->cu = (int32_t *)g_take(g, (size_t)(N + 1) * sizeof(int32_t));
+    if (g_live(g)) g_check(g, cudaMemcpyAsync(g->cu, p->cu_seqlens, (size_t)(N + 1) * sizeof(int32_t), cudaMemcpyHostToDevice, g->st));
+    if (need_cmp) {
+        unitspec u = {UK_CMP, 0, 1, p->cfg.cmp_len, p->cfg.cmp_stride};
+        int64_t total;
+        g->cmp0 = g_prefix(g, u, &total);
+    }
+}
+
+int64_t *g_prefix(grun *g, unitspec u, int64_t *total)
+{
+    const nsa_problem *p = g->p;
+    *total = host_total(p, u);
+    if (!p->cu_seqlens) return NULL;
+    int64_t *out = (int64_t *)g_take(g, (size_t)(p->num_seqs + 1) * sizeof(int64_t));
+    if (g_live(g)) {
+        prefix_kernel<<<1, 1024, 0, g->st>>>(g->cu, p->num_seqs, u, out);
+        g_launched(g);
+    }
+    return out;
+}
+
+seqmap g_seqmap(grun *g, unitspec u, int64_t *total)
+{
+    const nsa_problem *p = g->p;
+    seqmap m;
+    memset(&m, 0, sizeof m);
+    m.cu = g->cu;
+    m.cmp0 = g->cmp0;
+    m.first = g_prefix(g, u, total);
+    m.nseq = p->num_seqs;
+    m.T = p->T;
+    m.per_seq = seq_units(u, p->T);
+    if (m.per_seq < 1) m.per_seq = 1; /* dense with no task: never divided by */
+    m.cl = (int)p->cfg.cmp_len;
+    m.cd = (int)p->cfg.cmp_stride;
+    return m;
+}
+
+static seqmap plain_map(const grun *g)
+{
+    seqmap m;
+    memset(&m, 0, sizeof m);
+    m.cu = g->cu;
+    m.cmp0 = g->cmp0;
+    m.nseq = g->p->num_seqs;
+    m.T = g->p->T;
+    m.per_seq = 1;
+    m.cl = (int)g->p->cfg.cmp_len;
+    m.cd = (int)g->p->cfg.cmp_stride;
+    return m;
+}
+
+/* ==== compression (spec 1) =================================================================== */
+
+/* one warp per (b, compressed row, h): lanes over d */
+__global__ void compress_kernel(dview x, int64_t D, dview out, void *p0, void *p1, void *p2, int pdt, seqmap sm,
+                                int64_t cmp_rows, int64_t H, int64_t rows)
+{
+    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const int64_t h = row % H, crow = (row / H) % cmp_rows, b = row / (H * cmp_rows);
+    int64_t row0 = 0, i = crow;
+    if (sm.cu) {
+        int64_t lo = 0, hi = sm.nseq - 1;
+        while (lo < hi) {
+            const int64_t mid = (lo + hi + 1) / 2;
+            if (sm.cmp0[mid] <= crow) lo = mid;
+            else hi = mid - 1;
+        }
+        row0 = sm.cu[lo];
+        i = crow - sm.cmp0[lo];
+    }
+    const int64_t base = b * x.s0 + (row0 + i * sm.cd) * x.s1 + h * x.s2;
+    const float inv_l = 1.0f / (float)sm.cl;
+    for (int64_t d = lane; d < D; d += 32) {
+        float sum = 0.0f;
+        for (int r = 0; r < sm.cl; r++) sum += ld_any(x.p, x.dt, base + r * x.s1 + d);
+        const float mean = sum * inv_l;
+        if (out.p) st_any(out.p, out.dt, b * out.s0 + crow * out.s1 + h * out.s2 + d, mean);
+        if (p0) {
+            /* three storage-dtype planes summing to the fp32 mean */
+            const int64_t idx = row * D + d;
+            const float hi = pdt == NSA_DTYPE_BF16 ? __bfloat162float(__float2bfloat16_rn(mean)) : __half2float(__float2half_rn(mean));
+            const float r1 = mean - hi;
+            const float mid = pdt == NSA_DTYPE_BF16 ? __bfloat162float(__float2bfloat16_rn(r1)) : __half2float(__float2half_rn(r1));
+            st_any(p0, pdt, idx, hi);
+            st_any(p1, pdt, idx, mid);
+            st_any(p2, pdt, idx, r1 - mid);
+        }
+    }
+}
+
+void nsa_cu_compress(grun *g, const dview *x, int64_t D, const dview *out, void *const planes[3], nsa_dtype plane_dt)
+{
+    const nsa_problem *p = g->p;
+    const int64_t rows = p->B * p->cmp_rows * p->H;
+    if (!g_live(g) || rows == 0 || D == 0) return;
+    compress_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(
+        *x, D, *out, planes ? planes[0] : NULL, planes ? planes[1] : NULL, planes ? planes[2] : NULL, (int)plane_dt,
+        plain_map(g), p->cmp_rows, p->H, rows);
+    g_launched(g);
+}
+
+/* one warp per (b, t, h) row of dx */
+__global__ void compress_bwd_kernel(dview src, const float *src32, int64_t D, dview dx, float *dx32, seqmap sm,
+                                    int64_t T, int64_t cmp_rows, int64_t H, int64_t rows)
+{
+    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const int64_t h = row % H, t = (row / H) % T, b = row / (H * T);
+    const int64_t s = seq_of_row(sm, b, t);
+    const seqinfo sq = seq_get(sm, s);
+    const int tl = (int)(t - sq.row0);
+    const int a = tl - sm.cl + 1;
+    const int ilo = a <= 0 ? 0 : (a + sm.cd - 1) / sm.cd;
+    int ihi = tl / sm.cd;
+    ihi = ihi < sq.ncmp - 1 ? ihi : sq.ncmp - 1;
+    const float inv_l = 1.0f / (float)sm.cl;
+    for (int64_t d = lane; d < D; d += 32) {
+        float sum = 0.0f;
+        for (int i = ilo; i <= ihi; i++) {
+            const int64_t crow = sq.cmp0 + i;
+            const float v = src32 ? src32[((b * cmp_rows + crow) * H + h) * D + d]
+                                  : ld_any(src.p, src.dt, b * src.s0 + crow * src.s1 + h * src.s2 + d);
+            sum += v * inv_l;
+        }
+        if (dx32) dx32[row * D + d] += sum;
+        else st_any(dx.p, dx.dt, b * dx.s0 + t * dx.s1 + h * dx.s2 + d, sum);
+    }
+}
+
+void nsa_cu_compress_bwd(grun *g, const dview *src, const float *src32, int64_t D, const dview *dx, float *dx32)
+{
+    const nsa_problem *p = g->p;
+    const int64_t rows = p->B * p->T * p->H;
+    if (!g_live(g) || rows == 0 || D == 0) return;
+    compress_bwd_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(*src, src32, D, *dx, dx32, plain_map(g),
+                                                                                   p->T, p->cmp_rows, p->H, rows);
+    g_launched(g);
+}
+
+/* ==== gating (spec 6) ============================================================================= */
+
+typedef struct gate3 {
+    dview o[3], g[3], d[3], dg[3];
+} gate3;
+
+/* one warp per (b, t, hq) row */
+__global__ void gate_kernel(gate3 a, dview o, int64_t T, int64_t HQ, int64_t DV, int64_t rows)
+{
+    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const int64_t hq = row % HQ, t = (row / HQ) % T, b = row / (HQ * T);
+    float gv[3];
+    int64_t ob[3];
+    for (int x = 0; x < 3; x++) {
+        gv[x] = a.g[x].p ? ld_any(a.g[x].p, a.g[x].dt, b * a.g[x].s0 + t * a.g[x].s1 + hq * a.g[x].s2) : 0.0f;
+        ob[x] = b * a.o[x].s0 + t * a.o[x].s1 + hq * a.o[x].s2;
+    }
+    const int64_t base = b * o.s0 + t * o.s1 + hq * o.s2;
+    for (int64_t d = lane; d < DV; d += 32) {
+        float acc = 0.0f;
+        for (int x = 0; x < 3; x++)
+            if (a.g[x].p) acc += gv[x] * ld_any(a.o[x].p, a.o[x].dt, ob[x] + d);
+        st_any(o.p, o.dt, base + d, acc);
+    }
+}
+
+void nsa_cu_gate(grun *g, const dview os[3], const dview gs[3], const dview *o, int64_t B, int64_t T, int64_t HQ,
+                 int64_t DV)
+{
+    const int64_t rows = B * T * HQ;
+    if (!g_live(g) || rows == 0 || DV == 0) return;
+    gate3 a;
+    memset(&a, 0, sizeof a);
+    for (int x = 0; x < 3; x++) a.o[x] = os[x], a.g[x] = gs[x];
+    gate_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(a, *o, T, HQ, DV, rows);
+    g_launched(g);
+}
+
+/* one warp per (b, t, hq) row */
+__global__ void gate_bwd_kernel(gate3 a, dview dout, int64_t T, int64_t HQ, int64_t DV, int64_t rows)
+{
+    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const int64_t hq = row % HQ, t = (row / HQ) % T, b = row / (HQ * T);
+    const int64_t ob = b * dout.s0 + t * dout.s1 + hq * dout.s2;
+    for (int x = 0; x < 3; x++) {
+        if (!a.g[x].p) continue;
+        const float gv = ld_any(a.g[x].p, a.g[x].dt, b * a.g[x].s0 + t * a.g[x].s1 + hq * a.g[x].s2);
+        float dg = 0.0f;
+        for (int64_t d = lane; d < DV; d += 32) {
+            const float dd = ld_any(dout.p, dout.dt, ob + d);
+            if (a.dg[x].p) dg += dd * ld_any(a.o[x].p, a.o[x].dt, b * a.o[x].s0 + t * a.o[x].s1 + hq * a.o[x].s2 + d);
+            if (a.d[x].p) st_any(a.d[x].p, a.d[x].dt, b * a.d[x].s0 + t * a.d[x].s1 + hq * a.d[x].s2 + d, gv * dd);
+        }
+        dg = warp_sum(dg);
+        if (a.dg[x].p && lane == 0) st_any(a.dg[x].p, a.dg[x].dt, b * a.dg[x].s0 + t * a.dg[x].s1 + hq * a.dg[x].s2, dg);
+    }
+}
+
+void nsa_cu_gate_bwd(grun *g, const dview *dout, const dview os[3], const dview gs[3], const dview dos[3],
+                     const dview dgs[3], int64_t B, int64_t T, int64_t HQ, int64_t DV)
+{
+    const int64_t rows = B * T * HQ;
+    if (!g_live(g) || rows == 0) return;
+    gate3 a;
+    memset(&a, 0, sizeof a);
+    for (int x = 0; x < 3; x++) {
+        a.o[x] = os[x], a.g[x] = gs[x];
+        if (dos) a.d[x] = dos[x];
+        if (dgs) a.dg[x] = dgs[x];
+    }
+    gate_bwd_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(a, *dout, T, HQ, DV, rows);
+    g_launched(g);
+}
+
+/* ==== backward row terms, stores ==================================================================== */
+
+__global__ void dprep_kernel(dview dout, dview o, dview gate, float *Dw, float *gw, int64_t T, int64_t HQ, int64_t DV,
+                             int64_t rows)
+{
+    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const int64_t hq = row % HQ, t = (row / HQ) % T, b = row / (HQ * T);
+    const int64_t db = b * dout.s0 + t * dout.s1 + hq * dout.s2, obase = b * o.s0 + t * o.s1 + hq * o.s2;
+    float acc = 0.0f;
+    for (int64_t d = lane; d < DV; d += 32) acc += ld_any(dout.p, dout.dt, db + d) * ld_any(o.p, o.dt, obase + d);
+    acc = warp_sum(acc);
+    if (lane == 0) {
+        const float gv = gate.p ? ld_any(gate.p, gate.dt, b * gate.s0 + t * gate.s1 + hq * gate.s2) : 1.0f;
+        Dw[row] = gv * acc;
+        if (gw) gw[row] = gv;
+    }
+}
+
+void nsa_cu_dprep(grun *g, const dview *dout, const dview *o, const dview *gate, float *Dw, float *gw, int64_t B,
+                  int64_t T, int64_t HQ, int64_t DV)
+{
+    const int64_t rows = B * T * HQ;
+    if (!g_live(g) || rows == 0) return;
+    dview none;
+    memset(&none, 0, sizeof none);
+    dprep_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(*dout, *o, gate ? *gate : none, Dw, gw, T,
+                                                                           HQ, DV, rows);
+    g_launched(g);
+}
+
+/* one warp per (b, r, h) row */
+__global__ void store32_kernel(const float *src, dview dst, int64_t R, int64_t H, int64_t D, int64_t rows)
+{
+    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const int64_t h = row % H, r = (row / H) % R, b = row / (H * R);
+    const int64_t base = b * dst.s0 + r * dst.s1 + h * dst.s2;
+    for (int64_t d = lane; d < D; d += 32) st_any(dst.p, dst.dt, base + d, src[row * D + d]);
+}
+
+void nsa_cu_store32(grun *g, const float *src, const dview *dst, int64_t B, int64_t R, int64_t H, int64_t D)
+{
+    const int64_t rows = B * R * H;
+    if (!g_live(g) || rows == 0 || D == 0) return;
+    store32_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(src, *dst, R, H, D, rows);
+    g_launched(g);
+}
+
+/* ==== selected attention: usable blocks and the inversion =========================================== */
+
+__global__ void usable_kernel(dview idx, dview cnt, int64_t m, int64_t lp, int32_t *U, int32_t *ucnt, seqmap sm,
+                              int64_t T, int64_t H, int64_t rows)
+{
+    const int64_t row = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= rows) return;
+    const int64_t h = row % H, t = (row / H) % T, b = row / (H * T);
+    const seqinfo sq = seq_get(sm, seq_of_row(sm, b, t));
+    const int64_t pos = t - sq.row0, nb = (sq.len + lp - 1) / lp;
+    int64_t c = m;
+    if (cnt.p) {
+        c = ((const int32_t *)cnt.p)[b * cnt.s0 + t * cnt.s1 + h * cnt.s2];
+        c = c < 0 ? 0 : (c > m ? m : c);
+    }
+    const int32_t *ix = (const int32_t *)idx.p + b * idx.s0 + t * idx.s1 + h * idx.s2;
+    int32_t *u = U + row * m;
+    int k = 0;
+    for (int64_t e = 0; e < c; e++) {
+        const int32_t j = ix[e];
+        if (j < 0 || j >= nb || (int64_t)j * lp > pos) continue;
+        int q = k;
+        while (q > 0 && u[q - 1] > j) q--;
+        if (q > 0 && u[q - 1] == j) continue;
+        for (int r = k; r > q; r--) u[r] = u[r - 1];
+        u[q] = j;
+        k++;
+    }
+    ucnt[row] = k;
+}
+
+void nsa_cu_usable(grun *g, const dview *idx, const dview *counts, int64_t m, int64_t lp, int32_t *U, int32_t *ucnt)
+{
+    const nsa_problem *p = g->p;
+    const int64_t rows = p->B * p->T * p->H;
+    if (!g_live(g) || rows == 0) return;
+    dview none;
+    memset(&none, 0, sizeof none);
+    usable_kernel<<<grid1(rows, PREP_THREADS), PREP_THREADS, 0, g->st>>>(*idx, counts ? *counts : none, m, lp, U, ucnt,
+                                                                       plain_map(g), p->T, p->H, rows);
+    g_launched(g);
+}
+
+typedef struct inv_params {
+    const int32_t *U, *ucnt;
+    int32_t *cnt, *offs, *list;
+    const int64_t *cnt_pref, *offs_pref, *list_pref;
+    int64_t m, lp, T, H;
+    seqmap sm;
+} inv_params;
+
+__device__ __forceinline__ int64_t inv_region(const int64_t *pref, unitspec u, int64_t s, int64_t T, int64_t H,
+                                              int64_t h, int64_t len)
+{
+    return (pref ? pref[s] : s * seq_units(u, T)) * H + h * seq_units(u, len);
+}
+
+/* per (sequence, chunk of positions, head): how many of the chunk's queries selected each block */
+__global__ void inv_count_kernel(inv_params P)
+{
+    extern __shared__ int hist[];
+    int64_t s, c;
+    seq_decode(P.sm, blockIdx.x, &s, &c);
+    const seqinfo sq = seq_get(P.sm, s);
+    const int64_t h = blockIdx.y, nb = (sq.len + P.lp - 1) / P.lp;
+    for (int64_t j = threadIdx.x; j < nb; j += blockDim.x) hist[j] = 0;
+    __syncthreads();
+    const int64_t p0 = c * INV_CHUNK;
+    const int64_t np = sq.len - p0 < INV_CHUNK ? sq.len - p0 : INV_CHUNK;
+    for (int64_t i = threadIdx.x; i < np * P.m; i += blockDim.x) {
+        const int64_t pp = i / P.m, e = i % P.m;
+        const int64_t row = (sq.b * P.T + sq.row0 + p0 + pp) * P.H + h;
+        if (e < P.ucnt[row]) atomicAdd(&hist[P.U[row * P.m + e]], 1);
+    }
+    __syncthreads();
+    unitspec uc = {UK_INV_CNT, INV_CHUNK, P.lp, 0, 0};
+    int32_t *cnt = P.cnt + inv_region(P.cnt_pref, uc, s, P.T, P.H, h, sq.len) + c * nb;
+    for (int64_t j = threadIdx.x; j < nb; j += blockDim.x) cnt[j] = hist[j];
+}
+
+/* per (sequence, head): block offsets, and each chunk's first slot per block */
+__global__ void inv_scan_kernel(inv_params P)
+{
+    __shared__ int wsum[32];
+    __shared__ int carry;
+    const int64_t s = blockIdx.x, h = blockIdx.y;
+    const seqinfo sq = seq_get(P.sm, s);
+    const int64_t nb = (sq.len + P.lp - 1) / P.lp, nch = (sq.len + INV_CHUNK - 1) / INV_CHUNK;
+    unitspec uc = {UK_INV_CNT, INV_CHUNK, P.lp, 0, 0}, uo = {UK_INV_OFFS, 0, P.lp, 0, 0};
+    int32_t *cnt = P.cnt + inv_region(P.cnt_pref, uc, s, P.T, P.H, h, sq.len);
+    int32_t *offs = P.offs + inv_region(P.offs_pref, uo, s, P.T, P.H, h, sq.len);
+    for (int64_t j = threadIdx.x; j < nb; j += blockDim.x) {
+        int tot = 0;
+        for (int64_t c = 0; c < nch; c++) tot += cnt[c * nb + j];
+        offs[j] = tot;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+    if (threadIdx.x == 0) carry = 0;
+    __syncthreads();
+    for (int64_t base = 0; base < nb; base += blockDim.x) {
+        const int64_t j = base + threadIdx.x;
+        const int v = j < nb ? offs[j] : 0;
+        int x = v;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, x, o);
+            if (lane >= o) x += y;
+        }
+        if (lane == 31) wsum[warp] = x;
+        __syncthreads();
+        if (warp == 0) {
+            int t = lane < nwarp ? wsum[lane] : 0;
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, t, o);
+                if (lane >= o) t += y;
+            }
+            wsum[lane] = t;
+        }
+        __syncthreads();
+        if (warp > 0) x += wsum[warp - 1];
+        if (j < nb) offs[j] = carry + x - v;
+        __syncthreads();
+        if (threadIdx.x == blockDim.x - 1) carry += x;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) offs[nb] = carry;
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < nb; j += blockDim.x) {
+        int run = offs[j];
+        for (int64_t c = 0; c < nch; c++) {
+            const int t = cnt[c * nb + j];
+            cnt[c * nb + j] = run;
+            run += t;
+        }
+    }
+}
+
+/* per (sequence, chunk, head), one warp: the chunk's queries in ascending order into the
+ * lists (a query's blocks are distinct, so the lanes never share a cursor) */
+__global__ void inv_fill_kernel(inv_params P)
+{
+    extern __shared__ int cursor[];
+    int64_t s, c;
+    seq_decode(P.sm, blockIdx.x, &s, &c);
+    const seqinfo sq = seq_get(P.sm, s);
+    const int64_t h = blockIdx.y, nb = (sq.len + P.lp - 1) / P.lp;
+    const int lane = threadIdx.x;
+    unitspec uc = {UK_INV_CNT, INV_CHUNK, P.lp, 0, 0}, ul = {UK_LIST, P.m, 1, 0, 0};
+    const int32_t *cnt = P.cnt + inv_region(P.cnt_pref, uc, s, P.T, P.H, h, sq.len) + c * nb;
+    int32_t *list = P.list + inv_region(P.list_pref, ul, s, P.T, P.H, h, sq.len);
+    for (int64_t j = lane; j < nb; j += 32) cursor[j] = cnt[j];
+    __syncwarp();
+    const int64_t p0 = c * INV_CHUNK;
+    const int64_t np = sq.len - p0 < INV_CHUNK ? sq.len - p0 : INV_CHUNK;
+    for (int64_t pp = 0; pp < np; pp++) {
+        const int64_t row = (sq.b * P.T + sq.row0 + p0 + pp) * P.H + h;
+        const int k = P.ucnt[row];
+        for (int e = lane; e < k; e += 32) {
+            const int j = P.U[row * P.m + e];
+            const int slot = cursor[j];
+            cursor[j] = slot + 1;
+            list[slot] = (int32_t)(p0 + pp);
+        }
+        __syncwarp();
+    }
+}
+
+void nsa_cu_invert(grun *g, const int32_t *U, const int32_t *ucnt, int64_t m, int64_t lp, inv_index *ix)
+{
+    const nsa_problem *p = g->p;
+    unitspec uc = {UK_INV_CNT, INV_CHUNK, lp, 0, 0}, uo = {UK_INV_OFFS, 0, lp, 0, 0}, ul = {UK_LIST, m, 1, 0, 0};
+    unitspec uch = {UK_ROWS, 1, INV_CHUNK, 0, 0};
+    int64_t ncnt, noffs, nlist, nchunks;
+    const int64_t *cnt_pref = g_prefix(g, uc, &ncnt);
+    ix->offs_pref = g_prefix(g, uo, &noffs);
+    ix->list_pref = g_prefix(g, ul, &nlist);
+    int32_t *cnt = (int32_t *)g_take(g, (size_t)(ncnt * p->H + 1) * sizeof(int32_t));
+    ix->offs = (int32_t *)g_take(g, (size_t)(noffs * p->H + 1) * sizeof(int32_t));
+    ix->list = (int32_t *)g_take(g, (size_t)(nlist * p->H + 1) * sizeof(int32_t));
+    seqmap sm = g_seqmap(g, uch, &nchunks);
+    int64_t nb_max = 0;
+    for (int64_t s = 0; s < p->num_seqs; s++) {
+        const int64_t len = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T;
+        const int64_t nb = (len + lp - 1) / lp;
+        nb_max = nb > nb_max ? nb : nb_max;
+    }
+    const size_t hist_bytes = (size_t)(nb_max > 0 ? nb_max : 1) * sizeof(int);
+    if (hist_bytes > 200 * 1024) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED); /* more than 51200 selection blocks in one sequence */
+        return;
+    }
+    if (!g_live(g) || p->H == 0) return;
+    inv_params P;
+    memset(&P, 0, sizeof P);
+    P.U = U, P.ucnt = ucnt, P.cnt = cnt, P.offs = ix->offs, P.list = ix->list;
+    P.cnt_pref = cnt_pref, P.offs_pref = ix->offs_pref, P.list_pref = ix->list_pref;
+    P.m = m, P.lp = lp, P.T = p->T, P.H = p->H, P.sm = sm;
+    if (hist_bytes > 48 * 1024) {
+        g_check(g, cudaFuncSetAttribute(inv_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)hist_bytes));
+        g_check(g, cudaFuncSetAttribute(inv_fill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)hist_bytes));
+        if (!g_live(g)) return;
+    }
+    if (nchunks > 0) {
+        inv_count_kernel<<<dim3((unsigned)nchunks, (unsigned)p->H), 256, hist_bytes, g->st>>>(P);
+        g_launched(g);
+    }
+    if (p->num_seqs > 0) {
+        seqmap plain = plain_map(g);
+        P.sm = plain;
+        inv_scan_kernel<<<dim3((unsigned)p->num_seqs, (unsigned)p->H), 1024, 0, g->st>>>(P);
+        g_launched(g);
+        P.sm = sm;
+    }
+    if (nchunks > 0) {
+        inv_fill_kernel<<<dim3((unsigned)nchunks, (unsigned)p->H), 32, hist_bytes, g->st>>>(P);
+        g_launched(g);
+    }
+}
+
+/* ==== selected dK/dV: segments of long query lists ==================================================== */
+
+/* xoff = exclusive prefix over the flat offs array of the further segments per entry (one block) */
+__global__ void slc_segments_kernel(const int32_t *offs, int64_t nflat, int64_t segp, int32_t *xoff)
+{
+    __shared__ int wsum[32];
+    __shared__ int carry;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+    if (threadIdx.x == 0) carry = 0;
+    __syncthreads();
+    for (int64_t base = 0; base < nflat; base += blockDim.x) {
+        const int64_t f = base + threadIdx.x;
+        int v = 0;
+        if (f + 1 < nflat) {
+            const int64_t c = (int64_t)offs[f + 1] - offs[f]; /* <= 0 past a region's last block */
+            v = c > segp ? (int)((c - 1) / segp) : 0;
+        }
+        int x = v;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, x, o);
+            if (lane >= o) x += y;
+        }
+        if (lane == 31) wsum[warp] = x;
+        __syncthreads();
+        if (warp == 0) {
+            int t = lane < nwarp ? wsum[lane] : 0;
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, t, o);
+                if (lane >= o) t += y;
+            }
+            wsum[lane] = t;
+        }
+        __syncthreads();
+        if (warp > 0) x += wsum[warp - 1];
+        if (f < nflat) xoff[f] = carry + x - v;
+        __syncthreads();
+        if (threadIdx.x == blockDim.x - 1) carry += x;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) xoff[nflat] = carry;
+}
+
+void nsa_cu_slc_segments(grun *g, const inv_index *ix, int64_t nflat, int64_t segp, int32_t *xoff)
+{
+    if (!g_live(g)) return;
+    slc_segments_kernel<<<1, 1024, 0, g->st>>>(ix->offs, nflat, segp, xoff);
+    g_launched(g);
+}
+
+/* per key tile (sequence, block, 64-key sub-tile, head): += the partials of its further
+ * segments, summed in segment order */
+__global__ void slc_reduce_kernel(kparams P)
+{
+    int64_t s, local;
+    seq_decode(P.sm, blockIdx.x, &s, &local);
+    const seqinfo sq = seq_get(P.sm, s);
+    const int64_t h = blockIdx.y, lp = P.rule.lp, j = local / P.nsub, sub = local % P.nsub;
+    const int64_t per_T = (P.T + lp - 1) / lp + 1, nb1 = (sq.len + lp - 1) / lp + 1;
+    const int64_t f = (P.offs_pref ? P.offs_pref[s] : s * per_T) * P.H + h * nb1 + j;
+    const int64_t x0 = P.xoff[f], x1 = P.xoff[f + 1];
+    if (x0 == x1) return;
+    const int64_t bend = j * lp + lp < sq.len ? j * lp + lp : sq.len;
+    const int64_t k0 = j * lp + sub * 64, k1 = k0 + 64 < bend ? k0 + 64 : bend;
+    if (k0 >= k1) return;
+    const int64_t W = P.DK + P.DV;
+    for (int64_t i = threadIdx.x; i < (k1 - k0) * W; i += blockDim.x) {
+        const int64_t key = i / W, col = i % W;
+        const int64_t po = col < P.DK ? key * P.DK + col : 64 * P.DK + key * P.DV + (col - P.DK);
+        float sum = 0.0f;
+        for (int64_t e = x0; e < x1; e++) sum += P.part[(e * P.nsub + sub) * 64 * W + po];
+        const int64_t row = (sq.b * P.KR + sq.row0 + k0 + key) * P.H + h;
+        if (col < P.DK) P.dk[row * P.DK + col] += sum;
+        else P.dv[row * P.DV + (col - P.DK)] += sum;
+    }
+}
+
+void nsa_cu_slc_reduce(grun *g, const kparams *P, int64_t tiles)
+{
+    if (!g_live(g) || tiles == 0) return;
+    slc_reduce_kernel<<<dim3((unsigned)tiles, (unsigned)P->H), 256, 0, g->st>>>(*P);
+    g_launched(g);
+}
+
+/* per compressed key tile (sequence, tile, head): += the partials of row segments 1.., in order */
+__global__ void seg_reduce_kernel(kparams P, seqmap tm)
+{
+    int64_t s, kt;
+    seq_decode(tm, blockIdx.x, &s, &kt);
+    const seqinfo sq = seq_get(tm, s);
+    const int64_t h = blockIdx.y;
+    const int is_cmp = P.rule.kind == RULE_CMP;
+    const int64_t nkeys = is_cmp ? sq.ncmp : sq.len, key_row0 = is_cmp ? sq.cmp0 : sq.row0;
+    const int64_t k0 = kt * 64, k1 = k0 + 64 < nkeys ? k0 + 64 : nkeys;
+    if (k0 >= k1) return;
+    const int64_t task0 = (P.sm.first ? P.sm.first[s] : s * P.sm.per_seq) + kt * P.nseg;
+    const int64_t W = P.DK + P.DV;
+    for (int64_t i = threadIdx.x; i < (k1 - k0) * W; i += blockDim.x) {
+        const int64_t key = i / W, col = i % W;
+        const int64_t po = col < P.DK ? key * P.DK + col : 64 * P.DK + key * P.DV + (col - P.DK);
+        float sum = 0.0f;
+        for (int64_t sg = 1; sg < P.nseg; sg++) sum += P.part[((task0 + sg) * P.H + h) * 64 * W + po];
+        const int64_t row = (sq.b * P.KR + key_row0 + k0 + key) * P.H + h;
+        if (col < P.DK) P.dk[row * P.DK + col] += sum;
+        else P.dv[row * P.DV + (col - P.DK)] += sum;
+    }
+}
+
+void nsa_cu_seg_reduce(grun *g, const kparams *P, seqmap tm, int64_t tiles)
+{
+    if (!g_live(g) || tiles == 0) return;
+    seg_reduce_kernel<<<dim3((unsigned)tiles, (unsigned)P->H), 256, 0, g->st>>>(*P, tm);
+    g_launched(g);
+}
