@@ -140,6 +140,31 @@ static void select_position(const nsa_problem *p, const core_tile *t, int64_t ti
     if (sel->counts) io_set(sel->counts, io_off(sel->counts, b, row, h), (float)kept);
 }
 
+/* Loads positions [t0, t0 + nt) of a sequence into tile rows with their key ranges.
+ * @return the union [kmin, kmax] of the rows' ranges via the pointers (kmax < 0: none). */
+static void load_query_tile(core_tile *t, const nsa_problem *p, const range_rule *rule, const cpu_seq *sq,
+                            int64_t nkeys, const nsa_tensor *q, const grad_src *g, int64_t h, int64_t t0,
+                            int64_t nt, float *tmp, int64_t *kmin, int64_t *kmax)
+{
+    const int64_t G = p->G;
+    t->R = (int)(nt * G);
+    *kmin = INT64_MAX;
+    *kmax = -1;
+    for (int64_t i = 0; i < nt; i++) {
+        tile_load_rows(t, (int)(i * G), q, p->scale, sq->b, sq->row0 + t0 + i, h, G, g, tmp);
+        int64_t lo, hi;
+        rule_bounds(rule, t0 + i, nkeys, &lo, &hi);
+        for (int64_t k = 0; k < G; k++) {
+            t->lo[i * G + k] = lo;
+            t->hi[i * G + k] = hi;
+        }
+        if (hi >= lo) {
+            *kmin = lo < *kmin ? lo : *kmin;
+            *kmax = hi > *kmax ? hi : *kmax;
+        }
+    }
+}
+
 void range_fwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *rule, const int64_t *cu_cmp,
                const nsa_tensor *q, const float *Kp, const float *Vp, int64_t key_rows,
                const nsa_tensor *o, const nsa_tensor *lse, const select_sink *sel, void *ws)
@@ -174,21 +199,8 @@ void range_fwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *r
             const float *K = Kp + ((sq.b * p->H + h) * key_rows + base) * p->DK;
             const float *V = Vp ? Vp + ((sq.b * p->H + h) * key_rows + base) * p->DV : NULL;
             const int64_t t0 = tile * bq, nt = sq.len - t0 < bq ? sq.len - t0 : bq;
-            t.R = (int)(nt * G);
-            int64_t kmin = INT64_MAX, kmax = -1;
-            for (int64_t i = 0; i < nt; i++) {
-                tile_load_rows(&t, (int)(i * G), q, p->scale, sq.b, sq.row0 + t0 + i, h, G, NULL, NULL);
-                int64_t lo, hi;
-                rule_bounds(rule, t0 + i, nkeys, &lo, &hi);
-                for (int64_t g = 0; g < G; g++) {
-                    t.lo[i * G + g] = lo;
-                    t.hi[i * G + g] = hi;
-                }
-                if (hi >= lo) {
-                    kmin = lo < kmin ? lo : kmin;
-                    kmax = hi > kmax ? hi : kmax;
-                }
-            }
+            int64_t kmin, kmax;
+            load_query_tile(&t, p, rule, &sq, nkeys, q, NULL, h, t0, nt, NULL, &kmin, &kmax);
             core_fwd_begin(&t);
             /* compressed rows are processed whole, so S keeps every probability for the
              * selection; windows go block by block with the online softmax */
@@ -257,31 +269,6 @@ static int64_t last_query_starting_by(const range_rule *r, int64_t len, int64_t 
         else b = mid - 1;
     }
     return a;
-}
-
-/* Loads positions [t0, t0 + nt) of a sequence into tile rows with their key ranges.
- * @return the union [kmin, kmax] of the rows' ranges via the pointers (kmax < 0: none). */
-static void load_query_tile(core_tile *t, const nsa_problem *p, const range_rule *rule, const cpu_seq *sq,
-                            int64_t nkeys, const nsa_tensor *q, const grad_src *g, int64_t h, int64_t t0,
-                            int64_t nt, float *tmp, int64_t *kmin, int64_t *kmax)
-{
-    const int64_t G = p->G;
-    t->R = (int)(nt * G);
-    *kmin = INT64_MAX;
-    *kmax = -1;
-    for (int64_t i = 0; i < nt; i++) {
-        tile_load_rows(t, (int)(i * G), q, p->scale, sq->b, sq->row0 + t0 + i, h, G, g, tmp);
-        int64_t lo, hi;
-        rule_bounds(rule, t0 + i, nkeys, &lo, &hi);
-        for (int64_t k = 0; k < G; k++) {
-            t->lo[i * G + k] = lo;
-            t->hi[i * G + k] = hi;
-        }
-        if (hi >= lo) {
-            *kmin = lo < *kmin ? lo : *kmin;
-            *kmax = hi > *kmax ? hi : *kmax;
-        }
-    }
 }
 
 void range_bwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *rule, const int64_t *cu_cmp,
