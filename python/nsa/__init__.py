@@ -1,48 +1,43 @@
 """nsa -- Native Sparse Attention (DeepSeek, arXiv 2502.11089), Python binding of the C library.
 
 The shared library is found next to this package, in the repository's build/ folder, or
-through the NSA_LIBRARY environment variable. Loading it has no other dependency.
+through the NSA_LIBRARY environment variable. Loading it has no other dependency: numpy is
+needed for numpy arrays, PyTorch for tensors (then the ops are torch custom ops with autograd,
+fake implementations for torch.compile, and autocast support).
+
+    o = nsa.parallel_nsa(q, k, v, g_cmp, g_slc, g_swa, block_counts=16, block_size=64,
+                         window_size=512)              # the call of fla.ops.nsa.parallel_nsa
+    o = nsa.native_sparse_attention(q, k, v, g_cmp, g_slc, g_swa, config=nsa.Config())
+
+Shapes: q [B, T, HQ, DK], k [B, T, H, DK], v [B, T, H, DV], gates [B, T, HQ], o [B, T, HQ, DV];
+what is computed is spec/nsa.md, the conventions those of include/nsa.h.
 """
-import ctypes
+import importlib.util
 import os
 
-__all__ = ["library", "version", "status_string", "backend_available", "NsaError"]
+from . import _core, _lib
+from ._core import Aux, Config, Grads, NsaError, cmp_offsets, status_name, status_string
+from ._lib import library
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+__all__ = ["library", "version", "status_string", "status_name", "backend_available", "NsaError", "Config",
+           "Aux", "Grads", "Result", "native_sparse_attention", "parallel_nsa", "forward", "compress", "select",
+           "cmp_offsets", "torch_available"]
 
-
-def _candidates():
-    env = os.environ.get("NSA_LIBRARY")
-    if env:
-        yield env
-    yield os.path.join(_HERE, "libnsa.so")
-    yield os.path.join(_HERE, "..", "..", "build", "libnsa.so")
-
-
-def _load():
-    tried = []
-    for path in _candidates():
-        path = os.path.abspath(path)
-        if os.path.exists(path):
-            lib = ctypes.CDLL(path)
-            lib.nsa_version_string.restype = ctypes.c_char_p
-            lib.nsa_status_string.restype = ctypes.c_char_p
-            lib.nsa_status_string.argtypes = [ctypes.c_int]
-            lib.nsa_backend_available.argtypes = [ctypes.c_int]
-            return lib
-        tried.append(path)
-    raise ImportError("nsa: libnsa.so not found (run `make`, or set NSA_LIBRARY); looked in " + ", ".join(tried))
+# With PyTorch installed the custom ops are registered at import, before any torch.compile
+# traces a call (NSA_NO_TORCH=1 skips that, e.g. for a numpy-only process).
+def _torch_installed():
+    if os.environ.get("NSA_NO_TORCH") == "1":
+        return False
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):  # sys.modules["torch"] set to None: treated as absent
+        return False
 
 
-library = _load()
-
-
-class NsaError(RuntimeError):
-    """A C call returned a status other than success; .status holds the code."""
-
-    def __init__(self, status):
-        self.status = int(status)
-        super().__init__("nsa status %d: %s" % (self.status, status_string(self.status)))
+if _torch_installed():
+    from . import _torch  # (no `_torch = None` before this: the import would then find that attribute)
+else:
+    _torch = None
 
 
 def version():
@@ -50,14 +45,212 @@ def version():
     return library.nsa_version_string().decode()
 
 
-def status_string(status):
-    """The C library's description of a status code."""
-    return library.nsa_status_string(int(status)).decode()
-
-
 def backend_available(name):
     """True when backend "cpu" or "cuda" is compiled in and usable here."""
-    codes = {"cpu": 0, "cuda": 1}
+    codes = {"cpu": _lib.BACKEND_CPU, "cuda": _lib.BACKEND_CUDA}
     if name not in codes:
         raise ValueError("backend must be 'cpu' or 'cuda', not %r" % (name,))
     return bool(library.nsa_backend_available(codes[name]))
+
+
+def torch_available():
+    """True when the PyTorch integration (torch.ops.nsa.*) is loaded."""
+    return _torch is not None
+
+
+def __getattr__(name):  # `nsa.nn` imports torch, so it loads on first use
+    if name == "nn":
+        import importlib
+        return importlib.import_module(".nn", __name__)
+    raise AttributeError("module 'nsa' has no attribute %r" % (name,))
+
+
+def _is_torch(x):
+    # no sys.modules look-up here: this runs inside torch.compile traces
+    return _torch is not None and isinstance(x, _torch.Tensor)
+
+
+def _as_int32(x):
+    if _is_torch(x):
+        return x if x.is_floating_point() or x.dtype == _torch.torch.int32 else x.to(_torch.torch.int32)
+    import numpy as np
+    x = np.asarray(x)
+    return x.astype(np.int32) if x.dtype.kind in "iu" and x.dtype != np.int32 else x
+
+
+def _call_for(q):
+    if _is_torch(q):
+        if _torch is None:
+            raise RuntimeError("nsa: torch tensors given but the torch integration is not loaded (NSA_NO_TORCH=1?)")
+        return _torch.TorchCall(q.device)
+    return _core.NumpyCall()
+
+
+# ---- no-autograd calls, numpy or torch ----------------------------------------------------------
+
+
+class Result:
+    """What nsa.forward returns: .o, .aux (an Aux), and .backward(dout) -> Grads."""
+
+    def __init__(self, q, tensors, config, cu_seqlens, o, saved):
+        self._q = q
+        self._tensors = tensors
+        self._config = config
+        self._cu = cu_seqlens
+        self._saved = saved
+        self.o = o
+        self.aux = Aux(*(saved.get(name) for name in _core.SAVED))
+
+    def backward(self, dout):
+        """nsa_backward: gradients of every given input (gradients are overwritten, never
+        accumulated; selection carries none)."""
+        grads = _core.backward(_call_for(self._q), self._tensors, self._saved, self._config, self._cu, dout)
+        return Grads(*(grads.get(name) for name in _core.GRADS))
+
+
+def forward(q, k, v, g_cmp=None, g_slc=None, g_swa=None, config=None, k_cmp=None, v_cmp=None, block_indices=None,
+            block_counts=None, cu_seqlens=None, k_slc=None, v_slc=None, k_swa=None, v_swa=None, out=None):
+    """nsa_forward on numpy arrays (CPU backend) or torch tensors (no autograd: use
+    native_sparse_attention for that). Returns a Result; Result.backward(dout) runs
+    nsa_backward. `out` (optional) receives o; on any error it is left untouched.
+    Saved branch outputs are float32 (see native_sparse_attention)."""
+    config = _core._as_config(config)
+    tensors = dict(q=q, k=k, v=v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, k_cmp=k_cmp, v_cmp=v_cmp,
+                   k_slc=k_slc, v_slc=v_slc, k_swa=k_swa, v_swa=v_swa, block_indices=block_indices,
+                   block_counts=block_counts)
+    tensors = {n: x for n, x in tensors.items() if x is not None}
+    for name in ("block_indices", "block_counts"):  # fla passes int64 indices; C reads int32
+        if name in tensors:
+            tensors[name] = _as_int32(tensors[name])
+    o, saved = _core.forward(_call_for(q), tensors, config, cu_seqlens, out=out)
+    return Result(q, tensors, config, cu_seqlens, o, saved)
+
+
+def compress(x, config=None, cu_seqlens=None):
+    """nsa_compress (the default phi, mean over overlapping blocks): x [B, T, H, D] ->
+    [B, Nc, H, D] (packed rows under cu_seqlens). No autograd."""
+    return _core.compress(_call_for(x), x, _core._as_config(config), cu_seqlens)
+
+
+def select(q, k_cmp, config=None, lse_cmp=None, cu_seqlens=None, return_counts=False):
+    """nsa_select: block_indices [B, T, H, n] int32, ascending, -1 padded (and block_counts
+    [B, T, H] with return_counts). No gradient."""
+    return _core.select(_call_for(q), q, k_cmp, _core._as_config(config), lse_cmp, cu_seqlens, return_counts)
+
+
+# ---- attention with autograd -------------------------------------------------------------------
+
+
+def native_sparse_attention(q, k, v, g_cmp, g_slc, g_swa, config=None, k_cmp=None, v_cmp=None, block_indices=None,
+                            cu_seqlens=None, return_aux=False, *, block_counts=None, k_slc=None, v_slc=None,
+                            k_swa=None, v_swa=None, out=None):
+    """NSA with the full configuration of the spec: o = g_cmp*o_cmp + g_slc*o_slc + g_swa*o_swa.
+
+    q [B, T, HQ, DK]; k [B, T, H, DK]; v [B, T, H, DV]; g_* [B, T, HQ] or None (a missing
+    gate turns its branch off; at least one is needed); config: nsa.Config (default: the
+    paper's). k_cmp [B, Nc, H, DK], v_cmp [B, Nc, H, DV]: the caller's compression (a
+    learnable phi), default mean pooling of k, v. block_indices [B, T, H, m] (+ block_counts
+    [B, T, H]): the caller's selection instead of the computed top-n. cu_seqlens [N+1]
+    (list, array or tensor, B == 1): packed variable-length sequences (k_cmp/v_cmp then
+    packed too, rows from nsa.cmp_offsets). k_slc/v_slc, k_swa/v_swa: separate K/V of the
+    selection / window branches. Returns o [B, T, HQ, DV] in q's dtype, and with
+    return_aux=True also an Aux (selection, per-branch outputs and lse, detached).
+
+    numpy arrays: the CPU backend, float32/float16 (bfloat16 via ml_dtypes); `out` may
+    receive o (left untouched on any error). No gradients: nsa.forward(...).backward(dout).
+    torch tensors: CPU or CUDA (the tensor's device, the current stream), through the custom
+    op torch.ops.nsa.forward with autograd (gradients of q, k, v, gates, k_cmp/v_cmp,
+    k_slc/v_slc, k_swa/v_swa), usable under torch.compile(fullgraph=True); under autocast
+    every floating input is cast to the autocast dtype. Gates are cast to q's dtype. The
+    forward keeps block_indices, the branch outputs (float32, for an exact fp32 backward on
+    the CPU path) and the lse's for the backward.
+
+    Errors: NsaError (.status = the C status, message = nsa_status_string)."""
+    if _is_torch(q):
+        if out is not None:
+            raise TypeError("out= is for numpy arrays; torch calls return a new tensor")
+        return _torch.native_sparse_attention(q, k, v, g_cmp, g_slc, g_swa, config, k_cmp, v_cmp, block_indices,
+                                              block_counts, cu_seqlens, k_slc, v_slc, k_swa, v_swa, return_aux)
+    res = forward(q, k, v, g_cmp, g_slc, g_swa, _core._as_config(config), k_cmp, v_cmp, block_indices, block_counts, cu_seqlens,
+                  k_slc, v_slc, k_swa, v_swa, out=out)
+    return (res.o, res.aux) if return_aux else res.o
+
+
+def _numpy_fla_selection(q, k, config, counts, cu_seqlens):
+    """numpy twin of _torch.fla_selection."""
+    import dataclasses
+
+    import numpy as np
+    counts = np.asarray(counts).astype(np.int32)
+    k_cmp = compress(k, config, cu_seqlens)
+    forced = config.n_init + config.n_local
+    values = sorted(set(int(c) for c in np.unique(np.maximum(counts, 0))))
+    width = max([forced] + values)
+    merged = np.full(counts.shape + (width,), -1, dtype=np.int32)
+    for c in values:
+        n = max(c, forced)
+        idx = select(q, k_cmp, dataclasses.replace(config, slc_topk=n), cu_seqlens=cu_seqlens)
+        pad = np.full(counts.shape + (width,), -1, dtype=np.int32)
+        pad[..., :n] = idx
+        merged = np.where((counts == c)[..., None], pad, merged)
+    return merged, counts
+
+
+def parallel_nsa(q, k, v, g_cmp=None, g_slc=None, g_swa=None, block_indices=None, block_counts=16, block_size=64,
+                 window_size=0, scale=None, cu_seqlens=None):
+    """Drop-in for fla.ops.nsa.parallel_nsa: the same arguments and meaning, NSA with
+    l = d = l' = block_size (mean-pooled compression), n = block_counts, forced blocks
+    0, cur-1, cur, and a sliding window of window_size.
+
+    q [B, T, HQ, K]; k, v [B, T, H, K/V]; g_* [B, T, HQ]; block_indices [B, T, H, S];
+    block_counts int or [B, T, H]; scale default K**-0.5; cu_seqlens [N+1] with B == 1.
+    As in fla: g_cmp None skips the compressed branch; the selected branch is always on and
+    g_slc None means a gate of 1; the window branch runs iff window_size > 0 (then g_swa is
+    required) and g_swa is ignored otherwise; block_indices, when given, replace the
+    computed selection; an int block_counts with block_indices given is not used (every
+    entry is read); a tensor block_counts limits each row to its first block_counts entries.
+
+    Differences from fla: any GQA ratio (fla: HQ/H a power of 2 >= 16);
+    an int block_counts is used as is (fla rounds it up to a power of 2 when it computes the
+    selection); ties in the selection go to the lower block index (fla: unspecified); caller
+    indices that repeat a block count it once (fla: once per occurrence); cu_seqlens must be
+    one tensor (fla's (cu_q, cu_k) tuple for cached decoding is not supported); with g_cmp
+    and block_indices both None fla fails, nsa computes the selection anyway. With a tensor
+    block_counts and no block_indices, row (b, t, h) attends to the top-c blocks, c its count
+    (c < 3: the first c of the 3 forced ones, ascending); that path is eager only."""
+    if block_counts is None:
+        raise ValueError("block_counts must be provided for selection (an int or a [B, T, H] tensor)")
+    if isinstance(cu_seqlens, tuple):
+        raise NotImplementedError("nsa: separate (cu_seqlens_q, cu_seqlens_k) for cached decoding are not supported")
+    if window_size > 0 and g_swa is None:
+        raise ValueError("window_size > 0 needs g_swa (the window branch's gate)")
+    torch_path = _is_torch(q)
+    counts_int = isinstance(block_counts, int) and not isinstance(block_counts, bool)
+    forced = 3  # n_init + n_local of fla's rule: blocks 0, cur - 1, cur
+    n = max(int(block_counts), forced) if counts_int else forced
+    # a plain tuple (nsa_config's fields in order): nothing here builds objects inside a trace
+    config = (block_size, block_size, block_size, n, 1, 2, window_size if window_size > 0 else 1,
+              0.0 if scale is None else float(scale))
+    if g_slc is None:  # fla: o = o_slc when there is no selection gate
+        g_slc = _full((q.shape[0], q.shape[1], q.shape[2]), 1, q.dtype, q, torch_path)
+    counts = None
+    if block_indices is None and (not counts_int or int(block_counts) < forced):
+        cfg = Config(*config)
+        if counts_int:
+            block_counts = _full((q.shape[0], q.shape[1], k.shape[2]), int(block_counts), "int32", q, torch_path)
+        if torch_path:
+            block_indices, counts = _torch.fla_selection(q, k, cfg, block_counts, cu_seqlens)
+        else:
+            block_indices, counts = _numpy_fla_selection(q, k, cfg, block_counts, cu_seqlens)
+    elif block_indices is not None and not counts_int:
+        counts = block_counts
+    return native_sparse_attention(q, k, v, g_cmp, g_slc, g_swa if window_size > 0 else None, config=config,
+                                   block_indices=block_indices, cu_seqlens=cu_seqlens, block_counts=counts)
+
+
+def _full(shape, value, dtype, like, torch_path):
+    if torch_path:
+        torch = _torch.torch
+        return torch.full(shape, value, dtype=torch.int32 if dtype == "int32" else dtype, device=like.device)
+    import numpy as np
+    return np.full(shape, value, dtype=dtype)

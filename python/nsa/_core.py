@@ -1,0 +1,417 @@
+"""The C calls, written once for every array library.
+
+A call object (_NumpyCall for numpy arrays on the CPU backend, _TorchCall in _torch.py for
+torch tensors on the CPU or one CUDA device) turns arrays into nsa_tensor views, allocates
+outputs and the workspace with the same library as the inputs, keeps every buffer alive
+until the C call returns, and picks the nsa_context. The functions below fill the args
+structs of nsa.h, ask for the workspace size, call, and raise NsaError on any status.
+Nothing here records gradients: _torch.py wraps these in custom ops with autograd.
+"""
+import ctypes
+import threading
+from collections import namedtuple
+from dataclasses import dataclass, fields
+
+from . import _lib
+from ._lib import library as _L
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+def status_string(status):
+    """The C library's description of a status code."""
+    return _L.nsa_status_string(int(status)).decode()
+
+
+def status_name(status):
+    """"BAD_DTYPE" for 5, and so on ("UNKNOWN" out of range)."""
+    s = int(status)
+    return _lib.STATUS_NAMES[s] if 0 <= s < len(_lib.STATUS_NAMES) else "UNKNOWN"
+
+
+class NsaError(RuntimeError):
+    """A C call returned a status other than success (or the binding found the same fault
+    before calling). .status holds the nsa_status code, .name its enum name without the
+    NSA_STATUS_ prefix, .op the call, .detail the binding's explanation if any."""
+
+    def __init__(self, status, detail=None, op=None):
+        self.status = int(status)
+        self.name = status_name(self.status)
+        self.op = op
+        self.detail = detail
+        msg = "nsa status %d: %s" % (self.status, status_string(self.status))
+        if op:
+            msg = "nsa_%s: %s" % (op, msg)
+        msg += " (NSA_STATUS_%s)" % self.name
+        if detail:
+            msg += ": " + detail
+        super().__init__(msg)
+
+
+def _check(status, op):
+    if status != _lib.STATUS_SUCCESS:
+        raise NsaError(status, op=op)
+
+
+# ---- configuration ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """nsa_config. Defaults are the paper's (l=32, d=16, l'=64, n=16, n_init=1, n_local=2,
+    w=512); scale 0 or None means 1/sqrt(DK). Frozen, so it can be hashed and used as a
+    constant under torch.compile."""
+
+    cmp_len: int = 32
+    cmp_stride: int = 16
+    slc_block: int = 64
+    slc_topk: int = 16
+    n_init: int = 1
+    n_local: int = 2
+    window: int = 512
+    scale: float = 0.0
+
+    @classmethod
+    def fla(cls, block_size=64, block_counts=16, window_size=0, scale=None):
+        """fla's parallel_nsa configuration: l = d = l' = block_size, n = block_counts,
+        forced blocks 0, cur-1 and cur (n_init=1, n_local=2), window w = window_size."""
+        return cls(cmp_len=block_size, cmp_stride=block_size, slc_block=block_size, slc_topk=block_counts,
+                   n_init=1, n_local=2, window=window_size if window_size > 0 else 1,
+                   scale=0.0 if scale is None else float(scale))
+
+    def to_c(self):
+        c = _lib.Config()
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "scale":
+                setattr(c, f.name, 0.0 if v is None else float(v))
+            else:
+                setattr(c, f.name, int(v))
+        return c
+
+    def validate(self):
+        """Raises NsaError naming the first invalid field (nsa_config_validate)."""
+        c = self.to_c()
+        _check(_L.nsa_config_validate(ctypes.byref(c)), "config_validate")
+        return self
+
+    def num_cmp_blocks(self, T):
+        """Nc = floor((T - l) / d) + 1 for T >= l, else 0."""
+        c = self.to_c()
+        return int(_L.nsa_num_cmp_blocks(ctypes.byref(c), int(T)))
+
+    def num_slc_blocks(self, T):
+        """nb = ceil(T / l')."""
+        c = self.to_c()
+        return int(_L.nsa_num_slc_blocks(ctypes.byref(c), int(T)))
+
+
+def _as_config(config):
+    """nsa.Config from a Config, None (the paper's) or a tuple of nsa_config's fields in order."""
+    if config is None:
+        return Config()
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, tuple):
+        return Config(*config)
+    raise TypeError("config must be nsa.Config, not %s" % type(config).__name__)
+
+
+def config_tuple(config):
+    """nsa_config's fields in order, as plain ints and a float."""
+    if config is None:
+        return DEFAULT_CONFIG
+    if isinstance(config, tuple):
+        return config
+    if isinstance(config, Config):
+        return (int(config.cmp_len), int(config.cmp_stride), int(config.slc_block), int(config.slc_topk),
+                int(config.n_init), int(config.n_local), int(config.window), float(config.scale or 0.0))
+    raise TypeError("config must be nsa.Config, not %s" % type(config).__name__)
+
+
+DEFAULT_CONFIG = (32, 16, 64, 16, 1, 2, 512, 0.0)
+
+
+# ---- variable length ------------------------------------------------------------------------
+
+
+def cu_seqlens_list(cu_seqlens):
+    """cu_seqlens (list, tuple, numpy array or torch tensor on any device) as a list of ints;
+    the C library reads it from host memory."""
+    if hasattr(cu_seqlens, "detach"):  # torch: a device tensor is copied to the host here
+        cu_seqlens = cu_seqlens.detach().cpu()
+    if hasattr(cu_seqlens, "tolist"):
+        cu_seqlens = cu_seqlens.tolist()
+    values = list(cu_seqlens)
+    if not values or any(isinstance(x, (list, tuple)) for x in values):
+        raise NsaError(_lib.STATUS_BAD_CU_SEQLENS, "cu_seqlens must be 1-D with num_seqs + 1 >= 1 entries")
+    return [int(x) for x in values]
+
+
+def _varlen(cu_seqlens, keep):
+    vl = _lib.Varlen()
+    if cu_seqlens is None:
+        return vl
+    values = cu_seqlens_list(cu_seqlens)
+    if any(x < -2**31 or x >= 2**31 for x in values):
+        raise NsaError(_lib.STATUS_BAD_CU_SEQLENS, "cu_seqlens entries must fit in int32")
+    arr = (ctypes.c_int32 * len(values))(*values)
+    keep.append(arr)
+    vl.cu_seqlens = ctypes.cast(arr, ctypes.POINTER(ctypes.c_int32))
+    vl.num_seqs = len(values) - 1
+    return vl
+
+
+def cmp_offsets(config, cu_seqlens):
+    """Packed compressed-row offsets (nsa_cmp_offsets): list of num_seqs + 1 ints."""
+    values = cu_seqlens_list(cu_seqlens)
+    cfg = _as_config(config).to_c()
+    arr = (ctypes.c_int32 * len(values))(*values)
+    out = (ctypes.c_int64 * len(values))()
+    _check(_L.nsa_cmp_offsets(ctypes.byref(cfg), arr, len(values) - 1, out), "cmp_offsets")
+    return list(out)
+
+
+def num_cmp_rows(config, T, cu_seqlens=None):
+    """dim 1 of k_cmp: Nc(T), or the packed total under varlen."""
+    if cu_seqlens is None:
+        return _as_config(config).num_cmp_blocks(T)
+    return cmp_offsets(config, cu_seqlens)[-1]
+
+
+# ---- contexts ----------------------------------------------------------------------------------
+
+
+class _Context:
+    """Owns one nsa_context."""
+
+    def __init__(self, backend, device=0, stream=None, num_threads=0):
+        desc = _lib.ContextDesc(backend=backend, num_threads=num_threads, device=device, stream=stream)
+        handle = ctypes.c_void_p()
+        _check(_L.nsa_context_create(ctypes.byref(handle), ctypes.byref(desc)), "context_create")
+        self.handle = handle
+        self._destroy = _L.nsa_context_destroy
+
+    def __del__(self):
+        handle = getattr(self, "handle", None)
+        if handle:
+            self._destroy(handle)
+            self.handle = None
+
+
+_contexts = {}
+_contexts_lock = threading.Lock()
+
+
+def context(backend, device=0, stream=0):
+    """The cached context for (backend, device, stream): one CPU context; one CUDA context
+    per device and stream, so that concurrent streams never share one."""
+    key = (backend, device, stream)
+    ctx = _contexts.get(key)
+    if ctx is None:
+        with _contexts_lock:
+            ctx = _contexts.get(key)
+            if ctx is None:
+                ctx = _Context(backend, device, stream or None)
+                _contexts[key] = ctx
+    return ctx.handle
+
+
+_DTYPE_CODES = {"float32": _lib.DTYPE_F32, "float16": _lib.DTYPE_F16, "bfloat16": _lib.DTYPE_BF16,
+                "int32": _lib.DTYPE_I32}
+
+
+def _make_view(data, code, shape, strides, name):
+    rank = len(shape)
+    if not 1 <= rank <= _lib.MAX_RANK:
+        raise NsaError(_lib.STATUS_BAD_RANK, "%s has rank %d (1 to 4 supported)" % (name, rank))
+    t = _lib.Tensor()
+    t.data = data
+    t.dtype = code
+    t.rank = rank
+    for i in range(rank):
+        t.shape[i] = int(shape[i])
+        t.stride[i] = int(strides[i])
+    if shape[-1] <= 1:  # a unit or empty last dim is read at offset 0 only
+        t.stride[rank - 1] = 1
+    return t
+
+
+class Call:
+    """One C call's buffers: every array handed to C is kept here until the call returns."""
+
+    backend = _lib.BACKEND_CPU
+
+    def __init__(self):
+        self.keep = []
+
+    def run(self, op, args):
+        """nsa_<op>_workspace_size, the workspace, then nsa_<op>; NsaError on failure."""
+        ctx = self.context()
+        nbytes = ctypes.c_size_t(0)
+        _check(getattr(_L, "nsa_%s_workspace_size" % op)(ctx, ctypes.byref(args), ctypes.byref(nbytes)), op)
+        ws = self.workspace(nbytes.value)
+        _check(getattr(_L, "nsa_" + op)(ctx, ctypes.byref(args), ws, nbytes.value), op)
+
+
+class NumpyCall(Call):
+    """numpy arrays on the CPU backend."""
+
+    def __init__(self):
+        super().__init__()
+        import numpy
+        self.np = numpy
+
+    def view(self, a, name, output=False):
+        np = self.np
+        if not isinstance(a, np.ndarray):
+            if output:
+                raise TypeError("%s must be a numpy array" % name)
+            a = np.asarray(a)
+        code = _DTYPE_CODES.get(a.dtype.name)
+        if code is None:
+            raise NsaError(_lib.STATUS_BAD_DTYPE, "%s has dtype %s (float32, float16, bfloat16 or int32 only)"
+                           % (name, a.dtype.name))
+        isz = a.itemsize
+        ok = all(s >= 0 and s % isz == 0 for s in a.strides) and a.ndim >= 1 and (
+            a.shape[-1] <= 1 or a.strides[-1] == isz)
+        if output and not a.flags.writeable:
+            raise ValueError("%s is read-only" % name)
+        if not ok:
+            if output:
+                raise NsaError(_lib.STATUS_BAD_STRIDE, "%s: an output needs non-negative element strides and a "
+                               "unit last-dim stride" % name)
+            a = np.ascontiguousarray(a)
+        self.keep.append(a)
+        return _make_view(a.ctypes.data, code, a.shape, [s // isz for s in a.strides], name)
+
+    def empty(self, shape, dtype):
+        np = self.np
+        if dtype == "f32":
+            dtype = np.float32
+        elif dtype == "i32":
+            dtype = np.int32
+        return np.empty(tuple(int(s) for s in shape), dtype=dtype)
+
+    @staticmethod
+    def dtype(a):
+        return a.dtype
+
+    def workspace(self, nbytes):
+        if nbytes == 0:
+            return None
+        ws = self.np.empty(nbytes, dtype=self.np.uint8)
+        self.keep.append(ws)
+        return ws.ctypes.data
+
+    def context(self):
+        return context(_lib.BACKEND_CPU)
+
+
+# ---- the operations -------------------------------------------------------------------------
+
+FWD_INPUTS = ("q", "k", "v", "k_slc", "v_slc", "k_swa", "v_swa", "k_cmp", "v_cmp",
+              "g_cmp", "g_slc", "g_swa", "block_indices", "block_counts")
+BRANCHES = ("cmp", "slc", "swa")
+SAVED = ("block_indices", "o_cmp", "o_slc", "o_swa", "lse_cmp", "lse_slc", "lse_swa")
+GRADS = ("q", "k", "v", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_swa", "v_swa", "g_cmp", "g_slc", "g_swa")
+
+Aux = namedtuple("Aux", SAVED)
+Aux.__doc__ = """What the forward saved for the backward (None where a branch is off):
+block_indices [B, T, H, n] int32 (the computed selection; None when the caller gave indices),
+o_cmp/o_slc/o_swa [B, T, HQ, DV] float32 per-branch outputs, lse_* [B, T, HQ] float32."""
+Grads = namedtuple("Grads", GRADS)
+Grads.__doc__ = "Gradients of the forward's inputs (None for inputs that were not given)."
+
+
+def _dims(a, name, rank):
+    shape = tuple(a.shape)
+    if len(shape) != rank:
+        raise NsaError(_lib.STATUS_BAD_RANK, "%s must have rank %d, got shape %s" % (name, rank, shape))
+    return shape
+
+
+def _fill_forward(call, a, tensors, saved, config, cu_seqlens):
+    for name in FWD_INPUTS:
+        if tensors.get(name) is not None:
+            setattr(a, name, call.view(tensors[name], name))
+    for name in SAVED:
+        if saved.get(name) is not None:
+            setattr(a.saved, name, call.view(saved[name], "saved." + name, output=True))
+    a.varlen = _varlen(cu_seqlens, call.keep)
+    a.config = config.to_c()
+
+
+def forward(call, tensors, config, cu_seqlens=None, out=None):
+    """nsa_forward. tensors: FWD_INPUTS name -> array or None. Returns (o, saved dict).
+    The saved branch outputs are float32 (any float dtype is allowed; float32 keeps the
+    backward of the CPU path exact to fp32 at the cost of 2x the memory of bf16)."""
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    B, T, HQ, _ = _dims(q, "q", 4)
+    H = _dims(k, "k", 4)[2]
+    DV = _dims(v, "v", 4)[3]
+    saved = {}
+    if tensors.get("g_slc") is not None and tensors.get("block_indices") is None:
+        saved["block_indices"] = call.empty((B, T, H, max(config.slc_topk, 0)), "i32")
+    for br in BRANCHES:
+        if tensors.get("g_" + br) is not None:
+            saved["o_" + br] = call.empty((B, T, HQ, DV), "f32")
+            saved["lse_" + br] = call.empty((B, T, HQ), "f32")
+    o = out if out is not None else call.empty((B, T, HQ, DV), call.dtype(q))
+    a = _lib.ForwardArgs()
+    _fill_forward(call, a, tensors, saved, config, cu_seqlens)
+    a.o = call.view(o, "out", output=True)
+    call.run("forward", a)
+    return o, saved
+
+
+def backward(call, tensors, saved, config, cu_seqlens, dout):
+    """nsa_backward: the forward's tensors and saved dict, and dout. Returns a dict GRADS
+    name -> gradient (absent inputs absent)."""
+    a = _lib.BackwardArgs()
+    _fill_forward(call, a.fwd, tensors, saved, config, cu_seqlens)
+    a.dout = call.view(dout, "dout")
+    grads = {}
+    for name in GRADS:
+        x = tensors.get(name)
+        if x is None:
+            continue
+        grads[name] = call.empty(x.shape, call.dtype(x))
+        setattr(a, "d" + name, call.view(grads[name], "d" + name, output=True))
+    call.run("backward", a)
+    return grads
+
+
+def compress(call, x, config, cu_seqlens=None):
+    """nsa_compress: mean over overlapping blocks, x [B, T, H, D] -> [B, Nc, H, D]."""
+    B, T, H, D = _dims(x, "x", 4)
+    rows = num_cmp_rows(config, T, cu_seqlens)
+    x_cmp = call.empty((B, rows, H, D), call.dtype(x))
+    a = _lib.CompressArgs()
+    a.x = call.view(x, "x")
+    a.x_cmp = call.view(x_cmp, "x_cmp", output=True)
+    a.varlen = _varlen(cu_seqlens, call.keep)
+    a.config = config.to_c()
+    call.run("compress", a)
+    return x_cmp
+
+
+def select(call, q, k_cmp, config, lse_cmp=None, cu_seqlens=None, counts=False):
+    """nsa_select: block_indices [B, T, H, n] int32 (ascending, -1 padded), and with
+    counts=True also block_counts [B, T, H]."""
+    B, T, HQ, _ = _dims(q, "q", 4)
+    H = _dims(k_cmp, "k_cmp", 4)[2]
+    idx = call.empty((B, T, H, max(config.slc_topk, 0)), "i32")
+    cnt = call.empty((B, T, H), "i32") if counts else None
+    a = _lib.SelectArgs()
+    a.q = call.view(q, "q")
+    a.k_cmp = call.view(k_cmp, "k_cmp")
+    if lse_cmp is not None:
+        a.lse_cmp = call.view(lse_cmp, "lse_cmp")
+    a.block_indices = call.view(idx, "block_indices", output=True)
+    if cnt is not None:
+        a.block_counts = call.view(cnt, "block_counts", output=True)
+    a.varlen = _varlen(cu_seqlens, call.keep)
+    a.config = config.to_c()
+    call.run("select", a)
+    return (idx, cnt) if counts else idx

@@ -1,0 +1,386 @@
+"""PyTorch integration: the C calls on torch tensors (CPU, or CUDA on the tensor's device and
+the current stream), as custom ops with autograd and fake (meta) implementations, so that
+torch.compile(fullgraph=True) traces through them. Imported by nsa when torch is installed.
+
+Ops (torch.ops.nsa.*):
+  forward(q, k, v, k_cmp?, v_cmp?, k_slc?, v_slc?, k_swa?, v_swa?, g_cmp?, g_slc?, g_swa?,
+          block_indices?, block_counts?, cu_seqlens?, <config ints>, scale)
+      -> (o, block_indices_saved, o_cmp, o_slc, o_swa, lse_cmp, lse_slc, lse_swa)
+  backward(dout, <forward's tensors>, <forward's saved outputs>, <config>)
+      -> (dq, dk, dv, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_swa, dv_swa, dg_cmp, dg_slc, dg_swa)
+Outputs of absent branches / inputs are empty tensors (shape [0]); the wrappers map them to None.
+"""
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _core, _lib
+from ._core import NsaError
+
+_TORCH_DTYPES = {
+    torch.float32: _lib.DTYPE_F32,
+    torch.float16: _lib.DTYPE_F16,
+    torch.bfloat16: _lib.DTYPE_BF16,
+    torch.int32: _lib.DTYPE_I32,
+}
+
+
+class TorchCall(_core.Call):
+    """torch tensors: CPU tensors on the CPU backend; CUDA tensors on the CUDA backend with
+    the tensor's device and torch's current stream (a context is cached per device/stream).
+    Outputs and the workspace are allocated by torch on the same device."""
+
+    def __init__(self, device):
+        super().__init__()
+        if device.type == "cuda":
+            self.backend = _lib.BACKEND_CUDA
+            self.index = device.index if device.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", self.index)
+        elif device.type == "cpu":
+            self.backend = _lib.BACKEND_CPU
+            self.device = torch.device("cpu")
+        else:
+            raise NsaError(_lib.STATUS_BACKEND_UNAVAILABLE, "tensors on %s (nsa runs on cpu and cuda)" % device)
+
+    def view(self, t, name, output=False):
+        if not isinstance(t, Tensor):
+            raise TypeError("%s must be a torch.Tensor, not %s" % (name, type(t).__name__))
+        if t.device != self.device:
+            raise NsaError(_lib.STATUS_BAD_ARGUMENT, "%s is on %s but q is on %s" % (name, t.device, self.device))
+        code = _TORCH_DTYPES.get(t.dtype)
+        if code is None:
+            raise NsaError(_lib.STATUS_BAD_DTYPE, "%s has dtype %s (float32, float16, bfloat16 or int32 only)"
+                           % (name, t.dtype))
+        if t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+            if output:
+                raise NsaError(_lib.STATUS_BAD_STRIDE, "%s: an output needs a unit last-dim stride" % name)
+            t = t.contiguous()
+        self.keep.append(t)
+        return _core._make_view(t.data_ptr(), code, tuple(t.shape), t.stride(), name)
+
+    def empty(self, shape, dtype):
+        if dtype == "f32":
+            dtype = torch.float32
+        elif dtype == "i32":
+            dtype = torch.int32
+        return torch.empty(tuple(int(s) for s in shape), dtype=dtype, device=self.device)
+
+    @staticmethod
+    def dtype(a):
+        return a.dtype
+
+    def workspace(self, nbytes):
+        if nbytes == 0:
+            return None
+        ws = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.keep.append(ws)
+        return ws.data_ptr()
+
+    def context(self):
+        if self.backend == _lib.BACKEND_CPU:
+            return _core.context(_lib.BACKEND_CPU)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        return _core.context(_lib.BACKEND_CUDA, self.index, stream)
+
+    def run(self, op, args):
+        if self.backend == _lib.BACKEND_CUDA:
+            with torch.cuda.device(self.index):
+                return super().run(op, args)
+        return super().run(op, args)
+
+
+# ---- the custom ops -----------------------------------------------------------------------------
+
+_OPT_NAMES = ("k_cmp", "v_cmp", "k_slc", "v_slc", "k_swa", "v_swa", "g_cmp", "g_slc", "g_swa",
+              "block_indices", "block_counts", "cu_seqlens")
+_CFG_NAMES = ("cmp_len", "cmp_stride", "slc_block", "slc_topk", "n_init", "n_local", "window", "scale")
+# The gradient outputs of the backward op, in order, and the forward input each belongs to.
+_GRAD_NAMES = ("q", "k", "v", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_swa", "v_swa", "g_cmp", "g_slc", "g_swa")
+
+
+def _empty(like, dtype):
+    return torch.empty((0,), dtype=dtype, device=like.device)
+
+
+def _unpack(q, k, v, opt, cfg):
+    tensors = dict(q=q, k=k, v=v)
+    tensors.update(zip(_OPT_NAMES, opt))
+    cu = tensors.pop("cu_seqlens")
+    return tensors, cu, _core.Config(*cfg)
+
+
+def _saved_present(tensors):
+    """Which of _core.SAVED the forward writes, from the inputs alone (also for fake tensors)."""
+    slc_sel = tensors.get("g_slc") is not None and tensors.get("block_indices") is None
+    present = {"block_indices": slc_sel}
+    for br in _core.BRANCHES:
+        on = tensors.get("g_" + br) is not None
+        present["o_" + br] = on
+        present["lse_" + br] = on
+    return present
+
+
+def _forward_impl(q, k, v, *rest):
+    opt, cfg = rest[:len(_OPT_NAMES)], rest[len(_OPT_NAMES):]
+    tensors, cu, config = _unpack(q, k, v, opt, cfg)
+    o, saved = _core.forward(TorchCall(q.device), tensors, config, cu)
+    out = [o]
+    for name in _core.SAVED:
+        if name in saved:
+            out.append(saved[name])
+        else:
+            out.append(_empty(q, torch.int32 if name == "block_indices" else torch.float32))
+    return tuple(out)
+
+
+def _forward_fake(q, k, v, *rest):
+    opt, cfg = rest[:len(_OPT_NAMES)], rest[len(_OPT_NAMES):]
+    tensors, _, config = _unpack(q, k, v, opt, cfg)
+    B, T, HQ = q.shape[0], q.shape[1], q.shape[2]
+    H, DV = k.shape[2], v.shape[3]
+    present = _saved_present(tensors)
+    out = [q.new_empty((B, T, HQ, v.shape[3]))]
+    out.append(q.new_empty((B, T, H, config.slc_topk), dtype=torch.int32) if present["block_indices"]
+               else _empty(q, torch.int32))
+    for name in _core.SAVED[1:]:
+        shape = (B, T, HQ, DV) if name.startswith("o_") else (B, T, HQ)
+        out.append(q.new_empty(shape, dtype=torch.float32) if present[name] else _empty(q, torch.float32))
+    return tuple(out)
+
+
+def _backward_impl(dout, q, k, v, *rest):
+    n = len(_OPT_NAMES)
+    opt, saved_t, cfg = rest[:n], rest[n:n + len(_core.SAVED)], rest[n + len(_core.SAVED):]
+    tensors, cu, config = _unpack(q, k, v, opt, cfg)
+    present = _saved_present(tensors)
+    saved = {name: t for name, t in zip(_core.SAVED, saved_t) if present[name]}
+    grads = _core.backward(TorchCall(q.device), tensors, saved, config, cu, dout)
+    return tuple(grads[name] if name in grads else _empty(q, q.dtype) for name in _GRAD_NAMES)
+
+
+def _backward_fake(dout, q, k, v, *rest):
+    opt = rest[:len(_OPT_NAMES)]
+    tensors = dict(q=q, k=k, v=v)
+    tensors.update(zip(_OPT_NAMES, opt))
+    return tuple(tensors[name].new_empty(tensors[name].shape) if tensors.get(name) is not None else _empty(q, q.dtype)
+                 for name in _GRAD_NAMES)
+
+
+HAS_CUSTOM_OP = hasattr(torch.library, "custom_op")
+
+if HAS_CUSTOM_OP:
+    # The signatures are spelled out: torch.library infers the op schema from the annotations.
+    @torch.library.custom_op("nsa::forward", mutates_args=())
+    def forward_op(q: Tensor, k: Tensor, v: Tensor,
+                   k_cmp: Optional[Tensor], v_cmp: Optional[Tensor],
+                   k_slc: Optional[Tensor], v_slc: Optional[Tensor],
+                   k_swa: Optional[Tensor], v_swa: Optional[Tensor],
+                   g_cmp: Optional[Tensor], g_slc: Optional[Tensor], g_swa: Optional[Tensor],
+                   block_indices: Optional[Tensor], block_counts: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                   cmp_len: int, cmp_stride: int, slc_block: int, slc_topk: int, n_init: int, n_local: int,
+                   window: int, scale: float
+                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return _forward_impl(q, k, v, k_cmp, v_cmp, k_slc, v_slc, k_swa, v_swa, g_cmp, g_slc, g_swa,
+                             block_indices, block_counts, cu_seqlens,
+                             cmp_len, cmp_stride, slc_block, slc_topk, n_init, n_local, window, scale)
+
+    @forward_op.register_fake
+    def _(q, k, v, *rest):
+        return _forward_fake(q, k, v, *rest)
+
+    @torch.library.custom_op("nsa::backward", mutates_args=())
+    def backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                    k_cmp: Optional[Tensor], v_cmp: Optional[Tensor],
+                    k_slc: Optional[Tensor], v_slc: Optional[Tensor],
+                    k_swa: Optional[Tensor], v_swa: Optional[Tensor],
+                    g_cmp: Optional[Tensor], g_slc: Optional[Tensor], g_swa: Optional[Tensor],
+                    block_indices: Optional[Tensor], block_counts: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                    saved_block_indices: Tensor, o_cmp: Tensor, o_slc: Tensor, o_swa: Tensor,
+                    lse_cmp: Tensor, lse_slc: Tensor, lse_swa: Tensor,
+                    cmp_len: int, cmp_stride: int, slc_block: int, slc_topk: int, n_init: int, n_local: int,
+                    window: int, scale: float
+                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                               Tensor, Tensor]:
+        return _backward_impl(dout, q, k, v, k_cmp, v_cmp, k_slc, v_slc, k_swa, v_swa, g_cmp, g_slc, g_swa,
+                              block_indices, block_counts, cu_seqlens,
+                              saved_block_indices, o_cmp, o_slc, o_swa, lse_cmp, lse_slc, lse_swa,
+                              cmp_len, cmp_stride, slc_block, slc_topk, n_init, n_local, window, scale)
+
+    @backward_op.register_fake
+    def _(dout, q, k, v, *rest):
+        return _backward_fake(dout, q, k, v, *rest)
+
+    def _setup_context(ctx, inputs, output):
+        n_tensors = 3 + len(_OPT_NAMES)
+        ctx.n_tensors = n_tensors
+        ctx.cfg = tuple(inputs[n_tensors:])
+        ctx.present = tuple([x is not None for x in inputs[:n_tensors]])
+        ctx.save_for_backward(*inputs[:n_tensors], *output[1:])
+
+    def _backward(ctx, grad_o, *unused):
+        saved = ctx.saved_tensors
+        n = ctx.n_tensors
+        nothing = [None] * (n + len(ctx.cfg))
+        if grad_o is None:
+            return tuple(nothing)
+        grads = backward_op(grad_o, *saved[:n], *saved[n:], *ctx.cfg)
+        out = nothing
+        order = ("q", "k", "v") + _OPT_NAMES
+        for name, g in zip(_GRAD_NAMES, grads):
+            i = order.index(name)
+            if ctx.present[i]:
+                out[i] = g
+        return tuple(out)
+
+    forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+    def _register_autocast():
+        """Autocast kernels for nsa::forward: every floating input is cast to the autocast
+        dtype read when the op runs (also inside a compiled region that enters autocast), then
+        the op runs with autocast excluded. Like torch.library.register_autocast, whose cast
+        dtype is fixed at registration."""
+        lib = torch.library.Library("nsa", "FRAGMENT")
+        for device_type, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
+            keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+            def kernel(*args, _device_type=device_type, _keyset=keyset):
+                dtype = torch.get_autocast_dtype(_device_type) if hasattr(torch, "get_autocast_dtype") else (
+                    torch.get_autocast_gpu_dtype() if _device_type == "cuda" else torch.get_autocast_cpu_dtype())
+                args = tuple(a.to(dtype) if isinstance(a, Tensor) and a.is_floating_point() and a.dtype != dtype
+                             else a for a in args)
+                with torch._C._ExcludeDispatchKeyGuard(_keyset):
+                    return forward_op(*args)
+
+            lib.impl("forward", kernel, key)
+        return lib
+
+    try:
+        _autocast_lib = _register_autocast()  # kept: a Library unregisters its kernels when collected
+    except (AttributeError, RuntimeError):  # private dispatcher API moved: the wrapper's cast still applies
+        _autocast_lib = None
+
+    def _call_forward(*args):
+        return forward_op(*args)
+
+else:  # torch < 2.4: an autograd.Function (eager only, no torch.compile support)
+
+    class _NSAFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = _forward_impl(*inputs)
+            n = 3 + len(_OPT_NAMES)
+            ctx.n_tensors = n
+            ctx.cfg = tuple(inputs[n:])
+            ctx.present = tuple([x is not None for x in inputs[:n]])
+            ctx.save_for_backward(*inputs[:n], *output[1:])
+            ctx.mark_non_differentiable(*output[1:])
+            return output
+
+        @staticmethod
+        def backward(ctx, grad_o, *unused):
+            saved = ctx.saved_tensors
+            n = ctx.n_tensors
+            out = [None] * (n + len(ctx.cfg))
+            grads = _backward_impl(grad_o, *saved[:n], *saved[n:], *ctx.cfg)
+            order = ("q", "k", "v") + _OPT_NAMES
+            for name, g in zip(_GRAD_NAMES, grads):
+                i = order.index(name)
+                if ctx.present[i]:
+                    out[i] = g
+            return tuple(out)
+
+    def _call_forward(*args):
+        return _NSAFunction.apply(*args)
+
+
+# ---- autocast and the public entry ---------------------------------------------------------------
+
+if hasattr(torch, "get_autocast_dtype"):
+    def autocast_dtype(device_type):
+        """The autocast dtype active for device_type, or None."""
+        if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+else:
+    def autocast_dtype(device_type):
+        if device_type == "cuda":
+            return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+        if device_type == "cpu":
+            return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+        return None
+
+
+def _check_rank(x, name, rank):
+    if x.dim() != rank:
+        raise NsaError(_lib.STATUS_BAD_RANK, "%s must have rank %d, got shape %s" % (name, rank, tuple(x.shape)))
+
+
+def _index_tensor(x, device, name):
+    if x is None:
+        return None
+    if not isinstance(x, Tensor):
+        x = torch.as_tensor(x)
+    if x.is_floating_point() or x.is_complex():
+        raise NsaError(_lib.STATUS_BAD_DTYPE, "%s must be an integer tensor, got %s" % (name, x.dtype))
+    return x.to(device=device, dtype=torch.int32)
+
+
+def native_sparse_attention(q, k, v, g_cmp, g_slc, g_swa, config, k_cmp=None, v_cmp=None, block_indices=None,
+                            block_counts=None, cu_seqlens=None, k_slc=None, v_slc=None, k_swa=None, v_swa=None,
+                            return_aux=False):
+    """Torch path of nsa.native_sparse_attention (see its docstring)."""
+    _check_rank(q, "q", 4)
+    _check_rank(k, "k", 4)
+    _check_rank(v, "v", 4)
+    cast_to = autocast_dtype(q.device.type)
+
+    def cast(x, dtype):
+        if x is None or not x.is_floating_point() or x.dtype == dtype:
+            return x
+        return x.to(dtype)
+
+    if cast_to is not None:
+        q, k, v, k_cmp, v_cmp, k_slc, v_slc, k_swa, v_swa = [
+            cast(x, cast_to) for x in (q, k, v, k_cmp, v_cmp, k_slc, v_slc, k_swa, v_swa)]
+    # Gates follow q's dtype, as in fla where they only scale the branch outputs.
+    g_cmp, g_slc, g_swa = [cast(g, q.dtype) for g in (g_cmp, g_slc, g_swa)]
+    block_indices = _index_tensor(block_indices, q.device, "block_indices")
+    block_counts = _index_tensor(block_counts, q.device, "block_counts")
+    if cu_seqlens is not None and not isinstance(cu_seqlens, Tensor):
+        cu_seqlens = torch.tensor(_core.cu_seqlens_list(cu_seqlens), dtype=torch.int32)
+    out = _call_forward(q, k, v, k_cmp, v_cmp, k_slc, v_slc, k_swa, v_swa, g_cmp, g_slc, g_swa,
+                        block_indices, block_counts, cu_seqlens, *_core.config_tuple(config))
+    if not return_aux:
+        return out[0]
+    present = _saved_present(dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_indices=block_indices))
+    aux = _core.Aux(*[t.detach() if present[name] else None for name, t in zip(_core.SAVED, out[1:])])
+    return out[0], aux
+
+
+def fla_selection(q, k, config, counts, cu_seqlens):
+    """fla's selection for per-query block_counts [B, T, H] (see nsa.parallel_nsa): for each
+    distinct count c the top-max(c, n_init + n_local) blocks, padded to the widest with -1;
+    returns (block_indices, block_counts) int32 on q's device. Eager only (data dependent)."""
+    with torch.no_grad():
+        cast_to = autocast_dtype(q.device.type)
+        if cast_to is not None:
+            q, k = q.to(cast_to), k.to(cast_to)
+        q, k = q.detach(), k.detach()
+        counts = _index_tensor(counts, q.device, "block_counts")
+        call = TorchCall(q.device)
+        k_cmp = _core.compress(call, k, config, cu_seqlens)
+        forced = config.n_init + config.n_local
+        values = sorted(set(counts.clamp(min=0).unique().tolist()))
+        width = max([forced] + values)
+        B, T, H = counts.shape
+        merged = torch.full((B, T, H, width), -1, dtype=torch.int32, device=q.device)
+        for c in values:
+            n = max(c, forced)
+            cfg = dataclasses.replace(config, slc_topk=n)
+            idx = _core.select(TorchCall(q.device), q, k_cmp, cfg, cu_seqlens=cu_seqlens)
+            pad = torch.full((B, T, H, width), -1, dtype=torch.int32, device=q.device)
+            pad[..., :n] = idx
+            merged = torch.where((counts == c).unsqueeze(-1), pad, merged)
+        return merged, counts

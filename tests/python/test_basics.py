@@ -1,0 +1,139 @@
+"""Loading, versions, status strings, errors, Config, helpers; no numpy needed except where said."""
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import nsa
+from nsa import _lib
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def test_version():
+    v = nsa.version()
+    assert v.count(".") == 2
+    major, minor, patch = (int(x) for x in v.split("."))
+    assert nsa.library.nsa_version_number() == major * 10000 + minor * 100 + patch
+
+
+def test_status_strings():
+    for code, name in enumerate(_lib.STATUS_NAMES):
+        s = nsa.status_string(code)
+        assert s and s != "unknown status", name
+        assert nsa.status_name(code) == name
+    assert nsa.status_string(0) == "success"
+    assert nsa.status_string(999) == "unknown status"
+
+
+def test_error_carries_status_string():
+    e = nsa.NsaError(_lib.STATUS_BAD_GQA, op="forward")
+    assert isinstance(e, RuntimeError)
+    assert e.status == 6 and e.name == "BAD_GQA"
+    assert nsa.status_string(6) in str(e) and "nsa_forward" in str(e) and "NSA_STATUS_BAD_GQA" in str(e)
+
+
+def test_backends():
+    assert nsa.backend_available("cpu")
+    assert nsa.backend_available("cuda") in (True, False)
+    with pytest.raises(ValueError):
+        nsa.backend_available("tpu")
+
+
+def test_config_defaults_match_c():
+    c = nsa.library.nsa_config_default()
+    py = nsa.Config().to_c()
+    for f, _ in _lib.Config._fields_:
+        assert getattr(c, f) == getattr(py, f), f
+    assert nsa.Config().validate() == nsa.Config()
+
+
+@pytest.mark.parametrize("kw, status", [
+    (dict(cmp_stride=0), "BAD_CMP_STRIDE"),
+    (dict(cmp_len=24), "BAD_CMP_STRIDE"),       # d = 16 does not divide l = 24
+    (dict(cmp_len=128), "BAD_CMP_LEN"),         # l > l'
+    (dict(slc_block=72), "BAD_SLC_BLOCK"),      # d = 16 does not divide l' = 72
+    (dict(slc_topk=2), "BAD_TOPK"),             # n < n_init + n_local
+    (dict(window=0), "BAD_WINDOW"),
+    (dict(scale=-1.0), "BAD_SCALE"),
+    (dict(scale=float("nan")), "BAD_SCALE"),
+])
+def test_config_validate(kw, status):
+    with pytest.raises(nsa.NsaError) as e:
+        nsa.Config(**kw).validate()
+    assert e.value.name == status
+
+
+def test_config_fla():
+    c = nsa.Config.fla(block_size=64, block_counts=16, window_size=512)
+    assert (c.cmp_len, c.cmp_stride, c.slc_block, c.slc_topk, c.window) == (64, 64, 64, 16, 512)
+    assert (c.n_init, c.n_local, c.scale) == (1, 2, 0.0)
+    assert nsa.Config.fla(window_size=0).window >= 1  # unused (branch off) but valid
+
+
+def test_block_counts_helpers():
+    c = nsa.Config()  # l=32 d=16 l'=64
+    assert [c.num_cmp_blocks(T) for T in (0, 31, 32, 47, 48, 100)] == [0, 0, 1, 1, 2, 5]
+    assert [c.num_slc_blocks(T) for T in (0, 1, 64, 65)] == [0, 1, 1, 2]
+    assert nsa.cmp_offsets(c, [0, 31, 63, 163, 163]) == [0, 0, 1, 6, 6]  # lengths 31, 32, 100, 0
+    with pytest.raises(nsa.NsaError) as e:
+        nsa.cmp_offsets(c, [0, 10, 5])
+    assert e.value.name == "BAD_CU_SEQLENS"
+
+
+def _run(code, env=None, cwd=None):
+    e = dict(os.environ)
+    e.pop("NSA_LIBRARY", None)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], env=e, cwd=cwd, capture_output=True, text=True)
+
+
+def test_import_from_repo():
+    """PYTHONPATH=python python3 -c 'import nsa' works after make (library from build/)."""
+    r = _run("import nsa; print(nsa._lib.library_path)",
+             env={"PYTHONPATH": os.path.join(ROOT, "python"), "NSA_NO_TORCH": "1"}, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    if not os.path.exists(os.path.join(ROOT, "python", "nsa", "libnsa.so")):
+        assert r.stdout.strip() == os.path.join(ROOT, "build", "libnsa.so")
+
+
+def test_nsa_library_env(tmp_path):
+    lib = tmp_path / "libnsa_copy.so"
+    shutil.copy(nsa._lib.library_path, lib)
+    r = _run("import nsa; print(nsa._lib.library_path, nsa.version())",
+             env={"PYTHONPATH": os.path.join(ROOT, "python"), "NSA_LIBRARY": str(lib), "NSA_NO_TORCH": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == str(lib)
+
+
+def test_missing_library_message(tmp_path):
+    pkg = tmp_path / "nsa"
+    shutil.copytree(os.path.join(ROOT, "python", "nsa"), pkg, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    r = _run("import nsa", env={"PYTHONPATH": str(tmp_path), "NSA_NO_TORCH": "1"}, cwd=str(tmp_path))
+    assert r.returncode != 0
+    assert "libnsa.so not found" in r.stderr
+
+
+def test_import_does_not_need_numpy_or_torch():
+    r = _run("import sys; sys.modules['numpy'] = None; sys.modules['torch'] = None\n"
+             "import nsa; print(nsa.version(), nsa.torch_available())",
+             env={"PYTHONPATH": os.path.join(ROOT, "python")})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[1] == "False"
+
+
+def test_context_cache():
+    from nsa import _core
+    a = _core.context(_lib.BACKEND_CPU)
+    b = _core.context(_lib.BACKEND_CPU)
+    assert a.value == b.value and nsa.library.nsa_context_backend(a) == _lib.BACKEND_CPU
+    if not nsa.backend_available("cuda"):
+        with pytest.raises(nsa.NsaError) as e:
+            _core._Context(_lib.BACKEND_CUDA)
+        assert e.value.name == "BACKEND_UNAVAILABLE"
+    handle = ctypes.c_void_p()
+    bad = _lib.ContextDesc(backend=_lib.BACKEND_CPU, num_threads=-1)
+    assert nsa.library.nsa_context_create(ctypes.byref(handle), ctypes.byref(bad)) == _lib.STATUS_BAD_ARGUMENT

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# run_all.sh -- the whole CPU test suite, as `make test` runs it: the C suite (build/nsa_tests),
+# then the Python suite (pytest, tests/python) when python3 has numpy and pytest, and one
+# combined "N passed, N failed, N skipped" line last. Exit code non-zero on any failure.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+c_log="$(mktemp)"; py_log="$(mktemp)"
+trap 'rm -f "$c_log" "$py_log"' EXIT
+
+./build/nsa_tests 2>&1 | tee "$c_log"
+c_rc=${PIPESTATUS[0]}
+read -r c_pass c_fail < <(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$c_log" | tail -n 1 | sed -E 's/([0-9]+) passed, ([0-9]+) failed/\1 \2/')
+c_pass=${c_pass:-0}; c_fail=${c_fail:-1}
+[ "$c_rc" -eq 0 ] || [ "$c_fail" -gt 0 ] || c_fail=1 # a crash after the summary still fails
+
+py_pass=0; py_fail=0; py_skip=0
+if python3 -c "import numpy, pytest" > /dev/null 2>&1; then
+    echo "== python: pytest tests/python"
+    python3 -m pytest -q -rs -p no:cacheprovider tests/python 2>&1 | tee "$py_log"
+    py_rc=${PIPESTATUS[0]}
+    last="$(grep -E '(passed|failed|skipped|error)' "$py_log" | tail -n 1)"
+    py_pass=$(echo "$last" | grep -oE '[0-9]+ passed' | grep -oE '[0-9]+' || echo 0)
+    py_fail=$(( $(echo "$last" | grep -oE '[0-9]+ failed' | grep -oE '[0-9]+' || echo 0) + $(echo "$last" | grep -oE '[0-9]+ errors?' | grep -oE '[0-9]+' || echo 0) ))
+    py_skip=$(echo "$last" | grep -oE '[0-9]+ skipped' | grep -oE '[0-9]+' || echo 0)
+    [ "$py_rc" -eq 0 ] || [ "$py_fail" -gt 0 ] || py_fail=1
+else
+    echo "== python: skipped (python3 lacks numpy or pytest: python3 -m pip install numpy pytest)"
+    py_skip=1
+fi
+
+echo "C: $c_pass passed, $c_fail failed; Python: $py_pass passed, $py_fail failed, $py_skip skipped"
+echo "$((c_pass + py_pass)) passed, $((c_fail + py_fail)) failed, $py_skip skipped"
+[ $((c_fail + py_fail)) -eq 0 ]
