@@ -684,7 +684,7 @@ static int32_t *download_indices(const problem *p)
 static const char *USAGE =
     "usage: nsa <command> [options]\n"
     "\n"
-    "  nsa demo  [--backend cpu|cuda] [--T N] [--threads N] [--seed N]\n"
+    "  nsa demo  [--backend cpu|cuda] [--T N] [--threads N] [--seed N] [--rows N] [--no-dense]\n"
     "      NSA forward + backward on random input (paper config, B=1 HQ=16 H=1 D=128,\n"
     "      T=8192): time per branch, dense causal attention for comparison, keys read\n"
     "      per query, and sampled rows against the float64 reference.\n"
@@ -820,11 +820,10 @@ static void print_config(const problem *p)
 
 /* ==== nsa demo ======================================================================== */
 
-enum { DEMO_ROWS = 16 };
-
-/* Max |o - ref| over DEMO_ROWS rows spread over T, and max |ref| there. The reference gets
- * the backend's own selection, so this checks the attention math, not near-tie ranking. */
-static void demo_accuracy(const problem *p, const int32_t *idx, double *max_err, double *max_ref)
+/* Max |o - ref| over nrows rows spread over T (first and last included), and max |ref|
+ * there. The reference gets the backend's own selection, so this checks the attention math,
+ * not near-tie ranking. */
+static void demo_accuracy(const problem *p, const int32_t *idx, int64_t nrows, double *max_err, double *max_ref)
 {
     const int64_t nq = p->T * p->HQ * p->DK, nk = p->T * p->H * p->DK, nv = p->T * p->H * p->DV, nr = p->T * p->HQ;
     double *q = (double *)host_alloc((size_t)nq * sizeof(double), "reference q");
@@ -838,26 +837,27 @@ static void demo_accuracy(const problem *p, const int32_t *idx, double *max_err,
         g[b] = (double *)host_alloc((size_t)nr * sizeof(double), "reference gates");
         for (int64_t i = 0; i < nr; i++) g[b][i] = p->hg[b][i];
     }
-    int64_t rows[DEMO_ROWS];
-    for (int r = 0; r < DEMO_ROWS; r++) rows[r] = (p->T - 1) * r / (DEMO_ROWS - 1);
+    if (nrows > p->T) nrows = p->T;
+    int64_t *rows = (int64_t *)host_alloc((size_t)nrows * sizeof(int64_t), "sampled rows");
+    for (int64_t r = 0; r < nrows; r++) rows[r] = nrows > 1 ? (p->T - 1) * r / (nrows - 1) : p->T - 1;
     const ref_nsa_inputs in = {.q = q, .k = k, .v = v, .g_cmp = g[BR_CMP], .g_slc = g[BR_SLC], .g_swa = g[BR_SWA],
                                .block_indices = idx, .m = p->n};
     const ref_dims dims = {p->T, p->HQ, p->H, p->DK, p->DV};
     const double scale = p->cfg.scale > 0 ? p->cfg.scale : 1.0 / sqrt((double)p->DK);
     const int64_t row_len = p->HQ * p->DV;
-    double *want = (double *)host_alloc((size_t)(DEMO_ROWS * row_len) * sizeof(double), "reference rows");
-    ref_nsa_forward_rows(&p->cfg, scale, dims, &in, rows, DEMO_ROWS, want);
+    double *want = (double *)host_alloc((size_t)(nrows * row_len) * sizeof(double), "reference rows");
+    ref_nsa_forward_rows(&p->cfg, scale, dims, &in, rows, nrows, want);
     float *o = (float *)host_alloc(tbuf_bytes(NSA_DTYPE_F32, p->o.n), "o (host)");
     tbuf_to_host_f32(&p->o, p->backend, o);
     *max_err = 0.0, *max_ref = 0.0;
-    for (int r = 0; r < DEMO_ROWS; r++)
+    for (int64_t r = 0; r < nrows; r++)
         for (int64_t e = 0; e < row_len; e++) {
             const double got = o[rows[r] * row_len + e], ref = want[r * row_len + e];
             const double err = fabs(got - ref);
             if (!(err <= *max_err)) *max_err = err; /* NaN sticks */
             if (fabs(ref) > *max_ref) *max_ref = fabs(ref);
         }
-    free(o), free(want), free(q), free(k), free(v);
+    free(o), free(want), free(q), free(k), free(v), free(rows);
     for (int b = 0; b < NBRANCH; b++) free(g[b]);
 }
 
@@ -873,10 +873,13 @@ static int cmd_demo(int argc, char **argv)
     problem_opts o = {.backend = best_backend(), .T = 8192, .HQ = 16, .H = 1, .DK = 128, .DV = 128,
                       .cfg = nsa_config_default(), .with_bwd = 1, .with_dense = 1, .seed = 1};
     int named_backend = 0;
+    int64_t nrows = 16;
     args a = {argc, 2, argv, NULL};
     for (; a.i < argc; a.i++) {
         if (arg_opt(&a, "--backend")) o.backend = parse_backend(a.value), named_backend = 1;
         else if (arg_opt(&a, "--T")) o.T = parse_int(a.value, "--T", 1, INT32_MAX);
+        else if (arg_opt(&a, "--rows")) nrows = parse_int(a.value, "--rows", 1, 1 << 20);
+        else if (arg_is(&a, "--no-dense")) o.with_dense = 0;
         else if (arg_opt(&a, "--threads")) o.threads = (int)parse_int(a.value, "--threads", 0, 4096);
         else if (arg_opt(&a, "--seed")) o.seed = (uint64_t)parse_int(a.value, "--seed", 0, INT64_MAX);
         else usage_error("demo: unknown option '%s'", argv[a.i]);
@@ -911,9 +914,11 @@ static int cmd_demo(int argc, char **argv)
     const double bwd = op_run(&p, OP_BACKWARD);
     printf("  %-22s %-36s %10.1f\n", "whole backward", OPS[OP_BACKWARD].call, 1e3 * bwd);
     fflush(stdout);
-    const double dense = op_run(&p, OP_DENSE);
-    printf("  %-22s %-36s %10.1f\n", "dense causal", OPS[OP_DENSE].call, 1e3 * dense);
-    printf("  dense / nsa_forward = %.2fx\n", dense / fwd);
+    if (o.with_dense) {
+        const double dense = op_run(&p, OP_DENSE);
+        printf("  %-22s %-36s %10.1f\n", "dense causal", OPS[OP_DENSE].call, 1e3 * dense);
+        printf("  dense / nsa_forward = %.2fx\n", dense / fwd);
+    }
 
     int32_t *idx = download_indices(&p);
     double mean = 0.0;
@@ -924,10 +929,11 @@ static int cmd_demo(int argc, char **argv)
            keys_fraction(&p, idx, p.T - 1));
 
     double err = 0.0, mx = 0.0;
-    demo_accuracy(&p, idx, &err, &mx);
+    demo_accuracy(&p, idx, nrows, &err, &mx);
     const double rel = mx > 0 ? err / mx : err, tol = demo_tolerance(p.dtype);
     const int ok = rel <= tol;
-    printf("\n  accuracy: %d rows vs the float64 reference (backend's selection): max |o - ref| = %.3g,\n", DEMO_ROWS, err);
+    printf("\n  accuracy: %lld rows vs the float64 reference (backend's selection): max |o - ref| = %.3g,\n",
+           (long long)(nrows < p.T ? nrows : p.T), err);
     printf("    %.3g of max |o| = %.3g (tolerance %.0e): %s\n", rel, mx, tol, ok ? "ok" : "TOO LARGE");
     free(idx);
     problem_free(&p);
