@@ -57,28 +57,39 @@ static void run_cmp_attn(grun *g, const nsa_cmp_attn_args *a)
 }
 CUDA_OP(cmp_attn, nsa_cmp_attn_args)
 
-static void run_cmp_attn_bwd(grun *g, const nsa_cmp_attn_bwd_args *a)
+/* The backward of a range branch (compressed or window attention) on its own: fp32
+ * accumulators from the workspace, then dq [B, T, HQ, DK], dk/dv [B, KR, H, D] stored. KR is
+ * the key rows: cmp_rows for the compressed branch, T for the window. */
+static void range_bwd_op(grun *g, const rule_t *r, const nsa_tensor *q_t, const nsa_tensor *k_t, const nsa_tensor *v_t,
+                         const nsa_tensor *o_t, const nsa_tensor *lse_t, const nsa_tensor *dout_t, int64_t KR,
+                         const nsa_tensor *dq_t, const nsa_tensor *dk_t, const nsa_tensor *dv_t)
 {
     const nsa_problem *p = g->p;
+    const dview q = dv_of(q_t), k = dv_of(k_t), v = dv_of(v_t), o = dv_of(o_t), lse = dv_of(lse_t);
+    const dview dout = dv_of(dout_t);
+    bwd_io io;
+    memset(&io, 0, sizeof io);
+    io.q = &q, io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.dout = &dout, io.dt = q_t->dtype;
+    io.KR = KR;
+    io.Dw = cu_take_f32(g, p->B * p->T * p->HQ, 0);
+    io.dq32 = cu_take_f32(g, p->B * p->T * p->HQ * p->DK, 1);
+    io.dk32 = cu_take_f32(g, p->B * KR * p->H * p->DK, 1);
+    io.dv32 = cu_take_f32(g, p->B * KR * p->H * p->DV, 1);
+    cu_bwd_range(g, r, &io);
+    const dview dq = dv_of(dq_t), dk = dv_of(dk_t), dv = dv_of(dv_t);
+    nsa_cu_store32(g, io.dq32, &dq, p->B, p->T, p->HQ, p->DK);
+    nsa_cu_store32(g, io.dk32, &dk, p->B, KR, p->H, p->DK);
+    nsa_cu_store32(g, io.dv32, &dv, p->B, KR, p->H, p->DV);
+}
+
+static void run_cmp_attn_bwd(grun *g, const nsa_cmp_attn_bwd_args *a)
+{
     const nsa_cmp_attn_args *f = &a->fwd;
     if (!cu_attn_supported(g, f->q.dtype)) return;
     g_seq_setup(g, 1);
-    const dview q = dv_of(&f->q), k = dv_of(&f->k_cmp), v = dv_of(&f->v_cmp), o = dv_of(&f->o), lse = dv_of(&f->lse);
-    const dview dout = dv_of(&a->dout);
-    bwd_io io;
-    memset(&io, 0, sizeof io);
-    io.q = &q, io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.dout = &dout, io.dt = f->q.dtype;
-    io.KR = p->cmp_rows;
-    io.Dw = cu_take_f32(g, p->B * p->T * p->HQ, 0);
-    io.dq32 = cu_take_f32(g, p->B * p->T * p->HQ * p->DK, 1);
-    io.dk32 = cu_take_f32(g, p->B * p->cmp_rows * p->H * p->DK, 1);
-    io.dv32 = cu_take_f32(g, p->B * p->cmp_rows * p->H * p->DV, 1);
-    const rule_t r = cu_rule_cmp(p);
-    cu_bwd_range(g, &r, &io);
-    const dview dq = dv_of(&a->dq), dk = dv_of(&a->dk_cmp), dv = dv_of(&a->dv_cmp);
-    nsa_cu_store32(g, io.dq32, &dq, p->B, p->T, p->HQ, p->DK);
-    nsa_cu_store32(g, io.dk32, &dk, p->B, p->cmp_rows, p->H, p->DK);
-    nsa_cu_store32(g, io.dv32, &dv, p->B, p->cmp_rows, p->H, p->DV);
+    const rule_t r = cu_rule_cmp(g->p);
+    range_bwd_op(g, &r, &f->q, &f->k_cmp, &f->v_cmp, &f->o, &f->lse, &a->dout, g->p->cmp_rows, &a->dq, &a->dk_cmp,
+                 &a->dv_cmp);
 }
 CUDA_OP(cmp_attn_bwd, nsa_cmp_attn_bwd_args)
 
@@ -166,26 +177,11 @@ CUDA_OP(attention, nsa_attention_args)
 
 static void run_attention_bwd(grun *g, const nsa_attention_bwd_args *a)
 {
-    const nsa_problem *p = g->p;
     const nsa_attention_args *f = &a->fwd;
     if (!cu_attn_supported(g, f->q.dtype)) return;
     g_seq_setup(g, 0);
-    const dview q = dv_of(&f->q), k = dv_of(&f->k), v = dv_of(&f->v), o = dv_of(&f->o), lse = dv_of(&f->lse);
-    const dview dout = dv_of(&a->dout);
-    bwd_io io;
-    memset(&io, 0, sizeof io);
-    io.q = &q, io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.dout = &dout, io.dt = f->q.dtype;
-    io.KR = p->T;
-    io.Dw = cu_take_f32(g, p->B * p->T * p->HQ, 0);
-    io.dq32 = cu_take_f32(g, p->B * p->T * p->HQ * p->DK, 1);
-    io.dk32 = cu_take_f32(g, p->B * p->T * p->H * p->DK, 1);
-    io.dv32 = cu_take_f32(g, p->B * p->T * p->H * p->DV, 1);
     const rule_t r = cu_rule_window(f->window_left, f->window_right, f->causal);
-    cu_bwd_range(g, &r, &io);
-    const dview dq = dv_of(&a->dq), dk = dv_of(&a->dk), dv = dv_of(&a->dv);
-    nsa_cu_store32(g, io.dq32, &dq, p->B, p->T, p->HQ, p->DK);
-    nsa_cu_store32(g, io.dk32, &dk, p->B, p->T, p->H, p->DK);
-    nsa_cu_store32(g, io.dv32, &dv, p->B, p->T, p->H, p->DV);
+    range_bwd_op(g, &r, &f->q, &f->k, &f->v, &f->o, &f->lse, &a->dout, g->p->T, &a->dq, &a->dk, &a->dv);
 }
 CUDA_OP(attention_bwd, nsa_attention_bwd_args)
 

@@ -11,38 +11,49 @@ static unsigned grid1(int64_t n, int per) { return (unsigned)((n + per - 1) / pe
 
 /* ==== sequences ============================================================================ */
 
+/* One pass of a block-wide exclusive scan over blockDim.x values (one per thread, v): returns
+ * this thread's exclusive prefix, carry (shared) included, and adds the pass's total to carry.
+ * wsum is shared [32]; every thread of the block must call it (it synchronises). */
+template <typename T>
+__device__ T block_scan_pass(T v, T *wsum, T *carry)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+    T x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const T y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) wsum[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        T t = lane < nwarp ? wsum[lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            const T y = __shfl_up_sync(0xffffffffu, t, o);
+            if (lane >= o) t += y;
+        }
+        wsum[lane] = t;
+    }
+    __syncthreads();
+    if (warp > 0) x += wsum[warp - 1];
+    const T exclusive = *carry + x - v;
+    __syncthreads();
+    if (threadIdx.x == blockDim.x - 1) *carry += x;
+    __syncthreads();
+    return exclusive;
+}
+
 /* out[s] = sum of units over sequences < s, out[nseq] = total (one block). */
 __global__ void prefix_kernel(const int32_t *cu, int64_t nseq, unitspec u, int64_t *out)
 {
     __shared__ int64_t wsum[32];
     __shared__ int64_t carry;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
     if (threadIdx.x == 0) carry = 0;
     __syncthreads();
     for (int64_t base = 0; base < nseq; base += blockDim.x) {
         const int64_t s = base + threadIdx.x;
         const int64_t v = s < nseq ? seq_units(u, (int64_t)(cu[s + 1] - cu[s])) : 0;
-        int64_t x = v;
-        for (int o = 1; o < 32; o <<= 1) {
-            const int64_t y = __shfl_up_sync(0xffffffffu, x, o);
-            if (lane >= o) x += y;
-        }
-        if (lane == 31) wsum[warp] = x;
-        __syncthreads();
-        if (warp == 0) {
-            int64_t t = lane < nwarp ? wsum[lane] : 0;
-            for (int o = 1; o < 32; o <<= 1) {
-                const int64_t y = __shfl_up_sync(0xffffffffu, t, o);
-                if (lane >= o) t += y;
-            }
-            wsum[lane] = t;
-        }
-        __syncthreads();
-        if (warp > 0) x += wsum[warp - 1];
-        if (s < nseq) out[s] = carry + x - v;
-        __syncthreads();
-        if (threadIdx.x == blockDim.x - 1) carry += x;
-        __syncthreads();
+        const int64_t x = block_scan_pass<int64_t>(v, wsum, &carry);
+        if (s < nseq) out[s] = x;
     }
     if (threadIdx.x == 0) out[nseq] = carry;
 }
@@ -431,33 +442,13 @@ __global__ void inv_scan_kernel(inv_params P)
         for (int64_t c = 0; c < nch; c++) tot += cnt[c * nb + j];
         offs[j] = tot;
     }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
     if (threadIdx.x == 0) carry = 0;
     __syncthreads();
     for (int64_t base = 0; base < nb; base += blockDim.x) {
         const int64_t j = base + threadIdx.x;
         const int v = j < nb ? offs[j] : 0;
-        int x = v;
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, x, o);
-            if (lane >= o) x += y;
-        }
-        if (lane == 31) wsum[warp] = x;
-        __syncthreads();
-        if (warp == 0) {
-            int t = lane < nwarp ? wsum[lane] : 0;
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(0xffffffffu, t, o);
-                if (lane >= o) t += y;
-            }
-            wsum[lane] = t;
-        }
-        __syncthreads();
-        if (warp > 0) x += wsum[warp - 1];
-        if (j < nb) offs[j] = carry + x - v;
-        __syncthreads();
-        if (threadIdx.x == blockDim.x - 1) carry += x;
-        __syncthreads();
+        const int x = block_scan_pass<int>(v, wsum, &carry);
+        if (j < nb) offs[j] = x;
     }
     if (threadIdx.x == 0) offs[nb] = carry;
     __syncthreads();
@@ -560,7 +551,6 @@ __global__ void slc_segments_kernel(const int32_t *offs, int64_t nflat, int64_t 
 {
     __shared__ int wsum[32];
     __shared__ int carry;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
     if (threadIdx.x == 0) carry = 0;
     __syncthreads();
     for (int64_t base = 0; base < nflat; base += blockDim.x) {
@@ -570,27 +560,8 @@ __global__ void slc_segments_kernel(const int32_t *offs, int64_t nflat, int64_t 
             const int64_t c = (int64_t)offs[f + 1] - offs[f]; /* <= 0 past a region's last block */
             v = c > segp ? (int)((c - 1) / segp) : 0;
         }
-        int x = v;
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, x, o);
-            if (lane >= o) x += y;
-        }
-        if (lane == 31) wsum[warp] = x;
-        __syncthreads();
-        if (warp == 0) {
-            int t = lane < nwarp ? wsum[lane] : 0;
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(0xffffffffu, t, o);
-                if (lane >= o) t += y;
-            }
-            wsum[lane] = t;
-        }
-        __syncthreads();
-        if (warp > 0) x += wsum[warp - 1];
-        if (f < nflat) xoff[f] = carry + x - v;
-        __syncthreads();
-        if (threadIdx.x == blockDim.x - 1) carry += x;
-        __syncthreads();
+        const int x = block_scan_pass<int>(v, wsum, &carry);
+        if (f < nflat) xoff[f] = x;
     }
     if (threadIdx.x == 0) xoff[nflat] = carry;
 }
