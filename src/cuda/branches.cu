@@ -208,7 +208,7 @@ void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview kp[3], int npl
     P.sm = g_seqmap(g, u, &tiles);
     const int cls = cu_dims_class(p->DK, 0);
     if (!g_live(g) || tiles == 0) return;
-    if (select_smem(cls, npl, P.P, P.JC, P.n) > (size_t)g->smem_max) {
+    if (select_smem(cls, npl, P.P, P.JC, P.n, P.HC) > (size_t)g->smem_max) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED);
         return;
     }

@@ -750,8 +750,10 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
     const int NP = P.P, JC = P.JC, HC = P.HC, n = P.n;
     T *Qs = (T *)smem;
     T *Ks = Qs + BM * LDK;
+    /* HC == 16: a warp's 16 rows are one position's heads, summed in registers (no Ps) */
+    const int regsum = HC == 16;
     float *Ps = (float *)(Ks + npl * BN * LDK);
-    float *imp = Ps + BM * LDP;
+    float *imp = Ps + (regsum ? 0 : BM * LDP);
     float *LI = imp + NP * JC;
     int *LJ = (int *)(LI + NP * n);
     int *kept = LJ + NP * n;
@@ -803,21 +805,37 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
 
     if (nhc == 1) SEL_QLOAD(0);
 
+    /* compressed keys [iA_, iB_) overlapping selection blocks [jA_, jA_ + JC) */
+#define SEL_RANGE(jA_, iA_, iB_)                                                                 \
+    do {                                                                                         \
+        const int64_t a0_ = (int64_t)(jA_) * lp - cl;                                            \
+        iA_ = a0_ < 0 ? 0 : (int)(a0_ / cd + 1);                                                 \
+        iB_ = (int)(((int64_t)((jA_) + JC) * lp - 1) / cd + 1);                                  \
+        iB_ = iB_ < nv_max ? iB_ : nv_max;                                                       \
+    } while (0)
+#define SEL_KLOAD(i0_, i1_)                                                                      \
+    do {                                                                                         \
+        _Pragma("unroll") for (int pl = 0; pl < 3; pl++) if (pl < npl)                           \
+            load_rows_lin<T, DKP>(Ks + pl * BN * LDK, LDK, (const T *)P.k[pl].p,                 \
+                                  sq.b * P.k[pl].s0 + (sq.cmp0 + (i0_)) * P.k[pl].s1 + (int64_t)h * P.k[pl].s2, \
+                                  P.k[pl].s1, (i1_) - (i0_), BN, P.DK, P.k[pl].al, tid, nthr);   \
+    } while (0)
+
+    /* first key of the tile already in flight into Ks: the next pass's first tile is issued
+     * as soon as the scores of this one are consumed, so its load overlaps the importance
+     * and top-n work instead of stalling the start of the pass */
+    int pre = -1;
     for (int jA = 0; jA <= cur_max; jA += JC) {
         for (int i = tid; i < NP * JC; i += nthr) imp[i] = 0.0f;
-        const int64_t a0 = (int64_t)jA * lp - cl;
-        const int iA = a0 < 0 ? 0 : (int)(a0 / cd + 1);
-        int iB = (int)(((int64_t)(jA + JC) * lp - 1) / cd + 1);
-        iB = iB < nv_max ? iB : nv_max;
+        int iA, iB;
+        SEL_RANGE(jA, iA, iB);
         for (int i0 = iA; i0 < iB; i0 += BN) {
             const int i1 = i0 + BN < iB ? i0 + BN : iB;
-            __syncthreads();
-#pragma unroll
-            for (int pl = 0; pl < 3; pl++)
-                if (pl < npl)
-                    load_rows_lin<T, DKP>(Ks + pl * BN * LDK, LDK, (const T *)P.k[pl].p,
-                                          sq.b * P.k[pl].s0 + (sq.cmp0 + i0) * P.k[pl].s1 + (int64_t)h * P.k[pl].s2,
-                                          P.k[pl].s1, i1 - i0, BN, P.DK, P.k[pl].al, tid, nthr);
+            if (i0 != pre) {
+                __syncthreads();
+                SEL_KLOAD(i0, i1);
+            }
+            pre = -1;
             for (int hc = 0; hc < nhc; hc++) {
                 if (nhc > 1) {
                     if (hc > 0) __syncthreads();
@@ -843,27 +861,59 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
                         }
                     }
                 }
+                if (regsum) {
+                    /* position = warp: sum the 16 heads across the two row halves and the 8
+                     * lane groups, so Cs is written directly (one barrier, no Ps round trip) */
+                    const int r0 = warp * 16 + (lane >> 2);
+                    const int t = rpos[r0];
+                    const int nv = t + 1 >= cl ? (t + 1 - cl) / cd + 1 : 0;
+                    const int lim = i1 < nv ? i1 : nv;
+                    const float la = l2s[r0], lb = l2s[r0 + 8];
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++)
+                    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int r = warp * 16 + (lane >> 2) + (e >> 1) * 8;
-                        const int col = nt * 8 + 2 * (lane & 3) + (e & 1), i = i0 + col;
-                        const int t = rpos[r];
-                        const int nv = t + 1 >= cl ? (t + 1 - cl) / cd + 1 : 0;
-                        const float pr = (i < i1 && i < nv) ? ex2(S[nt][e] * P.sl2 - l2s[r]) : 0.0f;
-                        Ps[r * LDP + col] = pr;
+                        for (int c = 0; c < 2; c++) {
+                            const int col = nt * 8 + 2 * (lane & 3) + c;
+                            float v = 0.0f;
+                            if (i0 + col < lim) v = ex2(S[nt][c] * P.sl2 - la) + ex2(S[nt][2 + c] * P.sl2 - lb);
+                            v += __shfl_xor_sync(0xffffffffu, v, 4);
+                            v += __shfl_xor_sync(0xffffffffu, v, 8);
+                            v += __shfl_xor_sync(0xffffffffu, v, 16);
+                            if (lane < 4 && warp < npos) Cs[warp * BN + col] = v;
+                        }
+                    __syncthreads();
+                } else {
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            const int r = warp * 16 + (lane >> 2) + (e >> 1) * 8;
+                            const int col = nt * 8 + 2 * (lane & 3) + (e & 1), i = i0 + col;
+                            const int t = rpos[r];
+                            const int nv = t + 1 >= cl ? (t + 1 - cl) / cd + 1 : 0;
+                            const float pr = (i < i1 && i < nv) ? ex2(S[nt][e] * P.sl2 - l2s[r]) : 0.0f;
+                            Ps[r * LDP + col] = pr;
+                        }
+                    __syncthreads();
+                    const int64_t gleft = G - (int64_t)hc * HC;
+                    const int hcv = gleft < HC ? (int)gleft : HC;
+                    for (int idx = tid; idx < npos * BN; idx += nthr) {
+                        const int pp = idx / BN, col = idx % BN;
+                        float ps = 0.0f;
+                        for (int gg = 0; gg < hcv; gg++) ps += Ps[(pp * HC + gg) * LDP + col];
+                        Cs[idx] = ps;
                     }
-                __syncthreads();
-                const int64_t gleft = G - (int64_t)hc * HC;
-                const int hcv = gleft < HC ? (int)gleft : HC;
-                for (int idx = tid; idx < npos * BN; idx += nthr) {
-                    const int pp = idx / BN, col = idx % BN;
-                    float ps = 0.0f;
-                    for (int gg = 0; gg < hcv; gg++) ps += Ps[(pp * HC + gg) * LDP + col];
-                    Cs[idx] = ps;
+                    __syncthreads();
                 }
-                __syncthreads();
+                /* Ks is free now (every warp is past its scores) */
+                if (hc == nhc - 1 && i1 == iB && jA + JC <= cur_max) {
+                    int nA, nB;
+                    SEL_RANGE(jA + JC, nA, nB);
+                    if (nA < nB) {
+                        SEL_KLOAD(nA, nA + BN < nB ? nA + BN : nB);
+                        pre = nA;
+                    }
+                }
                 for (int idx = tid; idx < npos * JC; idx += nthr) {
                     const int pp = idx / JC, jj = idx % JC, j = jA + jj, t = p0 + pp;
                     if (j > t / lp) continue;
@@ -885,40 +935,76 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
             }
         }
         __syncthreads();
-        /* streaming top-n: the CPU's insertion rule, one thread per position */
-        if (tid < npos) {
-            const int t = p0 + tid, cur = t / lp;
-            float *li = LI + tid * n;
-            int *lj = LJ + tid * n;
-            int k = kept[tid];
-            for (int jj = 0; jj < JC; jj++) {
-                const int j = jA + jj;
-                if (j > cur) break;
-                const int fj = nsa_rule_forced(j, cur, P.n_init, P.n_local);
-                const float v = imp[tid * JC + jj];
-                int pos;
-                if (k < n) {
-                    pos = k++;
-                } else {
-                    const int w = lj[n - 1];
-                    if (!nsa_rule_ranks_above(fj, v, j, nsa_rule_forced(w, cur, P.n_init, P.n_local), li[n - 1], w)) continue;
-                    pos = n - 1;
+        /* streaming top-n, one warp per position: the order (forced, importance, index) is
+         * total, so merging the kept list with this pass's candidates by rank counts gives
+         * exactly the CPU's insertion result, in parallel instead of one serial thread. */
+        for (int pp = warp; pp < npos; pp += 4) {
+            const int t = p0 + pp, cur = t / lp;
+            const int m = cur - jA + 1 < JC ? cur - jA + 1 : JC;
+            if (m <= 0) continue;
+            float *li = LI + pp * n;
+            int *lj = LJ + pp * n;
+            const float *iv = imp + pp * JC;
+            const int k = kept[pp];
+            /* new candidate a (lanes a = lane, lane + 32; JC <= 64): rank among the new ones
+             * plus the kept entries above it (binary search, the list is sorted) */
+            int npos2[2];
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                const int a = lane + 32 * u;
+                npos2[u] = n;
+                if (a < m) {
+                    const int ja = jA + a, fa = nsa_rule_forced(ja, cur, P.n_init, P.n_local);
+                    const float va = iv[a];
+                    int r = 0;
+                    for (int b = 0; b < m; b++) {
+                        const int jb = jA + b;
+                        r += nsa_rule_ranks_above(nsa_rule_forced(jb, cur, P.n_init, P.n_local), iv[b], jb, fa, va, ja);
+                    }
+                    int lo = 0, hi = k;
+                    while (lo < hi) {
+                        const int mid = (lo + hi) >> 1, w = lj[mid];
+                        if (nsa_rule_ranks_above(nsa_rule_forced(w, cur, P.n_init, P.n_local), li[mid], w, fa, va, ja)) lo = mid + 1;
+                        else hi = mid;
+                    }
+                    npos2[u] = r + lo;
                 }
-                while (pos > 0) {
-                    const int a = lj[pos - 1];
-                    if (!nsa_rule_ranks_above(fj, v, j, nsa_rule_forced(a, cur, P.n_init, P.n_local), li[pos - 1], a)) break;
-                    li[pos] = li[pos - 1];
-                    lj[pos] = lj[pos - 1];
-                    pos--;
-                }
-                li[pos] = v;
-                lj[pos] = j;
             }
-            kept[tid] = k;
+            __syncwarp();
+            /* kept entry i moves to i + (new candidates above it) >= i: chunks from the end,
+             * so a write only lands on entries already read */
+            for (int base = ((k - 1) >> 5) << 5; base >= 0; base -= 32) {
+                const int i = base + lane;
+                float v = 0.0f;
+                int w = 0, dst = n;
+                if (i < k) {
+                    v = li[i], w = lj[i];
+                    const int fw = nsa_rule_forced(w, cur, P.n_init, P.n_local);
+                    int r = 0;
+                    for (int b = 0; b < m; b++) {
+                        const int jb = jA + b;
+                        r += nsa_rule_ranks_above(nsa_rule_forced(jb, cur, P.n_init, P.n_local), iv[b], jb, fw, v, w);
+                    }
+                    dst = i + r;
+                }
+                __syncwarp();
+                if (dst < n) li[dst] = v, lj[dst] = w;
+                __syncwarp();
+            }
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                const int a = lane + 32 * u;
+                if (npos2[u] < n) li[npos2[u]] = iv[a], lj[npos2[u]] = jA + a;
+            }
+            __syncwarp();
+            if (lane == 0) kept[pp] = k + m < n ? k + m : n;
+            __syncwarp();
         }
         __syncthreads();
     }
 #undef SEL_QLOAD
+#undef SEL_RANGE
+#undef SEL_KLOAD
     cp_commit();
     cp_wait<0>();
 
@@ -966,7 +1052,7 @@ static void launch_ktile_t(grun *g, const kparams *P, int64_t tiles)
 template <int DKP, typename T>
 static void launch_select_t(grun *g, const sparams *P, int64_t tiles)
 {
-    const size_t smem = select_smem(DKP, P->npl, P->P, P->JC, P->n);
+    const size_t smem = select_smem(DKP, P->npl, P->P, P->JC, P->n, P->HC);
     g_check(g, cudaFuncSetAttribute(select_kernel<DKP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
     select_kernel<DKP, T><<<dim3((unsigned)tiles, (unsigned)P->H), 128, smem, g->st>>>(*P);

@@ -94,11 +94,11 @@ static inline size_t ktile_smem(int DKP, int DVP)
     return el * 2 + 2 * 3 * 64 * 8 + 5 * 3 * 64 * 4;
 }
 
-static inline size_t select_smem(int DKP, int npl, int P, int JC, int n)
+static inline size_t select_smem(int DKP, int npl, int P, int JC, int n, int HC)
 {
     const size_t LDK = DKP + 8;
     const size_t el = 64 * LDK + (size_t)npl * 64 * LDK;
-    return el * 2 + 64 * 65 * 4 + (size_t)P * JC * 4 + (size_t)P * n * 8 + (size_t)P * 4 + 64 * 4 + 64 * 4 + 16 + 64 * 8 +
+    return el * 2 + (HC == 16 ? 0 : 64 * 65 * 4) + (size_t)P * JC * 4 + (size_t)P * n * 8 + (size_t)P * 4 + 64 * 4 + 64 * 4 + 16 + 64 * 8 +
            (size_t)P * 64 * 4;
 }
 
