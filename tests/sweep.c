@@ -581,6 +581,16 @@ static long check_pipeline_forward(problem *p, pipe *x, double **kc_ref, double 
     long fails = 0;
     *kc_ref = c->own_cmp ? x->kc.val : ref_cmp_of(p, &x->k, c->DK);
     *vc_ref = c->own_cmp ? x->vc.val : ref_cmp_of(p, &x->v, c->DV);
+    /* the naive implementation stores its mean-pooled K/V in the storage dtype, so its
+     * compressed lse is computed from those (as its o_cmp is, inside ref_nsa_forward) */
+    double *kc_naive = *kc_ref, *vc_naive = *vc_ref;
+    if (!c->own_cmp) {
+        g_store_dtype = c->dtype;
+        ref_store_round = store_round;
+        kc_naive = ref_cmp_of(p, &x->k, c->DK);
+        vc_naive = ref_cmp_of(p, &x->v, c->DV);
+        ref_store_round = NULL;
+    }
     if ((c->gates & 2) && !x->bi.buf) fails += check_selection(p, &x->sidx, x->q.val, *kc_ref);
     *idx_used = (c->gates & 2) ? to_i32(used_indices(x)) : NULL;
     const int64_t m = (c->gates & 2) ? used_indices(x)->t.shape[3] : 1;
@@ -616,8 +626,8 @@ static long check_pipeline_forward(problem *p, pipe *x, double **kc_ref, double 
         in.block_counts = counts ? counts + row_off(p, sq, c->H, 1) : NULL;
         ref_nsa_forward(&c->cfg, p->scale, d, &in, o[pass_] + oo, ob[pass_][0] + oo, ob[pass_][1] + oo, ob[pass_][2] + oo, NULL);
         if (c->gates & 1)
-            ref_cmp_attn(&c->cfg, p->scale, d, sq->ncmp, in.q, *kc_ref + cmp_off(p, sq, c->H, c->DK),
-                         *vc_ref + cmp_off(p, sq, c->H, c->DV), tmp, lse[pass_][0] + ol);
+            ref_cmp_attn(&c->cfg, p->scale, d, sq->ncmp, in.q, (pass_ ? kc_naive : *kc_ref) + cmp_off(p, sq, c->H, c->DK),
+                         (pass_ ? vc_naive : *vc_ref) + cmp_off(p, sq, c->H, c->DV), tmp, lse[pass_][0] + ol);
         if (c->gates & 2)
             ref_slc_attn(&c->cfg, p->scale, d, in.q, ks + ok, vs + ov, in.block_indices, m, in.block_counts, tmp,
                          lse[pass_][1] + ol);
@@ -636,6 +646,7 @@ static long check_pipeline_forward(problem *p, pipe *x, double **kc_ref, double 
     fails += check_guard("o", &x->o);
     if (x->sidx.buf) fails += check_guard("saved block_indices", &x->sidx);
     free(tmp);
+    if (!c->own_cmp) free(kc_naive), free(vc_naive);
     for (int q2 = 0; q2 < 2; q2++) {
         free(o[q2]);
         for (int b = 0; b < 3; b++) free(ob[q2][b]), free(lse[q2][b]);
