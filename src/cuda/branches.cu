@@ -138,7 +138,9 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     P.lse_ws = lse_ws;
     P.rule = *rule;
     P.nw = 4;
-    P.nst = npl >= 3 ? 1 : 2; /* three K planes double-buffered fit one CTA per SM; single, two */
+    /* three K/V tiles (two K planes and V) or more: single-buffered, so that more CTAs fit an
+     * SM (double-buffered they would fit one); fewer: double-buffered */
+    P.nst = npl + (v != NULL) >= 3 ? 1 : 2;
     unitspec u = {UK_ROWS, p->G, 16 * P.nw, 0, 0};
     int64_t tiles;
     P.sm = g_seqmap(g, u, &tiles);

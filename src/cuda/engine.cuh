@@ -223,6 +223,11 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
     float acc[MODE == MODE_FWD ? DVP / 8 : DKP / 8][4];
     for (int i = 0; i < (MODE == MODE_FWD ? DVP / 8 : DKP / 8); i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     float m_[2] = {-INFINITY, -INFINITY}, l_[2] = {0.0f, 0.0f};
+    /* hi_out (forward with o and lse_ws and npl > 1): o and lse from plane 0 alone (the
+     * storage-dtype K), lse_ws from all planes, sharing the running max m_; l2_ is its sum */
+    constexpr bool split = MODE == MODE_FWD;
+    const bool hi_out = split && npl > 1 && P.o.p != nullptr && P.lse_ws != nullptr;
+    float l2_[2] = {0.0f, 0.0f};
 
     for (int ci = 0; have; ci++) {
         cp_wait<0>();
@@ -244,10 +249,15 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
         }
         const unsigned char *fl = flags + (ci % 3) * 64;
 
-        float S[NT][4];
+        /* split: S from plane 0 alone, S2 from the other planes (the fp32 residual) */
+        float S[NT][4], S2[split ? NT : 1][4];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.0f;
-        for (int pl = 0; pl < npl; pl++) {
+        if constexpr (split) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) S2[nt][0] = S2[nt][1] = S2[nt][2] = S2[nt][3] = 0.0f;
+        }
+        auto qk = [&](float (&D)[NT][4], int pl) {
             const T *Kp = Ks + (st * npl + pl) * BN * LDK;
 #pragma unroll
             for (int kk = 0; kk < KT; kk++) {
@@ -261,9 +271,18 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
                 for (int np = 0; np < NT / 2; np++) {
                     uint32_t b[4];
                     ldsm4(b, Kp + np * 16 * LDK + kk * 16 + frag_bn_off(lane, LDK));
-                    dtraits<T>::mma(S[2 * np], a, b[0], b[1]);
-                    dtraits<T>::mma(S[2 * np + 1], a, b[2], b[3]);
+                    dtraits<T>::mma(D[2 * np], a, b[0], b[1]);
+                    dtraits<T>::mma(D[2 * np + 1], a, b[2], b[3]);
                 }
+            }
+        };
+        qk(S, 0);
+        for (int pl = 1; pl < npl; pl++) {
+            if constexpr (split) {
+                if (hi_out) qk(S2, pl);
+                else qk(S, pl);
+            } else {
+                qk(S, pl);
             }
         }
 
@@ -283,8 +302,10 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
             for (int e = 0; e < 4; e++) {
                 const int x = e >> 1, key = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
                 float v = S[nt][e] * P.sl2;
-                if (!full && !(key < c1 && key >= mlo[x] && key <= mhi[x])) v = -INFINITY;
+                const int out = !full && !(key < c1 && key >= mlo[x] && key <= mhi[x]);
+                if (out) v = -INFINITY;
                 S[nt][e] = v;
+                if constexpr (split) S2[nt][e] = out ? 0.0f : S2[nt][e] * P.sl2;
             }
 
         if constexpr (MODE == MODE_FWD) {
@@ -299,14 +320,17 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
                 const float muse = mnew == -INFINITY ? 0.0f : mnew;
                 const float alpha = ex2(m_[x] - muse);
                 m_[x] = mnew;
-                float sum = 0.0f;
+                float sum = 0.0f, sum2 = 0.0f;
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
                     S[nt][2 * x] = ex2(S[nt][2 * x] - muse);
                     S[nt][2 * x + 1] = ex2(S[nt][2 * x + 1] - muse);
                     sum += S[nt][2 * x] + S[nt][2 * x + 1];
+                    if constexpr (split) /* exp(full score - m) = exp(plane-0 score - m) * exp(residual) */
+                        if (hi_out) sum2 += S[nt][2 * x] * ex2(S2[nt][2 * x]) + S[nt][2 * x + 1] * ex2(S2[nt][2 * x + 1]);
                 }
                 l_[x] = l_[x] * alpha + sum;
+                if constexpr (split) l2_[x] = l2_[x] * alpha + sum2;
 #pragma unroll
                 for (int d = 0; d < DVP / 8; d++) acc[d][2 * x] *= alpha, acc[d][2 * x + 1] *= alpha;
             }
@@ -388,9 +412,13 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 #pragma unroll
     for (int x = 0; x < 2; x++) {
         const int r = warp * 16 + (lane >> 2) + x * 8;
-        float l = l_[x];
+        float l = l_[x], l2 = l2_[x];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (hi_out) {
+            l2 += __shfl_xor_sync(0xffffffffu, l2, 1);
+            l2 += __shfl_xor_sync(0xffffffffu, l2, 2);
+        }
         if (r >= nrows) continue;
         const int64_t rr = r0 + r, pos = rr / G, g = rr % G, hq = h * G + g;
         if constexpr (MODE == MODE_FWD) {
@@ -408,7 +436,8 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
             if ((lane & 3) == 0) {
                 const float lse = l > 0.0f ? (m_[x] + log2f(l)) * NSA_LN2 : -INFINITY;
                 if (P.lse.p) ((float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + pos) * P.lse.s1 + hq * P.lse.s2] = lse;
-                if (P.lse_ws) P.lse_ws[(sq.b * P.T + sq.row0 + pos) * P.HQ + hq] = lse;
+                const float lse2 = !hi_out ? lse : l2 > 0.0f ? (m_[x] + log2f(l2)) * NSA_LN2 : -INFINITY;
+                if (P.lse_ws) P.lse_ws[(sq.b * P.T + sq.row0 + pos) * P.HQ + hq] = lse2;
             }
         } else {
             float *dq = P.dq + ((sq.b * P.T + sq.row0 + pos) * P.HQ + hq) * P.DK;

@@ -1,6 +1,6 @@
 /* nsa.cu -- the whole NSA forward and backward on the GPU (nsa.h section 7), mirroring the
  * CPU pipeline (src/cpu/ops.c): compression (default: mean pooling, kept at fp32 accuracy as
- * three storage-dtype planes for the scores), compressed attention, selection, selected and
+ * two storage-dtype planes for the selection's scores), compressed attention, selection, selected and
  * window attention, gating; the backward runs each branch's dQ and dK/dV into fp32
  * accumulators and chains the compressed gradients back through the pooling. */
 #include "branches.h"
@@ -31,8 +31,8 @@ static void plan_make(plan *pl, const nsa_forward_args *a, int backward)
 }
 
 /* Compressed K/V of the branch: the caller's, or mean pooling of k, v into the workspace.
- * planes = 3 gives K as hi/mid/lo storage-dtype planes (fp32-accurate scores); planes = 1
- * the pooled K rounded to the storage dtype. */
+ * planes = 2 gives K as hi/mid storage-dtype planes (hi = the pooled K rounded to the storage
+ * dtype; hi + mid = 16 mantissa bits, enough for the selection's ranking); planes = 1 hi alone. */
 static int cmp_kv(grun *g, const nsa_forward_args *a, int own, int planes, dview kc[3], dview *vc)
 {
     const nsa_problem *p = g->p;
@@ -54,7 +54,7 @@ static int cmp_kv(grun *g, const nsa_forward_args *a, int own, int planes, dview
     const dview k = dv_of(&a->k), v = dv_of(&a->v);
     dview none;
     memset(&none, 0, sizeof none);
-    if (planes == 3) nsa_cu_compress(g, &k, p->DK, &none, kp, dt);
+    if (planes >= 2) nsa_cu_compress(g, &k, p->DK, &none, kp, dt);
     else nsa_cu_compress(g, &k, p->DK, &kc[0], NULL, dt);
     nsa_cu_compress(g, &v, p->DV, vc, NULL, dt);
     return planes;
@@ -74,17 +74,23 @@ static void run_forward(grun *g, const nsa_forward_args *a)
     memset(kc, 0, sizeof kc);
     memset(&vc, 0, sizeof vc);
     int npl = 0;
-    if (pl.need_scores) npl = cmp_kv(g, a, pl.own_cmp, 3, kc, &vc);
+    /* the selection's ranking needs ~1e-5 relative accuracy: two planes (16 bits) of the
+     * pooled K; o_cmp / lse_cmp use plane 0 alone (the pooled K/V in the storage dtype, as
+     * any bf16 / f16 implementation stores them, and as the backward uses them) */
+    if (pl.need_scores) npl = cmp_kv(g, a, pl.own_cmp, pl.selecting ? 2 : 1, kc, &vc);
+    float *lsel = NULL; /* the selection's lse, from both planes, when it differs from lse_cmp */
 
     if (pl.cmp_on) {
         const dview o = dv_of(&sv->o_cmp), lse = dv_of(&sv->lse_cmp);
         const rule_t r = cu_rule_cmp(p);
-        cu_fwd_range(g, &r, &q, dt, kc, npl, &vc, &o, &lse, NULL);
+        /* npl = 2: one pass gives o / lse from plane 0 and the selection's lse from both */
+        if (npl > 1) lsel = cu_take_f32(g, p->B * p->T * p->HQ, 0);
+        cu_fwd_range(g, &r, &q, dt, kc, npl, &vc, &o, &lse, lsel);
     }
     if (pl.selecting) {
-        /* the ranking only needs ~1e-5 relative accuracy: two planes (16 bits) suffice */
-        const int spl = npl < 2 ? npl : 2;
+        const int spl = npl;
         dview lse = dv_of(&sv->lse_cmp);
+        if (lsel) lse = dv_flat(lsel, NSA_DTYPE_F32, p->T, p->HQ, 1);
         if (!pl.cmp_on) {
             float *lw = cu_take_f32(g, p->B * p->T * p->HQ, 0);
             lse = dv_flat(lw, NSA_DTYPE_F32, p->T, p->HQ, 1);

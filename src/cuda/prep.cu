@@ -155,14 +155,15 @@ __global__ void compress_kernel(dview x, int64_t D, dview out, void *p0, void *p
         const float mean = sum * inv_l;
         if (out.p) st_any(out.p, out.dt, b * out.s0 + crow * out.s1 + h * out.s2 + d, mean);
         if (p0) {
-            /* three storage-dtype planes summing to the fp32 mean */
+            /* storage-dtype planes summing to the fp32 mean: hi (the mean rounded), mid, and
+             * lo where asked for (hi + mid alone hold 16 mantissa bits) */
             const int64_t idx = row * D + d;
             const float hi = pdt == NSA_DTYPE_BF16 ? __bfloat162float(__float2bfloat16_rn(mean)) : __half2float(__float2half_rn(mean));
             const float r1 = mean - hi;
             const float mid = pdt == NSA_DTYPE_BF16 ? __bfloat162float(__float2bfloat16_rn(r1)) : __half2float(__float2half_rn(r1));
             st_any(p0, pdt, idx, hi);
             st_any(p1, pdt, idx, mid);
-            st_any(p2, pdt, idx, r1 - mid);
+            if (p2) st_any(p2, pdt, idx, r1 - mid);
         }
     }
 }
