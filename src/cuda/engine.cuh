@@ -107,8 +107,12 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
     const int has_v = MODE == MODE_DQ || P.o.p != nullptr;
 
     const int nst = P.nst; /* K/V stages: 2 = prefetch the next chunk during this one */
+    /* one-warp forward (selected attention, G >= 16): Q fragments come straight from global
+     * memory into registers, so the tile needs no Q buffer and one more CTA fits an SM (the
+     * kernel is latency bound at ~5 one-warp CTAs per SM); must match qtile_smem */
+    const int qreg = MODE == MODE_FWD && nw == 1;
     T *Qs = (T *)smem;
-    T *Os = Qs + BM * LDK;
+    T *Os = Qs + (qreg ? 0 : BM * LDK);
     T *Ks = Os + (MODE == MODE_DQ ? BM * LDV : 0);
     T *Vs = Ks + nst * npl * BN * LDK;
     int64_t *roff = (int64_t *)(Vs + nst * BN * LDV);
@@ -211,7 +215,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 
     if (is_slc && warp == 0) QT_PRODUCE(0);
     __syncthreads();
-    load_rows<T, DKP>(Qs, LDK, (const T *)P.q.p, roff, BM, P.DK, P.q.al, tid, nthr);
+    if (!qreg) load_rows<T, DKP>(Qs, LDK, (const T *)P.q.p, roff, BM, P.DK, P.q.al, tid, nthr);
     if (MODE == MODE_DQ) load_rows<T, DVP>(Os, LDV, (const T *)P.dout.p, roff2, BM, P.DV, P.dout.al, tid, nthr);
     int have, cc0, cc1;
     QT_GET(0, have, cc0, cc1);
@@ -220,6 +224,22 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
     if (is_slc && warp == 0 && have) QT_PRODUCE(1);
 
     uint32_t qf[MODE == MODE_FWD ? KT : 1][4];
+    if constexpr (MODE == MODE_FWD) {
+        if (qreg) { /* the A-fragment layout of ldsm4 at frag_a_off: a[i] = row lane / 4 (+ 8
+                     * for odd i), columns 2 (lane % 4) (+ 8 for i >= 2) and the next one */
+            const unsigned short *qp = (const unsigned short *)P.q.p;
+#pragma unroll
+            for (int kk = 0; kk < KT; kk++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int64_t off = roff[(lane >> 2) + (i & 1) * 8];
+                    const int c = kk * 16 + (i >> 1) * 8 + 2 * (lane & 3);
+                    const uint32_t lo = off >= 0 && c < P.DK ? qp[off + c] : 0u;
+                    const uint32_t hi = off >= 0 && c + 1 < P.DK ? qp[off + c + 1] : 0u;
+                    qf[kk][i] = lo | hi << 16;
+                }
+        }
+    }
     float acc[MODE == MODE_FWD ? DVP / 8 : DKP / 8][4];
     for (int i = 0; i < (MODE == MODE_FWD ? DVP / 8 : DKP / 8); i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     float m_[2] = {-INFINITY, -INFINITY}, l_[2] = {0.0f, 0.0f};
@@ -242,7 +262,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
             if (is_slc && warp == 0 && have_next) QT_PRODUCE((ci + 2) % 3);
         }
         if constexpr (MODE == MODE_FWD) {
-            if (ci == 0) {
+            if (ci == 0 && !qreg) {
 #pragma unroll
                 for (int kk = 0; kk < KT; kk++) ldsm4(qf[kk], Qs + warp * 16 * LDK + kk * 16 + frag_a_off(lane, LDK));
             }

@@ -83,7 +83,8 @@ typedef struct sparams {
 static inline size_t qtile_smem(int DKP, int DVP, int nw, int npl, int mode, int nst)
 {
     const size_t BM = 16 * (size_t)nw, LDK = DKP + 8, LDV = DVP + 8;
-    const size_t el = BM * LDK + (mode == MODE_DQ ? BM * LDV : 0) + (size_t)nst * npl * 64 * LDK + (size_t)nst * 64 * LDV;
+    /* one-warp forward: Q lives in registers (qtile_kernel's qreg) */
+    const size_t el = (mode == MODE_FWD && nw == 1 ? 0 : BM * LDK) + (mode == MODE_DQ ? BM * LDV : 0) + (size_t)nst * npl * 64 * LDK + (size_t)nst * 64 * LDV;
     return el * 2 + 2 * BM * 8 + 12 * 4 + 3 * 64;
 }
 
