@@ -517,6 +517,7 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
     float *rl2 = (float *)(ro + 3 * BQ);
     float *rD = rl2 + 3 * BQ, *rg = rD + 3 * BQ;
     int *rlo = (int *)(rg + 3 * BQ), *rhi = rlo + 3 * BQ;
+    int *rfull = rhi + 3 * BQ; /* [3][2]: every row of the slot's warp half sees all BK keys */
 
     int64_t s, local, seg = 0, slot = -1;
     int h;
@@ -635,6 +636,8 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
                 rq[i_] = -1, ro[i_] = -1, rl2[i_] = INFINITY, rD[i_] = 0.0f, rg[i_] = 0.0f;      \
                 rlo[i_] = 1, rhi[i_] = 0;                                                        \
             }                                                                                    \
+            const int f_ = __all_sync(0xffffffffu, rlo[i_] <= k0 && rhi[i_] >= k1 - 1);         \
+            if ((tid & 31) == 0) rfull[(stage) * 2 + (tid >> 5)] = f_;                           \
         }                                                                                        \
     } while (0)
 
@@ -703,17 +706,32 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
                 dtraits<T>::mma(dP[2 * np + 1], a, b[2], b[3]);
             }
         }
-        /* P^T (masked), dS^T = P^T (g dP^T - D); S becomes g P^T for dV */
+        /* P^T (masked), dS^T = P^T (g dP^T - D); S becomes g P^T for dV. Most chunks of a
+         * range rule are whole (every row sees all BK keys: the compressed branch's rows past
+         * the first ~BK * d positions, the window's interior): those skip the per-element
+         * bounds (two shared loads and compares each) for the same values. */
+        if (k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1]) {
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++)
+            for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
-                const int vis = key < k1 && key >= lo[n] && key <= hi[n];
-                const float p = vis ? ex2(S[nt][e] * P.sl2 - l2[n]) : 0.0f;
-                dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
-                S[nt][e] = p * gr[n];
-            }
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
+                    const float p = ex2(S[nt][e] * P.sl2 - l2[n]);
+                    dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
+                    S[nt][e] = p * gr[n];
+                }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
+                    const int vis = key < k1 && key >= lo[n] && key <= hi[n];
+                    const float p = vis ? ex2(S[nt][e] * P.sl2 - l2[n]) : 0.0f;
+                    dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
+                    S[nt][e] = p * gr[n];
+                }
+        }
         /* dV += (g P)^T dO, dK += dS^T Q */
 #pragma unroll
         for (int k2 = 0; k2 < NT / 2; k2++) {

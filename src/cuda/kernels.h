@@ -92,7 +92,7 @@ static inline size_t ktile_smem(int DKP, int DVP)
 {
     const size_t LDK = DKP + 8, LDV = DVP + 8;
     const size_t el = 3 * 64 * LDK + 3 * 64 * LDV;
-    return el * 2 + 2 * 3 * 64 * 8 + 5 * 3 * 64 * 4;
+    return el * 2 + 2 * 3 * 64 * 8 + 5 * 3 * 64 * 4 + 3 * 2 * 4;
 }
 
 static inline size_t select_smem(int DKP, int npl, int P, int JC, int n, int HC)
