@@ -316,17 +316,30 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
         }
         int full = c1 - c0 == BN && mlo[0] <= c0 && c1 - 1 <= mhi[0] && mlo[1] <= c0 && c1 - 1 <= mhi[1];
         full = __all_sync(0xffffffffu, full);
+        /* A chunk every row of the warp sees whole (the compressed branch past its first rows,
+         * window interiors, selected blocks that end before the query) takes a uniform branch
+         * without the per-element key / bounds compares and selects: same products, so the
+         * same values as the masked loop gives such a chunk (__fmul_rn in both: no FMA
+         * contraction with the later subtraction on one path only). */
+        if (full) {
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++)
+            for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int x = e >> 1, key = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
-                float v = S[nt][e] * P.sl2;
-                const int out = !full && !(key < c1 && key >= mlo[x] && key <= mhi[x]);
-                if (out) v = -INFINITY;
-                S[nt][e] = v;
-                if constexpr (split) S2[nt][e] = out ? 0.0f : S2[nt][e] * P.sl2;
-            }
+                for (int e = 0; e < 4; e++) {
+                    S[nt][e] = __fmul_rn(S[nt][e], P.sl2);
+                    if constexpr (split) S2[nt][e] = __fmul_rn(S2[nt][e], P.sl2);
+                }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int x = e >> 1, key = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+                    const int out = !(key < c1 && key >= mlo[x] && key <= mhi[x]);
+                    S[nt][e] = out ? -INFINITY : __fmul_rn(S[nt][e], P.sl2);
+                    if constexpr (split) S2[nt][e] = out ? 0.0f : __fmul_rn(S2[nt][e], P.sl2);
+                }
+        }
 
         if constexpr (MODE == MODE_FWD) {
 #pragma unroll
