@@ -189,11 +189,8 @@ void nsa_context_destroy(nsa_context *ctx) { free(ctx); }
 /* ---- the one dispatch place ---------------------------------------------------------- */
 
 #ifdef NSA_WITH_CUDA
-#define NSA_CUDA_WS(op, ctx, p, a)                                      \
-    if ((ctx)->backend == NSA_BACKEND_CUDA) {                           \
-        *bytes = nsa_cuda_##op##_workspace((ctx), (p), (a));            \
-        return NSA_STATUS_SUCCESS;                                      \
-    }
+#define NSA_CUDA_WS(op, ctx, p, a) \
+    if ((ctx)->backend == NSA_BACKEND_CUDA) return nsa_cuda_##op##_workspace((ctx), (p), (a))
 #define NSA_CUDA_RUN(op, ctx, p, a, ws) \
     if ((ctx)->backend == NSA_BACKEND_CUDA) return nsa_cuda_##op((ctx), (p), (a), (ws))
 #else
@@ -201,17 +198,21 @@ void nsa_context_destroy(nsa_context *ctx) { free(ctx); }
 #define NSA_CUDA_RUN(op, ctx, p, a, ws) (void)0
 #endif
 
-/* Every public op: validate everything, then the workspace, then run. The backend
+/* Every public op: validate everything (once), then the workspace, then run. The backend
  * functions get a validated nsa_problem and never see bad input. */
 #define NSA_DEFINE_OP(op, args_t)                                                                        \
+    static size_t op##_need(const nsa_context *ctx, const nsa_problem *p, const args_t *args)           \
+    {                                                                                                    \
+        NSA_CUDA_WS(op, ctx, p, args);                                                                   \
+        return nsa_cpu_##op##_workspace(ctx, p, args);                                                   \
+    }                                                                                                    \
     nsa_status nsa_##op##_workspace_size(nsa_context *ctx, const args_t *args, size_t *bytes)            \
     {                                                                                                    \
         if (!ctx || !args || !bytes) return NSA_STATUS_NULL_POINTER;                                     \
         nsa_problem p;                                                                                   \
         nsa_status st = nsa_validate_##op(args, &p);                                                     \
         if (st != NSA_STATUS_SUCCESS) return st;                                                         \
-        NSA_CUDA_WS(op, ctx, &p, args);                                                                  \
-        *bytes = nsa_cpu_##op##_workspace(ctx, &p, args);                                                \
+        *bytes = op##_need(ctx, &p, args);                                                               \
         return NSA_STATUS_SUCCESS;                                                                       \
     }                                                                                                    \
     nsa_status nsa_##op(nsa_context *ctx, const args_t *args, void *workspace, size_t workspace_bytes)   \
@@ -220,9 +221,7 @@ void nsa_context_destroy(nsa_context *ctx) { free(ctx); }
         nsa_problem p;                                                                                   \
         nsa_status st = nsa_validate_##op(args, &p);                                                     \
         if (st != NSA_STATUS_SUCCESS) return st;                                                         \
-        size_t need = 0;                                                                                 \
-        st = nsa_##op##_workspace_size(ctx, args, &need);                                                \
-        if (st != NSA_STATUS_SUCCESS) return st;                                                         \
+        const size_t need = op##_need(ctx, &p, args);                                                    \
         if (workspace_bytes < need) return NSA_STATUS_WORKSPACE_TOO_SMALL;                               \
         if (need > 0 && !workspace) return NSA_STATUS_NULL_POINTER;                                      \
         NSA_CUDA_RUN(op, ctx, &p, args, workspace);                                                      \
