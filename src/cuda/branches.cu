@@ -84,7 +84,7 @@ static void run_qtile(grun *g, const qparams *P, int mode, int64_t tiles, nsa_dt
 {
     const int cls = cu_dims_class(g->p->DK, g->p->DV);
     if (!g_live(g) || tiles == 0) return;
-    if (qtile_smem(cls, class_dv(cls), P->nw, P->npl, mode, P->nst) > (size_t)g->smem_max) {
+    if (qtile_smem(cls, class_dv(cls), P->nw, mode, P->nst) > (size_t)g->smem_max) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED);
         return;
     }
@@ -124,23 +124,19 @@ static void qparams_base(qparams *P, const nsa_problem *p, const dview *q)
 
 /* ---- forward ---------------------------------------------------------------------------- */
 
-void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, const dview kp[3], int npl,
-                  const dview *v, const dview *o, const dview *lse, float *lse_ws)
+void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, const dview *k, const dview *v,
+                  const dview *o, const dview *lse)
 {
     const nsa_problem *p = g->p;
     qparams P;
     qparams_base(&P, p, q);
-    for (int i = 0; i < npl; i++) P.k[i] = kp[i];
-    P.npl = npl;
+    P.k = *k;
     if (v) P.v = *v;
     if (o) P.o = *o;
     if (lse) P.lse = *lse;
-    P.lse_ws = lse_ws;
     P.rule = *rule;
     P.nw = 4;
-    /* three K/V tiles (two K planes and V) or more: single-buffered, so that more CTAs fit an
-     * SM (double-buffered they would fit one); fewer: double-buffered */
-    P.nst = npl + (v != NULL) >= 3 ? 1 : 2;
+    P.nst = 2;
     unitspec u = {UK_ROWS, p->G, 16 * P.nw, 0, 0};
     int64_t tiles;
     P.sm = g_seqmap(g, u, &tiles);
@@ -159,8 +155,7 @@ void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvi
     const nsa_problem *p = g->p;
     qparams P;
     qparams_base(&P, p, q);
-    P.k[0] = *k;
-    P.npl = 1;
+    P.k = *k;
     P.v = *v;
     P.o = *o;
     P.lse = *lse;
@@ -174,7 +169,7 @@ void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvi
     run_qtile(g, &P, MODE_FWD, tiles, dt);
 }
 
-void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview kp[3], int npl, const dview *lse, const dview *idx,
+void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dview *lse, const dview *idx,
                const dview *cnt)
 {
     const nsa_problem *p = g->p;
@@ -183,8 +178,7 @@ void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview kp[3], int npl
     memset(&P, 0, sizeof P);
     P.q = *q, P.lse = *lse, P.idx = *idx;
     if (cnt) P.cnt = *cnt;
-    for (int i = 0; i < npl; i++) P.k[i] = kp[i];
-    P.npl = npl;
+    P.k = *k;
     P.T = p->T, P.HQ = p->HQ, P.H = p->H, P.G = p->G, P.DK = (int)p->DK;
     P.sl2 = p->scale * NSA_LOG2E;
     P.cl = (int)c->cmp_len, P.cd = (int)c->cmp_stride, P.lp = (int)c->slc_block;
@@ -210,7 +204,7 @@ void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview kp[3], int npl
     P.sm = g_seqmap(g, u, &tiles);
     const int cls = cu_dims_class(p->DK, 0);
     if (!g_live(g) || tiles == 0) return;
-    if (select_smem(cls, npl, P.P, P.JC, P.n, P.HC) > (size_t)g->smem_max) {
+    if (select_smem(cls, P.P, P.JC, P.n, P.HC) > (size_t)g->smem_max) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED);
         return;
     }
@@ -227,8 +221,7 @@ void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview kp[3], int npl
 static void dq_params(qparams *P, const nsa_problem *p, const bwd_io *io)
 {
     qparams_base(P, p, io->q);
-    P->k[0] = *io->k;
-    P->npl = 1;
+    P->k = *io->k;
     P->v = *io->v;
     P->lse = *io->lse;
     P->dout = *io->dout;

@@ -18,15 +18,15 @@ rule_t cu_rule_window(int64_t wl, int64_t wr, int causal);
 rule_t cu_rule_cmp(const nsa_problem *p);
 rule_t cu_rule_slc(const nsa_problem *p);
 
-/* Forward of a range branch (window / dense / compressed): o and lse (either may be
- * absent: o absent = lse only, V unread), optional flat lse copy. kp: npl key planes. */
-void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, const dview kp[3], int npl,
-                  const dview *v, const dview *o, const dview *lse, float *lse_ws);
+/* Forward of a range branch (window / dense / compressed): o and lse (o absent (NULL or
+ * no data): lse only, V unread). */
+void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, const dview *k, const dview *v,
+                  const dview *o, const dview *lse);
 /* Forward of selected attention over usable lists U/ucnt of width m. */
 void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dview *v, const int32_t *U,
                 const int32_t *ucnt, int64_t m, const dview *o, const dview *lse);
 /* Importance + top-n into idx (and cnt when cnt->p). */
-void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview kp[3], int npl, const dview *lse, const dview *idx,
+void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dview *lse, const dview *idx,
                const dview *cnt);
 
 /* Backward of one branch: dq added to dq32 [B*T*HQ*DK], dK/dV added to flat fp32 [B, KR, H, D]

@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 {
     constexpr int LDK = DKP + 8, LDV = DVP + 8, BN = QT_BN, NT = BN / 8, KT = DKP / 16, VT = DVP / 16;
     extern __shared__ __align__(16) unsigned char smem[];
-    const int nw = P.nw, BM = nw * 16, nthr = nw * 32, npl = P.npl;
+    const int nw = P.nw, BM = nw * 16, nthr = nw * 32;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int64_t s, tile;
     seq_decode(P.sm, blockIdx.x, &s, &tile);
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
     T *Qs = (T *)smem;
     T *Os = Qs + (qreg ? 0 : BM * LDK);
     T *Ks = Os + (MODE == MODE_DQ ? BM * LDV : 0);
-    T *Vs = Ks + nst * npl * BN * LDK;
+    T *Vs = Ks + nst * BN * LDK;
     int64_t *roff = (int64_t *)(Vs + nst * BN * LDV);
     int64_t *roff2 = roff + BM;
     int *desc = (int *)(roff2 + BM);                      /* [3][4]: c0, c1, have (selected) */
@@ -203,11 +203,9 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
     } while (0)
 #define QT_ISSUE(stage, c0v, c1v)                                                                \
     do {                                                                                         \
-        _Pragma("unroll") for (int pl = 0; pl < 3; pl++)                                         \
-            if (pl < npl)                                                                        \
-                load_rows_lin<T, DKP>(Ks + ((stage) * npl + pl) * BN * LDK, LDK, (const T *)P.k[pl].p, \
-                                      sq.b * P.k[pl].s0 + (key_row0 + (c0v)) * P.k[pl].s1 + (int64_t)h * P.k[pl].s2, \
-                                      P.k[pl].s1, (c1v) - (c0v), BN, P.DK, P.k[pl].al, tid, nthr); \
+        load_rows_lin<T, DKP>(Ks + (stage) * BN * LDK, LDK, (const T *)P.k.p,                   \
+                              sq.b * P.k.s0 + (key_row0 + (c0v)) * P.k.s1 + (int64_t)h * P.k.s2, P.k.s1, \
+                              (c1v) - (c0v), BN, P.DK, P.k.al, tid, nthr);                       \
         if (has_v)                                                                               \
             load_rows_lin<T, DVP>(Vs + (stage) * BN * LDV, LDV, (const T *)P.v.p, vbase + (c0v) * P.v.s1, P.v.s1, \
                                   (c1v) - (c0v), BN, P.DV, P.v.al, tid, nthr);                   \
@@ -243,11 +241,6 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
     float acc[MODE == MODE_FWD ? DVP / 8 : DKP / 8][4];
     for (int i = 0; i < (MODE == MODE_FWD ? DVP / 8 : DKP / 8); i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     float m_[2] = {-INFINITY, -INFINITY}, l_[2] = {0.0f, 0.0f};
-    /* hi_out (forward with o and lse_ws and npl > 1): o and lse from plane 0 alone (the
-     * storage-dtype K), lse_ws from all planes, sharing the running max m_; l2_ is its sum */
-    constexpr bool split = MODE == MODE_FWD;
-    const bool hi_out = split && npl > 1 && P.o.p != nullptr && P.lse_ws != nullptr;
-    float l2_[2] = {0.0f, 0.0f};
 
     for (int ci = 0; have; ci++) {
         cp_wait<0>();
@@ -269,16 +262,11 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
         }
         const unsigned char *fl = flags + (ci % 3) * 64;
 
-        /* split: S from plane 0 alone, S2 from the other planes (the fp32 residual) */
-        float S[NT][4], S2[split ? NT : 1][4];
+        float S[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.0f;
-        if constexpr (split) {
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) S2[nt][0] = S2[nt][1] = S2[nt][2] = S2[nt][3] = 0.0f;
-        }
-        auto qk = [&](float (&D)[NT][4], int pl) {
-            const T *Kp = Ks + (st * npl + pl) * BN * LDK;
+        {
+            const T *Kp = Ks + st * BN * LDK;
 #pragma unroll
             for (int kk = 0; kk < KT; kk++) {
                 uint32_t a[4];
@@ -291,18 +279,9 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
                 for (int np = 0; np < NT / 2; np++) {
                     uint32_t b[4];
                     ldsm4(b, Kp + np * 16 * LDK + kk * 16 + frag_bn_off(lane, LDK));
-                    dtraits<T>::mma(D[2 * np], a, b[0], b[1]);
-                    dtraits<T>::mma(D[2 * np + 1], a, b[2], b[3]);
+                    dtraits<T>::mma(S[2 * np], a, b[0], b[1]);
+                    dtraits<T>::mma(S[2 * np + 1], a, b[2], b[3]);
                 }
-            }
-        };
-        qk(S, 0);
-        for (int pl = 1; pl < npl; pl++) {
-            if constexpr (split) {
-                if (hi_out) qk(S2, pl);
-                else qk(S, pl);
-            } else {
-                qk(S, pl);
             }
         }
 
@@ -325,10 +304,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    S[nt][e] = __fmul_rn(S[nt][e], P.sl2);
-                    if constexpr (split) S2[nt][e] = __fmul_rn(S2[nt][e], P.sl2);
-                }
+                for (int e = 0; e < 4; e++) S[nt][e] = __fmul_rn(S[nt][e], P.sl2);
         } else {
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
@@ -337,7 +313,6 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
                     const int x = e >> 1, key = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
                     const int out = !(key < c1 && key >= mlo[x] && key <= mhi[x]);
                     S[nt][e] = out ? -INFINITY : __fmul_rn(S[nt][e], P.sl2);
-                    if constexpr (split) S2[nt][e] = out ? 0.0f : __fmul_rn(S2[nt][e], P.sl2);
                 }
         }
 
@@ -353,17 +328,14 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
                 const float muse = mnew == -INFINITY ? 0.0f : mnew;
                 const float alpha = ex2(m_[x] - muse);
                 m_[x] = mnew;
-                float sum = 0.0f, sum2 = 0.0f;
+                float sum = 0.0f;
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
                     S[nt][2 * x] = ex2(S[nt][2 * x] - muse);
                     S[nt][2 * x + 1] = ex2(S[nt][2 * x + 1] - muse);
                     sum += S[nt][2 * x] + S[nt][2 * x + 1];
-                    if constexpr (split) /* exp(full score - m) = exp(plane-0 score - m) * exp(residual) */
-                        if (hi_out) sum2 += S[nt][2 * x] * ex2(S2[nt][2 * x]) + S[nt][2 * x + 1] * ex2(S2[nt][2 * x + 1]);
                 }
                 l_[x] = l_[x] * alpha + sum;
-                if constexpr (split) l2_[x] = l2_[x] * alpha + sum2;
 #pragma unroll
                 for (int d = 0; d < DVP / 8; d++) acc[d][2 * x] *= alpha, acc[d][2 * x + 1] *= alpha;
             }
@@ -411,7 +383,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) dP[nt][e] = S[nt][e] * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
-            const T *Kp = Ks + st * npl * BN * LDK; /* plane 0 */
+            const T *Kp = Ks + st * BN * LDK;
 #pragma unroll
             for (int k2 = 0; k2 < NT / 2; k2++) {
                 uint32_t a[4];
@@ -445,13 +417,9 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 #pragma unroll
     for (int x = 0; x < 2; x++) {
         const int r = warp * 16 + (lane >> 2) + x * 8;
-        float l = l_[x], l2 = l2_[x];
+        float l = l_[x];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        if (hi_out) {
-            l2 += __shfl_xor_sync(0xffffffffu, l2, 1);
-            l2 += __shfl_xor_sync(0xffffffffu, l2, 2);
-        }
         if (r >= nrows) continue;
         const int64_t rr = r0 + r, pos = rr / G, g = rr % G, hq = h * G + g;
         if constexpr (MODE == MODE_FWD) {
@@ -469,8 +437,6 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
             if ((lane & 3) == 0) {
                 const float lse = l > 0.0f ? (m_[x] + log2f(l)) * NSA_LN2 : -INFINITY;
                 if (P.lse.p) ((float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + pos) * P.lse.s1 + hq * P.lse.s2] = lse;
-                const float lse2 = !hi_out ? lse : l2 > 0.0f ? (m_[x] + log2f(l2)) * NSA_LN2 : -INFINITY;
-                if (P.lse_ws) P.lse_ws[(sq.b * P.T + sq.row0 + pos) * P.HQ + hq] = lse2;
             }
         } else {
             float *dq = P.dq + ((sq.b * P.T + sq.row0 + pos) * P.HQ + hq) * P.DK;
@@ -826,13 +792,13 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
 {
     constexpr int LDK = DKP + 8, BM = 64, BN = QT_BN, NT = BN / 8, KT = DKP / 16, LDP = BN + 1;
     extern __shared__ __align__(16) unsigned char smem[];
-    const int nthr = 128, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, npl = P.npl;
+    const int nthr = 128, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int NP = P.P, JC = P.JC, HC = P.HC, n = P.n;
     T *Qs = (T *)smem;
     T *Ks = Qs + BM * LDK;
     /* HC == 16: a warp's 16 rows are one position's heads, summed in registers (no Ps) */
     const int regsum = HC == 16;
-    float *Ps = (float *)(Ks + npl * BN * LDK);
+    float *Ps = (float *)(Ks + BN * LDK);
     float *imp = Ps + (regsum ? 0 : BM * LDP);
     float *LI = imp + NP * JC;
     int *LJ = (int *)(LI + NP * n);
@@ -895,10 +861,8 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
     } while (0)
 #define SEL_KLOAD(i0_, i1_)                                                                      \
     do {                                                                                         \
-        _Pragma("unroll") for (int pl = 0; pl < 3; pl++) if (pl < npl)                           \
-            load_rows_lin<T, DKP>(Ks + pl * BN * LDK, LDK, (const T *)P.k[pl].p,                 \
-                                  sq.b * P.k[pl].s0 + (sq.cmp0 + (i0_)) * P.k[pl].s1 + (int64_t)h * P.k[pl].s2, \
-                                  P.k[pl].s1, (i1_) - (i0_), BN, P.DK, P.k[pl].al, tid, nthr);   \
+        load_rows_lin<T, DKP>(Ks, LDK, (const T *)P.k.p, sq.b * P.k.s0 + (sq.cmp0 + (i0_)) * P.k.s1 + (int64_t)h * P.k.s2, \
+                              P.k.s1, (i1_) - (i0_), BN, P.DK, P.k.al, tid, nthr);               \
     } while (0)
 
     /* first key of the tile already in flight into Ks: the next pass's first tile is issued
@@ -927,18 +891,16 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
                 float S[NT][4];
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.0f;
-                for (int pl = 0; pl < npl; pl++) {
 #pragma unroll
-                    for (int kk = 0; kk < KT; kk++) {
-                        uint32_t a[4];
-                        ldsm4(a, Qs + warp * 16 * LDK + kk * 16 + frag_a_off(lane, LDK));
+                for (int kk = 0; kk < KT; kk++) {
+                    uint32_t a[4];
+                    ldsm4(a, Qs + warp * 16 * LDK + kk * 16 + frag_a_off(lane, LDK));
 #pragma unroll
-                        for (int np = 0; np < NT / 2; np++) {
-                            uint32_t b[4];
-                            ldsm4(b, Ks + pl * BN * LDK + np * 16 * LDK + kk * 16 + frag_bn_off(lane, LDK));
-                            dtraits<T>::mma(S[2 * np], a, b[0], b[1]);
-                            dtraits<T>::mma(S[2 * np + 1], a, b[2], b[3]);
-                        }
+                    for (int np = 0; np < NT / 2; np++) {
+                        uint32_t b[4];
+                        ldsm4(b, Ks + np * 16 * LDK + kk * 16 + frag_bn_off(lane, LDK));
+                        dtraits<T>::mma(S[2 * np], a, b[0], b[1]);
+                        dtraits<T>::mma(S[2 * np + 1], a, b[2], b[3]);
                     }
                 }
                 if (regsum) {
@@ -1112,7 +1074,7 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
 template <int DKP, int DVP, typename T, int MODE>
 static void launch_qtile_t(grun *g, const qparams *P, int64_t tiles)
 {
-    const size_t smem = qtile_smem(DKP, DVP, P->nw, P->npl, MODE, P->nst);
+    const size_t smem = qtile_smem(DKP, DVP, P->nw, MODE, P->nst);
     g_check(g, cudaFuncSetAttribute(qtile_kernel<DKP, DVP, T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
     qtile_kernel<DKP, DVP, T, MODE><<<dim3((unsigned)tiles, (unsigned)P->H), P->nw * 32, smem, g->st>>>(*P);
@@ -1132,7 +1094,7 @@ static void launch_ktile_t(grun *g, const kparams *P, int64_t tiles)
 template <int DKP, typename T>
 static void launch_select_t(grun *g, const sparams *P, int64_t tiles)
 {
-    const size_t smem = select_smem(DKP, P->npl, P->P, P->JC, P->n, P->HC);
+    const size_t smem = select_smem(DKP, P->P, P->JC, P->n, P->HC);
     g_check(g, cudaFuncSetAttribute(select_kernel<DKP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
     select_kernel<DKP, T><<<dim3((unsigned)tiles, (unsigned)P->H), 128, smem, g->st>>>(*P);

@@ -18,14 +18,9 @@ typedef struct rule_t {
     int cl, cd, lp;
 } rule_t;
 
-/* qtile: forward (o, lse) or dQ of one branch. Key planes: the compressed K of the default
- * mean pooling is fp32; it arrives as 3 storage-dtype planes whose sum is that fp32 value,
- * so scores (and lse) keep fp32 accuracy. */
+/* qtile: forward (o, lse) or dQ of one branch. */
 typedef struct qparams {
-    dview q, v, o, lse, dout;
-    dview k[3];
-    int npl;
-    float *lse_ws;         /* FWD: optional flat [B*T*HQ] lse copy */
+    dview q, k, v, o, lse, dout;
     const float *Dw, *gw;  /* DQ: flat per-row D = g * rowsum(dout * o), gate g (NULL: 1) */
     float *dq;             /* DQ: flat fp32 [B*T*HQ*DK], added to */
     int64_t T, HQ, H, G;
@@ -68,9 +63,7 @@ typedef struct kparams {
 
 /* select: importance of every candidate block, top-n per (position, kv head). */
 typedef struct sparams {
-    dview q, lse, idx, cnt;
-    dview k[3];
-    int npl;
+    dview q, k, lse, idx, cnt;
     int64_t T, HQ, H, G;
     int DK;
     float sl2;
@@ -80,11 +73,11 @@ typedef struct sparams {
 } sparams;
 
 /* Shared memory of each kernel (bytes); the kernels carve in the same order. */
-static inline size_t qtile_smem(int DKP, int DVP, int nw, int npl, int mode, int nst)
+static inline size_t qtile_smem(int DKP, int DVP, int nw, int mode, int nst)
 {
     const size_t BM = 16 * (size_t)nw, LDK = DKP + 8, LDV = DVP + 8;
     /* one-warp forward: Q lives in registers (qtile_kernel's qreg) */
-    const size_t el = (mode == MODE_FWD && nw == 1 ? 0 : BM * LDK) + (mode == MODE_DQ ? BM * LDV : 0) + (size_t)nst * npl * 64 * LDK + (size_t)nst * 64 * LDV;
+    const size_t el = (mode == MODE_FWD && nw == 1 ? 0 : BM * LDK) + (mode == MODE_DQ ? BM * LDV : 0) + (size_t)nst * 64 * LDK + (size_t)nst * 64 * LDV;
     return el * 2 + 2 * BM * 8 + 12 * 4 + 3 * 64;
 }
 
@@ -95,10 +88,10 @@ static inline size_t ktile_smem(int DKP, int DVP)
     return el * 2 + 2 * 3 * 64 * 8 + 5 * 3 * 64 * 4 + 3 * 2 * 4;
 }
 
-static inline size_t select_smem(int DKP, int npl, int P, int JC, int n, int HC)
+static inline size_t select_smem(int DKP, int P, int JC, int n, int HC)
 {
     const size_t LDK = DKP + 8;
-    const size_t el = 64 * LDK + (size_t)npl * 64 * LDK;
+    const size_t el = 64 * LDK + 64 * LDK;
     return el * 2 + (HC == 16 ? 0 : 64 * 65 * 4) + (size_t)P * JC * 4 + (size_t)P * n * 8 + (size_t)P * 4 + 64 * 4 + 64 * 4 + 16 + 64 * 8 +
            (size_t)P * 64 * 4;
 }
@@ -117,9 +110,8 @@ void nsa_cu_select_192(grun *g, const sparams *P, int bf16, int64_t tiles);
 
 /* ---- prep.cu: the small kernels ------------------------------------------------------- */
 
-/* x [B, T, H, D] -> mean-pooled x_cmp [B, cmp_rows, H, D]: into `out` (any float view) when
- * out.p, and/or into `planes` (3 flat storage-dtype buffers hi/mid/lo) when planes[0]. */
-void nsa_cu_compress(grun *g, const dview *x, int64_t D, const dview *out, void *const planes[3], nsa_dtype plane_dt);
+/* x [B, T, H, D] -> mean-pooled x_cmp [B, cmp_rows, H, D] into `out` (any float view). */
+void nsa_cu_compress(grun *g, const dview *x, int64_t D, const dview *out);
 /* dx [B, T, H, D] from dx_cmp: src is a view (src32 NULL) or a flat fp32 buffer (src32);
  * the result is stored into `dx` (a view) or added to the flat fp32 buffer dx32. */
 void nsa_cu_compress_bwd(grun *g, const dview *src, const float *src32, int64_t D, const dview *dx, float *dx32);

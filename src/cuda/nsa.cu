@@ -1,7 +1,6 @@
 /* nsa.cu -- the whole NSA forward and backward on the GPU (nsa.h section 7), mirroring the
- * CPU pipeline (src/cpu/ops.c): compression (default: mean pooling, kept at fp32 accuracy as
- * two storage-dtype planes for the selection's scores), compressed attention, selection, selected and
- * window attention, gating; the backward runs each branch's dQ and dK/dV into fp32
+ * CPU pipeline (src/cpu/ops.c): compression (default: mean pooling, stored in the storage
+ * dtype), compressed attention, selection, selected and window attention, gating; the backward runs each branch's dQ and dK/dV into fp32
  * accumulators and chains the compressed gradients back through the pooling. */
 #include "branches.h"
 #include "cuda_backend.h"
@@ -30,34 +29,25 @@ static void plan_make(plan *pl, const nsa_forward_args *a, int backward)
     }
 }
 
-/* Compressed K/V of the branch: the caller's, or mean pooling of k, v into the workspace.
- * planes = 2 gives K as hi/mid storage-dtype planes (hi = the pooled K rounded to the storage
- * dtype; hi + mid = 16 mantissa bits, enough for the selection's ranking); planes = 1 hi alone. */
-static int cmp_kv(grun *g, const nsa_forward_args *a, int own, int planes, dview kc[3], dview *vc)
+/* Compressed K/V of the branch: the caller's, or mean pooling of k, v into the workspace,
+ * stored in the storage dtype (as any bf16 / f16 implementation keeps them; the compressed
+ * branch, the selection and the backward all read these same values). */
+static void cmp_kv(grun *g, const nsa_forward_args *a, int own, dview *kc, dview *vc)
 {
     const nsa_problem *p = g->p;
     const nsa_dtype dt = a->q.dtype;
     if (own) {
-        kc[0] = dv_of(&a->k_cmp);
+        *kc = dv_of(&a->k_cmp);
         *vc = dv_of(&a->v_cmp);
-        return 1;
+        return;
     }
     const size_t es = nsa_dtype_size(dt);
     const int64_t nk = p->B * p->cmp_rows * p->H * p->DK, nv = p->B * p->cmp_rows * p->H * p->DV;
-    void *kp[3] = {NULL, NULL, NULL};
-    for (int i = 0; i < planes; i++) {
-        kp[i] = g_take(g, (size_t)(nk + 8) * es);
-        kc[i] = dv_flat(kp[i], dt, p->cmp_rows, p->H, p->DK);
-    }
-    void *vp = g_take(g, (size_t)(nv + 8) * es);
-    *vc = dv_flat(vp, dt, p->cmp_rows, p->H, p->DV);
+    *kc = dv_flat(g_take(g, (size_t)(nk + 8) * es), dt, p->cmp_rows, p->H, p->DK);
+    *vc = dv_flat(g_take(g, (size_t)(nv + 8) * es), dt, p->cmp_rows, p->H, p->DV);
     const dview k = dv_of(&a->k), v = dv_of(&a->v);
-    dview none;
-    memset(&none, 0, sizeof none);
-    if (planes >= 2) nsa_cu_compress(g, &k, p->DK, &none, kp, dt);
-    else nsa_cu_compress(g, &k, p->DK, &kc[0], NULL, dt);
-    nsa_cu_compress(g, &v, p->DV, vc, NULL, dt);
-    return planes;
+    nsa_cu_compress(g, &k, p->DK, kc);
+    nsa_cu_compress(g, &v, p->DV, vc);
 }
 
 static void run_forward(grun *g, const nsa_forward_args *a)
@@ -70,37 +60,28 @@ static void run_forward(grun *g, const nsa_forward_args *a)
     plan_make(&pl, a, 0);
     g_seq_setup(g, 1);
     const dview q = dv_of(&a->q);
-    dview kc[3], vc;
-    memset(kc, 0, sizeof kc);
+    dview kc, vc;
+    memset(&kc, 0, sizeof kc);
     memset(&vc, 0, sizeof vc);
-    int npl = 0;
-    /* the selection's ranking needs ~1e-5 relative accuracy: two planes (16 bits) of the
-     * pooled K; o_cmp / lse_cmp use plane 0 alone (the pooled K/V in the storage dtype, as
-     * any bf16 / f16 implementation stores them, and as the backward uses them) */
-    if (pl.need_scores) npl = cmp_kv(g, a, pl.own_cmp, pl.selecting ? 2 : 1, kc, &vc);
-    float *lsel = NULL; /* the selection's lse, from both planes, when it differs from lse_cmp */
+    if (pl.need_scores) cmp_kv(g, a, pl.own_cmp, &kc, &vc);
 
     if (pl.cmp_on) {
         const dview o = dv_of(&sv->o_cmp), lse = dv_of(&sv->lse_cmp);
         const rule_t r = cu_rule_cmp(p);
-        /* npl = 2: one pass gives o / lse from plane 0 and the selection's lse from both */
-        if (npl > 1) lsel = cu_take_f32(g, p->B * p->T * p->HQ, 0);
-        cu_fwd_range(g, &r, &q, dt, kc, npl, &vc, &o, &lse, lsel);
+        cu_fwd_range(g, &r, &q, dt, &kc, &vc, &o, &lse);
     }
     if (pl.selecting) {
-        const int spl = npl;
         dview lse = dv_of(&sv->lse_cmp);
-        if (lsel) lse = dv_flat(lsel, NSA_DTYPE_F32, p->T, p->HQ, 1);
-        if (!pl.cmp_on) {
+        if (!pl.cmp_on) { /* the compressed normaliser alone */
             float *lw = cu_take_f32(g, p->B * p->T * p->HQ, 0);
             lse = dv_flat(lw, NSA_DTYPE_F32, p->T, p->HQ, 1);
             const rule_t r = cu_rule_cmp(p);
-            cu_fwd_range(g, &r, &q, dt, kc, spl, NULL, NULL, NULL, lw);
+            cu_fwd_range(g, &r, &q, dt, &kc, NULL, NULL, &lse);
         }
         const dview idx = dv_of(&sv->block_indices);
         dview none;
         memset(&none, 0, sizeof none);
-        cu_select(g, &q, dt, kc, spl, &lse, &idx, &none);
+        cu_select(g, &q, dt, &kc, &lse, &idx, &none);
     }
     if (pl.slc_on) {
         const int64_t rows = p->B * p->T * p->H, m = pl.idx->shape[3];
@@ -113,10 +94,10 @@ static void run_forward(grun *g, const nsa_forward_args *a)
         cu_fwd_slc(g, &q, dt, &k, &v, U, ucnt, m, &o, &lse);
     }
     if (pl.swa_on) {
-        const dview k[3] = {dv_of(pl.sep_swa ? &a->k_swa : &a->k)}, v = dv_of(pl.sep_swa ? &a->v_swa : &a->v);
+        const dview k = dv_of(pl.sep_swa ? &a->k_swa : &a->k), v = dv_of(pl.sep_swa ? &a->v_swa : &a->v);
         const dview o = dv_of(&sv->o_swa), lse = dv_of(&sv->lse_swa);
         const rule_t r = cu_rule_window(p->cfg.window - 1, 0, 1);
-        cu_fwd_range(g, &r, &q, dt, k, 1, &v, &o, &lse, NULL);
+        cu_fwd_range(g, &r, &q, dt, &k, &v, &o, &lse);
     }
     const dview os[3] = {dv_of(&sv->o_cmp), dv_of(&sv->o_slc), dv_of(&sv->o_swa)};
     const dview gs[3] = {dv_of(&a->g_cmp), dv_of(&a->g_slc), dv_of(&a->g_swa)};
@@ -175,11 +156,10 @@ static void run_backward(grun *g, const nsa_backward_args *ba)
     io.q = &q, io.dout = &dout, io.dt = dt, io.Dw = Dw, io.gw = gw, io.dq32 = dq32;
 
     if (pl.cmp_on) {
-        dview kc[3], vc;
-        memset(kc, 0, sizeof kc);
-        cmp_kv(g, a, pl.own_cmp, 1, kc, &vc);
+        dview kc, vc;
+        cmp_kv(g, a, pl.own_cmp, &kc, &vc);
         const dview o = dv_of(&sv->o_cmp), lse = dv_of(&sv->lse_cmp), gate = dv_of(&a->g_cmp);
-        io.k = &kc[0], io.v = &vc, io.o = &o, io.lse = &lse, io.gate = &gate;
+        io.k = &kc, io.v = &vc, io.o = &o, io.lse = &lse, io.gate = &gate;
         io.dk32 = dkc32, io.dv32 = dvc32, io.KR = R;
         const rule_t r = cu_rule_cmp(p);
         cu_bwd_range(g, &r, &io);

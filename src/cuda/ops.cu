@@ -33,7 +33,7 @@ static void run_compress(grun *g, const nsa_compress_args *a)
 {
     g_seq_setup(g, 1);
     const dview x = dv_of(&a->x), out = dv_of(&a->x_cmp);
-    nsa_cu_compress(g, &x, a->x.shape[3], &out, NULL, a->x.dtype);
+    nsa_cu_compress(g, &x, a->x.shape[3], &out);
 }
 CUDA_OP(compress, nsa_compress_args)
 
@@ -51,9 +51,9 @@ static void run_cmp_attn(grun *g, const nsa_cmp_attn_args *a)
 {
     if (!cu_attn_supported(g, a->q.dtype)) return;
     g_seq_setup(g, 1);
-    const dview q = dv_of(&a->q), kc[3] = {dv_of(&a->k_cmp)}, vc = dv_of(&a->v_cmp), o = dv_of(&a->o), lse = dv_of(&a->lse);
+    const dview q = dv_of(&a->q), kc = dv_of(&a->k_cmp), vc = dv_of(&a->v_cmp), o = dv_of(&a->o), lse = dv_of(&a->lse);
     const rule_t r = cu_rule_cmp(g->p);
-    cu_fwd_range(g, &r, &q, a->q.dtype, kc, 1, &vc, &o, &lse, NULL);
+    cu_fwd_range(g, &r, &q, a->q.dtype, &kc, &vc, &o, &lse);
 }
 CUDA_OP(cmp_attn, nsa_cmp_attn_args)
 
@@ -100,16 +100,16 @@ static void run_select(grun *g, const nsa_select_args *a)
     const nsa_problem *p = g->p;
     if (!cu_attn_supported(g, a->q.dtype)) return;
     g_seq_setup(g, 1);
-    const dview q = dv_of(&a->q), kc[3] = {dv_of(&a->k_cmp)}, idx = dv_of(&a->block_indices);
+    const dview q = dv_of(&a->q), kc = dv_of(&a->k_cmp), idx = dv_of(&a->block_indices);
     const dview cnt = dv_of(&a->block_counts);
     dview lse = dv_of(&a->lse_cmp);
     if (!has(&a->lse_cmp)) { /* the compressed attention's normaliser, lse only */
         float *lw = cu_take_f32(g, p->B * p->T * p->HQ, 0);
         lse = dv_flat(lw, NSA_DTYPE_F32, p->T, p->HQ, 1);
         const rule_t r = cu_rule_cmp(p);
-        cu_fwd_range(g, &r, &q, a->q.dtype, kc, 1, NULL, NULL, NULL, lw);
+        cu_fwd_range(g, &r, &q, a->q.dtype, &kc, NULL, NULL, &lse);
     }
-    cu_select(g, &q, a->q.dtype, kc, 1, &lse, &idx, &cnt);
+    cu_select(g, &q, a->q.dtype, &kc, &lse, &idx, &cnt);
 }
 CUDA_OP(select, nsa_select_args)
 
@@ -169,9 +169,9 @@ static void run_attention(grun *g, const nsa_attention_args *a)
 {
     if (!cu_attn_supported(g, a->q.dtype)) return;
     g_seq_setup(g, 0);
-    const dview q = dv_of(&a->q), k[3] = {dv_of(&a->k)}, v = dv_of(&a->v), o = dv_of(&a->o), lse = dv_of(&a->lse);
+    const dview q = dv_of(&a->q), k = dv_of(&a->k), v = dv_of(&a->v), o = dv_of(&a->o), lse = dv_of(&a->lse);
     const rule_t r = cu_rule_window(a->window_left, a->window_right, a->causal);
-    cu_fwd_range(g, &r, &q, a->q.dtype, k, 1, &v, &o, &lse, NULL);
+    cu_fwd_range(g, &r, &q, a->q.dtype, &k, &v, &o, &lse);
 }
 CUDA_OP(attention, nsa_attention_args)
 

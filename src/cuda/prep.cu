@@ -129,8 +129,7 @@ static seqmap plain_map(const grun *g)
 /* ==== compression (spec 1) =================================================================== */
 
 /* one warp per (b, compressed row, h): lanes over d */
-__global__ void compress_kernel(dview x, int64_t D, dview out, void *p0, void *p1, void *p2, int pdt, seqmap sm,
-                                int64_t cmp_rows, int64_t H, int64_t rows)
+__global__ void compress_kernel(dview x, int64_t D, dview out, seqmap sm, int64_t cmp_rows, int64_t H, int64_t rows)
 {
     const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
@@ -152,30 +151,17 @@ __global__ void compress_kernel(dview x, int64_t D, dview out, void *p0, void *p
     for (int64_t d = lane; d < D; d += 32) {
         float sum = 0.0f;
         for (int r = 0; r < sm.cl; r++) sum += ld_any(x.p, x.dt, base + r * x.s1 + d);
-        const float mean = sum * inv_l;
-        if (out.p) st_any(out.p, out.dt, b * out.s0 + crow * out.s1 + h * out.s2 + d, mean);
-        if (p0) {
-            /* storage-dtype planes summing to the fp32 mean: hi (the mean rounded), mid, and
-             * lo where asked for (hi + mid alone hold 16 mantissa bits) */
-            const int64_t idx = row * D + d;
-            const float hi = pdt == NSA_DTYPE_BF16 ? __bfloat162float(__float2bfloat16_rn(mean)) : __half2float(__float2half_rn(mean));
-            const float r1 = mean - hi;
-            const float mid = pdt == NSA_DTYPE_BF16 ? __bfloat162float(__float2bfloat16_rn(r1)) : __half2float(__float2half_rn(r1));
-            st_any(p0, pdt, idx, hi);
-            st_any(p1, pdt, idx, mid);
-            if (p2) st_any(p2, pdt, idx, r1 - mid);
-        }
+        st_any(out.p, out.dt, b * out.s0 + crow * out.s1 + h * out.s2 + d, sum * inv_l);
     }
 }
 
-void nsa_cu_compress(grun *g, const dview *x, int64_t D, const dview *out, void *const planes[3], nsa_dtype plane_dt)
+void nsa_cu_compress(grun *g, const dview *x, int64_t D, const dview *out)
 {
     const nsa_problem *p = g->p;
     const int64_t rows = p->B * p->cmp_rows * p->H;
     if (!g_live(g) || rows == 0 || D == 0) return;
     compress_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(
-        *x, D, *out, planes ? planes[0] : NULL, planes ? planes[1] : NULL, planes ? planes[2] : NULL, (int)plane_dt,
-        plain_map(g), p->cmp_rows, p->H, rows);
+        *x, D, *out, plain_map(g), p->cmp_rows, p->H, rows);
     g_launched(g);
 }
 
