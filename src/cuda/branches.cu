@@ -246,7 +246,7 @@ static void dkdv_params(kparams *P, const nsa_problem *p, const bwd_io *io)
 void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
 {
     const nsa_problem *p = g->p;
-    nsa_cu_dprep(g, io->dout, io->o, io->gate, io->Dw, io->gate ? io->gw : NULL, p->B, p->T, p->HQ, p->DV);
+    if (!io->D_ready) nsa_cu_dprep(g, io->dout, io->o, io->gate, io->Dw, io->gate ? io->gw : NULL, p->B, p->T, p->HQ, p->DV);
     qparams Q;
     dq_params(&Q, p, io);
     Q.rule = *rule;
@@ -281,7 +281,7 @@ void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt
 {
     const nsa_problem *p = g->p;
     const int64_t lp = p->cfg.slc_block;
-    nsa_cu_dprep(g, io->dout, io->o, io->gate, io->Dw, io->gate ? io->gw : NULL, p->B, p->T, p->HQ, p->DV);
+    if (!io->D_ready) nsa_cu_dprep(g, io->dout, io->o, io->gate, io->Dw, io->gate ? io->gw : NULL, p->B, p->T, p->HQ, p->DV);
     qparams Q;
     dq_params(&Q, p, io);
     Q.rule = cu_rule_slc(p);

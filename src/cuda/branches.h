@@ -30,12 +30,14 @@ void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvie
                const dview *cnt);
 
 /* Backward of one branch: dq added to dq32 [B*T*HQ*DK], dK/dV added to flat fp32 [B, KR, H, D]
- * buffers. Dw, gw: per-row scratch [B*T*HQ] (shared by branches run one after another). */
+ * buffers. Dw, gw: per-row scratch [B*T*HQ]: filled by the branch (nsa_cu_dprep) unless
+ * D_ready says the caller already did (the pipeline's gate backward computes them). */
 typedef struct bwd_io {
     const dview *q, *k, *v, *o, *lse, *dout, *gate; /* gate may be NULL */
     nsa_dtype dt;
     float *Dw, *gw, *dq32, *dk32, *dv32;
     int64_t KR;
+    int D_ready;
 } bwd_io;
 void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io);
 void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt, int64_t m);

@@ -328,7 +328,7 @@ __device__ __forceinline__ void load_rows(T *dst, int ld, const T *src, const in
          * per row instead of the general path's divisions, bounds and branches; this
          * address arithmetic was about half the instructions of the selected branch */
         const int rpi = nthr / CH, c = (tid % CH) * 8;
-#pragma unroll 4
+#pragma unroll 2
         for (int r = tid / CH; r < rows; r += rpi) {
             const int64_t off = roff[r];
             cp16(dst + r * ld + c, off >= 0 ? src + off + c : src, off >= 0 ? 16 : 0);

@@ -60,6 +60,7 @@ __device__ __forceinline__ void rule_bounds(const rule_t &r, int t, int nkeys, i
 typedef struct slc_iter {
     const int32_t *uA, *uB;
     int cA, cB, nA, nB, fA, fB, cur_c, cur_end, lp, len;
+    int hA, hB; /* the lists' next entries (INT_MAX: exhausted), loaded one call ahead */
 } slc_iter;
 
 /* Next chunk [c0, c1) (one block, at most QT_BN keys) and which positions selected it.
@@ -67,14 +68,14 @@ typedef struct slc_iter {
 __device__ __forceinline__ int slc_next(slc_iter *it, int lane, int *c0, int *c1, unsigned char *flags)
 {
     if (it->cur_c >= it->cur_end) {
-        const int hA = it->cA < it->nA ? it->uA[it->cA] : INT_MAX;
-        const int hB = it->cB < it->nB ? it->uB[it->cB] : INT_MAX;
-        const int j = __reduce_min_sync(0xffffffffu, hA < hB ? hA : hB);
+        const int j = __reduce_min_sync(0xffffffffu, it->hA < it->hB ? it->hA : it->hB);
         if (j == INT_MAX) return 0;
-        it->fA = hA == j;
-        it->fB = hB == j;
-        it->cA += it->fA;
-        it->cB += it->fB;
+        it->fA = it->hA == j;
+        it->fB = it->hB == j;
+        /* the next heads' global loads are consumed only at the next call, a chunk later,
+         * so their latency hides behind that chunk's work instead of stalling the warp */
+        if (it->fA) it->cA++, it->hA = it->cA < it->nA ? it->uA[it->cA] : INT_MAX;
+        if (it->fB) it->cB++, it->hB = it->cB < it->nB ? it->uB[it->cB] : INT_MAX;
         it->cur_c = j * it->lp;
         it->cur_end = j * it->lp + it->lp < it->len ? j * it->lp + it->lp : it->len;
     }
@@ -164,6 +165,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
     }
     slc_iter it;
     memset(&it, 0, sizeof it);
+    it.hA = it.hB = INT_MAX;
     if (is_slc && warp == 0) {
         it.lp = P.rule.lp;
         it.len = sq.len;
@@ -172,11 +174,13 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
             const int64_t id = (sq.b * P.T + sq.row0 + pa) * P.H + h;
             it.uA = P.U + id * P.m;
             it.nA = P.ucnt[id];
+            it.hA = it.nA > 0 ? it.uA[0] : INT_MAX;
         }
         if (nrows > 0 && pb <= p_last) {
             const int64_t id = (sq.b * P.T + sq.row0 + pb) * P.H + h;
             it.uB = P.U + id * P.m;
             it.nB = P.ucnt[id];
+            it.hB = it.nB > 0 ? it.uB[0] : INT_MAX;
         }
     }
     int64_t vbase = 0;
@@ -201,23 +205,40 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
             c1v = c0v + BN < kmax + 1 ? c0v + BN : kmax + 1;                                     \
         }                                                                                        \
     } while (0)
-#define QT_ISSUE(stage, c0v, c1v)                                                                \
+#define QT_ISSUE_K(stage, c0v, c1v)                                                              \
+    load_rows_lin<T, DKP>(Ks + (stage) * BN * LDK, LDK, (const T *)P.k.p,                       \
+                          sq.b * P.k.s0 + (key_row0 + (c0v)) * P.k.s1 + (int64_t)h * P.k.s2, P.k.s1, \
+                          (c1v) - (c0v), BN, P.DK, P.k.al, tid, nthr)
+#define QT_ISSUE_V(stage, c0v, c1v)                                                              \
     do {                                                                                         \
-        load_rows_lin<T, DKP>(Ks + (stage) * BN * LDK, LDK, (const T *)P.k.p,                   \
-                              sq.b * P.k.s0 + (key_row0 + (c0v)) * P.k.s1 + (int64_t)h * P.k.s2, P.k.s1, \
-                              (c1v) - (c0v), BN, P.DK, P.k.al, tid, nthr);                       \
         if (has_v)                                                                               \
             load_rows_lin<T, DVP>(Vs + (stage) * BN * LDV, LDV, (const T *)P.v.p, vbase + (c0v) * P.v.s1, P.v.s1, \
                                   (c1v) - (c0v), BN, P.DV, P.v.al, tid, nthr);                   \
+    } while (0)
+#define QT_ISSUE(stage, c0v, c1v)                                                                \
+    do {                                                                                         \
+        QT_ISSUE_K(stage, c0v, c1v);                                                             \
+        QT_ISSUE_V(stage, c0v, c1v);                                                             \
     } while (0)
 
     if (is_slc && warp == 0) QT_PRODUCE(0);
     __syncthreads();
     if (!qreg) load_rows<T, DKP>(Qs, LDK, (const T *)P.q.p, roff, BM, P.DK, P.q.al, tid, nthr);
     if (MODE == MODE_DQ) load_rows<T, DVP>(Os, LDV, (const T *)P.dout.p, roff2, BM, P.DV, P.dout.al, tid, nthr);
+    /* kvs (one buffer, forward): K and V of a chunk travel as two cp.async groups; the next
+     * chunk's K is issued as soon as the scores are done and its V once P V is done, so each
+     * load overlaps half a chunk of work without a second buffer (the one-warp selected
+     * tiles are latency bound and a second buffer would cost a resident CTA) */
+    const int kvs = MODE == MODE_FWD && nst == 1;
     int have, cc0, cc1;
     QT_GET(0, have, cc0, cc1);
-    if (have) QT_ISSUE(0, cc0, cc1);
+    if (kvs) {
+        if (have) QT_ISSUE_K(0, cc0, cc1);
+        cp_commit();
+        if (have) QT_ISSUE_V(0, cc0, cc1);
+    } else if (have) {
+        QT_ISSUE(0, cc0, cc1);
+    }
     cp_commit();
     if (is_slc && warp == 0 && have) QT_PRODUCE(1);
 
@@ -243,7 +264,8 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
     float m_[2] = {-INFINITY, -INFINITY}, l_[2] = {0.0f, 0.0f};
 
     for (int ci = 0; have; ci++) {
-        cp_wait<0>();
+        if (kvs) cp_wait<1>(); /* K of chunk ci (its V may still be in flight) */
+        else cp_wait<0>();
         __syncthreads(); /* chunk ci landed; everyone is done with chunk ci - 1 */
         const int st = nst == 2 ? (ci & 1) : 0;
         const int c0 = cc0, c1 = cc1;
@@ -283,6 +305,12 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
                     dtraits<T>::mma(S[2 * np + 1], a, b[2], b[3]);
                 }
             }
+        }
+
+        if (kvs) { /* K is read: refill it with the next chunk's */
+            __syncthreads();
+            if (have_next) QT_ISSUE_K(0, nc0, nc1);
+            cp_commit();
         }
 
         /* scale into the log2 domain and mask; a row whose position did not select this
@@ -338,6 +366,10 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
                 l_[x] = l_[x] * alpha + sum;
 #pragma unroll
                 for (int d = 0; d < DVP / 8; d++) acc[d][2 * x] *= alpha, acc[d][2 * x + 1] *= alpha;
+            }
+            if (kvs) { /* V of chunk ci (the next K may still be in flight) */
+                cp_wait<1>();
+                __syncthreads();
             }
             if (has_v) {
                 const T *Vp = Vs + st * BN * LDV;
@@ -400,7 +432,12 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
                 }
             }
         }
-        if (nst == 1) { /* one buffer: refill it once everyone has read it */
+        if (kvs) { /* V is read: refill it; the union walk moves one chunk further */
+            __syncthreads();
+            if (have_next) QT_ISSUE_V(0, nc0, nc1);
+            cp_commit();
+            if (is_slc && warp == 0 && have_next) QT_PRODUCE((ci + 2) % 3);
+        } else if (nst == 1) { /* one buffer: refill it once everyone has read it */
             __syncthreads();
             if (have_next) QT_ISSUE(0, nc0, nc1);
             cp_commit();
@@ -412,6 +449,8 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 #undef QT_PRODUCE
 #undef QT_GET
 #undef QT_ISSUE
+#undef QT_ISSUE_K
+#undef QT_ISSUE_V
 
     /* epilogue */
 #pragma unroll
@@ -787,6 +826,27 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
 
 /* ==== select: importance + top-n ============================================================ */
 
+/* One butterfly step: lanes whose `bit` is set keep v[HALF..2 HALF) and the others v[0..HALF),
+ * each adding its partner's copy of the kept half; the kept values move to v[0..HALF). */
+template <int HALF>
+__device__ __forceinline__ void sel_halve(float *v, int lane, int bit)
+{
+    const int up = (lane & bit) != 0;
+#pragma unroll
+    for (int k = 0; k < HALF; k++) {
+        const float send = up ? v[k] : v[k + HALF];
+        const float keep = up ? v[k + HALF] : v[k];
+        v[k] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
+    }
+}
+
+/* a / b for a >= 0, b > 0: 32-bit division whenever a fits (positions always do), as 64-bit
+ * division is a long software sequence and these run per pass and per block */
+__device__ __forceinline__ int64_t div_nn(int64_t a, int b)
+{
+    return a <= INT_MAX ? (int64_t)((unsigned)a / (unsigned)b) : a / b;
+}
+
 template <int DKP, typename T>
 __global__ void __launch_bounds__(128) select_kernel(const sparams P)
 {
@@ -855,8 +915,8 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
 #define SEL_RANGE(jA_, iA_, iB_)                                                                 \
     do {                                                                                         \
         const int64_t a0_ = (int64_t)(jA_) * lp - cl;                                            \
-        iA_ = a0_ < 0 ? 0 : (int)(a0_ / cd + 1);                                                 \
-        iB_ = (int)(((int64_t)((jA_) + JC) * lp - 1) / cd + 1);                                  \
+        iA_ = a0_ < 0 ? 0 : (int)(div_nn(a0_, cd) + 1);                                          \
+        iB_ = (int)(div_nn((int64_t)((jA_) + JC) * lp - 1, cd) + 1);                             \
         iB_ = iB_ < nv_max ? iB_ : nv_max;                                                       \
     } while (0)
 #define SEL_KLOAD(i0_, i1_)                                                                      \
@@ -911,18 +971,30 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
                     const int nv = t + 1 >= cl ? (t + 1 - cl) / cd + 1 : 0;
                     const int lim = i1 < nv ? i1 : nv;
                     const float la = l2s[r0], lb = l2s[r0 + 8];
+                    /* v[k], k = 2 nt + c: this lane's two rows summed for column
+                     * nt * 8 + 2 (lane % 4) + c; the 8 lanes of equal lane % 4 hold the other
+                     * 14 rows of the same columns */
+                    float v[2 * NT];
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                         for (int c = 0; c < 2; c++) {
                             const int col = nt * 8 + 2 * (lane & 3) + c;
-                            float v = 0.0f;
-                            if (i0 + col < lim) v = ex2(S[nt][c] * P.sl2 - la) + ex2(S[nt][2 + c] * P.sl2 - lb);
-                            v += __shfl_xor_sync(0xffffffffu, v, 4);
-                            v += __shfl_xor_sync(0xffffffffu, v, 8);
-                            v += __shfl_xor_sync(0xffffffffu, v, 16);
-                            if (lane < 4 && warp < npos) Cs[warp * BN + col] = v;
+                            v[2 * nt + c] = i0 + col < lim ? ex2(S[nt][c] * P.sl2 - la) + ex2(S[nt][2 + c] * P.sl2 - lb) : 0.0f;
                         }
+                    /* halving butterfly over lane bits 4, 3, 2: each step a lane keeps half of
+                     * its columns and adds the partner's half of them (14 shuffles instead of
+                     * 48); lane ends with columns k = kb, kb + 1 summed over all 16 rows */
+                    static_assert(NT == 8, "the butterfly below halves 16 columns three times");
+                    sel_halve<8>(v, lane, 16);
+                    sel_halve<4>(v, lane, 8);
+                    sel_halve<2>(v, lane, 4);
+                    const int kb = ((lane >> 4) & 1) * 8 + ((lane >> 3) & 1) * 4 + ((lane >> 2) & 1) * 2;
+                    if (warp < npos) {
+                        const int col = (kb >> 1) * 8 + 2 * (lane & 3);
+                        Cs[warp * BN + col] = v[0];
+                        Cs[warp * BN + col + 1] = v[1];
+                    }
                     __syncthreads();
                 } else {
 #pragma unroll
@@ -960,8 +1032,8 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
                     const int pp = idx / JC, jj = idx % JC, j = jA + jj, t = p0 + pp;
                     if (j > t / lp) continue;
                     const int64_t b0 = (int64_t)j * lp - cl;
-                    int ia = b0 < 0 ? 0 : (int)(b0 / cd + 1);
-                    int ib = (int)(((int64_t)j * lp + lp - 1) / cd + 1);
+                    int ia = b0 < 0 ? 0 : (int)(div_nn(b0, cd) + 1);
+                    int ib = (int)(div_nn((int64_t)j * lp + lp - 1, cd) + 1);
                     ia = ia > i0 ? ia : i0;
                     ib = ib < i1 ? ib : i1;
                     float acc = 0.0f;
@@ -988,6 +1060,19 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
             int *lj = LJ + pp * n;
             const float *iv = imp + pp * JC;
             const int k = kept[pp];
+            /* a full list changes only if some candidate ranks above its last entry: after the
+             * first passes most do not, and the pass costs a compare per lane, not a merge */
+            if (k == n) {
+                const int w = lj[n - 1], fw = nsa_rule_forced(w, cur, P.n_init, P.n_local);
+                const float vw = li[n - 1];
+                int enter = 0;
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    const int a = lane + 32 * u, ja = jA + a;
+                    if (a < m) enter |= nsa_rule_ranks_above(nsa_rule_forced(ja, cur, P.n_init, P.n_local), iv[a], ja, fw, vw, w);
+                }
+                if (!__any_sync(0xffffffffu, enter)) continue;
+            }
             /* new candidate a (lanes a = lane, lane + 32; JC <= 64): rank among the new ones
              * plus the kept entries above it (binary search, the list is sorted) */
             int npos2[2];

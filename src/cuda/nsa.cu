@@ -142,24 +142,28 @@ static void run_backward(grun *g, const nsa_backward_args *ba)
     if (pl.cmp_on || pl.own_cmp) dkc32 = cu_take_f32(g, B * R * H * DK, 1), dvc32 = cu_take_f32(g, B * R * H * DV, 1);
     if (pl.sep_slc) dks32 = cu_take_f32(g, B * T * H * DK, 1), dvs32 = cu_take_f32(g, B * T * H * DV, 1);
     if (pl.sep_swa) dkw32 = cu_take_f32(g, B * T * H * DK, 1), dvw32 = cu_take_f32(g, B * T * H * DV, 1);
-    float *Dw = cu_take_f32(g, B * T * HQ, 0), *gw = cu_take_f32(g, B * T * HQ, 0);
+    /* each branch's row terms D = g * rowsum(dout * o_x) and g, from the gate backward's pass */
+    float *Dw[3] = {NULL, NULL, NULL}, *gw[3] = {NULL, NULL, NULL};
+    const int on[3] = {pl.cmp_on, pl.slc_on, pl.swa_on};
+    for (int x = 0; x < 3; x++)
+        if (on[x]) Dw[x] = cu_take_f32(g, B * T * HQ, 0), gw[x] = cu_take_f32(g, B * T * HQ, 0);
 
     const dview q = dv_of(&a->q), dout = dv_of(&ba->dout);
     {
         const dview os[3] = {dv_of(&sv->o_cmp), dv_of(&sv->o_slc), dv_of(&sv->o_swa)};
         const dview gs[3] = {dv_of(&a->g_cmp), dv_of(&a->g_slc), dv_of(&a->g_swa)};
         const dview dgs[3] = {dv_of(&ba->dg_cmp), dv_of(&ba->dg_slc), dv_of(&ba->dg_swa)};
-        nsa_cu_gate_bwd(g, &dout, os, gs, NULL, dgs, B, T, HQ, DV);
+        nsa_cu_gate_bwd(g, &dout, os, gs, NULL, dgs, Dw, gw, B, T, HQ, DV);
     }
     bwd_io io;
     memset(&io, 0, sizeof io);
-    io.q = &q, io.dout = &dout, io.dt = dt, io.Dw = Dw, io.gw = gw, io.dq32 = dq32;
+    io.q = &q, io.dout = &dout, io.dt = dt, io.dq32 = dq32, io.D_ready = 1;
 
     if (pl.cmp_on) {
         dview kc, vc;
         cmp_kv(g, a, pl.own_cmp, &kc, &vc);
         const dview o = dv_of(&sv->o_cmp), lse = dv_of(&sv->lse_cmp), gate = dv_of(&a->g_cmp);
-        io.k = &kc, io.v = &vc, io.o = &o, io.lse = &lse, io.gate = &gate;
+        io.k = &kc, io.v = &vc, io.o = &o, io.lse = &lse, io.gate = &gate, io.Dw = Dw[0], io.gw = gw[0];
         io.dk32 = dkc32, io.dv32 = dvc32, io.KR = R;
         const rule_t r = cu_rule_cmp(p);
         cu_bwd_range(g, &r, &io);
@@ -178,14 +182,14 @@ static void run_backward(grun *g, const nsa_backward_args *ba)
         nsa_cu_usable(g, &iv, pl.counts ? &cv : NULL, m, p->cfg.slc_block, U, ucnt);
         const dview k = dv_of(pl.sep_slc ? &a->k_slc : &a->k), v = dv_of(pl.sep_slc ? &a->v_slc : &a->v);
         const dview o = dv_of(&sv->o_slc), lse = dv_of(&sv->lse_slc), gate = dv_of(&a->g_slc);
-        io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.gate = &gate, io.KR = T;
+        io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.gate = &gate, io.KR = T, io.Dw = Dw[1], io.gw = gw[1];
         io.dk32 = pl.sep_slc ? dks32 : dk32, io.dv32 = pl.sep_slc ? dvs32 : dv32;
         cu_bwd_slc(g, &io, U, ucnt, m);
     }
     if (pl.swa_on) {
         const dview k = dv_of(pl.sep_swa ? &a->k_swa : &a->k), v = dv_of(pl.sep_swa ? &a->v_swa : &a->v);
         const dview o = dv_of(&sv->o_swa), lse = dv_of(&sv->lse_swa), gate = dv_of(&a->g_swa);
-        io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.gate = &gate, io.KR = T;
+        io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.gate = &gate, io.KR = T, io.Dw = Dw[2], io.gw = gw[2];
         io.dk32 = pl.sep_swa ? dkw32 : dk32, io.dv32 = pl.sep_swa ? dvw32 : dv32;
         const rule_t r = cu_rule_window(p->cfg.window - 1, 0, 1);
         cu_bwd_range(g, &r, &io);

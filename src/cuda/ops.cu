@@ -206,6 +206,6 @@ static void run_gate_bwd(grun *g, const nsa_gate_bwd_args *a)
     const dview dos[3] = {dv_of(&a->do_cmp), dv_of(&a->do_slc), dv_of(&a->do_swa)};
     const dview dgs[3] = {dv_of(&a->dg_cmp), dv_of(&a->dg_slc), dv_of(&a->dg_swa)};
     const dview dout = dv_of(&a->dout);
-    nsa_cu_gate_bwd(g, &dout, os, gs, dos, dgs, p->B, p->T, p->HQ, p->DV);
+    nsa_cu_gate_bwd(g, &dout, os, gs, dos, dgs, NULL, NULL, p->B, p->T, p->HQ, p->DV);
 }
 CUDA_OP(gate_bwd, nsa_gate_bwd_args)

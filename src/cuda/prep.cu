@@ -208,10 +208,51 @@ void nsa_cu_compress_bwd(grun *g, const dview *src, const float *src32, int64_t 
 
 typedef struct gate3 {
     dview o[3], g[3], d[3], dg[3];
+    float *Dw[3], *gw[3]; /* backward: per-row D = g * rowsum(dout * o) and g of each branch */
 } gate3;
 
-/* one warp per (b, t, hq) row */
-__global__ void gate_kernel(gate3 a, dview o, int64_t T, int64_t HQ, int64_t DV, int64_t rows)
+/* Four consecutive elements at element offset off (off % 4 == 0 of a 16-byte aligned view,
+ * see dview.al): one 16-byte (f32) or 8-byte (f16/bf16) access instead of four. */
+__device__ __forceinline__ float4 ld4_any(const void *p, int dt, int64_t off)
+{
+    if (dt == NSA_DTYPE_F32) return *(const float4 *)((const float *)p + off);
+    const uint2 u = *(const uint2 *)((const unsigned short *)p + off);
+    if (dt == NSA_DTYPE_BF16) {
+        const float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)&u.x), b = __bfloat1622float2(*(const __nv_bfloat162 *)&u.y);
+        return make_float4(a.x, a.y, b.x, b.y);
+    }
+    const float2 a = __half22float2(*(const __half2 *)&u.x), b = __half22float2(*(const __half2 *)&u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+
+__device__ __forceinline__ void st4_any(void *p, int dt, int64_t off, float4 v)
+{
+    if (dt == NSA_DTYPE_F32) {
+        *(float4 *)((float *)p + off) = v;
+        return;
+    }
+    uint2 u;
+    if (dt == NSA_DTYPE_BF16) {
+        const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
+        u.x = *(const uint32_t *)&a, u.y = *(const uint32_t *)&b;
+    } else {
+        const __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w);
+        u.x = *(const uint32_t *)&a, u.y = *(const uint32_t *)&b;
+    }
+    *(uint2 *)((unsigned short *)p + off) = u;
+}
+
+/* Rows of these views can be read four elements at a time: 16-byte aligned rows, D % 4 == 0. */
+static int vec4_ok(const dview *v, int n, int64_t D)
+{
+    if (D % 4) return 0;
+    for (int i = 0; i < n; i++)
+        if (v[i].p && !v[i].al) return 0;
+    return 1;
+}
+
+/* one warp per (b, t, hq) row; vec: lanes over 4-element groups (else one element each) */
+__global__ void gate_kernel(gate3 a, dview o, int64_t T, int64_t HQ, int64_t DV, int64_t rows, int vec)
 {
     const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
@@ -224,6 +265,18 @@ __global__ void gate_kernel(gate3 a, dview o, int64_t T, int64_t HQ, int64_t DV,
         ob[x] = b * a.o[x].s0 + t * a.o[x].s1 + hq * a.o[x].s2;
     }
     const int64_t base = b * o.s0 + t * o.s1 + hq * o.s2;
+    if (vec) {
+        for (int64_t d = 4 * lane; d < DV; d += 128) {
+            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int x = 0; x < 3; x++)
+                if (a.g[x].p) {
+                    const float4 v = ld4_any(a.o[x].p, a.o[x].dt, ob[x] + d);
+                    acc.x += gv[x] * v.x, acc.y += gv[x] * v.y, acc.z += gv[x] * v.z, acc.w += gv[x] * v.w;
+                }
+            st4_any(o.p, o.dt, base + d, acc);
+        }
+        return;
+    }
     for (int64_t d = lane; d < DV; d += 32) {
         float acc = 0.0f;
         for (int x = 0; x < 3; x++)
@@ -240,12 +293,15 @@ void nsa_cu_gate(grun *g, const dview os[3], const dview gs[3], const dview *o, 
     gate3 a;
     memset(&a, 0, sizeof a);
     for (int x = 0; x < 3; x++) a.o[x] = os[x], a.g[x] = gs[x];
-    gate_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(a, *o, T, HQ, DV, rows);
+    dview v[4] = {*o};
+    for (int x = 0; x < 3; x++) v[x + 1] = gs[x].p ? os[x] : dview();
+    gate_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(a, *o, T, HQ, DV, rows, vec4_ok(v, 4, DV));
     g_launched(g);
 }
 
-/* one warp per (b, t, hq) row */
-__global__ void gate_bwd_kernel(gate3 a, dview dout, int64_t T, int64_t HQ, int64_t DV, int64_t rows)
+/* one warp per (b, t, hq) row: per present gate, dg = rowsum(dout * o_x) (also the branch's
+ * D = g * dg and g for its backward), do_x = g * dout */
+__global__ void gate_bwd_kernel(gate3 a, dview dout, int64_t T, int64_t HQ, int64_t DV, int64_t rows, int vec)
 {
     const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
@@ -255,30 +311,50 @@ __global__ void gate_bwd_kernel(gate3 a, dview dout, int64_t T, int64_t HQ, int6
     for (int x = 0; x < 3; x++) {
         if (!a.g[x].p) continue;
         const float gv = ld_any(a.g[x].p, a.g[x].dt, b * a.g[x].s0 + t * a.g[x].s1 + hq * a.g[x].s2);
+        const int64_t xo = b * a.o[x].s0 + t * a.o[x].s1 + hq * a.o[x].s2, xd = b * a.d[x].s0 + t * a.d[x].s1 + hq * a.d[x].s2;
+        const int need_dot = a.dg[x].p || a.Dw[x];
         float dg = 0.0f;
-        for (int64_t d = lane; d < DV; d += 32) {
-            const float dd = ld_any(dout.p, dout.dt, ob + d);
-            if (a.dg[x].p) dg += dd * ld_any(a.o[x].p, a.o[x].dt, b * a.o[x].s0 + t * a.o[x].s1 + hq * a.o[x].s2 + d);
-            if (a.d[x].p) st_any(a.d[x].p, a.d[x].dt, b * a.d[x].s0 + t * a.d[x].s1 + hq * a.d[x].s2 + d, gv * dd);
+        if (vec) {
+            for (int64_t d = 4 * lane; d < DV; d += 128) {
+                const float4 dd = ld4_any(dout.p, dout.dt, ob + d);
+                if (need_dot) {
+                    const float4 ov = ld4_any(a.o[x].p, a.o[x].dt, xo + d);
+                    dg += dd.x * ov.x + dd.y * ov.y + dd.z * ov.z + dd.w * ov.w;
+                }
+                if (a.d[x].p) st4_any(a.d[x].p, a.d[x].dt, xd + d, make_float4(gv * dd.x, gv * dd.y, gv * dd.z, gv * dd.w));
+            }
+        } else {
+            for (int64_t d = lane; d < DV; d += 32) {
+                const float dd = ld_any(dout.p, dout.dt, ob + d);
+                if (need_dot) dg += dd * ld_any(a.o[x].p, a.o[x].dt, xo + d);
+                if (a.d[x].p) st_any(a.d[x].p, a.d[x].dt, xd + d, gv * dd);
+            }
         }
         dg = warp_sum(dg);
-        if (a.dg[x].p && lane == 0) st_any(a.dg[x].p, a.dg[x].dt, b * a.dg[x].s0 + t * a.dg[x].s1 + hq * a.dg[x].s2, dg);
+        if (lane == 0) {
+            if (a.dg[x].p) st_any(a.dg[x].p, a.dg[x].dt, b * a.dg[x].s0 + t * a.dg[x].s1 + hq * a.dg[x].s2, dg);
+            if (a.Dw[x]) a.Dw[x][row] = gv * dg, a.gw[x][row] = gv;
+        }
     }
 }
 
 void nsa_cu_gate_bwd(grun *g, const dview *dout, const dview os[3], const dview gs[3], const dview dos[3],
-                     const dview dgs[3], int64_t B, int64_t T, int64_t HQ, int64_t DV)
+                     const dview dgs[3], float *const Dw[3], float *const gw[3], int64_t B, int64_t T, int64_t HQ,
+                     int64_t DV)
 {
     const int64_t rows = B * T * HQ;
     if (!g_live(g) || rows == 0) return;
     gate3 a;
     memset(&a, 0, sizeof a);
+    dview v[7] = {*dout};
     for (int x = 0; x < 3; x++) {
         a.o[x] = os[x], a.g[x] = gs[x];
         if (dos) a.d[x] = dos[x];
         if (dgs) a.dg[x] = dgs[x];
+        if (Dw && gs[x].p) a.Dw[x] = Dw[x], a.gw[x] = gw[x];
+        if (gs[x].p) v[1 + x] = os[x], v[4 + x] = a.d[x];
     }
-    gate_bwd_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(a, *dout, T, HQ, DV, rows);
+    gate_bwd_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(a, *dout, T, HQ, DV, rows, vec4_ok(v, 7, DV));
     g_launched(g);
 }
 
@@ -315,13 +391,17 @@ void nsa_cu_dprep(grun *g, const dview *dout, const dview *o, const dview *gate,
 }
 
 /* one warp per (b, r, h) row */
-__global__ void store32_kernel(const float *src, dview dst, int64_t R, int64_t H, int64_t D, int64_t rows)
+__global__ void store32_kernel(const float *src, dview dst, int64_t R, int64_t H, int64_t D, int64_t rows, int vec)
 {
     const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (row >= rows) return;
     const int64_t h = row % H, r = (row / H) % R, b = row / (H * R);
     const int64_t base = b * dst.s0 + r * dst.s1 + h * dst.s2;
+    if (vec) {
+        for (int64_t d = 4 * lane; d < D; d += 128) st4_any(dst.p, dst.dt, base + d, *(const float4 *)(src + row * D + d));
+        return;
+    }
     for (int64_t d = lane; d < D; d += 32) st_any(dst.p, dst.dt, base + d, src[row * D + d]);
 }
 
@@ -329,7 +409,8 @@ void nsa_cu_store32(grun *g, const float *src, const dview *dst, int64_t B, int6
 {
     const int64_t rows = B * R * H;
     if (!g_live(g) || rows == 0 || D == 0) return;
-    store32_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(src, *dst, R, H, D, rows);
+    const int vec = vec4_ok(dst, 1, D) && (uintptr_t)src % 16 == 0; /* src rows: D % 4 == 0 keeps them aligned */
+    store32_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(src, *dst, R, H, D, rows, vec);
     g_launched(g);
 }
 
