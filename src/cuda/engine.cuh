@@ -585,7 +585,13 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
     const int32_t *list = nullptr;
     if (!is_slc) {
         int64_t kt = local, sg = 0;
-        if (P.nseg > 1) kt = local / P.nseg, sg = local % P.nseg;
+        /* segment-major: the CTAs running together are the key tiles of one row segment,
+         * so they stream the same Q / dO rows through L2 (tile-major, each CTA read its own
+         * rows from DRAM: ~40% L2 hits at 64k) */
+        if (P.nseg > 1) {
+            const int64_t ntl = (nkeys + BK - 1) / BK;
+            kt = local % ntl, sg = local / ntl;
+        }
         k0 = (int)kt * BK;
         k1 = k0 + BK < nkeys ? k0 + BK : nkeys;
         if (k0 >= k1) return;
@@ -593,11 +599,12 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
         const int qlast = kt_last_starting(P.rule, sq.len, nkeys, k1 - 1);
         nrows = qlast >= qfirst ? (int64_t)(qlast - qfirst + 1) * G : 0;
         rbase = (int64_t)qfirst * G;
-        if (P.nseg > 1) { /* segment sg of the rows, in whole chunks */
-            const int64_t sz = ((nrows + P.nseg - 1) / P.nseg + BQ - 1) / BQ * BQ;
-            const int64_t b0 = sg * sz < nrows ? sg * sz : nrows;
-            rbase += b0;
-            nrows = nrows - b0 < sz ? nrows - b0 : sz;
+        if (P.nseg > 1) { /* the tile's rows inside absolute segment sg of the sequence's rows */
+            const int64_t all = (int64_t)sq.len * G, sz = ((all + P.nseg - 1) / P.nseg + BQ - 1) / BQ * BQ;
+            const int64_t a0 = sg * sz, a1 = a0 + sz < all ? a0 + sz : all;
+            const int64_t lo = rbase > a0 ? rbase : a0, hi = rbase + nrows < a1 ? rbase + nrows : a1;
+            rbase = lo;
+            nrows = hi > lo ? hi - lo : 0;
             if (sg > 0) slot = (int64_t)blockIdx.x * P.H + h;
         }
     } else {

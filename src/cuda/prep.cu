@@ -686,13 +686,14 @@ __global__ void seg_reduce_kernel(kparams P, seqmap tm)
     const int64_t nkeys = is_cmp ? sq.ncmp : sq.len, key_row0 = is_cmp ? sq.cmp0 : sq.row0;
     const int64_t k0 = kt * 64, k1 = k0 + 64 < nkeys ? k0 + 64 : nkeys;
     if (k0 >= k1) return;
-    const int64_t task0 = (P.sm.first ? P.sm.first[s] : s * P.sm.per_seq) + kt * P.nseg;
+    /* ktile's task of (tile kt, segment sg): segment-major within the sequence */
+    const int64_t task0 = (P.sm.first ? P.sm.first[s] : s * P.sm.per_seq) + kt, ntl = (nkeys + 63) / 64;
     const int64_t W = P.DK + P.DV;
     for (int64_t i = threadIdx.x; i < (k1 - k0) * W; i += blockDim.x) {
         const int64_t key = i / W, col = i % W;
         const int64_t po = col < P.DK ? key * P.DK + col : 64 * P.DK + key * P.DV + (col - P.DK);
         float sum = 0.0f;
-        for (int64_t sg = 1; sg < P.nseg; sg++) sum += P.part[((task0 + sg) * P.H + h) * 64 * W + po];
+        for (int64_t sg = 1; sg < P.nseg; sg++) sum += P.part[((task0 + sg * ntl) * P.H + h) * 64 * W + po];
         const int64_t row = (sq.b * P.KR + key_row0 + k0 + key) * P.H + h;
         if (col < P.DK) P.dk[row * P.DK + col] += sum;
         else P.dv[row * P.DV + (col - P.DK)] += sum;
