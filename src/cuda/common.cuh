@@ -301,6 +301,11 @@ __device__ __forceinline__ void cp16(void *dst, const void *src, int bytes)
 {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
 }
+/* 16-byte asynchronous copy of a whole 16 bytes (no size operand, no predicate). */
+__device__ __forceinline__ void cp16_full(void *dst, const void *src)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
@@ -350,12 +355,41 @@ __device__ __forceinline__ void load_rows(T *dst, int ld, const T *src, const in
     }
 }
 
+/* ROWS full rows of DP elements, row i at src + i * stride, by NTHR threads: compile-time
+ * trip count and shared offsets, so each 16-byte copy is one cp.async plus a 64-bit add
+ * (the run-time loop cost ~13 instructions per copy, most of a one-warp tile's work). */
+template <typename T, int DP, int NTHR, int ROWS>
+__device__ __forceinline__ void load_tile_full(T *dst, int ld, const T *src, int64_t stride, int tid)
+{
+    constexpr int CH = DP / 8, RPI = NTHR / CH;
+    static_assert(NTHR % CH == 0 && ROWS % RPI == 0, "whole rows per pass");
+    const T *s = src + (int64_t)(tid / CH) * stride + (tid % CH) * 8;
+    T *d = dst + (tid / CH) * ld + (tid % CH) * 8;
+    const int64_t step = (int64_t)RPI * stride;
+#pragma unroll
+    for (int i = 0; i < ROWS / RPI; i++, s += step) cp16_full(d + i * RPI * ld, s);
+}
+
 /* Same for `rows` consecutive rows base + i * stride, i < valid (the rest zero). */
 template <typename T, int DP>
 __device__ __forceinline__ void load_rows_lin(T *dst, int ld, const T *src, int64_t base, int64_t stride, int valid,
                                               int rows, int D, int al, int tid, int nthr)
 {
     constexpr int CH = DP / 8;
+    if (al && D == DP && valid == rows && rows == 64) { /* whole tiles of one or four warps */
+        if constexpr (32 % CH == 0) {
+            if (nthr == 32) {
+                load_tile_full<T, DP, 32, 64>(dst, ld, src + base, stride, tid);
+                return;
+            }
+        }
+        if constexpr (128 % CH == 0) {
+            if (nthr == 128) {
+                load_tile_full<T, DP, 128, 64>(dst, ld, src + base, stride, tid);
+                return;
+            }
+        }
+    }
     if (al && D == DP && nthr % CH == 0) { /* fast path, as in load_rows */
         const int rpi = nthr / CH, r0 = tid / CH, c = (tid % CH) * 8;
         const T *s = src + base + (int64_t)r0 * stride + c;

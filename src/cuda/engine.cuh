@@ -1067,59 +1067,65 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
             int *lj = LJ + pp * n;
             const float *iv = imp + pp * JC;
             const int k = kept[pp];
-            /* a full list changes only if some candidate ranks above its last entry: after the
-             * first passes most do not, and the pass costs a compare per lane, not a merge */
-            if (k == n) {
-                const int w = lj[n - 1], fw = nsa_rule_forced(w, cur, P.n_init, P.n_local);
-                const float vw = li[n - 1];
-                int enter = 0;
+            /* Only candidates that rank above the list's last entry can enter a full list (all
+             * enter one that is not full); with random importances that is a few per pass
+             * after the first ones. Ranks are counted against those entrants alone (masks
+             * E[0], E[1] over candidates lane and lane + 32), so a pass costs O(entrants)
+             * per lane instead of O(JC). */
+            int en[2] = {0, 0};
+            {
+                const int w = k == n ? lj[n - 1] : 0, fw = k == n ? nsa_rule_forced(w, cur, P.n_init, P.n_local) : 0;
+                const float vw = k == n ? li[n - 1] : 0.0f;
 #pragma unroll
                 for (int u = 0; u < 2; u++) {
                     const int a = lane + 32 * u, ja = jA + a;
-                    if (a < m) enter |= nsa_rule_ranks_above(nsa_rule_forced(ja, cur, P.n_init, P.n_local), iv[a], ja, fw, vw, w);
+                    if (a < m)
+                        en[u] = k < n || nsa_rule_ranks_above(nsa_rule_forced(ja, cur, P.n_init, P.n_local), iv[a], ja, fw, vw, w);
                 }
-                if (!__any_sync(0xffffffffu, enter)) continue;
             }
-            /* new candidate a (lanes a = lane, lane + 32; JC <= 64): rank among the new ones
-             * plus the kept entries above it (binary search, the list is sorted) */
+            const unsigned E[2] = {__ballot_sync(0xffffffffu, en[0]), __ballot_sync(0xffffffffu, en[1])};
+            if (!(E[0] | E[1])) continue;
+            const int ne = __popc(E[0]) + __popc(E[1]);
+            /* entrants ranking above (fx, vx, jx) */
+            auto entrants_above = [&](int fx, float vx, int jx) {
+                int r = 0;
+#pragma unroll
+                for (int u = 0; u < 2; u++)
+                    for (unsigned e = E[u]; e; e &= e - 1) {
+                        const int b = __ffs(e) - 1 + 32 * u, jb = jA + b;
+                        r += nsa_rule_ranks_above(nsa_rule_forced(jb, cur, P.n_init, P.n_local), iv[b], jb, fx, vx, jx);
+                    }
+                return r;
+            };
+            /* entrant a: rank among the entrants plus the kept entries above it (binary
+             * search, the list is sorted) */
             int npos2[2];
 #pragma unroll
             for (int u = 0; u < 2; u++) {
                 const int a = lane + 32 * u;
                 npos2[u] = n;
-                if (a < m) {
+                if (en[u]) {
                     const int ja = jA + a, fa = nsa_rule_forced(ja, cur, P.n_init, P.n_local);
                     const float va = iv[a];
-                    int r = 0;
-                    for (int b = 0; b < m; b++) {
-                        const int jb = jA + b;
-                        r += nsa_rule_ranks_above(nsa_rule_forced(jb, cur, P.n_init, P.n_local), iv[b], jb, fa, va, ja);
-                    }
                     int lo = 0, hi = k;
                     while (lo < hi) {
                         const int mid = (lo + hi) >> 1, w = lj[mid];
                         if (nsa_rule_ranks_above(nsa_rule_forced(w, cur, P.n_init, P.n_local), li[mid], w, fa, va, ja)) lo = mid + 1;
                         else hi = mid;
                     }
-                    npos2[u] = r + lo;
+                    npos2[u] = entrants_above(fa, va, ja) + lo;
                 }
             }
             __syncwarp();
-            /* kept entry i moves to i + (new candidates above it) >= i: chunks from the end,
-             * so a write only lands on entries already read */
+            /* kept entry i moves to i + (entrants above it) >= i: chunks from the end, so a
+             * write only lands on entries already read */
             for (int base = ((k - 1) >> 5) << 5; base >= 0; base -= 32) {
                 const int i = base + lane;
                 float v = 0.0f;
                 int w = 0, dst = n;
                 if (i < k) {
                     v = li[i], w = lj[i];
-                    const int fw = nsa_rule_forced(w, cur, P.n_init, P.n_local);
-                    int r = 0;
-                    for (int b = 0; b < m; b++) {
-                        const int jb = jA + b;
-                        r += nsa_rule_ranks_above(nsa_rule_forced(jb, cur, P.n_init, P.n_local), iv[b], jb, fw, v, w);
-                    }
-                    dst = i + r;
+                    dst = i + entrants_above(nsa_rule_forced(w, cur, P.n_init, P.n_local), v, w);
                 }
                 __syncwarp();
                 if (dst < n) li[dst] = v, lj[dst] = w;
@@ -1131,7 +1137,7 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
                 if (npos2[u] < n) li[npos2[u]] = iv[a], lj[npos2[u]] = jA + a;
             }
             __syncwarp();
-            if (lane == 0) kept[pp] = k + m < n ? k + m : n;
+            if (lane == 0) kept[pp] = k + ne < n ? k + ne : n;
             __syncwarp();
         }
         __syncthreads();
