@@ -82,6 +82,7 @@ static double get_elem(const tens *x, int64_t off)
     case NSA_DTYPE_BF16: return nsa_bf16_to_f32(((const uint16_t *)data)[off]);
     case NSA_DTYPE_F16: return nsa_f16_to_f32(((const uint16_t *)data)[off]);
     case NSA_DTYPE_I32: return ((const int32_t *)data)[off];
+    case NSA_DTYPE_U8: return ((const uint8_t *)data)[off];
     }
     return 0;
 }
@@ -94,6 +95,7 @@ static void set_elem(tens *x, int64_t off, double v)
     case NSA_DTYPE_BF16: ((uint16_t *)data)[off] = nsa_f32_to_bf16((float)v); break;
     case NSA_DTYPE_F16: ((uint16_t *)data)[off] = nsa_f32_to_f16((float)v); break;
     case NSA_DTYPE_I32: ((int32_t *)data)[off] = (int32_t)v; break;
+    case NSA_DTYPE_U8: ((uint8_t *)data)[off] = (uint8_t)v; break;
     }
 }
 
