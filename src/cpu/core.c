@@ -306,3 +306,20 @@ void core_bwd_block(core_tile *t, const float *K, const float *V, int64_t c0, in
     if (dK) mk_accum_t(dK + (ua - c0) * t->DK, dS, t->S_cap, t->R, t->Q, t->DK, n);
     if (dV) mk_accum_t(dV + (ua - c0) * t->DV, P, t->S_cap, t->R, t->dO, t->DV, n);
 }
+
+/* The micro-kernels for the attention op's general path (attn_ext.c). */
+void core_scores(const float *A, int R, int D, const float *X, int64_t c0, int64_t c1, float *S, int64_t ldS,
+                 float *xt)
+{
+    mk_scores(A, R, D, X, c0, c1, S, ldS, xt);
+}
+
+void core_accum(float *Acc, const float *W, int64_t ldW, int R, const float *X, int D, int64_t n)
+{
+    mk_accum(Acc, W, ldW, R, X, D, n);
+}
+
+void core_accum_t(float *Acc, const float *W, int64_t ldW, int R, const float *Y, int D, int64_t n)
+{
+    mk_accum_t(Acc, W, ldW, R, Y, D, n);
+}
