@@ -19,8 +19,10 @@ void test_attention_all(void);
 
 /* ---- host tensors: storage in any dtype plus the stored values as doubles ------------ */
 typedef struct buf {
-    nsa_tensor t;
+    nsa_tensor t;  /* the view handed to the library */
+    nsa_tensor m;  /* the memory layout of the logical elements (t may broadcast it) */
     void *mem;
+    size_t bytes;
     double *val;   /* the values as stored (what the reference reads), logical row-major */
     int64_t n;
 } buf;
@@ -35,18 +37,54 @@ static double round_dt(nsa_dtype dt, double x)
     }
 }
 
+/* Padded layouts (g_pad): dim 1 and the last dim longer than the view, so every output
+ * has bytes around its elements that must stay sentinel. */
+static int g_pad;
+
 static buf buf_make(nsa_dtype dt, int rank, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
 {
     const int64_t shape[4] = {d0, d1, d2, d3};
+    int64_t pshape[4] = {d0, d1, d2, d3};
     buf b;
     b.n = 1;
     for (int i = 0; i < rank; i++) b.n *= shape[i];
+    if (g_pad && rank >= 2) pshape[rank - 1] += 3, pshape[1] += 1;
+    int64_t total = 1;
+    for (int i = 0; i < rank; i++) total *= pshape[i] > 0 ? pshape[i] : 1;
     const size_t es = nsa_dtype_size(dt);
-    b.mem = malloc((size_t)(b.n > 0 ? b.n : 1) * es);
-    memset(b.mem, 0xFF, (size_t)(b.n > 0 ? b.n : 1) * es); /* NaN sentinel for float outputs */
+    b.bytes = (size_t)total * es;
+    b.mem = malloc(b.bytes);
+    memset(b.mem, 0xFF, b.bytes); /* NaN sentinel for float outputs */
     b.val = (double *)calloc((size_t)(b.n > 0 ? b.n : 1), sizeof(double));
-    b.t = nsa_tensor_make(b.mem, dt, rank, shape);
+    b.t = nsa_tensor_make(b.mem, dt, rank, pshape);
+    for (int i = 0; i < rank; i++) b.t.shape[i] = shape[i];
+    b.m = b.t;
     return b;
+}
+
+/* Storage offset (elements) of logical element i. */
+static int64_t buf_off(const buf *b, int64_t i)
+{
+    int64_t off = 0;
+    for (int d = b->m.rank - 1; d >= 0; d--) {
+        off += (i % b->m.shape[d]) * b->m.stride[d];
+        i /= b->m.shape[d];
+    }
+    return off;
+}
+
+/* Every byte outside the logical elements still holds the sentinel. */
+static int buf_guard_ok(const buf *b)
+{
+    if (!b->mem) return 1;
+    const size_t es = nsa_dtype_size(b->m.dtype);
+    unsigned char *mark = calloc(b->bytes + 1, 1);
+    for (int64_t i = 0; i < b->n; i++) memset(mark + (size_t)buf_off(b, i) * es, 1, es);
+    int ok = 1;
+    for (size_t j = 0; j < b->bytes; j++)
+        if (!mark[j] && ((const unsigned char *)b->mem)[j] != 0xFF) ok = 0;
+    free(mark);
+    return ok;
 }
 
 static void buf_free(buf *b)
@@ -56,8 +94,9 @@ static void buf_free(buf *b)
     memset(b, 0, sizeof *b);
 }
 
-static void buf_store(buf *b, int64_t i, double x)
+static void buf_store(buf *b, int64_t li, double x)
 {
+    const int64_t i = buf_off(b, li);
     switch (b->t.dtype) {
     case NSA_DTYPE_F32: ((float *)b->mem)[i] = (float)x; break;
     case NSA_DTYPE_F16: ((uint16_t *)b->mem)[i] = nsa_f32_to_f16((float)x); break;
@@ -65,11 +104,12 @@ static void buf_store(buf *b, int64_t i, double x)
     case NSA_DTYPE_I32: ((int32_t *)b->mem)[i] = (int32_t)x; break;
     case NSA_DTYPE_U8: ((uint8_t *)b->mem)[i] = (uint8_t)x; break;
     }
-    b->val[i] = round_dt(b->t.dtype, x);
+    b->val[li] = round_dt(b->t.dtype, x);
 }
 
-static double buf_get(const buf *b, int64_t i)
+static double buf_get(const buf *b, int64_t li)
 {
+    const int64_t i = buf_off(b, li);
     switch (b->t.dtype) {
     case NSA_DTYPE_F32: return ((const float *)b->mem)[i];
     case NSA_DTYPE_F16: return nsa_f16_to_f32(((const uint16_t *)b->mem)[i]);
@@ -112,6 +152,8 @@ static void compare(const char *what, const buf *b, const double *ref, const dou
         snprintf(msg + len, sizeof msg - (size_t)len, " %ld of %lld off, tol %.3g worst %.3g", bad, (long long)b->n, tol,
                  worst);
     CHECK_MSG(bad == 0, msg);
+    snprintf(msg, sizeof msg, "%s [%s]: a byte outside the output's elements was written", what, g_case);
+    CHECK_MSG(buf_guard_ok(b), msg);
     if (g_tests_verbose && bad == 0) fprintf(stderr, "  ok %-8s %-40s worst %.3g tol %.3g\n", what, g_case, worst, tol);
 }
 
@@ -129,6 +171,8 @@ typedef struct acase {
     int sinks, seg, bias, mask, dbias;
     float p;
     uint64_t seed, offset;
+    int pad;                    /* padded (strided) views of every tensor */
+    int bias_ninf;              /* about 1 in 8 bias entries -inf (masking through the bias) */
     int varlen;                 /* 0 dense, 1 varlen.cu_seqlens (int32), 2 varlen_qk (int64) */
     int nseq;
     int64_t qlens[6], klens[6]; /* varlen lengths (klens unused for varlen 1) */
@@ -157,10 +201,8 @@ static void pair_dims(int form, int64_t B, int64_t HQ, int64_t *m0, int64_t *m1,
 /* Element [b, hq, i, j] of a pair tensor's values (memory dims m0, m1 broadcast). */
 static double pair_val(const buf *x, int64_t b, int64_t hq, int64_t i, int64_t j, int64_t Tq, int64_t Tk)
 {
-    const int64_t m0 = x->t.shape[0] == 1 || x->t.stride[0] == 0 ? 0 : b;
-    const int64_t m1 = x->t.shape[1] == 1 || x->t.stride[1] == 0 ? 0 : hq;
-    const int64_t n1 = x->t.stride[1] == 0 ? 1 : x->t.shape[1];
-    return x->val[((m0 * n1 + m1) * Tq + i) * Tk + j];
+    const int64_t m0 = x->m.shape[0] == 1 ? 0 : b, m1 = x->m.shape[1] == 1 ? 0 : hq;
+    return x->val[((m0 * x->m.shape[1] + m1) * Tq + i) * Tk + j];
 }
 
 static buf pair_make(int form, nsa_dtype dt, const world *w)
@@ -168,7 +210,7 @@ static buf pair_make(int form, nsa_dtype dt, const world *w)
     int64_t m0, m1, v0, v1;
     pair_dims(form, w->B, w->c.HQ, &m0, &m1, &v0, &v1);
     buf x = buf_make(dt, 4, m0, m1, w->Tq, w->Tk);
-    if (form == PAIR_STRIDE0) { /* [B, HQ, Tq, Tk] view of one [Tq, Tk] plane */
+    if (form == PAIR_STRIDE0) { /* [B, HQ, Tq, Tk] view of one [Tq, Tk] plane; x.m keeps [1, 1, Tq, Tk] */
         x.t.shape[0] = v0, x.t.shape[1] = v1;
         x.t.stride[0] = x.t.stride[1] = 0;
     }
@@ -194,6 +236,7 @@ static void world_build(world *w, const acase *c, uint64_t seed)
     }
     const int64_t B = w->B, Tq = w->Tq, Tk = w->Tk, HQ = c->HQ, H = c->H;
     const nsa_dtype dt = c->dt;
+    g_pad = c->pad;
     w->q = buf_make(dt, 4, B, Tq, HQ, c->DK);
     w->k = buf_make(dt, 4, B, Tk, H, c->DK);
     w->v = buf_make(dt, 4, B, Tk, H, c->DV);
@@ -235,6 +278,8 @@ static void world_build(world *w, const acase *c, uint64_t seed)
         pair_dims(c->bias, B, HQ, &m0, &m1, &w->vb0, &w->vb1);
         w->bias = pair_make(c->bias, dt, w);
         buf_normal(&w->bias, &r, 1.0);
+        for (int64_t i = 0; c->bias_ninf && i < w->bias.n; i++)
+            if (rng_uniform(&r) < 0.125) buf_store(&w->bias, i, -INFINITY);
         a->bias = w->bias.t;
         if (c->dbias) {
             w->dbias = buf_make(dt, 4, w->vb0, w->vb1, Tq, Tk);
@@ -246,6 +291,7 @@ static void world_build(world *w, const acase *c, uint64_t seed)
         for (int64_t i = 0; i < w->mask.n; i++) buf_store(&w->mask, i, rng_uniform(&r) < 0.8 ? 1.0 : 0.0);
         a->mask = w->mask.t;
     }
+    g_pad = 0;
     w->g.fwd = *a;
     w->g.dout = w->dout.t, w->g.dq = w->dq.t, w->g.dk = w->dk.t, w->g.dv = w->dv.t;
     if (c->sinks) w->g.dsinks = w->dsinks.t;
@@ -258,26 +304,53 @@ static void world_free(world *w)
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) buf_free(all[i]);
 }
 
-static nsa_status run_fwd(const nsa_attention_args *a)
+static nsa_context *g_ctx1; /* one thread: the results must be bitwise those of g_ctx */
+
+static nsa_status run_fwd_on(nsa_context *ctx, const nsa_attention_args *a)
 {
     size_t need = 0;
-    nsa_status st = nsa_attention_workspace_size(g_ctx, a, &need);
+    nsa_status st = nsa_attention_workspace_size(ctx, a, &need);
     if (st != NSA_STATUS_SUCCESS) return st;
     void *ws = malloc(need ? need : 1);
-    st = nsa_attention(g_ctx, a, ws, need);
+    st = nsa_attention(ctx, a, ws, need);
     free(ws);
     return st;
 }
 
-static nsa_status run_bwd(const nsa_attention_bwd_args *g)
+static nsa_status run_bwd_on(nsa_context *ctx, const nsa_attention_bwd_args *g)
 {
     size_t need = 0;
-    nsa_status st = nsa_attention_bwd_workspace_size(g_ctx, g, &need);
+    nsa_status st = nsa_attention_bwd_workspace_size(ctx, g, &need);
     if (st != NSA_STATUS_SUCCESS) return st;
     void *ws = malloc(need ? need : 1);
-    st = nsa_attention_bwd(g_ctx, g, ws, need);
+    st = nsa_attention_bwd(ctx, g, ws, need);
     free(ws);
     return st;
+}
+
+static nsa_status run_fwd(const nsa_attention_args *a) { return run_fwd_on(g_ctx, a); }
+static nsa_status run_bwd(const nsa_attention_bwd_args *g) { return run_bwd_on(g_ctx, g); }
+
+/* Every output of the call, bitwise, with one thread against the default thread count. */
+static void check_threads(world *w)
+{
+    buf *outs[] = {&w->o, &w->lse, &w->dq, &w->dk, &w->dv, &w->dsinks, &w->dbias};
+    void *saved[7];
+    for (int i = 0; i < 7; i++) {
+        saved[i] = outs[i]->mem ? malloc(outs[i]->bytes) : NULL;
+        if (saved[i]) memcpy(saved[i], outs[i]->mem, outs[i]->bytes);
+    }
+    CHECK_STATUS(run_fwd_on(g_ctx1, &w->a), NSA_STATUS_SUCCESS);
+    CHECK_STATUS(run_bwd_on(g_ctx1, &w->g), NSA_STATUS_SUCCESS);
+    int same = 1;
+    for (int i = 0; i < 7; i++)
+        if (saved[i]) {
+            same &= memcmp(saved[i], outs[i]->mem, outs[i]->bytes) == 0;
+            free(saved[i]);
+        }
+    char msg[160];
+    snprintf(msg, sizeof msg, "[%s] one thread and the default thread count differ", g_case);
+    CHECK_MSG(same, msg);
 }
 
 /* Sequence s: batch index, first query / key row, lengths. */
@@ -368,6 +441,8 @@ static void ref_out_free(ref_out *r)
 static nsa_dtype g_round_dt;
 static double round_hook(double x) { return round_dt(g_round_dt, x); }
 
+static int g_check_threads;
+
 static void run_case(const acase *c, uint64_t seed)
 {
     world w;
@@ -389,6 +464,7 @@ static void run_case(const acase *c, uint64_t seed)
     compare("dv", &w.dv, ex.dv, nv.dv, c->dt);
     if (c->sinks) compare("dsinks", &w.dsinks, ex.ds, nv.ds, NSA_DTYPE_F32);
     if (c->dbias) compare("dbias", &w.dbias, ex.db, nv.db, c->dt);
+    if (g_check_threads) check_threads(&w);
     ref_out_free(&ex);
     ref_out_free(&nv);
     world_free(&w);
@@ -472,6 +548,23 @@ static void test_cases(void)
     c.causal = 1, c.softcap = 1.0f, c.sinks = 1, c.bias = PAIR_FULL, c.dbias = 1, c.mask = PAIR_11, c.p = 0.1f;
     c.dt = NSA_DTYPE_BF16;
     run_case(&c, seed++);
+    /* empty sides, padded views, -inf bias entries, thread-count determinism */
+    c = shape("Tk=0 + sinks", 2, 5, 0, 2, 1, 16, 8), c.sinks = 1;
+    run_case(&c, seed++);
+    c = shape("Tq=0", 1, 0, 9, 2, 1, 16, 8), c.causal = 1, c.sinks = 1;
+    run_case(&c, seed++);
+    c = shape("padded views, all options", 2, 33, 47, 4, 2, 24, 40);
+    c.pad = 1, c.causal = 1, c.softcap = 3.0f, c.sinks = 1, c.seg = 1, c.bias = PAIR_FULL, c.dbias = 1;
+    c.mask = PAIR_1H, c.p = 0.3f, c.seed = 3;
+    run_case(&c, seed++);
+    c = shape("-inf bias entries", 2, 40, 40, 2, 1, 16, 16), c.bias = PAIR_FULL, c.bias_ninf = 1, c.dbias = 1;
+    c.sinks = 1;
+    run_case(&c, seed++);
+    g_check_threads = 1;
+    c = shape("threads: all options, broadcast dbias", 3, 70, 150, 4, 2, 32, 32);
+    c.causal = 1, c.softcap = 2.0f, c.sinks = 1, c.seg = 1, c.bias = PAIR_11, c.dbias = 1, c.p = 0.2f, c.seed = 11;
+    run_case(&c, seed++);
+    g_check_threads = 0;
     /* varlen: the int32 packing with options, and separate int64 packings */
     c = shape("varlen int32 + softcap", 1, 0, 0, 4, 2, 32, 32), c.varlen = 1, c.nseq = 5, c.causal = 1;
     c.softcap = 3.0f;
@@ -486,6 +579,10 @@ static void test_cases(void)
     run_case(&c, seed++);
     c.name = "varlen_qk + all options f16", c.dt = NSA_DTYPE_F16;
     run_case(&c, seed++);
+    g_check_threads = 1;
+    c.name = "varlen_qk + all options, threads", c.dt = NSA_DTYPE_F32, c.bias = PAIR_FULL;
+    run_case(&c, seed++);
+    g_check_threads = 0;
 }
 
 /* ---- finite differences of the backward ------------------------------------------------ */
@@ -667,12 +764,15 @@ void test_attention_all(void)
     memset(&d, 0, sizeof d);
     d.backend = NSA_BACKEND_CPU;
     CHECK_STATUS(nsa_context_create(&g_ctx, &d), NSA_STATUS_SUCCESS);
-    if (!g_ctx) return;
+    d.num_threads = 1;
+    CHECK_STATUS(nsa_context_create(&g_ctx1, &d), NSA_STATUS_SUCCESS);
+    if (!g_ctx || !g_ctx1) return;
     test_philox();
     test_cases();
     test_finite_differences();
     test_dropout_mask();
     test_dropout_seeds();
     nsa_context_destroy(g_ctx);
-    g_ctx = NULL;
+    nsa_context_destroy(g_ctx1);
+    g_ctx = g_ctx1 = NULL;
 }
