@@ -222,37 +222,45 @@ static void ext_keep(const ext_opts *o, const ext_scratch *x, int r, int64_t j0,
 }
 
 /* Scores of keys [c0, c1) (local to the sequence) for every row of the tile, in S with row
- * stride EXT_KB: s = cap(Q.K) + bias on visible pairs, -inf elsewhere; dcap (optional) gets
- * the softcap derivative. */
-static void ext_scores(ext_scratch *x, const ext_opts *o, const ext_seq *sq, const float *K, int64_t c0, int64_t c1,
-                       int want_dcap)
+ * stride EXT_KB: s = cap(Q.K) + bias on visible pairs, -inf elsewhere; with a softcap, dcap
+ * gets its derivative 1 - tanh^2. */
+static void ext_scores(ext_scratch *x, const ext_opts *o, const ext_seq *sq, const float *K, int64_t c0, int64_t c1)
 {
     core_tile *t = &x->t;
     const int64_t n = c1 - c0;
     core_scores(t->Q, t->R, t->DK, K, c0, c1, t->S, EXT_KB, t->xt);
     for (int r = 0; r < t->R; r++) {
         float *s = t->S + (size_t)r * EXT_KB, *dc = x->dcap + (size_t)r * EXT_KB;
-        const int64_t lo = t->lo[r] > c0 ? t->lo[r] : c0, hi = t->hi[r] < c1 - 1 ? t->hi[r] : c1 - 1;
         if (o->cap > 0.0f) {
-            const float inv = 1.0f / o->cap;
+            /* tanh(y) = 1 - 2 / (e^{2y} + 1), with the softmax's vectorisable exp (absolute
+             * error ~1e-7; the clamp inside core_exp gives exactly +-1 for large |y|) */
+            const float two_inv = 2.0f / o->cap, cap = o->cap;
+#pragma omp simd
             for (int64_t c = 0; c < n; c++) {
-                const float th = tanhf(s[c] * inv);
-                s[c] = o->cap * th;
-                if (want_dcap) dc[c] = 1.0f - th * th;
+                const float th = 1.0f - 2.0f / (core_exp(s[c] * two_inv) + 1.0f);
+                s[c] = cap * th;
+                dc[c] = 1.0f - th * th;
             }
         }
         if (o->bias) {
             io_load(o->bias, pair_off(o->bias, x->rb[r], x->rhq[r], x->ri[r], sq->k0 + c0), n, x->row);
+#pragma omp simd
             for (int64_t c = 0; c < n; c++) s[c] += x->row[c];
         }
-        for (int64_t c = 0; c < n; c++) {
-            const int64_t j = c0 + c;
-            int vis = j >= lo && j <= hi;
-            if (vis && o->kseg)
-                vis = *io_i32(o->kseg, x->rb[r] * o->kseg->stride[0] + (sq->k0 + j) * o->kseg->stride[1]) == x->rseg[r];
-            if (vis && o->mask)
-                vis = ((const uint8_t *)o->mask->data)[pair_off(o->mask, x->rb[r], x->rhq[r], x->ri[r], sq->k0 + j)] != 0;
-            if (!vis || s[c] == -INFINITY) s[c] = -INFINITY; /* a -inf bias masks too */
+        /* the window range, then the per-element masks */
+        const int64_t a = t->lo[r] > c0 ? t->lo[r] - c0 : 0, b = t->hi[r] + 1 < c1 ? t->hi[r] + 1 - c0 : n;
+        for (int64_t c = 0; c < n; c++)
+            if (c < a || c >= b) s[c] = -INFINITY;
+        if (o->kseg) {
+            const int32_t *ks = io_i32(o->kseg, x->rb[r] * o->kseg->stride[0] + (sq->k0 + c0) * o->kseg->stride[1]);
+            const int64_t st = o->kseg->stride[1];
+            for (int64_t c = 0; c < n; c++)
+                if (ks[c * st] != x->rseg[r]) s[c] = -INFINITY;
+        }
+        if (o->mask) {
+            const uint8_t *m = (const uint8_t *)o->mask->data + pair_off(o->mask, x->rb[r], x->rhq[r], x->ri[r], sq->k0 + c0);
+            for (int64_t c = 0; c < n; c++)
+                if (!m[c]) s[c] = -INFINITY;
         }
     }
 }
@@ -277,6 +285,7 @@ static void ext_softmax_block(ext_scratch *x, const ext_opts *o, const ext_seq *
     const int64_t n = c1 - c0;
     for (int r = 0; r < t->R; r++) {
         float *s = t->S + (size_t)r * EXT_KB, mx = t->m[r];
+#pragma omp simd reduction(max : mx)
         for (int64_t c = 0; c < n; c++) mx = s[c] > mx ? s[c] : mx;
         if (mx == -INFINITY) { /* nothing visible yet */
             memset(s, 0, (size_t)n * sizeof(float));
@@ -284,6 +293,7 @@ static void ext_softmax_block(ext_scratch *x, const ext_opts *o, const ext_seq *
         }
         const float alpha = t->m[r] == -INFINITY ? 0.0f : core_exp(t->m[r] - mx);
         float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t c = 0; c < n; c++) {
             s[c] = s[c] == -INFINITY ? 0.0f : core_exp(s[c] - mx);
             sum += s[c];
@@ -351,7 +361,7 @@ void ext_fwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_a
             core_fwd_begin(&x.t);
             for (int64_t c0 = kmin; kmax >= 0 && c0 <= kmax; c0 += EXT_KB) {
                 const int64_t c1 = c0 + EXT_KB < kmax + 1 ? c0 + EXT_KB : kmax + 1;
-                ext_scores(&x, &o, &sq, K, c0, c1, 0);
+                ext_scores(&x, &o, &sq, K, c0, c1);
                 ext_softmax_block(&x, &o, &sq, c0, c1);
                 core_accum(x.t.O, x.t.S, EXT_KB, x.t.R, V + c0 * p->DV, p->DV, c1 - c0);
             }
@@ -373,7 +383,7 @@ static void ext_grad_block(ext_scratch *x, const ext_opts *o, const ext_seq *sq,
 {
     core_tile *t = &x->t;
     const int64_t n = c1 - c0;
-    ext_scores(x, o, sq, K, c0, c1, chain_cap && o->cap > 0.0f);
+    ext_scores(x, o, sq, K, c0, c1);
     core_scores(t->dO, t->R, t->DV, V, c0, c1, x->dS, EXT_KB, t->xt);
     for (int r = 0; r < t->R; r++) {
         float *s = t->S + (size_t)r * EXT_KB, *ds = x->dS + (size_t)r * EXT_KB;
@@ -384,11 +394,14 @@ static void ext_grad_block(ext_scratch *x, const ext_opts *o, const ext_seq *sq,
             continue;
         }
         if (o->dropout) ext_keep(o, x, r, sq->k0 + c0, sq->k0 + c1, x->row);
+        else
+            for (int64_t c = 0; c < n; c++) x->row[c] = 1.0f;
+        const float *kf = x->row;
+#pragma omp simd
         for (int64_t c = 0; c < n; c++) {
             const float P = s[c] == -INFINITY ? 0.0f : core_exp(s[c] - lse);
-            const float kf = o->dropout ? x->row[c] : 1.0f;
-            ds[c] = P * (ds[c] * kf - D);
-            s[c] = for_grad_v ? P * kf : P;
+            ds[c] = P * (ds[c] * kf[c] - D);
+            s[c] = for_grad_v ? P * kf[c] : P;
         }
         if (chain_cap && o->cap > 0.0f) {
             const float *dc = x->dcap + (size_t)r * EXT_KB;
