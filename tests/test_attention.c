@@ -585,6 +585,44 @@ static void test_cases(void)
     g_check_threads = 0;
 }
 
+/* Fixed-seed random cases: shapes, dtypes, options and packings drawn together. */
+static void test_random_cases(void)
+{
+    static const int64_t dks[] = {8, 16, 32, 48, 64, 96}, gs[] = {1, 2, 3, 4};
+    static const nsa_dtype dts[] = {NSA_DTYPE_F32, NSA_DTYPE_F16, NSA_DTYPE_BF16};
+    test_rng r = {20261123};
+    char names[40][64];
+    for (int n = 0; n < 40; n++) {
+        acase c = shape("", rng_int(&r, 1, 3), rng_int(&r, 0, 130), rng_int(&r, 0, 130), 0, rng_int(&r, 1, 2),
+                        dks[rng_int(&r, 0, 5)], dks[rng_int(&r, 0, 5)]);
+        c.HQ = c.H * gs[rng_int(&r, 0, 3)];
+        c.dt = dts[rng_int(&r, 0, 2)];
+        c.causal = rng_int(&r, 0, 1);
+        c.wl = rng_int(&r, 0, 2) ? -1 : rng_int(&r, 0, 40);
+        c.wr = rng_int(&r, 0, 2) ? -1 : rng_int(&r, 0, 40);
+        c.softcap = rng_int(&r, 0, 1) ? 0.0f : (float)(0.5 + 4 * rng_uniform(&r));
+        c.sinks = (int)rng_int(&r, 0, 1);
+        c.seg = (int)rng_int(&r, 0, 1);
+        c.bias = rng_int(&r, 0, 1) ? PAIR_NONE : (int)rng_int(&r, PAIR_FULL, PAIR_STRIDE0);
+        c.dbias = c.bias && rng_int(&r, 0, 1);
+        c.mask = rng_int(&r, 0, 2) ? PAIR_NONE : (int)rng_int(&r, PAIR_FULL, PAIR_11);
+        if (rng_int(&r, 0, 1)) c.p = (float)(0.5 * rng_uniform(&r)), c.seed = rng_next(&r), c.offset = rng_next(&r);
+        c.pad = (int)rng_int(&r, 0, 1);
+        const int vl = (int)rng_int(&r, 0, 3); /* 0, 1: dense; 2: int32 packing; 3: int64 packings */
+        if (vl >= 2) {
+            c.varlen = vl - 1;
+            c.nseq = (int)rng_int(&r, 1, 5);
+            for (int s = 0; s < c.nseq; s++) {
+                c.qlens[s] = rng_int(&r, 0, 3) ? rng_int(&r, 0, 60) : rng_int(&r, 0, 1);
+                c.klens[s] = rng_int(&r, 0, 3) ? rng_int(&r, 0, 60) : rng_int(&r, 0, 1);
+            }
+        }
+        snprintf(names[n], sizeof names[n], "random %d", n);
+        c.name = names[n];
+        run_case(&c, 9000 + (uint64_t)n);
+    }
+}
+
 /* ---- finite differences of the backward ------------------------------------------------ */
 static double fd_loss(world *w)
 {
@@ -769,6 +807,7 @@ void test_attention_all(void)
     if (!g_ctx || !g_ctx1) return;
     test_philox();
     test_cases();
+    test_random_cases();
     test_finite_differences();
     test_dropout_mask();
     test_dropout_seeds();
