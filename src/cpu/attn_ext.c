@@ -207,18 +207,38 @@ static int64_t pair_off(const nsa_tensor *t, int64_t b, int64_t hq, int64_t i, i
            i * t->stride[2] + j0 * t->stride[3];
 }
 
-/* keep[j - j0] = dropout keep factor (0 or 1 / (1 - p)) of keys [j0, j1) (packed) of row r. */
+/* src/philox.h's words for the EXT_GROUPS consecutive counters c0 = g0, g0 + 1, ... (same c1..c3
+ * and key), lane by lane: the same arithmetic as nsa_philox4x32_10, in a loop the compiler
+ * vectorises (a block of EXT_KB keys needs at most EXT_KB / 4 + 1 groups). */
+enum { EXT_GROUPS = 32 };
+
+static void ext_philox_groups(uint32_t g0, const uint32_t c[4], uint32_t k0, uint32_t k1,
+                              uint32_t out[4][EXT_GROUPS])
+{
+#pragma omp simd
+    for (int g = 0; g < EXT_GROUPS; g++) {
+        uint32_t x0 = g0 + (uint32_t)g, x1 = c[1], x2 = c[2], x3 = c[3], a = k0, b = k1;
+        for (int round = 0; round < 10; round++) {
+            if (round > 0) a += 0x9E3779B9u, b += 0xBB67AE85u;
+            const uint64_t p0 = (uint64_t)0xD2511F53u * x0, p1 = (uint64_t)0xCD9E8D57u * x2;
+            const uint32_t y0 = (uint32_t)(p1 >> 32) ^ x1 ^ a, y2 = (uint32_t)(p0 >> 32) ^ x3 ^ b;
+            x1 = (uint32_t)p1, x3 = (uint32_t)p0, x0 = y0, x2 = y2;
+        }
+        out[0][g] = x0, out[1][g] = x1, out[2][g] = x2, out[3][g] = x3;
+    }
+}
+
+/* keep[j - j0] = dropout keep factor (0 or 1 / (1 - p)) of keys [j0, j1) (packed) of row r,
+ * j1 - j0 <= EXT_KB; the counter layout of nsa_dropout_words (nsa.h). */
 static void ext_keep(const ext_opts *o, const ext_scratch *x, int r, int64_t j0, int64_t j1, float *keep)
 {
-    uint32_t w[4];
-    int64_t have = -1;
-    for (int64_t j = j0; j < j1; j++) {
-        if ((j >> 2) != have) {
-            nsa_dropout_words(o->a->dropout_seed, o->a->dropout_offset, x->rb[r], o->p->HQ, x->rhq[r], x->ri[r], j, w);
-            have = j >> 2;
-        }
-        keep[j - j0] = w[j & 3] >= o->thresh ? o->rp : 0.0f;
-    }
+    const uint64_t seed = o->a->dropout_seed;
+    const uint64_t xo = o->a->dropout_offset + (uint64_t)(x->rb[r] * o->p->HQ + x->rhq[r]);
+    const uint32_t c[4] = {0, (uint32_t)x->ri[r], (uint32_t)xo, (uint32_t)(xo >> 32)};
+    uint32_t w[4][EXT_GROUPS];
+    const int64_t g0 = j0 >> 2;
+    ext_philox_groups((uint32_t)g0, c, (uint32_t)seed, (uint32_t)(seed >> 32), w);
+    for (int64_t j = j0; j < j1; j++) keep[j - j0] = w[j & 3][(j >> 2) - g0] >= o->thresh ? o->rp : 0.0f;
 }
 
 /* Scores of keys [c0, c1) (local to the sequence) for every row of the tile, in S with row
@@ -231,17 +251,7 @@ static void ext_scores(ext_scratch *x, const ext_opts *o, const ext_seq *sq, con
     core_scores(t->Q, t->R, t->DK, K, c0, c1, t->S, EXT_KB, t->xt);
     for (int r = 0; r < t->R; r++) {
         float *s = t->S + (size_t)r * EXT_KB, *dc = x->dcap + (size_t)r * EXT_KB;
-        if (o->cap > 0.0f) {
-            /* tanh(y) = 1 - 2 / (e^{2y} + 1), with the softmax's vectorisable exp (absolute
-             * error ~1e-7; the clamp inside core_exp gives exactly +-1 for large |y|) */
-            const float two_inv = 2.0f / o->cap, cap = o->cap;
-#pragma omp simd
-            for (int64_t c = 0; c < n; c++) {
-                const float th = 1.0f - 2.0f / (core_exp(s[c] * two_inv) + 1.0f);
-                s[c] = cap * th;
-                dc[c] = 1.0f - th * th;
-            }
-        }
+        if (o->cap > 0.0f) core_softcap_row(s, dc, n, o->cap);
         if (o->bias) {
             io_load(o->bias, pair_off(o->bias, x->rb[r], x->rhq[r], x->ri[r], sq->k0 + c0), n, x->row);
 #pragma omp simd
@@ -292,12 +302,7 @@ static void ext_softmax_block(ext_scratch *x, const ext_opts *o, const ext_seq *
             continue;
         }
         const float alpha = t->m[r] == -INFINITY ? 0.0f : core_exp(t->m[r] - mx);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t c = 0; c < n; c++) {
-            s[c] = s[c] == -INFINITY ? 0.0f : core_exp(s[c] - mx);
-            sum += s[c];
-        }
+        const float sum = core_exp_row_masked(s, n, mx);
         t->m[r] = mx;
         t->l[r] = t->l[r] * alpha + sum;
         if (alpha != 1.0f) {
@@ -396,13 +401,7 @@ static void ext_grad_block(ext_scratch *x, const ext_opts *o, const ext_seq *sq,
         if (o->dropout) ext_keep(o, x, r, sq->k0 + c0, sq->k0 + c1, x->row);
         else
             for (int64_t c = 0; c < n; c++) x->row[c] = 1.0f;
-        const float *kf = x->row;
-#pragma omp simd
-        for (int64_t c = 0; c < n; c++) {
-            const float P = s[c] == -INFINITY ? 0.0f : core_exp(s[c] - lse);
-            ds[c] = P * (ds[c] * kf[c] - D);
-            s[c] = for_grad_v ? P * kf[c] : P;
-        }
+        core_grad_row_masked(s, ds, x->row, n, lse, D, for_grad_v);
         if (chain_cap && o->cap > 0.0f) {
             const float *dc = x->dcap + (size_t)r * EXT_KB;
             for (int64_t c = 0; c < n; c++) ds[c] *= dc[c];

@@ -129,6 +129,13 @@ void core_scores(const float *A, int R, int D, const float *X, int64_t c0, int64
                  float *xt);
 void core_accum(float *Acc, const float *W, int64_t ldW, int R, const float *X, int D, int64_t n);
 void core_accum_t(float *Acc, const float *W, int64_t ldW, int R, const float *Y, int D, int64_t n);
+/* Rows of the general path, -inf = invisible (weight exactly 0):
+ * s = exp(s - shift), @return the sum; P = exp(p - lse), ds = P (ds * keep - D), p = P (or
+ * P * keep with dropped_p); softcap: th = tanh(s / cap), s = cap * th, dcap = 1 - th^2
+ * (tanh from the same exp: absolute error ~1e-7, exactly +-1 for large |s|). */
+float core_exp_row_masked(float *s, int64_t n, float shift);
+void core_grad_row_masked(float *p, float *ds, const float *keep, int64_t n, float lse, float D, int dropped_p);
+void core_softcap_row(float *s, float *dcap, int64_t n, float cap);
 
 /* exp(x) in fp32 for the softmax, branch-free so the compiler vectorises it: the input is
  * clamped to [-87, 88] (exp(-87) ~ 2e-38 stands in for 0), split as 2^n * e^f with
