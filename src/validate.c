@@ -3,11 +3,13 @@
  * Each validator lists its tensors, in argument order, as rows of a table (role, dtype rule,
  * symbolic shape) and hands the table to one engine, check_tensors(). The checks run in this
  * order and the first failure wins:
- *   a. scalars: config (or attention's scale and windows), then which optional tensors must
- *      come together (BAD_ARGUMENT); done by each validator before the engine runs;
+ *   a. scalars: config (or attention's scale, windows, softcap, dropout_p), then which optional
+ *      tensors must come together (BAD_ARGUMENT); done by each validator before the engine runs;
  *   b. each tensor alone, in argument order: rank, dtype, shape >= 0, strides, sizes, data;
- *   c. across tensors: one value per symbolic dimension, head counts >= 1, HQ % H;
- *   d. varlen cu_seqlens, then the compressed row count and the tensors that carry it;
+ *   c. across tensors: one value per symbolic dimension, head counts >= 1, HQ % H, then the
+ *      broadcast dims (1 or the full size);
+ *   d. varlen cu_seqlens, then the compressed row count and the tensors that carry it
+ *      (attention: then its varlen_qk, and dbias against bias);
  *   e. required outputs that are absent.
  * Nothing here reads tensor data except the host cu_seqlens, and nothing writes to a tensor. */
 #include <math.h>
