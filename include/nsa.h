@@ -279,14 +279,17 @@ NSA_API nsa_status nsa_slc_attn_bwd(nsa_context *ctx, const nsa_slc_attn_bwd_arg
 /* ---- 5. Dense / windowed attention (the flash-attention core; spec 5) --------------- */
 /* q [B, Tq, HQ, DK], k [B, Tk, H, DK], v [B, Tk, H, DV]; Tq may differ from Tk. Query head
  * hq uses kv head hq / G. Per sequence of Tq queries and Tk keys, let shift = Tk - Tq (the
- * diagonal is aligned bottom-right, as in flash-attn). Query i sees key j iff ALL hold:
+ * diagonal is aligned bottom-right, as in flash-attn). Below, i and j are positions within the
+ * sequence for the window, and rows of q's / k's dim 1 for the tensors indexed by them (the
+ * same for dense input; packed rows under varlen). Query i sees key j iff ALL hold:
  *   window:   (window_left < 0 || j >= i + shift - window_left) and
  *             causal ? j <= i + shift : (window_right < 0 || j <= i + shift + window_right);
  *   segments: q_segment_ids[b, i] == k_segment_ids[b, j]   (when given);
  *   mask:     mask[b, hq, i, j] != 0                       (when given).
  * The score of a visible pair is
  *   s = cap(scale * q_i . k_j) + bias[b, hq, i, j],  cap(u) = softcap * tanh(u / softcap)
- * (cap = identity when softcap == 0: the softcap bounds q.k only, the bias is added AFTER it).
+ * (cap = identity when softcap == 0: the softcap bounds q.k only, the bias is added AFTER it;
+ * a -inf bias entry hides the pair like the mask does).
  * With sinks, Z = sum_visible exp(s) + exp(sinks[hq]); without, Z = sum_visible exp(s);
  * lse = log Z and P_ij = exp(s_ij - lse) (a sink is a logit with no value: it only dilutes).
  * Dropout keeps P_ij with probability 1 - p and scales the kept ones by 1 / (1 - p):
@@ -295,8 +298,8 @@ NSA_API nsa_status nsa_slc_attn_bwd(nsa_context *ctx, const nsa_slc_attn_bwd_arg
  *
  * Dropout mask (bit-exact on every backend): Philox4x32-10 (Salmon et al. 2011, the
  * Random123 constants M0 = 0xD2511F53, M1 = 0xCD9E8D57, W0 = 0x9E3779B9, W1 = 0xBB67AE85),
- * key = (lo32(seed), hi32(seed)). For element (b, hq, i, j), with i, j the row indices of
- * q's and k's dim 1 (packed rows under varlen, where b = 0):
+ * key = (lo32(seed), hi32(seed)). For element (b, hq, i, j), i and j rows of q's and k's
+ * dim 1 (packed rows under varlen, where b = 0):
  *   x = offset + (uint64)(b * HQ + hq)              (mod 2^64)
  *   counter = (c0, c1, c2, c3) = ((uint32)(j >> 2), (uint32)i, lo32(x), hi32(x))
  *   r = Philox4x32-10(counter, key)[j & 3]          (one call serves 4 consecutive keys)
