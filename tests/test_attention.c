@@ -508,6 +508,8 @@ static void test_cases(void)
     run_case(&c, seed++);
     c = shape("hd 128 G=3", 1, 40, 40, 3, 1, 128, 128), c.softcap = 3.0f;
     run_case(&c, seed++);
+    c = shape("softcap subnormal", 1, 9, 12, 2, 1, 8, 8), c.softcap = 1e-40f; /* cap(u) = +-softcap, no gradient */
+    run_case(&c, seed++);
     /* each option alone */
     c = shape("softcap", 2, 113, 113, 2, 2, 64, 64), c.softcap = 2.5f, c.causal = 1;
     run_case(&c, seed++);

@@ -368,7 +368,8 @@ void core_grad_row_masked(float *p, float *ds, const float *keep, int64_t n, flo
 
 void core_softcap_row(float *s, float *dcap, int64_t n, float cap)
 {
-    const float two_inv = 2.0f / cap;
+    /* capped so that a subnormal softcap cannot turn 0 * inf into NaN */
+    const float two_inv = 2.0f / cap < 3.0e38f ? 2.0f / cap : 3.0e38f;
     int64_t i = 0;
     for (; i + MK_LANES <= n; i += MK_LANES) {
         const vf16 th = 1.0f - 2.0f / (vexp(vload(s + i) * two_inv) + 1.0f);
