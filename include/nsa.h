@@ -33,7 +33,7 @@ extern "C" {
 #endif
 
 #define NSA_VERSION_MAJOR 0
-#define NSA_VERSION_MINOR 1
+#define NSA_VERSION_MINOR 2
 #define NSA_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, comparable with nsa_version_number(). */
 #define NSA_VERSION_NUMBER (NSA_VERSION_MAJOR * 10000 + NSA_VERSION_MINOR * 100 + NSA_VERSION_PATCH)
@@ -71,7 +71,9 @@ typedef enum nsa_status {
     NSA_STATUS_OUT_OF_MEMORY = 18,        /* host allocation failed (context creation only) */
     NSA_STATUS_DEVICE_ERROR = 19,         /* the device runtime reported an error */
     NSA_STATUS_BAD_ARGUMENT = 20,         /* any other invalid scalar (e.g. num_threads < 0) */
-    NSA_STATUS_MISSING_OUTPUT = 21        /* an output that this call must write was not given */
+    NSA_STATUS_MISSING_OUTPUT = 21,       /* an output that this call must write was not given */
+    NSA_STATUS_BAD_SOFTCAP = 22,          /* attention softcap is negative, NaN or infinite */
+    NSA_STATUS_BAD_DROPOUT = 23           /* attention dropout_p is not in [0, 1) (or NaN) */
 } nsa_status;
 
 /* A static, never-NULL English description of a status ("unknown status" if out of range). */
@@ -89,7 +91,8 @@ typedef enum nsa_dtype {
     NSA_DTYPE_F32 = 0,   /* IEEE float; CPU backend only for attention inputs */
     NSA_DTYPE_F16 = 1,   /* IEEE half */
     NSA_DTYPE_BF16 = 2,  /* bfloat16 */
-    NSA_DTYPE_I32 = 3    /* int32: block_indices, block_counts */
+    NSA_DTYPE_I32 = 3,   /* int32: block_indices, block_counts, segment ids */
+    NSA_DTYPE_U8 = 4     /* uint8 boolean (nonzero = true): the attention mask */
 } nsa_dtype;
 
 #define NSA_MAX_RANK 4
@@ -274,28 +277,86 @@ NSA_API nsa_status nsa_slc_attn_bwd_workspace_size(nsa_context *ctx, const nsa_s
 NSA_API nsa_status nsa_slc_attn_bwd(nsa_context *ctx, const nsa_slc_attn_bwd_args *args, void *workspace, size_t workspace_bytes);
 
 /* ---- 5. Dense / windowed attention (the flash-attention core; spec 5) --------------- */
-/* Query t attends to keys s with t - window_left <= s <= t + window_right (-1 = unbounded
- * on that side), s < T. causal != 0 forces window_right = 0. NSA's sliding window w is
- * causal with window_left = w - 1. Rows that see no key get o = 0, lse = -inf. */
+/* q [B, Tq, HQ, DK], k [B, Tk, H, DK], v [B, Tk, H, DV]; Tq may differ from Tk. Query head
+ * hq uses kv head hq / G. Per sequence of Tq queries and Tk keys, let shift = Tk - Tq (the
+ * diagonal is aligned bottom-right, as in flash-attn). Below, i and j are positions within the
+ * sequence for the window, and rows of q's / k's dim 1 for the tensors indexed by them (the
+ * same for dense input; packed rows under varlen). Query i sees key j iff ALL hold:
+ *   window:   (window_left < 0 || j >= i + shift - window_left) and
+ *             causal ? j <= i + shift : (window_right < 0 || j <= i + shift + window_right);
+ *   segments: q_segment_ids[b, i] == k_segment_ids[b, j]   (when given);
+ *   mask:     mask[b, hq, i, j] != 0                       (when given).
+ * The score of a visible pair is
+ *   s = cap(scale * q_i . k_j) + bias[b, hq, i, j],  cap(u) = softcap * tanh(u / softcap)
+ * (cap = identity when softcap == 0: the softcap bounds q.k only, the bias is added AFTER it;
+ * a -inf bias entry hides the pair like the mask does).
+ * With sinks, Z = sum_visible exp(s) + exp(sinks[hq]); without, Z = sum_visible exp(s);
+ * lse = log Z and P_ij = exp(s_ij - lse) (a sink is a logit with no value: it only dilutes).
+ * Dropout keeps P_ij with probability 1 - p and scales the kept ones by 1 / (1 - p):
+ *   o_i = sum_j P_ij * keep_ij / (1 - p) * v_j,   lse stays that of the undropped softmax.
+ * Rows that see no key get o = 0 and lse = -inf (lse = sinks[hq] with sinks); never NaN.
+ *
+ * Dropout mask (bit-exact on every backend): Philox4x32-10 (Salmon et al. 2011, the
+ * Random123 constants M0 = 0xD2511F53, M1 = 0xCD9E8D57, W0 = 0x9E3779B9, W1 = 0xBB67AE85),
+ * key = (lo32(seed), hi32(seed)). For element (b, hq, i, j), i and j rows of q's and k's
+ * dim 1 (packed rows under varlen, where b = 0):
+ *   x = offset + (uint64)(b * HQ + hq)              (mod 2^64)
+ *   counter = (c0, c1, c2, c3) = ((uint32)(j >> 2), (uint32)i, lo32(x), hi32(x))
+ *   r = Philox4x32-10(counter, key)[j & 3]          (one call serves 4 consecutive keys)
+ *   keep_ij = r >= (uint32)floor((double)p * 2^32)
+ * Successive calls that want independent masks advance offset by at least B * HQ.
+ *
+ * Varlen: either varlen.cu_seqlens (int32, the same packing for q and k, Tq == Tk) or
+ * varlen_qk (int64, separate packings of q and k); not both. Bias, mask and segment ids are
+ * indexed by packed rows then (B == 1).
+ * CUDA backend: only today's options (Tq == Tk, varlen.cu_seqlens, causal, windows, scale).
+ * A valid call that uses varlen_qk, Tq != Tk, softcap, sinks, segment ids, bias, mask or
+ * dropout returns NSA_STATUS_NOT_SUPPORTED there, after validation, writing nothing. */
+typedef struct nsa_varlen_qk {
+    const int64_t *cu_seqlens_q;  /* HOST [num_seqs + 1] or NULL: packed query rows, cu[N] == Tq */
+    const int64_t *cu_seqlens_k;  /* HOST [num_seqs + 1]: packed key rows, cu[N] == Tk (both or neither) */
+    int64_t num_seqs;             /* N >= 0; requires B == 1 */
+} nsa_varlen_qk;
+
 typedef struct nsa_attention_args {
-    nsa_tensor q;          /* in  [B, T, HQ, DK] */
-    nsa_tensor k;          /* in  [B, T, H, DK]  */
-    nsa_tensor v;          /* in  [B, T, H, DV]  */
-    nsa_tensor o;          /* out [B, T, HQ, DV] */
-    nsa_tensor lse;        /* out [B, T, HQ] F32 */
-    nsa_varlen varlen;
+    nsa_tensor q;          /* in  [B, Tq, HQ, DK] */
+    nsa_tensor k;          /* in  [B, Tk, H, DK]  */
+    nsa_tensor v;          /* in  [B, Tk, H, DV]  */
+    nsa_tensor o;          /* out [B, Tq, HQ, DV] */
+    nsa_tensor lse;        /* out [B, Tq, HQ] F32 */
+    nsa_varlen varlen;     /* int32, requires Tq == Tk; see varlen_qk */
     float scale;           /* 0 = 1 / sqrt(DK) */
-    int32_t causal;
+    int32_t causal;        /* != 0: window_right = 0 (bottom-right aligned when Tq != Tk) */
     int64_t window_left;   /* -1 = unbounded */
     int64_t window_right;  /* -1 = unbounded (ignored when causal) */
+    /* ---- appended in 0.2 (issue 5); zero-initialised = off: today's behaviour ---- */
+    float softcap;             /* > 0: logit softcap on the scaled score; 0 = off; finite, >= 0 */
+    nsa_tensor sinks;          /* in, optional [HQ] F32: one sink logit per query head */
+    nsa_tensor q_segment_ids;  /* in, optional [B, Tq] I32 (given with k_segment_ids) */
+    nsa_tensor k_segment_ids;  /* in, optional [B, Tk] I32: attend only where ids are equal */
+    nsa_tensor bias;           /* in, optional [Bb, Hb, Tq, Tk], any float dtype, Bb in {1, B},
+                                  Hb in {1, HQ} (a size-1 dim broadcasts; so does stride 0) */
+    nsa_tensor mask;           /* in, optional [Bm, Hm, Tq, Tk] U8, Bm in {1, B}, Hm in {1, HQ};
+                                  nonzero = keep */
+    float dropout_p;           /* in [0, 1); 0 = off */
+    uint64_t dropout_seed;     /* Philox key (see above) */
+    uint64_t dropout_offset;   /* Philox counter offset (see above) */
+    nsa_varlen_qk varlen_qk;   /* separate q / k packings (int64); zero = not used */
 } nsa_attention_args;
 
 typedef struct nsa_attention_bwd_args {
-    nsa_attention_args fwd;
-    nsa_tensor dout;       /* in  [B, T, HQ, DV] */
-    nsa_tensor dq;         /* out [B, T, HQ, DK] */
-    nsa_tensor dk;         /* out [B, T, H, DK]  */
-    nsa_tensor dv;         /* out [B, T, H, DV]  */
+    nsa_attention_args fwd;  /* o and lse: the forward's outputs, read here; same options */
+    nsa_tensor dout;       /* in  [B, Tq, HQ, DV] */
+    nsa_tensor dq;         /* out [B, Tq, HQ, DK] */
+    nsa_tensor dk;         /* out [B, Tk, H, DK]  */
+    nsa_tensor dv;         /* out [B, Tk, H, DV]  */
+    /* ---- appended in 0.2 (issue 5) ---- */
+    nsa_tensor dsinks;     /* out [HQ] F32, required when fwd.sinks is given:
+                              dsinks[hq] = -sum over the rows of head hq of exp(sink - lse) * D,
+                              D = rowsum(dout * o) */
+    nsa_tensor dbias;      /* out, optional (fwd.bias given): same shape as fwd.bias, any float
+                              dtype, no stride 0 on a dim of size > 1; the gradient summed over
+                              the dims that fwd.bias broadcasts (size 1) */
 } nsa_attention_bwd_args;
 
 NSA_API nsa_status nsa_attention_workspace_size(nsa_context *ctx, const nsa_attention_args *args, size_t *bytes);

@@ -47,6 +47,8 @@ const char *nsa_status_string(nsa_status status)
     case NSA_STATUS_DEVICE_ERROR: return "the device runtime reported an error";
     case NSA_STATUS_BAD_ARGUMENT: return "invalid argument";
     case NSA_STATUS_MISSING_OUTPUT: return "a required output tensor is absent";
+    case NSA_STATUS_BAD_SOFTCAP: return "softcap must be finite and >= 0 (0 = off)";
+    case NSA_STATUS_BAD_DROPOUT: return "dropout_p must be in [0, 1)";
     }
     return "unknown status";
 }
@@ -58,6 +60,7 @@ size_t nsa_dtype_size(nsa_dtype dtype)
     case NSA_DTYPE_F16: return 2;
     case NSA_DTYPE_BF16: return 2;
     case NSA_DTYPE_I32: return 4;
+    case NSA_DTYPE_U8: return 1;
     }
     return 0;
 }
@@ -198,8 +201,17 @@ void nsa_context_destroy(nsa_context *ctx) { free(ctx); }
 #define NSA_CUDA_RUN(op, ctx, p, a, ws) (void)0
 #endif
 
-/* Every public op: validate everything (once), then the workspace, then run. The backend
- * functions get a validated nsa_problem and never see bad input. */
+/* Valid requests a backend does not implement: the CUDA backend has the attention op's
+ * options of version 0.1 only (validate.c sets p->extended for anything beyond them). */
+static nsa_status backend_supports(const nsa_context *ctx, const nsa_problem *p)
+{
+    if (ctx->backend == NSA_BACKEND_CUDA && p->extended) return NSA_STATUS_NOT_SUPPORTED;
+    return NSA_STATUS_SUCCESS;
+}
+
+/* Every public op: validate everything (once), then the backend's support, then the
+ * workspace, then run. The backend functions get a validated nsa_problem and never see bad
+ * input. */
 #define NSA_DEFINE_OP(op, args_t)                                                                        \
     static size_t op##_need(const nsa_context *ctx, const nsa_problem *p, const args_t *args)           \
     {                                                                                                    \
@@ -211,6 +223,7 @@ void nsa_context_destroy(nsa_context *ctx) { free(ctx); }
         if (!ctx || !args || !bytes) return NSA_STATUS_NULL_POINTER;                                     \
         nsa_problem p;                                                                                   \
         nsa_status st = nsa_validate_##op(args, &p);                                                     \
+        if (st == NSA_STATUS_SUCCESS) st = backend_supports(ctx, &p);                                    \
         if (st != NSA_STATUS_SUCCESS) return st;                                                         \
         *bytes = op##_need(ctx, &p, args);                                                               \
         return NSA_STATUS_SUCCESS;                                                                       \
@@ -220,6 +233,7 @@ void nsa_context_destroy(nsa_context *ctx) { free(ctx); }
         if (!ctx || !args) return NSA_STATUS_NULL_POINTER;                                               \
         nsa_problem p;                                                                                   \
         nsa_status st = nsa_validate_##op(args, &p);                                                     \
+        if (st == NSA_STATUS_SUCCESS) st = backend_supports(ctx, &p);                                    \
         if (st != NSA_STATUS_SUCCESS) return st;                                                         \
         const size_t need = op##_need(ctx, &p, args);                                                    \
         if (workspace_bytes < need) return NSA_STATUS_WORKSPACE_TOO_SMALL;                               \

@@ -3,11 +3,13 @@
  * Each validator lists its tensors, in argument order, as rows of a table (role, dtype rule,
  * symbolic shape) and hands the table to one engine, check_tensors(). The checks run in this
  * order and the first failure wins:
- *   a. scalars: config (or attention's scale and windows), then which optional tensors must
- *      come together (BAD_ARGUMENT); done by each validator before the engine runs;
+ *   a. scalars: config (or attention's scale, windows, softcap, dropout_p), then which optional
+ *      tensors must come together (BAD_ARGUMENT); done by each validator before the engine runs;
  *   b. each tensor alone, in argument order: rank, dtype, shape >= 0, strides, sizes, data;
- *   c. across tensors: one value per symbolic dimension, head counts >= 1, HQ % H;
- *   d. varlen cu_seqlens, then the compressed row count and the tensors that carry it;
+ *   c. across tensors: one value per symbolic dimension, head counts >= 1, HQ % H, then the
+ *      broadcast dims (1 or the full size);
+ *   d. varlen cu_seqlens, then the compressed row count and the tensors that carry it
+ *      (attention: then its varlen_qk, and dbias against bias);
  *   e. required outputs that are absent.
  * Nothing here reads tensor data except the host cu_seqlens, and nothing writes to a tensor. */
 #include <math.h>
@@ -24,10 +26,15 @@ enum dim_sym {
     Z_NC,       /* compressed rows: known only once cu_seqlens is checked (stage d) */
     Z_M,        /* block_indices width chosen by the caller, >= 1 */
     Z_N,        /* block_indices width fixed to config.slc_topk */
-    Z_COUNT
+    Z_TK,       /* attention's key rows (Tq may differ from Tk there) */
+    Z_COUNT,
+    /* broadcast dims, checked after the others (stage c): 1 or the full size */
+    Z_B1,       /* 1 or B */
+    Z_HQ1       /* 1 or HQ */
 };
 
-enum shape_id { S_Q, S_K, S_V, S_O, S_ROW, S_KC, S_VC, S_IDX_M, S_IDX_N, S_CNT };
+enum shape_id { S_Q, S_K, S_V, S_O, S_ROW, S_KC, S_VC, S_IDX_M, S_IDX_N, S_CNT, S_AK, S_AV, S_HEAD, S_SEGQ, S_SEGK,
+                S_PAIR };
 
 static const unsigned char SHAPES[][NSA_MAX_RANK] = {
     [S_Q] = {Z_B, Z_T, Z_HQ, Z_DK},    /* q, dq */
@@ -40,6 +47,12 @@ static const unsigned char SHAPES[][NSA_MAX_RANK] = {
     [S_IDX_M] = {Z_B, Z_T, Z_H, Z_M},  /* block_indices given by the caller */
     [S_IDX_N] = {Z_B, Z_T, Z_H, Z_N},  /* block_indices written by the selection */
     [S_CNT] = {Z_B, Z_T, Z_H},         /* block_counts */
+    [S_AK] = {Z_B, Z_TK, Z_H, Z_DK},   /* attention k, dk */
+    [S_AV] = {Z_B, Z_TK, Z_H, Z_DV},   /* attention v, dv */
+    [S_HEAD] = {Z_HQ},                 /* sinks, dsinks */
+    [S_SEGQ] = {Z_B, Z_T},             /* q_segment_ids */
+    [S_SEGK] = {Z_B, Z_TK},            /* k_segment_ids */
+    [S_PAIR] = {Z_B1, Z_HQ1, Z_T, Z_TK}, /* bias, dbias, mask */
 };
 
 typedef enum tensor_role {
@@ -54,8 +67,9 @@ typedef enum tensor_role {
 typedef enum dtype_rule {
     K_REF,   /* a float dtype, the same as the op's reference tensor (q, x or the gated o) */
     K_FLOAT, /* any float dtype (branch outputs of the gate and of nsa_saved) */
-    K_F32,   /* lse */
-    K_I32    /* block_indices, block_counts */
+    K_F32,   /* lse, sinks */
+    K_I32,   /* block_indices, block_counts, segment ids */
+    K_U8     /* the attention mask */
 } dtype_rule;
 
 typedef struct tspec {
@@ -121,6 +135,7 @@ static int dtype_ok(nsa_dtype dt, dtype_rule rule, nsa_dtype ref)
     case K_REF: return is_float && dt == ref;
     case K_FLOAT: return is_float;
     case K_F32: return dt == NSA_DTYPE_F32;
+    case K_U8: return dt == NSA_DTYPE_U8;
     default: return dt == NSA_DTYPE_I32;
     }
 }
@@ -200,7 +215,7 @@ static int expected_empty(enum shape_id id, const int64_t *dim)
 {
     int j;
     for (j = 0; j < rank_of(id); j++)
-        if (dim[SHAPES[id][j]] == 0) return 1;
+        if (SHAPES[id][j] < Z_COUNT && dim[SHAPES[id][j]] == 0) return 1;
     return 0;
 }
 
@@ -225,7 +240,7 @@ static nsa_status check_tensors(const tspec *s, int n, nsa_dtype ref, const nsa_
         if (!described(&s[i])) continue;
         for (j = 0; j < s[i].t->rank; j++) {
             z = SHAPES[s[i].shape][j];
-            if (z == Z_NC) continue;
+            if (z == Z_NC || z >= Z_COUNT) continue;
             if (dim[z] < 0) dim[z] = s[i].t->shape[j];
             else if (dim[z] != s[i].t->shape[j]) return NSA_STATUS_BAD_SHAPE;
         }
@@ -234,6 +249,15 @@ static nsa_status check_tensors(const tspec *s, int n, nsa_dtype ref, const nsa_
     if (dim[Z_HQ] == 0 || dim[Z_H] == 0 || dim[Z_DK] == 0 || dim[Z_DV] == 0 || dim[Z_M] == 0)
         return NSA_STATUS_BAD_SHAPE;
     if (dim[Z_HQ] > 0 && dim[Z_H] > 0 && dim[Z_HQ] % dim[Z_H] != 0) return NSA_STATUS_BAD_GQA;
+    for (i = 0; i < n; i++) { /* broadcast dims: 1 or the size the other tensors fixed */
+        if (!described(&s[i])) continue;
+        for (j = 0; j < s[i].t->rank; j++) {
+            z = SHAPES[s[i].shape][j];
+            if (z < Z_COUNT) continue;
+            const int64_t full = dim[z == Z_B1 ? Z_B : Z_HQ], got = s[i].t->shape[j];
+            if (got != 1 && got != full) return NSA_STATUS_BAD_SHAPE;
+        }
+    }
 
     if ((st = check_varlen(vl, dim[Z_B], dim[Z_T], cfg, p)) != NSA_STATUS_SUCCESS) return st;
     dim[Z_NC] = p->cmp_rows;
@@ -254,6 +278,7 @@ static nsa_status check_tensors(const tspec *s, int n, nsa_dtype ref, const nsa_
     p->DK = fixed(dim[Z_DK]);
     p->DV = fixed(dim[Z_DV]);
     p->m = fixed(dim[Z_M]);
+    p->Tk = dim[Z_TK] >= 0 ? dim[Z_TK] : p->T;
     p->scale = scale != 0.0f ? scale : p->DK > 0 ? 1.0f / sqrtf((float)p->DK) : 0.0f;
     if (cfg) p->cfg = *cfg;
     return NSA_STATUS_SUCCESS;
@@ -402,19 +427,68 @@ nsa_status nsa_validate_slc_attn_bwd(const nsa_slc_attn_bwd_args *a, nsa_problem
 }
 
 /* ---- 5. Dense / windowed attention: no nsa_config, its scalars are fields. ------------- */
-static nsa_status check_attention(const tspec *s, int n, const nsa_attention_args *a, nsa_problem *p)
+/* Stage a: the scalars and which options must come together. */
+static nsa_status attention_scalars(const nsa_attention_args *a)
 {
+    const nsa_varlen_qk *vq = &a->varlen_qk;
     if (!scale_ok(a->scale)) return NSA_STATUS_BAD_SCALE;
     if (a->window_left < -1 || a->window_right < -1) return NSA_STATUS_BAD_WINDOW;
-    return check_tensors(s, n, a->q.dtype, &a->varlen, NULL, a->scale, p);
+    if (!isfinite(a->softcap) || a->softcap < 0.0f) return NSA_STATUS_BAD_SOFTCAP;
+    if (!(a->dropout_p >= 0.0f && a->dropout_p < 1.0f)) return NSA_STATUS_BAD_DROPOUT; /* NaN fails too */
+    if (has(&a->q_segment_ids) != has(&a->k_segment_ids)) return NSA_STATUS_BAD_ARGUMENT;
+    if ((vq->cu_seqlens_q != NULL) != (vq->cu_seqlens_k != NULL)) return NSA_STATUS_BAD_ARGUMENT;
+    if (vq->cu_seqlens_q && a->varlen.cu_seqlens) return NSA_STATUS_BAD_ARGUMENT; /* one packing only */
+    return NSA_STATUS_SUCCESS;
+}
+
+/* One packing: cu[0] == 0, non-decreasing, cu[N] == total. */
+static int cu64_ok(const int64_t *cu, int64_t N, int64_t total)
+{
+    if (cu[0] != 0) return 0;
+    for (int64_t s = 0; s < N; s++)
+        if (cu[s + 1] < cu[s]) return 0;
+    return cu[N] == total;
+}
+
+/* Stage d for the attention's own varlen forms, and the rules tying dbias to bias. */
+static nsa_status attention_finish(const nsa_attention_args *a, const nsa_tensor *dbias, nsa_problem *p)
+{
+    const nsa_varlen_qk *vq = &a->varlen_qk;
+    /* the int32 packing is one for q and k alike: it cannot describe Tq != Tk */
+    if (a->varlen.cu_seqlens && p->Tk != p->T) return NSA_STATUS_BAD_CU_SEQLENS;
+    if (vq->cu_seqlens_q) {
+        if (p->B != 1 || vq->num_seqs < 0 || !cu64_ok(vq->cu_seqlens_q, vq->num_seqs, p->T) ||
+            !cu64_ok(vq->cu_seqlens_k, vq->num_seqs, p->Tk))
+            return NSA_STATUS_BAD_CU_SEQLENS;
+        p->num_seqs = vq->num_seqs;
+        p->cu_seqlens_q = vq->cu_seqlens_q;
+        p->cu_seqlens_k = vq->cu_seqlens_k;
+    }
+    if (dbias && has(dbias)) {
+        for (int j = 0; j < 4; j++)
+            if (dbias->shape[j] != a->bias.shape[j]) return NSA_STATUS_BAD_SHAPE;
+        for (int j = 0; j < 4; j++) /* an output dim of stride 0 would write one element twice */
+            if (dbias->shape[j] > 1 && dbias->stride[j] == 0) return NSA_STATUS_BAD_STRIDE;
+    }
+    p->extended = p->T != p->Tk || a->softcap != 0.0f || has(&a->sinks) || has(&a->q_segment_ids) ||
+                  has(&a->bias) || has(&a->mask) || a->dropout_p != 0.0f || vq->cu_seqlens_q != NULL;
+    return NSA_STATUS_SUCCESS;
 }
 
 static int attention_specs(const nsa_attention_args *a, int bwd, tspec *s)
 {
     const tensor_role out = bwd ? R_IN : R_OUT;
     const tspec t[] = {
-        {&a->q, R_IN, K_REF, S_Q}, {&a->k, R_IN, K_REF, S_K},    {&a->v, R_IN, K_REF, S_V},
-        {&a->o, out, K_REF, S_O},  {&a->lse, out, K_F32, S_ROW},
+        {&a->q, R_IN, K_REF, S_Q},
+        {&a->k, R_IN, K_REF, S_AK},
+        {&a->v, R_IN, K_REF, S_AV},
+        {&a->o, out, K_REF, S_O},
+        {&a->lse, out, K_F32, S_ROW},
+        {&a->sinks, R_OPT_IN, K_F32, S_HEAD},
+        {&a->q_segment_ids, R_OPT_IN, K_I32, S_SEGQ},
+        {&a->k_segment_ids, R_OPT_IN, K_I32, S_SEGK},
+        {&a->bias, R_OPT_IN, K_FLOAT, S_PAIR},
+        {&a->mask, R_OPT_IN, K_U8, S_PAIR},
     };
     return append(s, 0, t, COUNT(t));
 }
@@ -423,14 +497,32 @@ nsa_status nsa_validate_attention(const nsa_attention_args *a, nsa_problem *p)
 {
     tspec s[MAX_SPECS];
     int n = attention_specs(a, 0, s);
-    return check_attention(s, n, a, p);
+    nsa_status st = attention_scalars(a);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    st = check_tensors(s, n, a->q.dtype, &a->varlen, NULL, a->scale, p);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    return attention_finish(a, NULL, p);
 }
 
 nsa_status nsa_validate_attention_bwd(const nsa_attention_bwd_args *a, nsa_problem *p)
 {
+    const nsa_attention_args *f = &a->fwd;
+    const tspec g[] = {
+        {&a->dout, R_IN, K_REF, S_O},
+        {&a->dq, R_OUT, K_REF, S_Q},
+        {&a->dk, R_OUT, K_REF, S_AK},
+        {&a->dv, R_OUT, K_REF, S_AV},
+        {&a->dsinks, when(&f->sinks, R_OUT), K_F32, S_HEAD},
+        {&a->dbias, when(&f->bias, R_OPT_OUT), K_FLOAT, S_PAIR},
+    };
     tspec s[MAX_SPECS];
-    int n = qkv_grad_specs(&a->dout, &a->dq, &a->dk, &a->dv, s, attention_specs(&a->fwd, 1, s));
-    return check_attention(s, n, &a->fwd, p);
+    int n = append(s, attention_specs(f, 1, s), g, COUNT(g));
+    nsa_status st = attention_scalars(f);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    if (has(&a->dbias) && !has(&f->bias)) return NSA_STATUS_BAD_ARGUMENT;
+    st = check_tensors(s, n, f->q.dtype, &f->varlen, NULL, f->scale, p);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    return attention_finish(f, &a->dbias, p);
 }
 
 /* ---- 6. Gating: o (not q) sets the sizes and the dtype of the gates. ------------------ */

@@ -3,7 +3,7 @@
  * sweep_set_memory; every case runs in its own child process, so that a kernel fault (a
  * sticky CUDA error) fails that case alone and the others still report. Cases draw bf16 or
  * f16 storage (fp32 attention inputs are not supported on the GPU: one call checks that
- * they return NOT_SUPPORTED). Prints "N passed, N failed" last; exit 1 on any failure.
+ * they return NOT_SUPPORTED; so do the attention options of issue 5, each checked alone). Prints "N passed, N failed" last; exit 1 on any failure.
  *
  *   nsa_gpu_tests [--seed N] [--cases N] [--max-T N] [--jobs N] [--no-fork] [-v]          */
 #define _POSIX_C_SOURCE 200809L
@@ -95,6 +95,66 @@ static void check_f32_declined(void)
     CHECK_STATUS(nsa_attention(ctx, &a, ws, need), NSA_STATUS_NOT_SUPPORTED);
     nsa_context_destroy(ctx);
     cudaFree(ws), cudaFree(q), cudaFree(o), cudaFree(lse);
+}
+
+/* The attention options of issue 5 (CPU only for now): each alone on an otherwise valid bf16
+ * call must give NOT_SUPPORTED from the query and the call, and leave o untouched. */
+static void check_options_declined(void)
+{
+    const int64_t T = 8, Tk = 6, HQ = 2, H = 1, D = 16;
+    const size_t ob = (size_t)(T * HQ * D) * 2;
+    void *q = dev_alloc(ob), *k = dev_alloc((size_t)(T * H * D) * 2), *o = dev_alloc(ob);
+    void *lse = dev_alloc((size_t)(T * HQ) * 4), *aux = dev_alloc((size_t)(T * T * HQ) * 4);
+    unsigned char *sentinel = (unsigned char *)malloc(ob), *back = (unsigned char *)malloc(ob);
+    memset(sentinel, 0xA5, ob);
+    static const int64_t CU[] = {0, 8};
+    nsa_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.backend = NSA_BACKEND_CUDA;
+    nsa_context *ctx = NULL;
+    CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_SUCCESS);
+    for (int opt = 0; opt < 9; opt++) {
+        nsa_attention_args a;
+        memset(&a, 0, sizeof a);
+        a.q = nsa_tensor_4d(q, NSA_DTYPE_BF16, 1, T, HQ, D);
+        a.k = nsa_tensor_4d(k, NSA_DTYPE_BF16, 1, T, H, D);
+        a.v = a.k;
+        a.o = nsa_tensor_4d(o, NSA_DTYPE_BF16, 1, T, HQ, D);
+        a.lse = nsa_tensor_3d(lse, NSA_DTYPE_F32, 1, T, HQ);
+        a.causal = 1;
+        a.window_left = -1, a.window_right = -1;
+        const int64_t one[1] = {HQ}, seg[2] = {1, T}, pair[4] = {1, 1, T, T};
+        switch (opt) {
+        case 0: a.softcap = 5.0f; break;
+        case 1: a.sinks = nsa_tensor_make(aux, NSA_DTYPE_F32, 1, one); break;
+        case 2:
+            a.q_segment_ids = nsa_tensor_make(aux, NSA_DTYPE_I32, 2, seg);
+            a.k_segment_ids = a.q_segment_ids;
+            break;
+        case 3: a.bias = nsa_tensor_make(aux, NSA_DTYPE_BF16, 4, pair); break;
+        case 4: a.mask = nsa_tensor_make(aux, NSA_DTYPE_U8, 4, pair); break;
+        case 5: a.dropout_p = 0.1f; break;
+        case 6:
+            a.varlen_qk.cu_seqlens_q = CU, a.varlen_qk.cu_seqlens_k = CU, a.varlen_qk.num_seqs = 1;
+            break;
+        case 7: /* Tq != Tk: k and v keep Tk = 6 rows */
+            a.k = nsa_tensor_4d(k, NSA_DTYPE_BF16, 1, Tk, H, D);
+            a.v = a.k;
+            break;
+        default: break; /* plain call: supported */
+        }
+        size_t need = 0;
+        const nsa_status want = opt < 8 ? NSA_STATUS_NOT_SUPPORTED : NSA_STATUS_SUCCESS;
+        CHECK_STATUS(nsa_attention_workspace_size(ctx, &a, &need), want);
+        if (opt == 8) continue;
+        dev_upload(o, sentinel, ob);
+        CHECK_STATUS(nsa_attention(ctx, &a, NULL, 0), NSA_STATUS_NOT_SUPPORTED);
+        dev_download(back, o, ob);
+        CHECK_MSG(memcmp(back, sentinel, ob) == 0, "a declined attention call wrote o");
+    }
+    nsa_context_destroy(ctx);
+    free(sentinel), free(back);
+    cudaFree(q), cudaFree(k), cudaFree(o), cudaFree(lse), cudaFree(aux);
 }
 
 /* A forked case: its pid and the read end of its result pipe. */
@@ -203,6 +263,7 @@ int main(int argc, char **argv)
     }
     const long p0 = g_tests_passed, f0 = g_tests_failed;
     check_f32_declined();
+    check_options_declined();
     passed += g_tests_passed - p0, failed += g_tests_failed - f0;
     printf("gpu sweep: %ld cases (%ld crashed), seed %llu, max T %lld\n", cases, crashed, (unsigned long long)seed,
            (long long)max_T);

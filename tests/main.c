@@ -6,6 +6,7 @@
 void test_ref_all(void);
 void test_validation_all(void);
 void test_backend_all(void);
+void test_attention_all(void);
 
 static void test_readme_example(void)
 {
@@ -22,6 +23,7 @@ int main(int argc, char **argv)
         {"reference", test_ref_all},
         {"validation", test_validation_all},
         {"backend", test_backend_all},
+        {"attention", test_attention_all},
         {"readme", test_readme_example},
     };
     for (size_t i = 0; i < sizeof groups / sizeof groups[0]; i++) {

@@ -832,3 +832,168 @@ void ref_nsa_forward_rows(const nsa_config *c, double scale, ref_dims d, const r
     free(ow);
     pipe_close(&p);
 }
+
+/* ------------------------------------------------------------------------------------ */
+/* The attention op with every option (nsa.h section 5), score matrix materialised         */
+/* ------------------------------------------------------------------------------------ */
+
+void ref_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4])
+{
+    uint32_t x[4] = {ctr[0], ctr[1], ctr[2], ctr[3]}, k[2] = {key[0], key[1]};
+    for (int round = 0; round < 10; round++) {
+        const uint64_t a = (uint64_t)x[0] * 0xD2511F53u, b = (uint64_t)x[2] * 0xCD9E8D57u;
+        const uint32_t y[4] = {(uint32_t)(b >> 32) ^ x[1] ^ k[0], (uint32_t)b, (uint32_t)(a >> 32) ^ x[3] ^ k[1],
+                               (uint32_t)a};
+        memcpy(x, y, sizeof x);
+        k[0] += 0x9E3779B9u; /* the bump after the last round is never used */
+        k[1] += 0xBB67AE85u;
+    }
+    memcpy(out, x, sizeof x);
+}
+
+int ref_dropout_keep(double p, uint64_t seed, uint64_t offset, int64_t b, int64_t HQ, int64_t hq, int64_t i, int64_t j)
+{
+    const uint64_t x = offset + (uint64_t)b * (uint64_t)HQ + (uint64_t)hq;
+    const uint32_t ctr[4] = {(uint32_t)(j / 4), (uint32_t)i, (uint32_t)(x & 0xffffffffu), (uint32_t)(x >> 32)};
+    const uint32_t key[2] = {(uint32_t)(seed & 0xffffffffu), (uint32_t)(seed >> 32)};
+    uint32_t r[4];
+    ref_philox4x32_10(ctr, key, r);
+    return (double)r[j % 4] >= floor(p * 4294967296.0);
+}
+
+/* Everything both directions need: visibility, raw scores u, final scores s, P, keep. */
+typedef struct ref_ext {
+    int64_t HQ, Tq, Tk;
+    unsigned char *vis;   /* [HQ, Tq, Tk] */
+    double *u, *s, *P;    /* [HQ, Tq, Tk]; P = exp(s - lse) on visible entries, else 0 */
+    double *keep;         /* [HQ, Tq, Tk] 0 or 1 / (1 - p) (1 without dropout) */
+    double *lse;          /* [HQ, Tq] */
+} ref_ext;
+
+static int64_t ext_at(const ref_ext *e, int64_t hq, int64_t i, int64_t j) { return (hq * e->Tq + i) * e->Tk + j; }
+
+static ref_ext ext_open(const ref_attn_opts *o, ref_dims d, int64_t Tk, const double *q, const double *k)
+{
+    ref_ext e;
+    const int64_t G = d.HQ / d.H, Tq = d.T, n = d.HQ * Tq * Tk;
+    e.HQ = d.HQ, e.Tq = Tq, e.Tk = Tk;
+    e.vis = ualloc(n), e.u = dalloc(n), e.s = dalloc(n), e.P = dalloc(n), e.keep = dalloc(n);
+    e.lse = dalloc(d.HQ * Tq);
+    for (int64_t hq = 0; hq < d.HQ; hq++)
+        for (int64_t i = 0; i < Tq; i++) {
+            const int64_t diag = i + Tk - Tq; /* bottom-right aligned diagonal */
+            double mx = o->sinks ? o->sinks[hq] : -INFINITY;
+            for (int64_t j = 0; j < Tk; j++) {
+                const int64_t x = ext_at(&e, hq, i, j);
+                int vis = (o->window_left < 0 || j >= diag - o->window_left) &&
+                          (o->causal ? j <= diag : (o->window_right < 0 || j <= diag + o->window_right));
+                if (o->q_seg && o->q_seg[i] != o->k_seg[j]) vis = 0;
+                if (o->mask && !o->mask[x]) vis = 0;
+                e.u[x] = o->scale * dot(q + (i * d.HQ + hq) * d.DK, k + (j * d.H + hq / G) * d.DK, d.DK);
+                double s = o->softcap > 0 ? o->softcap * tanh(e.u[x] / o->softcap) : e.u[x];
+                if (o->bias) s += o->bias[x];
+                e.s[x] = rnd(s);
+                if (e.s[x] == -INFINITY) vis = 0; /* a -inf bias masks */
+                e.vis[x] = (unsigned char)vis;
+                if (vis && e.s[x] > mx) mx = e.s[x];
+                e.keep[x] = 1.0;
+                if (o->dropout_p > 0)
+                    e.keep[x] = ref_dropout_keep(o->dropout_p, o->seed, o->offset, o->b, d.HQ, hq,
+                                                 o->q_row0 + i, o->k_row0 + j)
+                                    ? 1.0 / (1.0 - o->dropout_p)
+                                    : 0.0;
+            }
+            double z = 0;
+            if (mx != -INFINITY) {
+                for (int64_t j = 0; j < Tk; j++)
+                    if (e.vis[ext_at(&e, hq, i, j)]) z += exp(e.s[ext_at(&e, hq, i, j)] - mx);
+                if (o->sinks) z += exp(o->sinks[hq] - mx);
+            }
+            const double lse = z > 0 ? mx + log(z) : -INFINITY;
+            e.lse[hq * Tq + i] = lse;
+            for (int64_t j = 0; j < Tk; j++) {
+                const int64_t x = ext_at(&e, hq, i, j);
+                e.P[x] = e.vis[x] ? rnd(exp(e.s[x] - lse)) : 0.0;
+            }
+        }
+    return e;
+}
+
+static void ext_close(ref_ext *e)
+{
+    free(e->vis), free(e->u), free(e->s), free(e->P), free(e->keep), free(e->lse);
+}
+
+/* o[i, hq] = sum_j P keep v_j. */
+static void ext_out(const ref_ext *e, ref_dims d, const double *v, double *o)
+{
+    const int64_t G = d.HQ / d.H;
+    for (int64_t i = 0; i < e->Tq; i++)
+        for (int64_t hq = 0; hq < d.HQ; hq++) {
+            double *orow = o + (i * d.HQ + hq) * d.DV;
+            memset(orow, 0, (size_t)d.DV * sizeof(double));
+            for (int64_t j = 0; j < e->Tk; j++) {
+                const int64_t x = ext_at(e, hq, i, j);
+                if (e->P[x] != 0.0) axpy(orow, e->P[x] * e->keep[x], v + (j * d.H + hq / G) * d.DV, d.DV);
+            }
+            for (int64_t c = 0; c < d.DV; c++) orow[c] = rnd(orow[c]);
+        }
+}
+
+void ref_attention_ext(const ref_attn_opts *opt, ref_dims d, int64_t Tk, const double *q, const double *k,
+                       const double *v, double *o, double *lse)
+{
+    ref_ext e = ext_open(opt, d, Tk, q, k);
+    if (o) ext_out(&e, d, v, o);
+    if (lse)
+        for (int64_t i = 0; i < d.T; i++)
+            for (int64_t hq = 0; hq < d.HQ; hq++) lse[i * d.HQ + hq] = e.lse[hq * d.T + i];
+    ext_close(&e);
+}
+
+/* dPd = dO . v (gradient of the dropped weight), dP = dPd keep, D = sum_j P dP,
+ * dS = P (dP - D) (= dbias), du = dS cap'(u), dq = scale du k, dk = scale du q,
+ * dv = P keep dO, dsink = -exp(sink - lse) D. */
+void ref_attention_ext_bwd(const ref_attn_opts *opt, ref_dims d, int64_t Tk, const double *q, const double *k,
+                           const double *v, const double *dout, double *dq, double *dk, double *dv, double *dsinks,
+                           double *dbias)
+{
+    const int64_t G = d.HQ / d.H, Tq = d.T;
+    ref_ext e = ext_open(opt, d, Tk, q, k);
+    double *dS = dalloc(Tk), *o_buf = ref_store_round ? dalloc(Tq * d.HQ * d.DV) : NULL;
+    if (o_buf) ext_out(&e, d, v, o_buf); /* the naive implementation takes D from its stored o */
+    zero_if(dq, Tq * d.HQ * d.DK);
+    zero_if(dk, Tk * d.H * d.DK);
+    zero_if(dv, Tk * d.H * d.DV);
+    zero_if(dsinks, d.HQ);
+    zero_if(dbias, d.HQ * Tq * Tk);
+    for (int64_t hq = 0; hq < d.HQ; hq++)
+        for (int64_t i = 0; i < Tq; i++) {
+            const double *dO = dout + (i * d.HQ + hq) * d.DV, *qi = q + (i * d.HQ + hq) * d.DK;
+            double D = 0;
+            for (int64_t j = 0; j < Tk; j++) {
+                const int64_t x = ext_at(&e, hq, i, j);
+                dS[j] = e.vis[x] ? rnd(dot(dO, v + (j * d.H + hq / G) * d.DV, d.DV)) * e.keep[x] : 0.0;
+                D += e.P[x] * dS[j];
+            }
+            if (o_buf) D = dot(dO, o_buf + (i * d.HQ + hq) * d.DV, d.DV);
+            if (dsinks && opt->sinks) dsinks[hq] -= exp(opt->sinks[hq] - e.lse[hq * Tq + i]) * D;
+            for (int64_t j = 0; j < Tk; j++) {
+                const int64_t x = ext_at(&e, hq, i, j);
+                if (!e.vis[x]) continue;
+                const double ds = rnd(e.P[x] * (dS[j] - D));
+                if (dbias) dbias[x] = ds;
+                double du = ds;
+                if (opt->softcap > 0) {
+                    const double th = tanh(e.u[x] / opt->softcap);
+                    du *= 1.0 - th * th;
+                }
+                if (dq) axpy(dq + (i * d.HQ + hq) * d.DK, opt->scale * du, k + (j * d.H + hq / G) * d.DK, d.DK);
+                if (dk) axpy(dk + (j * d.H + hq / G) * d.DK, opt->scale * du, qi, d.DK);
+                if (dv) axpy(dv + (j * d.H + hq / G) * d.DV, e.P[x] * e.keep[x], dO, d.DV);
+            }
+        }
+    free(dS);
+    free(o_buf);
+    ext_close(&e);
+}

@@ -59,6 +59,40 @@ void ref_attention_bwd(double scale, int causal, int64_t window_left, int64_t wi
                        const double *q, const double *k, const double *v, const double *dout,
                        double *dq, double *dk, double *dv);
 
+/* The attention op with every option of nsa.h section 5, for ONE sequence of Tq = d.T queries
+ * and Tk keys: q [Tq, HQ, DK], k [Tk, H, DK], v [Tk, H, DV]. It materialises the score matrix
+ * S [HQ, Tq, Tk] and is written from nsa.h's definitions alone. Per-sequence views of the
+ * options; each NULL = off. b, q_row0, k_row0 place the sequence in the call (batch index,
+ * first packed query / key row): only the dropout counter reads them. */
+typedef struct ref_attn_opts {
+    double scale;
+    int causal;
+    int64_t window_left, window_right;
+    double softcap;                      /* 0 = off */
+    const double *sinks;                 /* [HQ] */
+    const int32_t *q_seg, *k_seg;        /* [Tq], [Tk] */
+    const double *bias;                  /* [HQ, Tq, Tk], broadcast already applied */
+    const unsigned char *mask;           /* [HQ, Tq, Tk], nonzero = keep */
+    double dropout_p;
+    uint64_t seed, offset;
+    int64_t b, q_row0, k_row0;
+} ref_attn_opts;
+
+/* Philox4x32-10 written from Salmon et al. 2011 (independent of src/philox.h), and the keep
+ * decision of element (b, hq, i, j) of nsa.h: 1 = kept. */
+void ref_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]);
+int ref_dropout_keep(double p, uint64_t seed, uint64_t offset, int64_t b, int64_t HQ, int64_t hq, int64_t i, int64_t j);
+
+/* -> o [Tq, HQ, DV], lse [Tq, HQ] (either may be NULL). */
+void ref_attention_ext(const ref_attn_opts *opt, ref_dims d, int64_t Tk, const double *q, const double *k,
+                       const double *v, double *o, double *lse);
+/* Backward for the loss sum(o * dout): dq [Tq, HQ, DK], dk [Tk, H, DK], dv [Tk, H, DV],
+ * dsinks [HQ], dbias [HQ, Tq, Tk] (the gradient of the score after the bias), all
+ * overwritten; any may be NULL. */
+void ref_attention_ext_bwd(const ref_attn_opts *opt, ref_dims d, int64_t Tk, const double *q, const double *k,
+                           const double *v, const double *dout, double *dq, double *dk, double *dv, double *dsinks,
+                           double *dbias);
+
 /* Spec 6 and the whole pipeline. Inputs mirror nsa_forward_args for one sequence;
  * NULL = absent. Separate branch K/V default to k, v; k_cmp/v_cmp default to mean pooling;
  * block_indices (width m, optional counts) default to ref_select's. Outputs: o and,

@@ -82,6 +82,7 @@ static double get_elem(const tens *x, int64_t off)
     case NSA_DTYPE_BF16: return nsa_bf16_to_f32(((const uint16_t *)data)[off]);
     case NSA_DTYPE_F16: return nsa_f16_to_f32(((const uint16_t *)data)[off]);
     case NSA_DTYPE_I32: return ((const int32_t *)data)[off];
+    case NSA_DTYPE_U8: return ((const uint8_t *)data)[off];
     }
     return 0;
 }
@@ -94,6 +95,7 @@ static void set_elem(tens *x, int64_t off, double v)
     case NSA_DTYPE_BF16: ((uint16_t *)data)[off] = nsa_f32_to_bf16((float)v); break;
     case NSA_DTYPE_F16: ((uint16_t *)data)[off] = nsa_f32_to_f16((float)v); break;
     case NSA_DTYPE_I32: ((int32_t *)data)[off] = (int32_t)v; break;
+    case NSA_DTYPE_U8: ((uint8_t *)data)[off] = (uint8_t)v; break;
     }
 }
 
@@ -201,13 +203,10 @@ static double store_round(double x) { return round_to(g_store_dtype, x); }
     for (int pass_ = (g_store_dtype = (dt), 0); pass_ < 2; pass_++, ref_store_round = NULL) \
         if ((ref_store_round = pass_ ? store_round : NULL), 1)
 
-/* Compares a whole output against the reference with the tolerance rule above; naive is the
+/* The tolerance rule above for one tensor: 2 * (err(naive) + an absolute floor). naive is the
  * naive implementation's result (NULL: only the storage rounding of the exact result). */
-static long check_close(const char *what, const tens *got, const double *ref, const double *naive, nsa_dtype storage)
+double sweep_tolerance(nsa_dtype storage, const double *ref, const double *naive, int64_t n)
 {
-    const int64_t n = got->numel;
-    double *g = (double *)malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
-    tens_read(got, g);
     double maxref = 0, e_naive = 0;
     for (int64_t i = 0; i < n; i++) {
         if (!isfinite(ref[i])) continue;
@@ -224,7 +223,17 @@ static long check_close(const char *what, const tens *got, const double *ref, co
      * query of the group). */
     const int half_ulp_03 = storage == NSA_DTYPE_BF16 ? -10 : storage == NSA_DTYPE_F16 ? -13 : -26;
     const double floor_abs = fmax(ldexp(1.0, half_ulp_03), ldexp(maxref > 16.0 ? maxref : 16.0, -18));
-    const double tol = 2.0 * (e_naive + floor_abs);
+    return 2.0 * (e_naive + floor_abs);
+}
+
+/* Compares a whole output against the reference with the tolerance rule above; naive is the
+ * naive implementation's result (NULL: only the storage rounding of the exact result). */
+static long check_close(const char *what, const tens *got, const double *ref, const double *naive, nsa_dtype storage)
+{
+    const int64_t n = got->numel;
+    double *g = (double *)malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
+    tens_read(got, g);
+    const double tol = sweep_tolerance(storage, ref, naive, n);
     long bad = 0;
     double worst = 0;
     char msg[1024];

@@ -51,6 +51,10 @@ long sweep_run_case(nsa_context *ctx, const sweep_case *c, uint64_t seed, int ve
 /* Random cases until max_cases or minutes; prints a progress line every ~10 s when
  * verbose. @return total failed checks. */
 long sweep_run(const sweep_opts *o);
+/* The tolerance rule (style.md) for one tensor of n elements against the float64 reference:
+ * 2 * (max error of the naive same-precision result, stored in `storage`, + an fp32
+ * accumulation floor). naive NULL: the exact result's storage rounding only. */
+double sweep_tolerance(nsa_dtype storage, const double *ref, const double *naive, int64_t n);
 /* One-line description of a case (for failure messages). */
 void sweep_case_describe(const sweep_case *c, char *buf, size_t n);
 

@@ -63,6 +63,7 @@ static struct world {
     named q, k, v, k2, v2, k3, v3, kc, vc, g[3], oi[3], li[3], bi, bc, dout;              /* inputs */
     named o, lse, xc, dx, dq, dk, dv, dk2, dv2, dk3, dv3, dkc, dvc, dg[3], dos[3], bio, bco, /* outputs */
         so[3], sl[3], sbi, biw;
+    named sinks, qseg, kseg, bias, mask, dsinks, dbias; /* the attention op's options (issue 5) */
 } W;
 
 static named make_named(int out, nsa_dtype dt, int tag, int rank, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
@@ -137,6 +138,15 @@ static void world_create(void)
     W.bco = make_named(1, I, TAG_NONE, 3, B_, T_, H_, 0);
     W.sbi = make_named(1, I, TAG_NONE, 4, B_, T_, H_, N_);
     W.biw = make_named(1, I, TAG_NONE, 4, B_, T_, H_, N_ + 1); /* one wider than n */
+    /* the attention options: bias broadcast over the batch, mask over batch and heads */
+    W.sinks = make_named(0, F, TAG_NONE, 1, HQ_, 1, 1, 0);
+    W.qseg = make_named(0, I, TAG_NONE, 2, B_, T_, 1, 0);
+    W.kseg = make_named(0, I, TAG_NONE, 2, B_, T_, 1, 0);
+    W.bias = make_named(0, F, TAG_NONE, 4, 1, HQ_, T_, T_);
+    W.mask = make_named(0, I, TAG_NONE, 4, 1, 1, T_, T_); /* random bytes, viewed as U8 */
+    W.mask.t.dtype = NSA_DTYPE_U8;
+    W.dsinks = make_named(1, F, TAG_NONE, 1, HQ_, 1, 1, 0);
+    W.dbias = make_named(1, F, TAG_NONE, 4, 1, HQ_, T_, T_);
 }
 
 static void world_destroy(void)
@@ -193,7 +203,7 @@ static void mode_packed(void)
 static nsa_tensor view(const named *n)
 {
     nsa_tensor t = n->t;
-    if (M.packed) t.shape[0] = 1;
+    if (M.packed && t.rank >= 2) t.shape[0] = 1; /* dim 0 of rank-1 sinks is HQ, not B */
     if (n->tag == TAG_NC) t.shape[1] = M.nc > 0 ? M.nc : M.packed ? NC_PACKED : NC_;
     if (n->tag == TAG_HQ && M.hq >= 0) t.shape[2] = M.hq;
     return t;
@@ -360,6 +370,31 @@ static void mk_attention_bwd(any_args *a, tlist *l)
     put_qkv_grads(l, &b->dout, &b->dq, &b->dk, &b->dv);
 }
 
+/* The attention op with every option of issue 5 (the CPU's general path). */
+static void fill_attention_ext(nsa_attention_args *a, tlist *l, int bwd)
+{
+    fill_attention(a, l, bwd);
+    PUT(l, a->sinks, W.sinks, USE_OPT);
+    PUT(l, a->q_segment_ids, W.qseg, USE_OPT);
+    PUT(l, a->k_segment_ids, W.kseg, USE_OPT);
+    PUT(l, a->bias, W.bias, USE_OPT);
+    PUT(l, a->mask, W.mask, USE_OPT);
+    a->softcap = 1.5f;
+    a->dropout_p = 0.1f;
+    a->dropout_seed = 7;
+}
+
+static void mk_attention_ext(any_args *a, tlist *l) { fill_attention_ext(&a->attention, l, 0); }
+
+static void mk_attention_ext_bwd(any_args *a, tlist *l)
+{
+    nsa_attention_bwd_args *b = &a->attention_bwd;
+    fill_attention_ext(&b->fwd, l, 1);
+    put_qkv_grads(l, &b->dout, &b->dq, &b->dk, &b->dv);
+    PUT(l, b->dsinks, W.dsinks, USE_OUT);
+    PUT(l, b->dbias, W.dbias, USE_OUT_OPT);
+}
+
 static void fill_gate(nsa_gate_args *a, tlist *l, int bwd)
 {
     PUT(l, a->o_cmp, W.oi[0], USE_IN);
@@ -467,7 +502,8 @@ typedef struct op_case {
 
 #define OP(op, flags) {#op, mk_##op, ws_##op, run_##op, flags}
 enum { OP_COMPRESS, OP_COMPRESS_BWD, OP_CMP_ATTN, OP_CMP_ATTN_BWD, OP_SELECT, OP_SLC_ATTN, OP_SLC_ATTN_BWD,
-       OP_ATTENTION, OP_ATTENTION_BWD, OP_GATE, OP_GATE_BWD, OP_FORWARD, OP_BACKWARD, OP_COUNT };
+       OP_ATTENTION, OP_ATTENTION_BWD, OP_GATE, OP_GATE_BWD, OP_FORWARD, OP_BACKWARD, OP_ATTENTION_EXT,
+       OP_ATTENTION_EXT_BWD, OP_COUNT };
 static const op_case OPS[OP_COUNT] = {
     OP(compress, F_CFG | F_VARLEN | F_NC),
     OP(compress_bwd, F_CFG | F_VARLEN | F_NC),
@@ -482,6 +518,9 @@ static const op_case OPS[OP_COUNT] = {
     OP(gate_bwd, F_HQ),
     OP(forward, F_CFG | F_VARLEN | F_GQA | F_HQ),
     OP(backward, F_CFG | F_VARLEN | F_GQA | F_HQ),
+    /* head counts are covered by the plain attention rows: sinks and bias carry HQ elsewhere */
+    {"attention (all options)", mk_attention_ext, ws_attention, run_attention, F_VARLEN},
+    {"attention_bwd (all options)", mk_attention_ext_bwd, ws_attention_bwd, run_attention_bwd, F_VARLEN},
 };
 
 static void build(const op_case *op, any_args *a, tlist *l)
@@ -610,12 +649,21 @@ static int mutate(nsa_tensor *t, int kind, int m)
     case MUT_RANK_MORE: t->rank = NSA_MAX_RANK + 1; return NSA_STATUS_BAD_RANK;
     case MUT_DTYPE_CLASS: t->dtype = t->dtype == NSA_DTYPE_I32 ? NSA_DTYPE_F32 : NSA_DTYPE_I32; return NSA_STATUS_BAD_DTYPE;
     case MUT_DTYPE_BOGUS: t->dtype = (nsa_dtype)42; return NSA_STATUS_BAD_DTYPE;
-    case MUT_SHAPE_NEG: t->shape[1] = -1; return NSA_STATUS_BAD_SHAPE;
+    case MUT_SHAPE_NEG:
+        if (t->rank < 2) return -1; /* sinks: no dim 1 */
+        t->shape[1] = -1;
+        return NSA_STATUS_BAD_SHAPE;
     case MUT_STRIDE_LAST: t->stride[t->rank - 1] = 2; return NSA_STATUS_BAD_STRIDE;
     case MUT_STRIDE_NEG: t->stride[0] = -t->stride[0]; return NSA_STATUS_BAD_STRIDE;
     case MUT_COUNT_OVF: t->shape[0] = INT64_MAX / 2; return NSA_STATUS_SIZE_OVERFLOW;
-    case MUT_OFFSET_OVF: t->stride[1] = INT64_MAX / 4; return NSA_STATUS_SIZE_OVERFLOW; /* x (shape[1] - 1) >= 8 */
-    case MUT_BYTES_OVF: t->stride[0] = INT64_MAX / 2; return NSA_STATUS_SIZE_OVERFLOW;  /* offsets fit, bytes don't */
+    case MUT_OFFSET_OVF: /* x (shape[1] - 1) >= 8; dim 1 must not be the last nor of size 1 */
+        if (t->rank < 3 || t->shape[1] < 2) return -1;
+        t->stride[1] = INT64_MAX / 4;
+        return NSA_STATUS_SIZE_OVERFLOW;
+    case MUT_BYTES_OVF: /* offsets fit, bytes don't; dim 0 must not be the last nor of size 1 */
+        if (t->rank < 2 || t->shape[0] < 2) return -1;
+        t->stride[0] = INT64_MAX / 2;
+        return NSA_STATUS_SIZE_OVERFLOW;
     case MUT_NULL_DATA:
     case MUT_ZEROED:
         if (!required) return -1;
@@ -840,18 +888,19 @@ static void generic_cases(const op_case *op)
 /* ---- op-specific rules -------------------------------------------------------------------- */
 static void status_and_config_tests(void)
 {
-    const char *s[NSA_STATUS_MISSING_OUTPUT + 1];
+    enum { LAST = NSA_STATUS_BAD_DROPOUT };
+    const char *s[LAST + 1];
     int i, j;
     nsa_config c = nsa_config_default();
     size_t k;
 
-    for (i = 0; i <= NSA_STATUS_MISSING_OUTPUT; i++) {
+    for (i = 0; i <= LAST; i++) {
         s[i] = nsa_status_string((nsa_status)i);
         CHECK(s[i] != NULL && s[i][0] != '\0');
     }
-    for (i = 0; i <= NSA_STATUS_MISSING_OUTPUT; i++)
+    for (i = 0; i <= LAST; i++)
         for (j = 0; j < i; j++) CHECK_MSG(strcmp(s[i], s[j]) != 0, s[i]);
-    CHECK(nsa_status_string((nsa_status)(NSA_STATUS_MISSING_OUTPUT + 1)) != NULL);
+    CHECK(strcmp(nsa_status_string((nsa_status)(LAST + 1)), "unknown status") == 0);
     CHECK(nsa_status_string((nsa_status)-1) != NULL);
     CHECK(strcmp(nsa_status_string((nsa_status)999), s[0]) != 0);
 
@@ -954,6 +1003,188 @@ static void attention_tests(void)
     build(op, &a, &l);
     x->q.stride[1] = INT64_MAX / 16;
     EXPECT(op, &a, NSA_STATUS_SIZE_OVERFLOW, "q stride[1] huge");
+}
+
+/* The options of issue 5: each rule broken alone, then the Tq != Tk and varlen_qk forms. */
+static void attention_ext_tests(void)
+{
+    const op_case *op = &OPS[OP_ATTENTION_EXT], *bop = &OPS[OP_ATTENTION_EXT_BWD];
+    static const int64_t CQ[] = {0, 3, 3, 12}, CK[] = {0, 5, 5, 20}, CK_BAD0[] = {1, 5, 5, 20},
+                         CK_DOWN[] = {0, 5, 4, 20}, CQ_SHORT[] = {0, 3, 3, 11};
+    static const int32_t CU12[] = {0, 3, 3, 12};
+    any_args a;
+    tlist l;
+    nsa_attention_args *x = &a.attention;
+    nsa_attention_bwd_args *y = &a.attention_bwd;
+    const float bad_caps[] = {-1.0f, NAN, INFINITY, -INFINITY};
+    const float bad_ps[] = {-0.1f, 1.0f, 1.5f, NAN, INFINITY};
+    size_t i;
+
+    mode_dense();
+    for (i = 0; i < sizeof bad_caps / sizeof bad_caps[0]; i++) {
+        build(op, &a, &l);
+        x->softcap = bad_caps[i];
+        x->q.rank = 1; /* scalars come first */
+        EXPECT(op, &a, NSA_STATUS_BAD_SOFTCAP, "softcap negative or not finite");
+    }
+    for (i = 0; i < sizeof bad_ps / sizeof bad_ps[0]; i++) {
+        build(op, &a, &l);
+        x->dropout_p = bad_ps[i];
+        EXPECT(op, &a, NSA_STATUS_BAD_DROPOUT, "dropout_p outside [0, 1)");
+    }
+    build(op, &a, &l);
+    x->softcap = -1.0f;
+    x->dropout_p = 2.0f;
+    EXPECT(op, &a, NSA_STATUS_BAD_SOFTCAP, "softcap and dropout_p: softcap first");
+    build(op, &a, &l);
+    x->k_segment_ids.data = NULL;
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "q_segment_ids without k_segment_ids");
+    build(op, &a, &l);
+    x->q_segment_ids.data = NULL;
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "k_segment_ids without q_segment_ids");
+    build(bop, &a, &l);
+    y->fwd.bias.data = NULL;
+    EXPECT(bop, &a, NSA_STATUS_BAD_ARGUMENT, "dbias without bias");
+
+    /* dtypes: sinks F32, segment ids I32, mask U8; bias and dbias any float dtype */
+    build(op, &a, &l);
+    x->sinks.dtype = NSA_DTYPE_F16;
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "sinks F16");
+    build(op, &a, &l);
+    x->q_segment_ids.dtype = NSA_DTYPE_F32;
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "q_segment_ids F32");
+    build(op, &a, &l);
+    x->mask.dtype = NSA_DTYPE_I32;
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "mask I32");
+    build(op, &a, &l);
+    x->mask.dtype = NSA_DTYPE_F32;
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "mask F32");
+    build(op, &a, &l);
+    x->bias.dtype = NSA_DTYPE_U8;
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "bias U8");
+    build(bop, &a, &l);
+    y->dbias.dtype = NSA_DTYPE_I32;
+    EXPECT(bop, &a, NSA_STATUS_BAD_DTYPE, "dbias I32");
+    build(bop, &a, &l);
+    y->dsinks.dtype = NSA_DTYPE_BF16;
+    EXPECT(bop, &a, NSA_STATUS_BAD_DTYPE, "dsinks BF16");
+    build(op, &a, &l);
+    x->bias.dtype = NSA_DTYPE_F16; /* the buffer is only read through a narrower view: fine */
+    EXPECT_OK(op, &a, &l, "bias F16 with q F32");
+
+    /* shapes: sinks [HQ], segment ids [B, T], bias/mask [1 or B, 1 or HQ, Tq, Tk] */
+    build(op, &a, &l);
+    x->sinks.rank = 2;
+    EXPECT(op, &a, NSA_STATUS_BAD_RANK, "sinks rank 2");
+    build(op, &a, &l);
+    x->sinks.shape[0] = HQ_ / 2;
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "sinks [HQ / 2]");
+    build(op, &a, &l);
+    x->sinks.stride[0] = 2;
+    EXPECT(op, &a, NSA_STATUS_BAD_STRIDE, "sinks stride 2");
+    build(op, &a, &l);
+    x->k_segment_ids.shape[1] = T_ - 1;
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "k_segment_ids [B, Tk - 1]");
+    build(op, &a, &l);
+    x->q_segment_ids.rank = 3;
+    EXPECT(op, &a, NSA_STATUS_BAD_RANK, "q_segment_ids rank 3");
+    build(op, &a, &l);
+    x->bias.shape[1] = 2;
+    x->bias.shape[3] = T_ / 2;
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "bias heads 2 (neither 1 nor HQ)");
+    build(op, &a, &l);
+    x->bias.shape[0] = 3;
+    x->bias.stride[0] = 0;
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "bias batch 3 (neither 1 nor B)");
+    build(op, &a, &l);
+    x->bias.shape[0] = B_;
+    x->bias.stride[0] = 0;
+    EXPECT_OK(op, &a, &l, "bias batch B by stride 0");
+    build(op, &a, &l);
+    x->bias.shape[1] = 1;
+    EXPECT_OK(op, &a, &l, "bias [1, 1, T, T]");
+    build(op, &a, &l);
+    x->mask.shape[1] = HQ_;
+    x->mask.stride[1] = 0;
+    EXPECT_OK(op, &a, &l, "mask heads HQ by stride 0");
+    build(op, &a, &l);
+    x->mask.shape[2] = T_ - 1;
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "mask [.., Tq - 1, Tk]");
+    build(op, &a, &l);
+    x->bias.stride[3] = 0;
+    EXPECT(op, &a, NSA_STATUS_BAD_STRIDE, "bias last stride 0");
+    /* dbias: the shape of bias, and no stride 0 on a dim of size > 1 */
+    build(bop, &a, &l);
+    y->dbias.shape[1] = 1;
+    EXPECT(bop, &a, NSA_STATUS_BAD_SHAPE, "dbias [1, 1, T, T] for bias [1, HQ, T, T]");
+    build(bop, &a, &l);
+    y->fwd.bias.shape[1] = 1;
+    y->dbias.shape[1] = 1;
+    EXPECT_OK(bop, &a, &l, "bias and dbias [1, 1, T, T]");
+    build(bop, &a, &l);
+    y->dbias.stride[1] = 0;
+    EXPECT(bop, &a, NSA_STATUS_BAD_STRIDE, "dbias stride 0 on HQ");
+    build(bop, &a, &l);
+    y->dbias.data = NULL;
+    EXPECT_OK(bop, &a, &l, "dbias absent (optional)");
+    build(bop, &a, &l);
+    y->dsinks.data = NULL;
+    EXPECT(bop, &a, NSA_STATUS_MISSING_OUTPUT, "dsinks absent with sinks");
+    build(bop, &a, &l);
+    y->fwd.sinks.data = NULL;
+    y->dsinks.dtype = (nsa_dtype)42; /* neither checked nor written without sinks */
+    for (i = 0; i < (size_t)l.n; i++)
+        if (l.u[i].t == &y->dsinks) l.u[i].kind = USE_OPT; /* its buffer must stay sentinel */
+    EXPECT_OK(bop, &a, &l, "no sinks: dsinks ignored");
+
+    /* Tq != Tk: q, o, lse, q_segment_ids and bias/mask dim 2 narrowed to 12 query rows */
+    build(bop, &a, &l);
+    y->fwd.q.shape[1] = y->fwd.o.shape[1] = y->fwd.lse.shape[1] = y->fwd.q_segment_ids.shape[1] = 12;
+    y->fwd.bias.shape[2] = y->fwd.mask.shape[2] = y->dbias.shape[2] = 12;
+    y->dout.shape[1] = y->dq.shape[1] = 12;
+    EXPECT_OK(bop, &a, &l, "Tq = 12, Tk = 20");
+    y->fwd.bias.shape[2] = 13;
+    EXPECT(bop, &a, NSA_STATUS_BAD_SHAPE, "Tq = 12, bias for 13 rows");
+    y->fwd.bias.shape[2] = 12;
+    y->fwd.k_segment_ids.shape[1] = 12;
+    EXPECT(bop, &a, NSA_STATUS_BAD_SHAPE, "Tq = 12, k_segment_ids for 12 keys");
+    y->fwd.k_segment_ids.shape[1] = T_;
+    /* int32 varlen is one packing for both: Tq != Tk cannot use it */
+    mode_packed();
+    M.cu = CU12;
+    build(op, &a, &l);
+    x->q.shape[1] = x->o.shape[1] = x->lse.shape[1] = x->q_segment_ids.shape[1] = 12;
+    x->bias.shape[2] = x->mask.shape[2] = 12;
+    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "varlen.cu_seqlens with Tq != Tk");
+    /* varlen_qk: separate packings */
+    x->varlen.cu_seqlens = NULL;
+    x->varlen_qk.cu_seqlens_q = CQ;
+    x->varlen_qk.cu_seqlens_k = CK;
+    x->varlen_qk.num_seqs = 3;
+    EXPECT_OK(op, &a, &l, "varlen_qk, Tq = 12, Tk = 20");
+    x->varlen.cu_seqlens = CU12;
+    x->varlen.num_seqs = 3;
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "varlen and varlen_qk both");
+    x->varlen.cu_seqlens = NULL;
+    x->varlen_qk.cu_seqlens_k = NULL;
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "cu_seqlens_q without cu_seqlens_k");
+    x->varlen_qk.cu_seqlens_k = CK_BAD0;
+    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "cu_seqlens_k[0] != 0");
+    x->varlen_qk.cu_seqlens_k = CK_DOWN;
+    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "cu_seqlens_k decreasing");
+    x->varlen_qk.cu_seqlens_k = CK;
+    x->varlen_qk.cu_seqlens_q = CQ_SHORT;
+    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "cu_seqlens_q[N] != Tq");
+    x->varlen_qk.cu_seqlens_q = CK;
+    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "cu_seqlens_q[N] = Tk != Tq");
+    x->varlen_qk.cu_seqlens_q = CQ;
+    x->varlen_qk.num_seqs = -1;
+    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "varlen_qk num_seqs < 0");
+    x->varlen_qk.num_seqs = 3;
+    x->q.shape[0] = x->k.shape[0] = x->v.shape[0] = x->o.shape[0] = x->lse.shape[0] = B_;
+    x->q_segment_ids.shape[0] = x->k_segment_ids.shape[0] = B_;
+    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "varlen_qk with B != 1");
+    mode_dense();
 }
 
 static void compress_tests(void)
@@ -1218,6 +1449,7 @@ void test_validation_all(void)
     status_and_config_tests();
     for (i = 0; i < OP_COUNT; i++) generic_cases(&OPS[i]);
     attention_tests();
+    attention_ext_tests();
     compress_tests();
     selection_tests();
     gate_tests();

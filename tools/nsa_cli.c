@@ -82,6 +82,7 @@ static const char *dtype_name(nsa_dtype dt)
     case NSA_DTYPE_F16: return "f16";
     case NSA_DTYPE_BF16: return "bf16";
     case NSA_DTYPE_I32: return "i32";
+    case NSA_DTYPE_U8: return "u8";
     }
     return "?";
 }

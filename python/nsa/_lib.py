@@ -5,7 +5,7 @@ against nsa.h and checks that every size and field offset below matches the C co
 """
 import ctypes
 import os
-from ctypes import POINTER, Structure, c_char_p, c_float, c_int, c_int32, c_int64, c_size_t, c_void_p
+from ctypes import POINTER, Structure, c_char_p, c_float, c_int, c_int32, c_int64, c_size_t, c_uint64, c_void_p
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -39,11 +39,12 @@ STATUS_NAMES = (
     "BAD_CMP_STRIDE", "BAD_CMP_LEN", "BAD_SLC_BLOCK", "BAD_TOPK", "BAD_WINDOW", "BAD_SCALE",
     "BAD_CU_SEQLENS", "SIZE_OVERFLOW", "WORKSPACE_TOO_SMALL", "BACKEND_UNAVAILABLE",
     "NOT_SUPPORTED", "OUT_OF_MEMORY", "DEVICE_ERROR", "BAD_ARGUMENT", "MISSING_OUTPUT",
+    "BAD_SOFTCAP", "BAD_DROPOUT",
 )
 for _code, _name in enumerate(STATUS_NAMES):
     globals()["STATUS_" + _name] = _code
 
-DTYPE_F32, DTYPE_F16, DTYPE_BF16, DTYPE_I32 = 0, 1, 2, 3
+DTYPE_F32, DTYPE_F16, DTYPE_BF16, DTYPE_I32, DTYPE_U8 = 0, 1, 2, 3, 4
 BACKEND_CPU, BACKEND_CUDA = 0, 1
 MAX_RANK = 4
 
@@ -124,15 +125,24 @@ class SlcAttnBwdArgs(Structure):
     _fields_ = [("fwd", SlcAttnArgs), ("dout", Tensor), ("dq", Tensor), ("dk", Tensor), ("dv", Tensor)]
 
 
+class VarlenQK(Structure):
+    _fields_ = [("cu_seqlens_q", POINTER(c_int64)), ("cu_seqlens_k", POINTER(c_int64)), ("num_seqs", c_int64)]
+
+
 class AttentionArgs(Structure):
     _fields_ = [
         ("q", Tensor), ("k", Tensor), ("v", Tensor), ("o", Tensor), ("lse", Tensor), ("varlen", Varlen),
         ("scale", c_float), ("causal", c_int32), ("window_left", c_int64), ("window_right", c_int64),
+        # appended in 0.2 (issue 5): zero = off
+        ("softcap", c_float), ("sinks", Tensor), ("q_segment_ids", Tensor), ("k_segment_ids", Tensor),
+        ("bias", Tensor), ("mask", Tensor), ("dropout_p", c_float), ("dropout_seed", c_uint64),
+        ("dropout_offset", c_uint64), ("varlen_qk", VarlenQK),
     ]
 
 
 class AttentionBwdArgs(Structure):
-    _fields_ = [("fwd", AttentionArgs), ("dout", Tensor), ("dq", Tensor), ("dk", Tensor), ("dv", Tensor)]
+    _fields_ = [("fwd", AttentionArgs), ("dout", Tensor), ("dq", Tensor), ("dk", Tensor), ("dv", Tensor),
+                ("dsinks", Tensor), ("dbias", Tensor)]
 
 
 class GateArgs(Structure):
@@ -202,6 +212,7 @@ STRUCTS = {
     "nsa_select_args": SelectArgs,
     "nsa_slc_attn_args": SlcAttnArgs,
     "nsa_slc_attn_bwd_args": SlcAttnBwdArgs,
+    "nsa_varlen_qk": VarlenQK,
     "nsa_attention_args": AttentionArgs,
     "nsa_attention_bwd_args": AttentionBwdArgs,
     "nsa_gate_args": GateArgs,

@@ -122,6 +122,21 @@ void core_fwd_end(core_tile *t, float *lse_out);
  * pointing at the panel rows of key c0. */
 void core_bwd_block(core_tile *t, const float *K, const float *V, int64_t c0, int64_t c1, float *dK, float *dV);
 
+/* The register-blocked products behind the tile, for attn_ext.c:
+ * S[r * ldS + (c - c0)] = A[r] . X[c] (r < R, c in [c0, c1); X rows of D floats, xt scratch
+ * [D, 16]); Acc[r] += sum_c W[r * ldW + c] X[c] (c < n); Acc[c] += sum_r W[r * ldW + c] Y[r]. */
+void core_scores(const float *A, int R, int D, const float *X, int64_t c0, int64_t c1, float *S, int64_t ldS,
+                 float *xt);
+void core_accum(float *Acc, const float *W, int64_t ldW, int R, const float *X, int D, int64_t n);
+void core_accum_t(float *Acc, const float *W, int64_t ldW, int R, const float *Y, int D, int64_t n);
+/* Rows of the general path, -inf = invisible (weight exactly 0):
+ * s = exp(s - shift), @return the sum; P = exp(p - lse), ds = P (ds * keep - D), p = P (or
+ * P * keep with dropped_p); softcap: th = tanh(s / cap), s = cap * th, dcap = 1 - th^2
+ * (tanh from the same exp: absolute error ~1e-7, exactly +-1 for large |s|). */
+float core_exp_row_masked(float *s, int64_t n, float shift);
+void core_grad_row_masked(float *p, float *ds, const float *keep, int64_t n, float lse, float D, int dropped_p);
+void core_softcap_row(float *s, float *dcap, int64_t n, float cap);
+
 /* exp(x) in fp32 for the softmax, branch-free so the compiler vectorises it: the input is
  * clamped to [-87, 88] (exp(-87) ~ 2e-38 stands in for 0), split as 2^n * e^f with
  * |f| <= ln2/2, and e^f comes from a degree-7 polynomial (relative error ~1e-7). */
@@ -208,6 +223,17 @@ size_t range_bwd_ws(const nsa_context *ctx, const nsa_problem *p, const range_ru
 void range_bwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *rule, const int64_t *cu_cmp,
                const nsa_tensor *q, const float *Kp, const float *Vp, int64_t key_rows, const grad_src *g,
                float *dq32, float *dKp, float *dVp, void *ws);
+
+/* The attention op with any option of nsa.h section 5 beyond the window branch's (Tq != Tk,
+ * varlen_qk, softcap, sinks, segment ids, bias, mask, dropout): attn_ext.c. Kp/Vp are the
+ * packed K/V panels ([B, H, Tk, D]); the backward adds into dq32/dKp/dVp and writes dsinks
+ * and dbias itself. */
+size_t ext_fwd_ws(const nsa_context *ctx, const nsa_problem *p);
+void ext_fwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_args *a, const float *Kp,
+             const float *Vp, void *ws);
+size_t ext_bwd_ws(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_bwd_args *a);
+void ext_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_bwd_args *a, const float *Kp,
+             const float *Vp, float *dq32, float *dKp, float *dVp, void *ws);
 
 size_t slc_fwd_ws(const nsa_context *ctx, const nsa_problem *p);
 void slc_fwd(const nsa_context *ctx, const nsa_problem *p, const nsa_tensor *q, const float *Kp, const float *Vp,

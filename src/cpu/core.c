@@ -306,3 +306,79 @@ void core_bwd_block(core_tile *t, const float *K, const float *V, int64_t c0, in
     if (dK) mk_accum_t(dK + (ua - c0) * t->DK, dS, t->S_cap, t->R, t->Q, t->DK, n);
     if (dV) mk_accum_t(dV + (ua - c0) * t->DV, P, t->S_cap, t->R, t->dO, t->DV, n);
 }
+
+/* The micro-kernels for the attention op's general path (attn_ext.c). */
+void core_scores(const float *A, int R, int D, const float *X, int64_t c0, int64_t c1, float *S, int64_t ldS,
+                 float *xt)
+{
+    mk_scores(A, R, D, X, c0, c1, S, ldS, xt);
+}
+
+void core_accum(float *Acc, const float *W, int64_t ldW, int R, const float *X, int D, int64_t n)
+{
+    mk_accum(Acc, W, ldW, R, X, D, n);
+}
+
+void core_accum_t(float *Acc, const float *W, int64_t ldW, int R, const float *Y, int D, int64_t n)
+{
+    mk_accum_t(Acc, W, ldW, R, Y, D, n);
+}
+
+/* ---- rows of attn_ext.c's general path: -inf marks an invisible key, whose weight must be
+ * exactly 0 (vexp alone would give exp(-87)) ---------------------------------------------- */
+
+float core_exp_row_masked(float *s, int64_t n, float shift)
+{
+    const vf16 ninf = vzero() - INFINITY;
+    vf16 acc = vzero();
+    int64_t i = 0;
+    for (; i + MK_LANES <= n; i += MK_LANES) {
+        const vf16 x = vload(s + i);
+        const vi16 hidden = x == ninf;
+        const vf16 e = (vf16)(~hidden & (vi16)vexp(x - shift));
+        vstore(s + i, e);
+        acc += e;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < MK_LANES; j++) sum += acc[j];
+    for (; i < n; i++) {
+        s[i] = s[i] == -INFINITY ? 0.0f : core_exp(s[i] - shift);
+        sum += s[i];
+    }
+    return sum;
+}
+
+void core_grad_row_masked(float *p, float *ds, const float *keep, int64_t n, float lse, float D, int dropped_p)
+{
+    const vf16 ninf = vzero() - INFINITY;
+    int64_t i = 0;
+    for (; i + MK_LANES <= n; i += MK_LANES) {
+        const vf16 x = vload(p + i), kf = vload(keep + i);
+        const vi16 hidden = x == ninf;
+        const vf16 P = (vf16)(~hidden & (vi16)vexp(x - lse));
+        vstore(ds + i, P * (vload(ds + i) * kf - D));
+        vstore(p + i, dropped_p ? P * kf : P);
+    }
+    for (; i < n; i++) {
+        const float P = p[i] == -INFINITY ? 0.0f : core_exp(p[i] - lse);
+        ds[i] = P * (ds[i] * keep[i] - D);
+        p[i] = dropped_p ? P * keep[i] : P;
+    }
+}
+
+void core_softcap_row(float *s, float *dcap, int64_t n, float cap)
+{
+    /* capped so that a subnormal softcap cannot turn 0 * inf into NaN */
+    const float two_inv = 2.0f / cap < 3.0e38f ? 2.0f / cap : 3.0e38f;
+    int64_t i = 0;
+    for (; i + MK_LANES <= n; i += MK_LANES) {
+        const vf16 th = 1.0f - 2.0f / (vexp(vload(s + i) * two_inv) + 1.0f);
+        vstore(s + i, cap * th);
+        vstore(dcap + i, 1.0f - th * th);
+    }
+    for (; i < n; i++) {
+        const float th = 1.0f - 2.0f / (core_exp(s[i] * two_inv) + 1.0f);
+        s[i] = cap * th;
+        dcap[i] = 1.0f - th * th;
+    }
+}

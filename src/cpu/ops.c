@@ -238,13 +238,14 @@ static range_rule attention_rule(const nsa_attention_args *a)
     return window_rule(a->window_left, a->causal ? 0 : a->window_right, a->causal != 0);
 }
 
+/* Calls with any option beyond the window branch's (p->extended) take attn_ext.c's path. */
 size_t nsa_cpu_attention_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_args *a)
 {
     ws_arena w = {NULL, 0};
     take_panel(&w, &a->k);
     take_panel(&w, &a->v);
     range_rule r = attention_rule(a);
-    return w.used + 64 + range_fwd_ws(ctx, p, &r, 0);
+    return w.used + 64 + (p->extended ? ext_fwd_ws(ctx, p) : range_fwd_ws(ctx, p, &r, 0));
 }
 
 nsa_status nsa_cpu_attention(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_args *a, void *ws)
@@ -253,6 +254,10 @@ nsa_status nsa_cpu_attention(const nsa_context *ctx, const nsa_problem *p, const
     float *K = take_panel(&w, &a->k), *V = take_panel(&w, &a->v);
     cpu_pack_heads(ctx, &a->k, K);
     cpu_pack_heads(ctx, &a->v, V);
+    if (p->extended) {
+        ext_fwd(ctx, p, a, K, V, ws_take(&w, 0));
+        return NSA_STATUS_SUCCESS;
+    }
     range_rule r = attention_rule(a);
     range_fwd(ctx, p, &r, NULL, &a->q, K, V, p->T, &a->o, &a->lse, NULL, ws_take(&w, 0));
     return NSA_STATUS_SUCCESS;
@@ -264,7 +269,7 @@ size_t nsa_cpu_attention_bwd_workspace(const nsa_context *ctx, const nsa_problem
     bwd_panels b;
     branch_bwd_carve(&w, p, &a->fwd.k, &a->fwd.v, &b);
     range_rule r = attention_rule(&a->fwd);
-    return w.used + 64 + range_bwd_ws(ctx, p, &r);
+    return w.used + 64 + (p->extended ? ext_bwd_ws(ctx, p, a) : range_bwd_ws(ctx, p, &r));
 }
 
 nsa_status nsa_cpu_attention_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_bwd_args *a, void *ws)
@@ -274,9 +279,13 @@ nsa_status nsa_cpu_attention_bwd(const nsa_context *ctx, const nsa_problem *p, c
     branch_bwd_carve(&w, p, &a->fwd.k, &a->fwd.v, &b);
     cpu_pack_heads(ctx, &a->fwd.k, b.K);
     cpu_pack_heads(ctx, &a->fwd.v, b.V);
-    grad_src g = {&a->dout, NULL, &a->fwd.o, &a->fwd.lse};
-    range_rule r = attention_rule(&a->fwd);
-    range_bwd(ctx, p, &r, NULL, &a->fwd.q, b.K, b.V, p->T, &g, b.dq32, b.dK, b.dV, ws_take(&w, 0));
+    if (p->extended) {
+        ext_bwd(ctx, p, a, b.K, b.V, b.dq32, b.dK, b.dV, ws_take(&w, 0));
+    } else {
+        grad_src g = {&a->dout, NULL, &a->fwd.o, &a->fwd.lse};
+        range_rule r = attention_rule(&a->fwd);
+        range_bwd(ctx, p, &r, NULL, &a->fwd.q, b.K, b.V, p->T, &g, b.dq32, b.dK, b.dV, ws_take(&w, 0));
+    }
     branch_bwd_finish(ctx, &b, &a->dq, &a->dk, &a->dv);
     return NSA_STATUS_SUCCESS;
 }

@@ -14,7 +14,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CC = os.environ.get("CC", "cc")
 
 ENUMS = ["NSA_STATUS_" + n for n in _lib.STATUS_NAMES] + [
-    "NSA_DTYPE_F32", "NSA_DTYPE_F16", "NSA_DTYPE_BF16", "NSA_DTYPE_I32",
+    "NSA_DTYPE_F32", "NSA_DTYPE_F16", "NSA_DTYPE_BF16", "NSA_DTYPE_I32", "NSA_DTYPE_U8",
     "NSA_BACKEND_CPU", "NSA_BACKEND_CUDA", "NSA_MAX_RANK", "NSA_VERSION_NUMBER"]
 
 
@@ -66,6 +66,7 @@ def test_enums(c_layout):
     assert c_layout["NSA_DTYPE_F16"] == _lib.DTYPE_F16
     assert c_layout["NSA_DTYPE_BF16"] == _lib.DTYPE_BF16
     assert c_layout["NSA_DTYPE_I32"] == _lib.DTYPE_I32
+    assert c_layout["NSA_DTYPE_U8"] == _lib.DTYPE_U8
     assert c_layout["NSA_BACKEND_CPU"] == _lib.BACKEND_CPU
     assert c_layout["NSA_BACKEND_CUDA"] == _lib.BACKEND_CUDA
     assert c_layout["NSA_MAX_RANK"] == _lib.MAX_RANK
