@@ -84,7 +84,7 @@ static void run_qtile(grun *g, const qparams *P, int mode, int64_t tiles, nsa_dt
 {
     const int cls = cu_dims_class(g->p->DK, g->p->DV);
     if (!g_live(g) || tiles == 0) return;
-    if (qtile_smem(cls, class_dv(cls), P->nw, mode, P->nst) > (size_t)g->smem_max) {
+    if (qtile_smem(cls, class_dv(cls), P->nw, mode, P->nst, P->bn) > (size_t)g->smem_max) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED);
         return;
     }
@@ -137,6 +137,7 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     P.rule = *rule;
     P.nw = 4;
     P.nst = 2;
+    P.bn = 64;
     unitspec u = {UK_ROWS, p->G, 16 * P.nw, 0, 0};
     int64_t tiles;
     P.sm = g_seqmap(g, u, &tiles);
@@ -148,6 +149,9 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
  * positions, keys = the union of their blocks, double-buffered. */
 static int slc_warps(const nsa_problem *p) { return p->G >= 16 ? 1 : 4; }
 static int slc_stages(const nsa_problem *p) { return p->G >= 16 ? 1 : 2; }
+/* keys per chunk: 32 for the one-warp tiles (half the K/V shared memory: 8 instead of 5-6
+ * of these latency-bound CTAs per SM), 64 otherwise */
+static int slc_chunk(const nsa_problem *p) { return p->G >= 16 ? 32 : 64; }
 
 void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dview *v, const int32_t *U,
                 const int32_t *ucnt, int64_t m, const dview *o, const dview *lse)
@@ -163,6 +167,7 @@ void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvi
     P.U = U, P.ucnt = ucnt, P.m = (int)m;
     P.nw = slc_warps(p);
     P.nst = slc_stages(p);
+    P.bn = slc_chunk(p);
     unitspec u = {UK_ROWS, p->G, 16 * P.nw, 0, 0};
     int64_t tiles;
     P.sm = g_seqmap(g, u, &tiles);
@@ -252,6 +257,7 @@ void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     Q.rule = *rule;
     Q.nw = 4;
     Q.nst = 2;
+    Q.bn = 64;
     unitspec uq = {UK_ROWS, p->G, 64, 0, 0};
     int64_t qtiles;
     Q.sm = g_seqmap(g, uq, &qtiles);
@@ -288,6 +294,7 @@ void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt
     Q.U = U, Q.ucnt = ucnt, Q.m = (int)m;
     Q.nw = slc_warps(p);
     Q.nst = slc_stages(p);
+    Q.bn = slc_chunk(p);
     unitspec uq = {UK_ROWS, p->G, 16 * Q.nw, 0, 0};
     int64_t qtiles;
     Q.sm = g_seqmap(g, uq, &qtiles);

@@ -376,15 +376,19 @@ __device__ __forceinline__ void load_rows_lin(T *dst, int ld, const T *src, int6
                                               int rows, int D, int al, int tid, int nthr)
 {
     constexpr int CH = DP / 8;
-    if (al && D == DP && valid == rows && rows == 64) { /* whole tiles of one or four warps */
+    if (al && D == DP && valid == rows) { /* whole tiles: 64 rows by one or four warps, 32 by one */
         if constexpr (32 % CH == 0) {
-            if (nthr == 32) {
+            if (nthr == 32 && rows == 64) {
                 load_tile_full<T, DP, 32, 64>(dst, ld, src + base, stride, tid);
+                return;
+            }
+            if (nthr == 32 && rows == 32) {
+                load_tile_full<T, DP, 32, 32>(dst, ld, src + base, stride, tid);
                 return;
             }
         }
         if constexpr (128 % CH == 0) {
-            if (nthr == 128) {
+            if (nthr == 128 && rows == 64) {
                 load_tile_full<T, DP, 128, 64>(dst, ld, src + base, stride, tid);
                 return;
             }

@@ -63,9 +63,9 @@ typedef struct slc_iter {
     int hA, hB; /* the lists' next entries (INT_MAX: exhausted), loaded one call ahead */
 } slc_iter;
 
-/* Next chunk [c0, c1) (one block, at most QT_BN keys) and which positions selected it.
+/* Next chunk [c0, c1) (one block, at most bn keys) and which positions selected it.
  * @return 0 when the union is exhausted. Warp 0 only. */
-__device__ __forceinline__ int slc_next(slc_iter *it, int lane, int *c0, int *c1, unsigned char *flags)
+__device__ __forceinline__ int slc_next(slc_iter *it, int lane, int bn, int *c0, int *c1, unsigned char *flags)
 {
     if (it->cur_c >= it->cur_end) {
         const int j = __reduce_min_sync(0xffffffffu, it->hA < it->hB ? it->hA : it->hB);
@@ -80,17 +80,19 @@ __device__ __forceinline__ int slc_next(slc_iter *it, int lane, int *c0, int *c1
         it->cur_end = j * it->lp + it->lp < it->len ? j * it->lp + it->lp : it->len;
     }
     *c0 = it->cur_c;
-    *c1 = it->cur_c + QT_BN < it->cur_end ? it->cur_c + QT_BN : it->cur_end;
+    *c1 = it->cur_c + bn < it->cur_end ? it->cur_c + bn : it->cur_end;
     it->cur_c = *c1;
     flags[lane] = (unsigned char)it->fA;
     flags[lane + 32] = (unsigned char)it->fB;
     return 1;
 }
 
-template <int DKP, int DVP, typename T, int MODE>
+/* BN: keys per chunk, 64; 32 for the one-warp selected tiles, whose K/V buffers then take
+ * half the shared memory, so more of these latency-bound CTAs fit an SM. */
+template <int DKP, int DVP, typename T, int MODE, int BN>
 __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 {
-    constexpr int LDK = DKP + 8, LDV = DVP + 8, BN = QT_BN, NT = BN / 8, KT = DKP / 16, VT = DVP / 16;
+    constexpr int LDK = DKP + 8, LDV = DVP + 8, NT = BN / 8, KT = DKP / 16, VT = DVP / 16;
     extern __shared__ __align__(16) unsigned char smem[];
     const int nw = P.nw, BM = nw * 16, nthr = nw * 32;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -192,7 +194,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 #define QT_PRODUCE(slot)                                                                         \
     do {                                                                                         \
         int c0_ = 0, c1_ = 0;                                                                    \
-        const int hv_ = nrows > 0 ? slc_next(&it, lane, &c0_, &c1_, flags + (slot) * 64) : 0;   \
+        const int hv_ = nrows > 0 ? slc_next(&it, lane, BN, &c0_, &c1_, flags + (slot) * 64) : 0;   \
         if (lane == 0) desc[(slot) * 4] = c0_, desc[(slot) * 4 + 1] = c1_, desc[(slot) * 4 + 2] = hv_; \
     } while (0)
 #define QT_GET(j, hv, c0v, c1v)                                                                  \
@@ -1169,14 +1171,21 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
 
 /* ==== launchers (instantiated per head-dim class in engine_d*.cu) ========================== */
 
+template <int DKP, int DVP, typename T, int MODE, int BN>
+static void launch_qtile_bn(grun *g, const qparams *P, int64_t tiles)
+{
+    const size_t smem = qtile_smem(DKP, DVP, P->nw, MODE, P->nst, BN);
+    g_check(g, cudaFuncSetAttribute(qtile_kernel<DKP, DVP, T, MODE, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (g->err != NSA_STATUS_SUCCESS) return;
+    qtile_kernel<DKP, DVP, T, MODE, BN><<<dim3((unsigned)tiles, (unsigned)P->H), P->nw * 32, smem, g->st>>>(*P);
+    g_launched(g);
+}
+
 template <int DKP, int DVP, typename T, int MODE>
 static void launch_qtile_t(grun *g, const qparams *P, int64_t tiles)
 {
-    const size_t smem = qtile_smem(DKP, DVP, P->nw, MODE, P->nst);
-    g_check(g, cudaFuncSetAttribute(qtile_kernel<DKP, DVP, T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    if (g->err != NSA_STATUS_SUCCESS) return;
-    qtile_kernel<DKP, DVP, T, MODE><<<dim3((unsigned)tiles, (unsigned)P->H), P->nw * 32, smem, g->st>>>(*P);
-    g_launched(g);
+    if (P->bn == 32) launch_qtile_bn<DKP, DVP, T, MODE, 32>(g, P, tiles);
+    else launch_qtile_bn<DKP, DVP, T, MODE, 64>(g, P, tiles);
 }
 
 template <int DKP, int DVP, typename T>

@@ -32,6 +32,7 @@ typedef struct qparams {
     seqmap sm;
     int nw;                /* warps per CTA: tile rows = 16 * nw */
     int nst;               /* K/V buffers: 2 = double-buffered, 1 = single (less shared memory) */
+    int bn;                /* keys per chunk: 64, or 32 (one-warp selected tiles) */
 } qparams;
 
 /* ktile: dK, dV of one branch into flat fp32 [B, KR, H, D] buffers (added to). */
@@ -73,11 +74,11 @@ typedef struct sparams {
 } sparams;
 
 /* Shared memory of each kernel (bytes); the kernels carve in the same order. */
-static inline size_t qtile_smem(int DKP, int DVP, int nw, int mode, int nst)
+static inline size_t qtile_smem(int DKP, int DVP, int nw, int mode, int nst, int bn)
 {
     const size_t BM = 16 * (size_t)nw, LDK = DKP + 8, LDV = DVP + 8;
     /* one-warp forward: Q lives in registers (qtile_kernel's qreg) */
-    const size_t el = (mode == MODE_FWD && nw == 1 ? 0 : BM * LDK) + (mode == MODE_DQ ? BM * LDV : 0) + (size_t)nst * 64 * LDK + (size_t)nst * 64 * LDV;
+    const size_t el = (mode == MODE_FWD && nw == 1 ? 0 : BM * LDK) + (mode == MODE_DQ ? BM * LDV : 0) + (size_t)nst * bn * LDK + (size_t)nst * bn * LDV;
     return el * 2 + 2 * BM * 8 + 12 * 4 + 3 * 64;
 }
 
