@@ -1219,6 +1219,8 @@ static int cmd_version(int argc, char **argv)
 
 int main(int argc, char **argv)
 {
+    /* line-buffered even into a file: a run cut off by a time limit still shows how far it got */
+    setvbuf(stdout, NULL, _IOLBF, 0);
     if (argc < 2) usage_error("no command given");
     const char *cmd = argv[1];
     if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h") || !strcmp(cmd, "help")) {

@@ -134,15 +134,6 @@ static size_t ext_thread_bytes(const nsa_problem *p)
     return ext_scratch_carve(&x, &probe, p);
 }
 
-static int thread_id(void)
-{
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
 /* ---- tasks --------------------------------------------------------------------------- */
 /* first[s] = first task of unit s; units are sequences (or bias row groups), `heads` tasks
  * per tile. Reuses cpu_tasks_decode. */
@@ -351,7 +342,7 @@ void ext_fwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_a
 
 #pragma omp parallel num_threads(cpu_threads(ctx))
     {
-        ws_arena ta = cpu_thread_arena(thread_base, per, thread_id());
+        ws_arena ta = cpu_thread_arena(thread_base, per, cpu_thread_id());
         ext_scratch x;
         ext_scratch_carve(&x, &ta, p);
 #pragma omp for schedule(dynamic, 1)
@@ -514,7 +505,7 @@ static void ext_dbias(const nsa_context *ctx, const ext_opts *o, const nsa_atten
     const int64_t rows = db->shape[0] * db->shape[1] * db->shape[2], Tk = db->shape[3];
 #pragma omp parallel num_threads(cpu_threads(ctx))
     {
-        ws_arena ta = cpu_thread_arena(thread_base, per, thread_id());
+        ws_arena ta = cpu_thread_arena(thread_base, per, cpu_thread_id());
         ext_scratch x;
         ext_scratch_carve(&x, &ta, p);
         memset(x.row, 0, EXT_KB * sizeof(float));
@@ -609,7 +600,7 @@ void ext_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_b
 
 #pragma omp parallel num_threads(cpu_threads(ctx))
     {
-        ws_arena ta = cpu_thread_arena(thread_base, per, thread_id());
+        ws_arena ta = cpu_thread_arena(thread_base, per, cpu_thread_id());
         ext_scratch x;
         ext_scratch_carve(&x, &ta, p);
         float *dQbuf = x.t.dQ;

@@ -10,6 +10,19 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* This OpenMP thread's number (0 without OpenMP): picks its slice of the workspace. */
+static inline int cpu_thread_id(void)
+{
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
 
 /* ---- sequences ---------------------------------------------------------------------- */
 /* One sequence of the call: batch index, first packed row, length, first compressed row. */

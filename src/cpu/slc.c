@@ -78,15 +78,6 @@ static int64_t block_tiles(const cpu_seq *s, const void *arg)
     return nsa_rule_num_slc(s->len, ((const nsa_problem *)arg)->cfg.slc_block);
 }
 
-static int thread_id(void)
-{
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
 size_t slc_fwd_ws(const nsa_context *ctx, const nsa_problem *p)
 {
     ws_arena a = {NULL, 0}, probe = {NULL, 0};
@@ -148,7 +139,7 @@ static void per_position_pass(const nsa_context *ctx, const nsa_problem *p, cons
     char *thread_base = (char *)ws_take(a, per * (size_t)cpu_threads(ctx));
 #pragma omp parallel num_threads(cpu_threads(ctx))
     {
-        ws_arena ta = cpu_thread_arena(thread_base, per, thread_id());
+        ws_arena ta = cpu_thread_arena(thread_base, per, cpu_thread_id());
         core_tile t;
         float *tmp;
         int64_t *blocks, *cursor;
@@ -249,7 +240,7 @@ void slc_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_tensor *q, 
 
 #pragma omp parallel num_threads(cpu_threads(ctx))
     {
-        ws_arena ta = cpu_thread_arena(thread_base, per, thread_id());
+        ws_arena ta = cpu_thread_arena(thread_base, per, cpu_thread_id());
         core_tile t;
         float *tmp;
         int64_t *blocks, *cursor;
