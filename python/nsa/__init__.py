@@ -16,12 +16,12 @@ import importlib.util
 import os
 
 from . import _core, _lib
-from ._core import Aux, Config, Grads, NsaError, cmp_offsets, status_name, status_string
+from ._core import AttentionGrads, Aux, Config, Grads, NsaError, cmp_offsets, status_name, status_string
 from ._lib import library
 
 __all__ = ["library", "version", "status_string", "status_name", "backend_available", "NsaError", "Config",
            "Aux", "Grads", "Result", "native_sparse_attention", "parallel_nsa", "forward", "compress", "select",
-           "cmp_offsets", "torch_available"]
+           "cmp_offsets", "torch_available", "attention", "AttentionResult", "AttentionGrads"]
 
 # With PyTorch installed the custom ops are registered at import, before any torch.compile
 # traces a call (NSA_NO_TORCH=1 skips that, e.g. for a numpy-only process).
@@ -136,6 +136,44 @@ def select(q, k_cmp, config=None, lse_cmp=None, cu_seqlens=None, return_counts=F
     """nsa_select: block_indices [B, T, H, n] int32, ascending, -1 padded (and block_counts
     [B, T, H] with return_counts). No gradient."""
     return _core.select(_call_for(q), q, k_cmp, _core._as_config(config), lse_cmp, cu_seqlens, return_counts)
+
+
+class AttentionResult:
+    """What nsa.attention returns: .o, .lse (float32, [B, Tq, HQ]) and .backward(dout,
+    dbias=False) -> AttentionGrads(dq, dk, dv, dsinks, dbias)."""
+
+    def __init__(self, q, k, v, opts, o, lse):
+        self._q, self._k, self._v, self._opts = q, k, v, opts
+        self.o, self.lse = o, lse
+
+    def backward(self, dout, dbias=False):
+        """nsa_attention_bwd with the forward's inputs and options (the same dropout mask).
+        dsinks comes back when sinks were given, dbias (float32, the bias's shape) when asked."""
+        return _core.attention_backward(_call_for(self._q), self._q, self._k, self._v, self.o, self.lse, dout,
+                                        self._opts, dbias)
+
+
+def attention(q, k, v, *, causal=False, window=(-1, -1), scale=None, softcap=0.0, sinks=None, q_segment_ids=None,
+              k_segment_ids=None, bias=None, mask=None, dropout_p=0.0, seed=0, offset=0, cu_seqlens=None,
+              cu_seqlens_q=None, cu_seqlens_k=None, out=None):
+    """nsa_attention, the library's flash-attention core (nsa.h section 5), on numpy arrays
+    (CPU backend) or torch tensors (no autograd). q [B, Tq, HQ, DK], k [B, Tk, H, DK],
+    v [B, Tk, H, DV], HQ % H == 0. causal (bottom-right aligned when Tq != Tk); window
+    (left, right), -1 = unbounded; scale (None: 1/sqrt(DK)); softcap (0 = off) on the scaled
+    score, bias [1 or B, 1 or HQ, Tq, Tk] added after it; sinks [HQ] float32 logits that join
+    the softmax denominator; q/k_segment_ids [B, Tq] / [B, Tk] (attend within equal ids);
+    mask [.., Tq, Tk] bool/uint8 (nonzero keeps); dropout_p with seed/offset (Philox, the
+    backward regenerates the mask; advance offset by >= B * HQ between calls); cu_seqlens
+    (int32, one packing) or cu_seqlens_q / cu_seqlens_k (separate packings, B == 1).
+    On CUDA only causal, windows, scale and cu_seqlens are supported today (NsaError
+    NOT_SUPPORTED otherwise). Returns an AttentionResult."""
+    opts = dict(causal=causal, window=tuple(window), scale=scale, softcap=softcap, sinks=sinks, bias=bias, mask=mask,
+                q_segment_ids=None if q_segment_ids is None else _as_int32(q_segment_ids),
+                k_segment_ids=None if k_segment_ids is None else _as_int32(k_segment_ids),
+                dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens=cu_seqlens, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k)
+    o, lse = _core.attention(_call_for(q), q, k, v, opts, out=out)
+    return AttentionResult(q, k, v, opts, o, lse)
 
 
 # ---- attention with autograd -------------------------------------------------------------------

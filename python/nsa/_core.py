@@ -218,7 +218,7 @@ def context(backend, device=0, stream=0):
 
 
 _DTYPE_CODES = {"float32": _lib.DTYPE_F32, "float16": _lib.DTYPE_F16, "bfloat16": _lib.DTYPE_BF16,
-                "int32": _lib.DTYPE_I32}
+                "int32": _lib.DTYPE_I32, "uint8": _lib.DTYPE_U8}
 
 
 def _make_view(data, code, shape, strides, name):
@@ -268,6 +268,8 @@ class NumpyCall(Call):
             if output:
                 raise TypeError("%s must be a numpy array" % name)
             a = np.asarray(a)
+        if a.dtype == np.bool_ and not output:  # masks: one byte per element, nonzero = keep
+            a = a.view(np.uint8)
         code = _DTYPE_CODES.get(a.dtype.name)
         if code is None:
             raise NsaError(_lib.STATUS_BAD_DTYPE, "%s has dtype %s (float32, float16, bfloat16 or int32 only)"
@@ -415,3 +417,81 @@ def select(call, q, k_cmp, config, lse_cmp=None, cu_seqlens=None, counts=False):
     a.config = config.to_c()
     call.run("select", a)
     return (idx, cnt) if counts else idx
+
+
+# ---- the flash-attention core (nsa.h section 5) ----------------------------------------------
+
+ATTN_TENSORS = ("sinks", "q_segment_ids", "k_segment_ids", "bias", "mask")
+AttentionGrads = namedtuple("AttentionGrads", ("dq", "dk", "dv", "dsinks", "dbias"))
+AttentionGrads.__doc__ = "nsa.attention's gradients (dsinks / dbias None unless sinks / dbias were asked for)."
+
+
+def _varlen_qk(cu_q, cu_k, keep):
+    vl = _lib.VarlenQK()
+    if cu_q is None and cu_k is None:
+        return vl
+    if cu_q is None or cu_k is None:
+        raise NsaError(_lib.STATUS_BAD_CU_SEQLENS, "cu_seqlens_q and cu_seqlens_k go together")
+    lq, lk = cu_seqlens_list(cu_q), cu_seqlens_list(cu_k)
+    if len(lq) != len(lk):
+        raise NsaError(_lib.STATUS_BAD_CU_SEQLENS, "cu_seqlens_q and cu_seqlens_k differ in length")
+    aq, ak = (ctypes.c_int64 * len(lq))(*lq), (ctypes.c_int64 * len(lk))(*lk)
+    keep.extend((aq, ak))
+    vl.cu_seqlens_q = ctypes.cast(aq, ctypes.POINTER(ctypes.c_int64))
+    vl.cu_seqlens_k = ctypes.cast(ak, ctypes.POINTER(ctypes.c_int64))
+    vl.num_seqs = len(lq) - 1
+    return vl
+
+
+def _fill_attention(call, a, q, k, v, o, lse, opts):
+    """Fills nsa_attention_args: q, k, v, o, lse views and the options dict (see nsa.attention)."""
+    a.q, a.k, a.v = call.view(q, "q"), call.view(k, "k"), call.view(v, "v")
+    a.o = call.view(o, "o", output=o is not None and opts.get("_o_out", True))
+    a.lse = call.view(lse, "lse", output=opts.get("_o_out", True))
+    a.varlen = _varlen(opts.get("cu_seqlens"), call.keep)
+    a.varlen_qk = _varlen_qk(opts.get("cu_seqlens_q"), opts.get("cu_seqlens_k"), call.keep)
+    a.scale = float(opts.get("scale") or 0.0)
+    a.causal = 1 if opts.get("causal") else 0
+    wl, wr = opts.get("window", (-1, -1))
+    a.window_left, a.window_right = int(wl), int(wr)
+    a.softcap = float(opts.get("softcap") or 0.0)
+    for name in ATTN_TENSORS:
+        x = opts.get(name)
+        if x is not None:
+            setattr(a, name, call.view(x, name))
+    a.dropout_p = float(opts.get("dropout_p") or 0.0)
+    a.dropout_seed = int(opts.get("seed") or 0)
+    a.dropout_offset = int(opts.get("offset") or 0)
+
+
+def attention(call, q, k, v, opts, out=None):
+    """nsa_attention: (o [B, Tq, HQ, DV] in q's dtype, lse [B, Tq, HQ] float32)."""
+    B, Tq, HQ, _ = _dims(q, "q", 4)
+    DV = _dims(v, "v", 4)[3]
+    o = out if out is not None else call.empty((B, Tq, HQ, DV), call.dtype(q))
+    lse = call.empty((B, Tq, HQ), "f32")
+    a = _lib.AttentionArgs()
+    _fill_attention(call, a, q, k, v, o, lse, opts)
+    call.run("attention", a)
+    return o, lse
+
+
+def attention_backward(call, q, k, v, o, lse, dout, opts, dbias=False):
+    """nsa_attention_bwd: AttentionGrads (dq, dk, dv like q, k, v; dsinks [HQ] float32 when
+    sinks are given; dbias float32 shaped like bias when dbias=True)."""
+    a = _lib.AttentionBwdArgs()
+    _fill_attention(call, a.fwd, q, k, v, o, lse, dict(opts, _o_out=False))
+    a.dout = call.view(dout, "dout")
+    dq, dk, dv = (call.empty(x.shape, call.dtype(x)) for x in (q, k, v))
+    a.dq, a.dk, a.dv = call.view(dq, "dq", output=True), call.view(dk, "dk", output=True), call.view(dv, "dv", output=True)
+    ds = db = None
+    if opts.get("sinks") is not None:
+        ds = call.empty(opts["sinks"].shape, "f32")
+        a.dsinks = call.view(ds, "dsinks", output=True)
+    if dbias:
+        if opts.get("bias") is None:
+            raise ValueError("dbias=True needs a bias")
+        db = call.empty(opts["bias"].shape, "f32")
+        a.dbias = call.view(db, "dbias", output=True)
+    call.run("attention_bwd", a)
+    return AttentionGrads(dq, dk, dv, ds, db)

@@ -1,0 +1,168 @@
+"""nsa.attention (the flash-attention core) from Python, numpy on the CPU backend, against a
+float64 reference that materialises the score matrix (written here from nsa.h's definitions)."""
+import numpy as np
+import pytest
+
+import nsa
+
+
+def ref_attention(q, k, v, dout, *, causal=False, window=(-1, -1), softcap=0.0, sinks=None, qseg=None, kseg=None,
+                  bias=None, mask=None):
+    """float64 forward and backward: o, lse, dq, dk, dv, dsinks, dbias (full, before broadcast sums)."""
+    q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+    B, Tq, HQ, DK = q.shape
+    _, Tk, H, DV = v.shape
+    G = HQ // H
+    scale = 1.0 / np.sqrt(DK)
+    ke, ve = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)          # [B, Tk, HQ, D]
+    raw = scale * np.einsum("bihd,bjhd->bhij", q, ke)                   # [B, HQ, Tq, Tk]
+    s = softcap * np.tanh(raw / softcap) if softcap > 0 else raw.copy()
+    if bias is not None:
+        s = s + np.asarray(bias, np.float64)
+    i = np.arange(Tq)[:, None] + (Tk - Tq)                              # bottom-right aligned diagonal
+    j = np.arange(Tk)[None, :]
+    vis = np.ones((Tq, Tk), bool)
+    wl, wr = window
+    if causal:
+        wr = 0
+    if wl >= 0:
+        vis &= j >= i - wl
+    if wr >= 0:
+        vis &= j <= i + wr
+    vis = np.broadcast_to(vis, (B, HQ, Tq, Tk)).copy()
+    if qseg is not None:
+        vis &= (np.asarray(qseg)[:, None, :, None] == np.asarray(kseg)[:, None, None, :])
+    if mask is not None:
+        vis &= np.broadcast_to(np.asarray(mask) != 0, vis.shape)
+    s = np.where(vis, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        m = np.maximum(m, np.asarray(sinks, np.float64)[None, :, None, None])
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    den = e.sum(-1, keepdims=True)
+    if sinks is not None:
+        den = den + np.exp(np.asarray(sinks, np.float64)[None, :, None, None] - m)
+    with np.errstate(divide="ignore"):
+        lse = np.where(den > 0, np.log(den) + m, -np.inf)[..., 0]
+    P = np.where(den > 0, e / np.where(den > 0, den, 1), 0.0)
+    o = np.einsum("bhij,bjhd->bihd", P, ve)
+    do = dout
+    dve = np.einsum("bhij,bihd->bjhd", P, do)
+    dP = np.einsum("bihd,bjhd->bhij", do, ve)
+    D = np.einsum("bihd,bihd->bhi", do, o)[..., None]
+    dS = P * (dP - D)
+    dsinks = None
+    if sinks is not None:
+        psink = np.exp(np.asarray(sinks, np.float64)[None, :, None] - lse)
+        dsinks = -(psink * D[..., 0]).sum(axis=(0, 2))
+    draw = dS * (1 - np.tanh(raw / softcap) ** 2) if softcap > 0 else dS
+    dq = scale * np.einsum("bhij,bjhd->bihd", draw, ke)
+    dke = scale * np.einsum("bhij,bihd->bjhd", draw, q)
+    dk = dke.reshape(B, Tk, H, G, DK).sum(3)
+    dv = dve.reshape(B, Tk, H, G, DV).sum(3)
+    return o, np.transpose(lse, (0, 2, 1)), dq, dk, dv, dsinks, dS
+
+
+def rand(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+CASES = [
+    dict(),
+    dict(causal=True),
+    dict(causal=True, Tq=5, Tk=9),
+    dict(causal=True, Tq=9, Tk=5),
+    dict(window=(3, 1)),
+    dict(softcap=2.0, causal=True),
+    dict(sinks=True),
+    dict(sinks=True, causal=True, Tq=4, Tk=7),
+    dict(segments=True),
+    dict(bias=True, causal=True),
+    dict(mask=True),
+    dict(softcap=3.0, sinks=True, bias=True, segments=True, mask=True, window=(4, 2)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[",".join(sorted(c)) or "plain" for c in CASES])
+def test_attention_matches_reference(case):
+    rng = np.random.default_rng(7)
+    B, HQ, H, DK, DV = 2, 4, 2, 16, 8
+    Tq, Tk = case.get("Tq", 7), case.get("Tk", 7)
+    q, k, v = rand(rng, B, Tq, HQ, DK), rand(rng, B, Tk, H, DK), rand(rng, B, Tk, H, DV)
+    dout = rand(rng, B, Tq, HQ, DV)
+    kw, rk = {}, {}
+    if case.get("causal"):
+        kw["causal"] = rk["causal"] = True
+    if "window" in case:
+        kw["window"] = rk["window"] = case["window"]
+    if case.get("softcap"):
+        kw["softcap"] = rk["softcap"] = case["softcap"]
+    if case.get("sinks"):
+        kw["sinks"] = rk["sinks"] = rand(rng, HQ)
+    if case.get("segments"):
+        qs = np.sort(rng.integers(0, 2, (B, Tq))).astype(np.int32)
+        ks = np.sort(rng.integers(0, 2, (B, Tk))).astype(np.int32)
+        kw.update(q_segment_ids=qs, k_segment_ids=ks)
+        rk.update(qseg=qs, kseg=ks)
+    if case.get("bias"):
+        kw["bias"] = rk["bias"] = rand(rng, 1, HQ, Tq, Tk)
+    if case.get("mask"):
+        kw["mask"] = rk["mask"] = rng.random((B, 1, Tq, Tk)) < 0.8
+    r = nsa.attention(q, k, v, **kw)
+    g = r.backward(dout, dbias=bool(case.get("bias")))
+    o, lse, dq, dk, dv, dsinks, dS = ref_attention(q, k, v, dout, **rk)
+    tol = dict(rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(r.o, o, **tol)
+    np.testing.assert_allclose(r.lse, lse, **tol)
+    np.testing.assert_allclose(g.dq, dq, **tol)
+    np.testing.assert_allclose(g.dk, dk, **tol)
+    np.testing.assert_allclose(g.dv, dv, **tol)
+    if case.get("sinks"):
+        np.testing.assert_allclose(g.dsinks, dsinks, **tol)
+    else:
+        assert g.dsinks is None
+    if case.get("bias"):
+        np.testing.assert_allclose(g.dbias, dS.sum(axis=0, keepdims=True), **tol)  # bias broadcast over B
+
+
+def test_rows_without_keys_give_zero_and_sink_lse():
+    rng = np.random.default_rng(3)
+    q, k, v = rand(rng, 1, 3, 2, 8), rand(rng, 1, 3, 1, 8), rand(rng, 1, 3, 1, 8)
+    mask = np.zeros((1, 1, 3, 3), bool)
+    mask[0, 0, 2, :] = True
+    sinks = np.array([0.5, -1.0], np.float32)
+    r = nsa.attention(q, k, v, mask=mask, sinks=sinks)
+    assert np.all(r.o[0, :2] == 0) and np.all(np.isfinite(r.o))
+    np.testing.assert_allclose(r.lse[0, :2], np.broadcast_to(sinks, (2, 2)), rtol=1e-6)
+    r2 = nsa.attention(q, k, v, mask=mask)
+    assert np.all(r2.lse[0, :2] == -np.inf) and np.all(r2.o[0, :2] == 0)
+
+
+def test_dropout_is_reproducible_and_changes_the_output():
+    rng = np.random.default_rng(5)
+    q, k, v = rand(rng, 1, 16, 2, 8), rand(rng, 1, 16, 2, 8), rand(rng, 1, 16, 2, 8)
+    a = nsa.attention(q, k, v, causal=True, dropout_p=0.3, seed=11, offset=0)
+    b = nsa.attention(q, k, v, causal=True, dropout_p=0.3, seed=11, offset=0)
+    c = nsa.attention(q, k, v, causal=True, dropout_p=0.3, seed=12, offset=0)
+    plain = nsa.attention(q, k, v, causal=True)
+    assert np.array_equal(a.o, b.o)
+    assert not np.array_equal(a.o, c.o) and not np.array_equal(a.o, plain.o)
+    np.testing.assert_array_equal(a.lse, plain.lse)  # lse of the undropped softmax
+    ga, gb = a.backward(np.ones_like(a.o)), b.backward(np.ones_like(b.o))
+    assert np.array_equal(ga.dq, gb.dq) and np.array_equal(ga.dv, gb.dv)
+
+
+def test_bad_options_raise_the_specific_status():
+    rng = np.random.default_rng(1)
+    q, k, v = rand(rng, 1, 4, 2, 8), rand(rng, 1, 4, 1, 8), rand(rng, 1, 4, 1, 8)
+    with pytest.raises(nsa.NsaError) as e:
+        nsa.attention(q, k, v, softcap=-1.0)
+    assert nsa.status_name(e.value.status) == "BAD_SOFTCAP"
+    with pytest.raises(nsa.NsaError) as e:
+        nsa.attention(q, k, v, dropout_p=1.0)
+    assert nsa.status_name(e.value.status) == "BAD_DROPOUT"
+    out = np.full((1, 4, 2, 8), 7.0, np.float32)
+    with pytest.raises(nsa.NsaError):
+        nsa.attention(q, k, v, sinks=np.zeros(3, np.float32), out=out)  # sinks must be [HQ]
+    assert np.all(out == 7.0)  # untouched on error
