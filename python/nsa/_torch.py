@@ -24,6 +24,7 @@ _TORCH_DTYPES = {
     torch.float16: _lib.DTYPE_F16,
     torch.bfloat16: _lib.DTYPE_BF16,
     torch.int32: _lib.DTYPE_I32,
+    torch.uint8: _lib.DTYPE_U8,
 }
 
 
@@ -49,6 +50,8 @@ class TorchCall(_core.Call):
             raise TypeError("%s must be a torch.Tensor, not %s" % (name, type(t).__name__))
         if t.device != self.device:
             raise NsaError(_lib.STATUS_BAD_ARGUMENT, "%s is on %s but q is on %s" % (name, t.device, self.device))
+        if t.dtype == torch.bool and not output:  # masks: one byte per element, nonzero = keep
+            t = t.view(torch.uint8)
         code = _TORCH_DTYPES.get(t.dtype)
         if code is None:
             raise NsaError(_lib.STATUS_BAD_DTYPE, "%s has dtype %s (float32, float16, bfloat16 or int32 only)"
