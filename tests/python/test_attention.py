@@ -166,3 +166,26 @@ def test_bad_options_raise_the_specific_status():
     with pytest.raises(nsa.NsaError):
         nsa.attention(q, k, v, sinks=np.zeros(3, np.float32), out=out)  # sinks must be [HQ]
     assert np.all(out == 7.0)  # untouched on error
+
+
+def test_torch_tensors_match_numpy():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(9)
+    q, k, v = rand(rng, 1, 6, 4, 16), rand(rng, 1, 6, 2, 16), rand(rng, 1, 6, 2, 16)
+    mask = rng.random((1, 1, 6, 6)) < 0.7
+    want = nsa.attention(q, k, v, causal=True, softcap=5.0, mask=mask)
+    got = nsa.attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), causal=True, softcap=5.0,
+                        mask=torch.from_numpy(mask))
+    np.testing.assert_array_equal(got.o.numpy(), want.o)
+    np.testing.assert_array_equal(got.lse.numpy(), want.lse)
+    if torch.cuda.is_available():  # CUDA: the options it supports today (causal, windows), bf16
+        dev = torch.device("cuda")
+        qc, kc, vc = (torch.from_numpy(x).to(dev, torch.bfloat16) for x in (q, k, v))
+        r = nsa.attention(qc, kc, vc, causal=True, window=(3, 0))
+        o, lse = ref_attention(qc.float().cpu().numpy(), kc.float().cpu().numpy(), vc.float().cpu().numpy(),
+                               np.zeros((1, 6, 4, 16), np.float32), causal=True, window=(3, 0))[:2]
+        np.testing.assert_allclose(r.o.float().cpu().numpy(), o, rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(r.lse.cpu().numpy(), lse, rtol=1e-3, atol=1e-3)
+        with pytest.raises(nsa.NsaError) as e:
+            nsa.attention(qc, kc, vc, softcap=5.0)
+        assert nsa.status_name(e.value.status) == "NOT_SUPPORTED"
