@@ -7,8 +7,8 @@
 #      every case in its own process (--jobs in parallel);
 #   4. compute-sanitizer memcheck on a few small cases;
 #   5. CUDA-event timings of the whole forward / backward (paper config, bf16) per length;
-#   6. with FULL=1: the benchmark tables of every config, the CLI's TFLOP/s tables and the
-#      1M-token run (several minutes).
+#   6. with EXTRA="tables cli 1m" (FULL=1 = all): the benchmark tables of every config, the
+#      CLI's TFLOP/s tables and the 1M-token run (see below; several minutes each).
 # Logs go to $OUT (default ./device-out); a short table is printed last.
 #
 #   bash scripts/device-check.sh                     # what the device tool runs
@@ -79,25 +79,44 @@ timeout 180 "$BIN/nsa_gpu_bench" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench.log
 note "bench rc $?"
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader >> "$OUT/gpu.txt" 2>&1
 
-if [ -n "${FULL:-}" ]; then
-    # The tables of issue #3: paper config 8k..128k, fla config, G = 4 and 1, DK 192 / DV 128
-    # (CUDA-event ms per branch), the CLI's per-op table with TFLOP/s (JSON too), and the
-    # 1M-token run checked on sampled rows against the float64 reference.
-    say "full tables"
-    run_bench() { name=$1; shift; timeout 240 "$BIN/nsa_gpu_bench" --reps "$REPS" "$@" > "$OUT/bench-$name.log" 2>&1; note "bench-$name rc $?"; }
-    run_bench paper --T 8192,16384,32768,65536,131072
-    run_bench fla --config fla --T 8192,16384,32768,65536,131072
-    run_bench g4 --HQ 16 --H 4 --T 16384,65536
-    run_bench g1 --HQ 8 --H 8 --T 16384,65536
-    run_bench d192 --DK 192 --DV 128 --T 16384,65536
-    for cfg in paper fla; do
-        timeout 300 "$BIN/nsa" bench --backend cuda --config "$cfg" --HQ 64 --H 4 --D 128 --dtype bf16 --T 8k,16k,32k,64k,128k \
-            --bwd --no-dense --reps 3 --json "$OUT/cli-$cfg.json" > "$OUT/cli-$cfg.txt" 2>&1
-        note "cli bench $cfg rc $?"
+# EXTRA (or FULL=1 = all three): "tables" the benchmark tables of issue #3 (paper config
+# 8k..128k, fla config, G = 4 and 1, DK 192 / DV 128: CUDA-event ms per branch), "cli" the
+# CLI's per-op tables with TFLOP/s (JSON too), "1m" the 1M-token run checked on sampled rows
+# against the float64 reference. Everything lands in $OUT/full.txt and $OUT/full.tgz (the
+# device tool returns only a few files per call). All three take ~10 minutes: split them
+# over calls (EXTRA=tables, then EXTRA="cli 1m").
+EXTRA="${EXTRA:-}"
+[ -n "${FULL:-}" ] && EXTRA="tables cli 1m"
+if [ -n "$EXTRA" ]; then
+    FULLDIR="$OUT/full"
+    mkdir -p "$FULLDIR"
+    say "extra: $EXTRA"
+    for part in $EXTRA; do
+        case "$part" in
+        tables)
+            run_bench() { name=$1; shift; timeout 240 "$BIN/nsa_gpu_bench" --reps "$REPS" "$@" > "$FULLDIR/bench-$name.log" 2>&1; note "bench-$name rc $?"; }
+            run_bench paper --T 8192,16384,32768,65536,131072
+            run_bench fla --config fla --T 8192,16384,32768,65536,131072
+            run_bench g4 --HQ 16 --H 4 --T 16384,65536
+            run_bench g1 --HQ 8 --H 8 --T 16384,65536
+            run_bench d192 --DK 192 --DV 128 --T 16384,65536
+            ;;
+        cli)
+            for cfg in paper fla; do
+                timeout 240 "$BIN/nsa" bench --backend cuda --config "$cfg" --HQ 64 --H 4 --D 128 --dtype bf16 --T 16k,64k \
+                    --bwd --no-dense --reps 3 --json "$FULLDIR/cli-$cfg.json" > "$FULLDIR/cli-$cfg.txt" 2>&1
+                note "cli bench $cfg rc $?"
+            done
+            ;;
+        1m)
+            timeout 400 "$BIN/nsa" demo --backend cuda --T 1048576 --rows 256 --no-dense > "$FULLDIR/demo-1m.txt" 2>&1
+            note "demo 1M rc $?: $(grep -E 'accuracy|of max' "$FULLDIR/demo-1m.txt" | tr '\n' ' ')"
+            ;;
+        esac
     done
-    timeout 400 "$BIN/nsa" demo --backend cuda --T 1048576 --rows 256 --no-dense > "$OUT/demo-1m.txt" 2>&1
-    note "demo 1M rc $?: $(grep -iE 'max|error|rows' "$OUT/demo-1m.txt" | tail -2 | tr '\n' ' ')"
     nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader >> "$OUT/gpu.txt" 2>&1
+    for f in "$FULLDIR"/*.log "$FULLDIR"/*.txt; do [ -e "$f" ] && { echo "==== $(basename "$f")"; cat "$f"; }; done > "$OUT/full.txt"
+    tar czf "$OUT/full.tgz" -C "$OUT" full && rm -rf "$FULLDIR"
 fi
 
 echo
