@@ -53,7 +53,7 @@ static void tens_pull(const tens *x)
     if (x->dev) g_mem.download(x->buf, x->dev, x->bytes);
 }
 
-static double round_to(nsa_dtype dt, double x)
+double sweep_round_to(nsa_dtype dt, double x)
 {
     switch (dt) {
     case NSA_DTYPE_BF16: return nsa_bf16_to_f32(nsa_f32_to_bf16((float)x));
@@ -195,7 +195,7 @@ static int g_verbose;
 
 /* The dtype the naive implementation rounds to, and the hook handed to the reference. */
 static nsa_dtype g_store_dtype;
-static double store_round(double x) { return round_to(g_store_dtype, x); }
+static double store_round(double x) { return sweep_round_to(g_store_dtype, x); }
 
 /* Runs the statement after it twice: pass_ 0 is the exact reference, pass_ 1 the naive
  * same-precision implementation (the reference with storage rounding, see ref.h). */
@@ -212,7 +212,7 @@ double sweep_tolerance(nsa_dtype storage, const double *ref, const double *naive
         if (!isfinite(ref[i])) continue;
         maxref = fabs(ref[i]) > maxref ? fabs(ref[i]) : maxref;
         /* the naive result is stored in the storage dtype too */
-        double e = fabs(round_to(storage, naive && isfinite(naive[i]) ? naive[i] : ref[i]) - ref[i]);
+        double e = fabs(sweep_round_to(storage, naive && isfinite(naive[i]) ? naive[i] : ref[i]) - ref[i]);
         e_naive = e > e_naive ? e : e_naive;
     }
     /* An absolute floor, for where the exact result is ~0 (e.g. T = 1, where dS = dP - D

@@ -55,6 +55,8 @@ long sweep_run(const sweep_opts *o);
  * 2 * (max error of the naive same-precision result, stored in `storage`, + an fp32
  * accumulation floor). naive NULL: the exact result's storage rounding only. */
 double sweep_tolerance(nsa_dtype storage, const double *ref, const double *naive, int64_t n);
+/* x rounded to what a tensor of dtype dt stores (f32, f16, bf16; other dtypes: x). */
+double sweep_round_to(nsa_dtype dt, double x);
 /* One-line description of a case (for failure messages). */
 void sweep_case_describe(const sweep_case *c, char *buf, size_t n);
 

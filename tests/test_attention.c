@@ -27,16 +27,6 @@ typedef struct buf {
     int64_t n;
 } buf;
 
-static double round_dt(nsa_dtype dt, double x)
-{
-    switch (dt) {
-    case NSA_DTYPE_BF16: return nsa_bf16_to_f32(nsa_f32_to_bf16((float)x));
-    case NSA_DTYPE_F16: return nsa_f16_to_f32(nsa_f32_to_f16((float)x));
-    case NSA_DTYPE_F32: return (float)x;
-    default: return x;
-    }
-}
-
 /* Padded layouts (g_pad): dim 1 and the last dim longer than the view, so every output
  * has bytes around its elements that must stay sentinel. */
 static int g_pad;
@@ -104,7 +94,7 @@ static void buf_store(buf *b, int64_t li, double x)
     case NSA_DTYPE_I32: ((int32_t *)b->mem)[i] = (int32_t)x; break;
     case NSA_DTYPE_U8: ((uint8_t *)b->mem)[i] = (uint8_t)x; break;
     }
-    b->val[li] = round_dt(b->t.dtype, x);
+    b->val[li] = sweep_round_to(b->t.dtype, x);
 }
 
 static double buf_get(const buf *b, int64_t li)
@@ -439,7 +429,7 @@ static void ref_out_free(ref_out *r)
 }
 
 static nsa_dtype g_round_dt;
-static double round_hook(double x) { return round_dt(g_round_dt, x); }
+static double round_hook(double x) { return sweep_round_to(g_round_dt, x); }
 
 static int g_check_threads;
 
