@@ -443,11 +443,12 @@ def _varlen_qk(cu_q, cu_k, keep):
     return vl
 
 
-def _fill_attention(call, a, q, k, v, o, lse, opts):
-    """Fills nsa_attention_args: q, k, v, o, lse views and the options dict (see nsa.attention)."""
+def _fill_attention(call, a, q, k, v, o, lse, opts, forward):
+    """Fills nsa_attention_args: q, k, v, o, lse views (o and lse are the forward's outputs,
+    the backward's inputs) and the options dict (see nsa.attention)."""
     a.q, a.k, a.v = call.view(q, "q"), call.view(k, "k"), call.view(v, "v")
-    a.o = call.view(o, "o", output=o is not None and opts.get("_o_out", True))
-    a.lse = call.view(lse, "lse", output=opts.get("_o_out", True))
+    a.o = call.view(o, "o", output=forward)
+    a.lse = call.view(lse, "lse", output=forward)
     a.varlen = _varlen(opts.get("cu_seqlens"), call.keep)
     a.varlen_qk = _varlen_qk(opts.get("cu_seqlens_q"), opts.get("cu_seqlens_k"), call.keep)
     a.scale = float(opts.get("scale") or 0.0)
@@ -471,7 +472,7 @@ def attention(call, q, k, v, opts, out=None):
     o = out if out is not None else call.empty((B, Tq, HQ, DV), call.dtype(q))
     lse = call.empty((B, Tq, HQ), "f32")
     a = _lib.AttentionArgs()
-    _fill_attention(call, a, q, k, v, o, lse, opts)
+    _fill_attention(call, a, q, k, v, o, lse, opts, forward=True)
     call.run("attention", a)
     return o, lse
 
@@ -480,7 +481,7 @@ def attention_backward(call, q, k, v, o, lse, dout, opts, dbias=False):
     """nsa_attention_bwd: AttentionGrads (dq, dk, dv like q, k, v; dsinks [HQ] float32 when
     sinks are given; dbias float32 shaped like bias when dbias=True)."""
     a = _lib.AttentionBwdArgs()
-    _fill_attention(call, a.fwd, q, k, v, o, lse, dict(opts, _o_out=False))
+    _fill_attention(call, a.fwd, q, k, v, o, lse, opts, forward=False)
     a.dout = call.view(dout, "dout")
     dq, dk, dv = (call.empty(x.shape, call.dtype(x)) for x in (q, k, v))
     a.dq, a.dk, a.dv = call.view(dq, "dq", output=True), call.view(dk, "dk", output=True), call.view(dv, "dv", output=True)
