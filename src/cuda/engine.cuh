@@ -4,7 +4,9 @@
  *   qtile_kernel  forward (online softmax -> o, lse) and dQ, over a tile of BM = 16 * nw
  *                 query rows; row = position * G + head of one kv head (the CPU's packing),
  *                 so any G shares each K/V chunk between all rows of the tile. Keys come in
- *                 chunks of 64 through a two-stage cp.async pipeline, either a contiguous
+ *                 chunks of BN (64; 32 for the one-warp selected tiles) through a cp.async
+ *                 pipeline (two stages; one buffer for the one-warp tiles, K and V staggered
+ *                 in the forward), either a contiguous
  *                 range per row (window / dense / compressed masks) or, for selected
  *                 attention, the ascending union of the tile positions' selected blocks,
  *                 each row masked to its own blocks and causally.
@@ -23,7 +25,7 @@
 #include "kernels.h"
 #include <limits.h>
 
-#define QT_BN 64 /* keys per chunk (qtile), keys per CTA (ktile), keys per step (select) */
+#define QT_BN 64 /* keys per CTA (ktile), keys per step (select); qtile's chunk is its BN parameter */
 
 __device__ __forceinline__ float ex2(float x)
 {
