@@ -32,7 +32,7 @@ CUDA_CFLAGS := -DNSA_WITH_CUDA -I$(CUDA_HOME)/include
 LIB_OBJ += $(CUDA_OBJ)
 LDLIBS += -L$(CUDA_HOME)/lib64 -lcudart_static -lstdc++ -ldl -lrt -lpthread
 GPU_TEST_SRC := tests/gpu_main.c $(TEST_SUPPORT)
-all: build/nsa_gpu_tests build/nsa_gpu_bench
+all: build/nsa_gpu_tests build/nsa_gpu_bench build/nsa_wgmma_test
 
 build/obj/src/cuda/%.o: src/cuda/%.cu $(wildcard src/cuda/*.h src/cuda/*.cuh src/*.h include/*.h)
 	@mkdir -p $(dir $@)
@@ -42,6 +42,11 @@ build/obj/src/api.o build/nsa build/nsa_gpu_tests build/nsa_gpu_bench: CFLAGS_BA
 
 build/nsa_gpu_tests: $(GPU_TEST_SRC) $(wildcard tests/*.h) build/libnsa.a
 	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests -o $@ $(GPU_TEST_SRC) build/libnsa.a $(LDLIBS)
+
+# the Hopper primitives alone (tile loaders, descriptors, wgmma wrappers) against a host product
+build/nsa_wgmma_test: tests/gpu_wgmma.cu $(wildcard src/cuda/*.h src/cuda/*.cuh src/*.h include/*.h)
+	@mkdir -p build
+	$(NVCC) $(NVCCFLAGS) -Iinclude -Isrc -o $@ tests/gpu_wgmma.cu
 
 build/nsa_gpu_bench: tools/gpu_bench.c build/libnsa.a
 	$(CC) $(CFLAGS_BASE) $(CFLAGS) -o $@ tools/gpu_bench.c build/libnsa.a $(LDLIBS)

@@ -9,6 +9,7 @@
 #   5. CUDA-event timings of the whole forward / backward (paper config, bf16) per length;
 #   6. with EXTRA="tables cli 1m" (FULL=1 = all): the benchmark tables of every config, the
 #      CLI's TFLOP/s tables and the 1M-token run (see below; several minutes each).
+# AB=1 also times the mma.sync forward tile (NSA_CUDA_WGMMA=0) for comparison.
 # Logs go to $OUT (default ./device-out); a short table is printed last.
 #
 #   bash scripts/device-check.sh                     # what the device tool runs
@@ -44,12 +45,19 @@ if [ -n "${NSA_PREBUILT:-}" ] && "$NSA_PREBUILT/nsa_gpu_tests" --cases 0 > /tmp/
 else
     say "build"
     t0=$(date +%s)
-    if ! make -j"$(nproc)" NATIVE=0 CFLAGS=-Wno-psabi build/nsa_gpu_tests build/nsa_gpu_bench build/nsa > "$OUT/build.log" 2>&1; then
+    if ! make -j"$(nproc)" NATIVE=0 CFLAGS=-Wno-psabi build/nsa_gpu_tests build/nsa_gpu_bench build/nsa build/nsa_wgmma_test > "$OUT/build.log" 2>&1; then
         tail -40 "$OUT/build.log"
         note "build: FAILED"
         exit 1
     fi
     note "build: $(( $(date +%s) - t0 )) s (make -j$(nproc))"
+fi
+
+if [ -x "$BIN/nsa_wgmma_test" ]; then
+    say "wgmma primitives"
+    timeout 60 "$BIN/nsa_wgmma_test" > "$OUT/wgmma.log" 2>&1
+    note "wgmma primitives: $(tail -1 "$OUT/wgmma.log") (rc $?)"
+    grep -E "^FAIL" "$OUT/wgmma.log" | tee -a "$SUMMARY"
 fi
 
 say "gpu sweep ($CASES cases, seed $SEED, max T $MAXT, $JOBS jobs)"
@@ -77,6 +85,11 @@ fi
 say "bench"
 timeout 180 "$BIN/nsa_gpu_bench" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench.log" 2>&1
 note "bench rc $?"
+if [ -n "${AB:-}" ]; then # the same bench on the mma.sync forward tile (A/B of the wgmma path)
+    NSA_CUDA_WGMMA=0 timeout 180 "$BIN/nsa_gpu_bench" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench-mma.log" 2>&1
+    note "bench with NSA_CUDA_WGMMA=0 rc $?:"
+    tail -n +2 "$OUT/bench-mma.log" | tee -a "$SUMMARY"
+fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader >> "$OUT/gpu.txt" 2>&1
 
 # EXTRA (or FULL=1 = all three): "tables" the benchmark tables of issue #3 (paper config

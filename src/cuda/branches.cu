@@ -4,6 +4,7 @@
 #include "branches.h"
 
 #include <limits.h>
+#include <stdlib.h>
 
 void g_init(grun *g, const nsa_context *ctx, const nsa_problem *p, void *ws, int dry)
 {
@@ -15,7 +16,8 @@ void g_init(grun *g, const nsa_context *ctx, const nsa_problem *p, void *ws, int
     g->p = p;
     if (!dry) {
         if (cudaSetDevice(ctx->device) != cudaSuccess ||
-            cudaDeviceGetAttribute(&g->smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device) != cudaSuccess)
+            cudaDeviceGetAttribute(&g->smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device) != cudaSuccess ||
+            cudaDeviceGetAttribute(&g->cc_major, cudaDevAttrComputeCapabilityMajor, ctx->device) != cudaSuccess)
             g->err = NSA_STATUS_DEVICE_ERROR;
     }
 }
@@ -122,6 +124,28 @@ static void qparams_base(qparams *P, const nsa_problem *p, const dview *q)
     P->sl2 = p->scale * NSA_LOG2E;
 }
 
+/* The sm_90a wgmma forward (hopper.cuh) takes a range-rule forward when the device is a
+ * Hopper, the binary carries that kernel, the head dims are exactly 64 or 128 and every
+ * row is 16-byte aligned; NSA_CUDA_WGMMA=0 in the environment keeps the mma.sync tile
+ * (for comparisons). Same function either way: the sweep checks both against float64. */
+static int qwg_usable(grun *g, const qparams *P, nsa_dtype dt)
+{
+    static int env = -1;
+    if (env < 0) {
+        const char *e = getenv("NSA_CUDA_WGMMA");
+        env = !(e && e[0] == '0');
+    }
+    if (!env || g->cc_major != 9) return 0;
+    const int D = P->DK;
+    if ((D != 64 && D != 128) || (P->v.p && P->DV != D) || !P->q.al || !P->k.al || (P->v.p && !P->v.al)) return 0;
+    if (P->o.p && (!P->o.al || (P->o.dt != (int)dt && P->o.dt != NSA_DTYPE_F32))) return 0;
+    if (qwg_smem(D) > (size_t)g->smem_max) return 0;
+    static int ready64 = -1, ready128 = -1;
+    int *ready = D == 64 ? &ready64 : &ready128;
+    if (*ready < 0) *ready = D == 64 ? nsa_cu_qwg_ready_64() : nsa_cu_qwg_ready_128();
+    return *ready;
+}
+
 /* ---- forward ---------------------------------------------------------------------------- */
 
 void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, const dview *k, const dview *v,
@@ -135,12 +159,21 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     if (o) P.o = *o;
     if (lse) P.lse = *lse;
     P.rule = *rule;
+    /* the workspace a map takes does not depend on the tile height, so the dry pass (which
+     * cannot ask the device) sizes the wgmma path too */
+    const int wg = !g->dry && qwg_usable(g, &P, dt);
     P.nw = 4;
     P.nst = 2;
     P.bn = 64;
-    unitspec u = {UK_ROWS, p->G, 16 * P.nw, 0, 0};
+    unitspec u = {UK_ROWS, p->G, wg ? QWG_BM : 16 * P.nw, 0, 0};
     int64_t tiles;
     P.sm = g_seqmap(g, u, &tiles);
+    if (wg) {
+        if (!g_live(g) || tiles == 0) return;
+        if (P.DK == 64) nsa_cu_qwg_64(g, &P, dt == NSA_DTYPE_BF16, tiles);
+        else nsa_cu_qwg_128(g, &P, dt == NSA_DTYPE_BF16, tiles);
+        return;
+    }
     run_qtile(g, &P, MODE_FWD, tiles, dt);
 }
 

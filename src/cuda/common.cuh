@@ -37,6 +37,7 @@ typedef struct grun {
     int32_t *cu;    /* device copy of cu_seqlens (varlen), else NULL */
     int64_t *cmp0;  /* device prefix of compressed rows per sequence (varlen), else NULL */
     int smem_max;   /* opt-in shared memory per block of the device (live pass) */
+    int cc_major;   /* compute capability of the device (live pass) */
 } grun;
 
 static inline void *g_take(grun *g, size_t bytes)

@@ -108,6 +108,22 @@ void nsa_cu_ktile_192(grun *g, const kparams *P, int bf16, int64_t tiles);
 void nsa_cu_select_64(grun *g, const sparams *P, int bf16, int64_t tiles);
 void nsa_cu_select_128(grun *g, const sparams *P, int bf16, int64_t tiles);
 void nsa_cu_select_192(grun *g, const sparams *P, int bf16, int64_t tiles);
+#define QWG_BM 128 /* rows per CTA: two warpgroups */
+#define QWG_BN 128 /* keys per chunk */
+
+/* Shared memory of qwg_kernel<DP>: 1 KB alignment slack, Q, two K and two V stages, row
+ * offsets. Must match the carving in the kernel. */
+static inline size_t qwg_smem(int DP)
+{
+    return 1024 + (size_t)QWG_BM * DP * 2 + 4 * (size_t)QWG_BN * DP * 2 + QWG_BM * sizeof(int64_t);
+}
+
+/* sm_90a forward tile for the range rules (hopper.cuh), head dims exactly 64 / 128; ready:
+ * whether the loaded binary holds its sm_90a body (1) or it must not run (0). */
+void nsa_cu_qwg_64(grun *g, const qparams *P, int bf16, int64_t tiles);
+void nsa_cu_qwg_128(grun *g, const qparams *P, int bf16, int64_t tiles);
+int nsa_cu_qwg_ready_64(void);
+int nsa_cu_qwg_ready_128(void);
 
 /* ---- prep.cu: the small kernels ------------------------------------------------------- */
 

@@ -1,0 +1,314 @@
+/* hopper.cuh -- the sm_90a forward tile: wgmma (warpgroup tensor-core products with operands
+ * in shared memory) instead of mma.sync, for the contiguous-range rules (compressed, window,
+ * dense causal / full) at head dims 64 and 128.
+ *
+ *   qwg_kernel  128 query rows per CTA (row = position * G + head of one kv head, as in
+ *               qtile), two warpgroups of 64 rows each; keys in chunks of 128 through a
+ *               two-stage cp.async pipeline into 128-byte-swizzled tiles; S = Q K^T from
+ *               shared memory (wgmma SS), online softmax in registers, O += P V with P from
+ *               registers (wgmma RS, V read MN-major). One CTA per SM (160 KB of shared
+ *               memory, ~200 registers per thread): the two warpgroups interleave, one on
+ *               its softmax while the other's products run.
+ *
+ * Shared tiles use the canonical 128-byte swizzle of wgmma: a tile of R rows x D columns is
+ * D / 64 column blocks of R x 128 bytes; 16-byte chunk c of row r sits at chunk c ^ (r % 8)
+ * of its row; every column block starts on 1024 bytes. Loads write those chunks with
+ * cp.async (16 bytes per thread, eight threads per 128-byte row: no bank conflicts), and
+ * fence.proxy.async makes them visible to the tensor cores before the barrier.
+ *
+ * The kernel body exists only in the sm_90a build; the host launches it only when the
+ * loaded binary was compiled for it (nsa_cu_qwg_ready), else qtile runs. */
+#ifndef NSA_CUDA_HOPPER_CUH
+#define NSA_CUDA_HOPPER_CUH
+
+#include "engine.cuh" /* ex2, rule_bounds, dtraits, loaders */
+#include "wgmma_ops.cuh"
+
+#if defined(__CUDACC__)
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait()
+{
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* cp.async (generic proxy) writes -> wgmma (async proxy) reads: each writer fences, then a
+ * barrier */
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+/* wgmma shared-memory descriptor, 128-byte swizzle: start address, leading and stride byte
+ * offsets (16-byte units, 14 bits each), layout type 1 = SWIZZLE_128B in bits 62-63. */
+__device__ __forceinline__ uint64_t wg_desc(const void *p, uint32_t lbo, uint32_t sbo)
+{
+    const uint64_t a = (uint64_t)smem_addr(p);
+    return ((a & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) | ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) |
+           (1ull << 62);
+}
+
+/* Byte offset of 16-byte chunk c of row r in a swizzled tile of R rows. */
+__device__ __forceinline__ int sw_off(int R, int r, int c) { return (c >> 3) * R * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4); }
+
+/* R rows of DP elements into a swizzled tile: row r from src + roff[r] (roff < 0: zeros). */
+template <typename T, int DP, int R, int NTHR>
+__device__ __forceinline__ void sw_load_rows(unsigned char *dst, const T *src, const int64_t *roff, int tid)
+{
+    constexpr int CH = DP / 8;
+#pragma unroll
+    for (int i = 0; i < R * CH / NTHR; i++) {
+        const int idx = tid + i * NTHR, r = idx / CH, c = idx % CH;
+        const int64_t off = roff[r];
+        cp16(dst + sw_off(R, r, c), off >= 0 ? src + off + c * 8 : src, off >= 0 ? 16 : 0);
+    }
+}
+
+/* R consecutive rows (row r at src + base + r * stride, the first `valid` of them real, the
+ * rest zeros: masked keys must meet finite V rows) into a swizzled tile. */
+template <typename T, int DP, int R, int NTHR>
+__device__ __forceinline__ void sw_load_lin(unsigned char *dst, const T *src, int64_t base, int64_t stride, int valid,
+                                            int tid)
+{
+    constexpr int CH = DP / 8;
+#pragma unroll
+    for (int i = 0; i < R * CH / NTHR; i++) {
+        const int idx = tid + i * NTHR, r = idx / CH, c = idx % CH;
+        const bool ok = r < valid;
+        cp16(dst + sw_off(R, r, c), ok ? src + base + (int64_t)r * stride + c * 8 : src, ok ? 16 : 0);
+    }
+}
+
+template <int DP, typename T>
+__global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BM = QWG_BM, BN = QWG_BN, NT = BN / 8, KT = DP / 16, NTHR = 256;
+    constexpr int QB = BM * DP * 2, KB = BN * DP * 2; /* tile bytes */
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    unsigned char *Qs = smem;
+    unsigned char *Ks = Qs + QB;     /* [2] */
+    unsigned char *Vs = Ks + 2 * KB; /* [2] */
+    int64_t *roff = (int64_t *)(Vs + 2 * KB);
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+    int64_t s, tile;
+    seq_decode(P.sm, blockIdx.x, &s, &tile);
+    const seqinfo sq = seq_get(P.sm, s);
+    const int h = blockIdx.y;
+    const int64_t G = P.G;
+    const int64_t nrow_all = (int64_t)sq.len * G;
+    /* heaviest tiles (latest positions, longest causal ranges) first */
+    tile = (nrow_all + BM - 1) / BM - 1 - tile;
+    const int64_t r0 = tile * BM;
+    const int nrows = (int)(nrow_all - r0 < BM ? nrow_all - r0 : BM);
+    const int is_cmp = P.rule.kind == RULE_CMP;
+    const int nkeys = is_cmp ? sq.ncmp : sq.len;
+    const int64_t key_row0 = is_cmp ? sq.cmp0 : sq.row0;
+    const int has_v = P.v.p != nullptr;
+
+    for (int r = tid; r < BM; r += NTHR) {
+        int64_t off = -1;
+        if (r < nrows) {
+            const int64_t rr = r0 + r, pos = rr / G, g = rr % G;
+            off = sq.b * P.q.s0 + (sq.row0 + pos) * P.q.s1 + (h * G + g) * P.q.s2;
+        }
+        roff[r] = off;
+    }
+
+    int rlo[2], rhi[2];
+#pragma unroll
+    for (int x = 0; x < 2; x++) {
+        const int r = warp * 16 + (lane >> 2) + x * 8;
+        rlo[x] = 1, rhi[x] = 0;
+        if (r < nrows) {
+            const int pos = (int)((r0 + r) / G);
+            rule_bounds(P.rule, pos, nkeys, &rlo[x], &rhi[x]);
+        }
+    }
+    int kmin = 0, kmax = -1;
+    if (nrows > 0) {
+        int lo0, hi0, lo1, hi1;
+        rule_bounds(P.rule, (int)(r0 / G), nkeys, &lo0, &hi0);
+        rule_bounds(P.rule, (int)((r0 + nrows - 1) / G), nkeys, &lo1, &hi1);
+        kmin = lo0;
+        kmax = hi1;
+    }
+    const int64_t kbase = sq.b * P.k.s0 + key_row0 * P.k.s1 + (int64_t)h * P.k.s2;
+    const int64_t vbase = has_v ? sq.b * P.v.s0 + key_row0 * P.v.s1 + (int64_t)h * P.v.s2 : 0;
+    const int nchunks = kmax >= kmin ? (kmax - kmin) / BN + 1 : 0;
+
+    __syncthreads(); /* roff */
+    sw_load_rows<T, DP, BM, NTHR>(Qs, (const T *)P.q.p, roff, tid);
+    if (nchunks > 0) {
+        const int valid = kmax + 1 - kmin < BN ? kmax + 1 - kmin : BN;
+        sw_load_lin<T, DP, BN, NTHR>(Ks, (const T *)P.k.p, kbase + (int64_t)kmin * P.k.s1, P.k.s1, valid, tid);
+        if (has_v) sw_load_lin<T, DP, BN, NTHR>(Vs, (const T *)P.v.p, vbase + (int64_t)kmin * P.v.s1, P.v.s1, valid, tid);
+    }
+    cp_commit();
+
+    float acc[DP / 8][4];
+#pragma unroll
+    for (int i = 0; i < DP / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    float m_[2] = {-INFINITY, -INFINITY}, l_[2] = {0.0f, 0.0f};
+    /* this warpgroup's 64 rows of Q: at row offset wg * 64 in every column block */
+    const unsigned char *Qw = Qs + wg * 64 * 128;
+
+    for (int ci = 0; ci < nchunks; ci++) {
+        cp_wait<0>();
+        fence_async_smem();
+        __syncthreads(); /* chunk ci landed; every warpgroup is done with chunk ci - 1 */
+        const int st = ci & 1;
+        const int c0 = kmin + ci * BN, c1 = c0 + BN < kmax + 1 ? c0 + BN : kmax + 1;
+        if (ci + 1 < nchunks) {
+            const int n0 = c0 + BN, nv = kmax + 1 - n0 < BN ? kmax + 1 - n0 : BN;
+            sw_load_lin<T, DP, BN, NTHR>(Ks + (st ^ 1) * KB, (const T *)P.k.p, kbase + (int64_t)n0 * P.k.s1, P.k.s1, nv, tid);
+            if (has_v)
+                sw_load_lin<T, DP, BN, NTHR>(Vs + (st ^ 1) * KB, (const T *)P.v.p, vbase + (int64_t)n0 * P.v.s1, P.v.s1, nv,
+                                             tid);
+        }
+        cp_commit();
+
+        /* S = Q K^T: K-major A and B, 16 columns of the head dim per step (32 bytes inside a
+         * 128-byte swizzle row; the next column block after four steps) */
+        float S[NT][4];
+        const unsigned char *Kp = Ks + st * KB;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KT; kk++) {
+            const uint64_t da = wg_desc(Qw + (kk >> 2) * BM * 128 + (kk & 3) * 32, 16, 1024);
+            const uint64_t db = wg_desc(Kp + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024);
+            wgmma_op<T, BN>::template ss<0>(&S[0][0], da, db, kk > 0);
+        }
+        wg_commit();
+        wg_wait<0>();
+
+        int full = c1 - c0 == BN && rlo[0] <= c0 && c1 - 1 <= rhi[0] && rlo[1] <= c0 && c1 - 1 <= rhi[1];
+        full = __all_sync(0xffffffffu, full);
+        if (full) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) S[nt][e] = __fmul_rn(S[nt][e], P.sl2);
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int x = e >> 1, key = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+                    const int out = !(key < c1 && key >= rlo[x] && key <= rhi[x]);
+                    S[nt][e] = out ? -INFINITY : __fmul_rn(S[nt][e], P.sl2);
+                }
+        }
+#pragma unroll
+        for (int x = 0; x < 2; x++) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(S[nt][2 * x], S[nt][2 * x + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mnew = fmaxf(m_[x], mx);
+            const float muse = mnew == -INFINITY ? 0.0f : mnew;
+            const float alpha = ex2(m_[x] - muse);
+            m_[x] = mnew;
+            float sum = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                S[nt][2 * x] = ex2(S[nt][2 * x] - muse);
+                S[nt][2 * x + 1] = ex2(S[nt][2 * x + 1] - muse);
+                sum += S[nt][2 * x] + S[nt][2 * x + 1];
+            }
+            l_[x] = l_[x] * alpha + sum;
+#pragma unroll
+            for (int d = 0; d < DP / 8; d++) acc[d][2 * x] *= alpha, acc[d][2 * x + 1] *= alpha;
+        }
+        if (has_v) {
+            /* O += P V: P as the A fragments (the accumulator layout of S is the A-fragment
+             * layout, 16 keys per step), V MN-major: 8-key row groups 1024 bytes apart, the
+             * head dim's 64-column blocks BN * 128 bytes apart */
+            uint32_t pa[BN / 16][4];
+#pragma unroll
+            for (int k2 = 0; k2 < BN / 16; k2++) {
+                pa[k2][0] = dtraits<T>::pack(S[2 * k2][0], S[2 * k2][1]);
+                pa[k2][1] = dtraits<T>::pack(S[2 * k2][2], S[2 * k2][3]);
+                pa[k2][2] = dtraits<T>::pack(S[2 * k2 + 1][0], S[2 * k2 + 1][1]);
+                pa[k2][3] = dtraits<T>::pack(S[2 * k2 + 1][2], S[2 * k2 + 1][3]);
+            }
+            const unsigned char *Vp = Vs + st * KB;
+            wg_fence();
+#pragma unroll
+            for (int k2 = 0; k2 < BN / 16; k2++) {
+                const uint64_t db = wg_desc(Vp + k2 * 16 * 128, BN * 128, 1024);
+                wgmma_op<T, DP>::template rs<1>(&acc[0][0], pa[k2], db, 1);
+            }
+            wg_commit();
+            wg_wait<0>();
+        }
+    }
+    cp_wait<0>();
+
+    /* epilogue (as qtile's forward) */
+#pragma unroll
+    for (int x = 0; x < 2; x++) {
+        const int r = warp * 16 + (lane >> 2) + x * 8;
+        float l = l_[x];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (r >= nrows) continue;
+        const int64_t rr = r0 + r, pos = rr / G, g = rr % G, hq = h * G + g;
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        if (P.o.p) {
+            const int64_t ob = sq.b * P.o.s0 + (sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
+            if (P.o.dt == NSA_DTYPE_F32) {
+#pragma unroll
+                for (int d = 0; d < DP / 8; d++) {
+                    const int col = d * 8 + 2 * (lane & 3);
+                    *(float2 *)((float *)P.o.p + ob + col) = make_float2(acc[d][2 * x] * inv, acc[d][2 * x + 1] * inv);
+                }
+            } else {
+#pragma unroll
+                for (int d = 0; d < DP / 8; d++) {
+                    const int col = d * 8 + 2 * (lane & 3);
+                    *(uint32_t *)((T *)P.o.p + ob + col) = dtraits<T>::pack(acc[d][2 * x] * inv, acc[d][2 * x + 1] * inv);
+                }
+            }
+        }
+        if ((lane & 3) == 0) {
+            const float lse = l > 0.0f ? (m_[x] + log2f(l)) * NSA_LN2 : -INFINITY;
+            if (P.lse.p) ((float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + pos) * P.lse.s1 + hq * P.lse.s2] = lse;
+        }
+    }
+#endif
+}
+
+template <int DP, typename T>
+static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles)
+{
+    const size_t smem = qwg_smem(DP);
+    g_check(g, cudaFuncSetAttribute(qwg_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (g->err != NSA_STATUS_SUCCESS) return;
+    qwg_kernel<DP, T><<<dim3((unsigned)tiles, (unsigned)P->H), 256, smem, g->st>>>(*P);
+    g_launched(g);
+}
+
+/* Whether this binary carries the sm_90a body of qwg_kernel<DP> for the current device (not
+ * a PTX JIT of the sm_80 build, where the body is empty). */
+template <int DP>
+static int qwg_ready_t()
+{
+    cudaFuncAttributes a;
+    if (cudaFuncGetAttributes(&a, qwg_kernel<DP, __nv_bfloat16>) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return a.binaryVersion == 90 && a.ptxVersion >= 90;
+}
+
+#define NSA_HOPPER_INSTANCE(DP)                                                                  \
+    void nsa_cu_qwg_##DP(grun *g, const qparams *P, int bf16, int64_t tiles)                     \
+    {                                                                                            \
+        if (bf16) launch_qwg_t<DP, __nv_bfloat16>(g, P, tiles);                                  \
+        else launch_qwg_t<DP, __half>(g, P, tiles);                                              \
+    }                                                                                            \
+    int nsa_cu_qwg_ready_##DP(void) { return qwg_ready_t<DP>(); }
+
+#endif /* __CUDACC__ */
+#endif
