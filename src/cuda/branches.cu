@@ -124,7 +124,7 @@ static void qparams_base(qparams *P, const nsa_problem *p, const dview *q)
     P->sl2 = p->scale * NSA_LOG2E;
 }
 
-/* The sm_90a wgmma forward (hopper.cuh) takes a range-rule forward when the device is a
+/* The sm_90a wgmma tile (hopper.cuh) takes a range-rule forward or dQ when the device is a
  * Hopper, the binary carries that kernel, the head dims are exactly 64 or 128 and every
  * row is 16-byte aligned; NSA_CUDA_WGMMA=0 in the environment keeps the mma.sync tile
  * (for comparisons). Same function either way: the sweep checks both against float64. */
@@ -139,7 +139,7 @@ static int qwg_usable(grun *g, const qparams *P, nsa_dtype dt)
     const int D = P->DK;
     if ((D != 64 && D != 128) || (P->v.p && P->DV != D) || !P->q.al || !P->k.al || (P->v.p && !P->v.al)) return 0;
     if (P->o.p && (!P->o.al || (P->o.dt != (int)dt && P->o.dt != NSA_DTYPE_F32))) return 0;
-    if (qwg_smem(D) > (size_t)g->smem_max) return 0;
+    if (qwg_smem(D, MODE_DQ) > (size_t)g->smem_max || qwg_smem(D, MODE_FWD) > (size_t)g->smem_max) return 0;
     static int ready64 = -1, ready128 = -1;
     int *ready = D == 64 ? &ready64 : &ready128;
     if (*ready < 0) *ready = D == 64 ? nsa_cu_qwg_ready_64() : nsa_cu_qwg_ready_128();
@@ -170,8 +170,8 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     P.sm = g_seqmap(g, u, &tiles);
     if (wg) {
         if (!g_live(g) || tiles == 0) return;
-        if (P.DK == 64) nsa_cu_qwg_64(g, &P, dt == NSA_DTYPE_BF16, tiles);
-        else nsa_cu_qwg_128(g, &P, dt == NSA_DTYPE_BF16, tiles);
+        if (P.DK == 64) nsa_cu_qwg_64(g, &P, MODE_FWD, dt == NSA_DTYPE_BF16, tiles);
+        else nsa_cu_qwg_128(g, &P, MODE_FWD, dt == NSA_DTYPE_BF16, tiles);
         return;
     }
     run_qtile(g, &P, MODE_FWD, tiles, dt);
@@ -291,10 +291,18 @@ void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     Q.nw = 4;
     Q.nst = 2;
     Q.bn = 64;
-    unitspec uq = {UK_ROWS, p->G, 64, 0, 0};
+    const int wg = !g->dry && qwg_usable(g, &Q, io->dt) && Q.dout.al;
+    unitspec uq = {UK_ROWS, p->G, wg ? QWG_BM : 64, 0, 0};
     int64_t qtiles;
     Q.sm = g_seqmap(g, uq, &qtiles);
-    run_qtile(g, &Q, MODE_DQ, qtiles, io->dt);
+    if (wg) {
+        if (g_live(g) && qtiles > 0) {
+            if (Q.DK == 64) nsa_cu_qwg_64(g, &Q, MODE_DQ, io->dt == NSA_DTYPE_BF16, qtiles);
+            else nsa_cu_qwg_128(g, &Q, MODE_DQ, io->dt == NSA_DTYPE_BF16, qtiles);
+        }
+    } else {
+        run_qtile(g, &Q, MODE_DQ, qtiles, io->dt);
+    }
 
     kparams K;
     dkdv_params(&K, p, io);

@@ -76,18 +76,21 @@ __device__ __forceinline__ void sw_load_lin(unsigned char *dst, const T *src, in
     }
 }
 
-template <int DP, typename T>
+template <int DP, typename T, int MODE>
 __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int BM = QWG_BM, BN = QWG_BN, NT = BN / 8, KT = DP / 16, NTHR = 256;
+    constexpr int BM = QWG_BM, BN = QWG_BN(MODE), NT = BN / 8, KT = DP / 16, NTHR = 256;
     constexpr int QB = BM * DP * 2, KB = BN * DP * 2; /* tile bytes */
+    constexpr bool DQ = MODE == MODE_DQ;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     unsigned char *Qs = smem;
-    unsigned char *Ks = Qs + QB;     /* [2] */
-    unsigned char *Vs = Ks + 2 * KB; /* [2] */
-    int64_t *roff = (int64_t *)(Vs + 2 * KB);
+    unsigned char *Os = Qs + QB;                /* dO (dQ mode) */
+    unsigned char *Ks = Os + (DQ ? QB : 0);     /* [2] */
+    unsigned char *Vs = Ks + 2 * KB;            /* [2] */
+    int64_t *roff = (int64_t *)(Vs + 2 * KB);   /* [BM] q rows */
+    int64_t *roff2 = roff + BM;                 /* [BM] dout rows (dQ mode) */
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
     int64_t s, tile;
@@ -103,25 +106,37 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
     const int is_cmp = P.rule.kind == RULE_CMP;
     const int nkeys = is_cmp ? sq.ncmp : sq.len;
     const int64_t key_row0 = is_cmp ? sq.cmp0 : sq.row0;
-    const int has_v = P.v.p != nullptr;
+    const int has_v = DQ || P.v.p != nullptr;
 
     for (int r = tid; r < BM; r += NTHR) {
-        int64_t off = -1;
+        int64_t off = -1, off2 = -1;
         if (r < nrows) {
             const int64_t rr = r0 + r, pos = rr / G, g = rr % G;
             off = sq.b * P.q.s0 + (sq.row0 + pos) * P.q.s1 + (h * G + g) * P.q.s2;
+            if (DQ) off2 = sq.b * P.dout.s0 + (sq.row0 + pos) * P.dout.s1 + (h * G + g) * P.dout.s2;
         }
         roff[r] = off;
+        if (DQ) roff2[r] = off2;
     }
 
+    /* this lane's two rows: lane / 4 and lane / 4 + 8 of its warp's 16 */
     int rlo[2], rhi[2];
+    float rl2[2], rD[2], rg[2];
 #pragma unroll
     for (int x = 0; x < 2; x++) {
         const int r = warp * 16 + (lane >> 2) + x * 8;
-        rlo[x] = 1, rhi[x] = 0;
+        rlo[x] = 1, rhi[x] = 0, rl2[x] = INFINITY, rD[x] = 0.0f, rg[x] = 1.0f;
         if (r < nrows) {
-            const int pos = (int)((r0 + r) / G);
+            const int64_t rr = r0 + r;
+            const int pos = (int)(rr / G), g = (int)(rr % G);
             rule_bounds(P.rule, pos, nkeys, &rlo[x], &rhi[x]);
+            if (DQ) {
+                const int64_t flat = (sq.b * P.T + sq.row0 + pos) * P.HQ + h * G + g;
+                const float lse = ((const float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + pos) * P.lse.s1 + (h * G + g) * P.lse.s2];
+                rl2[x] = lse == -INFINITY ? INFINITY : lse * NSA_LOG2E;
+                rD[x] = P.Dw[flat];
+                rg[x] = P.gw ? P.gw[flat] : 1.0f;
+            }
         }
     }
     int kmin = 0, kmax = -1;
@@ -138,6 +153,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
 
     __syncthreads(); /* roff */
     sw_load_rows<T, DP, BM, NTHR>(Qs, (const T *)P.q.p, roff, tid);
+    if (DQ) sw_load_rows<T, DP, BM, NTHR>(Os, (const T *)P.dout.p, roff2, tid);
     if (nchunks > 0) {
         const int valid = kmax + 1 - kmin < BN ? kmax + 1 - kmin : BN;
         sw_load_lin<T, DP, BN, NTHR>(Ks, (const T *)P.k.p, kbase + (int64_t)kmin * P.k.s1, P.k.s1, valid, tid);
@@ -145,12 +161,14 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
     }
     cp_commit();
 
+    /* forward: O [64 x DV] per warpgroup; dQ: dQ [64 x DK] */
     float acc[DP / 8][4];
 #pragma unroll
     for (int i = 0; i < DP / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     float m_[2] = {-INFINITY, -INFINITY}, l_[2] = {0.0f, 0.0f};
-    /* this warpgroup's 64 rows of Q: at row offset wg * 64 in every column block */
+    /* this warpgroup's 64 rows of Q (and dO): at row offset wg * 64 in every column block */
     const unsigned char *Qw = Qs + wg * 64 * 128;
+    const unsigned char *Ow = Os + wg * 64 * 128;
 
     for (int ci = 0; ci < nchunks; ci++) {
         cp_wait<0>();
@@ -167,16 +185,27 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
         }
         cp_commit();
 
-        /* S = Q K^T: K-major A and B, 16 columns of the head dim per step (32 bytes inside a
-         * 128-byte swizzle row; the next column block after four steps) */
+        /* S = Q K^T (and dQ mode: dP = dO V^T): K-major A and B, 16 columns of the head dim
+         * per step (32 bytes inside a 128-byte swizzle row; the next column block after four
+         * steps) */
         float S[NT][4];
+        float dP[DQ ? NT : 1][4];
         const unsigned char *Kp = Ks + st * KB;
+        const unsigned char *Vp = Vs + st * KB;
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < KT; kk++) {
             const uint64_t da = wg_desc(Qw + (kk >> 2) * BM * 128 + (kk & 3) * 32, 16, 1024);
             const uint64_t db = wg_desc(Kp + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024);
             wgmma_op<T, BN>::template ss<0>(&S[0][0], da, db, kk > 0);
+        }
+        if constexpr (DQ) {
+#pragma unroll
+            for (int kk = 0; kk < KT; kk++) {
+                const uint64_t da = wg_desc(Ow + (kk >> 2) * BM * 128 + (kk & 3) * 32, 16, 1024);
+                const uint64_t db = wg_desc(Vp + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024);
+                wgmma_op<T, BN>::template ss<0>(&dP[0][0], da, db, kk > 0);
+            }
         }
         wg_commit();
         wg_wait<0>();
@@ -198,33 +227,40 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
                     S[nt][e] = out ? -INFINITY : __fmul_rn(S[nt][e], P.sl2);
                 }
         }
+        /* the A fragments of the second product (16 keys per step): the accumulator layout
+         * of S is the A-fragment layout */
+        uint32_t pa[BN / 16][4];
+        if constexpr (!DQ) {
 #pragma unroll
-        for (int x = 0; x < 2; x++) {
-            float mx = -INFINITY;
+            for (int x = 0; x < 2; x++) {
+                float mx = -INFINITY;
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(S[nt][2 * x], S[nt][2 * x + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float mnew = fmaxf(m_[x], mx);
-            const float muse = mnew == -INFINITY ? 0.0f : mnew;
-            const float alpha = ex2(m_[x] - muse);
-            m_[x] = mnew;
-            float sum = 0.0f;
+                for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(S[nt][2 * x], S[nt][2 * x + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float mnew = fmaxf(m_[x], mx);
+                const float muse = mnew == -INFINITY ? 0.0f : mnew;
+                const float alpha = ex2(m_[x] - muse);
+                m_[x] = mnew;
+                float sum = 0.0f;
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                S[nt][2 * x] = ex2(S[nt][2 * x] - muse);
-                S[nt][2 * x + 1] = ex2(S[nt][2 * x + 1] - muse);
-                sum += S[nt][2 * x] + S[nt][2 * x + 1];
+                for (int nt = 0; nt < NT; nt++) {
+                    S[nt][2 * x] = ex2(S[nt][2 * x] - muse);
+                    S[nt][2 * x + 1] = ex2(S[nt][2 * x + 1] - muse);
+                    sum += S[nt][2 * x] + S[nt][2 * x + 1];
+                }
+                l_[x] = l_[x] * alpha + sum;
+#pragma unroll
+                for (int d = 0; d < DP / 8; d++) acc[d][2 * x] *= alpha, acc[d][2 * x + 1] *= alpha;
             }
-            l_[x] = l_[x] * alpha + sum;
+        } else {
+            /* P from the saved lse; dS = P (g dP - D) */
 #pragma unroll
-            for (int d = 0; d < DP / 8; d++) acc[d][2 * x] *= alpha, acc[d][2 * x + 1] *= alpha;
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) S[nt][e] = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
         }
         if (has_v) {
-            /* O += P V: P as the A fragments (the accumulator layout of S is the A-fragment
-             * layout, 16 keys per step), V MN-major: 8-key row groups 1024 bytes apart, the
-             * head dim's 64-column blocks BN * 128 bytes apart */
-            uint32_t pa[BN / 16][4];
 #pragma unroll
             for (int k2 = 0; k2 < BN / 16; k2++) {
                 pa[k2][0] = dtraits<T>::pack(S[2 * k2][0], S[2 * k2][1]);
@@ -232,11 +268,13 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
                 pa[k2][2] = dtraits<T>::pack(S[2 * k2 + 1][0], S[2 * k2 + 1][1]);
                 pa[k2][3] = dtraits<T>::pack(S[2 * k2 + 1][2], S[2 * k2 + 1][3]);
             }
-            const unsigned char *Vp = Vs + st * KB;
+            /* forward O += P V, dQ mode dQ += dS K: B MN-major (the head dim contiguous):
+             * 8-key row groups 1024 bytes apart, 64-column blocks BN * 128 bytes apart */
+            const unsigned char *Bp = DQ ? Kp : Vp;
             wg_fence();
 #pragma unroll
             for (int k2 = 0; k2 < BN / 16; k2++) {
-                const uint64_t db = wg_desc(Vp + k2 * 16 * 128, BN * 128, 1024);
+                const uint64_t db = wg_desc(Bp + k2 * 16 * 128, BN * 128, 1024);
                 wgmma_op<T, DP>::template rs<1>(&acc[0][0], pa[k2], db, 1);
             }
             wg_commit();
@@ -245,7 +283,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
     }
     cp_wait<0>();
 
-    /* epilogue (as qtile's forward) */
+    /* epilogue (as qtile's) */
 #pragma unroll
     for (int x = 0; x < 2; x++) {
         const int r = warp * 16 + (lane >> 2) + x * 8;
@@ -254,6 +292,16 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         if (r >= nrows) continue;
         const int64_t rr = r0 + r, pos = rr / G, g = rr % G, hq = h * G + g;
+        if constexpr (DQ) {
+            float *dq = P.dq + ((sq.b * P.T + sq.row0 + pos) * P.HQ + hq) * P.DK;
+#pragma unroll
+            for (int d = 0; d < DP / 8; d++) {
+                float2 *q2 = (float2 *)(dq + d * 8 + 2 * (lane & 3));
+                const float2 o = *q2;
+                *q2 = make_float2(o.x + acc[d][2 * x] * P.scale, o.y + acc[d][2 * x + 1] * P.scale);
+            }
+            continue;
+        }
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         if (P.o.p) {
             const int64_t ob = sq.b * P.o.s0 + (sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
@@ -279,13 +327,13 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
 #endif
 }
 
-template <int DP, typename T>
+template <int DP, typename T, int MODE>
 static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles)
 {
-    const size_t smem = qwg_smem(DP);
-    g_check(g, cudaFuncSetAttribute(qwg_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const size_t smem = qwg_smem(DP, MODE);
+    g_check(g, cudaFuncSetAttribute(qwg_kernel<DP, T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
-    qwg_kernel<DP, T><<<dim3((unsigned)tiles, (unsigned)P->H), 256, smem, g->st>>>(*P);
+    qwg_kernel<DP, T, MODE><<<dim3((unsigned)tiles, (unsigned)P->H), 256, smem, g->st>>>(*P);
     g_launched(g);
 }
 
@@ -295,7 +343,7 @@ template <int DP>
 static int qwg_ready_t()
 {
     cudaFuncAttributes a;
-    if (cudaFuncGetAttributes(&a, qwg_kernel<DP, __nv_bfloat16>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&a, qwg_kernel<DP, __nv_bfloat16, MODE_FWD>) != cudaSuccess) {
         cudaGetLastError();
         return 0;
     }
@@ -303,10 +351,15 @@ static int qwg_ready_t()
 }
 
 #define NSA_HOPPER_INSTANCE(DP)                                                                  \
-    void nsa_cu_qwg_##DP(grun *g, const qparams *P, int bf16, int64_t tiles)                     \
+    void nsa_cu_qwg_##DP(grun *g, const qparams *P, int mode, int bf16, int64_t tiles)           \
     {                                                                                            \
-        if (bf16) launch_qwg_t<DP, __nv_bfloat16>(g, P, tiles);                                  \
-        else launch_qwg_t<DP, __half>(g, P, tiles);                                              \
+        if (bf16) {                                                                              \
+            if (mode == MODE_FWD) launch_qwg_t<DP, __nv_bfloat16, MODE_FWD>(g, P, tiles);        \
+            else launch_qwg_t<DP, __nv_bfloat16, MODE_DQ>(g, P, tiles);                          \
+        } else {                                                                                 \
+            if (mode == MODE_FWD) launch_qwg_t<DP, __half, MODE_FWD>(g, P, tiles);               \
+            else launch_qwg_t<DP, __half, MODE_DQ>(g, P, tiles);                                 \
+        }                                                                                        \
     }                                                                                            \
     int nsa_cu_qwg_ready_##DP(void) { return qwg_ready_t<DP>(); }
 

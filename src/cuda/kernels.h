@@ -109,19 +109,21 @@ void nsa_cu_select_64(grun *g, const sparams *P, int bf16, int64_t tiles);
 void nsa_cu_select_128(grun *g, const sparams *P, int bf16, int64_t tiles);
 void nsa_cu_select_192(grun *g, const sparams *P, int bf16, int64_t tiles);
 #define QWG_BM 128 /* rows per CTA: two warpgroups */
-#define QWG_BN 128 /* keys per chunk */
+/* keys per chunk: 128 in the forward; 64 for dQ, which holds S, dP and dQ in registers */
+#define QWG_BN(mode) ((mode) == MODE_FWD ? 128 : 64)
 
-/* Shared memory of qwg_kernel<DP>: 1 KB alignment slack, Q, two K and two V stages, row
- * offsets. Must match the carving in the kernel. */
-static inline size_t qwg_smem(int DP)
+/* Shared memory of qwg_kernel<DP, MODE>: 1 KB alignment slack, Q (and dO), two K and two V
+ * stages, row offsets. Must match the carving in the kernel. */
+static inline size_t qwg_smem(int DP, int mode)
 {
-    return 1024 + (size_t)QWG_BM * DP * 2 + 4 * (size_t)QWG_BN * DP * 2 + QWG_BM * sizeof(int64_t);
+    const size_t rows = (size_t)QWG_BM * DP * 2;
+    return 1024 + rows * (mode == MODE_DQ ? 2 : 1) + 4 * (size_t)QWG_BN(mode) * DP * 2 + 2 * QWG_BM * sizeof(int64_t);
 }
 
-/* sm_90a forward tile for the range rules (hopper.cuh), head dims exactly 64 / 128; ready:
- * whether the loaded binary holds its sm_90a body (1) or it must not run (0). */
-void nsa_cu_qwg_64(grun *g, const qparams *P, int bf16, int64_t tiles);
-void nsa_cu_qwg_128(grun *g, const qparams *P, int bf16, int64_t tiles);
+/* sm_90a forward / dQ tile for the range rules (hopper.cuh), head dims exactly 64 / 128;
+ * ready: whether the loaded binary holds its sm_90a body (1) or it must not run (0). */
+void nsa_cu_qwg_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
+void nsa_cu_qwg_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
 int nsa_cu_qwg_ready_64(void);
 int nsa_cu_qwg_ready_128(void);
 
