@@ -275,6 +275,7 @@ static void dkdv_params(kparams *P, const nsa_problem *p, const bwd_io *io)
     P->Dw = io->Dw;
     P->gw = io->gate ? io->gw : NULL;
     P->dk = io->dk32, P->dv = io->dv32;
+    P->bk = 64;
     P->T = p->T, P->HQ = p->HQ, P->H = p->H, P->G = p->G, P->KR = io->KR;
     P->DK = (int)p->DK, P->DV = (int)p->DV;
     P->scale = p->scale;
@@ -307,17 +308,35 @@ void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     kparams K;
     dkdv_params(&K, p, io);
     K.rule = *rule;
-    unitspec uk = {UK_ROWS, 1, 64, 0, 0};
+    /* same tasks at 128 keys, same ordered partials: the wgmma kernel when the dQ above
+     * could take its tile */
+    const int kwg = wg && kwg_smem(Q.DK) <= (size_t)g->smem_max;
+    K.bk = kwg ? KWG_BK : 64;
+    unitspec uk = {UK_ROWS, 1, K.bk, 0, 0};
     if (rule->kind == RULE_CMP) { /* few key tiles, each seen by most queries: 8 row segments each */
         K.nseg = 8;
-        uk.kind = UK_CMP_TILES_X, uk.a = K.nseg, uk.b = 64, uk.cl = p->cfg.cmp_len, uk.cd = p->cfg.cmp_stride;
+        uk.kind = UK_CMP_TILES_X, uk.a = K.nseg, uk.b = K.bk, uk.cl = p->cfg.cmp_len, uk.cd = p->cfg.cmp_stride;
     }
     int64_t ktiles;
     K.sm = g_seqmap(g, uk, &ktiles);
-    if (K.nseg > 1) K.part = cu_take_f32(g, ktiles * p->H * 64 * (p->DK + p->DV), 0);
-    run_ktile(g, &K, ktiles, io->dt);
     if (K.nseg > 1) {
-        unitspec ut = {UK_CMP_TILES, 0, 64, p->cfg.cmp_len, p->cfg.cmp_stride};
+        /* sized for the larger of the two tilings in both passes (the dry pass cannot know
+         * which kernel the device will run) */
+        unitspec u64 = uk, u128 = uk;
+        u64.b = 64, u128.b = KWG_BK;
+        const int64_t n64 = g_units_total(p, u64) * 64, n128 = g_units_total(p, u128) * KWG_BK;
+        K.part = cu_take_f32(g, (n64 > n128 ? n64 : n128) * p->H * (p->DK + p->DV), 0);
+    }
+    if (kwg) {
+        if (g_live(g) && ktiles > 0) {
+            if (Q.DK == 64) nsa_cu_kwg_64(g, &K, io->dt == NSA_DTYPE_BF16, ktiles);
+            else nsa_cu_kwg_128(g, &K, io->dt == NSA_DTYPE_BF16, ktiles);
+        }
+    } else {
+        run_ktile(g, &K, ktiles, io->dt);
+    }
+    if (K.nseg > 1) {
+        unitspec ut = {UK_CMP_TILES, 0, K.bk, p->cfg.cmp_len, p->cfg.cmp_stride};
         int64_t ntiles;
         const seqmap tm = g_seqmap(g, ut, &ntiles);
         nsa_cu_seg_reduce(g, &K, tm, ntiles);

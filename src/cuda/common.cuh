@@ -435,6 +435,8 @@ void g_seq_setup(grun *g, int need_cmp);
 /* The task map of one launch: dense -> per_seq, varlen -> a device prefix of units.
  * *total = tasks over all sequences (host). */
 seqmap g_seqmap(grun *g, unitspec u, int64_t *total);
+/* Units of spec u summed over the sequences (host). */
+int64_t g_units_total(const nsa_problem *p, unitspec u);
 /* A device prefix of units per sequence (varlen) or NULL (dense: s * units(T)). */
 int64_t *g_prefix(grun *g, unitspec u, int64_t *total);
 

@@ -524,30 +524,28 @@ static __device__ int kt_last_starting(const rule_t &r, int len, int nkeys, int 
     return a;
 }
 
-template <int DKP, int DVP, typename T>
-__global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
-{
-    constexpr int LDK = DKP + 8, LDV = DVP + 8, BK = QT_BN, BQ = 64, NT = BQ / 8, KT = DKP / 16, VT = DVP / 16;
-    extern __shared__ __align__(16) unsigned char smem[];
-    const int nthr = 128, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    T *Ks = (T *)smem;
-    T *Vs = Ks + BK * LDK;
-    T *Qs = Vs + BK * LDV;      /* [2][BQ][LDK] data stages */
-    T *Ds = Qs + 2 * BQ * LDK;  /* [2][BQ][LDV] */
-    int64_t *rq = (int64_t *)(Ds + 2 * BQ * LDV); /* [3][BQ] row slots */
-    int64_t *ro = rq + 3 * BQ;
-    float *rl2 = (float *)(ro + 3 * BQ);
-    float *rD = rl2 + 3 * BQ, *rg = rD + 3 * BQ;
-    int *rlo = (int *)(rg + 3 * BQ), *rhi = rlo + 3 * BQ;
-    int *rfull = rhi + 3 * BQ; /* [3][2]: every row of the slot's warp half sees all BK keys */
+/* One ktile task (the CTA's blockIdx): keys [k0, k1) of (sequence, head h) and the query
+ * rows that see them: flattened rows rbase .. rbase + nrows - 1 (range rules) or the inverted
+ * list's positions (selected); slot >= 0: a further segment writing partial `slot`.
+ * Shared by ktile_kernel and the sm_90a kwg_kernel. */
+typedef struct kt_task {
+    seqinfo sq;
+    int64_t slot, nrows, rbase, key_row0;
+    const int32_t *list;
+    int h, k0, k1, nkeys, is_slc;
+} kt_task;
 
+/* @return 0 when the CTA has nothing to add (a partial slot it owns is zeroed first). */
+template <int BK, int BQ>
+__device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid, int nthr)
+{
     int64_t s, local, seg = 0, slot = -1;
     int h;
     if (P.extra) {
         /* a further segment: find its flat offs entry f (xoff[f] <= e < xoff[f + 1]), then
          * the sequence, head and block that own f */
         const int64_t e = blockIdx.x / P.nsub, sub = blockIdx.x % P.nsub;
-        if (e >= P.xoff[P.nflat]) return;
+        if (e >= P.xoff[P.nflat]) return 0;
         int64_t lo = 0, hi = P.nflat - 1;
         while (lo < hi) {
             const int64_t mid = (lo + hi + 1) / 2;
@@ -598,7 +596,7 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
         }
         k0 = (int)kt * BK;
         k1 = k0 + BK < nkeys ? k0 + BK : nkeys;
-        if (k0 >= k1) return;
+        if (k0 >= k1) return 0;
         const int qfirst = kt_first_reaching(P.rule, sq.len, nkeys, k0);
         const int qlast = kt_last_starting(P.rule, sq.len, nkeys, k1 - 1);
         nrows = qlast >= qfirst ? (int64_t)(qlast - qfirst + 1) * G : 0;
@@ -616,7 +614,7 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
         const int bend = j * lp + lp < sq.len ? j * lp + lp : sq.len;
         k0 = j * lp + sub * BK;
         k1 = k0 + BK < bend ? k0 + BK : bend;
-        if (k0 >= k1) return;
+        if (k0 >= k1) return 0;
         unitspec ul = {UK_LIST, P.m, 1, 0, 0}, uo = {UK_INV_OFFS, 0, lp, 0, 0};
         const int64_t lreg = (P.list_pref ? P.list_pref[s] : s * seq_units(ul, P.T)) * P.H + h * seq_units(ul, sq.len);
         const int64_t oreg = (P.offs_pref ? P.offs_pref[s] : s * seq_units(uo, P.T)) * P.H + h * seq_units(uo, sq.len);
@@ -635,8 +633,73 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
                 const int64_t key = i / (P.DK + P.DV), col = i % (P.DK + P.DV);
                 P.part[slot * BK * (P.DK + P.DV) + (col < P.DK ? key * P.DK + col : (int64_t)BK * P.DK + key * P.DV + (col - P.DK))] = 0.0f;
             }
-        return;
+        return 0;
     }
+
+    t->sq = sq, t->slot = slot, t->nrows = nrows, t->rbase = rbase, t->key_row0 = key_row0;
+    t->list = list, t->h = h, t->k0 = k0, t->k1 = k1, t->nkeys = nkeys, t->is_slc = is_slc;
+    return 1;
+}
+
+/* Per-row slots of the query chunks a ktile task streams: offsets of the q / dout rows, lse
+ * (log2 domain), D, gate, visible range, and per warp half whether every row sees all keys. */
+typedef struct kt_rows {
+    int64_t *rq, *ro;
+    float *rl2, *rD, *rg;
+    int *rlo, *rhi, *rfull;
+} kt_rows;
+
+/* Fill slot `stage` with the rows of query chunk `chunk` (threads 0 .. BQ - 1). */
+template <int BQ>
+__device__ __forceinline__ void kt_fill(const kparams &P, const kt_task &t, const kt_rows &R, int stage, int64_t chunk,
+                                        int tid)
+{
+    if (tid >= BQ) return;
+    const int64_t G = P.G, k = chunk * BQ + tid;
+    const int i = stage * BQ + tid;
+    const seqinfo &sq = t.sq;
+    if (k < t.nrows) {
+        const int pos = t.is_slc ? t.list[k / G] : (int)((t.rbase + k) / G);
+        const int64_t g = t.is_slc ? k % G : (t.rbase + k) % G, hq = t.h * G + g, row = sq.row0 + pos;
+        const int64_t flat = (sq.b * P.T + row) * P.HQ + hq;
+        R.rq[i] = sq.b * P.q.s0 + row * P.q.s1 + hq * P.q.s2;
+        R.ro[i] = sq.b * P.dout.s0 + row * P.dout.s1 + hq * P.dout.s2;
+        const float lse = ((const float *)P.lse.p)[sq.b * P.lse.s0 + row * P.lse.s1 + hq * P.lse.s2];
+        R.rl2[i] = lse == -INFINITY ? INFINITY : lse * NSA_LOG2E;
+        R.rD[i] = P.Dw[flat];
+        R.rg[i] = P.gw ? P.gw[flat] : 1.0f;
+        rule_bounds(P.rule, pos, t.nkeys, &R.rlo[i], &R.rhi[i]);
+    } else {
+        R.rq[i] = -1, R.ro[i] = -1, R.rl2[i] = INFINITY, R.rD[i] = 0.0f, R.rg[i] = 0.0f;
+        R.rlo[i] = 1, R.rhi[i] = 0;
+    }
+    const int f = __all_sync(0xffffffffu, R.rlo[i] <= t.k0 && R.rhi[i] >= t.k1 - 1);
+    if ((tid & 31) == 0) R.rfull[stage * 2 + (tid >> 5)] = f;
+}
+
+template <int DKP, int DVP, typename T>
+__global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
+{
+    constexpr int LDK = DKP + 8, LDV = DVP + 8, BK = QT_BN, BQ = 64, NT = BQ / 8, KT = DKP / 16, VT = DVP / 16;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int nthr = 128, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    T *Ks = (T *)smem;
+    T *Vs = Ks + BK * LDK;
+    T *Qs = Vs + BK * LDV;      /* [2][BQ][LDK] data stages */
+    T *Ds = Qs + 2 * BQ * LDK;  /* [2][BQ][LDV] */
+    int64_t *rq = (int64_t *)(Ds + 2 * BQ * LDV); /* [3][BQ] row slots */
+    int64_t *ro = rq + 3 * BQ;
+    float *rl2 = (float *)(ro + 3 * BQ);
+    float *rD = rl2 + 3 * BQ, *rg = rD + 3 * BQ;
+    int *rlo = (int *)(rg + 3 * BQ), *rhi = rlo + 3 * BQ;
+    int *rfull = rhi + 3 * BQ; /* [3][2]: every row of the slot's warp half sees all BK keys */
+
+    kt_task t;
+    if (!kt_task_get<BK, BQ>(P, &t, tid, nthr)) return;
+    const seqinfo sq = t.sq;
+    const int h = t.h, k0 = t.k0, k1 = t.k1;
+    const int64_t nrows = t.nrows, key_row0 = t.key_row0, slot = t.slot;
+    const kt_rows R = {rq, ro, rl2, rD, rg, rlo, rhi, rfull};
 
     const int64_t kb = sq.b * P.k.s0 + (key_row0 + k0) * P.k.s1 + (int64_t)h * P.k.s2;
     const int64_t vb = sq.b * P.v.s0 + (key_row0 + k0) * P.v.s1 + (int64_t)h * P.v.s2;
@@ -645,31 +708,6 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
 
     const int64_t nchunks = (nrows + BQ - 1) / BQ;
 
-#define KT_FILL(stage, chunk)                                                                    \
-    do {                                                                                         \
-        if (tid < BQ) {                                                                          \
-            const int64_t k_ = (chunk) * BQ + tid;                                               \
-            const int i_ = (stage) * BQ + tid;                                                   \
-            if (k_ < nrows) {                                                                    \
-                const int pos_ = is_slc ? list[k_ / G] : (int)((rbase + k_) / G);                \
-                const int64_t g_ = is_slc ? k_ % G : (rbase + k_) % G, hq_ = h * G + g_, row_ = sq.row0 + pos_; \
-                const int64_t flat_ = (sq.b * P.T + row_) * P.HQ + hq_;                          \
-                rq[i_] = sq.b * P.q.s0 + row_ * P.q.s1 + hq_ * P.q.s2;                           \
-                ro[i_] = sq.b * P.dout.s0 + row_ * P.dout.s1 + hq_ * P.dout.s2;                  \
-                const float lse_ = ((const float *)P.lse.p)[sq.b * P.lse.s0 + row_ * P.lse.s1 + hq_ * P.lse.s2]; \
-                rl2[i_] = lse_ == -INFINITY ? INFINITY : lse_ * NSA_LOG2E;                       \
-                rD[i_] = P.Dw[flat_];                                                            \
-                rg[i_] = P.gw ? P.gw[flat_] : 1.0f;                                              \
-                rule_bounds(P.rule, pos_, nkeys, &rlo[i_], &rhi[i_]);                            \
-            } else {                                                                             \
-                rq[i_] = -1, ro[i_] = -1, rl2[i_] = INFINITY, rD[i_] = 0.0f, rg[i_] = 0.0f;      \
-                rlo[i_] = 1, rhi[i_] = 0;                                                        \
-            }                                                                                    \
-            const int f_ = __all_sync(0xffffffffu, rlo[i_] <= k0 && rhi[i_] >= k1 - 1);         \
-            if ((tid & 31) == 0) rfull[(stage) * 2 + (tid >> 5)] = f_;                           \
-        }                                                                                        \
-    } while (0)
-
 #define KT_ISSUE(stage, rs)                                                                      \
     do {                                                                                         \
         load_rows<T, DKP>(Qs + (stage) * BQ * LDK, LDK, (const T *)P.q.p, rq + (rs) * BQ, BQ, P.DK, P.q.al, tid, nthr); \
@@ -677,8 +715,8 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
     } while (0)
 
     /* rows of chunk c live in slot c % 3, filled two chunks ahead; data in stage c & 1 */
-    KT_FILL(0, 0);
-    if (nchunks > 1) KT_FILL(1, 1);
+    kt_fill<BQ>(P, t, R, 0, 0, tid);
+    if (nchunks > 1) kt_fill<BQ>(P, t, R, 1, 1, tid);
     __syncthreads();
     KT_ISSUE(0, 0);
     cp_commit();
@@ -698,7 +736,7 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
         __syncthreads(); /* chunk c landed; everyone is done with chunk c - 1 */
         if (c + 1 < nchunks) KT_ISSUE(st ^ 1, (int)((c + 1) % 3));
         cp_commit();
-        if (c + 2 < nchunks) KT_FILL((int)((c + 2) % 3), c + 2);
+        if (c + 2 < nchunks) kt_fill<BQ>(P, t, R, (int)((c + 2) % 3), c + 2, tid);
         const T *Qp = Qs + st * BQ * LDK, *Dp = Ds + st * BQ * LDV;
         const float *l2 = rl2 + sl * BQ, *Dr = rD + sl * BQ, *gr = rg + sl * BQ;
         const int *lo = rlo + sl * BQ, *hi = rhi + sl * BQ;
@@ -790,7 +828,6 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
         }
     }
     cp_wait<0>();
-#undef KT_FILL
 #undef KT_ISSUE
 
 #pragma unroll

@@ -327,6 +327,177 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
 #endif
 }
 
+/* dK and dV of the range rules: ktile's tasks at 128 keys (two warpgroups of 64 keys share
+ * every 64-row chunk of Q and dO they stream: half of ktile's L2 traffic per product; row
+ * segments with ordered partials for the compressed branch), one CTA per SM:
+ *   S^T = K Q^T, dP^T = V dO^T     (wgmma SS, all operands K-major)
+ *   dV += (g P)^T dO, dK += dS^T Q (wgmma RS, dO / Q MN-major)
+ * Deterministic as ktile: every key's sums run over its rows in one fixed order. */
+template <int DP, typename T>
+__global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BK = KWG_BK, BQ = 64, NT = BQ / 8, KT = DP / 16, NTHR = 256;
+    constexpr int KB = BK * DP * 2, TB = BQ * DP * 2; /* key tile, row chunk */
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    unsigned char *Ks = smem, *Vs = Ks + KB;
+    unsigned char *Qs = Vs + KB;     /* [2] */
+    unsigned char *Ds = Qs + 2 * TB; /* [2] dO */
+    int64_t *rq = (int64_t *)(Ds + 2 * TB); /* [3][BQ] row slots */
+    int64_t *ro = rq + 3 * BQ;
+    float *rl2 = (float *)(ro + 3 * BQ);
+    float *rD = rl2 + 3 * BQ, *rg = rD + 3 * BQ;
+    int *rlo = (int *)(rg + 3 * BQ), *rhi = rlo + 3 * BQ;
+    int *rfull = rhi + 3 * BQ;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+
+    kt_task t;
+    if (!kt_task_get<BK, BQ>(P, &t, tid, NTHR)) return;
+    const seqinfo sq = t.sq;
+    const int h = t.h, k0 = t.k0, k1 = t.k1;
+    const int64_t nrows = t.nrows, key_row0 = t.key_row0, slot = t.slot;
+    const kt_rows R = {rq, ro, rl2, rD, rg, rlo, rhi, rfull};
+
+    sw_load_lin<T, DP, BK, NTHR>(Ks, (const T *)P.k.p, sq.b * P.k.s0 + (key_row0 + k0) * P.k.s1 + (int64_t)h * P.k.s2,
+                                 P.k.s1, k1 - k0, tid);
+    sw_load_lin<T, DP, BK, NTHR>(Vs, (const T *)P.v.p, sq.b * P.v.s0 + (key_row0 + k0) * P.v.s1 + (int64_t)h * P.v.s2,
+                                 P.v.s1, k1 - k0, tid);
+    const int64_t nchunks = (nrows + BQ - 1) / BQ;
+    /* rows of chunk c live in slot c % 3, filled two chunks ahead; data in stage c & 1 */
+    kt_fill<BQ>(P, t, R, 0, 0, tid);
+    if (nchunks > 1) kt_fill<BQ>(P, t, R, 1, 1, tid);
+    __syncthreads();
+    sw_load_rows<T, DP, BQ, NTHR>(Qs, (const T *)P.q.p, rq, tid);
+    sw_load_rows<T, DP, BQ, NTHR>(Ds, (const T *)P.dout.p, ro, tid);
+    cp_commit();
+
+    float dK[DP / 8][4], dV[DP / 8][4];
+#pragma unroll
+    for (int i = 0; i < DP / 8; i++) {
+        dK[i][0] = dK[i][1] = dK[i][2] = dK[i][3] = 0.0f;
+        dV[i][0] = dV[i][1] = dV[i][2] = dV[i][3] = 0.0f;
+    }
+    int kr[2];
+    kr[0] = k0 + warp * 16 + (lane >> 2);
+    kr[1] = kr[0] + 8;
+
+    for (int64_t c = 0; c < nchunks; c++) {
+        const int st = (int)(c & 1), sl = (int)(c % 3);
+        cp_wait<0>();
+        fence_async_smem();
+        __syncthreads(); /* chunk c landed; everyone is done with chunk c - 1 */
+        if (c + 1 < nchunks) {
+            const int ns = (int)((c + 1) % 3);
+            sw_load_rows<T, DP, BQ, NTHR>(Qs + (st ^ 1) * TB, (const T *)P.q.p, rq + ns * BQ, tid);
+            sw_load_rows<T, DP, BQ, NTHR>(Ds + (st ^ 1) * TB, (const T *)P.dout.p, ro + ns * BQ, tid);
+        }
+        cp_commit();
+        if (c + 2 < nchunks) kt_fill<BQ>(P, t, R, (int)((c + 2) % 3), c + 2, tid);
+        const unsigned char *Qp = Qs + st * TB, *Dp = Ds + st * TB;
+        const float *l2 = rl2 + sl * BQ, *Dr = rD + sl * BQ, *gr = rg + sl * BQ;
+        const int *lo = rlo + sl * BQ, *hi = rhi + sl * BQ;
+
+        /* S^T = K Q^T and dP^T = V dO^T (keys x rows) */
+        float S[NT][4], dP[NT][4];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KT; kk++) {
+            /* A: this warpgroup's 64 keys (row offset wg * 64 of the 128-row tile) */
+            const int ao = (kk >> 2) * BK * 128 + wg * 64 * 128 + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
+            wgmma_op<T, BQ>::template ss<0>(&S[0][0], wg_desc(Ks + ao, 16, 1024), wg_desc(Qp + bo, 16, 1024), kk > 0);
+        }
+#pragma unroll
+        for (int kk = 0; kk < KT; kk++) {
+            const int ao = (kk >> 2) * BK * 128 + wg * 64 * 128 + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
+            wgmma_op<T, BQ>::template ss<0>(&dP[0][0], wg_desc(Vs + ao, 16, 1024), wg_desc(Dp + bo, 16, 1024), kk > 0);
+        }
+        wg_commit();
+        wg_wait<0>();
+
+        /* P^T (masked), dS^T = P^T (g dP^T - D); S becomes g P^T for dV (as ktile) */
+        if (k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1]) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
+                    const float p = ex2(S[nt][e] * P.sl2 - l2[n]);
+                    dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
+                    S[nt][e] = p * gr[n];
+                }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
+                    const int vis = key < k1 && key >= lo[n] && key <= hi[n];
+                    const float p = vis ? ex2(S[nt][e] * P.sl2 - l2[n]) : 0.0f;
+                    dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
+                    S[nt][e] = p * gr[n];
+                }
+        }
+        /* dV += (g P)^T dO, dK += dS^T Q: 16 rows per step, B MN-major (8-row groups 1024
+         * bytes apart, 64-column blocks BQ * 128 bytes apart) */
+        uint32_t pa[BQ / 16][4], da[BQ / 16][4];
+#pragma unroll
+        for (int k2 = 0; k2 < BQ / 16; k2++) {
+            pa[k2][0] = dtraits<T>::pack(S[2 * k2][0], S[2 * k2][1]);
+            pa[k2][1] = dtraits<T>::pack(S[2 * k2][2], S[2 * k2][3]);
+            pa[k2][2] = dtraits<T>::pack(S[2 * k2 + 1][0], S[2 * k2 + 1][1]);
+            pa[k2][3] = dtraits<T>::pack(S[2 * k2 + 1][2], S[2 * k2 + 1][3]);
+            da[k2][0] = dtraits<T>::pack(dP[2 * k2][0], dP[2 * k2][1]);
+            da[k2][1] = dtraits<T>::pack(dP[2 * k2][2], dP[2 * k2][3]);
+            da[k2][2] = dtraits<T>::pack(dP[2 * k2 + 1][0], dP[2 * k2 + 1][1]);
+            da[k2][3] = dtraits<T>::pack(dP[2 * k2 + 1][2], dP[2 * k2 + 1][3]);
+        }
+        wg_fence();
+#pragma unroll
+        for (int k2 = 0; k2 < BQ / 16; k2++) {
+            wgmma_op<T, DP>::template rs<1>(&dV[0][0], pa[k2], wg_desc(Dp + k2 * 16 * 128, BQ * 128, 1024), 1);
+            wgmma_op<T, DP>::template rs<1>(&dK[0][0], da[k2], wg_desc(Qp + k2 * 16 * 128, BQ * 128, 1024), 1);
+        }
+        wg_commit();
+        wg_wait<0>();
+    }
+    cp_wait<0>();
+
+    /* epilogue (as ktile's): fp32 adds into dk / dv, or this segment's partial written whole */
+#pragma unroll
+    for (int x = 0; x < 2; x++) {
+        const int key = kr[x];
+        if (key >= k1) continue;
+        float *pk, *pv;
+        if (slot >= 0) {
+            pk = P.part + slot * BK * (P.DK + P.DV) + (int64_t)(key - k0) * P.DK;
+            pv = P.part + slot * BK * (P.DK + P.DV) + (int64_t)BK * P.DK + (int64_t)(key - k0) * P.DV;
+        } else {
+            const int64_t row = (sq.b * P.KR + key_row0 + key) * P.H + h;
+            pk = P.dk + row * P.DK, pv = P.dv + row * P.DV;
+        }
+#pragma unroll
+        for (int d = 0; d < DP / 8; d++) {
+            const int col = d * 8 + 2 * (lane & 3);
+            float2 *k2p = (float2 *)(pk + col), *v2p = (float2 *)(pv + col);
+            const float2 a = slot >= 0 ? make_float2(0.0f, 0.0f) : *k2p, b = slot >= 0 ? make_float2(0.0f, 0.0f) : *v2p;
+            *k2p = make_float2(a.x + dK[d][2 * x] * P.scale, a.y + dK[d][2 * x + 1] * P.scale);
+            *v2p = make_float2(b.x + dV[d][2 * x], b.y + dV[d][2 * x + 1]);
+        }
+    }
+#endif
+}
+
+template <int DP, typename T>
+static void launch_kwg_t(grun *g, const kparams *P, int64_t tiles)
+{
+    const size_t smem = kwg_smem(DP);
+    g_check(g, cudaFuncSetAttribute(kwg_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (g->err != NSA_STATUS_SUCCESS) return;
+    kwg_kernel<DP, T><<<dim3((unsigned)tiles, (unsigned)P->H), 256, smem, g->st>>>(*P);
+    g_launched(g);
+}
+
 template <int DP, typename T, int MODE>
 static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles)
 {
@@ -360,6 +531,11 @@ static int qwg_ready_t()
             if (mode == MODE_FWD) launch_qwg_t<DP, __half, MODE_FWD>(g, P, tiles);               \
             else launch_qwg_t<DP, __half, MODE_DQ>(g, P, tiles);                                 \
         }                                                                                        \
+    }                                                                                            \
+    void nsa_cu_kwg_##DP(grun *g, const kparams *P, int bf16, int64_t tiles)                     \
+    {                                                                                            \
+        if (bf16) launch_kwg_t<DP, __nv_bfloat16>(g, P, tiles);                                  \
+        else launch_kwg_t<DP, __half>(g, P, tiles);                                              \
     }                                                                                            \
     int nsa_cu_qwg_ready_##DP(void) { return qwg_ready_t<DP>(); }
 

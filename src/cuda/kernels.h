@@ -59,6 +59,7 @@ typedef struct kparams {
      * splits a tile's rows into nseg tasks; segment 0 adds into dk/dv, the others write the
      * partial of slot (task, head), added in order by nsa_cu_seg_reduce. */
     int nseg;
+    int bk;                               /* keys per task: 64 (ktile), KWG_BK (kwg_kernel) */
     seqmap sm;
 } kparams;
 
@@ -120,10 +121,21 @@ static inline size_t qwg_smem(int DP, int mode)
     return 1024 + rows * (mode == MODE_DQ ? 2 : 1) + 4 * (size_t)QWG_BN(mode) * DP * 2 + 2 * QWG_BM * sizeof(int64_t);
 }
 
+#define KWG_BK 128 /* keys per kwg_kernel task (ktile: 64) */
+/* Shared memory of kwg_kernel<DP>: slack, K and V of 128 keys, two Q and two dO stages of 64
+ * rows, the three row slots of ktile (offsets, lse, D, gate, ranges, whole-chunk flags). */
+static inline size_t kwg_smem(int DP)
+{
+    return 1024 + 2 * (size_t)KWG_BK * DP * 2 + 4 * (size_t)64 * DP * 2 + 3 * 64 * (2 * sizeof(int64_t) + 5 * 4) + 6 * 4;
+}
+
 /* sm_90a forward / dQ tile for the range rules (hopper.cuh), head dims exactly 64 / 128;
  * ready: whether the loaded binary holds its sm_90a body (1) or it must not run (0). */
 void nsa_cu_qwg_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
 void nsa_cu_qwg_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
+/* sm_90a dK / dV of the range rules (hopper.cuh), kparams as ktile */
+void nsa_cu_kwg_64(grun *g, const kparams *P, int bf16, int64_t tiles);
+void nsa_cu_kwg_128(grun *g, const kparams *P, int bf16, int64_t tiles);
 int nsa_cu_qwg_ready_64(void);
 int nsa_cu_qwg_ready_128(void);
 

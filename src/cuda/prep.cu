@@ -73,7 +73,7 @@ __global__ void prefix_kernel(const int32_t *cu, int64_t nseq, unitspec u, int64
     if (threadIdx.x == 0) out[nseq] = carry;
 }
 
-static int64_t host_total(const nsa_problem *p, unitspec u)
+int64_t g_units_total(const nsa_problem *p, unitspec u)
 {
     if (!p->cu_seqlens) return p->B * seq_units(u, p->T);
     int64_t t = 0;
@@ -100,7 +100,7 @@ void g_seq_setup(grun *g, int need_cmp)
 int64_t *g_prefix(grun *g, unitspec u, int64_t *total)
 {
     const nsa_problem *p = g->p;
-    *total = host_total(p, u);
+    *total = g_units_total(p, u);
     if (!p->cu_seqlens) return NULL;
     int64_t *out = (int64_t *)g_take(g, (size_t)(p->num_seqs + 1) * sizeof(int64_t));
     if (g_live(g)) {
@@ -708,16 +708,16 @@ __global__ void seg_reduce_kernel(kparams P, seqmap tm)
     const int64_t h = blockIdx.y;
     const int is_cmp = P.rule.kind == RULE_CMP;
     const int64_t nkeys = is_cmp ? sq.ncmp : sq.len, key_row0 = is_cmp ? sq.cmp0 : sq.row0;
-    const int64_t k0 = kt * 64, k1 = k0 + 64 < nkeys ? k0 + 64 : nkeys;
+    const int64_t bk = P.bk, k0 = kt * bk, k1 = k0 + bk < nkeys ? k0 + bk : nkeys;
     if (k0 >= k1) return;
     /* ktile's task of (tile kt, segment sg): segment-major within the sequence */
-    const int64_t task0 = (P.sm.first ? P.sm.first[s] : s * P.sm.per_seq) + kt, ntl = (nkeys + 63) / 64;
+    const int64_t task0 = (P.sm.first ? P.sm.first[s] : s * P.sm.per_seq) + kt, ntl = (nkeys + bk - 1) / bk;
     const int64_t W = P.DK + P.DV;
     for (int64_t i = threadIdx.x; i < (k1 - k0) * W; i += blockDim.x) {
         const int64_t key = i / W, col = i % W;
-        const int64_t po = col < P.DK ? key * P.DK + col : 64 * P.DK + key * P.DV + (col - P.DK);
+        const int64_t po = col < P.DK ? key * P.DK + col : bk * P.DK + key * P.DV + (col - P.DK);
         float sum = 0.0f;
-        for (int64_t sg = 1; sg < P.nseg; sg++) sum += P.part[((task0 + sg * ntl) * P.H + h) * 64 * W + po];
+        for (int64_t sg = 1; sg < P.nseg; sg++) sum += P.part[((task0 + sg * ntl) * P.H + h) * bk * W + po];
         const int64_t row = (sq.b * P.KR + key_row0 + k0 + key) * P.H + h;
         if (col < P.DK) P.dk[row * P.DK + col] += sum;
         else P.dv[row * P.DV + (col - P.DK)] += sum;
