@@ -128,22 +128,34 @@ static void qparams_base(qparams *P, const nsa_problem *p, const dview *q)
  * Hopper, the binary carries that kernel, the head dims are exactly 64 or 128 and every
  * row is 16-byte aligned; NSA_CUDA_WGMMA=0 in the environment keeps the mma.sync tile
  * (for comparisons). Same function either way: the sweep checks both against float64. */
-static int qwg_usable(grun *g, const qparams *P, nsa_dtype dt)
+/* NSA_CUDA_WGMMA=0 in the environment: never the wgmma paths */
+static int qwg_env(void)
 {
     static int env = -1;
     if (env < 0) {
         const char *e = getenv("NSA_CUDA_WGMMA");
         env = !(e && e[0] == '0');
     }
-    if (!env || g->cc_major != 9) return 0;
-    const int D = P->DK;
-    if ((D != 64 && D != 128) || (P->v.p && P->DV != D) || !P->q.al || !P->k.al || (P->v.p && !P->v.al)) return 0;
-    if (P->o.p && (!P->o.al || (P->o.dt != (int)dt && P->o.dt != NSA_DTYPE_F32))) return 0;
-    if (qwg_smem(D, MODE_DQ) > (size_t)g->smem_max || qwg_smem(D, MODE_FWD) > (size_t)g->smem_max) return 0;
+    return env;
+}
+
+/* whether the loaded binary carries the sm_90a kernels of head dim D (asked once) */
+static int qwg_ready(int D)
+{
     static int ready64 = -1, ready128 = -1;
     int *ready = D == 64 ? &ready64 : &ready128;
     if (*ready < 0) *ready = D == 64 ? nsa_cu_qwg_ready_64() : nsa_cu_qwg_ready_128();
     return *ready;
+}
+
+static int qwg_usable(grun *g, const qparams *P, nsa_dtype dt)
+{
+    if (!qwg_env() || g->cc_major != 9) return 0;
+    const int D = P->DK;
+    if ((D != 64 && D != 128) || (P->v.p && P->DV != D) || !P->q.al || !P->k.al || (P->v.p && !P->v.al)) return 0;
+    if (P->o.p && (!P->o.al || (P->o.dt != (int)dt && P->o.dt != NSA_DTYPE_F32))) return 0;
+    if (qwg_smem(D, MODE_DQ) > (size_t)g->smem_max || qwg_smem(D, MODE_FWD) > (size_t)g->smem_max) return 0;
+    return qwg_ready(D);
 }
 
 /* ---- forward ---------------------------------------------------------------------------- */

@@ -23,6 +23,7 @@
 
 #include "common.cuh"
 #include "kernels.h"
+#include "wgmma.cuh"
 #include <limits.h>
 
 #define QT_BN 64 /* keys per CTA (ktile), keys per step (select); qtile's chunk is its BN parameter */
@@ -694,19 +695,25 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
     int *rlo = (int *)(rg + 3 * BQ), *rhi = rlo + 3 * BQ;
     int *rfull = rhi + 3 * BQ; /* [3][2]: every row of the slot's warp half sees all BK keys */
 
-    kt_task t;
-    if (!kt_task_get<BK, BQ>(P, &t, tid, nthr)) return;
-    const seqinfo sq = t.sq;
+    /* the task lives in shared memory: the row fill of every chunk reads it there instead of
+     * holding its ~20 registers through the products (spilled otherwise) */
+    __shared__ kt_task ts;
+    {
+        kt_task t;
+        if (!kt_task_get<BK, BQ>(P, &t, tid, nthr)) return;
+        if (tid == 0) ts = t;
+    }
+    __syncthreads();
+    const kt_task &t = ts;
     const int h = t.h, k0 = t.k0, k1 = t.k1;
-    const int64_t nrows = t.nrows, key_row0 = t.key_row0, slot = t.slot;
     const kt_rows R = {rq, ro, rl2, rD, rg, rlo, rhi, rfull};
 
-    const int64_t kb = sq.b * P.k.s0 + (key_row0 + k0) * P.k.s1 + (int64_t)h * P.k.s2;
-    const int64_t vb = sq.b * P.v.s0 + (key_row0 + k0) * P.v.s1 + (int64_t)h * P.v.s2;
+    const int64_t kb = t.sq.b * P.k.s0 + (t.key_row0 + k0) * P.k.s1 + (int64_t)h * P.k.s2;
+    const int64_t vb = t.sq.b * P.v.s0 + (t.key_row0 + k0) * P.v.s1 + (int64_t)h * P.v.s2;
     load_rows_lin<T, DKP>(Ks, LDK, (const T *)P.k.p, kb, P.k.s1, k1 - k0, BK, P.DK, P.k.al, tid, nthr);
     load_rows_lin<T, DVP>(Vs, LDV, (const T *)P.v.p, vb, P.v.s1, k1 - k0, BK, P.DV, P.v.al, tid, nthr);
 
-    const int64_t nchunks = (nrows + BQ - 1) / BQ;
+    const int64_t nchunks = (t.nrows + BQ - 1) / BQ;
 
 #define KT_ISSUE(stage, rs)                                                                      \
     do {                                                                                         \
@@ -834,7 +841,7 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
     for (int x = 0; x < 2; x++) {
         const int key = kr[x];
         if (key >= k1) continue;
-        const int64_t row = (sq.b * P.KR + key_row0 + key) * P.H + h;
+        const int64_t row = (t.sq.b * P.KR + t.key_row0 + key) * P.H + h, slot = t.slot;
         if (slot >= 0) { /* this segment's partial, written whole (the reduce adds them in order) */
             float *pk = P.part + slot * BK * (P.DK + P.DV) + (int64_t)(key - k0) * P.DK;
             float *pv = P.part + slot * BK * (P.DK + P.DV) + (int64_t)BK * P.DK + (int64_t)(key - k0) * P.DV;

@@ -21,60 +21,25 @@
 #ifndef NSA_CUDA_HOPPER_CUH
 #define NSA_CUDA_HOPPER_CUH
 
-#include "engine.cuh" /* ex2, rule_bounds, dtraits, loaders */
-#include "wgmma_ops.cuh"
+#include "engine.cuh" /* ex2, rule_bounds, dtraits, loaders, kt_task; wgmma.cuh */
 
 #if defined(__CUDACC__)
 
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wg_wait()
+/* Ping-pong of the two warpgroups' products on the tensor cores, per chunk A0, A1, B0, B1
+ * (A: the score products, B: the accumulating ones), so that each warpgroup's elementwise
+ * work between A and B overlaps the other's products instead of both idling the tensor
+ * cores at once:  X: A1 after A0;  Y: B0 after A1;  Z: B1 after B0. has_b: whether the
+ * chunk has B products (uniform over the CTA). Used by the forward only: measured on the H100
+ * at 64k it took 8% off the compressed forward but added 2% to dQ and 4-8% to dK/dV, whose
+ * elementwise phase is short next to their products (bench/cuda.md). */
+__device__ __forceinline__ void pp_before_a(int wg) { if (wg == 1) nb_sync(1); }
+__device__ __forceinline__ void pp_after_a(int wg, bool has_b)
 {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+    if (wg == 0) nb_arrive(1);
+    else if (has_b) nb_arrive(2);
 }
-/* cp.async (generic proxy) writes -> wgmma (async proxy) reads: each writer fences, then a
- * barrier */
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-/* wgmma shared-memory descriptor, 128-byte swizzle: start address, leading and stride byte
- * offsets (16-byte units, 14 bits each), layout type 1 = SWIZZLE_128B in bits 62-63. */
-__device__ __forceinline__ uint64_t wg_desc(const void *p, uint32_t lbo, uint32_t sbo)
-{
-    const uint64_t a = (uint64_t)smem_addr(p);
-    return ((a & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) | ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) |
-           (1ull << 62);
-}
-
-/* Byte offset of 16-byte chunk c of row r in a swizzled tile of R rows. */
-__device__ __forceinline__ int sw_off(int R, int r, int c) { return (c >> 3) * R * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4); }
-
-/* R rows of DP elements into a swizzled tile: row r from src + roff[r] (roff < 0: zeros). */
-template <typename T, int DP, int R, int NTHR>
-__device__ __forceinline__ void sw_load_rows(unsigned char *dst, const T *src, const int64_t *roff, int tid)
-{
-    constexpr int CH = DP / 8;
-#pragma unroll
-    for (int i = 0; i < R * CH / NTHR; i++) {
-        const int idx = tid + i * NTHR, r = idx / CH, c = idx % CH;
-        const int64_t off = roff[r];
-        cp16(dst + sw_off(R, r, c), off >= 0 ? src + off + c * 8 : src, off >= 0 ? 16 : 0);
-    }
-}
-
-/* R consecutive rows (row r at src + base + r * stride, the first `valid` of them real, the
- * rest zeros: masked keys must meet finite V rows) into a swizzled tile. */
-template <typename T, int DP, int R, int NTHR>
-__device__ __forceinline__ void sw_load_lin(unsigned char *dst, const T *src, int64_t base, int64_t stride, int valid,
-                                            int tid)
-{
-    constexpr int CH = DP / 8;
-#pragma unroll
-    for (int i = 0; i < R * CH / NTHR; i++) {
-        const int idx = tid + i * NTHR, r = idx / CH, c = idx % CH;
-        const bool ok = r < valid;
-        cp16(dst + sw_off(R, r, c), ok ? src + base + (int64_t)r * stride + c * 8 : src, ok ? 16 : 0);
-    }
-}
+__device__ __forceinline__ void pp_before_b(int wg) { if (wg == 0) nb_sync(2); else nb_sync(3); }
+__device__ __forceinline__ void pp_after_b(int wg) { if (wg == 0) nb_arrive(3); }
 
 template <int DP, typename T, int MODE>
 __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
@@ -192,6 +157,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
         float dP[DQ ? NT : 1][4];
         const unsigned char *Kp = Ks + st * KB;
         const unsigned char *Vp = Vs + st * KB;
+        if constexpr (!DQ) pp_before_a(wg);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < KT; kk++) {
@@ -208,6 +174,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
             }
         }
         wg_commit();
+        if constexpr (!DQ) pp_after_a(wg, has_v);
         wg_wait<0>();
 
         int full = c1 - c0 == BN && rlo[0] <= c0 && c1 - 1 <= rhi[0] && rlo[1] <= c0 && c1 - 1 <= rhi[1];
@@ -271,6 +238,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
             /* forward O += P V, dQ mode dQ += dS K: B MN-major (the head dim contiguous):
              * 8-key row groups 1024 bytes apart, 64-column blocks BN * 128 bytes apart */
             const unsigned char *Bp = DQ ? Kp : Vp;
+            if constexpr (!DQ) pp_before_b(wg);
             wg_fence();
 #pragma unroll
             for (int k2 = 0; k2 < BN / 16; k2++) {
@@ -278,6 +246,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
                 wgmma_op<T, DP>::template rs<1>(&acc[0][0], pa[k2], db, 1);
             }
             wg_commit();
+            if constexpr (!DQ) pp_after_b(wg);
             wg_wait<0>();
         }
     }
@@ -352,18 +321,24 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
     int *rfull = rhi + 3 * BQ;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
 
-    kt_task t;
-    if (!kt_task_get<BK, BQ>(P, &t, tid, NTHR)) return;
-    const seqinfo sq = t.sq;
+    /* the task lives in shared memory: the row fill of every chunk reads it there, so its
+     * ~20 registers are not held through the products (they were spilled) */
+    __shared__ kt_task ts;
+    {
+        kt_task t;
+        if (!kt_task_get<BK, BQ>(P, &t, tid, NTHR)) return;
+        if (tid == 0) ts = t;
+    }
+    __syncthreads();
+    const kt_task &t = ts;
     const int h = t.h, k0 = t.k0, k1 = t.k1;
-    const int64_t nrows = t.nrows, key_row0 = t.key_row0, slot = t.slot;
     const kt_rows R = {rq, ro, rl2, rD, rg, rlo, rhi, rfull};
 
-    sw_load_lin<T, DP, BK, NTHR>(Ks, (const T *)P.k.p, sq.b * P.k.s0 + (key_row0 + k0) * P.k.s1 + (int64_t)h * P.k.s2,
+    sw_load_lin<T, DP, BK, NTHR>(Ks, (const T *)P.k.p, t.sq.b * P.k.s0 + (t.key_row0 + k0) * P.k.s1 + (int64_t)h * P.k.s2,
                                  P.k.s1, k1 - k0, tid);
-    sw_load_lin<T, DP, BK, NTHR>(Vs, (const T *)P.v.p, sq.b * P.v.s0 + (key_row0 + k0) * P.v.s1 + (int64_t)h * P.v.s2,
+    sw_load_lin<T, DP, BK, NTHR>(Vs, (const T *)P.v.p, t.sq.b * P.v.s0 + (t.key_row0 + k0) * P.v.s1 + (int64_t)h * P.v.s2,
                                  P.v.s1, k1 - k0, tid);
-    const int64_t nchunks = (nrows + BQ - 1) / BQ;
+    const int64_t nchunks = (t.nrows + BQ - 1) / BQ;
     /* rows of chunk c live in slot c % 3, filled two chunks ahead; data in stage c & 1 */
     kt_fill<BQ>(P, t, R, 0, 0, tid);
     if (nchunks > 1) kt_fill<BQ>(P, t, R, 1, 1, tid);
@@ -469,11 +444,12 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
         const int key = kr[x];
         if (key >= k1) continue;
         float *pk, *pv;
+        const int64_t slot = t.slot;
         if (slot >= 0) {
             pk = P.part + slot * BK * (P.DK + P.DV) + (int64_t)(key - k0) * P.DK;
             pv = P.part + slot * BK * (P.DK + P.DV) + (int64_t)BK * P.DK + (int64_t)(key - k0) * P.DV;
         } else {
-            const int64_t row = (sq.b * P.KR + key_row0 + key) * P.H + h;
+            const int64_t row = (t.sq.b * P.KR + t.key_row0 + key) * P.H + h;
             pk = P.dk + row * P.DK, pv = P.dv + row * P.DV;
         }
 #pragma unroll
