@@ -9,7 +9,7 @@
 #   5. CUDA-event timings of the whole forward / backward (paper config, bf16) per length;
 #   6. with EXTRA="tables cli 1m" (FULL=1 = all): the benchmark tables of every config, the
 #      CLI's TFLOP/s tables and the 1M-token run (see below; several minutes each).
-# AB=1 also times the mma.sync forward tile (NSA_CUDA_WGMMA=0) for comparison.
+# AB=1 also sweeps and times the mma.sync tiles (NSA_CUDA_WGMMA=0) for comparison.
 # Logs go to $OUT (default ./device-out); a short table is printed last.
 #
 #   bash scripts/device-check.sh                     # what the device tool runs
@@ -67,6 +67,11 @@ rc=$?
 grep -E "^FAIL" "$OUT/sweep.log" | head -30
 note "sweep: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/sweep.log" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s; $(grep -c 'crashed' "$OUT/sweep.log") crash lines)"
 grep -E "^FAIL" "$OUT/sweep.log" | awk -F' -- ' '{print $1}' | sed -E 's/^FAIL [^ ]+ //' | sort | uniq -c | sort -rn | head -20 | tee -a "$SUMMARY"
+
+if [ -n "${AB:-}" ]; then # the mma.sync tiles on the same cases (the wgmma path is the default on Hopper)
+    NSA_CUDA_WGMMA=0 timeout 240 "$BIN/nsa_gpu_tests" --seed "$SEED" --cases "$CASES" --max-T "$MAXT" --jobs "$JOBS" > "$OUT/sweep-mma.log" 2>&1
+    note "sweep with NSA_CUDA_WGMMA=0: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/sweep-mma.log" | tail -1) (rc $?)"
+fi
 
 say "memcheck"
 t0=$(date +%s)

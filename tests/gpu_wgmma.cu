@@ -60,12 +60,7 @@ __global__ void __launch_bounds__(128) probe_kernel(const T *q, const T *k, cons
         for (int e = 0; e < 4; e++)
             S[nt][e] = dtraits<T>::to_f(p[(ra + (e >> 1) * 8) * BN + nt * 8 + 2 * (lane & 3) + (e & 1)]);
     uint32_t pa[BN / 16][4];
-    for (int k2 = 0; k2 < BN / 16; k2++) {
-        pa[k2][0] = dtraits<T>::pack(S[2 * k2][0], S[2 * k2][1]);
-        pa[k2][1] = dtraits<T>::pack(S[2 * k2][2], S[2 * k2][3]);
-        pa[k2][2] = dtraits<T>::pack(S[2 * k2 + 1][0], S[2 * k2 + 1][1]);
-        pa[k2][3] = dtraits<T>::pack(S[2 * k2 + 1][2], S[2 * k2 + 1][3]);
-    }
+    for (int k2 = 0; k2 < BN / 16; k2++) sc_frag_a<T>(pa[k2], S[2 * k2], S[2 * k2 + 1]);
     float O[DP / 8][4];
     for (int i = 0; i < DP / 8; i++) O[i][0] = O[i][1] = O[i][2] = O[i][3] = 0.0f;
     wg_fence();

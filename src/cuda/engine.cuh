@@ -56,6 +56,75 @@ __device__ __forceinline__ void rule_bounds(const rule_t &r, int t, int nkeys, i
     }
 }
 
+/* ==== score-tile helpers shared by the mma.sync (qtile) and wgmma (hopper.cuh) tiles ======
+ * S[nt][e]: the accumulator layout of a warp's 16 rows (row lane / 4 + 8 (e / 2), column
+ * 8 nt + 2 (lane % 4) + (e % 2)), which is also the layout of the A fragments built from it. */
+
+/* Scale scores into the log2 domain and mask keys outside [lo[x], hi[x]] or past c1. A chunk
+ * every row of the warp sees whole (full, warp-uniform: the compressed branch past its first
+ * rows, window interiors, selected blocks that end before the query) takes a branch without
+ * the per-element compares and selects: same products, so the same values as the masked path
+ * (__fmul_rn in both: no FMA contraction with the later subtraction on one path only). */
+template <int NT>
+__device__ __forceinline__ void sc_mask_scale(float (&S)[NT][4], int full, int c0, int c1, const int lo[2],
+                                              const int hi[2], int lane, float sl2)
+{
+    if (full) {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) S[nt][e] = __fmul_rn(S[nt][e], sl2);
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int x = e >> 1, key = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+                const int out = !(key < c1 && key >= lo[x] && key <= hi[x]);
+                S[nt][e] = out ? -INFINITY : __fmul_rn(S[nt][e], sl2);
+            }
+    }
+}
+
+/* Online softmax step: S (log2 domain) becomes exp2(S - new max) per row; the row max m_,
+ * the row sum l_ (this lane's share) and the accumulator rows rescale. */
+template <int NT, int NA>
+__device__ __forceinline__ void sc_softmax(float (&S)[NT][4], float m_[2], float l_[2], float (&acc)[NA][4])
+{
+#pragma unroll
+    for (int x = 0; x < 2; x++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(S[nt][2 * x], S[nt][2 * x + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mnew = fmaxf(m_[x], mx);
+        const float muse = mnew == -INFINITY ? 0.0f : mnew;
+        const float alpha = ex2(m_[x] - muse);
+        m_[x] = mnew;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            S[nt][2 * x] = ex2(S[nt][2 * x] - muse);
+            S[nt][2 * x + 1] = ex2(S[nt][2 * x + 1] - muse);
+            sum += S[nt][2 * x] + S[nt][2 * x + 1];
+        }
+        l_[x] = l_[x] * alpha + sum;
+#pragma unroll
+        for (int d = 0; d < NA; d++) acc[d][2 * x] *= alpha, acc[d][2 * x + 1] *= alpha;
+    }
+}
+
+/* The A fragment of 16 keys (columns 16 k2 .. 16 k2 + 15) from S[2 k2], S[2 k2 + 1]. */
+template <typename T>
+__device__ __forceinline__ void sc_frag_a(uint32_t a[4], const float s0[4], const float s1[4])
+{
+    a[0] = dtraits<T>::pack(s0[0], s0[1]);
+    a[1] = dtraits<T>::pack(s0[2], s0[3]);
+    a[2] = dtraits<T>::pack(s1[0], s1[1]);
+    a[3] = dtraits<T>::pack(s1[2], s1[3]);
+}
+
 /* ==== qtile: forward and dQ ============================================================== */
 
 /* Union of the selected blocks of up to 64 positions, walked by warp 0: lane L follows
@@ -328,50 +397,10 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
         }
         int full = c1 - c0 == BN && mlo[0] <= c0 && c1 - 1 <= mhi[0] && mlo[1] <= c0 && c1 - 1 <= mhi[1];
         full = __all_sync(0xffffffffu, full);
-        /* A chunk every row of the warp sees whole (the compressed branch past its first rows,
-         * window interiors, selected blocks that end before the query) takes a uniform branch
-         * without the per-element key / bounds compares and selects: same products, so the
-         * same values as the masked loop gives such a chunk (__fmul_rn in both: no FMA
-         * contraction with the later subtraction on one path only). */
-        if (full) {
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) S[nt][e] = __fmul_rn(S[nt][e], P.sl2);
-        } else {
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int x = e >> 1, key = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
-                    const int out = !(key < c1 && key >= mlo[x] && key <= mhi[x]);
-                    S[nt][e] = out ? -INFINITY : __fmul_rn(S[nt][e], P.sl2);
-                }
-        }
+        sc_mask_scale<NT>(S, full, c0, c1, mlo, mhi, lane, P.sl2);
 
         if constexpr (MODE == MODE_FWD) {
-#pragma unroll
-            for (int x = 0; x < 2; x++) {
-                float mx = -INFINITY;
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(S[nt][2 * x], S[nt][2 * x + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float mnew = fmaxf(m_[x], mx);
-                const float muse = mnew == -INFINITY ? 0.0f : mnew;
-                const float alpha = ex2(m_[x] - muse);
-                m_[x] = mnew;
-                float sum = 0.0f;
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    S[nt][2 * x] = ex2(S[nt][2 * x] - muse);
-                    S[nt][2 * x + 1] = ex2(S[nt][2 * x + 1] - muse);
-                    sum += S[nt][2 * x] + S[nt][2 * x + 1];
-                }
-                l_[x] = l_[x] * alpha + sum;
-#pragma unroll
-                for (int d = 0; d < DVP / 8; d++) acc[d][2 * x] *= alpha, acc[d][2 * x + 1] *= alpha;
-            }
+            sc_softmax<NT, DVP / 8>(S, m_, l_, acc);
             if (kvs) { /* V of chunk ci (the next K may still be in flight) */
                 cp_wait<1>();
                 __syncthreads();
@@ -381,10 +410,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 #pragma unroll
                 for (int k2 = 0; k2 < NT / 2; k2++) {
                     uint32_t a[4];
-                    a[0] = dtraits<T>::pack(S[2 * k2][0], S[2 * k2][1]);
-                    a[1] = dtraits<T>::pack(S[2 * k2][2], S[2 * k2][3]);
-                    a[2] = dtraits<T>::pack(S[2 * k2 + 1][0], S[2 * k2 + 1][1]);
-                    a[3] = dtraits<T>::pack(S[2 * k2 + 1][2], S[2 * k2 + 1][3]);
+                    sc_frag_a<T>(a, S[2 * k2], S[2 * k2 + 1]);
 #pragma unroll
                     for (int vp = 0; vp < VT; vp++) {
                         uint32_t b[4];
@@ -424,10 +450,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 #pragma unroll
             for (int k2 = 0; k2 < NT / 2; k2++) {
                 uint32_t a[4];
-                a[0] = dtraits<T>::pack(dP[2 * k2][0], dP[2 * k2][1]);
-                a[1] = dtraits<T>::pack(dP[2 * k2][2], dP[2 * k2][3]);
-                a[2] = dtraits<T>::pack(dP[2 * k2 + 1][0], dP[2 * k2 + 1][1]);
-                a[3] = dtraits<T>::pack(dP[2 * k2 + 1][2], dP[2 * k2 + 1][3]);
+                sc_frag_a<T>(a, dP[2 * k2], dP[2 * k2 + 1]);
 #pragma unroll
                 for (int dp = 0; dp < KT; dp++) {
                     uint32_t b[4];
@@ -810,14 +833,8 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
 #pragma unroll
         for (int k2 = 0; k2 < NT / 2; k2++) {
             uint32_t a[4], d[4];
-            a[0] = dtraits<T>::pack(S[2 * k2][0], S[2 * k2][1]);
-            a[1] = dtraits<T>::pack(S[2 * k2][2], S[2 * k2][3]);
-            a[2] = dtraits<T>::pack(S[2 * k2 + 1][0], S[2 * k2 + 1][1]);
-            a[3] = dtraits<T>::pack(S[2 * k2 + 1][2], S[2 * k2 + 1][3]);
-            d[0] = dtraits<T>::pack(dP[2 * k2][0], dP[2 * k2][1]);
-            d[1] = dtraits<T>::pack(dP[2 * k2][2], dP[2 * k2][3]);
-            d[2] = dtraits<T>::pack(dP[2 * k2 + 1][0], dP[2 * k2 + 1][1]);
-            d[3] = dtraits<T>::pack(dP[2 * k2 + 1][2], dP[2 * k2 + 1][3]);
+            sc_frag_a<T>(a, S[2 * k2], S[2 * k2 + 1]);
+            sc_frag_a<T>(d, dP[2 * k2], dP[2 * k2 + 1]);
 #pragma unroll
             for (int vp = 0; vp < VT; vp++) {
                 uint32_t b[4];

@@ -179,47 +179,12 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
 
         int full = c1 - c0 == BN && rlo[0] <= c0 && c1 - 1 <= rhi[0] && rlo[1] <= c0 && c1 - 1 <= rhi[1];
         full = __all_sync(0xffffffffu, full);
-        if (full) {
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) S[nt][e] = __fmul_rn(S[nt][e], P.sl2);
-        } else {
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int x = e >> 1, key = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
-                    const int out = !(key < c1 && key >= rlo[x] && key <= rhi[x]);
-                    S[nt][e] = out ? -INFINITY : __fmul_rn(S[nt][e], P.sl2);
-                }
-        }
+        sc_mask_scale<NT>(S, full, c0, c1, rlo, rhi, lane, P.sl2);
         /* the A fragments of the second product (16 keys per step): the accumulator layout
          * of S is the A-fragment layout */
         uint32_t pa[BN / 16][4];
         if constexpr (!DQ) {
-#pragma unroll
-            for (int x = 0; x < 2; x++) {
-                float mx = -INFINITY;
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(S[nt][2 * x], S[nt][2 * x + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float mnew = fmaxf(m_[x], mx);
-                const float muse = mnew == -INFINITY ? 0.0f : mnew;
-                const float alpha = ex2(m_[x] - muse);
-                m_[x] = mnew;
-                float sum = 0.0f;
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    S[nt][2 * x] = ex2(S[nt][2 * x] - muse);
-                    S[nt][2 * x + 1] = ex2(S[nt][2 * x + 1] - muse);
-                    sum += S[nt][2 * x] + S[nt][2 * x + 1];
-                }
-                l_[x] = l_[x] * alpha + sum;
-#pragma unroll
-                for (int d = 0; d < DP / 8; d++) acc[d][2 * x] *= alpha, acc[d][2 * x + 1] *= alpha;
-            }
+            sc_softmax<NT, DP / 8>(S, m_, l_, acc);
         } else {
             /* P from the saved lse; dS = P (g dP - D) */
 #pragma unroll
@@ -229,12 +194,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
         }
         if (has_v) {
 #pragma unroll
-            for (int k2 = 0; k2 < BN / 16; k2++) {
-                pa[k2][0] = dtraits<T>::pack(S[2 * k2][0], S[2 * k2][1]);
-                pa[k2][1] = dtraits<T>::pack(S[2 * k2][2], S[2 * k2][3]);
-                pa[k2][2] = dtraits<T>::pack(S[2 * k2 + 1][0], S[2 * k2 + 1][1]);
-                pa[k2][3] = dtraits<T>::pack(S[2 * k2 + 1][2], S[2 * k2 + 1][3]);
-            }
+            for (int k2 = 0; k2 < BN / 16; k2++) sc_frag_a<T>(pa[k2], S[2 * k2], S[2 * k2 + 1]);
             /* forward O += P V, dQ mode dQ += dS K: B MN-major (the head dim contiguous):
              * 8-key row groups 1024 bytes apart, 64-column blocks BN * 128 bytes apart */
             const unsigned char *Bp = DQ ? Kp : Vp;
@@ -418,14 +378,8 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
         uint32_t pa[BQ / 16][4], da[BQ / 16][4];
 #pragma unroll
         for (int k2 = 0; k2 < BQ / 16; k2++) {
-            pa[k2][0] = dtraits<T>::pack(S[2 * k2][0], S[2 * k2][1]);
-            pa[k2][1] = dtraits<T>::pack(S[2 * k2][2], S[2 * k2][3]);
-            pa[k2][2] = dtraits<T>::pack(S[2 * k2 + 1][0], S[2 * k2 + 1][1]);
-            pa[k2][3] = dtraits<T>::pack(S[2 * k2 + 1][2], S[2 * k2 + 1][3]);
-            da[k2][0] = dtraits<T>::pack(dP[2 * k2][0], dP[2 * k2][1]);
-            da[k2][1] = dtraits<T>::pack(dP[2 * k2][2], dP[2 * k2][3]);
-            da[k2][2] = dtraits<T>::pack(dP[2 * k2 + 1][0], dP[2 * k2 + 1][1]);
-            da[k2][3] = dtraits<T>::pack(dP[2 * k2 + 1][2], dP[2 * k2 + 1][3]);
+            sc_frag_a<T>(pa[k2], S[2 * k2], S[2 * k2 + 1]);
+            sc_frag_a<T>(da[k2], dP[2 * k2], dP[2 * k2 + 1]);
         }
         wg_fence();
 #pragma unroll
