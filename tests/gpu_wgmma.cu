@@ -4,7 +4,7 @@
  *   S = Q K^T   Q [64 x D], K [128 x D], both K-major from shared memory (SS);
  *   O = P V     P [64 x 128] from registers in the accumulator layout, V [128 x D] MN-major
  *               from shared memory (RS, transposed B);
- * for D = 64 and 128, bf16 and f16, against a float64 product on the host. A layout mistake
+ * for D = 64 and 128, bf16 and f16 (and 192, bf16), against a float64 product on the host. A layout mistake
  * shows as a wrong product here before it shows as a wrong attention in the sweep.
  * Prints one line per case and "N passed, N failed"; exit status 1 on any failure, 2 when the
  * device is not a Hopper (nothing to test). */
@@ -157,6 +157,7 @@ int main(void)
     (run_case<64, __nv_bfloat16>("bf16") ? pass : fail)++;
     (run_case<128, __half>("f16 ") ? pass : fail)++;
     (run_case<64, __half>("f16 ") ? pass : fail)++;
+    (run_case<192, __nv_bfloat16>("bf16") ? pass : fail)++; /* O = P V with N = 192 (the dQ of DK 192) */
     printf("%d passed, %d failed\n", pass, fail);
     return fail ? 1 : 0;
 }

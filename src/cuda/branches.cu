@@ -124,10 +124,6 @@ static void qparams_base(qparams *P, const nsa_problem *p, const dview *q)
     P->sl2 = p->scale * NSA_LOG2E;
 }
 
-/* The sm_90a wgmma tile (hopper.cuh) takes a range-rule forward or dQ when the device is a
- * Hopper, the binary carries that kernel, the head dims are exactly 64 or 128 and every
- * row is 16-byte aligned; NSA_CUDA_WGMMA=0 in the environment keeps the mma.sync tile
- * (for comparisons). Same function either way: the sweep checks both against float64. */
 /* NSA_CUDA_WGMMA=0 in the environment: never the wgmma paths */
 static int qwg_env(void)
 {
@@ -139,23 +135,49 @@ static int qwg_env(void)
     return env;
 }
 
-/* whether the loaded binary carries the sm_90a kernels of head dim D (asked once) */
+/* whether the loaded binary carries the sm_90a kernels of head-dim class D (asked once) */
 static int qwg_ready(int D)
 {
-    static int ready64 = -1, ready128 = -1;
-    int *ready = D == 64 ? &ready64 : &ready128;
-    if (*ready < 0) *ready = D == 64 ? nsa_cu_qwg_ready_64() : nsa_cu_qwg_ready_128();
-    return *ready;
+    static int ready[3] = {-1, -1, -1};
+    const int i = D == 64 ? 0 : D == 128 ? 1 : 2;
+    if (ready[i] < 0) ready[i] = i == 0 ? nsa_cu_qwg_ready_64() : i == 1 ? nsa_cu_qwg_ready_128() : nsa_cu_qwg_ready_192();
+    return ready[i];
 }
 
+/* The head-dim classes of the wgmma tiles: exactly 64 / 64, 128 / 128 or 192 / 128 (DK / DV;
+ * DV only when V is read); 0 for none. */
+static int qwg_class(const qparams *P)
+{
+    const int DK = P->DK, DV = P->v.p ? P->DV : (DK == 192 ? 128 : DK);
+    if ((DK == 64 || DK == 128) && DV == DK) return DK;
+    if (DK == 192 && DV == 128) return 192;
+    return 0;
+}
+
+/* The sm_90a wgmma tile (hopper.cuh) takes a range-rule forward or dQ when the device is a
+ * Hopper, the binary carries that kernel, the head dims are exactly 64, 128 or 192 / 128 and
+ * every row is 16-byte aligned; NSA_CUDA_WGMMA=0 in the environment keeps the mma.sync tile
+ * (for comparisons). Same function either way: the sweep checks both against float64. */
 static int qwg_usable(grun *g, const qparams *P, nsa_dtype dt)
 {
     if (!qwg_env() || g->cc_major != 9) return 0;
-    const int D = P->DK;
-    if ((D != 64 && D != 128) || (P->v.p && P->DV != D) || !P->q.al || !P->k.al || (P->v.p && !P->v.al)) return 0;
+    const int D = qwg_class(P), DV = D == 192 ? 128 : D;
+    if (!D || !P->q.al || !P->k.al || (P->v.p && !P->v.al)) return 0;
     if (P->o.p && (!P->o.al || (P->o.dt != (int)dt && P->o.dt != NSA_DTYPE_F32))) return 0;
-    if (qwg_smem(D, MODE_DQ) > (size_t)g->smem_max || qwg_smem(D, MODE_FWD) > (size_t)g->smem_max) return 0;
+    if (qwg_smem(D, DV, MODE_DQ) > (size_t)g->smem_max || qwg_smem(D, DV, MODE_FWD) > (size_t)g->smem_max) return 0;
     return qwg_ready(D);
+}
+
+/* launch the wgmma tile of P's class (qwg_usable said yes) */
+static void run_qwg(grun *g, const qparams *P, int mode, int64_t tiles, nsa_dtype dt)
+{
+    if (!g_live(g) || tiles == 0) return;
+    const int bf16 = dt == NSA_DTYPE_BF16;
+    switch (qwg_class(P)) {
+    case 64: nsa_cu_qwg_64(g, P, mode, bf16, tiles); break;
+    case 128: nsa_cu_qwg_128(g, P, mode, bf16, tiles); break;
+    default: nsa_cu_qwg_192(g, P, mode, bf16, tiles); break;
+    }
 }
 
 /* ---- forward ---------------------------------------------------------------------------- */
@@ -181,9 +203,7 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     int64_t tiles;
     P.sm = g_seqmap(g, u, &tiles);
     if (wg) {
-        if (!g_live(g) || tiles == 0) return;
-        if (P.DK == 64) nsa_cu_qwg_64(g, &P, MODE_FWD, dt == NSA_DTYPE_BF16, tiles);
-        else nsa_cu_qwg_128(g, &P, MODE_FWD, dt == NSA_DTYPE_BF16, tiles);
+        run_qwg(g, &P, MODE_FWD, tiles, dt);
         return;
     }
     run_qtile(g, &P, MODE_FWD, tiles, dt);
@@ -309,10 +329,7 @@ void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     int64_t qtiles;
     Q.sm = g_seqmap(g, uq, &qtiles);
     if (wg) {
-        if (g_live(g) && qtiles > 0) {
-            if (Q.DK == 64) nsa_cu_qwg_64(g, &Q, MODE_DQ, io->dt == NSA_DTYPE_BF16, qtiles);
-            else nsa_cu_qwg_128(g, &Q, MODE_DQ, io->dt == NSA_DTYPE_BF16, qtiles);
-        }
+        run_qwg(g, &Q, MODE_DQ, qtiles, io->dt);
     } else {
         run_qtile(g, &Q, MODE_DQ, qtiles, io->dt);
     }
@@ -322,7 +339,7 @@ void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     K.rule = *rule;
     /* same tasks at 128 keys, same ordered partials: the wgmma kernel when the dQ above
      * could take its tile */
-    const int kwg = wg && kwg_smem(Q.DK) <= (size_t)g->smem_max;
+    const int kwg = wg && Q.DK == Q.DV && kwg_smem(Q.DK) <= (size_t)g->smem_max;
     K.bk = kwg ? KWG_BK : 64;
     unitspec uk = {UK_ROWS, 1, K.bk, 0, 0};
     if (rule->kind == RULE_CMP) { /* few key tiles, each seen by most queries: 8 row segments each */

@@ -41,20 +41,22 @@ __device__ __forceinline__ void pp_after_a(int wg, bool has_b)
 __device__ __forceinline__ void pp_before_b(int wg) { if (wg == 0) nb_sync(2); else nb_sync(3); }
 __device__ __forceinline__ void pp_after_b(int wg) { if (wg == 0) nb_arrive(3); }
 
-template <int DP, typename T, int MODE>
+template <int DKP, int DVP, typename T, int MODE>
 __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int BM = QWG_BM, BN = QWG_BN(MODE), NT = BN / 8, KT = DP / 16, NTHR = 256;
-    constexpr int QB = BM * DP * 2, KB = BN * DP * 2; /* tile bytes */
+    constexpr int BM = QWG_BM, BN = QWG_BN(MODE), NT = BN / 8, KT = DKP / 16, VT = DVP / 16, NTHR = 256;
+    /* the accumulator: O [64 x DV] (forward) or dQ [64 x DK] per warpgroup */
+    constexpr int DA = MODE == MODE_DQ ? DKP : DVP;
+    constexpr int QB = BM * DKP * 2, OB = BM * DVP * 2, KB = BN * DKP * 2, VB = BN * DVP * 2; /* tile bytes */
     constexpr bool DQ = MODE == MODE_DQ;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     unsigned char *Qs = smem;
     unsigned char *Os = Qs + QB;                /* dO (dQ mode) */
-    unsigned char *Ks = Os + (DQ ? QB : 0);     /* [2] */
+    unsigned char *Ks = Os + (DQ ? OB : 0);     /* [2] */
     unsigned char *Vs = Ks + 2 * KB;            /* [2] */
-    int64_t *roff = (int64_t *)(Vs + 2 * KB);   /* [BM] q rows */
+    int64_t *roff = (int64_t *)(Vs + 2 * VB);   /* [BM] q rows */
     int64_t *roff2 = roff + BM;                 /* [BM] dout rows (dQ mode) */
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
@@ -117,19 +119,19 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
     const int nchunks = kmax >= kmin ? (kmax - kmin) / BN + 1 : 0;
 
     __syncthreads(); /* roff */
-    sw_load_rows<T, DP, BM, NTHR>(Qs, (const T *)P.q.p, roff, tid);
-    if (DQ) sw_load_rows<T, DP, BM, NTHR>(Os, (const T *)P.dout.p, roff2, tid);
+    sw_load_rows<T, DKP, BM, NTHR>(Qs, (const T *)P.q.p, roff, tid);
+    if (DQ) sw_load_rows<T, DVP, BM, NTHR>(Os, (const T *)P.dout.p, roff2, tid);
     if (nchunks > 0) {
         const int valid = kmax + 1 - kmin < BN ? kmax + 1 - kmin : BN;
-        sw_load_lin<T, DP, BN, NTHR>(Ks, (const T *)P.k.p, kbase + (int64_t)kmin * P.k.s1, P.k.s1, valid, tid);
-        if (has_v) sw_load_lin<T, DP, BN, NTHR>(Vs, (const T *)P.v.p, vbase + (int64_t)kmin * P.v.s1, P.v.s1, valid, tid);
+        sw_load_lin<T, DKP, BN, NTHR>(Ks, (const T *)P.k.p, kbase + (int64_t)kmin * P.k.s1, P.k.s1, valid, tid);
+        if (has_v) sw_load_lin<T, DVP, BN, NTHR>(Vs, (const T *)P.v.p, vbase + (int64_t)kmin * P.v.s1, P.v.s1, valid, tid);
     }
     cp_commit();
 
     /* forward: O [64 x DV] per warpgroup; dQ: dQ [64 x DK] */
-    float acc[DP / 8][4];
+    float acc[DA / 8][4];
 #pragma unroll
-    for (int i = 0; i < DP / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    for (int i = 0; i < DA / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     float m_[2] = {-INFINITY, -INFINITY}, l_[2] = {0.0f, 0.0f};
     /* this warpgroup's 64 rows of Q (and dO): at row offset wg * 64 in every column block */
     const unsigned char *Qw = Qs + wg * 64 * 128;
@@ -143,9 +145,9 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
         const int c0 = kmin + ci * BN, c1 = c0 + BN < kmax + 1 ? c0 + BN : kmax + 1;
         if (ci + 1 < nchunks) {
             const int n0 = c0 + BN, nv = kmax + 1 - n0 < BN ? kmax + 1 - n0 : BN;
-            sw_load_lin<T, DP, BN, NTHR>(Ks + (st ^ 1) * KB, (const T *)P.k.p, kbase + (int64_t)n0 * P.k.s1, P.k.s1, nv, tid);
+            sw_load_lin<T, DKP, BN, NTHR>(Ks + (st ^ 1) * KB, (const T *)P.k.p, kbase + (int64_t)n0 * P.k.s1, P.k.s1, nv, tid);
             if (has_v)
-                sw_load_lin<T, DP, BN, NTHR>(Vs + (st ^ 1) * KB, (const T *)P.v.p, vbase + (int64_t)n0 * P.v.s1, P.v.s1, nv,
+                sw_load_lin<T, DVP, BN, NTHR>(Vs + (st ^ 1) * VB, (const T *)P.v.p, vbase + (int64_t)n0 * P.v.s1, P.v.s1, nv,
                                              tid);
         }
         cp_commit();
@@ -156,7 +158,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
         float S[NT][4];
         float dP[DQ ? NT : 1][4];
         const unsigned char *Kp = Ks + st * KB;
-        const unsigned char *Vp = Vs + st * KB;
+        const unsigned char *Vp = Vs + st * VB;
         if constexpr (!DQ) pp_before_a(wg);
         wg_fence();
 #pragma unroll
@@ -167,7 +169,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
         }
         if constexpr (DQ) {
 #pragma unroll
-            for (int kk = 0; kk < KT; kk++) {
+            for (int kk = 0; kk < VT; kk++) {
                 const uint64_t da = wg_desc(Ow + (kk >> 2) * BM * 128 + (kk & 3) * 32, 16, 1024);
                 const uint64_t db = wg_desc(Vp + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024);
                 wgmma_op<T, BN>::template ss<0>(&dP[0][0], da, db, kk > 0);
@@ -184,7 +186,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
          * of S is the A-fragment layout */
         uint32_t pa[BN / 16][4];
         if constexpr (!DQ) {
-            sc_softmax<NT, DP / 8>(S, m_, l_, acc);
+            sc_softmax<NT, DA / 8>(S, m_, l_, acc);
         } else {
             /* P from the saved lse; dS = P (g dP - D) */
 #pragma unroll
@@ -203,7 +205,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
 #pragma unroll
             for (int k2 = 0; k2 < BN / 16; k2++) {
                 const uint64_t db = wg_desc(Bp + k2 * 16 * 128, BN * 128, 1024);
-                wgmma_op<T, DP>::template rs<1>(&acc[0][0], pa[k2], db, 1);
+                wgmma_op<T, DA>::template rs<1>(&acc[0][0], pa[k2], db, 1);
             }
             wg_commit();
             if constexpr (!DQ) pp_after_b(wg);
@@ -224,7 +226,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
         if constexpr (DQ) {
             float *dq = P.dq + ((sq.b * P.T + sq.row0 + pos) * P.HQ + hq) * P.DK;
 #pragma unroll
-            for (int d = 0; d < DP / 8; d++) {
+            for (int d = 0; d < DA / 8; d++) {
                 float2 *q2 = (float2 *)(dq + d * 8 + 2 * (lane & 3));
                 const float2 o = *q2;
                 *q2 = make_float2(o.x + acc[d][2 * x] * P.scale, o.y + acc[d][2 * x + 1] * P.scale);
@@ -236,13 +238,13 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
             const int64_t ob = sq.b * P.o.s0 + (sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
             if (P.o.dt == NSA_DTYPE_F32) {
 #pragma unroll
-                for (int d = 0; d < DP / 8; d++) {
+                for (int d = 0; d < DA / 8; d++) {
                     const int col = d * 8 + 2 * (lane & 3);
                     *(float2 *)((float *)P.o.p + ob + col) = make_float2(acc[d][2 * x] * inv, acc[d][2 * x + 1] * inv);
                 }
             } else {
 #pragma unroll
-                for (int d = 0; d < DP / 8; d++) {
+                for (int d = 0; d < DA / 8; d++) {
                     const int col = d * 8 + 2 * (lane & 3);
                     *(uint32_t *)((T *)P.o.p + ob + col) = dtraits<T>::pack(acc[d][2 * x] * inv, acc[d][2 * x + 1] * inv);
                 }
@@ -428,46 +430,51 @@ static void launch_kwg_t(grun *g, const kparams *P, int64_t tiles)
     g_launched(g);
 }
 
-template <int DP, typename T, int MODE>
+template <int DKP, int DVP, typename T, int MODE>
 static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles)
 {
-    const size_t smem = qwg_smem(DP, MODE);
-    g_check(g, cudaFuncSetAttribute(qwg_kernel<DP, T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const size_t smem = qwg_smem(DKP, DVP, MODE);
+    g_check(g, cudaFuncSetAttribute(qwg_kernel<DKP, DVP, T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
-    qwg_kernel<DP, T, MODE><<<dim3((unsigned)tiles, (unsigned)P->H), 256, smem, g->st>>>(*P);
+    qwg_kernel<DKP, DVP, T, MODE><<<dim3((unsigned)tiles, (unsigned)P->H), 256, smem, g->st>>>(*P);
     g_launched(g);
 }
 
 /* Whether this binary carries the sm_90a body of qwg_kernel<DP> for the current device (not
  * a PTX JIT of the sm_80 build, where the body is empty). */
-template <int DP>
+template <int DKP, int DVP>
 static int qwg_ready_t()
 {
     cudaFuncAttributes a;
-    if (cudaFuncGetAttributes(&a, qwg_kernel<DP, __nv_bfloat16, MODE_FWD>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&a, qwg_kernel<DKP, DVP, __nv_bfloat16, MODE_FWD>) != cudaSuccess) {
         cudaGetLastError();
         return 0;
     }
     return a.binaryVersion == 90 && a.ptxVersion >= 90;
 }
 
-#define NSA_HOPPER_INSTANCE(DP)                                                                  \
-    void nsa_cu_qwg_##DP(grun *g, const qparams *P, int mode, int bf16, int64_t tiles)           \
+/* The forward / dQ tile of one head-dim class (DKP x DVP) */
+#define NSA_HOPPER_QWG_INSTANCE(DKP, DVP)                                                        \
+    void nsa_cu_qwg_##DKP(grun *g, const qparams *P, int mode, int bf16, int64_t tiles)          \
     {                                                                                            \
         if (bf16) {                                                                              \
-            if (mode == MODE_FWD) launch_qwg_t<DP, __nv_bfloat16, MODE_FWD>(g, P, tiles);        \
-            else launch_qwg_t<DP, __nv_bfloat16, MODE_DQ>(g, P, tiles);                          \
+            if (mode == MODE_FWD) launch_qwg_t<DKP, DVP, __nv_bfloat16, MODE_FWD>(g, P, tiles);  \
+            else launch_qwg_t<DKP, DVP, __nv_bfloat16, MODE_DQ>(g, P, tiles);                    \
         } else {                                                                                 \
-            if (mode == MODE_FWD) launch_qwg_t<DP, __half, MODE_FWD>(g, P, tiles);               \
-            else launch_qwg_t<DP, __half, MODE_DQ>(g, P, tiles);                                 \
+            if (mode == MODE_FWD) launch_qwg_t<DKP, DVP, __half, MODE_FWD>(g, P, tiles);         \
+            else launch_qwg_t<DKP, DVP, __half, MODE_DQ>(g, P, tiles);                           \
         }                                                                                        \
     }                                                                                            \
+    int nsa_cu_qwg_ready_##DKP(void) { return qwg_ready_t<DKP, DVP>(); }
+
+/* ... and its dK / dV tile (DK == DV only: at 192 / 128 the accumulators would not fit) */
+#define NSA_HOPPER_INSTANCE(DP)                                                                  \
+    NSA_HOPPER_QWG_INSTANCE(DP, DP)                                                              \
     void nsa_cu_kwg_##DP(grun *g, const kparams *P, int bf16, int64_t tiles)                     \
     {                                                                                            \
         if (bf16) launch_kwg_t<DP, __nv_bfloat16>(g, P, tiles);                                  \
         else launch_kwg_t<DP, __half>(g, P, tiles);                                              \
-    }                                                                                            \
-    int nsa_cu_qwg_ready_##DP(void) { return qwg_ready_t<DP>(); }
+    }
 
 #endif /* __CUDACC__ */
 #endif

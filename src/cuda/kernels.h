@@ -113,12 +113,13 @@ void nsa_cu_select_192(grun *g, const sparams *P, int bf16, int64_t tiles);
 /* keys per chunk: 128 in the forward; 64 for dQ, which holds S, dP and dQ in registers */
 #define QWG_BN(mode) ((mode) == MODE_FWD ? 128 : 64)
 
-/* Shared memory of qwg_kernel<DP, MODE>: 1 KB alignment slack, Q (and dO), two K and two V
- * stages, row offsets. Must match the carving in the kernel. */
-static inline size_t qwg_smem(int DP, int mode)
+/* Shared memory of qwg_kernel<DKP, DVP, MODE>: 1 KB alignment slack, Q (and dO), two K and
+ * two V stages, row offsets. Must match the carving in the kernel. */
+static inline size_t qwg_smem(int DKP, int DVP, int mode)
 {
-    const size_t rows = (size_t)QWG_BM * DP * 2;
-    return 1024 + rows * (mode == MODE_DQ ? 2 : 1) + 4 * (size_t)QWG_BN(mode) * DP * 2 + 2 * QWG_BM * sizeof(int64_t);
+    const size_t bn = QWG_BN(mode);
+    return 1024 + (size_t)QWG_BM * DKP * 2 + (mode == MODE_DQ ? (size_t)QWG_BM * DVP * 2 : 0) + 2 * bn * (DKP + DVP) * 2 +
+           2 * QWG_BM * sizeof(int64_t);
 }
 
 #define KWG_BK 128 /* keys per kwg_kernel task (ktile: 64) */
@@ -133,11 +134,13 @@ static inline size_t kwg_smem(int DP)
  * ready: whether the loaded binary holds its sm_90a body (1) or it must not run (0). */
 void nsa_cu_qwg_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
 void nsa_cu_qwg_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
+void nsa_cu_qwg_192(grun *g, const qparams *P, int mode, int bf16, int64_t tiles); /* DK 192, DV 128 */
 /* sm_90a dK / dV of the range rules (hopper.cuh), kparams as ktile */
 void nsa_cu_kwg_64(grun *g, const kparams *P, int bf16, int64_t tiles);
 void nsa_cu_kwg_128(grun *g, const kparams *P, int bf16, int64_t tiles);
 int nsa_cu_qwg_ready_64(void);
 int nsa_cu_qwg_ready_128(void);
+int nsa_cu_qwg_ready_192(void);
 
 /* ---- prep.cu: the small kernels ------------------------------------------------------- */
 
