@@ -157,7 +157,9 @@ def attention(q, k, v, *, causal=False, window=(-1, -1), scale=None, softcap=0.0
               k_segment_ids=None, bias=None, mask=None, dropout_p=0.0, seed=0, offset=0, cu_seqlens=None,
               cu_seqlens_q=None, cu_seqlens_k=None, out=None):
     """nsa_attention, the library's flash-attention core (nsa.h section 5), on numpy arrays
-    (CPU backend) or torch tensors (no autograd). q [B, Tq, HQ, DK], k [B, Tk, H, DK],
+    (CPU backend) or torch tensors (CPU or CUDA; with autograd when grad mode is on and q, k,
+    v, sinks or bias requires a gradient: .o then carries grad_fn, and loss.backward() fills
+    q.grad, k.grad, v.grad, sinks.grad, bias.grad). q [B, Tq, HQ, DK], k [B, Tk, H, DK],
     v [B, Tk, H, DV], HQ % H == 0. causal (bottom-right aligned when Tq != Tk); window
     (left, right), -1 = unbounded; scale (None: 1/sqrt(DK)); softcap (0 = off) on the scaled
     score, bias [1 or B, 1 or HQ, Tq, Tk] added after it; sinks [HQ] float32 logits that join
@@ -172,7 +174,12 @@ def attention(q, k, v, *, causal=False, window=(-1, -1), scale=None, softcap=0.0
                 k_segment_ids=None if k_segment_ids is None else _as_int32(k_segment_ids),
                 dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens=cu_seqlens, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k=cu_seqlens_k)
-    o, lse = _core.attention(_call_for(q), q, k, v, opts, out=out)
+    if _is_torch(q) and _torch.attention_needs_grad(q, k, v, opts):
+        if out is not None:
+            raise TypeError("out= is for numpy arrays and torch calls without autograd")
+        o, lse = _torch.attention(q, k, v, opts)
+    else:
+        o, lse = _core.attention(_call_for(q), q, k, v, opts, out=out)
     return AttentionResult(q, k, v, opts, o, lse)
 
 

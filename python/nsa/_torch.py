@@ -387,3 +387,44 @@ def fla_selection(q, k, config, counts, cu_seqlens):
             pad[..., :n] = idx
             merged = torch.where((counts == c).unsqueeze(-1), pad, merged)
         return merged, counts
+
+
+# ---- nsa.attention with autograd -----------------------------------------------------------
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """nsa_attention forward / nsa_attention_bwd backward for torch tensors. The options dict
+    rides along (not differentiable); sinks and bias come in again as inputs so that autograd
+    hands their gradients back (dsinks float32 [HQ], dbias in bias's dtype and shape, summed
+    over the broadcast dimensions by the library). lse is an output without a gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, bias, opts):
+        o, lse = _core.attention(TorchCall(q.device), q, k, v, opts)
+        ctx.opts = opts
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        q, k, v, o, lse = ctx.saved_tensors
+        want_sinks, want_bias = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        dout = grad_o if grad_o.dtype == o.dtype else grad_o.to(o.dtype)
+        g = _core.attention_backward(TorchCall(q.device), q, k, v, o, lse, dout, ctx.opts, dbias=want_bias)
+        bias = ctx.opts.get("bias")
+        dbias = g.dbias.to(bias.dtype) if want_bias else None
+        return g.dq, g.dk, g.dv, (g.dsinks if want_sinks else None), dbias, None
+
+
+def attention_needs_grad(q, k, v, opts):
+    """Whether nsa.attention should record autograd: grad mode on and some differentiable input
+    (q, k, v, sinks, bias) requires a gradient."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(x is not None and x.requires_grad for x in (q, k, v, opts.get("sinks"), opts.get("bias")))
+
+
+def attention(q, k, v, opts):
+    """(o, lse) of nsa_attention with autograd."""
+    return _AttentionFunction.apply(q, k, v, opts.get("sinks"), opts.get("bias"), opts)
