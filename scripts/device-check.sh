@@ -5,7 +5,7 @@
 #      (or uses binaries prebuilt elsewhere: NSA_PREBUILT=dir, if they start);
 #   3. the GPU sweep: the random cases of tests/sweep.c against the float64 reference,
 #      every case in its own process (--jobs in parallel);
-#   4. compute-sanitizer memcheck on a few small cases;
+#   4. compute-sanitizer memcheck on a few small cases (RACE=1: racecheck too);
 #   5. CUDA-event timings of the whole forward / backward (paper config, bf16) per length;
 #   6. with EXTRA="tables cli 1m" (FULL=1 = all): the benchmark tables of every config, the
 #      CLI's TFLOP/s tables and the 1M-token run (see below; several minutes each).
@@ -77,6 +77,12 @@ say "memcheck"
 t0=$(date +%s)
 timeout 120 compute-sanitizer --tool memcheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --seed 7 --cases 4 --max-T 200 > "$OUT/memcheck.log" 2>&1
 note "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/memcheck.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
+
+if [ -n "${RACE:-}" ]; then # RACE=1: compute-sanitizer racecheck on small cases (a multi-chunk one included)
+    say "racecheck"
+    timeout 200 compute-sanitizer --tool racecheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --seed 11 --cases 8 --max-T 600 > "$OUT/racecheck.log" 2>&1
+    note "racecheck: $(grep -E 'RACECHECK SUMMARY' "$OUT/racecheck.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/racecheck.log" | tail -1)"
+fi
 
 if [ -n "${PROFILE:-}" ]; then
     say "ncu profile (T=$PROFILE)"
