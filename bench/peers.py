@@ -69,6 +69,8 @@ PLAN = [
     ("fla", "parallel_nsa", "fla", False),
     ("mdy666", "hf+flexswa", "paper", True),  # HFNSACore, window through FlexAttention
     ("mdy666", "hf-noswa", "paper", False),   # fallback when FlexAttention fails: window branch = 0
+    ("nsa", "attention", "dense", False),     # nsa.attention(causal=True): the library's flash-attention core
+    ("nsa", "attention", "swa", True),        # nsa.attention(causal=True, window=(511, 0)): NSA's window branch
     ("cudnn", "sdpa", "dense", False),
     ("fa2", "sdpa", "dense", False),
     ("flex", "flex", "swa", True),
@@ -78,9 +80,11 @@ REFERENCE = {
     ("fla", "parallel_nsa"): ("native", "fla"),
     ("mdy666", "hf+flexswa"): ("native", "paper"),
     ("mdy666", "hf-noswa"): ("native-noswa", "paper"),
-    ("cudnn", "sdpa"): ("native", "paper"),
-    ("fa2", "sdpa"): ("native", "paper"),
-    ("flex", "flex"): ("native", "paper"),
+    # dense and windowed attention against the same computation in nsa (issue 5); the NSA rows
+    # against dense attention are read off the ms columns
+    ("cudnn", "sdpa"): ("attention", "dense"),
+    ("fa2", "sdpa"): ("attention", "dense"),
+    ("flex", "flex"): ("attention", "swa"),
 }
 
 
@@ -157,9 +161,9 @@ def swa_flops(T, HQ, D, window, pass_name, B=1):
 
 
 def row_flops(impl, config, window, T, HQ, H, D, pass_name):
-    if impl in ("cudnn", "fa2"):
+    if config == "dense":
         return dense_flops(T, HQ, D, pass_name)
-    if impl == "flex":
+    if config == "swa":
         return swa_flops(T, HQ, D, WINDOW, pass_name)
     return nsa_flops(T, HQ, H, D, CONFIGS[config], window, pass_name)
 
@@ -402,6 +406,8 @@ def self_test():
             rows.append(make_row("nsa", "native", "fla", 16, T, p, base * k * 0.8, gpu, 64, 4, 128, False))
             rows.append(make_row("fla", "parallel_nsa", "fla", 16, T, p, base * k * 1.6, gpu, 64, 4, 128, False))
             rows.append(make_row("mdy666", "hf+flexswa", "paper", 16, T, p, base * k * 0.5, gpu, 64, 4, 128, True))
+            rows.append(make_row("nsa", "attention", "dense", 16, T, p, (T / 8192) ** 2 * 2.85 * k, gpu, 64, 4, 128,
+                                 False))
             rows.append(make_row("cudnn", "sdpa", "dense", 16, T, p, (T / 8192) ** 2 * 1.9 * k, gpu, 64, 4, 128, False))
             rows.append(make_row("flex", "flex", "swa", 16, T, p, T / 8192 * 0.6 * k, gpu, 64, 4, 128, True))
     rows.append(make_row("mdy666", "hf+flexswa", "paper", 4, 8192, "fwd", 1.0, gpu, 16, 4, 128, True))
@@ -411,6 +417,11 @@ def self_test():
     check(ratio(rows, r) is None, "no G=4 nsa row -> no ratio")
     r = [x for x in rows if x["impl"] == "cudnn" and x["T"] == 8192 and x["pass"] == "fwd"][0]
     check(abs(r["tflops"] - dense_flops(8192, 64, 128, "fwd") / 1.9 / 1e9) < 0.01, "tflops")
+    check(abs(ratio(rows, r) - 2.85 / 1.9) < 1e-9, "cudnn against nsa attention dense")
+    r = [x for x in rows if x["impl"] == "nsa" and x["variant"] == "attention" and x["T"] == 8192][0]
+    check(abs(r["tflops"] - dense_flops(8192, 64, 128, "fwd") / 2.85 / 1e9) < 0.01, "nsa dense tflops")
+    r = [x for x in rows if x["impl"] == "flex" and x["T"] == 8192 and x["pass"] == "fwd"][0]
+    check(ratio(rows, r) is None, "no nsa window row -> no flex ratio")
     check(set(["impl", "config", "G", "T", "pass", "ms", "tflops", "gpu"]) <= set(r), "row keys")
     check(json.loads(json.dumps(rows)) == rows, "rows are JSON")
     for bad in (("xx", "paper"), ("nsa", "wide")):
@@ -675,6 +686,12 @@ class Runner:
             q, k, v = self.randn(1, T, HQ, D), self.randn(1, T, H, D), self.randn(1, T, H, D)
             g_cmp, g_slc, g_swa = self.gates(1, T, HQ), self.gates(1, T, HQ), self.gates(1, T, HQ)
             leaves = [q, k, v, g_cmp, g_slc, g_swa]
+            if variant == "attention":  # python/nsa/__init__.py: attention (autograd through nsa_attention_bwd)
+                if config == "dense":
+                    kvh = HQ if a.dense_kv == "HQ" else H  # as the SDPA rows
+                    k, v = self.randn(1, T, kvh, D), self.randn(1, T, kvh, D)
+                    return (lambda: nsa.attention(q, k, v, causal=True).o), [q, k, v], "k/v with %d heads" % kvh
+                return (lambda: nsa.attention(q, k, v, causal=True, window=(WINDOW - 1, 0)).o), [q, k, v], None
             if variant == "parallel_nsa":  # python/nsa/__init__.py: parallel_nsa (fla's arguments)
                 c = CONFIGS["fla"]
                 return (lambda: nsa.parallel_nsa(q, k, v, g_cmp, g_slc, None, block_counts=c["slc_topk"],
@@ -935,7 +952,8 @@ def parse_args(argv):
     ap.add_argument("--D", type=int, default=128, help="head dim (default %(default)s)")
     ap.add_argument("--impl", default=",".join(IMPLS), help="subset of %s" % ",".join(IMPLS))
     ap.add_argument("--pass", dest="passes", default="fwd,fwd+bwd", help="fwd, fwd+bwd or both")
-    ap.add_argument("--nsa-configs", default="paper,fla", help="nsa rows to time: paper, fla (default both)")
+    ap.add_argument("--nsa-configs", default="paper,fla,dense,swa",
+                    help="nsa rows to time: paper, fla (NSA), dense, swa (nsa.attention; default all)")
     ap.add_argument("--reps", type=int, default=10, help="timed runs per measurement, median (default %(default)s)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs first (compile, autotune; default %(default)s)")
     ap.add_argument("--max-seconds", type=float, default=4.0,
@@ -966,8 +984,8 @@ def parse_args(argv):
         if p not in PASSES:
             ap.error("--pass: %r is not one of %s" % (p, ",".join(PASSES)))
     for c in args.nsa_configs:
-        if c not in CONFIGS:
-            ap.error("--nsa-configs: %r is not one of %s" % (c, ",".join(CONFIGS)))
+        if c not in list(CONFIGS) + ["dense", "swa"]:
+            ap.error("--nsa-configs: %r is not one of %s,dense,swa" % (c, ",".join(CONFIGS)))
     if not args.T or min(args.T) < 64 or not args.G or min(args.G) < 1:
         ap.error("need T >= 64 and G >= 1")
     return args
