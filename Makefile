@@ -83,7 +83,7 @@ build/readme_example.c: README.md
 build/readme_example: build/readme_example.c build/libnsa.a
 	$(CC) -std=c11 -Wall -Wextra -Werror -Iinclude -o $@ $< build/libnsa.a $(LDLIBS)
 
-test: build/nsa_tests build/readme_example build/libnsa.so
+test: build/nsa_tests build/readme_example build/libnsa.so build/nsa
 	./tests/run_all.sh
 
 demo: build/nsa

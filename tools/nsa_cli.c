@@ -296,7 +296,7 @@ typedef struct problem {
     nsa_forward_args fwd;
     nsa_cmp_attn_bwd_args cmp_b;
     nsa_slc_attn_bwd_args slc_b;
-    nsa_attention_bwd_args swa_b;
+    nsa_attention_bwd_args swa_b, dense_b;
     nsa_backward_args bwd;
 } problem;
 
@@ -435,6 +435,7 @@ static void build_backward_calls(problem *p)
                                        .dv_cmp = t4(&p->dvc, B, Nc, H, DV)};
     p->slc_b = (nsa_slc_attn_bwd_args){.fwd = p->slc, .dout = dout, .dq = dq, .dk = dk, .dv = dv};
     p->swa_b = (nsa_attention_bwd_args){.fwd = p->swa, .dout = dout, .dq = dq, .dk = dk, .dv = dv};
+    if (p->with_dense) p->dense_b = (nsa_attention_bwd_args){.fwd = p->dense, .dout = dout, .dq = dq, .dk = dk, .dv = dv};
     p->bwd = (nsa_backward_args){.fwd = p->fwd, .dout = dout, .dq = dq, .dk = dk, .dv = dv,
                                  .dg_cmp = t3(&p->dg[BR_CMP], B, T, HQ), .dg_slc = t3(&p->dg[BR_SLC], B, T, HQ),
                                  .dg_swa = t3(&p->dg[BR_SWA], B, T, HQ)};
@@ -444,7 +445,7 @@ static void build_backward_calls(problem *p)
 
 typedef enum op_id {
     OP_COMPRESS, OP_CMP_ATTN, OP_SELECT, OP_SLC_ATTN, OP_SWA, OP_GATE, OP_FORWARD, OP_DENSE,
-    OP_CMP_ATTN_BWD, OP_SLC_ATTN_BWD, OP_SWA_BWD, OP_BACKWARD, OP_COUNT
+    OP_CMP_ATTN_BWD, OP_SLC_ATTN_BWD, OP_SWA_BWD, OP_BACKWARD, OP_DENSE_BWD, OP_COUNT
 } op_id;
 
 static const struct op_info {
@@ -464,7 +465,27 @@ static const struct op_info {
     [OP_SLC_ATTN_BWD] = {"slc_attn_bwd", "nsa_slc_attn_bwd", 1, 0},
     [OP_SWA_BWD] = {"window_bwd", "nsa_attention_bwd (causal, window w)", 1, 0},
     [OP_BACKWARD] = {"backward", "nsa_backward", 1, 0},
+    [OP_DENSE_BWD] = {"dense_bwd", "nsa_attention_bwd (causal, no window)", 1, 1},
 };
+
+#define OPBIT(id) (1u << (id))
+/* What an op reads that other ops write: they run first (untimed when not asked for). */
+static const unsigned OP_NEEDS[OP_COUNT] = {
+    [OP_CMP_ATTN] = OPBIT(OP_COMPRESS),
+    [OP_SELECT] = OPBIT(OP_COMPRESS) | OPBIT(OP_CMP_ATTN),
+    [OP_SLC_ATTN] = OPBIT(OP_COMPRESS) | OPBIT(OP_CMP_ATTN) | OPBIT(OP_SELECT),
+    [OP_GATE] = OPBIT(OP_COMPRESS) | OPBIT(OP_CMP_ATTN) | OPBIT(OP_SELECT) | OPBIT(OP_SLC_ATTN) | OPBIT(OP_SWA),
+    [OP_CMP_ATTN_BWD] = OPBIT(OP_COMPRESS) | OPBIT(OP_CMP_ATTN),
+    [OP_SLC_ATTN_BWD] = OPBIT(OP_COMPRESS) | OPBIT(OP_CMP_ATTN) | OPBIT(OP_SELECT) | OPBIT(OP_SLC_ATTN),
+    [OP_SWA_BWD] = OPBIT(OP_SWA),
+    [OP_BACKWARD] = OPBIT(OP_FORWARD),
+    [OP_DENSE_BWD] = OPBIT(OP_DENSE),
+};
+/* --op groups: the flash-attention core alone (issue 5), and NSA's own ops */
+#define OPS_ATTENTION (OPBIT(OP_SWA) | OPBIT(OP_DENSE) | OPBIT(OP_SWA_BWD) | OPBIT(OP_DENSE_BWD))
+#define OPS_NSA                                                                                                        \
+    (OPBIT(OP_COMPRESS) | OPBIT(OP_CMP_ATTN) | OPBIT(OP_SELECT) | OPBIT(OP_SLC_ATTN) | OPBIT(OP_SWA) | OPBIT(OP_GATE) | \
+     OPBIT(OP_FORWARD) | OPBIT(OP_CMP_ATTN_BWD) | OPBIT(OP_SLC_ATTN_BWD) | OPBIT(OP_SWA_BWD) | OPBIT(OP_BACKWARD))
 
 static int op_enabled(const problem *p, op_id id) { return (!OPS[id].bwd || p->with_bwd) && (!OPS[id].dense || p->with_dense); }
 
@@ -490,6 +511,7 @@ static nsa_status op_workspace(problem *p, op_id id, size_t *bytes)
     case OP_SLC_ATTN_BWD: return nsa_slc_attn_bwd_workspace_size(c, &p->slc_b, bytes);
     case OP_SWA_BWD: return nsa_attention_bwd_workspace_size(c, &p->swa_b, bytes);
     case OP_BACKWARD: return nsa_backward_workspace_size(c, &p->bwd, bytes);
+    case OP_DENSE_BWD: return nsa_attention_bwd_workspace_size(c, &p->dense_b, bytes);
     case OP_COUNT: break;
     }
     return NSA_STATUS_BAD_ARGUMENT;
@@ -516,6 +538,7 @@ static nsa_status op_call(problem *p, op_id id)
     case OP_SLC_ATTN_BWD: return nsa_slc_attn_bwd(c, &p->slc_b, w, n);
     case OP_SWA_BWD: return nsa_attention_bwd(c, &p->swa_b, w, n);
     case OP_BACKWARD: return nsa_backward(c, &p->bwd, w, n);
+    case OP_DENSE_BWD: return nsa_attention_bwd(c, &p->dense_b, w, n);
     case OP_COUNT: break;
     }
     return NSA_STATUS_BAD_ARGUMENT;
@@ -655,6 +678,7 @@ static double op_flops(const problem *p, const work *w, op_id id)
     case OP_SLC_ATTN_BWD: return 2.5 * w->slc * fa;
     case OP_SWA_BWD: return 2.5 * w->swa * fa;
     case OP_BACKWARD: return compress + 2.5 * (w->cmp + w->slc + w->swa) * fa + 2.0 * gate;
+    case OP_DENSE_BWD: return 2.5 * w->dense * fa;
     case OP_COUNT: break;
     }
     return 0.0;
@@ -696,8 +720,11 @@ static const char *USAGE =
     "  nsa bench [--T 8192,16384,32768] [--config paper|fla] [--HQ 16] [--H 1]\n"
     "            [--D 128 | --DK 128 --DV 128] [--dtype f32|bf16|f16] [--threads N]\n"
     "            [--backend cpu|cuda] [--reps N] [--no-dense] [--bwd] [--json FILE]\n"
+    "            [--op LIST]\n"
     "      per-op and whole-NSA times (median of --reps runs after a warm-up, default 5),\n"
-    "      GFLOP/s, and dense causal attention / NSA forward.\n"
+    "      GFLOP/s, and dense causal attention / NSA forward. --op times only the listed\n"
+    "      ops (names as in the table, or the groups attention = window, dense and their\n"
+    "      backwards, nsa = NSA's ops); what they read runs first, untimed.\n"
     "  nsa version      library version and the backends present\n"
     "  nsa --help       this text\n"
     "\n"
@@ -1038,6 +1065,7 @@ typedef struct bench_opts {
     int nlengths;
     int reps, reps_given;
     const char *json;
+    unsigned ops; /* --op: the ops to time (0: every enabled op) */
 } bench_opts;
 
 typedef struct measurement {
@@ -1082,6 +1110,30 @@ static void parse_lengths(bench_opts *o, const char *s)
     if (o->nlengths == 0) usage_error("--T: no length given");
 }
 
+/* "window,dense_bwd", "attention", "nsa": a mask of op ids */
+static unsigned parse_ops(const char *list)
+{
+    unsigned mask = 0;
+    char buf[512];
+    if (strlen(list) >= sizeof buf) usage_error("--op: list too long");
+    strcpy(buf, list);
+    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+        if (!strcmp(tok, "attention")) {
+            mask |= OPS_ATTENTION;
+            continue;
+        }
+        if (!strcmp(tok, "nsa")) {
+            mask |= OPS_NSA;
+            continue;
+        }
+        int found = 0;
+        for (int id = 0; id < OP_COUNT; id++)
+            if (!strcmp(tok, OPS[id].name)) mask |= OPBIT(id), found = 1;
+        if (!found) usage_error("--op: unknown op '%s' (ops: the names of the bench table, attention, nsa)", tok);
+    }
+    return mask;
+}
+
 static void parse_bench(bench_opts *o, int argc, char **argv)
 {
     int named_backend = 0, named_dtype = 0;
@@ -1107,8 +1159,15 @@ static void parse_bench(bench_opts *o, int argc, char **argv)
         else if (arg_opt(&a, "--seed")) o->prob.seed = (uint64_t)parse_int(a.value, "--seed", 0, INT64_MAX);
         else if (arg_is(&a, "--no-dense")) o->prob.with_dense = 0;
         else if (arg_is(&a, "--bwd")) o->prob.with_bwd = 1;
+        else if (arg_opt(&a, "--op")) o->ops |= parse_ops(a.value);
         else usage_error("bench: unknown option '%s'", argv[a.i]);
     }
+    /* asked-for backward or dense ops switch their families on */
+    for (int id = 0; id < OP_COUNT; id++)
+        if (o->ops & OPBIT(id)) {
+            if (OPS[id].bwd) o->prob.with_bwd = 1;
+            if (OPS[id].dense) o->prob.with_dense = 1;
+        }
     if (o->prob.HQ % o->prob.H != 0) usage_error("--HQ must be a multiple of --H");
     if (named_backend) require_backend(o->prob.backend);
     if (!named_dtype) o->prob.dtype = default_dtype(o->prob.backend);
@@ -1137,8 +1196,21 @@ static void bench_length(const bench_opts *o, int64_t T, FILE *json, int *first,
     problem_init(&p, &po);
     work w = count_work(&p, NULL);
     *fwd_ms = *dense_ms = 0.0;
+    /* timed: the --op ops (else all enabled); run untimed first: what they read */
+    unsigned timed = 0, needed = 0;
+    for (int id = 0; id < OP_COUNT; id++)
+        if (op_enabled(&p, (op_id)id) && (!o->ops || (o->ops & OPBIT(id)))) timed |= OPBIT(id), needed |= OP_NEEDS[id];
     for (int id = 0; id < OP_COUNT; id++) {
-        if (!op_enabled(&p, (op_id)id)) continue;
+        if (!(timed & OPBIT(id)) && (needed & OPBIT(id))) {
+            fprintf(stderr, "bench: T=%lld: %s (input of a timed op, untimed) ...\n", (long long)T, OPS[id].call);
+            op_run(&p, (op_id)id);
+            if (id == OP_SELECT) {
+                int32_t *idx = download_indices(&p);
+                w = count_work(&p, idx);
+                free(idx);
+            }
+        }
+        if (!(timed & OPBIT(id))) continue;
         fprintf(stderr, "bench: T=%lld: %s ...\n", (long long)T, OPS[id].call);
         measurement m = measure(&p, (op_id)id, o);
         if (id == OP_SELECT) { /* the selection fixes the selected branch's work (op order matters) */
@@ -1200,9 +1272,13 @@ static int cmd_bench(int argc, char **argv)
 
     printf("\n");
     for (int i = 0; i < o.nlengths; i++) {
-        printf("T=%-7lld nsa_forward %10.2f ms", (long long)o.lengths[i], fwd[i]);
-        if (dense[i] > 0) printf("   dense causal %10.2f ms   dense / nsa_forward = %.2fx", dense[i], dense[i] / fwd[i]);
-        if (i > 0) printf("   nsa_forward(T) / nsa_forward(%lld) = %.2f", (long long)o.lengths[i - 1], fwd[i] / fwd[i - 1]);
+        if (fwd[i] <= 0 && dense[i] <= 0) continue; /* --op without either */
+        printf("T=%-7lld", (long long)o.lengths[i]);
+        if (fwd[i] > 0) printf(" nsa_forward %10.2f ms", fwd[i]);
+        if (dense[i] > 0) printf("   dense causal %10.2f ms", dense[i]);
+        if (fwd[i] > 0 && dense[i] > 0) printf("   dense / nsa_forward = %.2fx", dense[i] / fwd[i]);
+        if (i > 0 && fwd[i] > 0 && fwd[i - 1] > 0)
+            printf("   nsa_forward(T) / nsa_forward(%lld) = %.2f", (long long)o.lengths[i - 1], fwd[i] / fwd[i - 1]);
         printf("\n");
     }
     print_loadavg("load average after");
