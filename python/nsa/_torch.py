@@ -173,6 +173,28 @@ def _backward_fake(dout, q, k, v, *rest):
 
 HAS_CUSTOM_OP = hasattr(torch.library, "custom_op")
 
+
+def _save_forward(ctx, inputs, output):
+    """What the backward of nsa::forward needs (both the custom op and the autograd.Function
+    path): the tensor inputs, the config scalars, which inputs were given, the saved outputs."""
+    n = 3 + len(_OPT_NAMES)
+    ctx.n_tensors = n
+    ctx.cfg = tuple(inputs[n:])
+    ctx.present = tuple([x is not None for x in inputs[:n]])
+    ctx.save_for_backward(*inputs[:n], *output[1:])
+
+
+def _grads_to_inputs(ctx, grads):
+    """The backward's gradients (in _GRAD_NAMES order) placed at their inputs' positions; None
+    for inputs not given and for the config scalars."""
+    out = [None] * (ctx.n_tensors + len(ctx.cfg))
+    order = ("q", "k", "v") + _OPT_NAMES
+    for name, g in zip(_GRAD_NAMES, grads):
+        i = order.index(name)
+        if ctx.present[i]:
+            out[i] = g
+    return tuple(out)
+
 if HAS_CUSTOM_OP:
     # The signatures are spelled out: torch.library infers the op schema from the annotations.
     @torch.library.custom_op("nsa::forward", mutates_args=())
@@ -216,26 +238,13 @@ if HAS_CUSTOM_OP:
         return _backward_fake(dout, q, k, v, *rest)
 
     def _setup_context(ctx, inputs, output):
-        n_tensors = 3 + len(_OPT_NAMES)
-        ctx.n_tensors = n_tensors
-        ctx.cfg = tuple(inputs[n_tensors:])
-        ctx.present = tuple([x is not None for x in inputs[:n_tensors]])
-        ctx.save_for_backward(*inputs[:n_tensors], *output[1:])
+        _save_forward(ctx, inputs, output)
 
     def _backward(ctx, grad_o, *unused):
-        saved = ctx.saved_tensors
-        n = ctx.n_tensors
-        nothing = [None] * (n + len(ctx.cfg))
         if grad_o is None:
-            return tuple(nothing)
-        grads = backward_op(grad_o, *saved[:n], *saved[n:], *ctx.cfg)
-        out = nothing
-        order = ("q", "k", "v") + _OPT_NAMES
-        for name, g in zip(_GRAD_NAMES, grads):
-            i = order.index(name)
-            if ctx.present[i]:
-                out[i] = g
-        return tuple(out)
+            return tuple([None] * (ctx.n_tensors + len(ctx.cfg)))
+        saved, n = ctx.saved_tensors, ctx.n_tensors
+        return _grads_to_inputs(ctx, backward_op(grad_o, *saved[:n], *saved[n:], *ctx.cfg))
 
     forward_op.register_autograd(_backward, setup_context=_setup_context)
 
@@ -273,26 +282,14 @@ else:  # torch < 2.4: an autograd.Function (eager only, no torch.compile support
         @staticmethod
         def forward(ctx, *inputs):
             output = _forward_impl(*inputs)
-            n = 3 + len(_OPT_NAMES)
-            ctx.n_tensors = n
-            ctx.cfg = tuple(inputs[n:])
-            ctx.present = tuple([x is not None for x in inputs[:n]])
-            ctx.save_for_backward(*inputs[:n], *output[1:])
+            _save_forward(ctx, inputs, output)
             ctx.mark_non_differentiable(*output[1:])
             return output
 
         @staticmethod
         def backward(ctx, grad_o, *unused):
-            saved = ctx.saved_tensors
-            n = ctx.n_tensors
-            out = [None] * (n + len(ctx.cfg))
-            grads = _backward_impl(grad_o, *saved[:n], *saved[n:], *ctx.cfg)
-            order = ("q", "k", "v") + _OPT_NAMES
-            for name, g in zip(_GRAD_NAMES, grads):
-                i = order.index(name)
-                if ctx.present[i]:
-                    out[i] = g
-            return tuple(out)
+            saved, n = ctx.saved_tensors, ctx.n_tensors
+            return _grads_to_inputs(ctx, _backward_impl(grad_o, *saved[:n], *saved[n:], *ctx.cfg))
 
     def _call_forward(*args):
         return _NSAFunction.apply(*args)
