@@ -161,6 +161,28 @@ static int64_t *ext_tile_counts(ws_arena *a, const nsa_problem *p, int keys)
     return n;
 }
 
+/* One query-tile task (forward, dQ): its sequence, kv head h, the head's K / V rows of the
+ * sequence and the tile's positions [t0, t0 + nt). */
+typedef struct ext_qtask {
+    ext_seq sq;
+    int64_t h, t0, nt;
+    const float *K, *V;
+} ext_qtask;
+
+static ext_qtask ext_qtask_open(const nsa_problem *p, const cpu_tasks *tk, int64_t task, const float *Kp,
+                                const float *Vp)
+{
+    ext_qtask q;
+    int64_t s, tile;
+    cpu_tasks_decode(tk, task, &s, &q.h, &tile);
+    q.sq = ext_seq_get(p, s);
+    const int64_t off = (q.sq.b * p->H + q.h) * p->Tk + q.sq.k0, bq = ext_bq(p);
+    q.K = Kp + off * p->DK, q.V = Vp + off * p->DV;
+    q.t0 = tile * bq;
+    q.nt = q.sq.qlen - q.t0 < bq ? q.sq.qlen - q.t0 : bq;
+    return q;
+}
+
 /* ---- rows ------------------------------------------------------------------------------ */
 /* Rows r = i * G + g of positions [t0, t0 + nt) of kv head h: Q (scaled), ranges, row ids;
  * with g also dO, lse and D = rowsum(dO * O). @return the union [kmin, kmax] of the ranges. */
@@ -338,7 +360,7 @@ void ext_fwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_a
     ext_tasks(&tk, &ar, p->num_seqs, p->H, ext_tile_counts(&ar, p, 0));
     const size_t per = ext_thread_bytes(p);
     char *thread_base = (char *)ws_take(&ar, per * (size_t)cpu_threads(ctx));
-    const int64_t bq = ext_bq(p), G = p->G;
+    const int64_t G = p->G;
 
 #pragma omp parallel num_threads(cpu_threads(ctx))
     {
@@ -347,12 +369,11 @@ void ext_fwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_a
         ext_scratch_carve(&x, &ta, p);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tk.total; task++) {
-            int64_t s, h, tile, kmin, kmax;
-            cpu_tasks_decode(&tk, task, &s, &h, &tile);
-            const ext_seq sq = ext_seq_get(p, s);
-            const int64_t off = (sq.b * p->H + h) * p->Tk + sq.k0;
-            const float *K = Kp + off * p->DK, *V = Vp + off * p->DV;
-            const int64_t t0 = tile * bq, nt = sq.qlen - t0 < bq ? sq.qlen - t0 : bq;
+            const ext_qtask qt = ext_qtask_open(p, &tk, task, Kp, Vp);
+            const ext_seq sq = qt.sq;
+            const int64_t h = qt.h, t0 = qt.t0, nt = qt.nt;
+            const float *K = qt.K, *V = qt.V;
+            int64_t kmin, kmax;
             ext_load_tile(&x, &o, &sq, h, t0, nt, NULL, &kmin, &kmax);
             core_fwd_begin(&x.t);
             for (int64_t c0 = kmin; kmax >= 0 && c0 <= kmax; c0 += EXT_KB) {
@@ -608,12 +629,11 @@ void ext_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_b
         /* dQ: each task owns its query rows */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tq.total; task++) {
-            int64_t s, h, tile, kmin, kmax;
-            cpu_tasks_decode(&tq, task, &s, &h, &tile);
-            const ext_seq sq = ext_seq_get(p, s);
-            const int64_t off = (sq.b * p->H + h) * p->Tk + sq.k0;
-            const float *K = Kp + off * p->DK, *V = Vp + off * p->DV;
-            const int64_t t0 = tile * bq, nt = sq.qlen - t0 < bq ? sq.qlen - t0 : bq;
+            const ext_qtask qt = ext_qtask_open(p, &tq, task, Kp, Vp);
+            const ext_seq sq = qt.sq;
+            const int64_t h = qt.h, t0 = qt.t0, nt = qt.nt;
+            const float *K = qt.K, *V = qt.V;
+            int64_t kmin, kmax;
             ext_load_tile(&x, &o, &sq, h, t0, nt, &g, &kmin, &kmax);
             x.t.dQ = dQbuf;
             memset(x.t.dQ, 0, (size_t)x.t.R * x.t.DK * sizeof(float));
