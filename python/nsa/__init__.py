@@ -159,7 +159,9 @@ def attention(q, k, v, *, causal=False, window=(-1, -1), scale=None, softcap=0.0
     """nsa_attention, the library's flash-attention core (nsa.h section 5), on numpy arrays
     (CPU backend) or torch tensors (CPU or CUDA; with autograd when grad mode is on and q, k,
     v, sinks or bias requires a gradient: .o then carries grad_fn, and loss.backward() fills
-    q.grad, k.grad, v.grad, sinks.grad, bias.grad). q [B, Tq, HQ, DK], k [B, Tk, H, DK],
+    q.grad, k.grad, v.grad, sinks.grad, bias.grad; through the custom ops
+    torch.ops.nsa.attention / attention_bwd, so torch.compile(fullgraph=True) traces it).
+    q [B, Tq, HQ, DK], k [B, Tk, H, DK],
     v [B, Tk, H, DV], HQ % H == 0. causal (bottom-right aligned when Tq != Tk); window
     (left, right), -1 = unbounded; scale (None: 1/sqrt(DK)); softcap (0 = off) on the scaled
     score, bias [1 or B, 1 or HQ, Tq, Tk] added after it; sinks [HQ] float32 logits that join

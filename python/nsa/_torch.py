@@ -386,32 +386,148 @@ def fla_selection(q, k, config, counts, cu_seqlens):
         return merged, counts
 
 
-# ---- nsa.attention with autograd -----------------------------------------------------------
+# ---- nsa.attention with autograd (and torch.compile) ----------------------------------------
+
+# Optional tensors and scalars of nsa.attention's options, in the custom ops' argument order.
+_ATT_TENSORS = ("sinks", "bias", "mask", "q_segment_ids", "k_segment_ids", "cu_seqlens", "cu_seqlens_q",
+                "cu_seqlens_k")
+_ATT_SCALARS = ("causal", "window_left", "window_right", "scale", "softcap", "dropout_p", "seed", "offset")
 
 
-class _AttentionFunction(torch.autograd.Function):
-    """nsa_attention forward / nsa_attention_bwd backward for torch tensors. The options dict
-    rides along (not differentiable); sinks and bias come in again as inputs so that autograd
-    hands their gradients back (dsinks float32 [HQ], dbias in bias's dtype and shape, summed
-    over the broadcast dimensions by the library). lse is an output without a gradient."""
+def _att_args(opts):
+    """opts -> (optional tensors, scalars) of the custom ops; cu_seqlens lists become int32 CPU
+    tensors (the library reads them on the host)."""
+    ts = []
+    for name in _ATT_TENSORS:
+        x = opts.get(name)
+        if x is not None and name.startswith("cu_seqlens") and not isinstance(x, Tensor):
+            x = torch.tensor(_core.cu_seqlens_list(x), dtype=torch.int32)
+        ts.append(x)
+    wl, wr = opts.get("window", (-1, -1))
+    sc = (bool(opts.get("causal")), int(wl), int(wr), float(opts.get("scale") or 0.0), float(opts.get("softcap") or 0.0),
+          float(opts.get("dropout_p") or 0.0), int(opts.get("seed") or 0), int(opts.get("offset") or 0))
+    return ts, sc
 
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, bias, opts):
-        o, lse = _core.attention(TorchCall(q.device), q, k, v, opts)
-        ctx.opts = opts
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.mark_non_differentiable(lse)
-        return o, lse
 
-    @staticmethod
-    def backward(ctx, grad_o, grad_lse):
-        q, k, v, o, lse = ctx.saved_tensors
-        want_sinks, want_bias = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+def _att_opts(ts, sc):
+    """The inverse of _att_args: the options dict _core reads."""
+    opts = dict(zip(_ATT_TENSORS, ts))
+    causal, wl, wr, scale, softcap, dropout_p, seed, offset = sc
+    opts.update(causal=causal, window=(wl, wr), scale=scale, softcap=softcap, dropout_p=dropout_p, seed=seed,
+                offset=offset)
+    return opts
+
+
+def _att_fwd_impl(q, k, v, ts, sc):
+    return _core.attention(TorchCall(q.device), q, k, v, _att_opts(ts, sc))
+
+
+def _att_bwd_impl(dout, q, k, v, o, lse, ts, sc, want_dbias):
+    g = _core.attention_backward(TorchCall(q.device), q, k, v, o, lse, dout, _att_opts(ts, sc), dbias=want_dbias)
+    def empty():  # a fresh one per absent output: custom-op outputs may not alias each other
+        return torch.empty((0,), dtype=torch.float32, device=q.device)
+    return g.dq, g.dk, g.dv, g.dsinks if g.dsinks is not None else empty(), g.dbias if g.dbias is not None else empty()
+
+
+def _att_grads(ctx, g, bias):
+    """(dq, dk, dv, dsinks, dbias) -> the gradients of (q, k, v, sinks, bias)."""
+    dq, dk, dv, dsinks, dbias = g
+    return (dq, dk, dv, dsinks if ctx.want_sinks else None,
+            dbias.to(bias.dtype) if ctx.want_bias else None)
+
+
+if HAS_CUSTOM_OP:
+    @torch.library.custom_op("nsa::attention", mutates_args=())
+    def attention_op(q: Tensor, k: Tensor, v: Tensor,
+                     sinks: Optional[Tensor], bias: Optional[Tensor], mask: Optional[Tensor],
+                     q_segment_ids: Optional[Tensor], k_segment_ids: Optional[Tensor],
+                     cu_seqlens: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                     causal: bool, window_left: int, window_right: int, scale: float, softcap: float,
+                     dropout_p: float, seed: int, offset: int) -> Tuple[Tensor, Tensor]:
+        return _att_fwd_impl(q, k, v, (sinks, bias, mask, q_segment_ids, k_segment_ids, cu_seqlens, cu_seqlens_q,
+                                        cu_seqlens_k),
+                             (causal, window_left, window_right, scale, softcap, dropout_p, seed, offset))
+
+    @attention_op.register_fake
+    def _(q, k, v, *rest):
+        B, Tq, HQ = q.shape[0], q.shape[1], q.shape[2]
+        return q.new_empty((B, Tq, HQ, v.shape[3])), q.new_empty((B, Tq, HQ), dtype=torch.float32)
+
+    @torch.library.custom_op("nsa::attention_bwd", mutates_args=())
+    def attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                         sinks: Optional[Tensor], bias: Optional[Tensor], mask: Optional[Tensor],
+                         q_segment_ids: Optional[Tensor], k_segment_ids: Optional[Tensor],
+                         cu_seqlens: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                         causal: bool, window_left: int, window_right: int, scale: float, softcap: float,
+                         dropout_p: float, seed: int, offset: int, want_dbias: bool
+                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """dq, dk, dv, dsinks (float32 [HQ], empty without sinks), dbias (float32 like bias,
+        empty unless want_dbias)."""
+        return _att_bwd_impl(dout, q, k, v, o, lse,
+                             (sinks, bias, mask, q_segment_ids, k_segment_ids, cu_seqlens, cu_seqlens_q, cu_seqlens_k),
+                             (causal, window_left, window_right, scale, softcap, dropout_p, seed, offset), want_dbias)
+
+    @attention_bwd_op.register_fake
+    def _(dout, q, k, v, o, lse, sinks, bias, *rest):
+        want_dbias = rest[-1]
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                sinks.new_empty(sinks.shape, dtype=torch.float32) if sinks is not None
+                else q.new_empty((0,), dtype=torch.float32),
+                bias.new_empty(bias.shape, dtype=torch.float32) if (want_dbias and bias is not None)
+                else q.new_empty((0,), dtype=torch.float32))
+
+    _N_ATT_IN = 3 + len(_ATT_TENSORS)
+
+    def _att_setup_context(ctx, inputs, output):
+        ctx.sc = tuple(inputs[_N_ATT_IN:])
+        ctx.want_sinks = ctx.needs_input_grad[3]
+        ctx.want_bias = ctx.needs_input_grad[4]
+        # q, k, v, o, lse and the optional tensors (None where absent)
+        ctx.save_for_backward(*inputs[:3], *output, *inputs[3:_N_ATT_IN])
+        ctx.mark_non_differentiable(output[1])
+
+    def _att_backward(ctx, grad_o, grad_lse):
+        saved = ctx.saved_tensors
+        q, k, v, o, lse = saved[:5]
+        ts = tuple(saved[5:])
         dout = grad_o if grad_o.dtype == o.dtype else grad_o.to(o.dtype)
-        g = _core.attention_backward(TorchCall(q.device), q, k, v, o, lse, dout, ctx.opts, dbias=want_bias)
-        bias = ctx.opts.get("bias")
-        dbias = g.dbias.to(bias.dtype) if want_bias else None
-        return g.dq, g.dk, g.dv, (g.dsinks if want_sinks else None), dbias, None
+        g = attention_bwd_op(dout, q, k, v, o, lse, *ts, *ctx.sc, ctx.want_bias)
+        return _att_grads(ctx, g, ts[1]) + (None,) * (len(_ATT_TENSORS) - 2 + len(_ATT_SCALARS))
+
+    attention_op.register_autograd(_att_backward, setup_context=_att_setup_context)
+
+    def attention(q, k, v, opts):
+        """(o, lse) of nsa_attention through torch.ops.nsa.attention: autograd and torch.compile."""
+        ts, sc = _att_args(opts)
+        return attention_op(q, k, v, *ts, *sc)
+
+else:  # torch < 2.4: an autograd.Function (eager only)
+
+    class _AttentionFunction(torch.autograd.Function):
+        """nsa_attention forward / nsa_attention_bwd backward; sinks and bias come in as inputs so
+        that autograd hands their gradients back (dsinks float32 [HQ], dbias in bias's dtype and
+        shape, summed over the broadcast dimensions by the library); lse has no gradient."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, sinks, bias, ts, sc):
+            o, lse = _att_fwd_impl(q, k, v, ts, sc)
+            ctx.ts, ctx.sc = ts, sc
+            ctx.want_sinks, ctx.want_bias = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+            ctx.save_for_backward(q, k, v, o, lse)
+            ctx.mark_non_differentiable(lse)
+            return o, lse
+
+        @staticmethod
+        def backward(ctx, grad_o, grad_lse):
+            q, k, v, o, lse = ctx.saved_tensors
+            dout = grad_o if grad_o.dtype == o.dtype else grad_o.to(o.dtype)
+            g = _att_bwd_impl(dout, q, k, v, o, lse, ctx.ts, ctx.sc, ctx.want_bias)
+            return _att_grads(ctx, g, ctx.ts[1]) + (None, None)
+
+    def attention(q, k, v, opts):
+        """(o, lse) of nsa_attention with autograd."""
+        ts, sc = _att_args(opts)
+        return _AttentionFunction.apply(q, k, v, ts[0], ts[1], ts, sc)
 
 
 def attention_needs_grad(q, k, v, opts):
@@ -420,8 +536,3 @@ def attention_needs_grad(q, k, v, opts):
     if not torch.is_grad_enabled():
         return False
     return any(x is not None and x.requires_grad for x in (q, k, v, opts.get("sinks"), opts.get("bias")))
-
-
-def attention(q, k, v, opts):
-    """(o, lse) of nsa_attention with autograd."""
-    return _AttentionFunction.apply(q, k, v, opts.get("sinks"), opts.get("bias"), opts)

@@ -217,3 +217,48 @@ def test_torch_autograd_matches_reference():
     # without requires_grad (or under no_grad) nothing is recorded
     with torch.no_grad():
         assert nsa.attention(tq, tk, tv, causal=True).o.grad_fn is None
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    """nsa.attention is the custom op torch.ops.nsa.attention: torch.compile(fullgraph=True)
+    traces it (fake implementations give the shapes) and gives eager's output and gradients."""
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch.library, "custom_op"):
+        pytest.skip("torch < 2.4: nsa.attention is an autograd.Function (eager only)")
+    torch.manual_seed(0)
+    leaves = [torch.randn(1, 40, 4, 16), torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16), torch.randn(4),
+              torch.randn(1, 4, 40, 40)]
+    for x in leaves:
+        x.requires_grad_(True)
+
+    def f(q, k, v, s, b):
+        return nsa.attention(q, k, v, causal=True, softcap=3.0, sinks=s, bias=b).o
+
+    grads = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        for x in leaves:
+            x.grad = None
+        out = fn(*leaves)
+        out.square().sum().backward()
+        grads.append([out.detach()] + [x.grad.clone() for x in leaves])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_torch_attention_ops_pass_opcheck():
+    """torch.library.opcheck on both ops (schema, fake tensors, autograd registration, AOT)."""
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch.library, "custom_op"):
+        pytest.skip("torch < 2.4: no custom ops")
+    q, k, v = torch.randn(1, 24, 4, 16), torch.randn(1, 24, 2, 16), torch.randn(1, 24, 2, 16)
+    s, b = torch.randn(4), torch.randn(1, 4, 24, 24)
+    sc = (True, -1, -1, 0.0, 2.0, 0.0, 0, 0)
+    none6 = (None,) * 6
+    for x in (q, k, v, s, b):
+        x.requires_grad_(True)
+    for args in ((q, k, v, s, b) + none6 + sc, (q, k, v, None, None) + none6 + sc):
+        torch.library.opcheck(torch.ops.nsa.attention.default, args)
+    d = [x.detach() for x in (q, k, v, s, b)]
+    o, lse = torch.ops.nsa.attention(*d, *none6, *sc)
+    torch.library.opcheck(torch.ops.nsa.attention_bwd.default,
+                          (torch.randn_like(o), d[0], d[1], d[2], o, lse, d[3], d[4]) + none6 + sc + (True,))
