@@ -764,6 +764,30 @@ class Runner:
         raise Skip("unknown impl %s" % impl)
 
 
+def kernel_table(torch, fn, leaves, top, title):
+    """--kernels N: one more run of fn under torch.profiler, and its N longest GPU kernels
+    (summed per name, ms) -- where each implementation's time goes, for Triton peers and nsa
+    alike, without ncu (which does not finish under torch.compile inside a device call)."""
+    from torch.profiler import ProfilerActivity, profile
+    for g in leaves:
+        g.grad = None
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    per = {}
+    for ev in prof.events():
+        t = getattr(ev, "device_time", None)
+        if t is None:
+            t = getattr(ev, "cuda_time", 0.0)
+        if t and getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type):
+            per[ev.name] = per.get(ev.name, 0.0) + t / 1000.0
+    total = sum(per.values())
+    print("    kernels of %s: %.3f ms on the GPU" % (title, total))
+    for name, ms in sorted(per.items(), key=lambda kv: -kv[1])[:top]:
+        print("      %9.3f ms  %s" % (ms, name[:110]))
+
+
 def run(args):
     """The GPU run. Returns the process exit code."""
     try:
@@ -902,6 +926,9 @@ def run(args):
                                 ms, runs = runner.measure(step, leaves)
                             row = make_row(impl, variant, config, G, T, p, ms, gpu, HQ, H, D, window, runs, note)
                             rows.append(row)
+                            if args.kernels:
+                                kernel_table(torch, fn if p == "fwd" else step, leaves, args.kernels,
+                                             "%s %s %s G=%d T=%s %s" % (impl, variant, config, G, fmt_T(T), p))
                             print("  %-7s %-13s %-6s G=%-2d T=%-5s %-8s %10.3f ms %8s TFLOP/s  (%d runs)" % (
                                 impl, variant, config, G, fmt_T(T), p, ms,
                                 "-" if row["tflops"] is None else "%.1f" % row["tflops"], runs), flush=True)
@@ -968,6 +995,8 @@ def parse_args(argv):
                     help="when FlexAttention fails on the probe, skip mdy666 instead of timing it without window")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder of the JSON/PNG (default bench/results)")
     ap.add_argument("--tag", default=None, help="appended to the file names: <date>-<gpu>-<tag>.json")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="after each row, its N longest GPU kernels from one torch.profiler run (0: off)")
     ap.add_argument("--list", action="store_true", help="print the plan and FLOP counts and exit (no torch)")
     ap.add_argument("--self-test", action="store_true", help="check the pure functions and exit (no torch)")
     ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures")
