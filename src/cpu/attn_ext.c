@@ -161,26 +161,24 @@ static int64_t *ext_tile_counts(ws_arena *a, const nsa_problem *p, int keys)
     return n;
 }
 
-/* One query-tile task (forward, dQ): its sequence, kv head h, the head's K / V rows of the
- * sequence and the tile's positions [t0, t0 + nt). */
-typedef struct ext_qtask {
+/* One task of a (sequence, kv head) tiling (forward, dQ, dK/dV): its sequence, kv head h,
+ * tile index, and the head's K / V rows of the sequence (row 0 at element row `off`). */
+typedef struct ext_task {
     ext_seq sq;
-    int64_t h, t0, nt;
+    int64_t h, tile, off;
     const float *K, *V;
-} ext_qtask;
+} ext_task;
 
-static ext_qtask ext_qtask_open(const nsa_problem *p, const cpu_tasks *tk, int64_t task, const float *Kp,
-                                const float *Vp)
+static ext_task ext_task_open(const nsa_problem *p, const cpu_tasks *tk, int64_t task, const float *Kp,
+                              const float *Vp)
 {
-    ext_qtask q;
-    int64_t s, tile;
-    cpu_tasks_decode(tk, task, &s, &q.h, &tile);
-    q.sq = ext_seq_get(p, s);
-    const int64_t off = (q.sq.b * p->H + q.h) * p->Tk + q.sq.k0, bq = ext_bq(p);
-    q.K = Kp + off * p->DK, q.V = Vp + off * p->DV;
-    q.t0 = tile * bq;
-    q.nt = q.sq.qlen - q.t0 < bq ? q.sq.qlen - q.t0 : bq;
-    return q;
+    ext_task t;
+    int64_t s;
+    cpu_tasks_decode(tk, task, &s, &t.h, &t.tile);
+    t.sq = ext_seq_get(p, s);
+    t.off = (t.sq.b * p->H + t.h) * p->Tk + t.sq.k0;
+    t.K = Kp + t.off * p->DK, t.V = Vp + t.off * p->DV;
+    return t;
 }
 
 /* ---- rows ------------------------------------------------------------------------------ */
@@ -360,7 +358,7 @@ void ext_fwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_a
     ext_tasks(&tk, &ar, p->num_seqs, p->H, ext_tile_counts(&ar, p, 0));
     const size_t per = ext_thread_bytes(p);
     char *thread_base = (char *)ws_take(&ar, per * (size_t)cpu_threads(ctx));
-    const int64_t G = p->G;
+    const int64_t bq = ext_bq(p), G = p->G;
 
 #pragma omp parallel num_threads(cpu_threads(ctx))
     {
@@ -369,10 +367,10 @@ void ext_fwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_a
         ext_scratch_carve(&x, &ta, p);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tk.total; task++) {
-            const ext_qtask qt = ext_qtask_open(p, &tk, task, Kp, Vp);
-            const ext_seq sq = qt.sq;
-            const int64_t h = qt.h, t0 = qt.t0, nt = qt.nt;
-            const float *K = qt.K, *V = qt.V;
+            const ext_task tt = ext_task_open(p, &tk, task, Kp, Vp);
+            const ext_seq sq = tt.sq;
+            const int64_t h = tt.h, t0 = tt.tile * bq, nt = sq.qlen - t0 < bq ? sq.qlen - t0 : bq;
+            const float *K = tt.K, *V = tt.V;
             int64_t kmin, kmax;
             ext_load_tile(&x, &o, &sq, h, t0, nt, NULL, &kmin, &kmax);
             core_fwd_begin(&x.t);
@@ -629,10 +627,10 @@ void ext_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_b
         /* dQ: each task owns its query rows */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tq.total; task++) {
-            const ext_qtask qt = ext_qtask_open(p, &tq, task, Kp, Vp);
-            const ext_seq sq = qt.sq;
-            const int64_t h = qt.h, t0 = qt.t0, nt = qt.nt;
-            const float *K = qt.K, *V = qt.V;
+            const ext_task tt = ext_task_open(p, &tq, task, Kp, Vp);
+            const ext_seq sq = tt.sq;
+            const int64_t h = tt.h, t0 = tt.tile * bq, nt = sq.qlen - t0 < bq ? sq.qlen - t0 : bq;
+            const float *K = tt.K, *V = tt.V;
             int64_t kmin, kmax;
             ext_load_tile(&x, &o, &sq, h, t0, nt, &g, &kmin, &kmax);
             x.t.dQ = dQbuf;
@@ -648,12 +646,12 @@ void ext_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_b
         /* dK, dV: each task owns EXT_KB key rows and visits every query that may see them */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tkv.total; task++) {
-            int64_t s, h, tile, kmin, kmax;
-            cpu_tasks_decode(&tkv, task, &s, &h, &tile);
-            const ext_seq sq = ext_seq_get(p, s);
-            const int64_t off = (sq.b * p->H + h) * p->Tk + sq.k0;
-            const float *K = Kp + off * p->DK, *V = Vp + off * p->DV;
-            const int64_t c0 = tile * EXT_KB, c1 = c0 + EXT_KB < sq.klen ? c0 + EXT_KB : sq.klen;
+            const ext_task tt = ext_task_open(p, &tkv, task, Kp, Vp);
+            const ext_seq sq = tt.sq;
+            const int64_t h = tt.h, off = tt.off;
+            const float *K = tt.K, *V = tt.V;
+            int64_t kmin, kmax;
+            const int64_t c0 = tt.tile * EXT_KB, c1 = c0 + EXT_KB < sq.klen ? c0 + EXT_KB : sq.klen;
             const int64_t q_first = ext_first_reaching(&o, &sq, c0), q_last = ext_last_starting(&o, &sq, c1 - 1);
             for (int64_t tq0 = q_first; tq0 <= q_last; tq0 += bq) {
                 const int64_t nt = q_last + 1 - tq0 < bq ? q_last + 1 - tq0 : bq;
