@@ -1,14 +1,16 @@
-/* hopper.cuh -- the sm_90a forward tile: wgmma (warpgroup tensor-core products with operands
- * in shared memory) instead of mma.sync, for the contiguous-range rules (compressed, window,
- * dense causal / full) at head dims 64 and 128.
+/* hopper.cuh -- the sm_90a tiles: wgmma (warpgroup tensor-core products with operands in
+ * shared memory) instead of mma.sync, for the contiguous-range rules (compressed, window,
+ * dense causal / full). Primitives (swizzled loaders, descriptors, fences) in wgmma.cuh.
  *
- *   qwg_kernel  128 query rows per CTA (row = position * G + head of one kv head, as in
- *               qtile), two warpgroups of 64 rows each; keys in chunks of 128 through a
- *               two-stage cp.async pipeline into 128-byte-swizzled tiles; S = Q K^T from
- *               shared memory (wgmma SS), online softmax in registers, O += P V with P from
- *               registers (wgmma RS, V read MN-major). One CTA per SM (160 KB of shared
- *               memory, ~200 registers per thread): the two warpgroups interleave, one on
- *               its softmax while the other's products run.
+ *   qwg_kernel  forward and dQ, head dims 64 / 128 / 192 (DV 128): 128 query rows per CTA
+ *               (row = position * G + head of one kv head, as in qtile), two warpgroups of 64
+ *               rows; keys in chunks of 128 (forward) or 64 (dQ) through a two-stage
+ *               cp.async pipeline into 128-byte-swizzled tiles; scores (and dP) by wgmma SS,
+ *               O += P V or dQ += dS K by wgmma RS with P / dS from registers and V / K read
+ *               MN-major. One CTA per SM; the forward ping-pongs its warpgroups on named
+ *               barriers so that one's softmax overlaps the other's products.
+ *   kwg_kernel  dK and dV, head dims 64 / 128: ktile's tasks at 128 keys (64 per warpgroup,
+ *               sharing each 64-row chunk of Q and dO), same ordered partials: deterministic.
  *
  * Shared tiles use the canonical 128-byte swizzle of wgmma: a tile of R rows x D columns is
  * D / 64 column blocks of R x 128 bytes; 16-byte chunk c of row r sits at chunk c ^ (r % 8)
@@ -16,8 +18,8 @@
  * cp.async (16 bytes per thread, eight threads per 128-byte row: no bank conflicts), and
  * fence.proxy.async makes them visible to the tensor cores before the barrier.
  *
- * The kernel body exists only in the sm_90a build; the host launches it only when the
- * loaded binary was compiled for it (nsa_cu_qwg_ready), else qtile runs. */
+ * The kernel bodies exist only in the sm_90a build; the host launches them only when the
+ * loaded binary was compiled for it (nsa_cu_qwg_ready_*), else qtile / ktile run. */
 #ifndef NSA_CUDA_HOPPER_CUH
 #define NSA_CUDA_HOPPER_CUH
 
