@@ -239,6 +239,40 @@ void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvi
     run_qtile(g, &P, MODE_FWD, tiles, dt);
 }
 
+/* Selection blocks per pass whose overlapping compressed keys fit in nk (0: not even one). */
+static int select_jc(const nsa_config *c, int nk, int cap)
+{
+    for (int jc = cap; jc >= 1; jc--)
+        if ((jc * c->slc_block + c->cmp_len - 1) / c->cmp_stride + 1 <= nk) return jc;
+    return 0;
+}
+
+/* The sm_90a selection (hopper.cuh swg_kernel) when the device, the binary, the head dim
+ * (exactly 64, 128 or 192), the row alignment and the sizes allow it (a pass's keys fit
+ * SWG_NK, n <= 32 for its register lists); NSA_CUDA_WGMMA=0 keeps select_kernel.
+ * Returns whether it ran. Never in the dry pass: a sequence map takes the same workspace for
+ * any tile height, so select_kernel's sizes the workspace for both. */
+static int swg_try(grun *g, sparams *P, nsa_dtype dt)
+{
+    const nsa_problem *p = g->p;
+    const int D = P->DK;
+    if (g->dry || !qwg_env() || g->cc_major != 9 || (D != 64 && D != 128 && D != 192) || !P->q.al || !P->k.al) return 0;
+    const int jc = select_jc(&p->cfg, SWG_NK, 64);
+    if (jc < 1 || P->n > 32 || swg_smem(D, jc, P->n <= 16 ? 16 : 32) > (size_t)g->smem_max || !qwg_ready(D)) return 0;
+    P->JC = jc;
+    unitspec u = {UK_ROWS, 1, SWG_BP, 0, 0};
+    int64_t tiles;
+    P->sm = g_seqmap(g, u, &tiles);
+    if (!g_live(g) || tiles == 0) return 1;
+    const int bf16 = dt == NSA_DTYPE_BF16;
+    switch (D) {
+    case 64: nsa_cu_swg_64(g, P, bf16, tiles); break;
+    case 128: nsa_cu_swg_128(g, P, bf16, tiles); break;
+    default: nsa_cu_swg_192(g, P, bf16, tiles); break;
+    }
+    return 1;
+}
+
 void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dview *lse, const dview *idx,
                const dview *cnt)
 {
@@ -262,13 +296,10 @@ void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvie
         g_fail(g, NSA_STATUS_NOT_SUPPORTED); /* n > 6144: the per-position lists would not fit */
         return;
     }
+    if (swg_try(g, &P, dt)) return;
     /* selection blocks per pass: as many as keep the overlapping compressed keys within 64 */
-    P.JC = 1;
-    for (int jc = 64; jc >= 1; jc--)
-        if ((jc * c->slc_block + c->cmp_len - 1) / c->cmp_stride + 1 <= 64) {
-            P.JC = jc;
-            break;
-        }
+    P.JC = select_jc(c, 64, 64);
+    if (P.JC < 1) P.JC = 1; /* select_kernel walks a pass's keys in chunks of 64 */
     unitspec u = {UK_ROWS, 1, P.P, 0, 0};
     int64_t tiles;
     P.sm = g_seqmap(g, u, &tiles);

@@ -919,6 +919,69 @@ __device__ __forceinline__ int64_t div_nn(int64_t a, int b)
     return a <= INT_MAX ? (int64_t)((unsigned)a / (unsigned)b) : a / b;
 }
 
+/* One pass of the streaming top-n (spec 3), one thread per position pp < npos: candidates
+ * jA .. jA + JC - 1 (importance imp[pp * ims + jj]) enter the position's kept list, best first
+ * (entry i at LI[i * NP + pp] importance, LJ[i * NP + pp] block; kept[pp] entries), by
+ * insertion in the order (forced, importance, index). That order is total, so the list is
+ * exactly the CPU's (cpu/select.c) whatever the pass boundaries. With random importances few
+ * candidates beat the last kept entry once the list is full, so most cost one comparison; the
+ * entry-major layout and an odd ims keep a warp's 32 positions on distinct banks. (A warp per
+ * position, merging by rank counts, cost 8 of the 17 ms of the selection at 64k.) */
+__device__ __forceinline__ void sel_merge(const sparams &P, const float *imp, int ims, float *LI, int *LJ, int *kept, int NP,
+                                          int p0, int npos, int jA, int JC, int pp)
+{
+    if (pp >= npos) return;
+    const int n = P.n, cur = (p0 + pp) / P.lp;
+    const int m = cur - jA + 1 < JC ? cur - jA + 1 : JC;
+    int k = kept[pp];
+    /* the last entry of a full list: the bar a candidate must clear */
+    int jl = 0, fl = 0;
+    float vl = 0.0f;
+    if (k == n) jl = LJ[(n - 1) * NP + pp], vl = LI[(n - 1) * NP + pp], fl = nsa_rule_forced(jl, cur, P.n_init, P.n_local);
+    for (int jj = 0; jj < m; jj++) {
+        const int j = jA + jj, f = nsa_rule_forced(j, cur, P.n_init, P.n_local);
+        const float v = imp[pp * ims + jj];
+        if (k == n && !nsa_rule_ranks_above(f, v, j, fl, vl, jl)) continue;
+        int q = k < n ? k : n - 1; /* a full list drops its last entry */
+        while (q > 0) {
+            const int w = LJ[(q - 1) * NP + pp];
+            const float wv = LI[(q - 1) * NP + pp];
+            if (!nsa_rule_ranks_above(f, v, j, nsa_rule_forced(w, cur, P.n_init, P.n_local), wv, w)) break;
+            LI[q * NP + pp] = wv, LJ[q * NP + pp] = w;
+            q--;
+        }
+        LI[q * NP + pp] = v, LJ[q * NP + pp] = j;
+        if (k < n) k++;
+        if (k == n) jl = LJ[(n - 1) * NP + pp], vl = LI[(n - 1) * NP + pp], fl = nsa_rule_forced(jl, cur, P.n_init, P.n_local);
+    }
+    kept[pp] = k;
+}
+
+/* The kept lists in ascending block order into idx (-1 past the count) and cnt: one thread
+ * per position (at most n entries each, entry-major as sel_merge keeps them). */
+__device__ __forceinline__ void sel_write(const sparams &P, const seqinfo &sq, int h, int *LJ, const int *kept, int NP,
+                                          int p0, int npos, int tid)
+{
+    const int n = P.n;
+    if (tid < npos) {
+        const int t = p0 + tid, k = kept[tid];
+        int *lj = LJ + tid;
+        for (int i = 1; i < k; i++) {
+            const int v = lj[i * NP];
+            int q = i;
+            while (q > 0 && lj[(q - 1) * NP] > v) {
+                lj[q * NP] = lj[(q - 1) * NP];
+                q--;
+            }
+            lj[q * NP] = v;
+        }
+        const int64_t row = sq.row0 + t;
+        int32_t *out = (int32_t *)P.idx.p + sq.b * P.idx.s0 + row * P.idx.s1 + (int64_t)h * P.idx.s2;
+        for (int e = 0; e < n; e++) out[e] = e < k ? lj[e * NP] : -1;
+        if (P.cnt.p) ((int32_t *)P.cnt.p)[sq.b * P.cnt.s0 + row * P.cnt.s1 + (int64_t)h * P.cnt.s2] = k;
+    }
+}
+
 template <int DKP, typename T>
 __global__ void __launch_bounds__(128) select_kernel(const sparams P)
 {
@@ -1121,90 +1184,7 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
             }
         }
         __syncthreads();
-        /* streaming top-n, one warp per position: the order (forced, importance, index) is
-         * total, so merging the kept list with this pass's candidates by rank counts gives
-         * exactly the CPU's insertion result, in parallel instead of one serial thread. */
-        for (int pp = warp; pp < npos; pp += 4) {
-            const int t = p0 + pp, cur = t / lp;
-            const int m = cur - jA + 1 < JC ? cur - jA + 1 : JC;
-            if (m <= 0) continue;
-            float *li = LI + pp * n;
-            int *lj = LJ + pp * n;
-            const float *iv = imp + pp * JC;
-            const int k = kept[pp];
-            /* Only candidates that rank above the list's last entry can enter a full list (all
-             * enter one that is not full); with random importances that is a few per pass
-             * after the first ones. Ranks are counted against those entrants alone (masks
-             * E[0], E[1] over candidates lane and lane + 32), so a pass costs O(entrants)
-             * per lane instead of O(JC). */
-            int en[2] = {0, 0};
-            {
-                const int w = k == n ? lj[n - 1] : 0, fw = k == n ? nsa_rule_forced(w, cur, P.n_init, P.n_local) : 0;
-                const float vw = k == n ? li[n - 1] : 0.0f;
-#pragma unroll
-                for (int u = 0; u < 2; u++) {
-                    const int a = lane + 32 * u, ja = jA + a;
-                    if (a < m)
-                        en[u] = k < n || nsa_rule_ranks_above(nsa_rule_forced(ja, cur, P.n_init, P.n_local), iv[a], ja, fw, vw, w);
-                }
-            }
-            const unsigned E[2] = {__ballot_sync(0xffffffffu, en[0]), __ballot_sync(0xffffffffu, en[1])};
-            if (!(E[0] | E[1])) continue;
-            const int ne = __popc(E[0]) + __popc(E[1]);
-            /* entrants ranking above (fx, vx, jx) */
-            auto entrants_above = [&](int fx, float vx, int jx) {
-                int r = 0;
-#pragma unroll
-                for (int u = 0; u < 2; u++)
-                    for (unsigned e = E[u]; e; e &= e - 1) {
-                        const int b = __ffs(e) - 1 + 32 * u, jb = jA + b;
-                        r += nsa_rule_ranks_above(nsa_rule_forced(jb, cur, P.n_init, P.n_local), iv[b], jb, fx, vx, jx);
-                    }
-                return r;
-            };
-            /* entrant a: rank among the entrants plus the kept entries above it (binary
-             * search, the list is sorted) */
-            int npos2[2];
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                const int a = lane + 32 * u;
-                npos2[u] = n;
-                if (en[u]) {
-                    const int ja = jA + a, fa = nsa_rule_forced(ja, cur, P.n_init, P.n_local);
-                    const float va = iv[a];
-                    int lo = 0, hi = k;
-                    while (lo < hi) {
-                        const int mid = (lo + hi) >> 1, w = lj[mid];
-                        if (nsa_rule_ranks_above(nsa_rule_forced(w, cur, P.n_init, P.n_local), li[mid], w, fa, va, ja)) lo = mid + 1;
-                        else hi = mid;
-                    }
-                    npos2[u] = entrants_above(fa, va, ja) + lo;
-                }
-            }
-            __syncwarp();
-            /* kept entry i moves to i + (entrants above it) >= i: chunks from the end, so a
-             * write only lands on entries already read */
-            for (int base = ((k - 1) >> 5) << 5; base >= 0; base -= 32) {
-                const int i = base + lane;
-                float v = 0.0f;
-                int w = 0, dst = n;
-                if (i < k) {
-                    v = li[i], w = lj[i];
-                    dst = i + entrants_above(nsa_rule_forced(w, cur, P.n_init, P.n_local), v, w);
-                }
-                __syncwarp();
-                if (dst < n) li[dst] = v, lj[dst] = w;
-                __syncwarp();
-            }
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                const int a = lane + 32 * u;
-                if (npos2[u] < n) li[npos2[u]] = iv[a], lj[npos2[u]] = jA + a;
-            }
-            __syncwarp();
-            if (lane == 0) kept[pp] = k + ne < n ? k + ne : n;
-            __syncwarp();
-        }
+        sel_merge(P, imp, JC, LI, LJ, kept, NP, p0, npos, jA, JC, tid);
         __syncthreads();
     }
 #undef SEL_QLOAD
@@ -1212,24 +1192,7 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
 #undef SEL_KLOAD
     cp_commit();
     cp_wait<0>();
-
-    if (tid < npos) {
-        const int t = p0 + tid, k = kept[tid];
-        int *lj = LJ + tid * n;
-        for (int i = 1; i < k; i++) {
-            const int v = lj[i];
-            int q = i;
-            while (q > 0 && lj[q - 1] > v) {
-                lj[q] = lj[q - 1];
-                q--;
-            }
-            lj[q] = v;
-        }
-        const int64_t row = sq.row0 + t;
-        int32_t *out = (int32_t *)P.idx.p + sq.b * P.idx.s0 + row * P.idx.s1 + (int64_t)h * P.idx.s2;
-        for (int e = 0; e < n; e++) out[e] = e < k ? lj[e] : -1;
-        if (P.cnt.p) ((int32_t *)P.cnt.p)[sq.b * P.cnt.s0 + row * P.cnt.s1 + (int64_t)h * P.cnt.s2] = k;
-    }
+    sel_write(P, sq, h, LJ, kept, NP, p0, npos, tid);
 }
 
 /* ==== launchers (instantiated per head-dim class in engine_d*.cu) ========================== */

@@ -422,6 +422,246 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
 #endif
 }
 
+/* ==== swg_kernel: importance + top-n (spec 3) on wgmma ====================================== */
+
+/* Rank key of candidate block j (importance v >= 0, forced f) for position-wise top-n: the
+ * order (forced, importance, lower index) of spec 3 as one unsigned compare, since
+ * non-negative floats order as their bit patterns. 0 is no block (every real key has the
+ * index field > 0 or a set importance / forced bit). */
+__device__ __forceinline__ uint64_t swg_key(int f, float v, int j)
+{
+    return ((uint64_t)(f != 0) << 63) | ((uint64_t)__float_as_uint(v) << 31) | (uint64_t)(0x7FFFFFFF - j);
+}
+
+/* One pass of the top-n for the 32 positions of a warp (lane = position pp, list in keys
+ * [NR][SWG_BP], best first, zeros = empty): the list in registers, and every candidate that
+ * beats some lane's last entry goes through a branchless insertion network, L[i] =
+ * max(L[i], min(c, L[i - 1])), a no-op for the lanes it does not beat. Keeping the top NR >= n
+ * keeps the top n. (A warp per position merging by rank counts took 8 of the 17 ms of the
+ * selection at 64k; one thread per position shifting a shared-memory list, 7.) */
+template <int NR>
+__device__ __forceinline__ void swg_merge(const sparams &P, const float *imp, int ims, uint64_t *keys, int p0, int npos,
+                                          int jA, int JC, int pp)
+{
+    uint64_t L[NR];
+#pragma unroll
+    for (int i = 0; i < NR; i++) L[i] = keys[i * SWG_BP + pp];
+    const int cur = (p0 + pp) / P.lp;
+    int m = cur - jA + 1 < JC ? cur - jA + 1 : JC;
+    if (pp >= npos) m = 0;
+    for (int jj = 0; jj < JC; jj++) {
+        uint64_t c = 0;
+        if (jj < m) {
+            const int j = jA + jj;
+            c = swg_key(nsa_rule_forced(j, cur, P.n_init, P.n_local), imp[pp * ims + jj], j);
+        }
+        if (!__any_sync(0xffffffffu, c > L[NR - 1])) continue;
+#pragma unroll
+        for (int i = NR - 1; i > 0; i--) {
+            const uint64_t lo = c < L[i - 1] ? c : L[i - 1];
+            L[i] = L[i] > lo ? L[i] : lo;
+        }
+        L[0] = L[0] > c ? L[0] : c;
+    }
+#pragma unroll
+    for (int i = 0; i < NR; i++) keys[i * SWG_BP + pp] = L[i];
+}
+
+/* One warpgroup per CTA, 64 consecutive positions of one kv head (the wgmma rows are
+ * positions, not position x head as in select_kernel). A pass takes the compressed keys
+ * [iA, iB) (at most SWG_NK) that overlap JC selection blocks; for each of the G heads in
+ * turn, S = Q_g K^T (wgmma SS; Q tiles in SWG_QST stages, so that heads g + 1 .. load during
+ * head g) and p += 2^(S sl2 - lse_g): the head sum of the probabilities accumulates
+ * elementwise in registers, with no cross-lane reduction. The pass then writes p to shared
+ * memory (over the key tile, free by then), folds it into block importances, issues the next
+ * pass's key tile and first Q tiles, and merges the candidates into the kept lists
+ * (swg_merge, one lane per position) while those load. Two CTAs per SM overlap one's
+ * exponentials and merges with the other's products. Keys a position cannot see are never
+ * read back from p. NR: list registers, 16 or 32 (>= n). */
+template <int DKP, typename T, int NR>
+__global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BP = SWG_BP, NK = SWG_NK, NT = NK / 8, KT = DKP / 16, NTHR = 128, NQ = SWG_QST;
+    constexpr int QB = BP * DKP * 2, KB = SWG_KBYTES(DKP);
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    unsigned char *Qs = smem;                /* [NQ] Q tiles of one head each */
+    unsigned char *Ks = Qs + NQ * QB;        /* key tile; then p [BP][NK] f32 (swizzled) */
+    float *Ps = (float *)Ks;
+    const int JC = P.JC, IMS = JC | 1;       /* odd row stride: swg_merge's lanes on distinct banks */
+    uint64_t *keys = (uint64_t *)(Ks + KB);  /* [NR][BP] rank keys, best first */
+    float *imp = (float *)(keys + NR * BP);  /* [BP][IMS] */
+    int *kept = (int *)(imp + BP * IMS);     /* [BP] */
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int64_t s, tile;
+    seq_decode(P.sm, blockIdx.x, &s, &tile);
+    const seqinfo sq = seq_get(P.sm, s);
+    const int h = blockIdx.y;
+    const int64_t G = P.G;
+    /* heaviest tiles (latest positions, most passes) first */
+    tile = (sq.len + BP - 1) / BP - 1 - tile;
+    const int p0 = (int)tile * BP;
+    const int npos = sq.len - p0 < BP ? sq.len - p0 : BP;
+    const int lp = P.lp, cl = P.cl, cd = P.cd;
+    const int cur_max = (p0 + npos - 1) / lp;
+    const int last_t = p0 + npos - 1;
+    int nv_max = last_t + 1 >= cl ? (last_t + 1 - cl) / cd + 1 : 0;
+    nv_max = nv_max < sq.ncmp ? nv_max : sq.ncmp;
+    const float inv_d = 1.0f / (float)cd;
+    const int64_t qbase = sq.b * P.q.s0 + (sq.row0 + p0) * P.q.s1 + (int64_t)h * G * P.q.s2;
+    const int64_t kbase = sq.b * P.k.s0 + sq.cmp0 * P.k.s1 + (int64_t)h * P.k.s2;
+    const float *lsep = (const float *)P.lse.p;
+    /* this lane's two rows (positions) of its warp's 16 */
+    int rp[2];
+    int64_t lrow[2];
+#pragma unroll
+    for (int x = 0; x < 2; x++) {
+        rp[x] = warp * 16 + (lane >> 2) + x * 8;
+        lrow[x] = sq.b * P.lse.s0 + (sq.row0 + p0 + rp[x]) * P.lse.s1 + (int64_t)h * G * P.lse.s2;
+    }
+    for (int i = tid; i < NR * BP; i += NTHR) keys[i] = 0;
+
+    /* compressed keys [iA_, iB_) overlapping selection blocks [jA_, jA_ + JC) */
+    auto range = [&](int jA_, int *iA_, int *iB_) {
+        const int64_t a0 = (int64_t)jA_ * lp - cl;
+        *iA_ = a0 < 0 ? 0 : (int)(div_nn(a0, cd) + 1);
+        const int b = (int)(div_nn((int64_t)(jA_ + JC) * lp - 1, cd) + 1);
+        *iB_ = b < nv_max ? b : nv_max;
+    };
+    /* a pass's keys with its first Q tiles: groups (K, Q_0), (Q_1), ... (Q_{NQ-2}), some empty */
+    auto load_pass = [&](int iA_, int iB_) {
+        sw_load_lin<T, DKP, NK, NTHR>(Ks, (const T *)P.k.p, kbase + (int64_t)iA_ * P.k.s1, P.k.s1, iB_ - iA_, tid);
+#pragma unroll
+        for (int x = 0; x < NQ - 1; x++) {
+            if (x < G) sw_load_lin<T, DKP, BP, NTHR>(Qs + x * QB, (const T *)P.q.p, qbase + x * P.q.s2, P.q.s1, npos, tid);
+            cp_commit();
+        }
+    };
+
+    int iA, iB;
+    range(0, &iA, &iB);
+    if (iA < iB) load_pass(iA, iB);
+    for (int jA = 0; jA <= cur_max; jA += JC) {
+        if (iA < iB) {
+            float acc[NT][4];
+#pragma unroll
+            for (int i = 0; i < NT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+            for (int64_t g = 0, st = 0; g < G; g++, st = st + 1 == NQ ? 0 : st + 1) {
+                cp_wait<NQ - 2>();
+                fence_async_smem();
+                __syncthreads(); /* Q_g (and the pass's keys) landed; Q_{g-1}'s products done */
+                if (g + NQ - 1 < G) {
+                    const int sn = st == 0 ? NQ - 1 : (int)st - 1; /* Q_{g-1}'s slot */
+                    sw_load_lin<T, DKP, BP, NTHR>(Qs + sn * QB, (const T *)P.q.p, qbase + (g + NQ - 1) * P.q.s2, P.q.s1,
+                                                 npos, tid);
+                }
+                cp_commit();
+                float l2[2];
+#pragma unroll
+                for (int x = 0; x < 2; x++) {
+                    const float lse = rp[x] < npos ? lsep[lrow[x] + g * P.lse.s2] : -INFINITY;
+                    l2[x] = lse == -INFINITY ? INFINITY : lse * NSA_LOG2E;
+                }
+                float S[NT][4];
+                const unsigned char *Qw = Qs + st * QB;
+                wg_fence();
+#pragma unroll
+                for (int kk = 0; kk < KT; kk++) {
+                    const uint64_t da = wg_desc(Qw + (kk >> 2) * BP * 128 + (kk & 3) * 32, 16, 1024);
+                    const uint64_t db = wg_desc(Ks + (kk >> 2) * NK * 128 + (kk & 3) * 32, 16, 1024);
+                    wgmma_op<T, NK>::template ss<0>(&S[0][0], da, db, kk > 0);
+                }
+                wg_commit();
+                wg_wait<0>();
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[nt][e] += ex2(fmaf(S[nt][e], P.sl2, -l2[e >> 1]));
+            }
+            __syncthreads(); /* every product of the pass is done: the key tile becomes p */
+            /* p[r][c] at r * NK + (c ^ 8 (r % 4)): the float2 stores of a half-warp (rows
+             * r..r+3) fall in distinct banks */
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int x = 0; x < 2; x++) {
+                    const int r = rp[x], c = (nt * 8 + 2 * (lane & 3)) ^ ((r & 3) << 3);
+                    *(float2 *)(Ps + r * NK + c) = make_float2(acc[nt][2 * x], acc[nt][2 * x + 1]);
+                }
+            __syncthreads();
+            /* importance of block j for position t: p of each compressed key i < nv(t) it
+             * overlaps, times the shared tokens / d (spec 3) */
+            for (int idx = tid; idx < npos * JC; idx += NTHR) {
+                const int pp = idx / JC, jj = idx - pp * JC, j = jA + jj, t = p0 + pp;
+                if (j > t / lp) continue;
+                const int nv = t + 1 >= cl ? (t + 1 - cl) / cd + 1 : 0;
+                const int64_t b0 = (int64_t)j * lp - cl;
+                int ia = b0 < 0 ? 0 : (int)(div_nn(b0, cd) + 1);
+                int ib = (int)(div_nn((int64_t)j * lp + lp - 1, cd) + 1);
+                ia = ia > iA ? ia : iA;
+                ib = ib < iB ? ib : iB;
+                ib = ib < nv ? ib : nv;
+                float a = 0.0f;
+                for (int i = ia; i < ib; i++) {
+                    const int lo = i * cd > j * lp ? i * cd : j * lp;
+                    const int hi = i * cd + cl < j * lp + lp ? i * cd + cl : j * lp + lp;
+                    const int c = (i - iA) ^ ((pp & 3) << 3);
+                    a += Ps[pp * NK + c] * (float)(hi - lo);
+                }
+                imp[pp * IMS + jj] = a * inv_d;
+            }
+        } else {
+            for (int idx = tid; idx < npos * JC; idx += NTHR) imp[(idx / JC) * IMS + idx % JC] = 0.0f;
+        }
+        __syncthreads(); /* imp written; p read: the tile is free for the next pass */
+        const int jn = jA + JC;
+        int nA = 0, nB = 0;
+        if (jn <= cur_max) {
+            range(jn, &nA, &nB);
+            if (nA < nB) load_pass(nA, nB);
+        }
+        if (tid < BP) swg_merge<NR>(P, imp, IMS, keys, p0, npos, jA, JC, tid);
+        __syncthreads();
+        iA = nA, iB = nB;
+    }
+    cp_wait<0>();
+    /* the first n keys (nonzero ones: blocks) as block indices, entry-major over the keys */
+    uint64_t L[NR];
+    if (tid < BP)
+#pragma unroll
+        for (int i = 0; i < NR; i++) L[i] = keys[i * BP + tid];
+    __syncthreads();
+    int *LJ = (int *)keys;
+    if (tid < npos) {
+        int k = 0;
+#pragma unroll
+        for (int i = 0; i < NR; i++)
+            if (i < P.n && L[i] != 0) LJ[k++ * BP + tid] = 0x7FFFFFFF - (int)(L[i] & 0x7FFFFFFF);
+        kept[tid] = k;
+    }
+    sel_write(P, sq, h, LJ, kept, BP, p0, npos, tid);
+#endif
+}
+
+template <int DKP, typename T, int NR>
+static void launch_swg_nr(grun *g, const sparams *P, int64_t tiles)
+{
+    const size_t smem = swg_smem(DKP, P->JC, NR);
+    g_check(g, cudaFuncSetAttribute(swg_kernel<DKP, T, NR>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (g->err != NSA_STATUS_SUCCESS) return;
+    swg_kernel<DKP, T, NR><<<dim3((unsigned)tiles, (unsigned)P->H), 128, smem, g->st>>>(*P);
+    g_launched(g);
+}
+
+template <int DKP, typename T>
+static void launch_swg_t(grun *g, const sparams *P, int64_t tiles)
+{
+    if (P->n <= 16) launch_swg_nr<DKP, T, 16>(g, P, tiles);
+    else launch_swg_nr<DKP, T, 32>(g, P, tiles);
+}
+
 template <int DP, typename T>
 static void launch_kwg_t(grun *g, const kparams *P, int64_t tiles)
 {
@@ -470,8 +710,16 @@ static int qwg_ready_t()
     int nsa_cu_qwg_ready_##DKP(void) { return qwg_ready_t<DKP, DVP>(); }
 
 /* ... and its dK / dV tile (DK == DV only: at 192 / 128 the accumulators would not fit) */
+#define NSA_HOPPER_SWG_INSTANCE(DKP)                                                             \
+    void nsa_cu_swg_##DKP(grun *g, const sparams *P, int bf16, int64_t tiles)                    \
+    {                                                                                            \
+        if (bf16) launch_swg_t<DKP, __nv_bfloat16>(g, P, tiles);                                 \
+        else launch_swg_t<DKP, __half>(g, P, tiles);                                             \
+    }
+
 #define NSA_HOPPER_INSTANCE(DP)                                                                  \
     NSA_HOPPER_QWG_INSTANCE(DP, DP)                                                              \
+    NSA_HOPPER_SWG_INSTANCE(DP)                                                                  \
     void nsa_cu_kwg_##DP(grun *g, const kparams *P, int bf16, int64_t tiles)                     \
     {                                                                                            \
         if (bf16) launch_kwg_t<DP, __nv_bfloat16>(g, P, tiles);                                  \

@@ -122,6 +122,21 @@ static inline size_t qwg_smem(int DKP, int DVP, int mode)
            2 * QWG_BM * sizeof(int64_t);
 }
 
+/* swg_kernel (hopper.cuh): positions per CTA (the wgmma rows) and compressed keys per pass;
+ * the key tile's bytes, reused as the pass's probabilities p [BP][NK] f32 */
+#define SWG_BP 64
+#define SWG_NK 128
+#define SWG_QST 3 /* Q tiles in flight (one head each) */
+#define SWG_KBYTES(DKP) (SWG_NK * (DKP) * 2 > SWG_BP * SWG_NK * 4 ? SWG_NK * (DKP) * 2 : SWG_BP * SWG_NK * 4)
+/* Shared memory of swg_kernel<DKP, T, NR>: slack, SWG_QST Q tiles, the key tile, rank keys
+ * [NR][BP] (NR >= n: 16 or 32), importances [BP][JC | 1], counts. Must match the carving in
+ * the kernel. */
+static inline size_t swg_smem(int DKP, int JC, int NR)
+{
+    return 1024 + SWG_QST * (size_t)SWG_BP * DKP * 2 + (size_t)SWG_KBYTES(DKP) + (size_t)NR * SWG_BP * 8 +
+           (size_t)SWG_BP * (JC | 1) * 4 + SWG_BP * 4;
+}
+
 #define KWG_BK 128 /* keys per kwg_kernel task (ktile: 64) */
 /* Shared memory of kwg_kernel<DP>: slack, K and V of 128 keys, two Q and two dO stages of 64
  * rows, the three row slots of ktile (offsets, lse, D, gate, ranges, whole-chunk flags). */
@@ -132,6 +147,10 @@ static inline size_t kwg_smem(int DP)
 
 /* sm_90a forward / dQ tile for the range rules (hopper.cuh), head dims exactly 64 / 128;
  * ready: whether the loaded binary holds its sm_90a body (1) or it must not run (0). */
+/* sm_90a selection (importance + top-n) on wgmma, head dims exactly 64 / 128 / 192 */
+void nsa_cu_swg_64(grun *g, const sparams *P, int bf16, int64_t tiles);
+void nsa_cu_swg_128(grun *g, const sparams *P, int bf16, int64_t tiles);
+void nsa_cu_swg_192(grun *g, const sparams *P, int bf16, int64_t tiles);
 void nsa_cu_qwg_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
 void nsa_cu_qwg_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
 void nsa_cu_qwg_192(grun *g, const qparams *P, int mode, int bf16, int64_t tiles); /* DK 192, DV 128 */

@@ -228,20 +228,7 @@ typedef struct gate3 {
     float *Dw[3], *gw[3]; /* backward: per-row D = g * rowsum(dout * o) and g of each branch */
 } gate3;
 
-/* Four consecutive elements at element offset off (off % 4 == 0 of a 16-byte aligned view,
- * see dview.al): one 16-byte (f32) or 8-byte (f16/bf16) access instead of four. */
-__device__ __forceinline__ float4 ld4_any(const void *p, int dt, int64_t off)
-{
-    if (dt == NSA_DTYPE_F32) return *(const float4 *)((const float *)p + off);
-    const uint2 u = *(const uint2 *)((const unsigned short *)p + off);
-    if (dt == NSA_DTYPE_BF16) {
-        const float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)&u.x), b = __bfloat1622float2(*(const __nv_bfloat162 *)&u.y);
-        return make_float4(a.x, a.y, b.x, b.y);
-    }
-    const float2 a = __half22float2(*(const __half2 *)&u.x), b = __half22float2(*(const __half2 *)&u.y);
-    return make_float4(a.x, a.y, b.x, b.y);
-}
-
+/* Four consecutive elements (off % 4 == 0 of a 16-byte aligned view) from an f32 value. */
 __device__ __forceinline__ void st4_any(void *p, int dt, int64_t off, float4 v)
 {
     if (dt == NSA_DTYPE_F32) {
@@ -268,11 +255,71 @@ static int vec4_ok(const dview *v, int n, int64_t D)
     return 1;
 }
 
-/* one warp per (b, t, hq) row; vec: lanes over 4-element groups (else one element each) */
-__global__ void gate_kernel(gate3 a, dview o, int64_t T, int64_t HQ, int64_t DV, int64_t rows, int vec)
+/* Eight consecutive elements at element offset off (off % 8 == 0 of a 16-byte aligned view):
+ * one 16-byte access (f16 / bf16) or two (f32). */
+__device__ __forceinline__ void ld8_any(const void *p, int dt, int64_t off, float v[8])
 {
-    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
+    if (dt == NSA_DTYPE_F32) {
+        const float4 a = *(const float4 *)((const float *)p + off), b = *(const float4 *)((const float *)p + off + 4);
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+        return;
+    }
+    const uint4 u = *(const uint4 *)((const unsigned short *)p + off);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 f = dt == NSA_DTYPE_BF16 ? __bfloat1622float2(*(const __nv_bfloat162 *)&w[i]) : __half22float2(*(const __half2 *)&w[i]);
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ void st8_any(void *p, int dt, int64_t off, const float v[8])
+{
+    if (dt == NSA_DTYPE_F32) {
+        *(float4 *)((float *)p + off) = make_float4(v[0], v[1], v[2], v[3]);
+        *(float4 *)((float *)p + off + 4) = make_float4(v[4], v[5], v[6], v[7]);
+        return;
+    }
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (dt == NSA_DTYPE_BF16) {
+            const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+            w[i] = *(const uint32_t *)&h;
+        } else {
+            const __half2 h = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+            w[i] = *(const uint32_t *)&h;
+        }
+    }
+    *(uint4 *)((unsigned short *)p + off) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+/* Rows of these views can be read eight elements at a time: 16-byte aligned rows, D % 8 == 0. */
+static int vec8_ok(const dview *v, int n, int64_t D)
+{
+    if (D % 8) return 0;
+    for (int i = 0; i < n; i++)
+        if (v[i].p && !v[i].al) return 0;
+    return 1;
+}
+
+/* Lanes per row of the gate kernels: vectorised, the power of two covering D / 8 elements
+ * (D 128: 16 lanes, two rows per warp, every lane one 16-byte access per tensor); else 32
+ * lanes of one element. Rows of a few hundred bytes leave a whole warp per row mostly idle
+ * behind its index arithmetic and latency (64k: 3.2 ms for 4.3 GB). */
+static int gate_lanes(int vec, int64_t D)
+{
+    int l = 1;
+    while (vec && l < 32 && l * 8 < D) l <<= 1;
+    return vec ? l : 32;
+}
+
+/* lpr lanes per (b, t, hq) row (a power of two dividing 32); vec: 8 elements per access */
+__global__ void gate_kernel(gate3 a, dview o, int64_t T, int64_t HQ, int64_t DV, int64_t rows, int vec, int lpr)
+{
+    const int64_t gt = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t row = gt / lpr;
+    const int sub = (int)(gt & (lpr - 1));
     if (row >= rows) return;
     int64_t hq, t, b;
     split_row(row, HQ, T, rows, &b, &t, &hq);
@@ -284,18 +331,21 @@ __global__ void gate_kernel(gate3 a, dview o, int64_t T, int64_t HQ, int64_t DV,
     }
     const int64_t base = b * o.s0 + t * o.s1 + hq * o.s2;
     if (vec) {
-        for (int64_t d = 4 * lane; d < DV; d += 128) {
-            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int64_t d = 8 * sub; d < DV; d += 8 * lpr) {
+            float v[3][8], acc[8];
             for (int x = 0; x < 3; x++)
-                if (a.g[x].p) {
-                    const float4 v = ld4_any(a.o[x].p, a.o[x].dt, ob[x] + d);
-                    acc.x += gv[x] * v.x, acc.y += gv[x] * v.y, acc.z += gv[x] * v.z, acc.w += gv[x] * v.w;
-                }
-            st4_any(o.p, o.dt, base + d, acc);
+                if (a.g[x].p) ld8_any(a.o[x].p, a.o[x].dt, ob[x] + d, v[x]);
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                acc[i] = 0.0f;
+                for (int x = 0; x < 3; x++)
+                    if (a.g[x].p) acc[i] += gv[x] * v[x][i];
+            }
+            st8_any(o.p, o.dt, base + d, acc);
         }
         return;
     }
-    for (int64_t d = lane; d < DV; d += 32) {
+    for (int64_t d = sub; d < DV; d += lpr) {
         float acc = 0.0f;
         for (int x = 0; x < 3; x++)
             if (a.g[x].p) acc += gv[x] * ld_any(a.o[x].p, a.o[x].dt, ob[x] + d);
@@ -313,46 +363,62 @@ void nsa_cu_gate(grun *g, const dview os[3], const dview gs[3], const dview *o, 
     for (int x = 0; x < 3; x++) a.o[x] = os[x], a.g[x] = gs[x];
     dview v[4] = {*o};
     for (int x = 0; x < 3; x++) v[x + 1] = gs[x].p ? os[x] : dview();
-    gate_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(a, *o, T, HQ, DV, rows, vec4_ok(v, 4, DV));
+    const int vec = vec8_ok(v, 4, DV), lpr = gate_lanes(vec, DV);
+    gate_kernel<<<grid1(rows * lpr, PREP_THREADS), PREP_THREADS, 0, g->st>>>(a, *o, T, HQ, DV, rows, vec, lpr);
     g_launched(g);
 }
 
-/* one warp per (b, t, hq) row: per present gate, dg = rowsum(dout * o_x) (also the branch's
- * D = g * dg and g for its backward), do_x = g * dout */
-__global__ void gate_bwd_kernel(gate3 a, dview dout, int64_t T, int64_t HQ, int64_t DV, int64_t rows, int vec)
+/* Sum over the lpr lanes of a row (aligned groups of a power of two). */
+__device__ __forceinline__ float group_sum(float x, int lpr)
 {
-    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (row >= rows) return;
-    int64_t hq, t, b;
-    split_row(row, HQ, T, rows, &b, &t, &hq);
+    for (int o = lpr >> 1; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+/* lpr lanes per (b, t, hq) row: per present gate, dg = rowsum(dout * o_x) (also the branch's
+ * D = g * dg and g for its backward), do_x = g * dout */
+__global__ void gate_bwd_kernel(gate3 a, dview dout, int64_t T, int64_t HQ, int64_t DV, int64_t rows, int vec, int lpr)
+{
+    const int64_t gt = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t row = gt / lpr;
+    const int sub = (int)(gt & (lpr - 1));
+    /* rows past the end stay for the shuffles (a warp may hold two rows, one of them past) */
+    const bool live = row < rows;
+    int64_t hq = 0, t = 0, b = 0;
+    if (live) split_row(row, HQ, T, rows, &b, &t, &hq);
     const int64_t ob = b * dout.s0 + t * dout.s1 + hq * dout.s2;
-    /* branch by branch (dout is re-read from L2): measured faster than one pass holding all
-     * three branches' state (64k: 4.8 vs 6.4 ms) */
+    /* branch by branch (dout is re-read from L1 / L2): measured faster than one pass holding
+     * all three branches' state (64k: 4.8 vs 6.4 ms) */
     for (int x = 0; x < 3; x++) {
         if (!a.g[x].p) continue;
-        const float gv = ld_any(a.g[x].p, a.g[x].dt, b * a.g[x].s0 + t * a.g[x].s1 + hq * a.g[x].s2);
+        const float gv = live ? ld_any(a.g[x].p, a.g[x].dt, b * a.g[x].s0 + t * a.g[x].s1 + hq * a.g[x].s2) : 0.0f;
         const int64_t xo = b * a.o[x].s0 + t * a.o[x].s1 + hq * a.o[x].s2, xd = b * a.d[x].s0 + t * a.d[x].s1 + hq * a.d[x].s2;
         const int need_dot = a.dg[x].p || a.Dw[x];
         float dg = 0.0f;
-        if (vec) {
-            for (int64_t d = 4 * lane; d < DV; d += 128) {
-                const float4 dd = ld4_any(dout.p, dout.dt, ob + d);
+        if (live && vec) {
+            for (int64_t d = 8 * sub; d < DV; d += 8 * lpr) {
+                float dd[8], ov[8];
+                ld8_any(dout.p, dout.dt, ob + d, dd);
                 if (need_dot) {
-                    const float4 ov = ld4_any(a.o[x].p, a.o[x].dt, xo + d);
-                    dg += dd.x * ov.x + dd.y * ov.y + dd.z * ov.z + dd.w * ov.w;
+                    ld8_any(a.o[x].p, a.o[x].dt, xo + d, ov);
+#pragma unroll
+                    for (int i = 0; i < 8; i++) dg += dd[i] * ov[i];
                 }
-                if (a.d[x].p) st4_any(a.d[x].p, a.d[x].dt, xd + d, make_float4(gv * dd.x, gv * dd.y, gv * dd.z, gv * dd.w));
+                if (a.d[x].p) {
+#pragma unroll
+                    for (int i = 0; i < 8; i++) dd[i] *= gv;
+                    st8_any(a.d[x].p, a.d[x].dt, xd + d, dd);
+                }
             }
-        } else {
-            for (int64_t d = lane; d < DV; d += 32) {
+        } else if (live) {
+            for (int64_t d = sub; d < DV; d += lpr) {
                 const float dd = ld_any(dout.p, dout.dt, ob + d);
                 if (need_dot) dg += dd * ld_any(a.o[x].p, a.o[x].dt, xo + d);
                 if (a.d[x].p) st_any(a.d[x].p, a.d[x].dt, xd + d, gv * dd);
             }
         }
-        dg = warp_sum(dg);
-        if (lane == 0) {
+        dg = group_sum(dg, lpr);
+        if (live && sub == 0) {
             if (a.dg[x].p) st_any(a.dg[x].p, a.dg[x].dt, b * a.dg[x].s0 + t * a.dg[x].s1 + hq * a.dg[x].s2, dg);
             if (a.Dw[x]) a.Dw[x][row] = gv * dg, a.gw[x][row] = gv;
         }
@@ -375,7 +441,8 @@ void nsa_cu_gate_bwd(grun *g, const dview *dout, const dview os[3], const dview 
         if (Dw && gs[x].p) a.Dw[x] = Dw[x], a.gw[x] = gw[x];
         if (gs[x].p) v[1 + x] = os[x], v[4 + x] = a.d[x];
     }
-    gate_bwd_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(a, *dout, T, HQ, DV, rows, vec4_ok(v, 7, DV));
+    const int vec = vec8_ok(v, 7, DV), lpr = gate_lanes(vec, DV);
+    gate_bwd_kernel<<<grid1(rows * lpr, PREP_THREADS), PREP_THREADS, 0, g->st>>>(a, *dout, T, HQ, DV, rows, vec, lpr);
     g_launched(g);
 }
 
