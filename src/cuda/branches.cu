@@ -3,6 +3,7 @@
  * class (the one place where run-time dims become template arguments). */
 #include "branches.h"
 
+#include <cuda.h> /* CUtensorMap: the TMA descriptors of the selected-attention tile */
 #include <limits.h>
 #include <stdlib.h>
 
@@ -218,6 +219,87 @@ static int slc_stages(const nsa_problem *p) { return p->G >= 16 ? 1 : 2; }
  * of these latency-bound CTAs per SM), 64 otherwise */
 static int slc_chunk(const nsa_problem *p) { return p->G >= 16 ? 32 : 64; }
 
+/* ---- TMA descriptors (sm_90a selected attention, hopper.cuh sfw_kernel) -------------------- */
+
+typedef CUresult (*tmap_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                   const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* cuTensorMapEncodeTiled through the runtime's driver entry point (libnsa links no libcuda);
+ * NULL when the driver has none */
+static tmap_encode_fn tmap_encoder(void)
+{
+    static int tried;
+    static tmap_encode_fn fn;
+    if (!tried) {
+        tried = 1;
+        void *f = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (tmap_encode_fn)f;
+        else
+            cudaGetLastError();
+    }
+    return fn;
+}
+
+/* A 4-D map over the [B, rows, H, D] view v (16-bit elements, 16-byte aligned rows and
+ * strides: dview.al), boxes of 64 columns x 1 head x `box` rows x 1 batch with the 128-byte
+ * swizzle (the canonical layout of wgmma.cuh's sw_off); rows past the tensor read as zeros.
+ * Returns 0 when it cannot be made (the caller keeps the cp.async tile). */
+static int tmap_make(CUtensorMap *m, const dview *v, nsa_dtype dt, int64_t B, int64_t rows, int64_t H, int64_t D, int box)
+{
+    const tmap_encode_fn fn = tmap_encoder();
+    if (!fn || !v->al || D % 64) return 0;
+    const int64_t s1 = v->s1 * 2, s2 = v->s2 * 2, s0 = B > 1 ? v->s0 * 2 : s1 * rows;
+    const cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)H, (cuuint64_t)rows, (cuuint64_t)B};
+    const cuuint64_t strides[3] = {(cuuint64_t)s2, (cuuint64_t)s1, (cuuint64_t)s0};
+    const cuuint32_t boxd[4] = {64, 1, (cuuint32_t)box, 1}, es[4] = {1, 1, 1, 1};
+    for (int i = 0; i < 3; i++)
+        if (strides[i] % 16 || strides[i] >= ((cuuint64_t)1 << 40)) return 0;
+    const CUtensorMapDataType t = dt == NSA_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return fn(m, t, 4, v->p, dims, strides, boxd, es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* Keys per chunk of the TMA tile: 32 (three stages, four one-warp CTAs per SM) unless
+ * NSA_CUDA_SLC_BN=64 (two stages, three CTAs: Triton's shape), for comparisons. */
+static int sfw_bn(void)
+{
+    static int bn;
+    if (!bn) {
+        const char *e = getenv("NSA_CUDA_SLC_BN");
+        bn = e && atoi(e) == 64 ? 64 : 32;
+    }
+    return bn;
+}
+
+/* The TMA selected-attention tile (forward or dQ) for P when the device, the binary, the
+ * dims (DK == DV == 64 or 128), the group (G a multiple of 16: a tile is 16 heads of one
+ * position) and the views allow it; launches it and returns 1, else 0 (qtile runs). */
+static int sfw_try(grun *g, qparams *P, int mode, nsa_dtype dt, int64_t KR)
+{
+    const nsa_problem *p = g->p;
+    const int D = (int)p->DK;
+    if (g->dry || !qwg_env() || g->cc_major != 9 || p->DK != p->DV || (D != 64 && D != 128) || p->G % 16) return 0;
+    if (mode == MODE_FWD && (!P->o.al || (P->o.dt != (int)dt && P->o.dt != NSA_DTYPE_F32))) return 0;
+    const int bn = sfw_bn();
+    if (sfw_smem(D, bn, bn == 64 ? 2 : 3) > (size_t)g->smem_max || !qwg_ready(D)) return 0;
+    CUtensorMap tk, tv;
+    if (!tmap_make(&tk, &P->k, dt, p->B, KR, p->H, D, bn) || !tmap_make(&tv, &P->v, dt, p->B, KR, p->H, D, bn)) return 0;
+    P->nw = 1;
+    P->bn = bn;
+    unitspec u = {UK_ROWS, p->G, 16, 0, 0};
+    int64_t tiles;
+    P->sm = g_seqmap(g, u, &tiles);
+    if (!g_live(g) || tiles == 0) return 1;
+    const int bf16 = dt == NSA_DTYPE_BF16;
+    if (D == 64) nsa_cu_sfw_64(g, P, mode, bf16, tiles, &tk, &tv);
+    else nsa_cu_sfw_128(g, P, mode, bf16, tiles, &tk, &tv);
+    return 1;
+}
+
 void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dview *v, const int32_t *U,
                 const int32_t *ucnt, int64_t m, const dview *o, const dview *lse)
 {
@@ -230,6 +312,7 @@ void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvi
     P.lse = *lse;
     P.rule = cu_rule_slc(p);
     P.U = U, P.ucnt = ucnt, P.m = (int)m;
+    if (sfw_try(g, &P, MODE_FWD, dt, p->T)) return;
     P.nw = slc_warps(p);
     P.nst = slc_stages(p);
     P.bn = slc_chunk(p);
@@ -412,13 +495,15 @@ void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt
     dq_params(&Q, p, io);
     Q.rule = cu_rule_slc(p);
     Q.U = U, Q.ucnt = ucnt, Q.m = (int)m;
-    Q.nw = slc_warps(p);
-    Q.nst = slc_stages(p);
-    Q.bn = slc_chunk(p);
-    unitspec uq = {UK_ROWS, p->G, 16 * Q.nw, 0, 0};
-    int64_t qtiles;
-    Q.sm = g_seqmap(g, uq, &qtiles);
-    run_qtile(g, &Q, MODE_DQ, qtiles, io->dt);
+    if (!sfw_try(g, &Q, MODE_DQ, io->dt, p->T)) {
+        Q.nw = slc_warps(p);
+        Q.nst = slc_stages(p);
+        Q.bn = slc_chunk(p);
+        unitspec uq = {UK_ROWS, p->G, 16 * Q.nw, 0, 0};
+        int64_t qtiles;
+        Q.sm = g_seqmap(g, uq, &qtiles);
+        run_qtile(g, &Q, MODE_DQ, qtiles, io->dt);
+    }
 
     inv_index ix;
     memset(&ix, 0, sizeof ix);

@@ -25,6 +25,8 @@
 
 #include "engine.cuh" /* ex2, rule_bounds, dtraits, loaders, kt_task; wgmma.cuh */
 
+#include <cuda.h> /* CUtensorMap (the type only: the maps are encoded in branches.cu) */
+
 #if defined(__CUDACC__)
 
 /* Ping-pong of the two warpgroups' products on the tensor cores, per chunk A0, A1, B0, B1
@@ -662,6 +664,243 @@ static void launch_swg_t(grun *g, const sparams *P, int64_t tiles)
     else launch_swg_nr<DKP, T, 32>(g, P, tiles);
 }
 
+/* ==== sfw_kernel: selected attention, forward and dQ, G a multiple of 16, TMA ================
+ * One warp per CTA: the 16 query heads g0 .. g0 + 15 of one position (qtile's one-warp tile)
+ * against the blocks that position selected. Their K / V arrive in chunks of BN keys through
+ * TMA (4-D tensor maps over the [B, T, H, D] views, 128-byte swizzle, built by the host) into
+ * NS stages, NS - 1 chunks ahead of the products, each stage completing on its own mbarrier:
+ * the copy engine moves the bytes while the warp computes, where qtile's one warp spent its
+ * issue slots on 16-byte cp.async copies and its barriers (64k paper forward: 26.8 ms). The
+ * products stay mma.sync (16 rows are one m16 tile; wgmma needs 64), reading the swizzled
+ * tiles with ldmatrix at swizzled addresses (conflict-free: 8 rows, one chunk each). Same
+ * arithmetic as qtile's path (scores, masks, online softmax, epilogue). */
+template <int DP, typename T, int MODE, int BN, int NS>
+__global__ void __launch_bounds__(32) sfw_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
+                                                 const __grid_constant__ CUtensorMap tv)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int NT = BN / 8, KT = DP / 16, TB = BN * DP * 2; /* tile bytes (K or V of a chunk) */
+    constexpr bool DQ = MODE == MODE_DQ;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    unsigned char *Ks = smem;                  /* [NS] */
+    unsigned char *Vs = Ks + NS * TB;          /* [NS] */
+    uint64_t *bar = (uint64_t *)(Vs + NS * TB); /* [NS] */
+    const int lane = threadIdx.x;
+    int64_t s, tile;
+    seq_decode(P.sm, blockIdx.x, &s, &tile);
+    const seqinfo sq = seq_get(P.sm, s);
+    const int h = blockIdx.y;
+    const int64_t G = P.G, r0 = tile * 16;
+    const int t = (int)(r0 / G);
+    const int64_t g0 = r0 % G;
+    const int lp = P.rule.lp, nsub = (lp + BN - 1) / BN;
+    const int64_t uid = (sq.b * P.T + sq.row0 + t) * P.H + h;
+    const int32_t *U = P.U + uid * P.m;
+    const int cnt = P.ucnt[uid];
+
+    if (lane == 0)
+        for (int i = 0; i < NS; i++) mb_init(&bar[i], 1);
+    mb_init_fence();
+    __syncwarp();
+
+    /* the chunk sequence: sub-chunks of each usable block (ascending) that start at or before
+     * t; walked twice, by the producer (NS - 1 ahead) and by the consumer */
+    struct walk {
+        int u, sub;
+    };
+    auto next = [&](walk &w, int *c0, int *bend) -> bool {
+        while (w.u < cnt) {
+            const int j = U[w.u], c = j * lp + w.sub * BN;
+            if (w.sub < nsub && c <= t) {
+                *c0 = c;
+                *bend = j * lp + lp;
+                if (++w.sub == nsub) w.u++, w.sub = 0;
+                return true;
+            }
+            w.u++, w.sub = 0;
+        }
+        return false;
+    };
+    auto issue = [&](int st, int c0) {
+        if (lane == 0) {
+            mb_expect(&bar[st], 2 * TB);
+#pragma unroll
+            for (int cb = 0; cb < DP / 64; cb++) {
+                tma_load4(Ks + st * TB + cb * BN * 128, &tk, cb * 64, h, (int)(sq.row0 + c0), (int)sq.b, &bar[st]);
+                tma_load4(Vs + st * TB + cb * BN * 128, &tv, cb * 64, h, (int)(sq.row0 + c0), (int)sq.b, &bar[st]);
+            }
+        }
+    };
+    walk pw = {0, 0}, cw = {0, 0};
+    int pc0, pend;
+    for (int i = 0; i < NS - 1; i++)
+        if (next(pw, &pc0, &pend)) issue(i, pc0);
+
+    /* A fragments of Q (and dO) straight from global memory (qtile's qreg layout): a[i] = row
+     * lane / 4 (+ 8 for odd i), columns 2 (lane % 4) (+ 8 for i >= 2) and the next one */
+    uint32_t qf[KT][4], of[DQ ? KT : 1][4];
+    {
+        const unsigned short *qp = (const unsigned short *)P.q.p, *op = (const unsigned short *)P.dout.p;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int64_t hq = h * G + g0 + (lane >> 2) + (i & 1) * 8;
+            const int64_t qo = sq.b * P.q.s0 + (sq.row0 + t) * P.q.s1 + hq * P.q.s2;
+            const int64_t oo = DQ ? sq.b * P.dout.s0 + (sq.row0 + t) * P.dout.s1 + hq * P.dout.s2 : 0;
+#pragma unroll
+            for (int kk = 0; kk < KT; kk++) {
+                const int c = kk * 16 + (i >> 1) * 8 + 2 * (lane & 3);
+                qf[kk][i] = qp[qo + c] | (uint32_t)qp[qo + c + 1] << 16;
+                if constexpr (DQ) of[kk][i] = op[oo + c] | (uint32_t)op[oo + c + 1] << 16;
+            }
+        }
+    }
+    float rl2[2] = {0.0f, 0.0f}, rD[2] = {0.0f, 0.0f}, rg[2] = {1.0f, 1.0f};
+    if constexpr (DQ) {
+#pragma unroll
+        for (int x = 0; x < 2; x++) {
+            const int64_t hq = h * G + g0 + (lane >> 2) + x * 8, flat = (sq.b * P.T + sq.row0 + t) * P.HQ + hq;
+            const float lse = ((const float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + t) * P.lse.s1 + hq * P.lse.s2];
+            rl2[x] = lse == -INFINITY ? INFINITY : lse * NSA_LOG2E;
+            rD[x] = P.Dw[flat];
+            rg[x] = P.gw ? P.gw[flat] : 1.0f;
+        }
+    }
+    float acc[DP / 8][4];
+#pragma unroll
+    for (int i = 0; i < DP / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    float m_[2] = {-INFINITY, -INFINITY}, l_[2] = {0.0f, 0.0f};
+    const int lo2[2] = {0, 0}, hi2[2] = {t, t};
+
+    int c0, bend;
+    for (int ci = 0; next(cw, &c0, &bend); ci++) {
+        /* refill the stage chunk ci - 1 used (every lane is past its reads) */
+        __syncwarp();
+        if (next(pw, &pc0, &pend)) {
+            fence_async_smem();
+            issue((ci + NS - 1) % NS, pc0);
+        }
+        const int st = ci % NS;
+        mb_wait(&bar[st], (ci / NS) & 1);
+        const unsigned char *Kp = Ks + st * TB, *Vp = Vs + st * TB;
+
+        float S[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KT; kk++)
+#pragma unroll
+            for (int np = 0; np < NT / 2; np++) {
+                uint32_t b[4];
+                const int r = np * 16 + (lane & 7) + (lane >> 4) * 8;
+                ldsm4(b, Kp + sw_off(BN, r, kk * 2 + ((lane >> 3) & 1)));
+                dtraits<T>::mma(S[2 * np], qf[kk], b[0], b[1]);
+                dtraits<T>::mma(S[2 * np + 1], qf[kk], b[2], b[3]);
+            }
+        const int c1 = c0 + BN < bend ? c0 + BN : bend;
+        const int full = c1 - c0 == BN && c1 - 1 <= t;
+        sc_mask_scale<NT>(S, full, c0, c1, lo2, hi2, lane, P.sl2);
+        if constexpr (!DQ) {
+            sc_softmax<NT, DP / 8>(S, m_, l_, acc);
+#pragma unroll
+            for (int k2 = 0; k2 < NT / 2; k2++) {
+                uint32_t a[4];
+                sc_frag_a<T>(a, S[2 * k2], S[2 * k2 + 1]);
+#pragma unroll
+                for (int vp = 0; vp < KT; vp++) {
+                    uint32_t b[4];
+                    const int r = k2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                    ldsm4t(b, Vp + sw_off(BN, r, vp * 2 + (lane >> 4)));
+                    dtraits<T>::mma(acc[2 * vp], a, b[0], b[1]);
+                    dtraits<T>::mma(acc[2 * vp + 1], a, b[2], b[3]);
+                }
+            }
+        } else {
+            /* P from the saved lse; dP = dO V^T; dS = P (g dP - D); dQ += dS K */
+            float dP[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) dP[nt][0] = dP[nt][1] = dP[nt][2] = dP[nt][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KT; kk++)
+#pragma unroll
+                for (int np = 0; np < NT / 2; np++) {
+                    uint32_t b[4];
+                    const int r = np * 16 + (lane & 7) + (lane >> 4) * 8;
+                    ldsm4(b, Vp + sw_off(BN, r, kk * 2 + ((lane >> 3) & 1)));
+                    dtraits<T>::mma(dP[2 * np], of[kk], b[0], b[1]);
+                    dtraits<T>::mma(dP[2 * np + 1], of[kk], b[2], b[3]);
+                }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) dP[nt][e] = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
+#pragma unroll
+            for (int k2 = 0; k2 < NT / 2; k2++) {
+                uint32_t a[4];
+                sc_frag_a<T>(a, dP[2 * k2], dP[2 * k2 + 1]);
+#pragma unroll
+                for (int dp = 0; dp < KT; dp++) {
+                    uint32_t b[4];
+                    const int r = k2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                    ldsm4t(b, Kp + sw_off(BN, r, dp * 2 + (lane >> 4)));
+                    dtraits<T>::mma(acc[2 * dp], a, b[0], b[1]);
+                    dtraits<T>::mma(acc[2 * dp + 1], a, b[2], b[3]);
+                }
+            }
+        }
+    }
+
+    /* epilogue (qtile's) */
+#pragma unroll
+    for (int x = 0; x < 2; x++) {
+        const int64_t hq = h * G + g0 + (lane >> 2) + x * 8;
+        if constexpr (DQ) {
+            float *dq = P.dq + ((sq.b * P.T + sq.row0 + t) * P.HQ + hq) * P.DK;
+#pragma unroll
+            for (int d = 0; d < DP / 8; d++) {
+                float2 *q2 = (float2 *)(dq + d * 8 + 2 * (lane & 3));
+                const float2 o = *q2;
+                *q2 = make_float2(o.x + acc[d][2 * x] * P.scale, o.y + acc[d][2 * x + 1] * P.scale);
+            }
+        } else {
+            float l = l_[x];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            const int64_t ob = sq.b * P.o.s0 + (sq.row0 + t) * P.o.s1 + hq * P.o.s2;
+#pragma unroll
+            for (int d = 0; d < DP / 8; d++) {
+                const int col = d * 8 + 2 * (lane & 3);
+                if (P.o.dt == NSA_DTYPE_F32) *(float2 *)((float *)P.o.p + ob + col) = make_float2(acc[d][2 * x] * inv, acc[d][2 * x + 1] * inv);
+                else *(uint32_t *)((T *)P.o.p + ob + col) = dtraits<T>::pack(acc[d][2 * x] * inv, acc[d][2 * x + 1] * inv);
+            }
+            if ((lane & 3) == 0 && P.lse.p) {
+                const float lse = l > 0.0f ? (m_[x] + log2f(l)) * NSA_LN2 : -INFINITY;
+                ((float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + t) * P.lse.s1 + hq * P.lse.s2] = lse;
+            }
+        }
+    }
+#endif
+}
+
+template <int DP, typename T, int MODE, int BN, int NS>
+static void launch_sfw_t(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
+{
+    const size_t smem = sfw_smem(DP, BN, NS);
+    auto kern = sfw_kernel<DP, T, MODE, BN, NS>;
+    g_check(g, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (g->err != NSA_STATUS_SUCCESS) return;
+    kern<<<dim3((unsigned)tiles, (unsigned)P->H), 32, smem, g->st>>>(*P, *(const CUtensorMap *)tk, *(const CUtensorMap *)tv);
+    g_launched(g);
+}
+
+template <int DP, typename T, int MODE>
+static void launch_sfw_m(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
+{
+    if (P->bn == 64) launch_sfw_t<DP, T, MODE, 64, 2>(g, P, tiles, tk, tv);
+    else launch_sfw_t<DP, T, MODE, 32, 3>(g, P, tiles, tk, tv);
+}
+
 template <int DP, typename T>
 static void launch_kwg_t(grun *g, const kparams *P, int64_t tiles)
 {
@@ -717,9 +956,23 @@ static int qwg_ready_t()
         else launch_swg_t<DKP, __half>(g, P, tiles);                                             \
     }
 
+/* ... the selected-attention tile (DK == DV) */
+#define NSA_HOPPER_SFW_INSTANCE(DP)                                                              \
+    void nsa_cu_sfw_##DP(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv) \
+    {                                                                                            \
+        if (bf16) {                                                                              \
+            if (mode == MODE_FWD) launch_sfw_m<DP, __nv_bfloat16, MODE_FWD>(g, P, tiles, tk, tv);\
+            else launch_sfw_m<DP, __nv_bfloat16, MODE_DQ>(g, P, tiles, tk, tv);                  \
+        } else {                                                                                 \
+            if (mode == MODE_FWD) launch_sfw_m<DP, __half, MODE_FWD>(g, P, tiles, tk, tv);       \
+            else launch_sfw_m<DP, __half, MODE_DQ>(g, P, tiles, tk, tv);                         \
+        }                                                                                        \
+    }
+
 #define NSA_HOPPER_INSTANCE(DP)                                                                  \
     NSA_HOPPER_QWG_INSTANCE(DP, DP)                                                              \
     NSA_HOPPER_SWG_INSTANCE(DP)                                                                  \
+    NSA_HOPPER_SFW_INSTANCE(DP)                                                                  \
     void nsa_cu_kwg_##DP(grun *g, const kparams *P, int bf16, int64_t tiles)                     \
     {                                                                                            \
         if (bf16) launch_kwg_t<DP, __nv_bfloat16>(g, P, tiles);                                  \

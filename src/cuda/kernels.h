@@ -137,6 +137,13 @@ static inline size_t swg_smem(int DKP, int JC, int NR)
            (size_t)SWG_BP * (JC | 1) * 4 + SWG_BP * 4;
 }
 
+/* sfw_kernel (hopper.cuh): selected attention with TMA, one warp per CTA; chunks of bn keys
+ * (32: 3 stages, 64: 2 stages). Shared memory: slack, K and V stages, their mbarriers. */
+static inline size_t sfw_smem(int DP, int bn, int ns)
+{
+    return 1024 + 2 * (size_t)ns * bn * DP * 2 + (size_t)ns * 8;
+}
+
 #define KWG_BK 128 /* keys per kwg_kernel task (ktile: 64) */
 /* Shared memory of kwg_kernel<DP>: slack, K and V of 128 keys, two Q and two dO stages of 64
  * rows, the three row slots of ktile (offsets, lse, D, gate, ranges, whole-chunk flags). */
@@ -147,6 +154,10 @@ static inline size_t kwg_smem(int DP)
 
 /* sm_90a forward / dQ tile for the range rules (hopper.cuh), head dims exactly 64 / 128;
  * ready: whether the loaded binary holds its sm_90a body (1) or it must not run (0). */
+/* sm_90a selected attention (forward / dQ) with TMA, DK == DV == 64 / 128, G % 16 == 0;
+ * tk, tv: host CUtensorMap (4-D over the K / V views, box 64 x 1 x bn x 1, 128-byte swizzle) */
+void nsa_cu_sfw_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv);
+void nsa_cu_sfw_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv);
 /* sm_90a selection (importance + top-n) on wgmma, head dims exactly 64 / 128 / 192 */
 void nsa_cu_swg_64(grun *g, const sparams *P, int bf16, int64_t tiles);
 void nsa_cu_swg_128(grun *g, const sparams *P, int bf16, int64_t tiles);

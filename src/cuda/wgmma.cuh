@@ -71,5 +71,51 @@ __device__ __forceinline__ void sw_load_lin(unsigned char *dst, const T *src, in
     }
 }
 
+/* ---- TMA (cp.async.bulk.tensor) and mbarriers ------------------------------------------
+ * A box of a tensor map lands in shared memory and completes a transaction count on an
+ * mbarrier; the waiting threads poll the barrier's phase parity. Used by the selected-
+ * attention tiles (hopper.cuh sfw_kernel), whose one warp would otherwise spend its issue
+ * slots on 16-byte cp.async copies. */
+__device__ __forceinline__ void mb_init(uint64_t *bar, int count)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#endif
+}
+/* the barriers' initialisation visible to the copy engine before the first copy */
+__device__ __forceinline__ void mb_init_fence()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+/* one arrival that also expects `bytes` of copies on the barrier's current phase */
+__device__ __forceinline__ void mb_expect(uint64_t *bar, uint32_t bytes)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void mb_wait(uint64_t *bar, int parity)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("{\n.reg .pred p;\nMB_WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra MB_WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
+                 "r"(parity)
+                 : "memory");
+#endif
+}
+/* box at coordinates (c0 innermost, c1, c2, c3) of a 4-D tensor map into dst */
+__device__ __forceinline__ void tma_load4(void *dst, const void *map, int c0, int c1, int c2, int c3, uint64_t *bar)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(
+                     smem_addr(dst)),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
+                 : "memory");
+#endif
+}
+
 #endif /* __CUDACC__ */
 #endif
