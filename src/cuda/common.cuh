@@ -298,6 +298,11 @@ __device__ __forceinline__ void ldsm4t(uint32_t r[4], const void *p)
 }
 
 /* 16-byte asynchronous copy; bytes < 16 zero-fills the rest. */
+/* 4-byte cp.async (L1-allocating: the per-row values of a chunk, one float each) */
+__device__ __forceinline__ void cp4(void *dst, const void *src)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
 __device__ __forceinline__ void cp16(void *dst, const void *src, int bytes)
 {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));

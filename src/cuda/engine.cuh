@@ -666,14 +666,18 @@ __device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid
 }
 
 /* Per-row slots of the query chunks a ktile task streams: offsets of the q / dout rows, lse
- * (log2 domain), D, gate, visible range, and per warp half whether every row sees all keys. */
+ * (raw: see kt_l2), D, gate, visible range, and per warp half whether every row sees all keys. */
 typedef struct kt_rows {
     int64_t *rq, *ro;
     float *rl2, *rD, *rg;
     int *rlo, *rhi, *rfull;
 } kt_rows;
 
-/* Fill slot `stage` with the rows of query chunk `chunk` (threads 0 .. BQ - 1). */
+/* Row slot `stage` for chunk `chunk` of the task's rows (threads tid < BQ, one row each):
+ * q / dO offsets and visible key range computed here; the row's lse, D and gate copied by
+ * cp.async into the slot, so the filling warps do not wait on three global loads per chunk
+ * (the slot is read two chunks later, after a cp.async wait and a barrier). The slot holds
+ * the raw lse: kt_l2 turns it into the log2-domain offset at use. */
 template <int BQ>
 __device__ __forceinline__ void kt_fill(const kparams &P, const kt_task &t, const kt_rows &R, int stage, int64_t chunk,
                                         int tid)
@@ -683,15 +687,24 @@ __device__ __forceinline__ void kt_fill(const kparams &P, const kt_task &t, cons
     const int i = stage * BQ + tid;
     const seqinfo &sq = t.sq;
     if (k < t.nrows) {
-        const int pos = t.is_slc ? t.list[k / G] : (int)((t.rbase + k) / G);
-        const int64_t g = t.is_slc ? k % G : (t.rbase + k) % G, hq = t.h * G + g, row = sq.row0 + pos;
+        /* (position, head) of the row: 32-bit divisions whenever they fit */
+        const int64_t rk = t.is_slc ? k : t.rbase + k;
+        int64_t q, g;
+        if (rk <= INT_MAX && G <= INT_MAX) {
+            const unsigned u = (unsigned)rk / (unsigned)G;
+            q = u, g = rk - (int64_t)u * G;
+        } else {
+            q = rk / G, g = rk % G;
+        }
+        const int pos = t.is_slc ? t.list[q] : (int)q;
+        const int64_t hq = t.h * G + g, row = sq.row0 + pos;
         const int64_t flat = (sq.b * P.T + row) * P.HQ + hq;
         R.rq[i] = sq.b * P.q.s0 + row * P.q.s1 + hq * P.q.s2;
         R.ro[i] = sq.b * P.dout.s0 + row * P.dout.s1 + hq * P.dout.s2;
-        const float lse = ((const float *)P.lse.p)[sq.b * P.lse.s0 + row * P.lse.s1 + hq * P.lse.s2];
-        R.rl2[i] = lse == -INFINITY ? INFINITY : lse * NSA_LOG2E;
-        R.rD[i] = P.Dw[flat];
-        R.rg[i] = P.gw ? P.gw[flat] : 1.0f;
+        cp4(R.rl2 + i, (const float *)P.lse.p + sq.b * P.lse.s0 + row * P.lse.s1 + hq * P.lse.s2);
+        cp4(R.rD + i, P.Dw + flat);
+        if (P.gw) cp4(R.rg + i, P.gw + flat);
+        else R.rg[i] = 1.0f;
         rule_bounds(P.rule, pos, t.nkeys, &R.rlo[i], &R.rhi[i]);
     } else {
         R.rq[i] = -1, R.ro[i] = -1, R.rl2[i] = INFINITY, R.rD[i] = 0.0f, R.rg[i] = 0.0f;
@@ -700,6 +713,10 @@ __device__ __forceinline__ void kt_fill(const kparams &P, const kt_task &t, cons
     const int f = __all_sync(0xffffffffu, R.rlo[i] <= t.k0 && R.rhi[i] >= t.k1 - 1);
     if ((tid & 31) == 0) R.rfull[stage * 2 + (tid >> 5)] = f;
 }
+
+/* The log2-domain softmax offset of a slot's raw lse: p = 2^(s sl2 - l2) (a row that sees no
+ * key, lse -inf, gets +inf: p = 0; rows past the task end were filled with +inf). */
+__device__ __forceinline__ float kt_l2(float lse) { return lse == -INFINITY ? INFINITY : __fmul_rn(lse, NSA_LOG2E); }
 
 template <int DKP, int DVP, typename T>
 __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
@@ -813,7 +830,7 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
-                    const float p = ex2(S[nt][e] * P.sl2 - l2[n]);
+                    const float p = ex2(S[nt][e] * P.sl2 - kt_l2(l2[n]));
                     dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
                     S[nt][e] = p * gr[n];
                 }
@@ -824,7 +841,7 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
                 for (int e = 0; e < 4; e++) {
                     const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
                     const int vis = key < k1 && key >= lo[n] && key <= hi[n];
-                    const float p = vis ? ex2(S[nt][e] * P.sl2 - l2[n]) : 0.0f;
+                    const float p = vis ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
                     dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
                     S[nt][e] = p * gr[n];
                 }

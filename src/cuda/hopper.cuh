@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
-                    const float p = ex2(S[nt][e] * P.sl2 - l2[n]);
+                    const float p = ex2(S[nt][e] * P.sl2 - kt_l2(l2[n]));
                     dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
                     S[nt][e] = p * gr[n];
                 }
@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
                 for (int e = 0; e < 4; e++) {
                     const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
                     const int vis = key < k1 && key >= lo[n] && key <= hi[n];
-                    const float p = vis ? ex2(S[nt][e] * P.sl2 - l2[n]) : 0.0f;
+                    const float p = vis ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
                     dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
                     S[nt][e] = p * gr[n];
                 }
