@@ -147,9 +147,11 @@ def _forward_fake(q, k, v, *rest):
     out = [q.new_empty((B, T, HQ, v.shape[3]))]
     out.append(q.new_empty((B, T, H, config.slc_topk), dtype=torch.int32) if present["block_indices"]
                else _empty(q, torch.int32))
+    o_dt = q.dtype if q.device.type == "cuda" else torch.float32  # as _core.forward saves them
     for name in _core.SAVED[1:]:
-        shape = (B, T, HQ, DV) if name.startswith("o_") else (B, T, HQ)
-        out.append(q.new_empty(shape, dtype=torch.float32) if present[name] else _empty(q, torch.float32))
+        is_o = name.startswith("o_")
+        shape = (B, T, HQ, DV) if is_o else (B, T, HQ)
+        out.append(q.new_empty(shape, dtype=o_dt if is_o else torch.float32) if present[name] else _empty(q, torch.float32))
     return tuple(out)
 
 

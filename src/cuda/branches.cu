@@ -6,6 +6,7 @@
 #include <cuda.h> /* CUtensorMap: the TMA descriptors of the selected-attention tile */
 #include <limits.h>
 #include <stdlib.h>
+#include <string.h>
 
 void g_init(grun *g, const nsa_context *ctx, const nsa_problem *p, void *ws, int dry)
 {
@@ -263,15 +264,19 @@ static int tmap_make(CUtensorMap *m, const dview *v, nsa_dtype dt, int64_t B, in
               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-/* Keys per chunk of the TMA tile: 32 (three stages, four one-warp CTAs per SM) unless
- * NSA_CUDA_SLC_BN=64 (two stages, three CTAs: Triton's shape), for comparisons. */
-static int sfw_bn(void)
+/* Keys per chunk and stages of the TMA tile: 32 keys in 2 stages (32 KB: six or seven of
+ * these one-warp CTAs per SM), unless NSA_CUDA_SLC_BN says "32x3" (three stages, four CTAs)
+ * or "64" (64 keys, 2 stages, three CTAs: Triton's shape), for comparisons. H100 64k paper,
+ * selected forward: 17.4 / 18.3 / 20.7 ms; 16 keys in 4 stages: 22.6. */
+static int sfw_bn(int *ns)
 {
-    static int bn;
+    static int bn, st;
     if (!bn) {
         const char *e = getenv("NSA_CUDA_SLC_BN");
         bn = e && atoi(e) == 64 ? 64 : 32;
+        st = bn == 32 && e && strchr(e, 'x') && atoi(strchr(e, 'x') + 1) == 3 ? 3 : 2;
     }
+    *ns = st;
     return bn;
 }
 
@@ -284,12 +289,14 @@ static int sfw_try(grun *g, qparams *P, int mode, nsa_dtype dt, int64_t KR)
     const int D = (int)p->DK;
     if (g->dry || !qwg_env() || g->cc_major != 9 || p->DK != p->DV || (D != 64 && D != 128) || p->G % 16) return 0;
     if (mode == MODE_FWD && (!P->o.al || (P->o.dt != (int)dt && P->o.dt != NSA_DTYPE_F32))) return 0;
-    const int bn = sfw_bn();
-    if (sfw_smem(D, bn, bn == 64 ? 2 : 3) > (size_t)g->smem_max || !qwg_ready(D)) return 0;
+    int ns;
+    const int bn = sfw_bn(&ns);
+    if (sfw_smem(D, bn, ns) > (size_t)g->smem_max || !qwg_ready(D)) return 0;
     CUtensorMap tk, tv;
     if (!tmap_make(&tk, &P->k, dt, p->B, KR, p->H, D, bn) || !tmap_make(&tv, &P->v, dt, p->B, KR, p->H, D, bn)) return 0;
     P->nw = 1;
     P->bn = bn;
+    P->nst = ns;
     unitspec u = {UK_ROWS, p->G, 16, 0, 0};
     int64_t tiles;
     P->sm = g_seqmap(g, u, &tiles);

@@ -898,7 +898,8 @@ template <int DP, typename T, int MODE>
 static void launch_sfw_m(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
 {
     if (P->bn == 64) launch_sfw_t<DP, T, MODE, 64, 2>(g, P, tiles, tk, tv);
-    else launch_sfw_t<DP, T, MODE, 32, 3>(g, P, tiles, tk, tv);
+    else if (P->nst == 3) launch_sfw_t<DP, T, MODE, 32, 3>(g, P, tiles, tk, tv);
+    else launch_sfw_t<DP, T, MODE, 32, 2>(g, P, tiles, tk, tv);
 }
 
 template <int DP, typename T>

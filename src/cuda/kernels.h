@@ -138,7 +138,7 @@ static inline size_t swg_smem(int DKP, int JC, int NR)
 }
 
 /* sfw_kernel (hopper.cuh): selected attention with TMA, one warp per CTA; chunks of bn keys
- * (32: 3 stages, 64: 2 stages). Shared memory: slack, K and V stages, their mbarriers. */
+ * in ns stages (branches.cu sfw_bn). Shared memory: slack, K and V stages, their mbarriers. */
 static inline size_t sfw_smem(int DP, int bn, int ns)
 {
     return 1024 + 2 * (size_t)ns * bn * DP * 2 + (size_t)ns * 8;
