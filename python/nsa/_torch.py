@@ -241,6 +241,10 @@ if HAS_CUSTOM_OP:
 
     def _setup_context(ctx, inputs, output):
         _save_forward(ctx, inputs, output)
+        # the saved branch outputs, indices and lse are results, not differentiable outputs:
+        # no zero gradients materialised for them (64k paper config: ~2 ms of fills per step)
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
 
     def _backward(ctx, grad_o, *unused):
         if grad_o is None:

@@ -281,13 +281,16 @@ static int sfw_bn(int *ns)
 }
 
 /* The TMA selected-attention tile (forward or dQ) for P when the device, the binary, the
- * dims (DK == DV == 64 or 128), the group (G a multiple of 16: a tile is 16 heads of one
- * position) and the views allow it; launches it and returns 1, else 0 (qtile runs). */
+ * dims (DK == DV == 64 or 128), the group and the views allow it; launches it and returns 1,
+ * else 0 (qtile runs). A tile is 16 heads of one position, padded past G: from G = 4 on
+ * that beats qtile's 64-row tiles over the union of 16 / G positions' blocks (64k, G = 4:
+ * selected forward 27.4 -> see bench/cuda.md); at G = 1 and 2 the union, which shares each
+ * block between positions, moves fewer bytes than one tile per position. */
 static int sfw_try(grun *g, qparams *P, int mode, nsa_dtype dt, int64_t KR)
 {
     const nsa_problem *p = g->p;
     const int D = (int)p->DK;
-    if (g->dry || !qwg_env() || g->cc_major != 9 || p->DK != p->DV || (D != 64 && D != 128) || p->G % 16) return 0;
+    if (g->dry || !qwg_env() || g->cc_major != 9 || p->DK != p->DV || (D != 64 && D != 128) || p->G < 4) return 0;
     if (mode == MODE_FWD && (!P->o.al || (P->o.dt != (int)dt && P->o.dt != NSA_DTYPE_F32))) return 0;
     int ns;
     const int bn = sfw_bn(&ns);
@@ -297,7 +300,7 @@ static int sfw_try(grun *g, qparams *P, int mode, nsa_dtype dt, int64_t KR)
     P->nw = 1;
     P->bn = bn;
     P->nst = ns;
-    unitspec u = {UK_ROWS, p->G, 16, 0, 0};
+    unitspec u = {UK_ROWS, (p->G + 15) / 16, 1, 0, 0}; /* position x head group */
     int64_t tiles;
     P->sm = g_seqmap(g, u, &tiles);
     if (!g_live(g) || tiles == 0) return 1;

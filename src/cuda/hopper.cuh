@@ -664,9 +664,11 @@ static void launch_swg_t(grun *g, const sparams *P, int64_t tiles)
     else launch_swg_nr<DKP, T, 32>(g, P, tiles);
 }
 
-/* ==== sfw_kernel: selected attention, forward and dQ, G a multiple of 16, TMA ================
- * One warp per CTA: the 16 query heads g0 .. g0 + 15 of one position (qtile's one-warp tile)
- * against the blocks that position selected. Their K / V arrive in chunks of BN keys through
+/* ==== sfw_kernel: selected attention, forward and dQ, TMA ===================================
+ * One warp per CTA: 16 query heads g0 .. g0 + 15 of one position (heads past G are padding
+ * rows: at G = 4 three quarters of the products are wasted, but the branch is bound by moving
+ * each position's blocks, which a tile over several positions would multiply by the union of
+ * their selections) against the blocks that position selected. Their K / V arrive in chunks of BN keys through
  * TMA (4-D tensor maps over the [B, T, H, D] views, 128-byte swizzle, built by the host) into
  * NS stages, NS - 1 chunks ahead of the products, each stage completing on its own mbarrier:
  * the copy engine moves the bytes while the warp computes, where qtile's one warp spent its
@@ -691,9 +693,12 @@ __global__ void __launch_bounds__(32) sfw_kernel(const qparams P, const __grid_c
     seq_decode(P.sm, blockIdx.x, &s, &tile);
     const seqinfo sq = seq_get(P.sm, s);
     const int h = blockIdx.y;
-    const int64_t G = P.G, r0 = tile * 16;
-    const int t = (int)(r0 / G);
-    const int64_t g0 = r0 % G;
+    /* tile = position * ceil(G / 16) + head group: heads g0 .. g0 + 15, those >= G padding
+     * (zero Q rows, nothing written) */
+    const int64_t G = P.G, ngr = (G + 15) / 16;
+    const int t = (int)(tile / ngr);
+    const int64_t g0 = (tile % ngr) * 16;
+    const int rows = G - g0 < 16 ? (int)(G - g0) : 16;
     const int lp = P.rule.lp, nsub = (lp + BN - 1) / BN;
     const int64_t uid = (sq.b * P.T + sq.row0 + t) * P.H + h;
     const int32_t *U = P.U + uid * P.m;
@@ -744,14 +749,15 @@ __global__ void __launch_bounds__(32) sfw_kernel(const qparams P, const __grid_c
         const unsigned short *qp = (const unsigned short *)P.q.p, *op = (const unsigned short *)P.dout.p;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const int64_t hq = h * G + g0 + (lane >> 2) + (i & 1) * 8;
+            const int r = (lane >> 2) + (i & 1) * 8;
+            const int64_t hq = h * G + g0 + r;
             const int64_t qo = sq.b * P.q.s0 + (sq.row0 + t) * P.q.s1 + hq * P.q.s2;
             const int64_t oo = DQ ? sq.b * P.dout.s0 + (sq.row0 + t) * P.dout.s1 + hq * P.dout.s2 : 0;
 #pragma unroll
             for (int kk = 0; kk < KT; kk++) {
                 const int c = kk * 16 + (i >> 1) * 8 + 2 * (lane & 3);
-                qf[kk][i] = qp[qo + c] | (uint32_t)qp[qo + c + 1] << 16;
-                if constexpr (DQ) of[kk][i] = op[oo + c] | (uint32_t)op[oo + c + 1] << 16;
+                qf[kk][i] = r < rows ? qp[qo + c] | (uint32_t)qp[qo + c + 1] << 16 : 0u;
+                if constexpr (DQ) of[kk][i] = r < rows ? op[oo + c] | (uint32_t)op[oo + c + 1] << 16 : 0u;
             }
         }
     }
@@ -759,6 +765,7 @@ __global__ void __launch_bounds__(32) sfw_kernel(const qparams P, const __grid_c
     if constexpr (DQ) {
 #pragma unroll
         for (int x = 0; x < 2; x++) {
+            if ((lane >> 2) + x * 8 >= rows) continue; /* padding: dO rows and D are 0, so dS = 0 */
             const int64_t hq = h * G + g0 + (lane >> 2) + x * 8, flat = (sq.b * P.T + sq.row0 + t) * P.HQ + hq;
             const float lse = ((const float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + t) * P.lse.s1 + hq * P.lse.s2];
             rl2[x] = lse == -INFINITY ? INFINITY : lse * NSA_LOG2E;
@@ -854,6 +861,14 @@ __global__ void __launch_bounds__(32) sfw_kernel(const qparams P, const __grid_c
 #pragma unroll
     for (int x = 0; x < 2; x++) {
         const int64_t hq = h * G + g0 + (lane >> 2) + x * 8;
+        if ((lane >> 2) + x * 8 >= rows) { /* padding rows: nothing to write (shuffles below stay uniform) */
+            if constexpr (!DQ) {
+                float l = l_[x];
+                l += __shfl_xor_sync(0xffffffffu, l, 1);
+                l += __shfl_xor_sync(0xffffffffu, l, 2);
+            }
+            continue;
+        }
         if constexpr (DQ) {
             float *dq = P.dq + ((sq.b * P.T + sq.row0 + t) * P.HQ + hq) * P.DK;
 #pragma unroll
