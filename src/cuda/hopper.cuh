@@ -495,6 +495,7 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
     uint64_t *keys = (uint64_t *)(Ks + KB);  /* [NR][BP] rank keys, best first */
     float *imp = (float *)(keys + NR * BP);  /* [BP][IMS] */
     int *kept = (int *)(imp + BP * IMS);     /* [BP] */
+    int *pcur = kept + BP, *pnv = pcur + BP; /* [BP] each: block of the position, its visible keys */
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int64_t s, tile;
@@ -524,7 +525,20 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
         lrow[x] = sq.b * P.lse.s0 + (sq.row0 + p0 + rp[x]) * P.lse.s1 + (int64_t)h * G * P.lse.s2;
     }
     for (int i = tid; i < NR * BP; i += NTHR) keys[i] = 0;
+    if (tid < BP) {
+        const int t = p0 + tid;
+        pcur[tid] = tid < npos ? t / lp : -1;
+        pnv[tid] = t + 1 >= cl ? (t + 1 - cl) / cd + 1 : 0;
+    }
 
+    /* head g's lse of this lane's two rows, as the log2-domain offset (-inf: +inf, p = 0) */
+    auto lse_l2 = [&](int64_t g, float l2_[2]) {
+#pragma unroll
+        for (int x = 0; x < 2; x++) {
+            const float lse = rp[x] < npos ? lsep[lrow[x] + g * P.lse.s2] : -INFINITY;
+            l2_[x] = lse == -INFINITY ? INFINITY : lse * NSA_LOG2E;
+        }
+    };
     /* compressed keys [iA_, iB_) overlapping selection blocks [jA_, jA_ + JC) */
     auto range = [&](int jA_, int *iA_, int *iB_) {
         const int64_t a0 = (int64_t)jA_ * lp - cl;
@@ -550,6 +564,8 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
             float acc[NT][4];
 #pragma unroll
             for (int i = 0; i < NT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+            float l2[2];
+            lse_l2(0, l2);
             for (int64_t g = 0, st = 0; g < G; g++, st = st + 1 == NQ ? 0 : st + 1) {
                 cp_wait<NQ - 2>();
                 fence_async_smem();
@@ -560,12 +576,6 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
                                                  npos, tid);
                 }
                 cp_commit();
-                float l2[2];
-#pragma unroll
-                for (int x = 0; x < 2; x++) {
-                    const float lse = rp[x] < npos ? lsep[lrow[x] + g * P.lse.s2] : -INFINITY;
-                    l2[x] = lse == -INFINITY ? INFINITY : lse * NSA_LOG2E;
-                }
                 float S[NT][4];
                 const unsigned char *Qw = Qs + st * QB;
                 wg_fence();
@@ -576,11 +586,15 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
                     wgmma_op<T, NK>::template ss<0>(&S[0][0], da, db, kk > 0);
                 }
                 wg_commit();
+                /* the next head's lse loads while the products run */
+                float l2n[2] = {l2[0], l2[1]};
+                if (g + 1 < G) lse_l2(g + 1, l2n);
                 wg_wait<0>();
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) acc[nt][e] += ex2(fmaf(S[nt][e], P.sl2, -l2[e >> 1]));
+                l2[0] = l2n[0], l2[1] = l2n[1];
             }
             __syncthreads(); /* every product of the pass is done: the key tile becomes p */
             /* p[r][c] at r * NK + (c ^ 8 (r % 4)): the float2 stores of a half-warp (rows
@@ -594,25 +608,27 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
                 }
             __syncthreads();
             /* importance of block j for position t: p of each compressed key i < nv(t) it
-             * overlaps, times the shared tokens / d (spec 3) */
-            for (int idx = tid; idx < npos * JC; idx += NTHR) {
-                const int pp = idx / JC, jj = idx - pp * JC, j = jA + jj, t = p0 + pp;
-                if (j > t / lp) continue;
-                const int nv = t + 1 >= cl ? (t + 1 - cl) / cd + 1 : 0;
-                const int64_t b0 = (int64_t)j * lp - cl;
+             * overlaps, times the shared tokens / d (spec 3). Lane = block (its keys [ia, ib)
+             * are the same for every position, cut at each one's nv), warps over positions:
+             * the divisions run once per block and pass, not per (position, block) pair
+             * (integer work was a third of this kernel's instructions). */
+            for (int jj = lane; jj < JC; jj += 32) {
+                const int j = jA + jj, jlo = j * lp, jhi = jlo + lp;
+                const int64_t b0 = (int64_t)jlo - cl;
                 int ia = b0 < 0 ? 0 : (int)(div_nn(b0, cd) + 1);
-                int ib = (int)(div_nn((int64_t)j * lp + lp - 1, cd) + 1);
+                int ib = (int)(div_nn((int64_t)jhi - 1, cd) + 1);
                 ia = ia > iA ? ia : iA;
                 ib = ib < iB ? ib : iB;
-                ib = ib < nv ? ib : nv;
-                float a = 0.0f;
-                for (int i = ia; i < ib; i++) {
-                    const int lo = i * cd > j * lp ? i * cd : j * lp;
-                    const int hi = i * cd + cl < j * lp + lp ? i * cd + cl : j * lp + lp;
-                    const int c = (i - iA) ^ ((pp & 3) << 3);
-                    a += Ps[pp * NK + c] * (float)(hi - lo);
+                for (int pp = warp; pp < npos; pp += 4) {
+                    if (j > pcur[pp]) continue;
+                    const int e = ib < pnv[pp] ? ib : pnv[pp], sw = (pp & 3) << 3;
+                    float a = 0.0f;
+                    for (int i = ia, x = ia * cd; i < e; i++, x += cd) {
+                        const int lo = x > jlo ? x : jlo, hi = x + cl < jhi ? x + cl : jhi;
+                        a += Ps[pp * NK + ((i - iA) ^ sw)] * (float)(hi - lo);
+                    }
+                    imp[pp * IMS + jj] = a * inv_d;
                 }
-                imp[pp * IMS + jj] = a * inv_d;
             }
         } else {
             for (int idx = tid; idx < npos * JC; idx += NTHR) imp[(idx / JC) * IMS + idx % JC] = 0.0f;

@@ -129,12 +129,12 @@ static inline size_t qwg_smem(int DKP, int DVP, int mode)
 #define SWG_QST 3 /* Q tiles in flight (one head each) */
 #define SWG_KBYTES(DKP) (SWG_NK * (DKP) * 2 > SWG_BP * SWG_NK * 4 ? SWG_NK * (DKP) * 2 : SWG_BP * SWG_NK * 4)
 /* Shared memory of swg_kernel<DKP, T, NR>: slack, SWG_QST Q tiles, the key tile, rank keys
- * [NR][BP] (NR >= n: 16 or 32), importances [BP][JC | 1], counts. Must match the carving in
- * the kernel. */
+ * [NR][BP] (NR >= n: 16 or 32), importances [BP][JC | 1], counts, per-position block and
+ * visible keys. Must match the carving in the kernel. */
 static inline size_t swg_smem(int DKP, int JC, int NR)
 {
     return 1024 + SWG_QST * (size_t)SWG_BP * DKP * 2 + (size_t)SWG_KBYTES(DKP) + (size_t)NR * SWG_BP * 8 +
-           (size_t)SWG_BP * (JC | 1) * 4 + SWG_BP * 4;
+           (size_t)SWG_BP * (JC | 1) * 4 + 3 * SWG_BP * 4;
 }
 
 /* sfw_kernel (hopper.cuh): selected attention with TMA, one warp per CTA; chunks of bn keys
