@@ -126,6 +126,50 @@ static void qparams_base(qparams *P, const nsa_problem *p, const dview *q)
     P->sl2 = p->scale * NSA_LOG2E;
 }
 
+/* ---- TMA descriptors (the sm_90a tiles of hopper.cuh load K / V chunks through them) -------- */
+
+typedef CUresult (*tmap_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                   const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* cuTensorMapEncodeTiled through the runtime's driver entry point (libnsa links no libcuda);
+ * NULL when the driver has none */
+static tmap_encode_fn tmap_encoder(void)
+{
+    static int tried;
+    static tmap_encode_fn fn;
+    if (!tried) {
+        tried = 1;
+        void *f = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (tmap_encode_fn)f;
+        else
+            cudaGetLastError();
+    }
+    return fn;
+}
+
+/* A 4-D map over the [B, rows, H, D] view v (16-bit elements, 16-byte aligned rows and
+ * strides: dview.al), boxes of 64 columns x 1 head x `box` rows x 1 batch with the 128-byte
+ * swizzle (the canonical layout of wgmma.cuh's sw_off); rows past the tensor read as zeros.
+ * Returns 0 when it cannot be made (the caller keeps the cp.async tile). */
+static int tmap_make(CUtensorMap *m, const dview *v, nsa_dtype dt, int64_t B, int64_t rows, int64_t H, int64_t D, int box)
+{
+    const tmap_encode_fn fn = tmap_encoder();
+    if (!fn || !v->al || D % 64 || rows < 1 || B < 1 || H < 1) return 0; /* (no keys: nothing to load) */
+    const int64_t s1 = v->s1 * 2, s2 = v->s2 * 2, s0 = B > 1 ? v->s0 * 2 : s1 * rows;
+    const cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)H, (cuuint64_t)rows, (cuuint64_t)B};
+    const cuuint64_t strides[3] = {(cuuint64_t)s2, (cuuint64_t)s1, (cuuint64_t)s0};
+    const cuuint32_t boxd[4] = {64, 1, (cuuint32_t)box, 1}, es[4] = {1, 1, 1, 1};
+    for (int i = 0; i < 3; i++)
+        if (strides[i] % 16 || strides[i] >= ((cuuint64_t)1 << 40)) return 0;
+    const CUtensorMapDataType t = dt == NSA_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return fn(m, t, 4, v->p, dims, strides, boxd, es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 /* NSA_CUDA_WGMMA=0 in the environment: never the wgmma paths */
 static int qwg_env(void)
 {
@@ -160,25 +204,36 @@ static int qwg_class(const qparams *P)
  * Hopper, the binary carries that kernel, the head dims are exactly 64, 128 or 192 / 128 and
  * every row is 16-byte aligned; NSA_CUDA_WGMMA=0 in the environment keeps the mma.sync tile
  * (for comparisons). Same function either way: the sweep checks both against float64. */
-static int qwg_usable(grun *g, const qparams *P, nsa_dtype dt)
+/* The tensor maps of a wgmma tile's K / V chunks (box rows: its chunk of keys). */
+typedef struct qwg_maps {
+    CUtensorMap k, v;
+} qwg_maps;
+
+static int qwg_usable(grun *g, const qparams *P, nsa_dtype dt, int mode, int64_t KR, qwg_maps *m)
 {
     if (!qwg_env() || g->cc_major != 9) return 0;
     const int D = qwg_class(P), DV = D == 192 ? 128 : D;
     if (!D || !P->q.al || !P->k.al || (P->v.p && !P->v.al)) return 0;
     if (P->o.p && (!P->o.al || (P->o.dt != (int)dt && P->o.dt != NSA_DTYPE_F32))) return 0;
     if (qwg_smem(D, DV, MODE_DQ) > (size_t)g->smem_max || qwg_smem(D, DV, MODE_FWD) > (size_t)g->smem_max) return 0;
-    return qwg_ready(D);
+    if (!qwg_ready(D)) return 0;
+    const nsa_problem *p = g->p;
+    const int bn = QWG_BN(mode);
+    if (!tmap_make(&m->k, &P->k, dt, p->B, KR, p->H, P->DK, bn)) return 0;
+    if (P->v.p && !tmap_make(&m->v, &P->v, dt, p->B, KR, p->H, P->DV, bn)) return 0;
+    return 1;
 }
 
-/* launch the wgmma tile of P's class (qwg_usable said yes) */
-static void run_qwg(grun *g, const qparams *P, int mode, int64_t tiles, nsa_dtype dt)
+/* launch the wgmma tile of P's class (qwg_usable said yes and made the maps) */
+static void run_qwg(grun *g, const qparams *P, int mode, int64_t tiles, nsa_dtype dt, const qwg_maps *m)
 {
     if (!g_live(g) || tiles == 0) return;
     const int bf16 = dt == NSA_DTYPE_BF16;
+    const void *tv = P->v.p ? (const void *)&m->v : NULL;
     switch (qwg_class(P)) {
-    case 64: nsa_cu_qwg_64(g, P, mode, bf16, tiles); break;
-    case 128: nsa_cu_qwg_128(g, P, mode, bf16, tiles); break;
-    default: nsa_cu_qwg_192(g, P, mode, bf16, tiles); break;
+    case 64: nsa_cu_qwg_64(g, P, mode, bf16, tiles, &m->k, tv); break;
+    case 128: nsa_cu_qwg_128(g, P, mode, bf16, tiles, &m->k, tv); break;
+    default: nsa_cu_qwg_192(g, P, mode, bf16, tiles, &m->k, tv); break;
     }
 }
 
@@ -197,7 +252,9 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     P.rule = *rule;
     /* the workspace a map takes does not depend on the tile height, so the dry pass (which
      * cannot ask the device) sizes the wgmma path too */
-    const int wg = !g->dry && qwg_usable(g, &P, dt);
+    qwg_maps maps;
+    const int64_t KR = rule->kind == RULE_CMP ? p->cmp_rows : p->T;
+    const int wg = !g->dry && qwg_usable(g, &P, dt, MODE_FWD, KR, &maps);
     P.nw = 4;
     P.nst = 2;
     P.bn = 64;
@@ -205,7 +262,7 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     int64_t tiles;
     P.sm = g_seqmap(g, u, &tiles);
     if (wg) {
-        run_qwg(g, &P, MODE_FWD, tiles, dt);
+        run_qwg(g, &P, MODE_FWD, tiles, dt, &maps);
         return;
     }
     run_qtile(g, &P, MODE_FWD, tiles, dt);
@@ -219,50 +276,6 @@ static int slc_stages(const nsa_problem *p) { return p->G >= 16 ? 1 : 2; }
 /* keys per chunk: 32 for the one-warp tiles (half the K/V shared memory: 8 instead of 5-6
  * of these latency-bound CTAs per SM), 64 otherwise */
 static int slc_chunk(const nsa_problem *p) { return p->G >= 16 ? 32 : 64; }
-
-/* ---- TMA descriptors (sm_90a selected attention, hopper.cuh sfw_kernel) -------------------- */
-
-typedef CUresult (*tmap_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
-                                   const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-/* cuTensorMapEncodeTiled through the runtime's driver entry point (libnsa links no libcuda);
- * NULL when the driver has none */
-static tmap_encode_fn tmap_encoder(void)
-{
-    static int tried;
-    static tmap_encode_fn fn;
-    if (!tried) {
-        tried = 1;
-        void *f = NULL;
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
-            q == cudaDriverEntryPointSuccess)
-            fn = (tmap_encode_fn)f;
-        else
-            cudaGetLastError();
-    }
-    return fn;
-}
-
-/* A 4-D map over the [B, rows, H, D] view v (16-bit elements, 16-byte aligned rows and
- * strides: dview.al), boxes of 64 columns x 1 head x `box` rows x 1 batch with the 128-byte
- * swizzle (the canonical layout of wgmma.cuh's sw_off); rows past the tensor read as zeros.
- * Returns 0 when it cannot be made (the caller keeps the cp.async tile). */
-static int tmap_make(CUtensorMap *m, const dview *v, nsa_dtype dt, int64_t B, int64_t rows, int64_t H, int64_t D, int box)
-{
-    const tmap_encode_fn fn = tmap_encoder();
-    if (!fn || !v->al || D % 64) return 0;
-    const int64_t s1 = v->s1 * 2, s2 = v->s2 * 2, s0 = B > 1 ? v->s0 * 2 : s1 * rows;
-    const cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)H, (cuuint64_t)rows, (cuuint64_t)B};
-    const cuuint64_t strides[3] = {(cuuint64_t)s2, (cuuint64_t)s1, (cuuint64_t)s0};
-    const cuuint32_t boxd[4] = {64, 1, (cuuint32_t)box, 1}, es[4] = {1, 1, 1, 1};
-    for (int i = 0; i < 3; i++)
-        if (strides[i] % 16 || strides[i] >= ((cuuint64_t)1 << 40)) return 0;
-    const CUtensorMapDataType t = dt == NSA_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    return fn(m, t, 4, v->p, dims, strides, boxd, es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
 
 /* Keys per chunk and stages of the TMA tile: 32 keys in 2 stages (32 KB: six or seven of
  * these one-warp CTAs per SM), unless NSA_CUDA_SLC_BN says "32x3" (three stages, four CTAs)
@@ -448,12 +461,13 @@ void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     Q.nw = 4;
     Q.nst = 2;
     Q.bn = 64;
-    const int wg = !g->dry && qwg_usable(g, &Q, io->dt) && Q.dout.al;
+    qwg_maps maps;
+    const int wg = !g->dry && Q.dout.al && qwg_usable(g, &Q, io->dt, MODE_DQ, io->KR, &maps);
     unitspec uq = {UK_ROWS, p->G, wg ? QWG_BM : 64, 0, 0};
     int64_t qtiles;
     Q.sm = g_seqmap(g, uq, &qtiles);
     if (wg) {
-        run_qwg(g, &Q, MODE_DQ, qtiles, io->dt);
+        run_qwg(g, &Q, MODE_DQ, qtiles, io->dt, &maps);
     } else {
         run_qtile(g, &Q, MODE_DQ, qtiles, io->dt);
     }

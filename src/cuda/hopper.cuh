@@ -46,7 +46,8 @@ __device__ __forceinline__ void pp_before_b(int wg) { if (wg == 0) nb_sync(2); e
 __device__ __forceinline__ void pp_after_b(int wg) { if (wg == 0) nb_arrive(3); }
 
 template <int DKP, int DVP, typename T, int MODE>
-__global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
+__global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
+                                                     const __grid_constant__ CUtensorMap tv)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int BM = QWG_BM, BN = QWG_BN(MODE), NT = BN / 8, KT = DKP / 16, VT = DVP / 16, NTHR = 256;
@@ -62,6 +63,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
     unsigned char *Vs = Ks + 2 * KB;            /* [2] */
     int64_t *roff = (int64_t *)(Vs + 2 * VB);   /* [BM] q rows */
     int64_t *roff2 = roff + BM;                 /* [BM] dout rows (dQ mode) */
+    uint64_t *bar = (uint64_t *)(roff2 + BM);   /* [2] K / V stage arrivals */
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
     int64_t s, tile;
@@ -118,19 +120,36 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
         kmin = lo0;
         kmax = hi1;
     }
-    const int64_t kbase = sq.b * P.k.s0 + key_row0 * P.k.s1 + (int64_t)h * P.k.s2;
-    const int64_t vbase = has_v ? sq.b * P.v.s0 + key_row0 * P.v.s1 + (int64_t)h * P.v.s2 : 0;
     const int nchunks = kmax >= kmin ? (kmax - kmin) / BN + 1 : 0;
 
-    __syncthreads(); /* roff */
+    /* K / V chunks by TMA (the host's maps over the key views): one thread issues a chunk's
+     * boxes, every thread waits on the stage's mbarrier. Keys past kmax inside the tensor
+     * arrive as they are (masked: P = 0), past its end as zeros. Q (and dO), gathered rows,
+     * by cp.async once. */
+    if (tid == 0) {
+        mb_init(&bar[0], 1);
+        mb_init(&bar[1], 1);
+    }
+    mb_init_fence();
+    auto issue = [&](int st_, int c0_) {
+        if (tid == 0) {
+            mb_expect(&bar[st_], KB + (has_v ? VB : 0));
+#pragma unroll
+            for (int cb = 0; cb < DKP / 64; cb++)
+                tma_load4(Ks + st_ * KB + cb * BN * 128, &tk, cb * 64, h, (int)(key_row0 + c0_), (int)sq.b, &bar[st_]);
+            if (has_v)
+#pragma unroll
+                for (int cb = 0; cb < DVP / 64; cb++)
+                    tma_load4(Vs + st_ * VB + cb * BN * 128, &tv, cb * 64, h, (int)(key_row0 + c0_), (int)sq.b, &bar[st_]);
+        }
+    };
+    __syncthreads(); /* roff, barriers initialised */
+    if (nchunks > 0) issue(0, kmin);
     sw_load_rows<T, DKP, BM, NTHR>(Qs, (const T *)P.q.p, roff, tid);
     if (DQ) sw_load_rows<T, DVP, BM, NTHR>(Os, (const T *)P.dout.p, roff2, tid);
-    if (nchunks > 0) {
-        const int valid = kmax + 1 - kmin < BN ? kmax + 1 - kmin : BN;
-        sw_load_lin<T, DKP, BN, NTHR>(Ks, (const T *)P.k.p, kbase + (int64_t)kmin * P.k.s1, P.k.s1, valid, tid);
-        if (has_v) sw_load_lin<T, DVP, BN, NTHR>(Vs, (const T *)P.v.p, vbase + (int64_t)kmin * P.v.s1, P.v.s1, valid, tid);
-    }
     cp_commit();
+    cp_wait<0>();
+    fence_async_smem(); /* Q (dO) visible to the tensor cores after the loop's first barrier */
 
     /* forward: O [64 x DV] per warpgroup; dQ: dQ [64 x DK] */
     float acc[DA / 8][4];
@@ -142,19 +161,11 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P)
     const unsigned char *Ow = Os + wg * 64 * 128;
 
     for (int ci = 0; ci < nchunks; ci++) {
-        cp_wait<0>();
-        fence_async_smem();
-        __syncthreads(); /* chunk ci landed; every warpgroup is done with chunk ci - 1 */
         const int st = ci & 1;
+        __syncthreads(); /* every warpgroup is done with chunk ci - 1: its stage may refill */
         const int c0 = kmin + ci * BN, c1 = c0 + BN < kmax + 1 ? c0 + BN : kmax + 1;
-        if (ci + 1 < nchunks) {
-            const int n0 = c0 + BN, nv = kmax + 1 - n0 < BN ? kmax + 1 - n0 : BN;
-            sw_load_lin<T, DKP, BN, NTHR>(Ks + (st ^ 1) * KB, (const T *)P.k.p, kbase + (int64_t)n0 * P.k.s1, P.k.s1, nv, tid);
-            if (has_v)
-                sw_load_lin<T, DVP, BN, NTHR>(Vs + (st ^ 1) * VB, (const T *)P.v.p, vbase + (int64_t)n0 * P.v.s1, P.v.s1, nv,
-                                             tid);
-        }
-        cp_commit();
+        if (ci + 1 < nchunks) issue(st ^ 1, c0 + BN);
+        mb_wait(&bar[st], (ci >> 1) & 1); /* chunk ci landed */
 
         /* S = Q K^T (and dQ mode: dP = dO V^T): K-major A and B, 16 columns of the head dim
          * per step (32 bytes inside a 128-byte swizzle row; the next column block after four
@@ -944,12 +955,13 @@ static void launch_kwg_t(grun *g, const kparams *P, int64_t tiles)
 }
 
 template <int DKP, int DVP, typename T, int MODE>
-static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles)
+static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
 {
     const size_t smem = qwg_smem(DKP, DVP, MODE);
     g_check(g, cudaFuncSetAttribute(qwg_kernel<DKP, DVP, T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
-    qwg_kernel<DKP, DVP, T, MODE><<<dim3((unsigned)tiles, (unsigned)P->H), 256, smem, g->st>>>(*P);
+    qwg_kernel<DKP, DVP, T, MODE><<<dim3((unsigned)tiles, (unsigned)P->H), 256, smem, g->st>>>(
+        *P, *(const CUtensorMap *)tk, *(const CUtensorMap *)(tv ? tv : tk));
     g_launched(g);
 }
 
@@ -968,14 +980,14 @@ static int qwg_ready_t()
 
 /* The forward / dQ tile of one head-dim class (DKP x DVP) */
 #define NSA_HOPPER_QWG_INSTANCE(DKP, DVP)                                                        \
-    void nsa_cu_qwg_##DKP(grun *g, const qparams *P, int mode, int bf16, int64_t tiles)          \
+    void nsa_cu_qwg_##DKP(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv) \
     {                                                                                            \
         if (bf16) {                                                                              \
-            if (mode == MODE_FWD) launch_qwg_t<DKP, DVP, __nv_bfloat16, MODE_FWD>(g, P, tiles);  \
-            else launch_qwg_t<DKP, DVP, __nv_bfloat16, MODE_DQ>(g, P, tiles);                    \
+            if (mode == MODE_FWD) launch_qwg_t<DKP, DVP, __nv_bfloat16, MODE_FWD>(g, P, tiles, tk, tv); \
+            else launch_qwg_t<DKP, DVP, __nv_bfloat16, MODE_DQ>(g, P, tiles, tk, tv);            \
         } else {                                                                                 \
-            if (mode == MODE_FWD) launch_qwg_t<DKP, DVP, __half, MODE_FWD>(g, P, tiles);         \
-            else launch_qwg_t<DKP, DVP, __half, MODE_DQ>(g, P, tiles);                           \
+            if (mode == MODE_FWD) launch_qwg_t<DKP, DVP, __half, MODE_FWD>(g, P, tiles, tk, tv); \
+            else launch_qwg_t<DKP, DVP, __half, MODE_DQ>(g, P, tiles, tk, tv);                   \
         }                                                                                        \
     }                                                                                            \
     int nsa_cu_qwg_ready_##DKP(void) { return qwg_ready_t<DKP, DVP>(); }

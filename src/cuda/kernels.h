@@ -114,12 +114,12 @@ void nsa_cu_select_192(grun *g, const sparams *P, int bf16, int64_t tiles);
 #define QWG_BN(mode) ((mode) == MODE_FWD ? 128 : 64)
 
 /* Shared memory of qwg_kernel<DKP, DVP, MODE>: 1 KB alignment slack, Q (and dO), two K and
- * two V stages, row offsets. Must match the carving in the kernel. */
+ * two V stages, row offsets, the stages' mbarriers. Must match the carving in the kernel. */
 static inline size_t qwg_smem(int DKP, int DVP, int mode)
 {
     const size_t bn = QWG_BN(mode);
     return 1024 + (size_t)QWG_BM * DKP * 2 + (mode == MODE_DQ ? (size_t)QWG_BM * DVP * 2 : 0) + 2 * bn * (DKP + DVP) * 2 +
-           2 * QWG_BM * sizeof(int64_t);
+           2 * QWG_BM * sizeof(int64_t) + 2 * sizeof(uint64_t);
 }
 
 /* swg_kernel (hopper.cuh): positions per CTA (the wgmma rows) and compressed keys per pass;
@@ -162,9 +162,9 @@ void nsa_cu_sfw_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles
 void nsa_cu_swg_64(grun *g, const sparams *P, int bf16, int64_t tiles);
 void nsa_cu_swg_128(grun *g, const sparams *P, int bf16, int64_t tiles);
 void nsa_cu_swg_192(grun *g, const sparams *P, int bf16, int64_t tiles);
-void nsa_cu_qwg_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
-void nsa_cu_qwg_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
-void nsa_cu_qwg_192(grun *g, const qparams *P, int mode, int bf16, int64_t tiles); /* DK 192, DV 128 */
+void nsa_cu_qwg_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv);
+void nsa_cu_qwg_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv);
+void nsa_cu_qwg_192(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv); /* DK 192, DV 128 */
 /* sm_90a dK / dV of the range rules (hopper.cuh), kparams as ktile */
 void nsa_cu_kwg_64(grun *g, const kparams *P, int bf16, int64_t tiles);
 void nsa_cu_kwg_128(grun *g, const kparams *P, int bf16, int64_t tiles);
