@@ -228,12 +228,13 @@ double sweep_tolerance(nsa_dtype storage, const double *ref, const double *naive
 
 /* Compares a whole output against the reference with the tolerance rule above; naive is the
  * naive implementation's result (NULL: only the storage rounding of the exact result). */
-static long check_close(const char *what, const tens *got, const double *ref, const double *naive, nsa_dtype storage)
+static long check_close_x(const char *what, const tens *got, const double *ref, const double *naive, nsa_dtype storage,
+                          double extra)
 {
     const int64_t n = got->numel;
     double *g = (double *)malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
     tens_read(got, g);
-    const double tol = sweep_tolerance(storage, ref, naive, n);
+    const double tol = sweep_tolerance(storage, ref, naive, n) + extra;
     long bad = 0;
     double worst = 0;
     char msg[1024];
@@ -262,6 +263,12 @@ static long check_close(const char *what, const tens *got, const double *ref, co
     free(g);
     return bad ? 1 : 0;
 }
+
+static long check_close(const char *what, const tens *got, const double *ref, const double *naive, nsa_dtype storage)
+{
+    return check_close_x(what, got, ref, naive, storage, 0.0);
+}
+
 
 static long check_guard(const char *what, const tens *x)
 {
@@ -494,6 +501,28 @@ typedef struct pipe {
     nsa_forward_args fa;
     nsa_backward_args ba;
 } pipe;
+
+/* Extra tolerance of the gate gradients dg = dout . o_x: the backward reads the saved o_x in
+ * the storage dtype (as every bf16 / f16 implementation keeps it), whose rounding is not the
+ * naive model's own; the sum of DV rounding errors of up to u |o| (u: half an ulp, |o| <=
+ * max |v|, o being a convex combination of v rows) weighted by dout has a standard deviation
+ * below u max|v| ||dout_row|| / sqrt(3): 4 of those. (A cancelling row, T = 3, G = 4, bf16, went
+ * 3 of them past the plain rule.) */
+static double dg_extra(const sweep_case *c, const pipe *x, nsa_dtype storage)
+{
+    const double u = storage == NSA_DTYPE_BF16 ? ldexp(1.0, -9) : storage == NSA_DTYPE_F16 ? ldexp(1.0, -12) : 0.0;
+    if (u == 0.0) return 0.0;
+    double vmax = 0.0, dmax = 0.0;
+    const tens *vs[] = {&x->v, &x->vs, &x->vw, &x->vc};
+    for (int i = 0; i < 4; i++)
+        for (int64_t e = 0; vs[i]->val && e < vs[i]->numel; e++) vmax = fmax(vmax, fabs(vs[i]->val[e]));
+    for (int64_t r = 0; r * c->DV < x->dout.numel; r++) {
+        double ss = 0.0;
+        for (int64_t e = 0; e < c->DV; e++) ss += x->dout.val[r * c->DV + e] * x->dout.val[r * c->DV + e];
+        dmax = fmax(dmax, sqrt(ss));
+    }
+    return 4.0 * u * vmax * dmax / sqrt(3.0);
+}
 
 static void pipe_free(pipe *x)
 {
@@ -766,7 +795,7 @@ static long check_pipeline_backward(nsa_context *ctx, problem *p, pipe *x, const
     if (c->own_cmp) fails += check_close("nsa_backward dk_cmp", &x->dkc, dkc[0], dkc[1], dt) + check_close("nsa_backward dv_cmp", &x->dvc, dvc[0], dvc[1], dt);
     static const char *gn[3] = {"nsa_backward dg_cmp", "nsa_backward dg_slc", "nsa_backward dg_swa"};
     for (int b = 0; b < 3; b++)
-        if (c->gates >> b & 1) fails += check_close(gn[b], &x->dg[b], dg3[0][b], dg3[1][b], dt);
+        if (c->gates >> b & 1) fails += check_close_x(gn[b], &x->dg[b], dg3[0][b], dg3[1][b], dt, dg_extra(c, x, dt));
     fails += check_guard("dq", &x->dq) + check_guard("dk", &x->dk) + check_guard("dv", &x->dv);
     for (int q2 = 0; q2 < 2; q2++) {
         free(dq[q2]), free(dk[q2]), free(dv[q2]), free(dks[q2]), free(dvs[q2]), free(dkw[q2]), free(dvw[q2]);
