@@ -7,8 +7,9 @@
 #      every case in its own process (--jobs in parallel);
 #   4. compute-sanitizer memcheck on a few small cases (RACE=1: racecheck too);
 #   5. CUDA-event timings of the whole forward / backward (paper config, bf16) per length;
-#   6. with EXTRA="tables cli 1m" (FULL=1 = all): the benchmark tables of every config, the
-#      CLI's TFLOP/s tables and the 1M-token run (see below; several minutes each).
+#   6. with EXTRA="tables cli 1m peers" (FULL=1 = the first three): the benchmark tables of
+#      every config, the CLI's TFLOP/s tables, the 1M-token run, and bench/peers.py beside
+#      mdy666 / fla (carry peers/; see below; several minutes each).
 # AB=1 also sweeps and times the mma.sync tiles (NSA_CUDA_WGMMA=0) for comparison.
 # Logs go to $OUT (default ./device-out); a short table is printed last.
 #
@@ -45,7 +46,7 @@ if [ -n "${NSA_PREBUILT:-}" ] && "$NSA_PREBUILT/nsa_gpu_tests" --cases 0 > /tmp/
 else
     say "build"
     t0=$(date +%s)
-    if ! make -j"$(nproc)" NATIVE=0 CFLAGS=-Wno-psabi build/nsa_gpu_tests build/nsa_gpu_bench build/nsa build/nsa_wgmma_test > "$OUT/build.log" 2>&1; then
+    if ! make -j"$(nproc)" NATIVE=0 CFLAGS=-Wno-psabi build/nsa_gpu_tests build/nsa_gpu_bench build/nsa build/nsa_wgmma_test build/libnsa.so > "$OUT/build.log" 2>&1; then
         tail -40 "$OUT/build.log"
         note "build: FAILED"
         exit 1
@@ -135,6 +136,12 @@ if [ -n "$EXTRA" ]; then
         1m)
             timeout 400 "$BIN/nsa" demo --backend cuda --T 1048576 --rows 256 --no-dense > "$FULLDIR/demo-1m.txt" 2>&1
             note "demo 1M rc $?: $(grep -E 'accuracy|of max' "$FULLDIR/demo-1m.txt" | tr '\n' ' ')"
+            ;;
+        peers) # nsa beside mdy666 and fla in one process (needs torch, and peers/ carried)
+            NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" timeout 420 python3 bench/peers.py --impl nsa,mdy666,fla --T 16k,64k --G 16,4 \
+                --nsa-configs paper,fla --reps 5 --out "$FULLDIR" --tag peers > "$FULLDIR/peers.txt" 2>&1
+            note "peers rc $?: $(grep -cE '^(nsa|mdy666|fla) ' "$FULLDIR/peers.txt") rows"
+            grep -E '^(nsa|mdy666) .* 64k ' "$FULLDIR/peers.txt" | tee -a "$SUMMARY"
             ;;
         esac
     done
