@@ -1136,6 +1136,8 @@ void sweep_case_random(sweep_case *c, uint64_t *state, int64_t max_T)
             c->cfg.n_init = rng_int(&r, 0, 2);
             c->cfg.n_local = rng_int(&r, 0, 3);
             c->cfg.slc_topk = c->cfg.n_init + c->cfg.n_local + rng_int(&r, 0, 4);
+            /* now and then past 16: the CUDA selection keeps 32-entry lists then (swg NR) */
+            if (rng_int(&r, 0, 3) == 0) c->cfg.slc_topk += rng_int(&r, 8, 26);
             if (c->cfg.slc_topk < 1) c->cfg.slc_topk = 1;
             c->cfg.window = rng_int(&r, 1, 80);
         }
