@@ -1,25 +1,35 @@
 /* hopper.cuh -- the sm_90a tiles: wgmma (warpgroup tensor-core products with operands in
- * shared memory) instead of mma.sync, for the contiguous-range rules (compressed, window,
- * dense causal / full). Primitives (swizzled loaders, descriptors, fences) in wgmma.cuh.
+ * shared memory) and TMA (tensor-map bulk copies completing on mbarriers) instead of mma.sync
+ * and per-thread cp.async. Primitives (swizzled loaders, descriptors, fences, TMA, mbarriers)
+ * in wgmma.cuh; the tensor maps are encoded on the host (branches.cu tmap_make).
  *
- *   qwg_kernel  forward and dQ, head dims 64 / 128 / 192 (DV 128): 128 query rows per CTA
- *               (row = position * G + head of one kv head, as in qtile), two warpgroups of 64
- *               rows; keys in chunks of 128 (forward) or 64 (dQ) through a two-stage
- *               cp.async pipeline into 128-byte-swizzled tiles; scores (and dP) by wgmma SS,
- *               O += P V or dQ += dS K by wgmma RS with P / dS from registers and V / K read
- *               MN-major. One CTA per SM; the forward ping-pongs its warpgroups on named
+ *   qwg_kernel  forward and dQ of the contiguous-range rules (compressed, window, dense), head
+ *               dims 64 / 128 / 192 (DV 128): 128 query rows per CTA (row = position * G +
+ *               head of one kv head, as in qtile), two warpgroups of 64 rows; K / V chunks of
+ *               128 keys (forward) or 64 (dQ) by TMA into two stages; scores (and dP) by
+ *               wgmma SS, O += P V or dQ += dS K by wgmma RS with P / dS from registers and V /
+ *               K read MN-major. One CTA per SM; the forward ping-pongs its warpgroups on named
  *               barriers so that one's softmax overlaps the other's products.
- *   kwg_kernel  dK and dV, head dims 64 / 128: ktile's tasks at 128 keys (64 per warpgroup,
- *               sharing each 64-row chunk of Q and dO), same ordered partials: deterministic.
+ *   kwg_kernel  dK and dV of the range rules, head dims 64 / 128: ktile's tasks at 128 keys (64
+ *               per warpgroup, sharing each 64-row chunk of Q and dO), same ordered partials:
+ *               deterministic.
+ *   swg_kernel  the selection (importance + top-n, spec 3): 64 positions per CTA as the wgmma
+ *               rows, the G heads' probabilities summed in the accumulator registers, the top-n
+ *               as 64-bit rank keys through a register insertion network; no score matrix in
+ *               memory.
+ *   sfw_kernel  selected attention forward and dQ (DK = DV = 64 / 128, G >= 4): one warp per
+ *               16 heads of one position, its selected blocks' K / V by TMA in 32-key stages,
+ *               mma.sync from the swizzled tiles.
  *
- * Shared tiles use the canonical 128-byte swizzle of wgmma: a tile of R rows x D columns is
- * D / 64 column blocks of R x 128 bytes; 16-byte chunk c of row r sits at chunk c ^ (r % 8)
- * of its row; every column block starts on 1024 bytes. Loads write those chunks with
- * cp.async (16 bytes per thread, eight threads per 128-byte row: no bank conflicts), and
- * fence.proxy.async makes them visible to the tensor cores before the barrier.
+ * Shared tiles use the canonical 128-byte swizzle of wgmma (also TMA's SWIZZLE_128B): a tile
+ * of R rows x D columns is D / 64 column blocks of R x 128 bytes; 16-byte chunk c of row r
+ * sits at chunk c ^ (r % 8) of its row; every column block starts on 1024 bytes. cp.async
+ * loads write those chunks (16 bytes per thread, eight threads per 128-byte row: no bank
+ * conflicts), and fence.proxy.async makes them visible to the tensor cores before the barrier.
  *
  * The kernel bodies exist only in the sm_90a build; the host launches them only when the
- * loaded binary was compiled for it (nsa_cu_qwg_ready_*), else qtile / ktile run. */
+ * loaded binary was compiled for it (nsa_cu_qwg_ready_*), else qtile / ktile / select_kernel
+ * run. */
 #ifndef NSA_CUDA_HOPPER_CUH
 #define NSA_CUDA_HOPPER_CUH
 
