@@ -269,7 +269,6 @@ static long check_close(const char *what, const tens *got, const double *ref, co
     return check_close_x(what, got, ref, naive, storage, 0.0);
 }
 
-
 static long check_guard(const char *what, const tens *x)
 {
     char full[700];

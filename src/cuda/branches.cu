@@ -200,15 +200,16 @@ static int qwg_class(const qparams *P)
     return 0;
 }
 
-/* The sm_90a wgmma tile (hopper.cuh) takes a range-rule forward or dQ when the device is a
- * Hopper, the binary carries that kernel, the head dims are exactly 64, 128 or 192 / 128 and
- * every row is 16-byte aligned; NSA_CUDA_WGMMA=0 in the environment keeps the mma.sync tile
- * (for comparisons). Same function either way: the sweep checks both against float64. */
 /* The tensor maps of a wgmma tile's K / V chunks (box rows: its chunk of keys). */
 typedef struct qwg_maps {
     CUtensorMap k, v;
 } qwg_maps;
 
+/* The sm_90a wgmma tile (hopper.cuh) takes a range-rule forward or dQ when the device is a
+ * Hopper, the binary carries that kernel, the head dims are exactly 64, 128 or 192 / 128,
+ * every row is 16-byte aligned and the K / V tensor maps can be made (into m);
+ * NSA_CUDA_WGMMA=0 in the environment keeps the mma.sync tile (for comparisons). Same
+ * function either way: the sweep checks both against float64. */
 static int qwg_usable(grun *g, const qparams *P, nsa_dtype dt, int mode, int64_t KR, qwg_maps *m)
 {
     if (!qwg_env() || g->cc_major != 9) return 0;

@@ -228,7 +228,8 @@ typedef struct gate3 {
     float *Dw[3], *gw[3]; /* backward: per-row D = g * rowsum(dout * o) and g of each branch */
 } gate3;
 
-/* Four consecutive elements (off % 4 == 0 of a 16-byte aligned view) from an f32 value. */
+/* Stores four f32 values as consecutive elements at offset off (off % 4 == 0 of a 16-byte
+ * aligned view, see dview.al): one 16-byte (f32) or 8-byte (f16/bf16) access. */
 __device__ __forceinline__ void st4_any(void *p, int dt, int64_t off, float4 v)
 {
     if (dt == NSA_DTYPE_F32) {
