@@ -10,7 +10,8 @@
 #   6. with EXTRA="tables cli 1m peers" (FULL=1 = the first three): the benchmark tables of
 #      every config, the CLI's TFLOP/s tables, the 1M-token run, and bench/peers.py beside
 #      mdy666 / fla (carry peers/; see below; several minutes each).
-# AB=1 also sweeps and times the mma.sync tiles (NSA_CUDA_WGMMA=0) for comparison.
+# AB=1 also sweeps and times the mma.sync tiles (NSA_CUDA_WGMMA=0) for comparison;
+# ENVAB="NAME=value ..." times the bench once more under those switches.
 # Logs go to $OUT (default ./device-out); a short table is printed last.
 #
 #   bash scripts/device-check.sh                     # what the device tool runs
@@ -101,6 +102,11 @@ if [ -n "${AB:-}" ]; then # the same bench on the mma.sync forward tile (A/B of 
     NSA_CUDA_WGMMA=0 timeout 180 "$BIN/nsa_gpu_bench" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench-mma.log" 2>&1
     note "bench with NSA_CUDA_WGMMA=0 rc $?:"
     tail -n +2 "$OUT/bench-mma.log" | tee -a "$SUMMARY"
+fi
+if [ -n "${ENVAB:-}" ]; then # ENVAB="NAME=value ...": the same bench under those switches (A/B of one path)
+    env $ENVAB timeout 180 "$BIN/nsa_gpu_bench" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench-envab.log" 2>&1
+    note "bench with $ENVAB rc $?:"
+    tail -n +2 "$OUT/bench-envab.log" | tee -a "$SUMMARY"
 fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader >> "$OUT/gpu.txt" 2>&1
 

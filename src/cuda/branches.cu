@@ -152,22 +152,29 @@ static tmap_encode_fn tmap_encoder(void)
 }
 
 /* A 4-D map over the [B, rows, H, D] view v (16-bit elements, 16-byte aligned rows and
- * strides: dview.al), boxes of 64 columns x 1 head x `box` rows x 1 batch with the 128-byte
- * swizzle (the canonical layout of wgmma.cuh's sw_off); rows past the tensor read as zeros.
+ * strides: dview.al), boxes of 64 columns x box_heads heads x `box` rows x 1 batch with the
+ * 128-byte swizzle (a box lands as box x box_heads rows of 128 bytes, head fastest) (the canonical layout of wgmma.cuh's sw_off); rows past the tensor read as zeros.
  * Returns 0 when it cannot be made (the caller keeps the cp.async tile). */
-static int tmap_make(CUtensorMap *m, const dview *v, nsa_dtype dt, int64_t B, int64_t rows, int64_t H, int64_t D, int box)
+static int tmap_make_h(CUtensorMap *m, const dview *v, nsa_dtype dt, int64_t B, int64_t rows, int64_t H, int64_t D,
+                       int box, int box_heads)
 {
     const tmap_encode_fn fn = tmap_encoder();
     if (!fn || !v->al || D % 64 || rows < 1 || B < 1 || H < 1) return 0; /* (no keys: nothing to load) */
     const int64_t s1 = v->s1 * 2, s2 = v->s2 * 2, s0 = B > 1 ? v->s0 * 2 : s1 * rows;
     const cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)H, (cuuint64_t)rows, (cuuint64_t)B};
     const cuuint64_t strides[3] = {(cuuint64_t)s2, (cuuint64_t)s1, (cuuint64_t)s0};
-    const cuuint32_t boxd[4] = {64, 1, (cuuint32_t)box, 1}, es[4] = {1, 1, 1, 1};
+    if (box_heads < 1 || box_heads > H || box < 1 || box > 256 || box_heads > 256) return 0;
+    const cuuint32_t boxd[4] = {64, (cuuint32_t)box_heads, (cuuint32_t)box, 1}, es[4] = {1, 1, 1, 1};
     for (int i = 0; i < 3; i++)
         if (strides[i] % 16 || strides[i] >= ((cuuint64_t)1 << 40)) return 0;
     const CUtensorMapDataType t = dt == NSA_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     return fn(m, t, 4, v->p, dims, strides, boxd, es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+static int tmap_make(CUtensorMap *m, const dview *v, nsa_dtype dt, int64_t B, int64_t rows, int64_t H, int64_t D, int box)
+{
+    return tmap_make_h(m, v, dt, B, rows, H, D, box, 1);
 }
 
 /* NSA_CUDA_WGMMA=0 in the environment: never the wgmma paths */
@@ -438,6 +445,25 @@ static void dq_params(qparams *P, const nsa_problem *p, const bwd_io *io)
     P->dq = io->dq32;
 }
 
+/* The producer-warp dK / dV tile (kwp_kernel) instead of kwg when G divides 64 (a 64-row chunk
+ * is whole positions: one TMA box), its shared memory fits and the four tensor maps can be
+ * made (maps: q, dout, k, v); NSA_CUDA_KWP=0 keeps kwg (comparisons: same sums bit for bit). */
+static int kwp_usable(const grun *g, const kparams *K, nsa_dtype dt, CUtensorMap maps[4])
+{
+    static int env = -1;
+    if (env < 0) {
+        const char *e = getenv("NSA_CUDA_KWP");
+        env = !(e && e[0] == '0');
+    }
+    const nsa_problem *p = g->p;
+    if (!env || p->G > 64 || 64 % p->G || kwp_smem(K->DK) > (size_t)g->smem_max) return 0;
+    if (!K->dout.al || !K->q.al || !K->k.al || !K->v.al) return 0;
+    return tmap_make_h(&maps[0], &K->q, dt, p->B, p->T, p->HQ, K->DK, (int)(64 / p->G), (int)p->G) &&
+           tmap_make_h(&maps[1], &K->dout, dt, p->B, p->T, p->HQ, K->DV, (int)(64 / p->G), (int)p->G) &&
+           tmap_make(&maps[2], &K->k, dt, p->B, K->KR, p->H, K->DK, KWG_BK) &&
+           tmap_make(&maps[3], &K->v, dt, p->B, K->KR, p->H, K->DV, KWG_BK);
+}
+
 static void dkdv_params(kparams *P, const nsa_problem *p, const bwd_io *io)
 {
     memset(P, 0, sizeof *P);
@@ -497,8 +523,15 @@ void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     }
     if (kwg) {
         if (g_live(g) && ktiles > 0) {
-            if (Q.DK == 64) nsa_cu_kwg_64(g, &K, io->dt == NSA_DTYPE_BF16, ktiles);
-            else nsa_cu_kwg_128(g, &K, io->dt == NSA_DTYPE_BF16, ktiles);
+            const int bf16 = io->dt == NSA_DTYPE_BF16;
+            CUtensorMap maps[4];
+            if (kwp_usable(g, &K, io->dt, maps)) {
+                if (Q.DK == 64) nsa_cu_kwp_64(g, &K, bf16, ktiles, maps);
+                else nsa_cu_kwp_128(g, &K, bf16, ktiles, maps);
+            } else {
+                if (Q.DK == 64) nsa_cu_kwg_64(g, &K, bf16, ktiles);
+                else nsa_cu_kwg_128(g, &K, bf16, ktiles);
+            }
         }
     } else {
         run_ktile(g, &K, ktiles, io->dt);

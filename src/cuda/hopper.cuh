@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P, const __gr
     constexpr int QB = BM * DKP * 2, OB = BM * DVP * 2, KB = BN * DKP * 2, VB = BN * DVP * 2; /* tile bytes */
     constexpr bool DQ = MODE == MODE_DQ;
     extern __shared__ unsigned char smem_raw[];
-    unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    unsigned char *smem = smem_align1024(smem_raw);
     unsigned char *Qs = smem;
     unsigned char *Os = Qs + QB;                /* dO (dQ mode) */
     unsigned char *Ks = Os + (DQ ? OB : 0);     /* [2] */
@@ -283,6 +283,38 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P, const __gr
 #endif
 }
 
+/* The dK / dV tiles' epilogue (as ktile's): this thread's two keys' fp32 sums added into
+ * dk / dv, or, for a further row segment, its partial written whole (scale folded into dK). */
+template <int DP>
+__device__ __forceinline__ void kwg_store(const kparams &P, const kt_task &t, const int kr[2], const float (*dK)[4],
+                                          const float (*dV)[4], int lane)
+{
+    const int h = t.h, k0 = t.k0, k1 = t.k1;
+    constexpr int BK = KWG_BK;
+#pragma unroll
+    for (int x = 0; x < 2; x++) {
+        const int key = kr[x];
+        if (key >= k1) continue;
+        float *pk, *pv;
+        const int64_t slot = t.slot;
+        if (slot >= 0) {
+            pk = P.part + slot * BK * (P.DK + P.DV) + (int64_t)(key - k0) * P.DK;
+            pv = P.part + slot * BK * (P.DK + P.DV) + (int64_t)BK * P.DK + (int64_t)(key - k0) * P.DV;
+        } else {
+            const int64_t row = (t.sq.b * P.KR + t.key_row0 + key) * P.H + h;
+            pk = P.dk + row * P.DK, pv = P.dv + row * P.DV;
+        }
+#pragma unroll
+        for (int d = 0; d < DP / 8; d++) {
+            const int col = d * 8 + 2 * (lane & 3);
+            float2 *k2p = (float2 *)(pk + col), *v2p = (float2 *)(pv + col);
+            const float2 a = slot >= 0 ? make_float2(0.0f, 0.0f) : *k2p, b = slot >= 0 ? make_float2(0.0f, 0.0f) : *v2p;
+            *k2p = make_float2(a.x + dK[d][2 * x] * P.scale, a.y + dK[d][2 * x + 1] * P.scale);
+            *v2p = make_float2(b.x + dV[d][2 * x], b.y + dV[d][2 * x + 1]);
+        }
+    }
+}
+
 /* dK and dV of the range rules: ktile's tasks at 128 keys (two warpgroups of 64 keys share
  * every 64-row chunk of Q and dO they stream: half of ktile's L2 traffic per product; row
  * segments with ordered partials for the compressed branch), one CTA per SM:
@@ -296,7 +328,7 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
     constexpr int BK = KWG_BK, BQ = 64, NT = BQ / 8, KT = DP / 16, NTHR = 256;
     constexpr int KB = BK * DP * 2, TB = BQ * DP * 2; /* key tile, row chunk */
     extern __shared__ unsigned char smem_raw[];
-    unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    unsigned char *smem = smem_align1024(smem_raw);
     unsigned char *Ks = smem, *Vs = Ks + KB;
     unsigned char *Qs = Vs + KB;     /* [2] */
     unsigned char *Ds = Qs + 2 * TB; /* [2] dO */
@@ -419,29 +451,195 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
     }
     cp_wait<0>();
 
-    /* epilogue (as ktile's): fp32 adds into dk / dv, or this segment's partial written whole */
-#pragma unroll
-    for (int x = 0; x < 2; x++) {
-        const int key = kr[x];
-        if (key >= k1) continue;
-        float *pk, *pv;
-        const int64_t slot = t.slot;
-        if (slot >= 0) {
-            pk = P.part + slot * BK * (P.DK + P.DV) + (int64_t)(key - k0) * P.DK;
-            pv = P.part + slot * BK * (P.DK + P.DV) + (int64_t)BK * P.DK + (int64_t)(key - k0) * P.DV;
-        } else {
-            const int64_t row = (t.sq.b * P.KR + t.key_row0 + key) * P.H + h;
-            pk = P.dk + row * P.DK, pv = P.dv + row * P.DV;
-        }
-#pragma unroll
-        for (int d = 0; d < DP / 8; d++) {
-            const int col = d * 8 + 2 * (lane & 3);
-            float2 *k2p = (float2 *)(pk + col), *v2p = (float2 *)(pv + col);
-            const float2 a = slot >= 0 ? make_float2(0.0f, 0.0f) : *k2p, b = slot >= 0 ? make_float2(0.0f, 0.0f) : *v2p;
-            *k2p = make_float2(a.x + dK[d][2 * x] * P.scale, a.y + dK[d][2 * x + 1] * P.scale);
-            *v2p = make_float2(b.x + dV[d][2 * x], b.y + dV[d][2 * x + 1]);
-        }
+    kwg_store<DP>(P, t, kr, dK, dV, lane);
+#endif
+}
+
+/* dK and dV of the range rules, warp-specialised: kwg's tasks and products, but one producer
+ * warp streams every chunk into KWP_NS stages guarded by mbarriers (full: the chunk landed;
+ * empty: both consumer warpgroups are done with it), so that the two consumer warpgroups (64
+ * keys each) never meet at a CTA barrier and drift apart: one's elementwise phase runs under
+ * the other's products. The chunk's 64 rows are 64 / G whole positions x G heads (G divides
+ * 64, and every chunk of a range task starts on a position), i.e. one TMA box of the q / dout
+ * tensor maps per 64 columns; the row slots (lse, D, gate, visible range) are filled by the
+ * producer's lanes (kt_fill) before they arrive. The key tile rides on chunk 0's barrier. Rows past a
+ * task's end arrive as they are (masked, P = 0) or, past the tensor, as zeros. Inside a
+ * warpgroup the exponentials run under the dP product and dS under the dV product:
+ *   S^T = K Q^T, dP^T = V dO^T   (wgmma SS; wait for S only)
+ *   P^T, dV += (g P)^T dO        (wgmma RS; wait for dP only)
+ *   dS^T, dK += dS^T Q           (wgmma RS)
+ * Same tasks, same order of every key's sums and same epilogue as kwg: deterministic, and the
+ * two kernels agree bit for bit. 384 threads: warpgroup 0 is the producer (one warp works,
+ * KWP_PREGS registers), warpgroups 1 and 2 the consumers (KWP_CREGS). */
+template <int DP, typename T>
+__global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __grid_constant__ CUtensorMap tq,
+                                                     const __grid_constant__ CUtensorMap tdo,
+                                                     const __grid_constant__ CUtensorMap tk,
+                                                     const __grid_constant__ CUtensorMap tv)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BK = KWG_BK, BQ = 64, NT = BQ / 8, KT = DP / 16, NS = KWP_NS;
+    constexpr int KB = BK * DP * 2, TB = BQ * DP * 2; /* key tile, row chunk */
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = smem_align1024(smem_raw);
+    unsigned char *Ks = smem, *Vs = Ks + KB;
+    unsigned char *Qs = Vs + KB;      /* [NS] */
+    unsigned char *Ds = Qs + NS * TB; /* [NS] dO */
+    uint64_t *full = (uint64_t *)(Ds + NS * TB), *empty = full + NS;
+    int64_t *rq = (int64_t *)(empty + NS); /* [NS][BQ] row slots (offsets: unused here) */
+    int64_t *ro = rq + NS * BQ;
+    float *rl2 = (float *)(ro + NS * BQ);
+    float *rD = rl2 + NS * BQ, *rg = rD + NS * BQ;
+    int *rlo = (int *)(rg + NS * BQ), *rhi = rlo + NS * BQ;
+    int *rfull = rhi + NS * BQ; /* [NS][2] */
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+
+    __shared__ kt_task ts; /* read from shared memory by the producer's fills (as kwg) */
+    {
+        kt_task t;
+        if (!kt_task_get<BK, BQ>(P, &t, tid, 384)) return;
+        if (tid == 0) ts = t;
     }
+    if (tid == 0) {
+        for (int s = 0; s < NS; s++) {
+            mb_init(&full[s], 64); /* the producer's lanes: slot stores, slot copies (+ the bytes) */
+            mb_init(&empty[s], 256); /* every consumer thread, after its last read of the stage */
+        }
+        mb_init_fence();
+    }
+    __syncthreads();
+    const kt_task &t = ts;
+    const int h = t.h, k0 = t.k0, k1 = t.k1;
+    const int64_t nchunks = (t.nrows + BQ - 1) / BQ;
+
+    if (wg == 0) {
+        regs_dec<KWP_PREGS>();
+        if (warp != 0) return;
+        const kt_rows R = {rq, ro, rl2, rD, rg, rlo, rhi, rfull};
+        const int G = (int)P.G, b = (int)t.sq.b;
+        for (int64_t c = 0; c < nchunks; c++) {
+            const int s = (int)(c % NS);
+            if (c >= NS) mb_wait(&empty[s], (int)(((c / NS) & 1) ^ 1));
+            if (lane == 0) {
+                mb_expect_tx(&full[s], 2 * TB + (c == 0 ? 2 * KB : 0));
+                if (c == 0)
+#pragma unroll
+                    for (int cb = 0; cb < DP / 64; cb++) {
+                        const int kr0 = (int)(t.key_row0 + k0);
+                        tma_load4(Ks + cb * BK * 128, &tk, cb * 64, h, kr0, b, &full[0]);
+                        tma_load4(Vs + cb * BK * 128, &tv, cb * 64, h, kr0, b, &full[0]);
+                    }
+                const int row = (int)(t.sq.row0 + (t.rbase + c * BQ) / G); /* the chunk's first position */
+#pragma unroll
+                for (int cb = 0; cb < DP / 64; cb++) {
+                    tma_load4(Qs + s * TB + cb * BQ * 128, &tq, cb * 64, h * G, row, b, &full[s]);
+                    tma_load4(Ds + s * TB + cb * BQ * 128, &tdo, cb * 64, h * G, row, b, &full[s]);
+                }
+            }
+            /* lse, D, gate by cp.async (no load latency in this loop: it is the pipeline's
+             * throughput), the rest by stores: each lane arrives once for its stores and once
+             * when its copies land */
+            kt_fill<BQ>(P, t, R, s, c, lane);
+            kt_fill<BQ>(P, t, R, s, c, lane + 32);
+            mb_arrive_cp(&full[s]);
+            mb_arrive(&full[s]);
+        }
+        return;
+    }
+    regs_inc<KWP_CREGS>();
+    const int cw = wg - 1, cwarp = warp - 4; /* consumer warpgroup (keys cw * 64 ..), warp 0..7 */
+
+    float dK[DP / 8][4], dV[DP / 8][4];
+#pragma unroll
+    for (int i = 0; i < DP / 8; i++) {
+        dK[i][0] = dK[i][1] = dK[i][2] = dK[i][3] = 0.0f;
+        dV[i][0] = dV[i][1] = dV[i][2] = dV[i][3] = 0.0f;
+    }
+    int kr[2];
+    kr[0] = k0 + cwarp * 16 + (lane >> 2);
+    kr[1] = kr[0] + 8;
+
+    for (int64_t c = 0; c < nchunks; c++) {
+        const int s = (int)(c % NS);
+        mb_wait(&full[s], (int)((c / NS) & 1));
+        const unsigned char *Qp = Qs + s * TB, *Dp = Ds + s * TB;
+        const float *l2 = rl2 + s * BQ, *Dr = rD + s * BQ, *gr = rg + s * BQ;
+        const int *lo = rlo + s * BQ, *hi = rhi + s * BQ;
+
+        float S[NT][4], dP[NT][4];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KT; kk++) {
+            const int ao = (kk >> 2) * BK * 128 + cw * 64 * 128 + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
+            wgmma_op<T, BQ>::template ss<0>(&S[0][0], wg_desc(Ks + ao, 16, 1024), wg_desc(Qp + bo, 16, 1024), kk > 0);
+        }
+        wg_commit();
+#pragma unroll
+        for (int kk = 0; kk < KT; kk++) {
+            const int ao = (kk >> 2) * BK * 128 + cw * 64 * 128 + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
+            wgmma_op<T, BQ>::template ss<0>(&dP[0][0], wg_desc(Vs + ao, 16, 1024), wg_desc(Dp + bo, 16, 1024), kk > 0);
+        }
+        wg_commit();
+        wg_wait<1>(); /* S^T ready, dP^T still on the tensor cores */
+
+        /* P^T (masked) in S; (g P)^T as the A fragments of dV */
+        const bool whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
+        uint32_t pa[BQ / 16][4], da[BQ / 16][4];
+        if (whole) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
+                    S[nt][e] = ex2(S[nt][e] * P.sl2 - kt_l2(l2[n]));
+                }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
+                    const int vis = key < k1 && key >= lo[n] && key <= hi[n];
+                    S[nt][e] = vis ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
+                }
+        }
+#pragma unroll
+        for (int k2 = 0; k2 < BQ / 16; k2++) {
+            float a[4], b[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                a[e] = S[2 * k2][e] * gr[2 * k2 * 8 + 2 * (lane & 3) + (e & 1)];
+                b[e] = S[2 * k2 + 1][e] * gr[(2 * k2 + 1) * 8 + 2 * (lane & 3) + (e & 1)];
+            }
+            sc_frag_a<T>(pa[k2], a, b);
+        }
+        wg_fence();
+#pragma unroll
+        for (int k2 = 0; k2 < BQ / 16; k2++)
+            wgmma_op<T, DP>::template rs<1>(&dV[0][0], pa[k2], wg_desc(Dp + k2 * 16 * 128, BQ * 128, 1024), 1);
+        wg_commit();
+        wg_wait<1>(); /* dP^T ready, dV on the tensor cores */
+
+        /* dS^T = P^T (g dP^T - D) */
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
+                dP[nt][e] = S[nt][e] * (dP[nt][e] * gr[n] - Dr[n]);
+            }
+#pragma unroll
+        for (int k2 = 0; k2 < BQ / 16; k2++) sc_frag_a<T>(da[k2], dP[2 * k2], dP[2 * k2 + 1]);
+        wg_fence();
+#pragma unroll
+        for (int k2 = 0; k2 < BQ / 16; k2++)
+            wgmma_op<T, DP>::template rs<1>(&dK[0][0], da[k2], wg_desc(Qp + k2 * 16 * 128, BQ * 128, 1024), 1);
+        wg_commit();
+        wg_wait<0>();
+        mb_arrive(&empty[s]); /* stage s free for chunk c + NS (each thread releases its own reads) */
+    }
+
+    kwg_store<DP>(P, t, kr, dK, dV, lane);
 #endif
 }
 
@@ -508,7 +706,7 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
     constexpr int BP = SWG_BP, NK = SWG_NK, NT = NK / 8, KT = DKP / 16, NTHR = 128, NQ = SWG_QST;
     constexpr int QB = BP * DKP * 2, KB = SWG_KBYTES(DKP);
     extern __shared__ unsigned char smem_raw[];
-    unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    unsigned char *smem = smem_align1024(smem_raw);
     unsigned char *Qs = smem;                /* [NQ] Q tiles of one head each */
     unsigned char *Ks = Qs + NQ * QB;        /* key tile; then p [BP][NK] f32 (swizzled) */
     float *Ps = (float *)Ks;
@@ -721,7 +919,7 @@ __global__ void __launch_bounds__(32) sfw_kernel(const qparams P, const __grid_c
     constexpr int NT = BN / 8, KT = DP / 16, TB = BN * DP * 2; /* tile bytes (K or V of a chunk) */
     constexpr bool DQ = MODE == MODE_DQ;
     extern __shared__ unsigned char smem_raw[];
-    unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    unsigned char *smem = smem_align1024(smem_raw);
     unsigned char *Ks = smem;                  /* [NS] */
     unsigned char *Vs = Ks + NS * TB;          /* [NS] */
     uint64_t *bar = (uint64_t *)(Vs + NS * TB); /* [NS] */
@@ -964,6 +1162,17 @@ static void launch_kwg_t(grun *g, const kparams *P, int64_t tiles)
     g_launched(g);
 }
 
+template <int DP, typename T>
+static void launch_kwp_t(grun *g, const kparams *P, int64_t tiles, const void *maps)
+{
+    const size_t smem = kwp_smem(DP);
+    g_check(g, cudaFuncSetAttribute(kwp_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (g->err != NSA_STATUS_SUCCESS) return;
+    const CUtensorMap *m = (const CUtensorMap *)maps; /* q, dout, k, v */
+    kwp_kernel<DP, T><<<dim3((unsigned)tiles, (unsigned)P->H), 384, smem, g->st>>>(*P, m[0], m[1], m[2], m[3]);
+    g_launched(g);
+}
+
 template <int DKP, int DVP, typename T, int MODE>
 static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
 {
@@ -1031,6 +1240,11 @@ static int qwg_ready_t()
     {                                                                                            \
         if (bf16) launch_kwg_t<DP, __nv_bfloat16>(g, P, tiles);                                  \
         else launch_kwg_t<DP, __half>(g, P, tiles);                                              \
+    }                                                                                            \
+    void nsa_cu_kwp_##DP(grun *g, const kparams *P, int bf16, int64_t tiles, const void *maps)   \
+    {                                                                                            \
+        if (bf16) launch_kwp_t<DP, __nv_bfloat16>(g, P, tiles, maps);                            \
+        else launch_kwp_t<DP, __half>(g, P, tiles, maps);                                        \
     }
 
 #endif /* __CUDACC__ */

@@ -152,6 +152,19 @@ static inline size_t kwg_smem(int DP)
     return 1024 + 2 * (size_t)KWG_BK * DP * 2 + 4 * (size_t)64 * DP * 2 + 3 * 64 * (2 * sizeof(int64_t) + 5 * 4) + 6 * 4;
 }
 
+/* kwp_kernel (hopper.cuh): kwg's tasks with a TMA producer warp; row-chunk stages and register
+ * budgets of its producer / consumer warpgroups (setmaxnreg: 128 x 40 + 256 x 232 <= 64k) */
+#define KWP_NS 3
+#define KWP_PREGS 40
+#define KWP_CREGS 232
+/* slack, K and V of 128 keys, KWP_NS stages of Q and dO (64 rows each), their full / empty
+ * mbarriers, KWP_NS row slots (offsets, lse, D, gate, ranges) and whole-chunk flags */
+static inline size_t kwp_smem(int DP)
+{
+    return 1024 + 2 * (size_t)KWG_BK * DP * 2 + 2 * (size_t)KWP_NS * 64 * DP * 2 + 2 * KWP_NS * 8 +
+           KWP_NS * 64 * (2 * sizeof(int64_t) + 5 * 4) + KWP_NS * 2 * 4;
+}
+
 /* sm_90a forward / dQ tile for the range rules (hopper.cuh), head dims exactly 64 / 128;
  * ready: whether the loaded binary holds its sm_90a body (1) or it must not run (0). */
 /* sm_90a selected attention (forward / dQ) with TMA, DK == DV == 64 / 128, G % 16 == 0;
@@ -168,6 +181,10 @@ void nsa_cu_qwg_192(grun *g, const qparams *P, int mode, int bf16, int64_t tiles
 /* sm_90a dK / dV of the range rules (hopper.cuh), kparams as ktile */
 void nsa_cu_kwg_64(grun *g, const kparams *P, int bf16, int64_t tiles);
 void nsa_cu_kwg_128(grun *g, const kparams *P, int bf16, int64_t tiles);
+/* ... the same with a producer warp and TMA (kwp_kernel), bit for bit the same sums; maps:
+ * four host CUtensorMap (q, dout: box 64 x G x 64 / G x 1; k, v: box 64 x 1 x 128 x 1) */
+void nsa_cu_kwp_64(grun *g, const kparams *P, int bf16, int64_t tiles, const void *maps);
+void nsa_cu_kwp_128(grun *g, const kparams *P, int bf16, int64_t tiles, const void *maps);
 int nsa_cu_qwg_ready_64(void);
 int nsa_cu_qwg_ready_128(void);
 int nsa_cu_qwg_ready_192(void);

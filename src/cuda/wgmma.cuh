@@ -12,6 +12,15 @@
 
 #if defined(__CUDACC__)
 
+/* The first 1024-byte boundary inside the dynamic shared memory `raw` (the swizzled tiles'
+ * alignment), as an offset from raw so that the compiler keeps the shared address space: a
+ * pointer rebuilt from an integer is generic, and every scalar load through it a generic LD
+ * (long-scoreboard latency) instead of an LDS. */
+__device__ __forceinline__ unsigned char *smem_align1024(unsigned char *raw)
+{
+    return raw + ((1024u - (smem_addr(raw) & 1023u)) & 1023u);
+}
+
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wg_wait()
@@ -104,6 +113,44 @@ __device__ __forceinline__ void mb_wait(uint64_t *bar, int parity)
                  "@!p bra MB_WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
                  "r"(parity)
                  : "memory");
+#endif
+}
+/* expect `bytes` more of copies on the barrier's current phase, without arriving (the
+ * copies may be issued before the arrivals that complete the phase) */
+__device__ __forceinline__ void mb_expect_tx(uint64_t *bar, uint32_t bytes)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+#endif
+}
+/* one plain arrival (release: this thread's earlier shared-memory stores are visible to
+ * whoever waits on the phase it completes) */
+__device__ __forceinline__ void mb_arrive(uint64_t *bar)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+/* one arrival once every cp.async this thread issued so far has landed (noinc: the
+ * barrier's count includes it) */
+__device__ __forceinline__ void mb_arrive_cp(uint64_t *bar)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+/* Register budget of this warpgroup from here on (warp-specialised kernels: a producer gives
+ * registers back, the consumers take them); every thread of the warpgroup executes it. */
+template <int N> __device__ __forceinline__ void regs_dec()
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N> __device__ __forceinline__ void regs_inc()
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 #endif
 }
 /* box at coordinates (c0 innermost, c1, c2, c3) of a 4-D tensor map into dst */
