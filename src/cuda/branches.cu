@@ -445,10 +445,12 @@ static void dq_params(qparams *P, const nsa_problem *p, const bwd_io *io)
     P->dq = io->dq32;
 }
 
-/* The producer-warp dK / dV tile (kwp_kernel) instead of kwg when G divides 64 (a 64-row chunk
- * is whole positions: one TMA box), its shared memory fits and the four tensor maps can be
- * made (maps: q, dout, k, v); NSA_CUDA_KWP=0 keeps kwg (comparisons: same sums bit for bit). */
-static int kwp_usable(const grun *g, const kparams *K, nsa_dtype dt, CUtensorMap maps[4])
+/* The producer-warp dK / dV tile (kwp_kernel) on a Hopper with the sm_90a kernels, when G
+ * divides 64 (a 64-row chunk is whole positions: range rules one TMA box per 64 columns,
+ * selected rule one box per listed position), DK == DV == 64 / 128, its shared memory fits
+ * and the four tensor maps can be made (maps: q, dout, k, v). NSA_CUDA_KWP=0 keeps kwg /
+ * ktile (comparisons; kwg's sums are the same bit for bit). */
+static int kwp_usable(const grun *g, const kparams *K, nsa_dtype dt, int slc, CUtensorMap maps[4])
 {
     static int env = -1;
     if (env < 0) {
@@ -456,12 +458,23 @@ static int kwp_usable(const grun *g, const kparams *K, nsa_dtype dt, CUtensorMap
         env = !(e && e[0] == '0');
     }
     const nsa_problem *p = g->p;
-    if (!env || p->G > 64 || 64 % p->G || kwp_smem(K->DK) > (size_t)g->smem_max) return 0;
+    if (!env || !qwg_env() || g->cc_major != 9 || p->G > 64 || 64 % p->G) return 0;
+    if (K->DK != K->DV || (K->DK != 64 && K->DK != 128) || !qwg_ready(K->DK)) return 0;
+    if (kwp_smem(K->DK, slc) > (size_t)g->smem_max) return 0;
     if (!K->dout.al || !K->q.al || !K->k.al || !K->v.al) return 0;
-    return tmap_make_h(&maps[0], &K->q, dt, p->B, p->T, p->HQ, K->DK, (int)(64 / p->G), (int)p->G) &&
-           tmap_make_h(&maps[1], &K->dout, dt, p->B, p->T, p->HQ, K->DV, (int)(64 / p->G), (int)p->G) &&
-           tmap_make(&maps[2], &K->k, dt, p->B, K->KR, p->H, K->DK, KWG_BK) &&
-           tmap_make(&maps[3], &K->v, dt, p->B, K->KR, p->H, K->DV, KWG_BK);
+    const int qrows = slc ? 1 : (int)(64 / p->G), krows = slc ? 64 : KWG_BK;
+    return tmap_make_h(&maps[0], &K->q, dt, p->B, p->T, p->HQ, K->DK, qrows, (int)p->G) &&
+           tmap_make_h(&maps[1], &K->dout, dt, p->B, p->T, p->HQ, K->DV, qrows, (int)p->G) &&
+           tmap_make(&maps[2], &K->k, dt, p->B, K->KR, p->H, K->DK, krows) &&
+           tmap_make(&maps[3], &K->v, dt, p->B, K->KR, p->H, K->DV, krows);
+}
+
+/* launch kwp_kernel (kwp_usable said yes and made the maps) */
+static void run_kwp(grun *g, const kparams *K, nsa_dtype dt, int slc, int64_t tiles, const CUtensorMap maps[4])
+{
+    if (!g_live(g) || tiles == 0) return;
+    if (K->DK == 64) nsa_cu_kwp_64(g, K, dt == NSA_DTYPE_BF16, slc, tiles, maps);
+    else nsa_cu_kwp_128(g, K, dt == NSA_DTYPE_BF16, slc, tiles, maps);
 }
 
 static void dkdv_params(kparams *P, const nsa_problem *p, const bwd_io *io)
@@ -525,9 +538,8 @@ void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
         if (g_live(g) && ktiles > 0) {
             const int bf16 = io->dt == NSA_DTYPE_BF16;
             CUtensorMap maps[4];
-            if (kwp_usable(g, &K, io->dt, maps)) {
-                if (Q.DK == 64) nsa_cu_kwp_64(g, &K, bf16, ktiles, maps);
-                else nsa_cu_kwp_128(g, &K, bf16, ktiles, maps);
+            if (kwp_usable(g, &K, io->dt, 0, maps)) {
+                run_kwp(g, &K, io->dt, 0, ktiles, maps);
             } else {
                 if (Q.DK == 64) nsa_cu_kwg_64(g, &K, bf16, ktiles);
                 else nsa_cu_kwg_128(g, &K, bf16, ktiles);
@@ -595,11 +607,16 @@ void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt
     float *part = cu_take_f32(g, ebound * K.nsub * 64 * (p->DK + p->DV), 0);
     nsa_cu_slc_segments(g, &ix, nflat, segp, xoff);
     K.segp = (int)segp, K.xoff = xoff, K.nflat = nflat, K.part = part;
-    run_ktile(g, &K, ktiles, io->dt);
+    /* same tasks and partials on either tile */
+    CUtensorMap maps[4];
+    const int kwp = !g->dry && kwp_usable(g, &K, io->dt, 1, maps);
+    if (kwp) run_kwp(g, &K, io->dt, 1, ktiles, maps);
+    else run_ktile(g, &K, ktiles, io->dt);
     if (ebound > 0) {
         kparams X = K;
         X.extra = 1;
-        run_ktile(g, &X, ebound * K.nsub, io->dt);
+        if (kwp) run_kwp(g, &X, io->dt, 1, ebound * K.nsub, maps);
+        else run_ktile(g, &X, ebound * K.nsub, io->dt);
         nsa_cu_slc_reduce(g, &K, ktiles);
     }
 }

@@ -677,10 +677,11 @@ typedef struct kt_rows {
  * q / dO offsets and visible key range computed here; the row's lse, D and gate copied by
  * cp.async into the slot, so the filling warps do not wait on three global loads per chunk
  * (the slot is read two chunks later, after a cp.async wait and a barrier). The slot holds
- * the raw lse: kt_l2 turns it into the log2-domain offset at use. */
+ * the raw lse: kt_l2 turns it into the log2-domain offset at use. pos_given >= 0: the row's
+ * position, looked up ahead by the caller (a producer warp prefetching list entries). */
 template <int BQ>
-__device__ __forceinline__ void kt_fill(const kparams &P, const kt_task &t, const kt_rows &R, int stage, int64_t chunk,
-                                        int tid)
+__device__ __forceinline__ void kt_fill_at(const kparams &P, const kt_task &t, const kt_rows &R, int stage, int64_t chunk,
+                                           int tid, int pos_given)
 {
     if (tid >= BQ) return;
     const int64_t G = P.G, k = chunk * BQ + tid;
@@ -696,7 +697,7 @@ __device__ __forceinline__ void kt_fill(const kparams &P, const kt_task &t, cons
         } else {
             q = rk / G, g = rk % G;
         }
-        const int pos = t.is_slc ? t.list[q] : (int)q;
+        const int pos = pos_given >= 0 ? pos_given : t.is_slc ? t.list[q] : (int)q;
         const int64_t hq = t.h * G + g, row = sq.row0 + pos;
         const int64_t flat = (sq.b * P.T + row) * P.HQ + hq;
         R.rq[i] = sq.b * P.q.s0 + row * P.q.s1 + hq * P.q.s2;
@@ -712,6 +713,14 @@ __device__ __forceinline__ void kt_fill(const kparams &P, const kt_task &t, cons
     }
     const int f = __all_sync(0xffffffffu, R.rlo[i] <= t.k0 && R.rhi[i] >= t.k1 - 1);
     if ((tid & 31) == 0) R.rfull[stage * 2 + (tid >> 5)] = f;
+}
+
+/* ... the row's position looked up here (selected rule: its list entry, a dependent load) */
+template <int BQ>
+__device__ __forceinline__ void kt_fill(const kparams &P, const kt_task &t, const kt_rows &R, int stage, int64_t chunk,
+                                        int tid)
+{
+    kt_fill_at<BQ>(P, t, R, stage, chunk, tid, -1);
 }
 
 /* The log2-domain softmax offset of a slot's raw lse: p = 2^(s sl2 - l2) (a row that sees no

@@ -284,13 +284,13 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P, const __gr
 }
 
 /* The dK / dV tiles' epilogue (as ktile's): this thread's two keys' fp32 sums added into
- * dk / dv, or, for a further row segment, its partial written whole (scale folded into dK). */
-template <int DP>
+ * dk / dv, or, for a further row segment, its partial of BK keys written whole (scale folded
+ * into dK). */
+template <int DP, int BK>
 __device__ __forceinline__ void kwg_store(const kparams &P, const kt_task &t, const int kr[2], const float (*dK)[4],
                                           const float (*dV)[4], int lane)
 {
     const int h = t.h, k0 = t.k0, k1 = t.k1;
-    constexpr int BK = KWG_BK;
 #pragma unroll
     for (int x = 0; x < 2; x++) {
         const int key = kr[x];
@@ -451,7 +451,7 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
     }
     cp_wait<0>();
 
-    kwg_store<DP>(P, t, kr, dK, dV, lane);
+    kwg_store<DP, KWG_BK>(P, t, kr, dK, dV, lane);
 #endif
 }
 
@@ -469,16 +469,16 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
  *   P^T, dV += (g P)^T dO        (wgmma RS; wait for dP only)
  *   dS^T, dK += dS^T Q           (wgmma RS)
  * Same tasks, same order of every key's sums and same epilogue as kwg: deterministic, and the
- * two kernels agree bit for bit. 384 threads: warpgroup 0 is the producer (one warp works,
- * KWP_PREGS registers), warpgroups 1 and 2 the consumers (KWP_CREGS). */
-template <int DP, typename T>
+ * two kernels agree bit for bit. 384 threads: warpgroup 0 is the producer (one warp per
+ * stage, KWP_PREGS registers), warpgroups 1 and 2 the consumers (KWP_CREGS). */
+template <int DP, typename T, bool SLC>
 __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __grid_constant__ CUtensorMap tq,
                                                      const __grid_constant__ CUtensorMap tdo,
                                                      const __grid_constant__ CUtensorMap tk,
                                                      const __grid_constant__ CUtensorMap tv)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int BK = KWG_BK, BQ = 64, NT = BQ / 8, KT = DP / 16, NS = KWP_NS;
+    constexpr int BK = SLC ? 64 : KWG_BK, BQ = 64, NT = BQ / 8, KT = DP / 16, NS = SLC ? KWP_NS_SLC : KWP_NS;
     constexpr int KB = BK * DP * 2, TB = BQ * DP * 2; /* key tile, row chunk */
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_align1024(smem_raw);
@@ -503,7 +503,7 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
     if (tid == 0) {
         for (int s = 0; s < NS; s++) {
             mb_init(&full[s], 64); /* the producer's lanes: slot stores, slot copies (+ the bytes) */
-            mb_init(&empty[s], 256); /* every consumer thread, after its last read of the stage */
+            mb_init(&empty[s], SLC ? 128 : 256); /* every consuming thread, after its last read */
         }
         mb_init_fence();
     }
@@ -513,41 +513,82 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
     const int64_t nchunks = (t.nrows + BQ - 1) / BQ;
 
     if (wg == 0) {
+        /* the producer: warp w < NS of this warpgroup fills the chunks of stage w (one warp's
+         * fills and address work per chunk were the pipeline's throughput); one warp per stage
+         * keeps each barrier's phases in order (a parity wait cannot tell phase u from u + 2) */
         regs_dec<KWP_PREGS>();
-        if (warp != 0) return;
+        if (warp >= NS) return;
         const kt_rows R = {rq, ro, rl2, rD, rg, rlo, rhi, rfull};
-        const int G = (int)P.G, b = (int)t.sq.b;
-        for (int64_t c = 0; c < nchunks; c++) {
+        const int G = (int)P.G, b = (int)t.sq.b, PP = BQ / G; /* positions per chunk */
+        /* selected rule: this lane's list entries (lane, lane + 32 of a chunk) for this warp's
+         * chunk (pe) and its next one (pn), loaded a round ahead; entries past the list repeat
+         * its last (finite rows, masked) */
+        const int64_t nlist = t.nrows / G;
+        int pe[2] = {0, 0}, pn[2] = {0, 0};
+        if (SLC)
+            for (int x = 0; x < 2; x++)
+                if (lane + 32 * x < PP) pn[x] = t.list[min((int64_t)warp * PP + lane + 32 * x, nlist - 1)];
+        for (int64_t c = warp; c < nchunks; c += NS) {
             const int s = (int)(c % NS);
             if (c >= NS) mb_wait(&empty[s], (int)(((c / NS) & 1) ^ 1));
-            if (lane == 0) {
-                mb_expect_tx(&full[s], 2 * TB + (c == 0 ? 2 * KB : 0));
-                if (c == 0)
-#pragma unroll
-                    for (int cb = 0; cb < DP / 64; cb++) {
-                        const int kr0 = (int)(t.key_row0 + k0);
-                        tma_load4(Ks + cb * BK * 128, &tk, cb * 64, h, kr0, b, &full[0]);
-                        tma_load4(Vs + cb * BK * 128, &tv, cb * 64, h, kr0, b, &full[0]);
-                    }
-                const int row = (int)(t.sq.row0 + (t.rbase + c * BQ) / G); /* the chunk's first position */
+            if (lane == 0) mb_expect_tx(&full[s], 2 * TB + (c == 0 ? 2 * KB : 0));
+            __syncwarp(); /* the bytes expected before any box of this phase lands */
+            if (lane == 0 && c == 0)
 #pragma unroll
                 for (int cb = 0; cb < DP / 64; cb++) {
-                    tma_load4(Qs + s * TB + cb * BQ * 128, &tq, cb * 64, h * G, row, b, &full[s]);
-                    tma_load4(Ds + s * TB + cb * BQ * 128, &tdo, cb * 64, h * G, row, b, &full[s]);
+                    const int kr0 = (int)(t.key_row0 + k0);
+                    tma_load4(Ks + cb * BK * 128, &tk, cb * 64, h, kr0, b, &full[0]);
+                    tma_load4(Vs + cb * BK * 128, &tv, cb * 64, h, kr0, b, &full[0]);
                 }
+            if (!SLC) { /* the chunk's 64 / G positions are consecutive: one box per 64 columns */
+                if (lane == 0) {
+                    const int row = (int)(t.sq.row0 + (t.rbase + c * BQ) / G);
+#pragma unroll
+                    for (int cb = 0; cb < DP / 64; cb++) {
+                        tma_load4(Qs + s * TB + cb * BQ * 128, &tq, cb * 64, h * G, row, b, &full[s]);
+                        tma_load4(Ds + s * TB + cb * BQ * 128, &tdo, cb * 64, h * G, row, b, &full[s]);
+                    }
+                }
+                kt_fill<BQ>(P, t, R, s, c, lane);
+                kt_fill<BQ>(P, t, R, s, c, lane + 32);
+            } else { /* one box of G heads per listed position, issued by the lane holding it */
+                pe[0] = pn[0], pe[1] = pn[1];
+#pragma unroll
+                for (int x = 0; x < 2; x++)
+                    if (lane + 32 * x < PP) {
+                        const int row = (int)(t.sq.row0 + pe[x]), r0 = (lane + 32 * x) * G;
+#pragma unroll
+                        for (int cb = 0; cb < DP / 64; cb++) {
+                            tma_load4(Qs + s * TB + cb * BQ * 128 + r0 * 128, &tq, cb * 64, h * G, row, b, &full[s]);
+                            tma_load4(Ds + s * TB + cb * BQ * 128 + r0 * 128, &tdo, cb * 64, h * G, row, b, &full[s]);
+                        }
+                    }
+                /* rows lane and lane + 32: positions from the lanes holding their entries */
+                int rp[2];
+#pragma unroll
+                for (int x = 0; x < 2; x++) {
+                    const int e = (lane + 32 * x) / G;
+                    const int v0 = __shfl_sync(0xffffffffu, pe[0], e & 31), v1 = __shfl_sync(0xffffffffu, pe[1], e & 31);
+                    rp[x] = e < 32 ? v0 : v1;
+                }
+#pragma unroll
+                for (int x = 0; x < 2; x++)
+                    if (c + NS < nchunks && lane + 32 * x < PP) pn[x] = t.list[min((c + NS) * PP + lane + 32 * x, nlist - 1)];
+                kt_fill_at<BQ>(P, t, R, s, c, lane, rp[0]);
+                kt_fill_at<BQ>(P, t, R, s, c, lane + 32, rp[1]);
             }
             /* lse, D, gate by cp.async (no load latency in this loop: it is the pipeline's
              * throughput), the rest by stores: each lane arrives once for its stores and once
              * when its copies land */
-            kt_fill<BQ>(P, t, R, s, c, lane);
-            kt_fill<BQ>(P, t, R, s, c, lane + 32);
             mb_arrive_cp(&full[s]);
             mb_arrive(&full[s]);
         }
         return;
     }
     regs_inc<KWP_CREGS>();
-    const int cw = wg - 1, cwarp = warp - 4; /* consumer warpgroup (keys cw * 64 ..), warp 0..7 */
+    /* consumer warpgroup cw: range rule, keys cw * 64 .. of every chunk; selected rule, all
+     * 64 keys of chunks cw, cw + 2, .. (summed at the end in a fixed order) */
+    const int cw = wg - 1, cwarp = warp - 4;
 
     float dK[DP / 8][4], dV[DP / 8][4];
 #pragma unroll
@@ -556,10 +597,11 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         dV[i][0] = dV[i][1] = dV[i][2] = dV[i][3] = 0.0f;
     }
     int kr[2];
-    kr[0] = k0 + cwarp * 16 + (lane >> 2);
+    kr[0] = k0 + (SLC ? cwarp & 3 : cwarp) * 16 + (lane >> 2);
     kr[1] = kr[0] + 8;
+    const int aoff = SLC ? 0 : cw * 64 * 128; /* this warpgroup's 64 rows of the key tile */
 
-    for (int64_t c = 0; c < nchunks; c++) {
+    for (int64_t c = SLC ? cw : 0; c < nchunks; c += SLC ? 2 : 1) {
         const int s = (int)(c % NS);
         mb_wait(&full[s], (int)((c / NS) & 1));
         const unsigned char *Qp = Qs + s * TB, *Dp = Ds + s * TB;
@@ -570,13 +612,13 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < KT; kk++) {
-            const int ao = (kk >> 2) * BK * 128 + cw * 64 * 128 + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
+            const int ao = (kk >> 2) * BK * 128 + aoff + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
             wgmma_op<T, BQ>::template ss<0>(&S[0][0], wg_desc(Ks + ao, 16, 1024), wg_desc(Qp + bo, 16, 1024), kk > 0);
         }
         wg_commit();
 #pragma unroll
         for (int kk = 0; kk < KT; kk++) {
-            const int ao = (kk >> 2) * BK * 128 + cw * 64 * 128 + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
+            const int ao = (kk >> 2) * BK * 128 + aoff + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
             wgmma_op<T, BQ>::template ss<0>(&dP[0][0], wg_desc(Vs + ao, 16, 1024), wg_desc(Dp + bo, 16, 1024), kk > 0);
         }
         wg_commit();
@@ -639,7 +681,26 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         mb_arrive(&empty[s]); /* stage s free for chunk c + NS (each thread releases its own reads) */
     }
 
-    kwg_store<DP>(P, t, kr, dK, dV, lane);
+    if (SLC) { /* warpgroup 1's sums into warpgroup 0's (same fragment layout), in that order */
+        float4 *red = (float4 *)Qs; /* the stages are free once both warpgroups are done */
+        const int ct = tid - 128;   /* 0 .. 255 */
+        nb_sync(1);
+        if (cw == 1)
+#pragma unroll
+            for (int d = 0; d < DP / 8; d++) {
+                red[(2 * d) * 128 + ct - 128] = make_float4(dK[d][0], dK[d][1], dK[d][2], dK[d][3]);
+                red[(2 * d + 1) * 128 + ct - 128] = make_float4(dV[d][0], dV[d][1], dV[d][2], dV[d][3]);
+            }
+        nb_sync(1);
+        if (cw == 1) return;
+#pragma unroll
+        for (int d = 0; d < DP / 8; d++) {
+            const float4 a = red[(2 * d) * 128 + ct], v = red[(2 * d + 1) * 128 + ct];
+            dK[d][0] += a.x, dK[d][1] += a.y, dK[d][2] += a.z, dK[d][3] += a.w;
+            dV[d][0] += v.x, dV[d][1] += v.y, dV[d][2] += v.z, dV[d][3] += v.w;
+        }
+    }
+    kwg_store<DP, BK>(P, t, kr, dK, dV, lane);
 #endif
 }
 
@@ -1162,14 +1223,16 @@ static void launch_kwg_t(grun *g, const kparams *P, int64_t tiles)
     g_launched(g);
 }
 
-template <int DP, typename T>
+template <int DP, typename T, bool SLC>
 static void launch_kwp_t(grun *g, const kparams *P, int64_t tiles, const void *maps)
 {
-    const size_t smem = kwp_smem(DP);
-    g_check(g, cudaFuncSetAttribute(kwp_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const size_t smem = kwp_smem(DP, SLC);
+    g_check(g, cudaFuncSetAttribute(kwp_kernel<DP, T, SLC>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
     const CUtensorMap *m = (const CUtensorMap *)maps; /* q, dout, k, v */
-    kwp_kernel<DP, T><<<dim3((unsigned)tiles, (unsigned)P->H), 384, smem, g->st>>>(*P, m[0], m[1], m[2], m[3]);
+    /* a further-segments launch finds each task's head from its segment (as ktile) */
+    kwp_kernel<DP, T, SLC><<<dim3((unsigned)tiles, P->extra ? 1u : (unsigned)P->H), 384, smem, g->st>>>(*P, m[0], m[1], m[2],
+                                                                                                       m[3]);
     g_launched(g);
 }
 
@@ -1241,10 +1304,15 @@ static int qwg_ready_t()
         if (bf16) launch_kwg_t<DP, __nv_bfloat16>(g, P, tiles);                                  \
         else launch_kwg_t<DP, __half>(g, P, tiles);                                              \
     }                                                                                            \
-    void nsa_cu_kwp_##DP(grun *g, const kparams *P, int bf16, int64_t tiles, const void *maps)   \
+    void nsa_cu_kwp_##DP(grun *g, const kparams *P, int bf16, int slc, int64_t tiles, const void *maps) \
     {                                                                                            \
-        if (bf16) launch_kwp_t<DP, __nv_bfloat16>(g, P, tiles, maps);                            \
-        else launch_kwp_t<DP, __half>(g, P, tiles, maps);                                        \
+        if (slc) {                                                                               \
+            if (bf16) launch_kwp_t<DP, __nv_bfloat16, true>(g, P, tiles, maps);                  \
+            else launch_kwp_t<DP, __half, true>(g, P, tiles, maps);                              \
+        } else {                                                                                 \
+            if (bf16) launch_kwp_t<DP, __nv_bfloat16, false>(g, P, tiles, maps);                 \
+            else launch_kwp_t<DP, __half, false>(g, P, tiles, maps);                             \
+        }                                                                                        \
     }
 
 #endif /* __CUDACC__ */

@@ -154,15 +154,17 @@ static inline size_t kwg_smem(int DP)
 
 /* kwp_kernel (hopper.cuh): kwg's tasks with a TMA producer warp; row-chunk stages and register
  * budgets of its producer / consumer warpgroups (setmaxnreg: 128 x 40 + 256 x 232 <= 64k) */
-#define KWP_NS 3
+#define KWP_NS 3     /* range rules: both warpgroups on every chunk */
+#define KWP_NS_SLC 4 /* selected rule: the warpgroups take alternate chunks */
 #define KWP_PREGS 40
 #define KWP_CREGS 232
-/* slack, K and V of 128 keys, KWP_NS stages of Q and dO (64 rows each), their full / empty
- * mbarriers, KWP_NS row slots (offsets, lse, D, gate, ranges) and whole-chunk flags */
-static inline size_t kwp_smem(int DP)
+/* slack, K and V of 128 keys (selected: 64), the stages of Q and dO (64 rows each), their
+ * full / empty mbarriers, as many row slots (offsets, lse, D, gate, ranges) and whole-chunk
+ * flags */
+static inline size_t kwp_smem(int DP, int slc)
 {
-    return 1024 + 2 * (size_t)KWG_BK * DP * 2 + 2 * (size_t)KWP_NS * 64 * DP * 2 + 2 * KWP_NS * 8 +
-           KWP_NS * 64 * (2 * sizeof(int64_t) + 5 * 4) + KWP_NS * 2 * 4;
+    const size_t ns = slc ? KWP_NS_SLC : KWP_NS, bk = slc ? 64 : KWG_BK;
+    return 1024 + 2 * bk * DP * 2 + 2 * ns * 64 * DP * 2 + 2 * ns * 8 + ns * 64 * (2 * sizeof(int64_t) + 5 * 4) + ns * 2 * 4;
 }
 
 /* sm_90a forward / dQ tile for the range rules (hopper.cuh), head dims exactly 64 / 128;
@@ -181,10 +183,12 @@ void nsa_cu_qwg_192(grun *g, const qparams *P, int mode, int bf16, int64_t tiles
 /* sm_90a dK / dV of the range rules (hopper.cuh), kparams as ktile */
 void nsa_cu_kwg_64(grun *g, const kparams *P, int bf16, int64_t tiles);
 void nsa_cu_kwg_128(grun *g, const kparams *P, int bf16, int64_t tiles);
-/* ... the same with a producer warp and TMA (kwp_kernel), bit for bit the same sums; maps:
- * four host CUtensorMap (q, dout: box 64 x G x 64 / G x 1; k, v: box 64 x 1 x 128 x 1) */
-void nsa_cu_kwp_64(grun *g, const kparams *P, int bf16, int64_t tiles, const void *maps);
-void nsa_cu_kwp_128(grun *g, const kparams *P, int bf16, int64_t tiles, const void *maps);
+/* ... the same with a producer warp and TMA (kwp_kernel; range rules: bit for bit kwg's sums),
+ * and, slc = 1, the selected rule's dK / dV over the inverted lists (ktile's tasks and
+ * partials); maps: four host CUtensorMap (q, dout: box 64 x G x (slc ? 1 : 64 / G) x 1; k, v:
+ * box 64 x 1 x (slc ? 64 : 128) x 1) */
+void nsa_cu_kwp_64(grun *g, const kparams *P, int bf16, int slc, int64_t tiles, const void *maps);
+void nsa_cu_kwp_128(grun *g, const kparams *P, int bf16, int slc, int64_t tiles, const void *maps);
 int nsa_cu_qwg_ready_64(void);
 int nsa_cu_qwg_ready_128(void);
 int nsa_cu_qwg_ready_192(void);
