@@ -56,11 +56,11 @@ __device__ __forceinline__ void pp_before_b(int wg) { if (wg == 0) nb_sync(2); e
 __device__ __forceinline__ void pp_after_b(int wg) { if (wg == 0) nb_arrive(3); }
 
 template <int DKP, int DVP, typename T, int MODE>
-__global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
+__global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
                                                      const __grid_constant__ CUtensorMap tv)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int BM = QWG_BM, BN = QWG_BN(MODE), NT = BN / 8, KT = DKP / 16, VT = DVP / 16, NTHR = 256;
+    constexpr int BM = QWG_BM, BN = QWG_BN(MODE), NT = BN / 8, KT = DKP / 16, VT = DVP / 16, NTHR = 256, NS = QWG_NS(MODE);
     /* the accumulator: O [64 x DV] (forward) or dQ [64 x DK] per warpgroup */
     constexpr int DA = MODE == MODE_DQ ? DKP : DVP;
     constexpr int QB = BM * DKP * 2, OB = BM * DVP * 2, KB = BN * DKP * 2, VB = BN * DVP * 2; /* tile bytes */
@@ -69,13 +69,17 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P, const __gr
     unsigned char *smem = smem_align1024(smem_raw);
     unsigned char *Qs = smem;
     unsigned char *Os = Qs + QB;                /* dO (dQ mode) */
-    unsigned char *Ks = Os + (DQ ? OB : 0);     /* [2] */
-    unsigned char *Vs = Ks + 2 * KB;            /* [2] */
-    int64_t *roff = (int64_t *)(Vs + 2 * VB);   /* [BM] q rows */
+    unsigned char *Ks = Os + (DQ ? OB : 0);     /* [NS] */
+    unsigned char *Vs = Ks + NS * KB;           /* [NS] */
+    int64_t *roff = (int64_t *)(Vs + NS * VB);  /* [BM] q rows */
     int64_t *roff2 = roff + BM;                 /* [BM] dout rows (dQ mode) */
-    uint64_t *bar = (uint64_t *)(roff2 + BM);   /* [2] K / V stage arrivals */
+    uint64_t *full = (uint64_t *)(roff2 + BM);  /* [NS] K / V chunk landed */
+    uint64_t *empty = full + NS;                /* [NS] both warpgroups done with the stage */
 
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+    /* warpgroup 0: the producer (one warp issues the K / V boxes); warpgroups 1, 2: the
+     * consumers, 64 rows each (wg, warp, tid below count the consumers from 0) */
+    const int wg_all = threadIdx.x >> 7;
+    const int tid = (int)threadIdx.x - 128, warp = tid >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
     int64_t s, tile;
     seq_decode(P.sm, blockIdx.x, &s, &tile);
     const seqinfo sq = seq_get(P.sm, s);
@@ -91,7 +95,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P, const __gr
     const int64_t key_row0 = is_cmp ? sq.cmp0 : sq.row0;
     const int has_v = DQ || P.v.p != nullptr;
 
-    for (int r = tid; r < BM; r += NTHR) {
+    for (int r = tid; r >= 0 && r < BM; r += NTHR) {
         int64_t off = -1, off2 = -1;
         if (r < nrows) {
             const int64_t rr = r0 + r, pos = rr / G, g = rr % G;
@@ -109,7 +113,7 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P, const __gr
     for (int x = 0; x < 2; x++) {
         const int r = warp * 16 + (lane >> 2) + x * 8;
         rlo[x] = 1, rhi[x] = 0, rl2[x] = INFINITY, rD[x] = 0.0f, rg[x] = 1.0f;
-        if (r < nrows) {
+        if (r >= 0 && r < nrows) { /* (r < 0: the producer's threads) */
             const int64_t rr = r0 + r;
             const int pos = (int)(rr / G), g = (int)(rr % G);
             rule_bounds(P.rule, pos, nkeys, &rlo[x], &rhi[x]);
@@ -132,34 +136,44 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P, const __gr
     }
     const int nchunks = kmax >= kmin ? (kmax - kmin) / BN + 1 : 0;
 
-    /* K / V chunks by TMA (the host's maps over the key views): one thread issues a chunk's
-     * boxes, every thread waits on the stage's mbarrier. Keys past kmax inside the tensor
-     * arrive as they are (masked: P = 0), past its end as zeros. Q (and dO), gathered rows,
-     * by cp.async once. */
-    if (tid == 0) {
-        mb_init(&bar[0], 1);
-        mb_init(&bar[1], 1);
+    /* K / V chunks by TMA (the host's maps over the key views) into NS stages: the producer
+     * warp issues a chunk's boxes once both consumer warpgroups released its stage (empty),
+     * the consumers wait for its bytes (full); no CTA barrier per chunk. Keys past kmax
+     * inside the tensor arrive as they are (masked: P = 0), past its end as zeros. Q (and
+     * dO), gathered rows, by the consumers' cp.async once. */
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < NS; i++) {
+            mb_init(&full[i], 1);
+            mb_init(&empty[i], NTHR);
+        }
+        mb_init_fence();
     }
-    mb_init_fence();
-    auto issue = [&](int st_, int c0_) {
-        if (tid == 0) {
-            mb_expect(&bar[st_], KB + (has_v ? VB : 0));
+    __syncthreads(); /* barriers initialised */
+    if (wg_all == 0) {
+        regs_dec<QWG_PREGS>();
+        if (threadIdx.x != 0) return;
+        for (int ci = 0; ci < nchunks; ci++) {
+            const int st = ci % NS, c0 = kmin + ci * BN;
+            if (ci >= NS) mb_wait(&empty[st], ((ci / NS) & 1) ^ 1);
+            mb_expect(&full[st], KB + (has_v ? VB : 0));
 #pragma unroll
             for (int cb = 0; cb < DKP / 64; cb++)
-                tma_load4(Ks + st_ * KB + cb * BN * 128, &tk, cb * 64, h, (int)(key_row0 + c0_), (int)sq.b, &bar[st_]);
+                tma_load4(Ks + st * KB + cb * BN * 128, &tk, cb * 64, h, (int)(key_row0 + c0), (int)sq.b, &full[st]);
             if (has_v)
 #pragma unroll
                 for (int cb = 0; cb < DVP / 64; cb++)
-                    tma_load4(Vs + st_ * VB + cb * BN * 128, &tv, cb * 64, h, (int)(key_row0 + c0_), (int)sq.b, &bar[st_]);
+                    tma_load4(Vs + st * VB + cb * BN * 128, &tv, cb * 64, h, (int)(key_row0 + c0), (int)sq.b, &full[st]);
         }
-    };
-    __syncthreads(); /* roff, barriers initialised */
-    if (nchunks > 0) issue(0, kmin);
+        return;
+    }
+    regs_inc<QWG_CREGS>();
+    nb_sync(4); /* roff written */
     sw_load_rows<T, DKP, BM, NTHR>(Qs, (const T *)P.q.p, roff, tid);
     if (DQ) sw_load_rows<T, DVP, BM, NTHR>(Os, (const T *)P.dout.p, roff2, tid);
     cp_commit();
     cp_wait<0>();
-    fence_async_smem(); /* Q (dO) visible to the tensor cores after the loop's first barrier */
+    fence_async_smem();
+    nb_sync(4); /* Q (dO) visible to both warpgroups' tensor cores */
 
     /* forward: O [64 x DV] per warpgroup; dQ: dQ [64 x DK] */
     float acc[DA / 8][4];
@@ -171,11 +185,9 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P, const __gr
     const unsigned char *Ow = Os + wg * 64 * 128;
 
     for (int ci = 0; ci < nchunks; ci++) {
-        const int st = ci & 1;
-        __syncthreads(); /* every warpgroup is done with chunk ci - 1: its stage may refill */
+        const int st = ci % NS;
         const int c0 = kmin + ci * BN, c1 = c0 + BN < kmax + 1 ? c0 + BN : kmax + 1;
-        if (ci + 1 < nchunks) issue(st ^ 1, c0 + BN);
-        mb_wait(&bar[st], (ci >> 1) & 1); /* chunk ci landed */
+        mb_wait(&full[st], (ci / NS) & 1); /* chunk ci landed */
 
         /* S = Q K^T (and dQ mode: dP = dO V^T): K-major A and B, 16 columns of the head dim
          * per step (32 bytes inside a 128-byte swizzle row; the next column block after four
@@ -236,8 +248,8 @@ __global__ void __launch_bounds__(256, 1) qwg_kernel(const qparams P, const __gr
             if constexpr (!DQ) pp_after_b(wg);
             wg_wait<0>();
         }
+        mb_arrive(&empty[st]); /* this thread's reads of the stage are done */
     }
-    cp_wait<0>();
 
     /* epilogue (as qtile's) */
 #pragma unroll
@@ -1242,7 +1254,7 @@ static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles, const void *t
     const size_t smem = qwg_smem(DKP, DVP, MODE);
     g_check(g, cudaFuncSetAttribute(qwg_kernel<DKP, DVP, T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
-    qwg_kernel<DKP, DVP, T, MODE><<<dim3((unsigned)tiles, (unsigned)P->H), 256, smem, g->st>>>(
+    qwg_kernel<DKP, DVP, T, MODE><<<dim3((unsigned)tiles, (unsigned)P->H), 384, smem, g->st>>>(
         *P, *(const CUtensorMap *)tk, *(const CUtensorMap *)(tv ? tv : tk));
     g_launched(g);
 }

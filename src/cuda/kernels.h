@@ -113,13 +113,19 @@ void nsa_cu_select_192(grun *g, const sparams *P, int bf16, int64_t tiles);
 /* keys per chunk: 128 in the forward; 64 for dQ, which holds S, dP and dQ in registers */
 #define QWG_BN(mode) ((mode) == MODE_FWD ? 128 : 64)
 
-/* Shared memory of qwg_kernel<DKP, DVP, MODE>: 1 KB alignment slack, Q (and dO), two K and
- * two V stages, row offsets, the stages' mbarriers. Must match the carving in the kernel. */
+/* K / V stages: 2 of 128 keys in the forward (three do not fit at DK 192), 3 of 64 for dQ */
+#define QWG_NS(mode) ((mode) == MODE_FWD ? 2 : 3)
+/* register budgets of the producer / consumer warpgroups (setmaxnreg; 384 threads) */
+#define QWG_PREGS 40
+#define QWG_CREGS 232
+/* Shared memory of qwg_kernel<DKP, DVP, MODE>: 1 KB alignment slack, Q (and dO), the K and V
+ * stages, row offsets, the stages' full / empty mbarriers. Must match the carving in the
+ * kernel. */
 static inline size_t qwg_smem(int DKP, int DVP, int mode)
 {
-    const size_t bn = QWG_BN(mode);
-    return 1024 + (size_t)QWG_BM * DKP * 2 + (mode == MODE_DQ ? (size_t)QWG_BM * DVP * 2 : 0) + 2 * bn * (DKP + DVP) * 2 +
-           2 * QWG_BM * sizeof(int64_t) + 2 * sizeof(uint64_t);
+    const size_t bn = QWG_BN(mode), ns = QWG_NS(mode);
+    return 1024 + (size_t)QWG_BM * DKP * 2 + (mode == MODE_DQ ? (size_t)QWG_BM * DVP * 2 : 0) + ns * bn * (DKP + DVP) * 2 +
+           2 * QWG_BM * sizeof(int64_t) + 2 * ns * sizeof(uint64_t);
 }
 
 /* swg_kernel (hopper.cuh): positions per CTA (the wgmma rows) and compressed keys per pass;
