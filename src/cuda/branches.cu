@@ -318,10 +318,14 @@ static int sfw_try(grun *g, qparams *P, int mode, nsa_dtype dt, int64_t KR)
     if (sfw_smem(D, bn, ns) > (size_t)g->smem_max || !qwg_ready(D)) return 0;
     CUtensorMap tk, tv;
     if (!tmap_make(&tk, &P->k, dt, p->B, KR, p->H, D, bn) || !tmap_make(&tv, &P->v, dt, p->B, KR, p->H, D, bn)) return 0;
-    P->nw = 1;
+    /* two neighbouring positions per CTA sharing their common blocks' stages when one head
+     * group holds G and the default stages are on (NSA_CUDA_SLC_NP=1: one position) */
+    const char *e = getenv("NSA_CUDA_SLC_NP");
+    const int np = p->G <= 16 && bn == 32 && ns == 2 && !(e && e[0] == '1') ? 2 : 1;
+    P->nw = np;
     P->bn = bn;
     P->nst = ns;
-    unitspec u = {UK_ROWS, (p->G + 15) / 16, 1, 0, 0}; /* position x head group */
+    unitspec u = {UK_ROWS, (p->G + 15) / 16, np, 0, 0}; /* positions x head group */
     int64_t tiles;
     P->sm = g_seqmap(g, u, &tiles);
     if (!g_live(g) || tiles == 0) return 1;

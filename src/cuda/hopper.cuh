@@ -984,71 +984,100 @@ static void launch_swg_t(grun *g, const sparams *P, int64_t tiles)
  * products stay mma.sync (16 rows are one m16 tile; wgmma needs 64), reading the swizzled
  * tiles with ldmatrix at swizzled addresses (conflict-free: 8 rows, one chunk each). Same
  * arithmetic as qtile's path (scores, masks, online softmax, epilogue). */
-template <int DP, typename T, int MODE, int BN, int NS>
-__global__ void __launch_bounds__(32) sfw_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
-                                                 const __grid_constant__ CUtensorMap tv)
+template <int DP, typename T, int MODE, int BN, int NS, int NP>
+__global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
+                                                      const __grid_constant__ CUtensorMap tv)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int NT = BN / 8, KT = DP / 16, TB = BN * DP * 2; /* tile bytes (K or V of a chunk) */
     constexpr bool DQ = MODE == MODE_DQ;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_align1024(smem_raw);
-    unsigned char *Ks = smem;                  /* [NS] */
-    unsigned char *Vs = Ks + NS * TB;          /* [NS] */
-    uint64_t *bar = (uint64_t *)(Vs + NS * TB); /* [NS] */
-    const int lane = threadIdx.x;
+    unsigned char *Ks = smem;                     /* [NS] */
+    unsigned char *Vs = Ks + NS * TB;             /* [NS] */
+    uint64_t *full = (uint64_t *)(Vs + NS * TB);  /* [NS] the chunk landed */
+    uint64_t *empty = full + NS;                  /* [NS] every warp is done with the stage */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int64_t s, tile;
     seq_decode(P.sm, blockIdx.x, &s, &tile);
     const seqinfo sq = seq_get(P.sm, s);
     const int h = blockIdx.y;
-    /* tile = position * ceil(G / 16) + head group: heads g0 .. g0 + 15, those >= G padding
-     * (zero Q rows, nothing written) */
-    const int64_t G = P.G, ngr = (G + 15) / 16;
-    const int t = (int)(tile / ngr);
+    /* NP = 1: tile = position * ceil(G / 16) + head group, heads g0 .. g0 + 15, those >= G
+     * padding (zero Q rows, nothing written). NP > 1 (G <= 16): tile = NP neighbouring
+     * positions, one warp each, sharing the stages of the blocks they both selected (the
+     * forced first and local blocks at least): fewer K / V bytes from L2, the bound. */
+    const int64_t G = P.G, ngr = NP == 1 ? (G + 15) / 16 : 1;
+    const int t0 = (int)(tile / ngr) * NP, t = t0 + warp;
     const int64_t g0 = (tile % ngr) * 16;
     const int rows = G - g0 < 16 ? (int)(G - g0) : 16;
     const int lp = P.rule.lp, nsub = (lp + BN - 1) / BN;
-    const int64_t uid = (sq.b * P.T + sq.row0 + t) * P.H + h;
-    const int32_t *U = P.U + uid * P.m;
-    const int cnt = P.ucnt[uid];
+    /* the usable-block lists (ascending) of the CTA's positions; none past the sequence */
+    const int32_t *U[NP];
+    int cnt[NP], tp[NP];
+#pragma unroll
+    for (int w = 0; w < NP; w++) {
+        tp[w] = t0 + w;
+        const int64_t uid = (sq.b * P.T + sq.row0 + tp[w]) * P.H + h;
+        U[w] = P.U + uid * P.m;
+        cnt[w] = tp[w] < sq.len ? P.ucnt[uid] : 0;
+    }
 
-    if (lane == 0)
-        for (int i = 0; i < NS; i++) mb_init(&bar[i], 1);
-    mb_init_fence();
-    __syncwarp();
-
-    /* the chunk sequence: sub-chunks of each usable block (ascending) that start at or before
-     * t; walked twice, by the producer (NS - 1 ahead) and by the consumer */
-    struct walk {
-        int u, sub;
-    };
-    auto next = [&](walk &w, int *c0, int *bend) -> bool {
-        while (w.u < cnt) {
-            const int j = U[w.u], c = j * lp + w.sub * BN;
-            if (w.sub < nsub && c <= t) {
-                *c0 = c;
-                *bend = j * lp + lp;
-                if (++w.sub == nsub) w.u++, w.sub = 0;
-                return true;
-            }
-            w.u++, w.sub = 0;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < NS; i++) {
+            mb_init(&full[i], 1);
+            mb_init(&empty[i], 32 * NP);
         }
-        return false;
+        mb_init_fence();
+    }
+    __syncthreads();
+
+    /* the chunk sequence: sub-chunks of each block of the lists' union (ascending) that start
+     * at or before the last position that selected it; walked by the producer (NS - 1 ahead)
+     * and by every warp, which computes the chunks its own position needs (mask bit) */
+    struct walk {
+        int u[NP], sub;
+    };
+    auto next = [&](walk &w, int *c0, int *bend, int *mask) -> bool {
+        for (;;) {
+            int j = INT_MAX;
+#pragma unroll
+            for (int x = 0; x < NP; x++)
+                if (w.u[x] < cnt[x]) j = min(j, U[x][w.u[x]]);
+            if (j == INT_MAX) return false;
+            const int c = j * lp + w.sub * BN;
+            int m = 0;
+#pragma unroll
+            for (int x = 0; x < NP; x++)
+                if (w.u[x] < cnt[x] && U[x][w.u[x]] == j && c <= tp[x]) m |= 1 << x;
+            const bool last = w.sub + 1 >= nsub || !m;
+            if (m) *c0 = c, *bend = j * lp + lp, *mask = m, w.sub++;
+            if (last) {
+#pragma unroll
+                for (int x = 0; x < NP; x++)
+                    if (w.u[x] < cnt[x] && U[x][w.u[x]] == j) w.u[x]++;
+                w.sub = 0;
+            }
+            if (m) return true;
+        }
     };
     auto issue = [&](int st, int c0) {
-        if (lane == 0) {
-            mb_expect(&bar[st], 2 * TB);
+        mb_expect(&full[st], 2 * TB);
 #pragma unroll
-            for (int cb = 0; cb < DP / 64; cb++) {
-                tma_load4(Ks + st * TB + cb * BN * 128, &tk, cb * 64, h, (int)(sq.row0 + c0), (int)sq.b, &bar[st]);
-                tma_load4(Vs + st * TB + cb * BN * 128, &tv, cb * 64, h, (int)(sq.row0 + c0), (int)sq.b, &bar[st]);
-            }
+        for (int cb = 0; cb < DP / 64; cb++) {
+            tma_load4(Ks + st * TB + cb * BN * 128, &tk, cb * 64, h, (int)(sq.row0 + c0), (int)sq.b, &full[st]);
+            tma_load4(Vs + st * TB + cb * BN * 128, &tv, cb * 64, h, (int)(sq.row0 + c0), (int)sq.b, &full[st]);
         }
     };
-    walk pw = {0, 0}, cw = {0, 0};
-    int pc0, pend;
-    for (int i = 0; i < NS - 1; i++)
-        if (next(pw, &pc0, &pend)) issue(i, pc0);
+    const bool producer = threadIdx.x == 0;
+    walk pw, cw;
+#pragma unroll
+    for (int x = 0; x < NP; x++) pw.u[x] = cw.u[x] = 0;
+    pw.sub = cw.sub = 0;
+    int pc0, pend, pmask;
+    if (producer)
+        for (int i = 0; i < NS - 1; i++)
+            if (next(pw, &pc0, &pend, &pmask)) issue(i, pc0);
+    const bool live = t < sq.len; /* (a warp past the sequence walks along, computing nothing) */
 
     /* A fragments of Q (and dO) straight from global memory (qtile's qreg layout): a[i] = row
      * lane / 4 (+ 8 for odd i), columns 2 (lane % 4) (+ 8 for i >= 2) and the next one */
@@ -1064,8 +1093,8 @@ __global__ void __launch_bounds__(32) sfw_kernel(const qparams P, const __grid_c
 #pragma unroll
             for (int kk = 0; kk < KT; kk++) {
                 const int c = kk * 16 + (i >> 1) * 8 + 2 * (lane & 3);
-                qf[kk][i] = r < rows ? qp[qo + c] | (uint32_t)qp[qo + c + 1] << 16 : 0u;
-                if constexpr (DQ) of[kk][i] = r < rows ? op[oo + c] | (uint32_t)op[oo + c + 1] << 16 : 0u;
+                qf[kk][i] = live && r < rows ? qp[qo + c] | (uint32_t)qp[qo + c + 1] << 16 : 0u;
+                if constexpr (DQ) of[kk][i] = live && r < rows ? op[oo + c] | (uint32_t)op[oo + c + 1] << 16 : 0u;
             }
         }
     }
@@ -1073,7 +1102,7 @@ __global__ void __launch_bounds__(32) sfw_kernel(const qparams P, const __grid_c
     if constexpr (DQ) {
 #pragma unroll
         for (int x = 0; x < 2; x++) {
-            if ((lane >> 2) + x * 8 >= rows) continue; /* padding: dO rows and D are 0, so dS = 0 */
+            if (!live || (lane >> 2) + x * 8 >= rows) continue; /* padding: dO rows and D are 0, so dS = 0 */
             const int64_t hq = h * G + g0 + (lane >> 2) + x * 8, flat = (sq.b * P.T + sq.row0 + t) * P.HQ + hq;
             const float lse = ((const float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + t) * P.lse.s1 + hq * P.lse.s2];
             rl2[x] = lse == -INFINITY ? INFINITY : lse * NSA_LOG2E;
@@ -1087,16 +1116,22 @@ __global__ void __launch_bounds__(32) sfw_kernel(const qparams P, const __grid_c
     float m_[2] = {-INFINITY, -INFINITY}, l_[2] = {0.0f, 0.0f};
     const int lo2[2] = {0, 0}, hi2[2] = {t, t};
 
-    int c0, bend;
-    for (int ci = 0; next(cw, &c0, &bend); ci++) {
-        /* refill the stage chunk ci - 1 used (every lane is past its reads) */
-        __syncwarp();
-        if (next(pw, &pc0, &pend)) {
-            fence_async_smem();
-            issue((ci + NS - 1) % NS, pc0);
+    int c0, bend, mask;
+    for (int ci = 0; next(cw, &c0, &bend, &mask); ci++) {
+        /* refill the stage chunk ci - 1 used, once every warp released it */
+        if (producer && next(pw, &pc0, &pend, &pmask)) {
+            const int rs = (ci + NS - 1) % NS;
+            if (ci >= 1) mb_wait(&empty[rs], ((ci - 1) / NS) & 1);
+            issue(rs, pc0);
         }
         const int st = ci % NS;
-        mb_wait(&bar[st], (ci / NS) & 1);
+        /* every warp waits for every chunk, needed or not: a parity wait on a barrier two
+         * phases ahead would pass */
+        mb_wait(&full[st], (ci / NS) & 1);
+        if (!(mask >> warp & 1)) {
+            mb_arrive(&empty[st]);
+            continue;
+        }
         const unsigned char *Kp = Ks + st * TB, *Vp = Vs + st * TB;
 
         float S[NT][4];
@@ -1163,7 +1198,10 @@ __global__ void __launch_bounds__(32) sfw_kernel(const qparams P, const __grid_c
                 }
             }
         }
+        fence_async_smem(); /* this thread's ldmatrix reads before the stage's next TMA write */
+        mb_arrive(&empty[st]);
     }
+    if (!live) return;
 
     /* epilogue (qtile's) */
 #pragma unroll
@@ -1206,23 +1244,25 @@ __global__ void __launch_bounds__(32) sfw_kernel(const qparams P, const __grid_c
 #endif
 }
 
-template <int DP, typename T, int MODE, int BN, int NS>
+template <int DP, typename T, int MODE, int BN, int NS, int NP>
 static void launch_sfw_t(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
 {
     const size_t smem = sfw_smem(DP, BN, NS);
-    auto kern = sfw_kernel<DP, T, MODE, BN, NS>;
+    auto kern = sfw_kernel<DP, T, MODE, BN, NS, NP>;
     g_check(g, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
-    kern<<<dim3((unsigned)tiles, (unsigned)P->H), 32, smem, g->st>>>(*P, *(const CUtensorMap *)tk, *(const CUtensorMap *)tv);
+    kern<<<dim3((unsigned)tiles, (unsigned)P->H), 32 * NP, smem, g->st>>>(*P, *(const CUtensorMap *)tk,
+                                                                         *(const CUtensorMap *)tv);
     g_launched(g);
 }
 
 template <int DP, typename T, int MODE>
 static void launch_sfw_m(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
 {
-    if (P->bn == 64) launch_sfw_t<DP, T, MODE, 64, 2>(g, P, tiles, tk, tv);
-    else if (P->nst == 3) launch_sfw_t<DP, T, MODE, 32, 3>(g, P, tiles, tk, tv);
-    else launch_sfw_t<DP, T, MODE, 32, 2>(g, P, tiles, tk, tv);
+    if (P->nw == 2) launch_sfw_t<DP, T, MODE, 32, 2, 2>(g, P, tiles, tk, tv); /* two positions per CTA */
+    else if (P->bn == 64) launch_sfw_t<DP, T, MODE, 64, 2, 1>(g, P, tiles, tk, tv);
+    else if (P->nst == 3) launch_sfw_t<DP, T, MODE, 32, 3, 1>(g, P, tiles, tk, tv);
+    else launch_sfw_t<DP, T, MODE, 32, 2, 1>(g, P, tiles, tk, tv);
 }
 
 template <int DP, typename T>

@@ -143,11 +143,12 @@ static inline size_t swg_smem(int DKP, int JC, int NR)
            (size_t)SWG_BP * (JC | 1) * 4 + 3 * SWG_BP * 4;
 }
 
-/* sfw_kernel (hopper.cuh): selected attention with TMA, one warp per CTA; chunks of bn keys
- * in ns stages (branches.cu sfw_bn). Shared memory: slack, K and V stages, their mbarriers. */
+/* sfw_kernel (hopper.cuh): selected attention with TMA, one warp per position, one or two
+ * positions per CTA; chunks of bn keys in ns stages (branches.cu sfw_bn). Shared memory:
+ * slack, K and V stages, their full / empty mbarriers. */
 static inline size_t sfw_smem(int DP, int bn, int ns)
 {
-    return 1024 + 2 * (size_t)ns * bn * DP * 2 + (size_t)ns * 8;
+    return 1024 + 2 * (size_t)ns * bn * DP * 2 + 2 * (size_t)ns * 8;
 }
 
 #define KWG_BK 128 /* keys per kwg_kernel task (ktile: 64) */
