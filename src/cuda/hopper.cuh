@@ -5,21 +5,28 @@
  *
  *   qwg_kernel  forward and dQ of the contiguous-range rules (compressed, window, dense), head
  *               dims 64 / 128 / 192 (DV 128): 128 query rows per CTA (row = position * G +
- *               head of one kv head, as in qtile), two warpgroups of 64 rows; K / V chunks of
- *               128 keys (forward) or 64 (dQ) by TMA into two stages; scores (and dP) by
- *               wgmma SS, O += P V or dQ += dS K by wgmma RS with P / dS from registers and V /
- *               K read MN-major. One CTA per SM; the forward ping-pongs its warpgroups on named
- *               barriers so that one's softmax overlaps the other's products.
- *   kwg_kernel  dK and dV of the range rules, head dims 64 / 128: ktile's tasks at 128 keys (64
- *               per warpgroup, sharing each 64-row chunk of Q and dO), same ordered partials:
- *               deterministic.
+ *               head of one kv head, as in qtile), two consumer warpgroups of 64 rows and a
+ *               producer warp that issues the K / V chunks (128 keys forward, 64 dQ) by TMA
+ *               into full / empty-mbarrier stages; scores (and dP) by wgmma SS, O += P V or
+ *               dQ += dS K by wgmma RS with P / dS from registers and V / K read MN-major. One
+ *               CTA per SM; the forward ping-pongs its warpgroups on named barriers so that
+ *               one's softmax overlaps the other's products.
+ *   kwp_kernel  dK and dV (range rules, and the selected rule over its inverted lists) when G
+ *               divides 64, head dims 64 / 128: a producer warpgroup (one warp per stage) loads
+ *               Q / dO chunks of 64 rows by TMA (whole positions x G heads) and fills the row
+ *               slots; two consumer warpgroups (range: 64 keys each of a 128-key tile, every
+ *               chunk; selected: the block's 64 keys, alternate chunks) never meet at a CTA
+ *               barrier. Same tasks and ordered partials as ktile: deterministic.
+ *   kwg_kernel  the same range-rule tasks for the other G (Q / dO rows by cp.async, the
+ *               two warpgroups in step); its sums equal kwp's bit for bit.
  *   swg_kernel  the selection (importance + top-n, spec 3): 64 positions per CTA as the wgmma
  *               rows, the G heads' probabilities summed in the accumulator registers, the top-n
  *               as 64-bit rank keys through a register insertion network; no score matrix in
  *               memory.
  *   sfw_kernel  selected attention forward and dQ (DK = DV = 64 / 128, G >= 4): one warp per
- *               16 heads of one position, its selected blocks' K / V by TMA in 32-key stages,
- *               mma.sync from the swizzled tiles.
+ *               16 heads of one position (two neighbouring positions per CTA when G <= 16,
+ *               sharing the stages of the blocks both selected), K / V by TMA in 32-key
+ *               stages, mma.sync from the swizzled tiles.
  *
  * Shared tiles use the canonical 128-byte swizzle of wgmma (also TMA's SWIZZLE_128B): a tile
  * of R rows x D columns is D / 64 column blocks of R x 128 bytes; 16-byte chunk c of row r
