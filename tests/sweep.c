@@ -1104,14 +1104,14 @@ void sweep_case_random(sweep_case *c, uint64_t *state, int64_t max_T)
 {
     test_rng r = {*state};
     static const int64_t Ts[] = {1, 17, 31, 32, 63, 64, 65, 200, 1000};
-    static const int64_t Gs[] = {1, 2, 4, 16, 32};
+    static const int64_t Gs[] = {1, 2, 4, 6, 16, 32}; /* 6: a G that does not divide 64 (kwg, padded sfw) */
     static const int64_t Ds[][2] = {{64, 64}, {128, 128}, {192, 128}, {16, 16}, {8, 12}};
     if (!c->T) {
         do c->T = pick(&r, Ts, 9);
         while (c->T > max_T);
     }
     if (!c->H) c->H = rng_int(&r, 1, 2);
-    if (!c->HQ) c->HQ = c->H * pick(&r, Gs, 5);
+    if (!c->HQ) c->HQ = c->H * pick(&r, Gs, 6);
     if (!c->DK) {
         int i = (int)rng_int(&r, 0, 4);
         c->DK = Ds[i][0], c->DV = Ds[i][1];
