@@ -474,22 +474,26 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
 #endif
 }
 
-/* dK and dV of the range rules, warp-specialised: kwg's tasks and products, but one producer
- * warp streams every chunk into KWP_NS stages guarded by mbarriers (full: the chunk landed;
- * empty: both consumer warpgroups are done with it), so that the two consumer warpgroups (64
- * keys each) never meet at a CTA barrier and drift apart: one's elementwise phase runs under
- * the other's products. The chunk's 64 rows are 64 / G whole positions x G heads (G divides
- * 64, and every chunk of a range task starts on a position), i.e. one TMA box of the q / dout
- * tensor maps per 64 columns; the row slots (lse, D, gate, visible range) are filled by the
- * producer's lanes (kt_fill) before they arrive. The key tile rides on chunk 0's barrier. Rows past a
- * task's end arrive as they are (masked, P = 0) or, past the tensor, as zeros. Inside a
- * warpgroup the exponentials run under the dP product and dS under the dV product:
+/* dK and dV, warp-specialised: ktile's tasks (range rules: kwg's 128-key tiles; SLC: one
+ * selected block's 64 keys over its inverted list), with the chunks of query rows streamed by a
+ * producer warpgroup into KWP_NS stages guarded by mbarriers (full: the chunk and its row slots
+ * landed; empty: every consuming thread is done with it), so that the two consumer warpgroups
+ * never meet at a CTA barrier and drift apart: one's elementwise phase runs under the other's
+ * products. Warp w of the producer owns stage w (a parity wait cannot tell phase u from u + 2,
+ * so each barrier's phases must be driven in order). A chunk's 64 rows are 64 / G whole
+ * positions x G heads (G divides 64; every chunk of a range task starts on a position): one TMA
+ * box of the q / dout maps per 64 columns for the range rules, one box per listed position for
+ * SLC; the row slots (lse, D, gate by cp.async, visible range) are filled by the producer's
+ * lanes (kt_fill), which arrive once for their stores and once when their copies land. The key
+ * tile rides on chunk 0's barrier. Rows past a task's end arrive as they are (masked, P = 0) or,
+ * past the tensor, as zeros. Range rules: warpgroup c takes keys 64 c .. of every chunk; SLC:
+ * both take the block's 64 keys on alternate chunks, summed at the end in a fixed order. Inside
+ * a warpgroup the exponentials run under the dP product and dS under the dV product:
  *   S^T = K Q^T, dP^T = V dO^T   (wgmma SS; wait for S only)
  *   P^T, dV += (g P)^T dO        (wgmma RS; wait for dP only)
  *   dS^T, dK += dS^T Q           (wgmma RS)
- * Same tasks, same order of every key's sums and same epilogue as kwg: deterministic, and the
- * two kernels agree bit for bit. 384 threads: warpgroup 0 is the producer (one warp per
- * stage, KWP_PREGS registers), warpgroups 1 and 2 the consumers (KWP_CREGS). */
+ * Deterministic; for the range rules the same sums as kwg bit for bit. 384 threads: warpgroup 0
+ * the producer (KWP_PREGS registers), warpgroups 1 and 2 the consumers (KWP_CREGS). */
 template <int DP, typename T, bool SLC>
 __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __grid_constant__ CUtensorMap tq,
                                                      const __grid_constant__ CUtensorMap tdo,
