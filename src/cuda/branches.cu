@@ -288,16 +288,21 @@ static int slc_chunk(const nsa_problem *p) { return p->G >= 16 ? 32 : 64; }
 /* Keys per chunk and stages of the TMA tile: 32 keys in 2 stages (32 KB: six or seven of
  * these one-warp CTAs per SM), unless NSA_CUDA_SLC_BN says "32x3" (three stages, four CTAs)
  * or "64" (64 keys, 2 stages, three CTAs: Triton's shape), for comparisons. H100 64k paper,
- * selected forward: 17.4 / 18.3 / 20.7 ms; 16 keys in 4 stages: 22.6. */
-static int sfw_bn(int *ns)
+ * selected forward: 17.4 / 18.3 / 20.7 ms; 16 keys in 4 stages: 22.6. np: positions per CTA
+ * on the default stages, 2 (neighbours sharing their common blocks' stages; forward 17.5 ->
+ * 16.1 ms) unless NSA_CUDA_SLC_NP=1. Read once. */
+static int sfw_bn(int *ns, int *np)
 {
-    static int bn, st;
+    static int bn, st, two;
     if (!bn) {
         const char *e = getenv("NSA_CUDA_SLC_BN");
         bn = e && atoi(e) == 64 ? 64 : 32;
         st = bn == 32 && e && strchr(e, 'x') && atoi(strchr(e, 'x') + 1) == 3 ? 3 : 2;
+        const char *n = getenv("NSA_CUDA_SLC_NP");
+        two = bn == 32 && st == 2 && !(n && n[0] == '1');
     }
     *ns = st;
+    *np = two ? 2 : 1;
     return bn;
 }
 
@@ -313,15 +318,12 @@ static int sfw_try(grun *g, qparams *P, int mode, nsa_dtype dt, int64_t KR)
     const int D = (int)p->DK;
     if (g->dry || !qwg_env() || g->cc_major != 9 || p->DK != p->DV || (D != 64 && D != 128) || p->G < 4) return 0;
     if (mode == MODE_FWD && (!P->o.al || (P->o.dt != (int)dt && P->o.dt != NSA_DTYPE_F32))) return 0;
-    int ns;
-    const int bn = sfw_bn(&ns);
+    int ns, np;
+    const int bn = sfw_bn(&ns, &np);
     if (sfw_smem(D, bn, ns) > (size_t)g->smem_max || !qwg_ready(D)) return 0;
     CUtensorMap tk, tv;
     if (!tmap_make(&tk, &P->k, dt, p->B, KR, p->H, D, bn) || !tmap_make(&tv, &P->v, dt, p->B, KR, p->H, D, bn)) return 0;
-    /* two neighbouring positions per CTA sharing their common blocks' stages when one head
-     * group holds G and the default stages are on (NSA_CUDA_SLC_NP=1: one position) */
-    const char *e = getenv("NSA_CUDA_SLC_NP");
-    const int np = p->G <= 16 && bn == 32 && ns == 2 && !(e && e[0] == '1') ? 2 : 1;
+    if (p->G > 16) np = 1; /* two positions per CTA only when one head group holds G */
     P->nw = np;
     P->bn = bn;
     P->nst = ns;
@@ -333,6 +335,21 @@ static int sfw_try(grun *g, qparams *P, int mode, nsa_dtype dt, int64_t KR)
     if (D == 64) nsa_cu_sfw_64(g, P, mode, bf16, tiles, &tk, &tv);
     else nsa_cu_sfw_128(g, P, mode, bf16, tiles, &tk, &tv);
     return 1;
+}
+
+/* Selected attention forward or dQ (P's U / ucnt lists set): the TMA tile when sfw_try takes
+ * it, else qtile's tiles over the union of 16 / G positions' blocks. */
+static void run_slc_q(grun *g, qparams *P, int mode, nsa_dtype dt)
+{
+    const nsa_problem *p = g->p;
+    if (sfw_try(g, P, mode, dt, p->T)) return;
+    P->nw = slc_warps(p);
+    P->nst = slc_stages(p);
+    P->bn = slc_chunk(p);
+    unitspec u = {UK_ROWS, p->G, 16 * P->nw, 0, 0};
+    int64_t tiles;
+    P->sm = g_seqmap(g, u, &tiles);
+    run_qtile(g, P, mode, tiles, dt);
 }
 
 void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dview *v, const int32_t *U,
@@ -347,14 +364,7 @@ void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvi
     P.lse = *lse;
     P.rule = cu_rule_slc(p);
     P.U = U, P.ucnt = ucnt, P.m = (int)m;
-    if (sfw_try(g, &P, MODE_FWD, dt, p->T)) return;
-    P.nw = slc_warps(p);
-    P.nst = slc_stages(p);
-    P.bn = slc_chunk(p);
-    unitspec u = {UK_ROWS, p->G, 16 * P.nw, 0, 0};
-    int64_t tiles;
-    P.sm = g_seqmap(g, u, &tiles);
-    run_qtile(g, &P, MODE_FWD, tiles, dt);
+    run_slc_q(g, &P, MODE_FWD, dt);
 }
 
 /* Selection blocks per pass whose overlapping compressed keys fit in nk (0: not even one). */
@@ -569,15 +579,7 @@ void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt
     dq_params(&Q, p, io);
     Q.rule = cu_rule_slc(p);
     Q.U = U, Q.ucnt = ucnt, Q.m = (int)m;
-    if (!sfw_try(g, &Q, MODE_DQ, io->dt, p->T)) {
-        Q.nw = slc_warps(p);
-        Q.nst = slc_stages(p);
-        Q.bn = slc_chunk(p);
-        unitspec uq = {UK_ROWS, p->G, 16 * Q.nw, 0, 0};
-        int64_t qtiles;
-        Q.sm = g_seqmap(g, uq, &qtiles);
-        run_qtile(g, &Q, MODE_DQ, qtiles, io->dt);
-    }
+    run_slc_q(g, &Q, MODE_DQ, io->dt);
 
     inv_index ix;
     memset(&ix, 0, sizeof ix);
