@@ -665,8 +665,9 @@ __device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid
     return 1;
 }
 
-/* Per-row slots of the query chunks a ktile task streams: offsets of the q / dout rows, lse
- * (raw: see kt_l2), D, gate, visible range, and per warp half whether every row sees all keys. */
+/* Per-row slots of the query chunks a ktile task streams: offsets of the q / dout rows (not
+ * for a tile fed by TMA: kt_fill<BQ, false>, rq / ro NULL), lse (raw: see kt_l2), D, gate,
+ * visible range, and per warp half whether every row sees all keys. */
 typedef struct kt_rows {
     int64_t *rq, *ro;
     float *rl2, *rD, *rg;
@@ -679,7 +680,7 @@ typedef struct kt_rows {
  * (the slot is read two chunks later, after a cp.async wait and a barrier). The slot holds
  * the raw lse: kt_l2 turns it into the log2-domain offset at use. pos_given >= 0: the row's
  * position, looked up ahead by the caller (a producer warp prefetching list entries). */
-template <int BQ>
+template <int BQ, bool OFFS = true>
 __device__ __forceinline__ void kt_fill_at(const kparams &P, const kt_task &t, const kt_rows &R, int stage, int64_t chunk,
                                            int tid, int pos_given)
 {
@@ -700,15 +701,18 @@ __device__ __forceinline__ void kt_fill_at(const kparams &P, const kt_task &t, c
         const int pos = pos_given >= 0 ? pos_given : t.is_slc ? t.list[q] : (int)q;
         const int64_t hq = t.h * G + g, row = sq.row0 + pos;
         const int64_t flat = (sq.b * P.T + row) * P.HQ + hq;
-        R.rq[i] = sq.b * P.q.s0 + row * P.q.s1 + hq * P.q.s2;
-        R.ro[i] = sq.b * P.dout.s0 + row * P.dout.s1 + hq * P.dout.s2;
+        if (OFFS) {
+            R.rq[i] = sq.b * P.q.s0 + row * P.q.s1 + hq * P.q.s2;
+            R.ro[i] = sq.b * P.dout.s0 + row * P.dout.s1 + hq * P.dout.s2;
+        }
         cp4(R.rl2 + i, (const float *)P.lse.p + sq.b * P.lse.s0 + row * P.lse.s1 + hq * P.lse.s2);
         cp4(R.rD + i, P.Dw + flat);
         if (P.gw) cp4(R.rg + i, P.gw + flat);
         else R.rg[i] = 1.0f;
         rule_bounds(P.rule, pos, t.nkeys, &R.rlo[i], &R.rhi[i]);
     } else {
-        R.rq[i] = -1, R.ro[i] = -1, R.rl2[i] = INFINITY, R.rD[i] = 0.0f, R.rg[i] = 0.0f;
+        if (OFFS) R.rq[i] = -1, R.ro[i] = -1;
+        R.rl2[i] = INFINITY, R.rD[i] = 0.0f, R.rg[i] = 0.0f;
         R.rlo[i] = 1, R.rhi[i] = 0;
     }
     const int f = __all_sync(0xffffffffu, R.rlo[i] <= t.k0 && R.rhi[i] >= t.k1 - 1);
@@ -716,11 +720,11 @@ __device__ __forceinline__ void kt_fill_at(const kparams &P, const kt_task &t, c
 }
 
 /* ... the row's position looked up here (selected rule: its list entry, a dependent load) */
-template <int BQ>
+template <int BQ, bool OFFS = true>
 __device__ __forceinline__ void kt_fill(const kparams &P, const kt_task &t, const kt_rows &R, int stage, int64_t chunk,
                                         int tid)
 {
-    kt_fill_at<BQ>(P, t, R, stage, chunk, tid, -1);
+    kt_fill_at<BQ, OFFS>(P, t, R, stage, chunk, tid, -1);
 }
 
 /* The log2-domain softmax offset of a slot's raw lse: p = 2^(s sl2 - l2) (a row that sees no
@@ -1039,7 +1043,7 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
     const int lp = P.lp, cl = P.cl, cd = P.cd;
     const int cur_max = (p0 + npos - 1) / lp;
     const int last_t = p0 + npos - 1;
-    int nv_max = last_t + 1 >= cl ? (last_t + 1 - cl) / cd + 1 : 0;
+    int nv_max = (int)nsa_rule_cmp_visible(last_t, cl, cd);
     nv_max = nv_max < sq.ncmp ? nv_max : sq.ncmp;
     const int nhc = (int)((G + HC - 1) / HC);
     const float inv_d = 1.0f / (float)cd;

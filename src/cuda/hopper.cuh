@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
     }
     __syncthreads(); /* barriers initialised */
     if (wg_all == 0) {
-        regs_dec<QWG_PREGS>();
+        regs_dec<WS_PREGS>();
         if (threadIdx.x != 0) return;
         for (int ci = 0; ci < nchunks; ci++) {
             const int st = ci % NS, c0 = kmin + ci * BN;
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
         }
         return;
     }
-    regs_inc<QWG_CREGS>();
+    regs_inc<WS_CREGS>();
     nb_sync(4); /* roff written */
     sw_load_rows<T, DKP, BM, NTHR>(Qs, (const T *)P.q.p, roff, tid);
     if (DQ) sw_load_rows<T, DVP, BM, NTHR>(Os, (const T *)P.dout.p, roff2, tid);
@@ -302,6 +302,30 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
 #endif
 }
 
+/* The dK / dV tiles' first two products for one chunk: S^T = K Q^T and dP^T = V dO^T (keys x
+ * rows, wgmma SS, all operands K-major; A: 64 keys at byte offset aoff of the BK-key tile).
+ * SPLIT commits S alone first (its consumer waits for S while dP runs). */
+template <typename T, int DP, int BK, int BQ, bool SPLIT>
+__device__ __forceinline__ void kw_products(float (*S)[4], float (*dP)[4], const unsigned char *Ks,
+                                            const unsigned char *Vs, const unsigned char *Qp, const unsigned char *Dp,
+                                            int aoff)
+{
+    constexpr int KT = DP / 16;
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < KT; kk++) {
+        const int ao = (kk >> 2) * BK * 128 + aoff + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
+        wgmma_op<T, BQ>::template ss<0>(&S[0][0], wg_desc(Ks + ao, 16, 1024), wg_desc(Qp + bo, 16, 1024), kk > 0);
+    }
+    if (SPLIT) wg_commit();
+#pragma unroll
+    for (int kk = 0; kk < KT; kk++) {
+        const int ao = (kk >> 2) * BK * 128 + aoff + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
+        wgmma_op<T, BQ>::template ss<0>(&dP[0][0], wg_desc(Vs + ao, 16, 1024), wg_desc(Dp + bo, 16, 1024), kk > 0);
+    }
+    wg_commit();
+}
+
 /* The dK / dV tiles' epilogue (as ktile's): this thread's two keys' fp32 sums added into
  * dk / dv, or, for a further row segment, its partial of BK keys written whole (scale folded
  * into dK). */
@@ -344,7 +368,7 @@ template <int DP, typename T>
 __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int BK = KWG_BK, BQ = 64, NT = BQ / 8, KT = DP / 16, NTHR = 256;
+    constexpr int BK = KWG_BK, BQ = 64, NT = BQ / 8, NTHR = 256;
     constexpr int KB = BK * DP * 2, TB = BQ * DP * 2; /* key tile, row chunk */
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_align1024(smem_raw);
@@ -411,21 +435,9 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
         const float *l2 = rl2 + sl * BQ, *Dr = rD + sl * BQ, *gr = rg + sl * BQ;
         const int *lo = rlo + sl * BQ, *hi = rhi + sl * BQ;
 
-        /* S^T = K Q^T and dP^T = V dO^T (keys x rows) */
+        /* S^T = K Q^T and dP^T = V dO^T (keys x rows; this warpgroup's 64 keys) */
         float S[NT][4], dP[NT][4];
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < KT; kk++) {
-            /* A: this warpgroup's 64 keys (row offset wg * 64 of the 128-row tile) */
-            const int ao = (kk >> 2) * BK * 128 + wg * 64 * 128 + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
-            wgmma_op<T, BQ>::template ss<0>(&S[0][0], wg_desc(Ks + ao, 16, 1024), wg_desc(Qp + bo, 16, 1024), kk > 0);
-        }
-#pragma unroll
-        for (int kk = 0; kk < KT; kk++) {
-            const int ao = (kk >> 2) * BK * 128 + wg * 64 * 128 + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
-            wgmma_op<T, BQ>::template ss<0>(&dP[0][0], wg_desc(Vs + ao, 16, 1024), wg_desc(Dp + bo, 16, 1024), kk > 0);
-        }
-        wg_commit();
+        kw_products<T, DP, BK, BQ, false>(S, dP, Ks, Vs, Qp, Dp, wg * 64 * 128);
         wg_wait<0>();
 
         /* P^T (masked), dS^T = P^T (g dP^T - D); S becomes g P^T for dV (as ktile) */
@@ -493,7 +505,7 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
  *   P^T, dV += (g P)^T dO        (wgmma RS; wait for dP only)
  *   dS^T, dK += dS^T Q           (wgmma RS)
  * Deterministic; for the range rules the same sums as kwg bit for bit. 384 threads: warpgroup 0
- * the producer (KWP_PREGS registers), warpgroups 1 and 2 the consumers (KWP_CREGS). */
+ * the producer (WS_PREGS registers), warpgroups 1 and 2 the consumers (WS_CREGS). */
 template <int DP, typename T, bool SLC>
 __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __grid_constant__ CUtensorMap tq,
                                                      const __grid_constant__ CUtensorMap tdo,
@@ -501,7 +513,7 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
                                                      const __grid_constant__ CUtensorMap tv)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int BK = SLC ? 64 : KWG_BK, BQ = 64, NT = BQ / 8, KT = DP / 16, NS = SLC ? KWP_NS_SLC : KWP_NS;
+    constexpr int BK = SLC ? 64 : KWG_BK, BQ = 64, NT = BQ / 8, NS = SLC ? KWP_NS_SLC : KWP_NS;
     constexpr int KB = BK * DP * 2, TB = BQ * DP * 2; /* key tile, row chunk */
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_align1024(smem_raw);
@@ -509,9 +521,7 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
     unsigned char *Qs = Vs + KB;      /* [NS] */
     unsigned char *Ds = Qs + NS * TB; /* [NS] dO */
     uint64_t *full = (uint64_t *)(Ds + NS * TB), *empty = full + NS;
-    int64_t *rq = (int64_t *)(empty + NS); /* [NS][BQ] row slots (offsets: unused here) */
-    int64_t *ro = rq + NS * BQ;
-    float *rl2 = (float *)(ro + NS * BQ);
+    float *rl2 = (float *)(empty + NS); /* [NS][BQ] row slots (no row offsets: TMA) */
     float *rD = rl2 + NS * BQ, *rg = rD + NS * BQ;
     int *rlo = (int *)(rg + NS * BQ), *rhi = rlo + NS * BQ;
     int *rfull = rhi + NS * BQ; /* [NS][2] */
@@ -539,9 +549,9 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         /* the producer: warp w < NS of this warpgroup fills the chunks of stage w (one warp's
          * fills and address work per chunk were the pipeline's throughput); one warp per stage
          * keeps each barrier's phases in order (a parity wait cannot tell phase u from u + 2) */
-        regs_dec<KWP_PREGS>();
+        regs_dec<WS_PREGS>();
         if (warp >= NS) return;
-        const kt_rows R = {rq, ro, rl2, rD, rg, rlo, rhi, rfull};
+        const kt_rows R = {nullptr, nullptr, rl2, rD, rg, rlo, rhi, rfull};
         const int G = (int)P.G, b = (int)t.sq.b, PP = BQ / G; /* positions per chunk */
         /* selected rule: this lane's list entries (lane, lane + 32 of a chunk) for this warp's
          * chunk (pe) and its next one (pn), loaded a round ahead; entries past the list repeat
@@ -572,8 +582,8 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
                         tma_load4(Ds + s * TB + cb * BQ * 128, &tdo, cb * 64, h * G, row, b, &full[s]);
                     }
                 }
-                kt_fill<BQ>(P, t, R, s, c, lane);
-                kt_fill<BQ>(P, t, R, s, c, lane + 32);
+                kt_fill<BQ, false>(P, t, R, s, c, lane);
+                kt_fill<BQ, false>(P, t, R, s, c, lane + 32);
             } else { /* one box of G heads per listed position, issued by the lane holding it */
                 pe[0] = pn[0], pe[1] = pn[1];
 #pragma unroll
@@ -597,8 +607,8 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
 #pragma unroll
                 for (int x = 0; x < 2; x++)
                     if (c + NS < nchunks && lane + 32 * x < PP) pn[x] = t.list[min((c + NS) * PP + lane + 32 * x, nlist - 1)];
-                kt_fill_at<BQ>(P, t, R, s, c, lane, rp[0]);
-                kt_fill_at<BQ>(P, t, R, s, c, lane + 32, rp[1]);
+                kt_fill_at<BQ, false>(P, t, R, s, c, lane, rp[0]);
+                kt_fill_at<BQ, false>(P, t, R, s, c, lane + 32, rp[1]);
             }
             /* lse, D, gate by cp.async (no load latency in this loop: it is the pipeline's
              * throughput), the rest by stores: each lane arrives once for its stores and once
@@ -608,7 +618,7 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         }
         return;
     }
-    regs_inc<KWP_CREGS>();
+    regs_inc<WS_CREGS>();
     /* consumer warpgroup cw: range rule, keys cw * 64 .. of every chunk; selected rule, all
      * 64 keys of chunks cw, cw + 2, .. (summed at the end in a fixed order) */
     const int cw = wg - 1, cwarp = warp - 4;
@@ -632,19 +642,7 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         const int *lo = rlo + s * BQ, *hi = rhi + s * BQ;
 
         float S[NT][4], dP[NT][4];
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < KT; kk++) {
-            const int ao = (kk >> 2) * BK * 128 + aoff + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
-            wgmma_op<T, BQ>::template ss<0>(&S[0][0], wg_desc(Ks + ao, 16, 1024), wg_desc(Qp + bo, 16, 1024), kk > 0);
-        }
-        wg_commit();
-#pragma unroll
-        for (int kk = 0; kk < KT; kk++) {
-            const int ao = (kk >> 2) * BK * 128 + aoff + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
-            wgmma_op<T, BQ>::template ss<0>(&dP[0][0], wg_desc(Vs + ao, 16, 1024), wg_desc(Dp + bo, 16, 1024), kk > 0);
-        }
-        wg_commit();
+        kw_products<T, DP, BK, BQ, true>(S, dP, Ks, Vs, Qp, Dp, aoff);
         wg_wait<1>(); /* S^T ready, dP^T still on the tensor cores */
 
         /* P^T (masked) in S; (g P)^T as the A fragments of dV */
@@ -813,6 +811,9 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
     const int lp = P.lp, cl = P.cl, cd = P.cd;
     const int cur_max = (p0 + npos - 1) / lp;
     const int last_t = p0 + npos - 1;
+    /* nsa_rule_cmp_visible in 32-bit arithmetic: calling the int64 helper here changed this
+     * register-bound kernel's code and the 64k forward measured 0.2 ms slower (H100, A/B in
+     * one call) */
     int nv_max = last_t + 1 >= cl ? (last_t + 1 - cl) / cd + 1 : 0;
     nv_max = nv_max < sq.ncmp ? nv_max : sq.ncmp;
     const float inv_d = 1.0f / (float)cd;
@@ -831,7 +832,7 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
     if (tid < BP) {
         const int t = p0 + tid;
         pcur[tid] = tid < npos ? t / lp : -1;
-        pnv[tid] = t + 1 >= cl ? (t + 1 - cl) / cd + 1 : 0;
+        pnv[tid] = t + 1 >= cl ? (t + 1 - cl) / cd + 1 : 0; /* (as nv_max) */
     }
 
     /* head g's lse of this lane's two rows, as the log2-domain offset (-inf: +inf, p = 0) */
@@ -981,6 +982,47 @@ static void launch_swg_t(grun *g, const sparams *P, int64_t tiles)
 {
     if (P->n <= 16) launch_swg_nr<DKP, T, 16>(g, P, tiles);
     else launch_swg_nr<DKP, T, 32>(g, P, tiles);
+}
+
+/* ==== sfw_kernel helpers: one warp's mma.sync products on the swizzled TMA tiles ========== */
+
+/* C = A B^T for the warp's 16 rows: A fragments in registers (KT steps of 16 columns), B the
+ * BN rows of a swizzled tile (S = Q K^T, dP = dO V^T) */
+template <typename T, int NT, int KT, int BN>
+__device__ __forceinline__ void sfw_abt(float (&C)[NT][4], const uint32_t (&A)[KT][4], const unsigned char *B, int lane)
+{
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) C[nt][0] = C[nt][1] = C[nt][2] = C[nt][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < KT; kk++)
+#pragma unroll
+        for (int np = 0; np < NT / 2; np++) {
+            uint32_t b[4];
+            const int r = np * 16 + (lane & 7) + (lane >> 4) * 8;
+            ldsm4(b, B + sw_off(BN, r, kk * 2 + ((lane >> 3) & 1)));
+            dtraits<T>::mma(C[2 * np], A[kk], b[0], b[1]);
+            dtraits<T>::mma(C[2 * np + 1], A[kk], b[2], b[3]);
+        }
+}
+
+/* acc += P B for the warp's 16 rows: P the fp32 scores of the chunk's BN keys (as A
+ * fragments), B the chunk's swizzled tile read transposed (O += P V, dQ += dS K) */
+template <typename T, int NT, int KT, int BN>
+__device__ __forceinline__ void sfw_pb(float (&acc)[2 * KT][4], const float (&Pm)[NT][4], const unsigned char *B, int lane)
+{
+#pragma unroll
+    for (int k2 = 0; k2 < NT / 2; k2++) {
+        uint32_t a[4];
+        sc_frag_a<T>(a, Pm[2 * k2], Pm[2 * k2 + 1]);
+#pragma unroll
+        for (int vp = 0; vp < KT; vp++) {
+            uint32_t b[4];
+            const int r = k2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            ldsm4t(b, B + sw_off(BN, r, vp * 2 + (lane >> 4)));
+            dtraits<T>::mma(acc[2 * vp], a, b[0], b[1]);
+            dtraits<T>::mma(acc[2 * vp + 1], a, b[2], b[3]);
+        }
+    }
 }
 
 /* ==== sfw_kernel: selected attention, forward and dQ, TMA ===================================
@@ -1146,68 +1188,22 @@ __global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __g
         const unsigned char *Kp = Ks + st * TB, *Vp = Vs + st * TB;
 
         float S[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < KT; kk++)
-#pragma unroll
-            for (int np = 0; np < NT / 2; np++) {
-                uint32_t b[4];
-                const int r = np * 16 + (lane & 7) + (lane >> 4) * 8;
-                ldsm4(b, Kp + sw_off(BN, r, kk * 2 + ((lane >> 3) & 1)));
-                dtraits<T>::mma(S[2 * np], qf[kk], b[0], b[1]);
-                dtraits<T>::mma(S[2 * np + 1], qf[kk], b[2], b[3]);
-            }
+        sfw_abt<T, NT, KT, BN>(S, qf, Kp, lane);
         const int c1 = c0 + BN < bend ? c0 + BN : bend;
         const int full = c1 - c0 == BN && c1 - 1 <= t;
         sc_mask_scale<NT>(S, full, c0, c1, lo2, hi2, lane, P.sl2);
         if constexpr (!DQ) {
             sc_softmax<NT, DP / 8>(S, m_, l_, acc);
-#pragma unroll
-            for (int k2 = 0; k2 < NT / 2; k2++) {
-                uint32_t a[4];
-                sc_frag_a<T>(a, S[2 * k2], S[2 * k2 + 1]);
-#pragma unroll
-                for (int vp = 0; vp < KT; vp++) {
-                    uint32_t b[4];
-                    const int r = k2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                    ldsm4t(b, Vp + sw_off(BN, r, vp * 2 + (lane >> 4)));
-                    dtraits<T>::mma(acc[2 * vp], a, b[0], b[1]);
-                    dtraits<T>::mma(acc[2 * vp + 1], a, b[2], b[3]);
-                }
-            }
+            sfw_pb<T, NT, KT, BN>(acc, S, Vp, lane);
         } else {
             /* P from the saved lse; dP = dO V^T; dS = P (g dP - D); dQ += dS K */
             float dP[NT][4];
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) dP[nt][0] = dP[nt][1] = dP[nt][2] = dP[nt][3] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < KT; kk++)
-#pragma unroll
-                for (int np = 0; np < NT / 2; np++) {
-                    uint32_t b[4];
-                    const int r = np * 16 + (lane & 7) + (lane >> 4) * 8;
-                    ldsm4(b, Vp + sw_off(BN, r, kk * 2 + ((lane >> 3) & 1)));
-                    dtraits<T>::mma(dP[2 * np], of[kk], b[0], b[1]);
-                    dtraits<T>::mma(dP[2 * np + 1], of[kk], b[2], b[3]);
-                }
+            sfw_abt<T, NT, KT, BN>(dP, of, Vp, lane);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) dP[nt][e] = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
-#pragma unroll
-            for (int k2 = 0; k2 < NT / 2; k2++) {
-                uint32_t a[4];
-                sc_frag_a<T>(a, dP[2 * k2], dP[2 * k2 + 1]);
-#pragma unroll
-                for (int dp = 0; dp < KT; dp++) {
-                    uint32_t b[4];
-                    const int r = k2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                    ldsm4t(b, Kp + sw_off(BN, r, dp * 2 + (lane >> 4)));
-                    dtraits<T>::mma(acc[2 * dp], a, b[0], b[1]);
-                    dtraits<T>::mma(acc[2 * dp + 1], a, b[2], b[3]);
-                }
-            }
+            sfw_pb<T, NT, KT, BN>(acc, dP, Kp, lane);
         }
         fence_async_smem(); /* this thread's ldmatrix reads before the stage's next TMA write */
         mb_arrive(&empty[st]);

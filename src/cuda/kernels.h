@@ -115,9 +115,10 @@ void nsa_cu_select_192(grun *g, const sparams *P, int bf16, int64_t tiles);
 
 /* K / V stages: 2 of 128 keys in the forward (three do not fit at DK 192), 3 of 64 for dQ */
 #define QWG_NS(mode) ((mode) == MODE_FWD ? 2 : 3)
-/* register budgets of the producer / consumer warpgroups (setmaxnreg; 384 threads) */
-#define QWG_PREGS 40
-#define QWG_CREGS 232
+/* Register budgets of the warp-specialised sm_90a kernels (qwg, kwp: 384 threads, one producer
+ * and two consumer warpgroups; setmaxnreg: 128 x 40 + 256 x 232 <= 64k) */
+#define WS_PREGS 40
+#define WS_CREGS 232
 /* Shared memory of qwg_kernel<DKP, DVP, MODE>: 1 KB alignment slack, Q (and dO), the K and V
  * stages, row offsets, the stages' full / empty mbarriers. Must match the carving in the
  * kernel. */
@@ -159,24 +160,21 @@ static inline size_t kwg_smem(int DP)
     return 1024 + 2 * (size_t)KWG_BK * DP * 2 + 4 * (size_t)64 * DP * 2 + 3 * 64 * (2 * sizeof(int64_t) + 5 * 4) + 6 * 4;
 }
 
-/* kwp_kernel (hopper.cuh): kwg's tasks with a TMA producer warp; row-chunk stages and register
- * budgets of its producer / consumer warpgroups (setmaxnreg: 128 x 40 + 256 x 232 <= 64k) */
+/* kwp_kernel (hopper.cuh): kwg's tasks with a TMA producer warpgroup; row-chunk stages */
 #define KWP_NS 3     /* range rules: both warpgroups on every chunk */
 #define KWP_NS_SLC 4 /* selected rule: the warpgroups take alternate chunks */
-#define KWP_PREGS 40
-#define KWP_CREGS 232
 /* slack, K and V of 128 keys (selected: 64), the stages of Q and dO (64 rows each), their
- * full / empty mbarriers, as many row slots (offsets, lse, D, gate, ranges) and whole-chunk
- * flags */
+ * full / empty mbarriers, as many row slots (lse, D, gate, ranges: TMA needs no row offsets)
+ * and whole-chunk flags */
 static inline size_t kwp_smem(int DP, int slc)
 {
     const size_t ns = slc ? KWP_NS_SLC : KWP_NS, bk = slc ? 64 : KWG_BK;
-    return 1024 + 2 * bk * DP * 2 + 2 * ns * 64 * DP * 2 + 2 * ns * 8 + ns * 64 * (2 * sizeof(int64_t) + 5 * 4) + ns * 2 * 4;
+    return 1024 + 2 * bk * DP * 2 + 2 * ns * 64 * DP * 2 + 2 * ns * 8 + ns * 64 * 5 * 4 + ns * 2 * 4;
 }
 
 /* sm_90a forward / dQ tile for the range rules (hopper.cuh), head dims exactly 64 / 128;
  * ready: whether the loaded binary holds its sm_90a body (1) or it must not run (0). */
-/* sm_90a selected attention (forward / dQ) with TMA, DK == DV == 64 / 128, G % 16 == 0;
+/* sm_90a selected attention (forward / dQ) with TMA, DK == DV == 64 / 128, G >= 4;
  * tk, tv: host CUtensorMap (4-D over the K / V views, box 64 x 1 x bn x 1, 128-byte swizzle) */
 void nsa_cu_sfw_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv);
 void nsa_cu_sfw_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv);
