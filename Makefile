@@ -31,7 +31,7 @@ CUDA_OBJ := $(CUDA_SRC:%.cu=build/obj/%.o)
 CUDA_CFLAGS := -DNSA_WITH_CUDA -I$(CUDA_HOME)/include
 LIB_OBJ += $(CUDA_OBJ)
 LDLIBS += -L$(CUDA_HOME)/lib64 -lcudart_static -lstdc++ -ldl -lrt -lpthread
-GPU_TEST_SRC := tests/gpu_main.c $(TEST_SUPPORT)
+GPU_TEST_SRC := tests/gpu_main.c tests/test_attention.c $(TEST_SUPPORT)
 all: build/nsa_gpu_tests build/nsa_gpu_bench build/nsa_wgmma_test
 
 build/obj/src/cuda/%.o: src/cuda/%.cu $(wildcard src/cuda/*.h src/cuda/*.cuh src/*.h include/*.h)

@@ -41,7 +41,7 @@ say "machine"
 note "gpu: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader 2>/dev/null | head -1)"
 
 BIN=build
-if [ -n "${NSA_PREBUILT:-}" ] && "$NSA_PREBUILT/nsa_gpu_tests" --cases 0 > /tmp/nsa-prebuilt.txt 2>&1; then
+if [ -n "${NSA_PREBUILT:-}" ] && "$NSA_PREBUILT/nsa_gpu_tests" --cases 0 --no-attention > /tmp/nsa-prebuilt.txt 2>&1; then
     BIN="$NSA_PREBUILT"
     note "build: prebuilt binaries from $NSA_PREBUILT"
 else

@@ -201,17 +201,8 @@ void nsa_context_destroy(nsa_context *ctx) { free(ctx); }
 #define NSA_CUDA_RUN(op, ctx, p, a, ws) (void)0
 #endif
 
-/* Valid requests a backend does not implement: the CUDA backend has the attention op's
- * options of version 0.1 only (validate.c sets p->extended for anything beyond them). */
-static nsa_status backend_supports(const nsa_context *ctx, const nsa_problem *p)
-{
-    if (ctx->backend == NSA_BACKEND_CUDA && p->extended) return NSA_STATUS_NOT_SUPPORTED;
-    return NSA_STATUS_SUCCESS;
-}
-
-/* Every public op: validate everything (once), then the backend's support, then the
- * workspace, then run. The backend functions get a validated nsa_problem and never see bad
- * input. */
+/* Every public op: validate everything (once), then the workspace, then run. The backend
+ * functions get a validated nsa_problem and never see bad input. */
 #define NSA_DEFINE_OP(op, args_t)                                                                        \
     static size_t op##_need(const nsa_context *ctx, const nsa_problem *p, const args_t *args)           \
     {                                                                                                    \
@@ -223,7 +214,6 @@ static nsa_status backend_supports(const nsa_context *ctx, const nsa_problem *p)
         if (!ctx || !args || !bytes) return NSA_STATUS_NULL_POINTER;                                     \
         nsa_problem p;                                                                                   \
         nsa_status st = nsa_validate_##op(args, &p);                                                     \
-        if (st == NSA_STATUS_SUCCESS) st = backend_supports(ctx, &p);                                    \
         if (st != NSA_STATUS_SUCCESS) return st;                                                         \
         *bytes = op##_need(ctx, &p, args);                                                               \
         return NSA_STATUS_SUCCESS;                                                                       \
@@ -233,7 +223,6 @@ static nsa_status backend_supports(const nsa_context *ctx, const nsa_problem *p)
         if (!ctx || !args) return NSA_STATUS_NULL_POINTER;                                               \
         nsa_problem p;                                                                                   \
         nsa_status st = nsa_validate_##op(args, &p);                                                     \
-        if (st == NSA_STATUS_SUCCESS) st = backend_supports(ctx, &p);                                    \
         if (st != NSA_STATUS_SUCCESS) return st;                                                         \
         const size_t need = op##_need(ctx, &p, args);                                                    \
         if (workspace_bytes < need) return NSA_STATUS_WORKSPACE_TOO_SMALL;                               \

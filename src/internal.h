@@ -18,7 +18,8 @@ typedef struct nsa_problem {
     /* appended for the attention op (issue 5); other ops leave Tk == T and the rest 0 */
     int64_t Tk;                /* key rows (dim 1 of k, v); T is then the query rows Tq */
     const int64_t *cu_seqlens_q, *cu_seqlens_k; /* host, varlen_qk only; else NULL */
-    int extended;              /* the attention call uses an option beyond today's CUDA set */
+    int extended;              /* the attention call uses an option beyond causal / windows / scale
+                                  (CUDA: the general kernels of xattn.cuh instead of the tuned tiles) */
 } nsa_problem;
 
 /* Validators: return SUCCESS and fill *p, or the specific error status. They read no

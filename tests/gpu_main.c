@@ -3,9 +3,11 @@
  * sweep_set_memory; every case runs in its own child process, so that a kernel fault (a
  * sticky CUDA error) fails that case alone and the others still report. Cases draw bf16 or
  * f16 storage (fp32 attention inputs are not supported on the GPU: one call checks that
- * they return NOT_SUPPORTED; so do the attention options of issue 5, each checked alone). Prints "N passed, N failed" last; exit 1 on any failure.
+ * they return NOT_SUPPORTED). Then the attention op's option tests of tests/test_attention.c
+ * on the GPU (--no-attention skips them). Prints "N passed, N failed" last; exit 1 on any
+ * failure.
  *
- *   nsa_gpu_tests [--seed N] [--cases N] [--max-T N] [--jobs N] [--no-fork] [-v]          */
+ *   nsa_gpu_tests [--seed N] [--cases N] [--max-T N] [--jobs N] [--no-fork] [--no-attention] [-v] */
 #define _POSIX_C_SOURCE 200809L
 
 #include "harness.h"
@@ -97,64 +99,38 @@ static void check_f32_declined(void)
     cudaFree(ws), cudaFree(q), cudaFree(o), cudaFree(lse);
 }
 
-/* The attention options of issue 5 (CPU only for now): each alone on an otherwise valid bf16
- * call must give NOT_SUPPORTED from the query and the call, and leave o untouched. */
-static void check_options_declined(void)
+void test_attention_on(nsa_backend backend, const sweep_memory *mem);
+
+/* The attention op's options (tests/test_attention.c) on the CUDA backend, in a child
+ * process like every sweep case: a kernel fault fails this part alone. */
+static void run_attention_tests(long *passed, long *failed)
 {
-    const int64_t T = 8, Tk = 6, HQ = 2, H = 1, D = 16;
-    const size_t ob = (size_t)(T * HQ * D) * 2;
-    void *q = dev_alloc(ob), *k = dev_alloc((size_t)(T * H * D) * 2), *o = dev_alloc(ob);
-    void *lse = dev_alloc((size_t)(T * HQ) * 4), *aux = dev_alloc((size_t)(T * T * HQ) * 4);
-    unsigned char *sentinel = (unsigned char *)malloc(ob), *back = (unsigned char *)malloc(ob);
-    memset(sentinel, 0xA5, ob);
-    static const int64_t CU[] = {0, 8};
-    nsa_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.backend = NSA_BACKEND_CUDA;
-    nsa_context *ctx = NULL;
-    CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_SUCCESS);
-    for (int opt = 0; opt < 9; opt++) {
-        nsa_attention_args a;
-        memset(&a, 0, sizeof a);
-        a.q = nsa_tensor_4d(q, NSA_DTYPE_BF16, 1, T, HQ, D);
-        a.k = nsa_tensor_4d(k, NSA_DTYPE_BF16, 1, T, H, D);
-        a.v = a.k;
-        a.o = nsa_tensor_4d(o, NSA_DTYPE_BF16, 1, T, HQ, D);
-        a.lse = nsa_tensor_3d(lse, NSA_DTYPE_F32, 1, T, HQ);
-        a.causal = 1;
-        a.window_left = -1, a.window_right = -1;
-        const int64_t one[1] = {HQ}, seg[2] = {1, T}, pair[4] = {1, 1, T, T};
-        switch (opt) {
-        case 0: a.softcap = 5.0f; break;
-        case 1: a.sinks = nsa_tensor_make(aux, NSA_DTYPE_F32, 1, one); break;
-        case 2:
-            a.q_segment_ids = nsa_tensor_make(aux, NSA_DTYPE_I32, 2, seg);
-            a.k_segment_ids = a.q_segment_ids;
-            break;
-        case 3: a.bias = nsa_tensor_make(aux, NSA_DTYPE_BF16, 4, pair); break;
-        case 4: a.mask = nsa_tensor_make(aux, NSA_DTYPE_U8, 4, pair); break;
-        case 5: a.dropout_p = 0.1f; break;
-        case 6:
-            a.varlen_qk.cu_seqlens_q = CU, a.varlen_qk.cu_seqlens_k = CU, a.varlen_qk.num_seqs = 1;
-            break;
-        case 7: /* Tq != Tk: k and v keep Tk = 6 rows */
-            a.k = nsa_tensor_4d(k, NSA_DTYPE_BF16, 1, Tk, H, D);
-            a.v = a.k;
-            break;
-        default: break; /* plain call: supported */
-        }
-        size_t need = 0;
-        const nsa_status want = opt < 8 ? NSA_STATUS_NOT_SUPPORTED : NSA_STATUS_SUCCESS;
-        CHECK_STATUS(nsa_attention_workspace_size(ctx, &a, &need), want);
-        if (opt == 8) continue;
-        dev_upload(o, sentinel, ob);
-        CHECK_STATUS(nsa_attention(ctx, &a, NULL, 0), NSA_STATUS_NOT_SUPPORTED);
-        dev_download(back, o, ob);
-        CHECK_MSG(memcmp(back, sentinel, ob) == 0, "a declined attention call wrote o");
+    int fd[2];
+    if (pipe(fd) != 0) {
+        *failed += 1;
+        return;
     }
-    nsa_context_destroy(ctx);
-    free(sentinel), free(back);
-    cudaFree(q), cudaFree(k), cudaFree(o), cudaFree(lse), cudaFree(aux);
+    fflush(stdout), fflush(stderr);
+    const pid_t pid = fork();
+    if (pid == 0) {
+        close(fd[0]);
+        const long p0 = g_tests_passed, f0 = g_tests_failed;
+        test_attention_on(NSA_BACKEND_CUDA, &g_dev);
+        long res[2] = {g_tests_passed - p0, g_tests_failed - f0};
+        fflush(stdout), fflush(stderr);
+        if (write(fd[1], res, sizeof res) != (ssize_t)sizeof res) _exit(4);
+        _exit(0);
+    }
+    close(fd[1]);
+    long res[2] = {0, 0};
+    const ssize_t got = read(fd[0], res, sizeof res);
+    close(fd[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    const int ok = got == (ssize_t)sizeof res && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    printf("attention options: %5ld passed, %3ld failed%s\n", res[0], res[1] + !ok, ok ? "" : " (crashed)");
+    *passed += res[0];
+    *failed += res[1] + !ok;
 }
 
 /* A forked case: its pid and the read end of its result pipe. */
@@ -192,16 +168,17 @@ int main(int argc, char **argv)
     uint64_t seed = 20260301;
     long cases = 60;
     int64_t max_T = 1000;
-    int fork_cases = 1, verbose = 0, jobs = 1;
+    int fork_cases = 1, verbose = 0, jobs = 1, attention = 1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--cases") && i + 1 < argc) cases = strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--max-T") && i + 1 < argc) max_T = strtoll(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--jobs") && i + 1 < argc) jobs = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--no-fork")) fork_cases = 0;
-        else if (!strcmp(argv[i], "-v")) verbose = 1;
+        else if (!strcmp(argv[i], "-v")) verbose = 1, g_tests_verbose = 1;
+        else if (!strcmp(argv[i], "--no-attention")) attention = 0;
         else {
-            fprintf(stderr, "usage: nsa_gpu_tests [--seed N] [--cases N] [--max-T N] [--jobs N] [--no-fork] [-v]\n");
+            fprintf(stderr, "usage: nsa_gpu_tests [--seed N] [--cases N] [--max-T N] [--jobs N] [--no-fork] [--no-attention] [-v]\n");
             return 2;
         }
     }
@@ -261,9 +238,9 @@ int main(int argc, char **argv)
         crashed += reap(&run[k], &p, &f);
         passed += p, failed += f;
     }
+    if (attention) run_attention_tests(&passed, &failed);
     const long p0 = g_tests_passed, f0 = g_tests_failed;
     check_f32_declined();
-    check_options_declined();
     passed += g_tests_passed - p0, failed += g_tests_failed - f0;
     printf("gpu sweep: %ld cases (%ld crashed), seed %llu, max T %lld\n", cases, crashed, (unsigned long long)seed,
            (long long)max_T);

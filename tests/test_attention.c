@@ -1,5 +1,5 @@
-/* test_attention.c -- the attention op's options (nsa.h section 5) on the CPU backend against
- * the float64 reference that materialises the score matrix (ref_attention_ext): awkward
+/* test_attention.c -- the attention op's options (nsa.h section 5) on the CPU backend (and, from
+ * build/nsa_gpu_tests, on the CUDA backend: test_attention_on) against the float64 reference that materialises the score matrix (ref_attention_ext): awkward
  * shapes (Tq != Tk both ways, lengths 1 and 113, G = 1, 3, 4, DK != DV, head dims up to 256),
  * every option alone and together, f32 / f16 / bf16 with the tolerance rule of style.md
  * (sweep_tolerance), varlen of both kinds with empty and length-1 sequences; then finite
@@ -16,6 +16,13 @@
 #include <string.h>
 
 void test_attention_all(void);
+void test_attention_on(nsa_backend backend, const sweep_memory *mem);
+
+/* Device runs (test_attention_on with memory hooks): every tensor of a call is mirrored into
+ * device memory, sentinels included, and the outputs' bytes come back, so the same checks
+ * (values, bytes outside the elements, determinism) read host memory. f32 storage, which the
+ * GPU does not take for attention inputs, runs as bf16 there. */
+static const sweep_memory *g_mem;
 
 /* ---- host tensors: storage in any dtype plus the stored values as doubles ------------ */
 typedef struct buf {
@@ -225,7 +232,8 @@ static void world_build(world *w, const acase *c, uint64_t seed)
         w->Tq = w->cq[c->nseq], w->Tk = w->ck[c->nseq];
     }
     const int64_t B = w->B, Tq = w->Tq, Tk = w->Tk, HQ = c->HQ, H = c->H;
-    const nsa_dtype dt = c->dt;
+    if (g_mem && w->c.dt == NSA_DTYPE_F32) w->c.dt = NSA_DTYPE_BF16;
+    const nsa_dtype dt = w->c.dt;
     g_pad = c->pad;
     w->q = buf_make(dt, 4, B, Tq, HQ, c->DK);
     w->k = buf_make(dt, 4, B, Tk, H, c->DK);
@@ -296,8 +304,103 @@ static void world_free(world *w)
 
 static nsa_context *g_ctx1; /* one thread: the results must be bitwise those of g_ctx */
 
+/* ---- device mirrors ---------------------------------------------------------------------- */
+typedef struct mirror {
+    void *host, *dev;
+    size_t bytes;
+    int out;
+} mirror;
+
+typedef struct mirrors {
+    mirror m[24];
+    int n;
+} mirrors;
+
+/* Bytes from a tensor's first element to one past its last (stride 0 dims included). */
+static size_t tensor_extent(const nsa_tensor *t)
+{
+    int64_t last = 0;
+    for (int d = 0; d < t->rank; d++) {
+        if (t->shape[d] == 0) return 0;
+        last += (t->shape[d] - 1) * t->stride[d];
+    }
+    return (size_t)(last + 1) * nsa_dtype_size(t->dtype);
+}
+
+/* Points t at a device copy of its bytes (one copy per host address). */
+static void mirror_tensor(mirrors *ms, nsa_tensor *t, int out)
+{
+    if (!t->data) return;
+    for (int i = 0; i < ms->n; i++)
+        if (ms->m[i].host == t->data) {
+            ms->m[i].out |= out;
+            t->data = ms->m[i].dev;
+            return;
+        }
+    mirror *m = &ms->m[ms->n++];
+    m->host = t->data;
+    m->bytes = tensor_extent(t);
+    m->dev = g_mem->alloc(m->bytes + 16);
+    m->out = out;
+    if (m->bytes) g_mem->upload(m->dev, m->host, m->bytes);
+    t->data = m->dev;
+}
+
+static void mirrors_finish(mirrors *ms)
+{
+    for (int i = 0; i < ms->n; i++) {
+        if (ms->m[i].out && ms->m[i].bytes) g_mem->download(ms->m[i].host, ms->m[i].dev, ms->m[i].bytes);
+        g_mem->release(ms->m[i].dev);
+    }
+    ms->n = 0;
+}
+
+static void mirror_fwd_args(mirrors *ms, nsa_attention_args *a, int outputs)
+{
+    nsa_tensor *in[] = {&a->q, &a->k, &a->v, &a->sinks, &a->q_segment_ids, &a->k_segment_ids, &a->bias, &a->mask};
+    for (size_t i = 0; i < sizeof in / sizeof in[0]; i++) mirror_tensor(ms, in[i], 0);
+    mirror_tensor(ms, &a->o, outputs);
+    mirror_tensor(ms, &a->lse, outputs);
+}
+
+static nsa_status dev_fwd(nsa_context *ctx, const nsa_attention_args *host)
+{
+    mirrors ms = {.n = 0};
+    nsa_attention_args a = *host;
+    mirror_fwd_args(&ms, &a, 1);
+    size_t need = 0;
+    nsa_status st = nsa_attention_workspace_size(ctx, &a, &need);
+    if (st == NSA_STATUS_SUCCESS) {
+        void *ws = g_mem->alloc(need ? need : 1);
+        st = nsa_attention(ctx, &a, ws, need);
+        g_mem->release(ws);
+    }
+    mirrors_finish(&ms);
+    return st;
+}
+
+static nsa_status dev_bwd(nsa_context *ctx, const nsa_attention_bwd_args *host)
+{
+    mirrors ms = {.n = 0};
+    nsa_attention_bwd_args g = *host;
+    mirror_fwd_args(&ms, &g.fwd, 0);
+    mirror_tensor(&ms, &g.dout, 0);
+    nsa_tensor *out[] = {&g.dq, &g.dk, &g.dv, &g.dsinks, &g.dbias};
+    for (size_t i = 0; i < sizeof out / sizeof out[0]; i++) mirror_tensor(&ms, out[i], 1);
+    size_t need = 0;
+    nsa_status st = nsa_attention_bwd_workspace_size(ctx, &g, &need);
+    if (st == NSA_STATUS_SUCCESS) {
+        void *ws = g_mem->alloc(need ? need : 1);
+        st = nsa_attention_bwd(ctx, &g, ws, need);
+        g_mem->release(ws);
+    }
+    mirrors_finish(&ms);
+    return st;
+}
+
 static nsa_status run_fwd_on(nsa_context *ctx, const nsa_attention_args *a)
 {
+    if (g_mem) return dev_fwd(ctx, a);
     size_t need = 0;
     nsa_status st = nsa_attention_workspace_size(ctx, a, &need);
     if (st != NSA_STATUS_SUCCESS) return st;
@@ -309,6 +412,7 @@ static nsa_status run_fwd_on(nsa_context *ctx, const nsa_attention_args *a)
 
 static nsa_status run_bwd_on(nsa_context *ctx, const nsa_attention_bwd_args *g)
 {
+    if (g_mem) return dev_bwd(ctx, g);
     size_t need = 0;
     nsa_status st = nsa_attention_bwd_workspace_size(ctx, g, &need);
     if (st != NSA_STATUS_SUCCESS) return st;
@@ -339,7 +443,8 @@ static void check_threads(world *w)
             free(saved[i]);
         }
     char msg[160];
-    snprintf(msg, sizeof msg, "[%s] one thread and the default thread count differ", g_case);
+    snprintf(msg, sizeof msg, g_mem ? "[%s] two runs on the GPU differ" : "[%s] one thread and the default thread count differ",
+             g_case);
     CHECK_MSG(same, msg);
 }
 
@@ -443,17 +548,18 @@ static void run_case(const acase *c, uint64_t seed)
     CHECK_STATUS(run_bwd(&w.g), NSA_STATUS_SUCCESS);
     ref_out ex, nv;
     reference(&w, &ex);
-    g_round_dt = c->dt;
+    const nsa_dtype dt = w.c.dt; /* as stored (bf16 for f32 cases on the GPU) */
+    g_round_dt = dt;
     ref_store_round = round_hook;
     reference(&w, &nv);
     ref_store_round = NULL;
-    compare("o", &w.o, ex.o, nv.o, c->dt);
+    compare("o", &w.o, ex.o, nv.o, dt);
     compare("lse", &w.lse, ex.lse, nv.lse, NSA_DTYPE_F32);
-    compare("dq", &w.dq, ex.dq, nv.dq, c->dt);
-    compare("dk", &w.dk, ex.dk, nv.dk, c->dt);
-    compare("dv", &w.dv, ex.dv, nv.dv, c->dt);
+    compare("dq", &w.dq, ex.dq, nv.dq, dt);
+    compare("dk", &w.dk, ex.dk, nv.dk, dt);
+    compare("dv", &w.dv, ex.dv, nv.dv, dt);
     if (c->sinks) compare("dsinks", &w.dsinks, ex.ds, nv.ds, NSA_DTYPE_F32);
-    if (c->dbias) compare("dbias", &w.dbias, ex.db, nv.db, c->dt);
+    if (c->dbias) compare("dbias", &w.dbias, ex.db, nv.db, dt);
     if (g_check_threads) check_threads(&w);
     ref_out_free(&ex);
     ref_out_free(&nv);
@@ -615,6 +721,41 @@ static void test_random_cases(void)
     }
 }
 
+/* Longer sequences for the GPU run: several 64-row tiles and key chunks per sequence, G up to
+ * 8, every head-dim class of the kernels, dbias broadcast over batch and heads. */
+static void test_long_cases(void)
+{
+    uint64_t seed = 7000;
+    acase c;
+    c = shape("long: all options bf16", 2, 300, 333, 8, 1, 64, 64);
+    c.dt = NSA_DTYPE_BF16, c.causal = 1, c.softcap = 5.0f, c.sinks = 1, c.seg = 1, c.bias = PAIR_11, c.dbias = 1;
+    c.mask = PAIR_1H, c.p = 0.1f, c.seed = 77, c.offset = 5;
+    run_case(&c, seed++);
+    c = shape("long: window 100 Tq>Tk f16 hd 128", 1, 400, 260, 4, 2, 128, 128);
+    c.dt = NSA_DTYPE_F16, c.wl = 100, c.wr = 20, c.bias = PAIR_FULL, c.dbias = 1, c.sinks = 1;
+    run_case(&c, seed++);
+    c = shape("long: hd 256 causal dropout", 1, 200, 200, 2, 1, 256, 256);
+    c.dt = NSA_DTYPE_BF16, c.causal = 1, c.p = 0.2f, c.seed = 3, c.softcap = 10.0f;
+    run_case(&c, seed++);
+    c = shape("long: hd 192/128 segments", 1, 190, 190, 4, 4, 192, 128);
+    c.dt = NSA_DTYPE_BF16, c.seg = 1, c.causal = 1;
+    run_case(&c, seed++);
+    c = shape("long: hd 256 plain (no option)", 1, 150, 150, 2, 2, 256, 256);
+    c.dt = NSA_DTYPE_BF16, c.causal = 1;
+    run_case(&c, seed++);
+    c = shape("long: varlen_qk mixed", 1, 0, 0, 6, 3, 96, 64), c.varlen = 2, c.nseq = 4, c.dt = NSA_DTYPE_BF16;
+    const int64_t ql[4] = {130, 0, 65, 200}, kl[4] = {70, 10, 129, 260};
+    memcpy(c.qlens, ql, sizeof ql), memcpy(c.klens, kl, sizeof kl);
+    c.causal = 1, c.sinks = 1, c.bias = PAIR_1H, c.dbias = 1, c.p = 0.15f, c.seed = 12;
+    run_case(&c, seed++);
+    g_check_threads = 1;
+    c = shape("long: determinism, broadcast dbias", 3, 200, 130, 4, 2, 64, 32);
+    c.dt = NSA_DTYPE_BF16, c.softcap = 3.0f, c.sinks = 1, c.bias = PAIR_11, c.dbias = 1, c.p = 0.3f, c.seed = 8;
+    c.wl = 50;
+    run_case(&c, seed++);
+    g_check_threads = 0;
+}
+
 /* ---- finite differences of the backward ------------------------------------------------ */
 static double fd_loss(world *w)
 {
@@ -727,8 +868,9 @@ static void test_dropout_seeds(void)
     c.p = 0.2f, c.seed = 1;
     world w;
     world_build(&w, &c, 91);
-    const size_t bytes = (size_t)w.o.n * 4;
-    float *o1 = malloc(bytes), *o2 = malloc(bytes);
+    const size_t bytes = w.o.bytes;
+    unsigned char *o1 = malloc(bytes);
+    double *o2 = malloc((size_t)w.o.n * sizeof(double));
     run_fwd(&w.a);
     memcpy(o1, w.o.mem, bytes);
     memset(w.o.mem, 0xFF, bytes);
@@ -745,7 +887,7 @@ static void test_dropout_seeds(void)
      * (about chi2 with >= 32 degrees of freedom, / dof); [0.25, 3] holds with margin */
     w.a.dropout_p = 0.0f;
     run_fwd(&w.a);
-    memcpy(o2, w.o.mem, bytes);
+    for (int64_t e = 0; e < w.o.n; e++) o2[e] = buf_get(&w.o, e);
     enum { N = 400 };
     double *mean = calloc((size_t)w.o.n, sizeof(double));
     w.a.dropout_p = 0.2f;
@@ -788,22 +930,34 @@ static void test_dropout_seeds(void)
     world_free(&w);
 }
 
-void test_attention_all(void)
+/* Every test on one backend: the CPU (mem NULL), or the CUDA backend with device memory
+ * hooks (the determinism check then compares two runs of the same context). The Philox
+ * answers and the finite differences (f32 only) are backend-independent: CPU only. */
+void test_attention_on(nsa_backend backend, const sweep_memory *mem)
 {
     nsa_context_desc d;
     memset(&d, 0, sizeof d);
-    d.backend = NSA_BACKEND_CPU;
+    d.backend = backend;
+    g_mem = mem;
     CHECK_STATUS(nsa_context_create(&g_ctx, &d), NSA_STATUS_SUCCESS);
-    d.num_threads = 1;
-    CHECK_STATUS(nsa_context_create(&g_ctx1, &d), NSA_STATUS_SUCCESS);
-    if (!g_ctx || !g_ctx1) return;
-    test_philox();
-    test_cases();
-    test_random_cases();
-    test_finite_differences();
-    test_dropout_mask();
-    test_dropout_seeds();
+    g_ctx1 = g_ctx;
+    if (!mem) {
+        d.num_threads = 1;
+        CHECK_STATUS(nsa_context_create(&g_ctx1, &d), NSA_STATUS_SUCCESS);
+    }
+    if (g_ctx && g_ctx1) {
+        if (!mem) test_philox();
+        test_cases();
+        test_random_cases();
+        if (mem) test_long_cases();
+        if (!mem) test_finite_differences();
+        test_dropout_mask();
+        test_dropout_seeds();
+    }
+    if (g_ctx1 != g_ctx) nsa_context_destroy(g_ctx1);
     nsa_context_destroy(g_ctx);
-    nsa_context_destroy(g_ctx1);
     g_ctx = g_ctx1 = NULL;
+    g_mem = NULL;
 }
+
+void test_attention_all(void) { test_attention_on(NSA_BACKEND_CPU, NULL); }

@@ -169,8 +169,8 @@ def attention(q, k, v, *, causal=False, window=(-1, -1), scale=None, softcap=0.0
     mask [.., Tq, Tk] bool/uint8 (nonzero keeps); dropout_p with seed/offset (Philox, the
     backward regenerates the mask; advance offset by >= B * HQ between calls); cu_seqlens
     (int32, one packing) or cu_seqlens_q / cu_seqlens_k (separate packings, B == 1).
-    On CUDA only causal, windows, scale and cu_seqlens are supported today (NsaError
-    NOT_SUPPORTED otherwise). Returns an AttentionResult."""
+    Every option runs on CUDA too (f16 / bf16 tensors, head dims up to 256). Returns an
+    AttentionResult."""
     opts = dict(causal=causal, window=tuple(window), scale=scale, softcap=softcap, sinks=sinks, bias=bias, mask=mask,
                 q_segment_ids=None if q_segment_ids is None else _as_int32(q_segment_ids),
                 k_segment_ids=None if k_segment_ids is None else _as_int32(k_segment_ids),

@@ -42,6 +42,12 @@ typedef struct bwd_io {
 void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io);
 void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt, int64_t m);
 
+/* The attention op with options (xattn.cu): any of Tq != Tk, varlen_qk, softcap, sinks,
+ * segment ids, bias, mask, dropout, or head dims beyond the engine's (up to 256). */
+int cu_xattn_supported(grun *g, nsa_dtype dt); /* marks NOT_SUPPORTED and returns 0 if not */
+void cu_xattn_fwd(grun *g, const nsa_attention_args *a);
+void cu_xattn_bwd(grun *g, const nsa_attention_bwd_args *a);
+
 /* fp32 scratch helpers */
 float *cu_take_f32(grun *g, int64_t n, int zero);
 

@@ -165,8 +165,16 @@ CUDA_OP(slc_attn_bwd, nsa_slc_attn_bwd_args)
 
 /* ---- 5. dense / windowed attention ------------------------------------------------------------------- */
 
+/* Calls with an option beyond causal / windows / scale (or head dims the engine has no tile
+ * for) take the option-complete kernels of xattn.cuh; the rest the tuned range tiles. */
+static int attention_general(const nsa_problem *p) { return p->extended || !cu_dims_class(p->DK, p->DV); }
+
 static void run_attention(grun *g, const nsa_attention_args *a)
 {
+    if (attention_general(g->p)) {
+        if (cu_xattn_supported(g, a->q.dtype)) cu_xattn_fwd(g, a);
+        return;
+    }
     if (!cu_attn_supported(g, a->q.dtype)) return;
     g_seq_setup(g, 0);
     const dview q = dv_of(&a->q), k = dv_of(&a->k), v = dv_of(&a->v), o = dv_of(&a->o), lse = dv_of(&a->lse);
@@ -178,6 +186,10 @@ CUDA_OP(attention, nsa_attention_args)
 static void run_attention_bwd(grun *g, const nsa_attention_bwd_args *a)
 {
     const nsa_attention_args *f = &a->fwd;
+    if (attention_general(g->p)) {
+        if (cu_xattn_supported(g, f->q.dtype)) cu_xattn_bwd(g, a);
+        return;
+    }
     if (!cu_attn_supported(g, f->q.dtype)) return;
     g_seq_setup(g, 0);
     const rule_t r = cu_rule_window(f->window_left, f->window_right, f->causal);

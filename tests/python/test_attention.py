@@ -178,7 +178,7 @@ def test_torch_tensors_match_numpy():
                         mask=torch.from_numpy(mask))
     np.testing.assert_array_equal(got.o.numpy(), want.o)
     np.testing.assert_array_equal(got.lse.numpy(), want.lse)
-    if torch.cuda.is_available():  # CUDA: the options it supports today (causal, windows), bf16
+    if torch.cuda.is_available():  # CUDA, bf16
         dev = torch.device("cuda")
         qc, kc, vc = (torch.from_numpy(x).to(dev, torch.bfloat16) for x in (q, k, v))
         r = nsa.attention(qc, kc, vc, causal=True, window=(3, 0))
@@ -186,9 +186,13 @@ def test_torch_tensors_match_numpy():
                                np.zeros((1, 6, 4, 16), np.float32), causal=True, window=(3, 0))[:2]
         np.testing.assert_allclose(r.o.float().cpu().numpy(), o, rtol=2e-2, atol=2e-2)
         np.testing.assert_allclose(r.lse.cpu().numpy(), lse, rtol=1e-3, atol=1e-3)
-        with pytest.raises(nsa.NsaError) as e:
-            nsa.attention(qc, kc, vc, softcap=5.0)
-        assert nsa.status_name(e.value.status) == "NOT_SUPPORTED"
+        # every option runs on CUDA too: the CPU backend on the same bf16-rounded inputs
+        maskc = torch.from_numpy(mask).to(dev)
+        r = nsa.attention(qc, kc, vc, causal=True, softcap=5.0, mask=maskc)
+        want = nsa.attention(qc.float().cpu().numpy(), kc.float().cpu().numpy(), vc.float().cpu().numpy(), causal=True,
+                             softcap=5.0, mask=mask)
+        np.testing.assert_allclose(r.o.float().cpu().numpy(), want.o, rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(r.lse.cpu().numpy(), want.lse, rtol=1e-3, atol=1e-3)
 
 
 def test_torch_autograd_matches_reference():
