@@ -97,31 +97,44 @@ __device__ __forceinline__ void x_tile_keys(const xparams &P, int qlen, int klen
 
 /* Score of query row i (packed) and key row jp (packed) of (b, hq), natural units: the mask,
  * then cap(scale q.k) + bias; -inf when hidden. *dc: d score / d (scale q.k). */
+/* The mask and bias reads of x_pair: -inf (hidden by the mask) or the bias (0 without).
+ * Out of line: inlined into every unrolled score element they made each head-dim class a
+ * minute of nvcc; they wait on global memory anyway. */
+static __device__ __noinline__ float x_mask_bias(const xparams &P, int64_t b, int64_t hq, int64_t i, int64_t jp)
+{
+    if (P.mask.p && !((const unsigned char *)P.mask.p)[b * P.mask.s0 + hq * P.mask.s1 + i * P.mask.s2 + jp * P.mask.s3])
+        return -INFINITY;
+    return P.bias.p ? ld_any(P.bias.p, P.bias.dt, b * P.bias.s0 + hq * P.bias.s1 + i * P.bias.s2 + jp * P.bias.s3) : 0.0f;
+}
+
 __device__ __forceinline__ float x_pair(const xparams &P, float qk, int vis, int64_t b, int64_t hq, int64_t i,
                                         int64_t jp, float *dc)
 {
     *dc = 1.0f;
     if (!vis) return -INFINITY;
-    if (P.mask.p &&
-        !((const unsigned char *)P.mask.p)[b * P.mask.s0 + hq * P.mask.s1 + i * P.mask.s2 + jp * P.mask.s3])
-        return -INFINITY;
+    const float mb = P.mask.p || P.bias.p ? x_mask_bias(P, b, hq, i, jp) : 0.0f;
+    if (mb == -INFINITY) return -INFINITY;
     float s = qk * P.scale;
     if (P.cap > 0.0f) {
         const float t = tanhf(s / P.cap);
         s = P.cap * t;
         *dc = 1.0f - t * t;
     }
-    if (P.bias.p) s += ld_any(P.bias.p, P.bias.dt, b * P.bias.s0 + hq * P.bias.s1 + i * P.bias.s2 + jp * P.bias.s3);
-    return s;
+    return s + mb;
 }
 
-/* Dropout factor of (b, hq, i, jp): 0 or 1 / (1 - p); 1 without dropout. */
-__device__ __forceinline__ float x_keep(const xparams &P, int64_t b, int64_t hq, int64_t i, int64_t jp)
+/* Dropout factor of (b, hq, i, jp): 0 or 1 / (1 - p). Out of line (ten Philox rounds per
+ * element, unrolled over every element, were most of the options' compile time). */
+static __device__ __noinline__ float x_keep_philox(const xparams &P, int64_t b, int64_t hq, int64_t i, int64_t jp)
 {
-    if (!P.dropout) return 1.0f;
     uint32_t w[4];
     nsa_dropout_words(P.seed, P.offset, b, P.HQ, hq, i, jp, w);
     return w[jp & 3] >= P.thresh ? P.rp : 0.0f;
+}
+
+__device__ __forceinline__ float x_keep(const xparams &P, int64_t b, int64_t hq, int64_t i, int64_t jp)
+{
+    return P.dropout ? x_keep_philox(P, b, hq, i, jp) : 1.0f;
 }
 
 /* Segment id of packed row `row` of batch entry b (0 when absent). */
