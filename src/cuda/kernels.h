@@ -240,12 +240,14 @@ typedef struct xparams {
  * accumulators already take 128 registers a thread */
 #define XQ_BN(DP) ((DP) == 256 ? 32 : 64)
 #define XQ_BQ(DP) ((DP) == 64 ? 64 : 32)
-static inline size_t xattn_smem(int DP, int kind)
+/* Two stages of every chunk (the next one loads during this one's products); side: the call
+ * has bias, mask or dropout, whose per-chunk table (64 x 64 floats and bytes) comes last */
+static inline size_t xattn_smem(int DP, int kind, int side)
 {
-    const size_t LD = (size_t)DP + 8;
-    if (kind == XK_FWD) return (XQ_BM + 2 * 64) * LD * 2 + 64 * 4;
-    if (kind == XK_DQ) return (2 * XQ_BM + 2 * (size_t)XQ_BN(DP)) * LD * 2 + 64 * 4;
-    return (2 * XQ_BM + 2 * (size_t)XQ_BQ(DP)) * LD * 2 + (size_t)XQ_BQ(DP) * 5 * 4;
+    const size_t LD = (size_t)DP + 8, tab = side ? 64 * 64 * 5 : 0;
+    if (kind == XK_FWD) return (XQ_BM + 4 * (size_t)XQ_BN(DP)) * LD * 2 + 2 * (size_t)XQ_BN(DP) * 4 + tab;
+    if (kind == XK_DQ) return (2 * XQ_BM + 4 * (size_t)XQ_BN(DP)) * LD * 2 + 2 * (size_t)XQ_BN(DP) * 4 + tab;
+    return (2 * XQ_BM + 4 * (size_t)XQ_BQ(DP)) * LD * 2 + 2 * (size_t)XQ_BQ(DP) * 5 * 4 + tab;
 }
 /* One launch of kernel `kind` on `grid` (x, y, z), head dims padded to 64 / 128 / 256. */
 void nsa_cu_xattn_64(grun *g, const xparams *P, int kind, int bf16, const int64_t grid[3]);

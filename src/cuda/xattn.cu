@@ -102,7 +102,7 @@ static void x_launch(grun *g, const xparams *P, int kind, const int64_t grid[3],
 {
     const int cls = x_class(P->DK, P->DV), bf16 = dt == NSA_DTYPE_BF16;
     if (!g_live(g)) return;
-    if (xattn_smem(cls, kind) > (size_t)g->smem_max) {
+    if (xattn_smem(cls, kind, P->mask.p || P->bias.p || P->dropout) > (size_t)g->smem_max) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED);
         return;
     }

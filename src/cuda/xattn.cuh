@@ -5,7 +5,7 @@
  * kernels are the general path (mma.sync m16n8k16, sm_80 and sm_90a alike):
  *
  *   xfwd_kernel  64 query rows of one query head per CTA (16 per warp), online softmax over
- *                chunks of 64 keys: o, lse (sinks join the denominator at the end).
+ *                chunks of 64 keys (32 at DP 256): o, lse (sinks join the denominator at the end).
  *   xdq_kernel   the same tiling: recomputes P, dP and dS = P (z dP - D); dQ, and the score
  *                gradient into the fp32 dbias accumulator. When dbias broadcasts over the
  *                batch or the heads, one CTA loops over every member that shares its
@@ -15,8 +15,9 @@
  *                whose accumulators would not fit together in registers).
  *
  * Every score goes through x_pair (window, segments, mask, softcap, bias, in the order of
- * nsa.h), every dropout factor through x_keep (src/philox.h): forward and backward see the
- * same scores and the same mask as the CPU backend. */
+ * nsa.h); bias, mask and dropout keeps come from a per-chunk side table (x_side_fill, Philox
+ * of src/philox.h): forward and backward see the same scores and the same dropout mask as the
+ * CPU backend. */
 #ifndef NSA_CUDA_XATTN_CUH
 #define NSA_CUDA_XATTN_CUH
 
@@ -97,44 +98,97 @@ __device__ __forceinline__ void x_tile_keys(const xparams &P, int qlen, int klen
 
 /* Score of query row i (packed) and key row jp (packed) of (b, hq), natural units: the mask,
  * then cap(scale q.k) + bias; -inf when hidden. *dc: d score / d (scale q.k). */
-/* The mask and bias reads of x_pair: -inf (hidden by the mask) or the bias (0 without).
- * Out of line: inlined into every unrolled score element they made each head-dim class a
- * minute of nvcc; they wait on global memory anyway. */
-static __device__ __noinline__ float x_mask_bias(const xparams &P, int64_t b, int64_t hq, int64_t i, int64_t jp)
-{
-    if (P.mask.p && !((const unsigned char *)P.mask.p)[b * P.mask.s0 + hq * P.mask.s1 + i * P.mask.s2 + jp * P.mask.s3])
-        return -INFINITY;
-    return P.bias.p ? ld_any(P.bias.p, P.bias.dt, b * P.bias.s0 + hq * P.bias.s1 + i * P.bias.s2 + jp * P.bias.s3) : 0.0f;
-}
-
-__device__ __forceinline__ float x_pair(const xparams &P, float qk, int vis, int64_t b, int64_t hq, int64_t i,
-                                        int64_t jp, float *dc)
+/* Score of a pair, natural units: cap(scale q.k) + mb, -inf when hidden (vis 0, or the mask:
+ * mb = -inf). mb: the pair's bias (0 without) from the chunk's side table. *dc: d score /
+ * d (scale q.k). */
+__device__ __forceinline__ float x_pair(const xparams &P, float qk, int vis, float mb, float *dc)
 {
     *dc = 1.0f;
-    if (!vis) return -INFINITY;
-    const float mb = P.mask.p || P.bias.p ? x_mask_bias(P, b, hq, i, jp) : 0.0f;
-    if (mb == -INFINITY) return -INFINITY;
+    if (!vis || mb == -INFINITY) return -INFINITY;
     float s = qk * P.scale;
     if (P.cap > 0.0f) {
-        const float t = tanhf(s / P.cap);
+        /* tanh(x) = 1 - 2 / (e^2x + 1): a few instructions against tanhf's dozens, error
+         * ~1e-7 absolute (e^2x -> inf gives 1, -> 0 gives -1) */
+        const float t = 1.0f - __fdividef(2.0f, __expf(2.0f * __fdividef(s, P.cap)) + 1.0f);
         s = P.cap * t;
         *dc = 1.0f - t * t;
     }
     return s + mb;
 }
 
-/* Dropout factor of (b, hq, i, jp): 0 or 1 / (1 - p). Out of line (ten Philox rounds per
- * element, unrolled over every element, were most of the options' compile time). */
-static __device__ __noinline__ float x_keep_philox(const xparams &P, int64_t b, int64_t hq, int64_t i, int64_t jp)
+__device__ __forceinline__ int x_has_side(const xparams &P) { return P.mask.p || P.bias.p || P.dropout; }
+
+/* The side table of one chunk: query rows [qrow0, qrow0 + nq) of (b, hq), keys [krow0, krow0 +
+ * nk) (packed rows; nq, nk <= 64). sb[r * 64 + c] = the bias (0 without) or -inf where the mask
+ * hides the pair; kp[r * 64 + c] = 1 where dropout keeps it. All 128 threads, loads along the
+ * keys (coalesced), one Philox call per four keys: per element in the unrolled score loops
+ * these reads and draws cost 2x the time and most of the compile time. Entries past nq / nk
+ * are left as they are (their pairs are invisible). */
+/* sb[r * 64 + c] = bias of element type E (or 0): the thread's 32 entries loaded first, all in
+ * flight at once (one memory latency per chunk, not 32), then stored */
+template <typename E>
+__device__ __forceinline__ void x_side_bias(const xparams &P, int64_t b, int64_t hq, int64_t qrow0, int nq,
+                                            int64_t krow0, int nk, float *sb, int tid)
 {
-    uint32_t w[4];
-    nsa_dropout_words(P.seed, P.offset, b, P.HQ, hq, i, jp, w);
-    return w[jp & 3] >= P.thresh ? P.rp : 0.0f;
+    const E *bias = (const E *)P.bias.p;
+    const int64_t base = b * P.bias.s0 + hq * P.bias.s1 + qrow0 * P.bias.s2 + krow0 * P.bias.s3;
+    float v[32];
+#pragma unroll
+    for (int k = 0; k < 32; k++) {
+        const int idx = tid + k * 128, r = idx >> 6, c = idx & 63;
+        v[k] = bias && r < nq && c < nk ? (float)bias[base + r * P.bias.s2 + c * P.bias.s3] : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < 32; k++) sb[tid + k * 128] = v[k];
 }
 
-__device__ __forceinline__ float x_keep(const xparams &P, int64_t b, int64_t hq, int64_t i, int64_t jp)
+static __device__ __noinline__ void x_side_fill(const xparams &P, int64_t b, int64_t hq, int64_t qrow0, int nq,
+                                                int64_t krow0, int nk, float *sb, unsigned char *kp, int tid)
 {
-    return P.dropout ? x_keep_philox(P, b, hq, i, jp) : 1.0f;
+    if (P.mask.p || P.bias.p) {
+        if (P.bias.dt == NSA_DTYPE_BF16) x_side_bias<__nv_bfloat16>(P, b, hq, qrow0, nq, krow0, nk, sb, tid);
+        else if (P.bias.dt == NSA_DTYPE_F16) x_side_bias<__half>(P, b, hq, qrow0, nq, krow0, nk, sb, tid);
+        else x_side_bias<float>(P, b, hq, qrow0, nq, krow0, nk, sb, tid);
+        if (P.mask.p) {
+            const unsigned char *m = (const unsigned char *)P.mask.p + b * P.mask.s0 + hq * P.mask.s1 + qrow0 * P.mask.s2 +
+                                     krow0 * P.mask.s3;
+            unsigned char keep[32];
+#pragma unroll
+            for (int k = 0; k < 32; k++) {
+                const int idx = tid + k * 128, r = idx >> 6, c = idx & 63;
+                keep[k] = r < nq && c < nk ? m[r * P.mask.s2 + c * P.mask.s3] : 1;
+            }
+#pragma unroll
+            for (int k = 0; k < 32; k++)
+                if (!keep[k]) sb[tid + k * 128] = -INFINITY; /* the thread's own entries */
+        }
+    }
+    if (P.dropout && nk > 0) {
+        const int64_t g0 = krow0 >> 2;
+        const int ng = (int)(((krow0 + nk - 1) >> 2) - g0 + 1);
+        for (int idx = tid; idx < nq * ng; idx += 128) {
+            const int r = idx / ng;
+            const int64_t g = g0 + idx % ng;
+            uint32_t w[4];
+            nsa_dropout_words(P.seed, P.offset, b, P.HQ, hq, qrow0 + r, 4 * g, w);
+            for (int e = 0; e < 4; e++) {
+                const int64_t c = 4 * g + e - krow0;
+                if (c >= 0 && c < nk) kp[r * 64 + c] = w[e] >= P.thresh;
+            }
+        }
+    }
+}
+
+/* At the top of a chunk body (after x_pipe_next's barrier): fills the side table of keys
+ * [c0, min(c0 + step, hi + 1)) when the call has one, then a barrier. @return whether sb holds
+ * bias / mask values (kp is filled whenever P.dropout). */
+__device__ __forceinline__ int x_side_begin(const xparams &P, int64_t b, int64_t hq, int64_t qrow0, int nq, int64_t krow0,
+                                            int hi, int c0, int step, float *sb, unsigned char *kp, int tid)
+{
+    if (!x_has_side(P)) return 0;
+    x_side_fill(P, b, hq, qrow0, nq, krow0, (c0 + step < hi + 1 ? c0 + step : hi + 1) - c0, sb, kp, tid);
+    __syncthreads();
+    return P.mask.p || P.bias.p;
 }
 
 /* Segment id of packed row `row` of batch entry b (0 when absent). */
@@ -207,15 +261,42 @@ template <int DP> __device__ __forceinline__ void x_zero(float (&acc)[DP / 8][4]
     for (int i = 0; i < DP / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 }
 
+/* A two-stage cp.async pipeline over chunks c0 = lo, lo + step, .. <= hi: issue(c0, stage)
+ * starts a chunk's copies (and plain stores of per-chunk values). x_pipe_start issues the
+ * first chunk (after a barrier: a previous user of the stages is done); x_pipe_next, at the
+ * top of each chunk, waits for it, issues the next one into the other stage (its copies fly
+ * during this chunk's products) and returns this chunk's stage. The chunk body stays inline
+ * in the kernel: passed as a lambda, its accumulators went to local memory. */
+template <typename Issue>
+__device__ __forceinline__ void x_pipe_start(int lo, int hi, Issue &issue)
+{
+    __syncthreads();
+    if (lo <= hi) issue(lo, 0);
+    cp_commit();
+}
+
+template <typename Issue>
+__device__ __forceinline__ int x_pipe_next(int c0, int step, int hi, int i, Issue &issue)
+{
+    cp_wait<0>();
+    __syncthreads(); /* chunk c0 landed for everyone; everyone is done with chunk c0 - step */
+    const int st = i & 1;
+    if (c0 + step <= hi) issue(c0 + step, st ^ 1);
+    cp_commit();
+    return st;
+}
+
 /* ==== forward ================================================================================ */
 
 template <int DP, typename T>
-__global__ void __launch_bounds__(128) xfwd_kernel(const xparams P)
+__global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xparams P)
 {
-    constexpr int LD = DP + 8, BN = 64, NT = BN / 8;
+    constexpr int LD = DP + 8, BN = XQ_BN(DP), NT = BN / 8, NS = 2;
     extern __shared__ __align__(16) unsigned char smem[];
-    T *Qs = (T *)smem, *Ks = Qs + XQ_BM * LD, *Vs = Ks + BN * LD;
-    int *kseg = (int *)(Vs + BN * LD);
+    T *Qs = (T *)smem, *Ks = Qs + XQ_BM * LD, *Vs = Ks + NS * BN * LD; /* K, V: two stages */
+    int *kseg = (int *)(Vs + NS * BN * LD);                             /* [NS][BN] */
+    float *sb = (float *)(kseg + NS * BN);                              /* side table */
+    unsigned char *kp = (unsigned char *)(sb + 64 * 64);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int64_t s, tile;
     x_task(P, &s, &tile);
@@ -246,26 +327,30 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const xparams P)
     float m_[2] = {-INFINITY, -INFINITY}, l_[2] = {0.0f, 0.0f};
     const int64_t kbase = b * P.k.s0 + sq.k0 * P.k.s1 + h * P.k.s2, vbase = b * P.v.s0 + sq.k0 * P.v.s1 + h * P.v.s2;
 
-    for (int c0 = kmin; c0 <= kmax; c0 += BN) {
+    auto issue = [&](int c0, int st) {
         const int c1 = c0 + BN < kmax + 1 ? c0 + BN : kmax + 1;
-        __syncthreads(); /* everyone is done with the previous chunk */
-        load_rows_lin<T, DP>(Ks, LD, (const T *)P.k.p, kbase + c0 * P.k.s1, P.k.s1, c1 - c0, BN, P.DK, P.k.al, tid, 128);
-        load_rows_lin<T, DP>(Vs, LD, (const T *)P.v.p, vbase + c0 * P.v.s1, P.v.s1, c1 - c0, BN, P.DV, P.v.al, tid, 128);
-        cp_commit();
-        if (tid < BN) kseg[tid] = c0 + tid < c1 ? x_seg(P.kseg, b, sq.k0 + c0 + tid) : 0;
-        cp_wait<0>();
-        __syncthreads();
-
+        load_rows_lin<T, DP>(Ks + st * BN * LD, LD, (const T *)P.k.p, kbase + c0 * P.k.s1, P.k.s1, c1 - c0, BN, P.DK,
+                             P.k.al, tid, 128);
+        load_rows_lin<T, DP>(Vs + st * BN * LD, LD, (const T *)P.v.p, vbase + c0 * P.v.s1, P.v.s1, c1 - c0, BN, P.DV,
+                             P.v.al, tid, 128);
+        if (tid < BN) kseg[st * BN + tid] = c0 + tid < c1 ? x_seg(P.kseg, b, sq.k0 + c0 + tid) : 0;
+    };
+    x_pipe_start(kmin, kmax, issue);
+    for (int c0 = kmin, i = 0; c0 <= kmax; c0 += BN, i++) {
+        const int st = x_pipe_next(c0, BN, kmax, i, issue);
+        const int c1 = c0 + BN < kmax + 1 ? c0 + BN : kmax + 1;
+        const int side = x_side_begin(P, b, hq, sq.q0 + i0, nrows, sq.k0 + c0, kmax, c0, BN, sb, kp, tid);
         float S[NT][4];
-        x_abt<T, DP, NT>(S, Qs + warp * 16 * LD, Ks, lane);
+        x_abt<T, DP, NT>(S, Qs + warp * 16 * LD, Ks + st * BN * LD, lane);
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int x = e >> 1, jl = nt * 8 + 2 * (lane & 3) + (e & 1), j = c0 + jl;
-                const int vis = j < c1 && j >= lo[x] && j <= hi[x] && (!P.kseg.p || kseg[jl] == seg[x]);
+                const int r = warp * 16 + (lane >> 2) + 8 * x;
+                const int vis = j < c1 && j >= lo[x] && j <= hi[x] && (!P.kseg.p || kseg[st * BN + jl] == seg[x]);
                 float dc;
-                const float sc = x_pair(P, S[nt][e], vis, b, hq, row[x], sq.k0 + j, &dc);
+                const float sc = x_pair(P, S[nt][e], vis, side ? sb[r * 64 + jl] : 0.0f, &dc);
                 S[nt][e] = sc * NSA_LOG2E; /* -inf stays -inf */
             }
         sc_softmax<NT, DP / 8>(S, m_, l_, acc);
@@ -274,11 +359,12 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const xparams P)
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    const int x = e >> 1, j = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
-                    if (S[nt][e] != 0.0f) S[nt][e] *= x_keep(P, b, hq, row[x], sq.k0 + j);
+                    const int r = warp * 16 + (lane >> 2) + 8 * (e >> 1), jl = nt * 8 + 2 * (lane & 3) + (e & 1);
+                    S[nt][e] = kp[r * 64 + jl] ? S[nt][e] * P.rp : 0.0f;
                 }
-        x_pb<T, DP, NT>(acc, S, Vs, lane);
+        x_pb<T, DP, NT>(acc, S, Vs + st * BN * LD, lane);
     }
+    cp_wait<0>();
 
     /* o = acc / l rescaled to the final lse; lse = log(l e^m + e^sink) */
     int64_t ooff[2];
@@ -300,15 +386,40 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const xparams P)
     x_store_rows<T, DP>(P.o, ooff, P.DV, acc, 1.0f, lane);
 }
 
+/* xdq_kernel's chunk [c0, min(c0 + BN, kmax + 1)) of keys: P (S), the softcap derivative
+ * (C) and dP~ = dO V^T (dP); Qw / Ow the warp's 16 rows, Kst / Vst / ksg the chunk's stage,
+ * sbw the warp's rows of the side table (NULL: none). */
+template <typename T, int DP, int NT>
+__device__ __forceinline__ void xdq_products(const xparams &P, const T *Qw, const T *Ow, const T *Kst, const T *Vst,
+                                             const int *ksg, const float *sbw, int c0, int kmax, const int lo[2],
+                                             const int hi[2], const int seg[2], const float l2[2], int lane,
+                                             float (&S)[NT][4], float (&C)[NT][4], float (&dP)[NT][4])
+{
+    const int c1 = c0 + NT * 8 < kmax + 1 ? c0 + NT * 8 : kmax + 1;
+    x_abt<T, DP, NT>(S, Qw, Kst, lane);
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int x = e >> 1, jl = nt * 8 + 2 * (lane & 3) + (e & 1), j = c0 + jl;
+            const int vis = j < c1 && j >= lo[x] && j <= hi[x] && (!P.kseg.p || ksg[jl] == seg[x]);
+            const float sc = x_pair(P, S[nt][e], vis, sbw ? sbw[((lane >> 2) + 8 * x) * 64 + jl] : 0.0f, &C[nt][e]);
+            S[nt][e] = sc == -INFINITY ? 0.0f : ex2(sc * NSA_LOG2E - l2[x]);
+        }
+    x_abt<T, DP, NT>(dP, Ow, Vst, lane);
+}
+
 /* ==== dQ (and dbias) ========================================================================== */
 
 template <int DP, typename T>
-__global__ void __launch_bounds__(128) xdq_kernel(const xparams P)
+__global__ void __launch_bounds__(128) xdq_kernel(const __grid_constant__ xparams P)
 {
     constexpr int LD = DP + 8, BN = XQ_BN(DP), NT = BN / 8;
     extern __shared__ __align__(16) unsigned char smem[];
-    T *Qs = (T *)smem, *Os = Qs + XQ_BM * LD, *Ks = Os + XQ_BM * LD, *Vs = Ks + BN * LD;
-    int *kseg = (int *)(Vs + BN * LD);
+    T *Qs = (T *)smem, *Os = Qs + XQ_BM * LD, *Ks = Os + XQ_BM * LD, *Vs = Ks + 2 * BN * LD; /* K, V: 2 stages */
+    int *kseg = (int *)(Vs + 2 * BN * LD);                                                  /* [2][BN] */
+    float *sb = (float *)(kseg + 2 * BN);                                                   /* side table */
+    unsigned char *kp = (unsigned char *)(sb + 64 * 64);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int64_t s, tile;
     x_task(P, &s, &tile);
@@ -354,44 +465,34 @@ __global__ void __launch_bounds__(128) xdq_kernel(const xparams P)
             const int64_t kbase = b * P.k.s0 + sq.k0 * P.k.s1 + h * P.k.s2;
             const int64_t vbase = b * P.v.s0 + sq.k0 * P.v.s1 + h * P.v.s2;
 
-            /* chunk [c0, c1) of keys: P (S), the softcap derivative (C) and dP~ = dO V^T (dP) */
-            auto chunk = [&](int c0, int c1, float (&S)[NT][4], float (&C)[NT][4], float (&dP)[NT][4]) {
-                __syncthreads();
-                load_rows_lin<T, DP>(Ks, LD, (const T *)P.k.p, kbase + c0 * P.k.s1, P.k.s1, c1 - c0, BN, P.DK, P.k.al, tid,
-                                     128);
-                load_rows_lin<T, DP>(Vs, LD, (const T *)P.v.p, vbase + c0 * P.v.s1, P.v.s1, c1 - c0, BN, P.DV, P.v.al, tid,
-                                     128);
-                cp_commit();
-                if (tid < BN) kseg[tid] = c0 + tid < c1 ? x_seg(P.kseg, b, sq.k0 + c0 + tid) : 0;
-                cp_wait<0>();
-                __syncthreads();
-                x_abt<T, DP, NT>(S, Qs + warp * 16 * LD, Ks, lane);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int x = e >> 1, jl = nt * 8 + 2 * (lane & 3) + (e & 1), j = c0 + jl;
-                        const int vis = j < c1 && j >= lo[x] && j <= hi[x] && (!P.kseg.p || kseg[jl] == seg[x]);
-                        const float sc = x_pair(P, S[nt][e], vis, b, hq, row[x], sq.k0 + j, &C[nt][e]);
-                        S[nt][e] = sc == -INFINITY ? 0.0f : ex2(sc * NSA_LOG2E - l2[x]);
-                    }
-                x_abt<T, DP, NT>(dP, Os + warp * 16 * LD, Vs, lane);
+            auto issue = [&](int c0, int st) {
+                const int c1 = c0 + BN < kmax + 1 ? c0 + BN : kmax + 1;
+                load_rows_lin<T, DP>(Ks + st * BN * LD, LD, (const T *)P.k.p, kbase + c0 * P.k.s1, P.k.s1, c1 - c0, BN,
+                                     P.DK, P.k.al, tid, 128);
+                load_rows_lin<T, DP>(Vs + st * BN * LD, LD, (const T *)P.v.p, vbase + c0 * P.v.s1, P.v.s1, c1 - c0, BN,
+                                     P.DV, P.v.al, tid, 128);
+                if (tid < BN) kseg[st * BN + tid] = c0 + tid < c1 ? x_seg(P.kseg, b, sq.k0 + c0 + tid) : 0;
             };
             if (P.sinks) {
                 /* D = sum_j P z dP~ from the products themselves rather than dO . o: the sink
                  * gradient is a sum of D over every row, and o's storage rounding (plus P's
                  * in the forward's P V) would add up there */
                 float Dacc[2] = {0.0f, 0.0f};
-                for (int c0 = kmin; c0 <= kmax; c0 += BN) {
-                    const int c1 = c0 + BN < kmax + 1 ? c0 + BN : kmax + 1;
+                x_pipe_start(kmin, kmax, issue);
+                for (int c0 = kmin, i = 0; c0 <= kmax; c0 += BN, i++) {
+                    const int st = x_pipe_next(c0, BN, kmax, i, issue);
                     float S[NT][4], dP[NT][4], C[NT][4];
-                    chunk(c0, c1, S, C, dP);
+                    const int side = x_side_begin(P, b, hq, sq.q0 + i0, nrows, sq.k0 + c0, kmax, c0, BN, sb, kp, tid);
+                    xdq_products<T, DP, NT>(P, Qs + warp * 16 * LD, Os + warp * 16 * LD, Ks + st * BN * LD,
+                                            Vs + st * BN * LD, kseg + st * BN, side ? sb + warp * 16 * 64 : nullptr, c0,
+                                            kmax, lo, hi, seg, l2, lane, S, C, dP);
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                         for (int e = 0; e < 4; e++) {
-                            const int x = e >> 1, j = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
-                            if (S[nt][e] != 0.0f) Dacc[x] += S[nt][e] * x_keep(P, b, hq, row[x], sq.k0 + j) * dP[nt][e];
+                            const int x = e >> 1, jl = nt * 8 + 2 * (lane & 3) + (e & 1);
+                            const float z = P.dropout ? (kp[(warp * 16 + (lane >> 2) + 8 * x) * 64 + jl] ? P.rp : 0.0f) : 1.0f;
+                            Dacc[x] += S[nt][e] * z * dP[nt][e];
                         }
                 }
                 for (int x = 0; x < 2; x++) {
@@ -402,22 +503,28 @@ __global__ void __launch_bounds__(128) xdq_kernel(const xparams P)
                 }
             }
 
-            for (int c0 = kmin; c0 <= kmax; c0 += BN) {
+            x_pipe_start(kmin, kmax, issue);
+            for (int c0 = kmin, i = 0; c0 <= kmax; c0 += BN, i++) {
+                const int st = x_pipe_next(c0, BN, kmax, i, issue);
                 const int c1 = c0 + BN < kmax + 1 ? c0 + BN : kmax + 1;
                 float S[NT][4], dP[NT][4], C[NT][4];
-                chunk(c0, c1, S, C, dP);
+                const int side = x_side_begin(P, b, hq, sq.q0 + i0, nrows, sq.k0 + c0, kmax, c0, BN, sb, kp, tid);
+                    xdq_products<T, DP, NT>(P, Qs + warp * 16 * LD, Os + warp * 16 * LD, Ks + st * BN * LD,
+                                            Vs + st * BN * LD, kseg + st * BN, side ? sb + warp * 16 * 64 : nullptr, c0,
+                                            kmax, lo, hi, seg, l2, lane, S, C, dP);
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
-                        const int x = e >> 1, j = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
-                        const float z = S[nt][e] != 0.0f ? x_keep(P, b, hq, row[x], sq.k0 + j) : 0.0f;
+                        const int x = e >> 1, jl = nt * 8 + 2 * (lane & 3) + (e & 1), j = c0 + jl;
+                        const float z = P.dropout ? (kp[(warp * 16 + (lane >> 2) + 8 * x) * 64 + jl] ? P.rp : 0.0f) : 1.0f;
                         const float ds = S[nt][e] * (z * dP[nt][e] - Dr[x]); /* d loss / d score */
                         if (db && row[x] >= 0 && j < c1) db[row[x] * P.Tk + sq.k0 + j] += ds;
                         dP[nt][e] = ds * C[nt][e];
                     }
-                x_pb<T, DP, NT>(acc, dP, Ks, lane);
+                x_pb<T, DP, NT>(acc, dP, Ks + st * BN * LD, lane);
             }
+            cp_wait<0>();
             int64_t qoff[2];
             for (int x = 0; x < 2; x++) qoff[x] = row[x] >= 0 ? b * P.dq.s0 + row[x] * P.dq.s1 + hq * P.dq.s2 : -1;
             x_store_rows<T, DP>(P.dq, qoff, P.DK, acc, P.scale, lane);
@@ -427,13 +534,16 @@ __global__ void __launch_bounds__(128) xdq_kernel(const xparams P)
 /* ==== dK and dV ================================================================================ */
 
 template <int DP, typename T>
-__global__ void __launch_bounds__(128) xdkv_kernel(const xparams P)
+__global__ void __launch_bounds__(128) xdkv_kernel(const __grid_constant__ xparams P)
 {
     constexpr int LD = DP + 8, BQ = XQ_BQ(DP), NQ = BQ / 8;
     extern __shared__ __align__(16) unsigned char smem[];
-    T *Ks = (T *)smem, *Vs = Ks + XQ_BM * LD, *Qc = Vs + XQ_BM * LD, *Oc = Qc + BQ * LD;
-    float *rl2 = (float *)(Oc + BQ * LD), *rD = rl2 + BQ;
-    int *rseg = (int *)(rD + BQ), *rlo = rseg + BQ, *rhi = rlo + BQ;
+    /* K, V of the CTA's keys; Q, dO chunks and their rows' values in two stages */
+    T *Ks = (T *)smem, *Vs = Ks + XQ_BM * LD, *Qc = Vs + XQ_BM * LD, *Oc = Qc + 2 * BQ * LD;
+    float *rl2 = (float *)(Oc + 2 * BQ * LD), *rD = rl2 + 2 * BQ;
+    int *rseg = (int *)(rD + 2 * BQ), *rlo = rseg + 2 * BQ, *rhi = rlo + 2 * BQ;
+    float *sb = (float *)(rhi + 2 * BQ); /* side table [query][key] */
+    unsigned char *kp = (unsigned char *)(sb + 64 * 64);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int64_t s, tile;
     x_task(P, &s, &tile);
@@ -471,15 +581,14 @@ __global__ void __launch_bounds__(128) xdkv_kernel(const xparams P)
     x_zero<DP>(dV);
     for (int64_t g = 0; g < P.G; g++) {
         const int64_t hq = h * P.G + g;
-        for (int qc0 = (int)qmin; qc0 <= qmax; qc0 += BQ) {
+        auto issue = [&](int qc0, int st) {
             const int nq = qmax + 1 - qc0 < BQ ? (int)(qmax + 1 - qc0) : BQ;
             const int64_t prow0 = sq.q0 + qc0;
-            __syncthreads(); /* the previous chunk is read */
-            load_rows_lin<T, DP>(Qc, LD, (const T *)P.q.p, b * P.q.s0 + prow0 * P.q.s1 + hq * P.q.s2, P.q.s1, nq, BQ,
-                                 P.DK, P.q.al, tid, 128);
-            load_rows_lin<T, DP>(Oc, LD, (const T *)P.dout.p, b * P.dout.s0 + prow0 * P.dout.s1 + hq * P.dout.s2,
-                                 P.dout.s1, nq, BQ, P.DV, P.dout.al, tid, 128);
-            cp_commit();
+            load_rows_lin<T, DP>(Qc + st * BQ * LD, LD, (const T *)P.q.p, b * P.q.s0 + prow0 * P.q.s1 + hq * P.q.s2, P.q.s1,
+                                 nq, BQ, P.DK, P.q.al, tid, 128);
+            load_rows_lin<T, DP>(Oc + st * BQ * LD, LD, (const T *)P.dout.p,
+                                 b * P.dout.s0 + prow0 * P.dout.s1 + hq * P.dout.s2, P.dout.s1, nq, BQ, P.DV, P.dout.al, tid,
+                                 128);
             if (tid < BQ) {
                 int lo = 1, hi = 0;
                 float l2 = INFINITY, D = 0.0f;
@@ -492,50 +601,62 @@ __global__ void __launch_bounds__(128) xdkv_kernel(const xparams P)
                     D = P.Dw[(b * P.Tq + rw) * P.HQ + hq];
                     sg = x_seg(P.qseg, b, rw);
                 }
-                rlo[tid] = lo, rhi[tid] = hi, rl2[tid] = l2, rD[tid] = D, rseg[tid] = sg;
+                const int at = st * BQ + tid;
+                rlo[at] = lo, rhi[at] = hi, rl2[at] = l2, rD[at] = D, rseg[at] = sg;
             }
-            cp_wait<0>();
-            __syncthreads();
-
+        };
+        x_pipe_start((int)qmin, (int)qmax, issue);
+        for (int qc0 = (int)qmin, i = 0; qc0 <= qmax; qc0 += BQ, i++) {
+            const int st = x_pipe_next(qc0, BQ, (int)qmax, i, issue);
+            const int nq = qmax + 1 - qc0 < BQ ? (int)(qmax + 1 - qc0) : BQ;
+            const int64_t prow0 = sq.q0 + qc0;
+            const T *Qp = Qc + st * BQ * LD, *Op = Oc + st * BQ * LD;
+            const int rb = st * BQ; /* this stage's row values */
+            const int side = x_side_begin(P, b, hq, prow0, nq, sq.k0 + j0, nkeys - 1, 0, XQ_BM, sb, kp, tid);
             /* S^T: this warp's 16 keys x BQ queries */
             float S[NQ][4], C[NQ][4];
-            x_abt<T, DP, NQ>(S, Ks + warp * 16 * LD, Qc, lane);
+            x_abt<T, DP, NQ>(S, Ks + warp * 16 * LD, Qp, lane);
 #pragma unroll
             for (int nt = 0; nt < NQ; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int x = e >> 1, r = nt * 8 + 2 * (lane & 3) + (e & 1);
                     const int j = key[x];
-                    const int vis = j >= 0 && r < nq && j >= rlo[r] && j <= rhi[r] && (!P.kseg.p || rseg[r] == kseg[x]);
-                    const float sc = x_pair(P, S[nt][e], vis, b, hq, prow0 + r, sq.k0 + j, &C[nt][e]);
-                    S[nt][e] = sc == -INFINITY ? 0.0f : ex2(sc * NSA_LOG2E - rl2[r]);
+                    const int vis = j >= 0 && r < nq && j >= rlo[rb + r] && j <= rhi[rb + r] &&
+                                    (!P.kseg.p || rseg[rb + r] == kseg[x]);
+                    const int kl = warp * 16 + (lane >> 2) + 8 * x;
+                    const float sc = x_pair(P, S[nt][e], vis, side ? sb[r * 64 + kl] : 0.0f, &C[nt][e]);
+                    S[nt][e] = sc == -INFINITY ? 0.0f : ex2(sc * NSA_LOG2E - rl2[rb + r]);
                 }
             if (P.which & XW_DK) {
                 float dS[NQ][4];
-                x_abt<T, DP, NQ>(dS, Vs + warp * 16 * LD, Oc, lane); /* dP^T */
+                x_abt<T, DP, NQ>(dS, Vs + warp * 16 * LD, Op, lane); /* dP^T */
 #pragma unroll
                 for (int nt = 0; nt < NQ; nt++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const int x = e >> 1, r = nt * 8 + 2 * (lane & 3) + (e & 1);
-                        const float z = S[nt][e] != 0.0f ? x_keep(P, b, hq, prow0 + r, sq.k0 + key[x]) : 0.0f;
-                        dS[nt][e] = S[nt][e] * (z * dS[nt][e] - rD[r]) * C[nt][e];
+                        const int kl = warp * 16 + (lane >> 2) + 8 * x;
+                        const float z = P.dropout ? (kp[r * 64 + kl] ? P.rp : 0.0f) : 1.0f;
+                        dS[nt][e] = S[nt][e] * (z * dS[nt][e] - rD[rb + r]) * C[nt][e];
                         S[nt][e] *= z; /* the dropped weight that multiplies dO for dV */
                     }
-                if constexpr (BOTH) x_pb<T, DP, NQ>(dK, dS, Qc, lane);
-                else x_pb<T, DP, NQ>(dV, dS, Qc, lane);
+                if constexpr (BOTH) x_pb<T, DP, NQ>(dK, dS, Qp, lane);
+                else x_pb<T, DP, NQ>(dV, dS, Qp, lane);
             } else {
 #pragma unroll
                 for (int nt = 0; nt < NQ; nt++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const int x = e >> 1, r = nt * 8 + 2 * (lane & 3) + (e & 1);
-                        if (S[nt][e] != 0.0f) S[nt][e] *= x_keep(P, b, hq, prow0 + r, sq.k0 + key[x]);
+                        const int kl = warp * 16 + (lane >> 2) + 8 * x;
+                        if (P.dropout) S[nt][e] = kp[r * 64 + kl] ? S[nt][e] * P.rp : 0.0f;
                     }
             }
-            if (P.which & XW_DV) x_pb<T, DP, NQ>(dV, S, Oc, lane);
+            if (P.which & XW_DV) x_pb<T, DP, NQ>(dV, S, Op, lane);
         }
     }
+    cp_wait<0>();
     int64_t off[2];
     if (P.which & XW_DK) {
         for (int x = 0; x < 2; x++) off[x] = key[x] >= 0 ? b * P.dk.s0 + (sq.k0 + key[x]) * P.dk.s1 + h * P.dk.s2 : -1;
@@ -552,7 +673,7 @@ __global__ void __launch_bounds__(128) xdkv_kernel(const xparams P)
 template <int DP, typename T> static void xattn_launch(grun *g, const xparams *P, int kind, const int64_t grid[3])
 {
     void (*fn)(const xparams) = kind == XK_FWD ? xfwd_kernel<DP, T> : kind == XK_DQ ? xdq_kernel<DP, T> : xdkv_kernel<DP, T>;
-    const size_t smem = xattn_smem(DP, kind);
+    const size_t smem = xattn_smem(DP, kind, P->mask.p || P->bias.p || P->dropout);
     g_check(g, cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (!g_live(g)) return;
     fn<<<dim3((unsigned)grid[0], (unsigned)grid[1], (unsigned)grid[2]), 128, smem, g->st>>>(*P);
