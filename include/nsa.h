@@ -68,7 +68,8 @@ typedef enum nsa_status {
     NSA_STATUS_WORKSPACE_TOO_SMALL = 15,  /* workspace_bytes below the *_workspace_size() answer */
     NSA_STATUS_BACKEND_UNAVAILABLE = 16,  /* backend not compiled in, or no device present */
     NSA_STATUS_NOT_SUPPORTED = 17,        /* valid request that this backend does not implement */
-    NSA_STATUS_OUT_OF_MEMORY = 18,        /* host allocation failed (context creation only) */
+    NSA_STATUS_OUT_OF_MEMORY = 18,        /* host allocation failed (context creation; CUDA attention's
+                                             small host table of packed sequences) */
     NSA_STATUS_DEVICE_ERROR = 19,         /* the device runtime reported an error */
     NSA_STATUS_BAD_ARGUMENT = 20,         /* any other invalid scalar (e.g. num_threads < 0) */
     NSA_STATUS_MISSING_OUTPUT = 21,       /* an output that this call must write was not given */
@@ -309,9 +310,9 @@ NSA_API nsa_status nsa_slc_attn_bwd(nsa_context *ctx, const nsa_slc_attn_bwd_arg
  * Varlen: either varlen.cu_seqlens (int32, the same packing for q and k, Tq == Tk) or
  * varlen_qk (int64, separate packings of q and k); not both. Bias, mask and segment ids are
  * indexed by packed rows then (B == 1).
- * CUDA backend: only today's options (Tq == Tk, varlen.cu_seqlens, causal, windows, scale).
- * A valid call that uses varlen_qk, Tq != Tk, softcap, sinks, segment ids, bias, mask or
- * dropout returns NSA_STATUS_NOT_SUPPORTED there, after validation, writing nothing. */
+ * CUDA backend: every option, f16 / bf16 q, k, v (and o, dq, dk, dv), head dims up to 256;
+ * deterministic (no atomics). Calls with none of softcap, sinks, segment ids, bias, mask,
+ * dropout, varlen_qk, Tq != Tk run the tuned tiles; the others general kernels (xattn.cuh). */
 typedef struct nsa_varlen_qk {
     const int64_t *cu_seqlens_q;  /* HOST [num_seqs + 1] or NULL: packed query rows, cu[N] == Tq */
     const int64_t *cu_seqlens_k;  /* HOST [num_seqs + 1]: packed key rows, cu[N] == Tk (both or neither) */

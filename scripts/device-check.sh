@@ -7,9 +7,10 @@
 #      every case in its own process (--jobs in parallel);
 #   4. compute-sanitizer memcheck on a few small cases (RACE=1: racecheck too);
 #   5. CUDA-event timings of the whole forward / backward (paper config, bf16) per length;
-#   6. with EXTRA="tables cli 1m peers" (FULL=1 = the first three): the benchmark tables of
-#      every config, the CLI's TFLOP/s tables, the 1M-token run, and bench/peers.py beside
-#      mdy666 / fla (carry peers/; see below; several minutes each).
+#   6. with EXTRA="tables cli 1m options peers" (FULL=1 = the first three): the benchmark
+#      tables of every config, the CLI's TFLOP/s tables, the 1M-token run, the cost of each
+#      attention option (bench/attn_options_gpu.py), and bench/peers.py beside mdy666 / fla
+#      (carry peers/; see below; several minutes each).
 # AB=1 also sweeps and times the mma.sync tiles (NSA_CUDA_WGMMA=0) for comparison;
 # ENVAB="NAME=value ..." times the bench once more under those switches.
 # Logs go to $OUT (default ./device-out); a short table is printed last.
@@ -71,19 +72,25 @@ note "sweep: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/sweep.log" | tail 
 grep -E "^FAIL" "$OUT/sweep.log" | awk -F' -- ' '{print $1}' | sed -E 's/^FAIL [^ ]+ //' | sort | uniq -c | sort -rn | head -20 | tee -a "$SUMMARY"
 
 if [ -n "${AB:-}" ]; then # the mma.sync tiles on the same cases (the wgmma path is the default on Hopper)
-    NSA_CUDA_WGMMA=0 timeout 240 "$BIN/nsa_gpu_tests" --seed "$SEED" --cases "$CASES" --max-T "$MAXT" --jobs "$JOBS" > "$OUT/sweep-mma.log" 2>&1
+    NSA_CUDA_WGMMA=0 timeout 240 "$BIN/nsa_gpu_tests" --seed "$SEED" --cases "$CASES" --max-T "$MAXT" --jobs "$JOBS" --no-attention > "$OUT/sweep-mma.log" 2>&1
     note "sweep with NSA_CUDA_WGMMA=0: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/sweep-mma.log" | tail -1) (rc $?)"
 fi
 
 say "memcheck"
 t0=$(date +%s)
-timeout 120 compute-sanitizer --tool memcheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --seed 7 --cases 4 --max-T 200 > "$OUT/memcheck.log" 2>&1
+timeout 120 compute-sanitizer --tool memcheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --seed 7 --cases 4 --max-T 200 --no-attention > "$OUT/memcheck.log" 2>&1
 note "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/memcheck.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
+# the attention options' general kernels (xattn.cuh) on the fixed cases of tests/test_attention.c
+t0=$(date +%s)
+NSA_TEST_ATTENTION_QUICK=1 timeout 240 compute-sanitizer --tool memcheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --cases 0 > "$OUT/memcheck-attention.log" 2>&1
+note "memcheck (attention options): $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-attention.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/memcheck-attention.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
 
 if [ -n "${RACE:-}" ]; then # RACE=1: compute-sanitizer racecheck on small cases (a multi-chunk one included)
     say "racecheck"
-    timeout 200 compute-sanitizer --tool racecheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --seed 11 --cases 8 --max-T 600 > "$OUT/racecheck.log" 2>&1
+    timeout 200 compute-sanitizer --tool racecheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --seed 11 --cases 8 --max-T 600 --no-attention > "$OUT/racecheck.log" 2>&1
     note "racecheck: $(grep -E 'RACECHECK SUMMARY' "$OUT/racecheck.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/racecheck.log" | tail -1)"
+    NSA_TEST_ATTENTION_QUICK=1 timeout 240 compute-sanitizer --tool racecheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --cases 0 > "$OUT/racecheck-attention.log" 2>&1
+    note "racecheck (attention options): $(grep -E 'RACECHECK SUMMARY' "$OUT/racecheck-attention.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/racecheck-attention.log" | tail -1)"
 fi
 
 if [ -n "${PROFILE:-}" ]; then
@@ -142,6 +149,12 @@ if [ -n "$EXTRA" ]; then
         1m)
             timeout 400 "$BIN/nsa" demo --backend cuda --T 1048576 --rows 256 --no-dense > "$FULLDIR/demo-1m.txt" 2>&1
             note "demo 1M rc $?: $(grep -E 'accuracy|of max' "$FULLDIR/demo-1m.txt" | tr '\n' ' ')"
+            ;;
+        options) # the cost of each nsa_attention option on the GPU (needs torch)
+            NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python timeout 300 python3 bench/attn_options_gpu.py \
+                > "$FULLDIR/options.txt" 2>&1
+            note "options rc $?"
+            tail -n +2 "$FULLDIR/options.txt" | tee -a "$SUMMARY"
             ;;
         peers) # nsa beside mdy666 and fla in one process (needs torch, and peers/ carried)
             NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" timeout 420 python3 bench/peers.py --impl nsa,mdy666,fla --T 16k,64k --G 16,4 \
