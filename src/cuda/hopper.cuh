@@ -62,6 +62,49 @@ __device__ __forceinline__ void pp_after_a(int wg, bool has_b)
 __device__ __forceinline__ void pp_before_b(int wg) { if (wg == 0) nb_sync(2); else nb_sync(3); }
 __device__ __forceinline__ void pp_after_b(int wg) { if (wg == 0) nb_arrive(3); }
 
+/* One forward chunk of qwg_kernel on NW keys (the BN-key stage's first NW rows): S = Q K^T by
+ * wgmma SS, masked / scaled, online softmax, O += P V by wgmma RS (P from registers, V
+ * MN-major), the warpgroups' products ping-ponged (pp_*). Qw: the warpgroup's 64 rows of Q. */
+template <typename T, int BN, int NW, int KT, int DA, int BM>
+__device__ __forceinline__ void qwg_fwd_chunk(const unsigned char *Qw, const unsigned char *Kp, const unsigned char *Vp,
+                                              int wg, int has_v, int c0, int c1, const int rlo[2], const int rhi[2],
+                                              int lane, float sl2, float m_[2], float l_[2], float (&acc)[DA / 8][4])
+{
+    constexpr int NT = NW / 8;
+    float S[NT][4];
+    pp_before_a(wg);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < KT; kk++) {
+        const uint64_t da = wg_desc(Qw + (kk >> 2) * BM * 128 + (kk & 3) * 32, 16, 1024);
+        const uint64_t db = wg_desc(Kp + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024);
+        wgmma_op<T, NW>::template ss<0>(&S[0][0], da, db, kk > 0);
+    }
+    wg_commit();
+    pp_after_a(wg, has_v);
+    wg_wait<0>();
+
+    int full = c1 - c0 == NW && rlo[0] <= c0 && c1 - 1 <= rhi[0] && rlo[1] <= c0 && c1 - 1 <= rhi[1];
+    full = __all_sync(0xffffffffu, full);
+    sc_mask_scale<NT>(S, full, c0, c1, rlo, rhi, lane, sl2);
+    sc_softmax<NT, DA / 8>(S, m_, l_, acc);
+    if (has_v) {
+        uint32_t pa[NW / 16][4];
+#pragma unroll
+        for (int k2 = 0; k2 < NW / 16; k2++) sc_frag_a<T>(pa[k2], S[2 * k2], S[2 * k2 + 1]);
+        pp_before_b(wg);
+        wg_fence();
+#pragma unroll
+        for (int k2 = 0; k2 < NW / 16; k2++) {
+            const uint64_t db = wg_desc(Vp + k2 * 16 * 128, BN * 128, 1024);
+            wgmma_op<T, DA>::template rs<1>(&acc[0][0], pa[k2], db, 1);
+        }
+        wg_commit();
+        pp_after_b(wg);
+        wg_wait<0>();
+    }
+}
+
 template <int DKP, int DVP, typename T, int MODE>
 __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
                                                      const __grid_constant__ CUtensorMap tv)
@@ -195,64 +238,57 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
         const int st = ci % NS;
         const int c0 = kmin + ci * BN, c1 = c0 + BN < kmax + 1 ? c0 + BN : kmax + 1;
         mb_wait(&full[st], (ci / NS) & 1); /* chunk ci landed */
-
-        /* S = Q K^T (and dQ mode: dP = dO V^T): K-major A and B, 16 columns of the head dim
-         * per step (32 bytes inside a 128-byte swizzle row; the next column block after four
-         * steps) */
-        float S[NT][4];
-        float dP[DQ ? NT : 1][4];
         const unsigned char *Kp = Ks + st * KB;
         const unsigned char *Vp = Vs + st * VB;
-        if constexpr (!DQ) pp_before_a(wg);
-        wg_fence();
+        if constexpr (!DQ) {
+            /* a chunk of at most 16 keys (the tail of a window tile: 8 positions x 16 heads
+             * see 519 keys, four chunks and 7) takes the 16-key products */
+            if (c1 - c0 <= 16)
+                qwg_fwd_chunk<T, BN, 16, KT, DA, BM>(Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, lane, P.sl2, m_, l_, acc);
+            else
+                qwg_fwd_chunk<T, BN, BN, KT, DA, BM>(Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, lane, P.sl2, m_, l_, acc);
+        } else {
+            /* S = Q K^T and dP = dO V^T: K-major A and B, 16 columns of the head dim per step
+             * (32 bytes inside a 128-byte swizzle row; the next column block after four steps) */
+            float S[NT][4];
+            float dP[NT][4];
+            wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < KT; kk++) {
-            const uint64_t da = wg_desc(Qw + (kk >> 2) * BM * 128 + (kk & 3) * 32, 16, 1024);
-            const uint64_t db = wg_desc(Kp + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024);
-            wgmma_op<T, BN>::template ss<0>(&S[0][0], da, db, kk > 0);
-        }
-        if constexpr (DQ) {
+            for (int kk = 0; kk < KT; kk++) {
+                const uint64_t da = wg_desc(Qw + (kk >> 2) * BM * 128 + (kk & 3) * 32, 16, 1024);
+                const uint64_t db = wg_desc(Kp + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024);
+                wgmma_op<T, BN>::template ss<0>(&S[0][0], da, db, kk > 0);
+            }
 #pragma unroll
             for (int kk = 0; kk < VT; kk++) {
                 const uint64_t da = wg_desc(Ow + (kk >> 2) * BM * 128 + (kk & 3) * 32, 16, 1024);
                 const uint64_t db = wg_desc(Vp + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024);
                 wgmma_op<T, BN>::template ss<0>(&dP[0][0], da, db, kk > 0);
             }
-        }
-        wg_commit();
-        if constexpr (!DQ) pp_after_a(wg, has_v);
-        wg_wait<0>();
+            wg_commit();
+            wg_wait<0>();
 
-        int full = c1 - c0 == BN && rlo[0] <= c0 && c1 - 1 <= rhi[0] && rlo[1] <= c0 && c1 - 1 <= rhi[1];
-        full = __all_sync(0xffffffffu, full);
-        sc_mask_scale<NT>(S, full, c0, c1, rlo, rhi, lane, P.sl2);
-        /* the A fragments of the second product (16 keys per step): the accumulator layout
-         * of S is the A-fragment layout */
-        uint32_t pa[BN / 16][4];
-        if constexpr (!DQ) {
-            sc_softmax<NT, DA / 8>(S, m_, l_, acc);
-        } else {
+            int full = c1 - c0 == BN && rlo[0] <= c0 && c1 - 1 <= rhi[0] && rlo[1] <= c0 && c1 - 1 <= rhi[1];
+            full = __all_sync(0xffffffffu, full);
+            sc_mask_scale<NT>(S, full, c0, c1, rlo, rhi, lane, P.sl2);
             /* P from the saved lse; dS = P (g dP - D) */
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) S[nt][e] = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
-        }
-        if (has_v) {
+            /* dQ += dS K: the A fragments from S (its accumulator layout is the A-fragment
+             * layout), B MN-major (the head dim contiguous): 8-key row groups 1024 bytes apart,
+             * 64-column blocks BN * 128 bytes apart */
+            uint32_t pa[BN / 16][4];
 #pragma unroll
             for (int k2 = 0; k2 < BN / 16; k2++) sc_frag_a<T>(pa[k2], S[2 * k2], S[2 * k2 + 1]);
-            /* forward O += P V, dQ mode dQ += dS K: B MN-major (the head dim contiguous):
-             * 8-key row groups 1024 bytes apart, 64-column blocks BN * 128 bytes apart */
-            const unsigned char *Bp = DQ ? Kp : Vp;
-            if constexpr (!DQ) pp_before_b(wg);
             wg_fence();
 #pragma unroll
             for (int k2 = 0; k2 < BN / 16; k2++) {
-                const uint64_t db = wg_desc(Bp + k2 * 16 * 128, BN * 128, 1024);
+                const uint64_t db = wg_desc(Kp + k2 * 16 * 128, BN * 128, 1024);
                 wgmma_op<T, DA>::template rs<1>(&acc[0][0], pa[k2], db, 1);
             }
             wg_commit();
-            if constexpr (!DQ) pp_after_b(wg);
             wg_wait<0>();
         }
         mb_arrive(&empty[st]); /* this thread's reads of the stage are done */
