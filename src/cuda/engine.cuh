@@ -86,6 +86,39 @@ __device__ __forceinline__ void sc_mask_scale(float (&S)[NT][4], int full, int c
     }
 }
 
+/* The logit softcap of the attention op on raw scores q.k: S -> softcap * tanh(scale q.k /
+ * softcap) in the log2 domain (tanh as 1 - 2 / (e^2x + 1), as xattn.cuh). @return the factor
+ * sc_mask_scale must still apply: 1 after the cap, scale * log2(e) without one. */
+template <int NT>
+__device__ __forceinline__ float sc_softcap(float (&S)[NT][4], const rule_t &r, float scale, float sl2)
+{
+    if (!(r.cap > 0.0f)) return sl2;
+    const float k2 = 2.0f * scale / r.cap, c2 = r.cap * NSA_LOG2E;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) S[nt][e] = c2 * (1.0f - __fdividef(2.0f, __expf(k2 * S[nt][e]) + 1.0f));
+    return 1.0f;
+}
+
+/* A finished forward row: lse from the running max m2 (log2 domain) and this row's sum l; with
+ * a sink, lse = log(l e^m + e^sink). @return o's multiplier (1 / l, times e^(lse without the
+ * sink - lse)); 0 for a row that saw no key. */
+__device__ __forceinline__ float sc_row_finish(float m2, float l, const rule_t &r, int64_t hq, float *lse_out)
+{
+    float lse = l > 0.0f ? (m2 + log2f(l)) * NSA_LN2 : -INFINITY, w = l > 0.0f ? 1.0f / l : 0.0f;
+    if (r.sinks) {
+        const float sk = r.sinks[hq * r.sinks_s], mx = lse > sk ? lse : sk;
+        if (mx != -INFINITY) {
+            const float lz = mx + logf(expf(lse - mx) + expf(sk - mx));
+            w *= expf(lse - lz); /* l = 0: w stays 0 */
+            lse = lz;
+        }
+    }
+    *lse_out = lse;
+    return w;
+}
+
 /* Online softmax step: S (log2 domain) becomes exp2(S - new max) per row; the row max m_,
  * the row sum l_ (this lane's share) and the accumulator rows rescale. */
 template <int NT, int NA>
@@ -397,7 +430,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
         }
         int full = c1 - c0 == BN && mlo[0] <= c0 && c1 - 1 <= mhi[0] && mlo[1] <= c0 && c1 - 1 <= mhi[1];
         full = __all_sync(0xffffffffu, full);
-        sc_mask_scale<NT>(S, full, c0, c1, mlo, mhi, lane, P.sl2);
+        sc_mask_scale<NT>(S, full, c0, c1, mlo, mhi, lane, MODE == MODE_FWD ? sc_softcap<NT>(S, P.rule, P.scale, P.sl2) : P.sl2);
 
         if constexpr (MODE == MODE_FWD) {
             sc_softmax<NT, DVP / 8>(S, m_, l_, acc);
@@ -490,7 +523,8 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
         if (r >= nrows) continue;
         const int64_t rr = r0 + r, pos = rr / G, g = rr % G, hq = h * G + g;
         if constexpr (MODE == MODE_FWD) {
-            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            float lse;
+            const float inv = sc_row_finish(m_[x], l, P.rule, hq, &lse);
             if (P.o.p) {
                 const int64_t ob = sq.b * P.o.s0 + (sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
 #pragma unroll
@@ -501,10 +535,8 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
                         if (col < P.DV) st_any(P.o.p, P.o.dt, ob + col, acc[d][2 * x + e] * inv);
                     }
             }
-            if ((lane & 3) == 0) {
-                const float lse = l > 0.0f ? (m_[x] + log2f(l)) * NSA_LN2 : -INFINITY;
-                if (P.lse.p) ((float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + pos) * P.lse.s1 + hq * P.lse.s2] = lse;
-            }
+            if ((lane & 3) == 0 && P.lse.p)
+                ((float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + pos) * P.lse.s1 + hq * P.lse.s2] = lse;
         } else {
             float *dq = P.dq + ((sq.b * P.T + sq.row0 + pos) * P.HQ + hq) * P.DK;
 #pragma unroll

@@ -66,9 +66,10 @@ __device__ __forceinline__ void pp_after_b(int wg) { if (wg == 0) nb_arrive(3); 
  * wgmma SS, masked / scaled, online softmax, O += P V by wgmma RS (P from registers, V
  * MN-major), the warpgroups' products ping-ponged (pp_*). Qw: the warpgroup's 64 rows of Q. */
 template <typename T, int BN, int NW, int KT, int DA, int BM>
-__device__ __forceinline__ void qwg_fwd_chunk(const unsigned char *Qw, const unsigned char *Kp, const unsigned char *Vp,
-                                              int wg, int has_v, int c0, int c1, const int rlo[2], const int rhi[2],
-                                              int lane, float sl2, float m_[2], float l_[2], float (&acc)[DA / 8][4])
+__device__ __forceinline__ void qwg_fwd_chunk(const qparams &P, const unsigned char *Qw, const unsigned char *Kp,
+                                              const unsigned char *Vp, int wg, int has_v, int c0, int c1,
+                                              const int rlo[2], const int rhi[2], int lane, float m_[2], float l_[2],
+                                              float (&acc)[DA / 8][4])
 {
     constexpr int NT = NW / 8;
     float S[NT][4];
@@ -86,7 +87,7 @@ __device__ __forceinline__ void qwg_fwd_chunk(const unsigned char *Qw, const uns
 
     int full = c1 - c0 == NW && rlo[0] <= c0 && c1 - 1 <= rhi[0] && rlo[1] <= c0 && c1 - 1 <= rhi[1];
     full = __all_sync(0xffffffffu, full);
-    sc_mask_scale<NT>(S, full, c0, c1, rlo, rhi, lane, sl2);
+    sc_mask_scale<NT>(S, full, c0, c1, rlo, rhi, lane, sc_softcap<NT>(S, P.rule, P.scale, P.sl2));
     sc_softmax<NT, DA / 8>(S, m_, l_, acc);
     if (has_v) {
         uint32_t pa[NW / 16][4];
@@ -244,9 +245,9 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             /* a chunk of at most 16 keys (the tail of a window tile: 8 positions x 16 heads
              * see 519 keys, four chunks and 7) takes the 16-key products */
             if (c1 - c0 <= 16)
-                qwg_fwd_chunk<T, BN, 16, KT, DA, BM>(Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, lane, P.sl2, m_, l_, acc);
+                qwg_fwd_chunk<T, BN, 16, KT, DA, BM>(P, Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, lane, m_, l_, acc);
             else
-                qwg_fwd_chunk<T, BN, BN, KT, DA, BM>(Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, lane, P.sl2, m_, l_, acc);
+                qwg_fwd_chunk<T, BN, BN, KT, DA, BM>(P, Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, lane, m_, l_, acc);
         } else {
             /* S = Q K^T and dP = dO V^T: K-major A and B, 16 columns of the head dim per step
              * (32 bytes inside a 128-byte swizzle row; the next column block after four steps) */
@@ -313,7 +314,8 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             }
             continue;
         }
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        float lse;
+        const float inv = sc_row_finish(m_[x], l, P.rule, hq, &lse);
         if (P.o.p) {
             const int64_t ob = sq.b * P.o.s0 + (sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
             if (P.o.dt == NSA_DTYPE_F32) {
@@ -330,10 +332,8 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                 }
             }
         }
-        if ((lane & 3) == 0) {
-            const float lse = l > 0.0f ? (m_[x] + log2f(l)) * NSA_LN2 : -INFINITY;
-            if (P.lse.p) ((float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + pos) * P.lse.s1 + hq * P.lse.s2] = lse;
-        }
+        if ((lane & 3) == 0 && P.lse.p)
+            ((float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + pos) * P.lse.s1 + hq * P.lse.s2] = lse;
     }
 #endif
 }

@@ -16,6 +16,11 @@ typedef struct rule_t {
     int64_t wl, wr;
     int causal;
     int cl, cd, lp;
+    /* attention options the range forward tiles (qtile, qwg) apply themselves; 0 / NULL = off
+     * (their backward runs the general kernels of xattn.cuh) */
+    float cap;            /* logit softcap */
+    const float *sinks;   /* [HQ] sink logits at stride sinks_s */
+    int64_t sinks_s;
 } rule_t;
 
 /* qtile: forward (o, lse) or dQ of one branch. */

@@ -169,16 +169,27 @@ CUDA_OP(slc_attn_bwd, nsa_slc_attn_bwd_args)
  * for) take the option-complete kernels of xattn.cuh; the rest the tuned range tiles. */
 static int attention_general(const nsa_problem *p) { return p->extended || !cu_dims_class(p->DK, p->DV); }
 
+/* The forward of softcap and sinks (alone or together) runs on the tuned tiles too, which apply
+ * them per score / per row (their backward runs xattn.cuh, from the same lse). */
+static int attention_fwd_tuned(const nsa_problem *p, const nsa_attention_args *a)
+{
+    if (!cu_dims_class(p->DK, p->DV)) return 0;
+    return p->T == p->Tk && !p->cu_seqlens_q && !a->q_segment_ids.data && !a->bias.data && !a->mask.data &&
+           a->dropout_p == 0.0f;
+}
+
 static void run_attention(grun *g, const nsa_attention_args *a)
 {
-    if (attention_general(g->p)) {
+    if (!attention_fwd_tuned(g->p, a)) {
         if (cu_xattn_supported(g, a->q.dtype)) cu_xattn_fwd(g, a);
         return;
     }
     if (!cu_attn_supported(g, a->q.dtype)) return;
     g_seq_setup(g, 0);
     const dview q = dv_of(&a->q), k = dv_of(&a->k), v = dv_of(&a->v), o = dv_of(&a->o), lse = dv_of(&a->lse);
-    const rule_t r = cu_rule_window(a->window_left, a->window_right, a->causal);
+    rule_t r = cu_rule_window(a->window_left, a->window_right, a->causal);
+    r.cap = a->softcap;
+    if (a->sinks.data) r.sinks = (const float *)a->sinks.data, r.sinks_s = a->sinks.stride[0];
     cu_fwd_range(g, &r, &q, a->q.dtype, &k, &v, &o, &lse);
 }
 CUDA_OP(attention, nsa_attention_args)
