@@ -191,6 +191,12 @@ __device__ __forceinline__ int x_side_begin(const xparams &P, int64_t b, int64_t
     return P.mask.p || P.bias.p;
 }
 
+/* The dropout factor of side-table entry (r, c): 0 or 1 / (1 - p); 1 without dropout. */
+__device__ __forceinline__ float x_keep_at(const xparams &P, const unsigned char *kp, int r, int c)
+{
+    return P.dropout ? (kp[r * 64 + c] ? P.rp : 0.0f) : 1.0f;
+}
+
 /* Segment id of packed row `row` of batch entry b (0 when absent). */
 __device__ __forceinline__ int x_seg(const pview &v, int64_t b, int64_t row)
 {
@@ -359,8 +365,7 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xpara
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    const int r = warp * 16 + (lane >> 2) + 8 * (e >> 1), jl = nt * 8 + 2 * (lane & 3) + (e & 1);
-                    S[nt][e] = kp[r * 64 + jl] ? S[nt][e] * P.rp : 0.0f;
+                    S[nt][e] *= x_keep_at(P, kp, warp * 16 + (lane >> 2) + 8 * (e >> 1), nt * 8 + 2 * (lane & 3) + (e & 1));
                 }
         x_pb<T, DP, NT>(acc, S, Vs + st * BN * LD, lane);
     }
@@ -386,15 +391,19 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xpara
     x_store_rows<T, DP>(P.o, ooff, P.DV, acc, 1.0f, lane);
 }
 
-/* xdq_kernel's chunk [c0, min(c0 + BN, kmax + 1)) of keys: P (S), the softcap derivative
- * (C) and dP~ = dO V^T (dP); Qw / Ow the warp's 16 rows, Kst / Vst / ksg the chunk's stage,
- * sbw the warp's rows of the side table (NULL: none). */
+/* xdq_kernel's chunk [c0, min(c0 + BN, kmax + 1)) of keys, after its side table (rows
+ * [qrow0, qrow0 + nq) of (b, hq), keys from krow0) is filled: P (S), the softcap derivative
+ * (C) and dP~ = dO V^T (dP); Qw / Ow the warp's 16 rows, Kst / Vst / ksg the chunk's stage. */
 template <typename T, int DP, int NT>
 __device__ __forceinline__ void xdq_products(const xparams &P, const T *Qw, const T *Ow, const T *Kst, const T *Vst,
-                                             const int *ksg, const float *sbw, int c0, int kmax, const int lo[2],
-                                             const int hi[2], const int seg[2], const float l2[2], int lane,
+                                             const int *ksg, float *sb, unsigned char *kp, int64_t b, int64_t hq,
+                                             int64_t qrow0, int nq, int64_t krow0, int c0, int kmax, const int lo[2],
+                                             const int hi[2], const int seg[2], const float l2[2], int tid,
                                              float (&S)[NT][4], float (&C)[NT][4], float (&dP)[NT][4])
 {
+    const int lane = tid & 31, warp = tid >> 5;
+    const int side = x_side_begin(P, b, hq, qrow0, nq, krow0, kmax, c0, NT * 8, sb, kp, tid);
+    const float *sbw = side ? sb + warp * 16 * 64 : nullptr;
     const int c1 = c0 + NT * 8 < kmax + 1 ? c0 + NT * 8 : kmax + 1;
     x_abt<T, DP, NT>(S, Qw, Kst, lane);
 #pragma unroll
@@ -482,17 +491,15 @@ __global__ void __launch_bounds__(128) xdq_kernel(const __grid_constant__ xparam
                 for (int c0 = kmin, i = 0; c0 <= kmax; c0 += BN, i++) {
                     const int st = x_pipe_next(c0, BN, kmax, i, issue);
                     float S[NT][4], dP[NT][4], C[NT][4];
-                    const int side = x_side_begin(P, b, hq, sq.q0 + i0, nrows, sq.k0 + c0, kmax, c0, BN, sb, kp, tid);
                     xdq_products<T, DP, NT>(P, Qs + warp * 16 * LD, Os + warp * 16 * LD, Ks + st * BN * LD,
-                                            Vs + st * BN * LD, kseg + st * BN, side ? sb + warp * 16 * 64 : nullptr, c0,
-                                            kmax, lo, hi, seg, l2, lane, S, C, dP);
+                                            Vs + st * BN * LD, kseg + st * BN, sb, kp, b, hq, sq.q0 + i0, nrows,
+                                            sq.k0 + c0, c0, kmax, lo, hi, seg, l2, tid, S, C, dP);
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                         for (int e = 0; e < 4; e++) {
                             const int x = e >> 1, jl = nt * 8 + 2 * (lane & 3) + (e & 1);
-                            const float z = P.dropout ? (kp[(warp * 16 + (lane >> 2) + 8 * x) * 64 + jl] ? P.rp : 0.0f) : 1.0f;
-                            Dacc[x] += S[nt][e] * z * dP[nt][e];
+                            Dacc[x] += S[nt][e] * x_keep_at(P, kp, warp * 16 + (lane >> 2) + 8 * x, jl) * dP[nt][e];
                         }
                 }
                 for (int x = 0; x < 2; x++) {
@@ -508,16 +515,15 @@ __global__ void __launch_bounds__(128) xdq_kernel(const __grid_constant__ xparam
                 const int st = x_pipe_next(c0, BN, kmax, i, issue);
                 const int c1 = c0 + BN < kmax + 1 ? c0 + BN : kmax + 1;
                 float S[NT][4], dP[NT][4], C[NT][4];
-                const int side = x_side_begin(P, b, hq, sq.q0 + i0, nrows, sq.k0 + c0, kmax, c0, BN, sb, kp, tid);
-                    xdq_products<T, DP, NT>(P, Qs + warp * 16 * LD, Os + warp * 16 * LD, Ks + st * BN * LD,
-                                            Vs + st * BN * LD, kseg + st * BN, side ? sb + warp * 16 * 64 : nullptr, c0,
-                                            kmax, lo, hi, seg, l2, lane, S, C, dP);
+                xdq_products<T, DP, NT>(P, Qs + warp * 16 * LD, Os + warp * 16 * LD, Ks + st * BN * LD,
+                                        Vs + st * BN * LD, kseg + st * BN, sb, kp, b, hq, sq.q0 + i0, nrows, sq.k0 + c0,
+                                        c0, kmax, lo, hi, seg, l2, tid, S, C, dP);
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const int x = e >> 1, jl = nt * 8 + 2 * (lane & 3) + (e & 1), j = c0 + jl;
-                        const float z = P.dropout ? (kp[(warp * 16 + (lane >> 2) + 8 * x) * 64 + jl] ? P.rp : 0.0f) : 1.0f;
+                        const float z = x_keep_at(P, kp, warp * 16 + (lane >> 2) + 8 * x, jl);
                         const float ds = S[nt][e] * (z * dP[nt][e] - Dr[x]); /* d loss / d score */
                         if (db && row[x] >= 0 && j < c1) db[row[x] * P.Tk + sq.k0 + j] += ds;
                         dP[nt][e] = ds * C[nt][e];
@@ -636,8 +642,7 @@ __global__ void __launch_bounds__(128) xdkv_kernel(const __grid_constant__ xpara
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const int x = e >> 1, r = nt * 8 + 2 * (lane & 3) + (e & 1);
-                        const int kl = warp * 16 + (lane >> 2) + 8 * x;
-                        const float z = P.dropout ? (kp[r * 64 + kl] ? P.rp : 0.0f) : 1.0f;
+                        const float z = x_keep_at(P, kp, r, warp * 16 + (lane >> 2) + 8 * x);
                         dS[nt][e] = S[nt][e] * (z * dS[nt][e] - rD[rb + r]) * C[nt][e];
                         S[nt][e] *= z; /* the dropped weight that multiplies dO for dV */
                     }
@@ -649,8 +654,7 @@ __global__ void __launch_bounds__(128) xdkv_kernel(const __grid_constant__ xpara
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const int x = e >> 1, r = nt * 8 + 2 * (lane & 3) + (e & 1);
-                        const int kl = warp * 16 + (lane >> 2) + 8 * x;
-                        if (P.dropout) S[nt][e] = kp[r * 64 + kl] ? S[nt][e] * P.rp : 0.0f;
+                        S[nt][e] *= x_keep_at(P, kp, r, warp * 16 + (lane >> 2) + 8 * x);
                     }
             }
             if (P.which & XW_DV) x_pb<T, DP, NQ>(dV, S, Op, lane);
