@@ -102,9 +102,18 @@ static void check_f32_declined(void)
 void test_attention_on(nsa_backend backend, const sweep_memory *mem);
 
 /* The attention op's options (tests/test_attention.c) on the CUDA backend, in a child
- * process like every sweep case: a kernel fault fails this part alone. */
-static void run_attention_tests(long *passed, long *failed)
+ * process like every sweep case (a kernel fault fails this part alone), or in this process
+ * with --no-fork (what the sanitizers run: they see this process's kernels for sure). */
+static void run_attention_tests(int fork_it, long *passed, long *failed)
 {
+    if (!fork_it) {
+        const long p0 = g_tests_passed, f0 = g_tests_failed;
+        test_attention_on(NSA_BACKEND_CUDA, &g_dev);
+        printf("attention options: %5ld passed, %3ld failed\n", g_tests_passed - p0, g_tests_failed - f0);
+        *passed += g_tests_passed - p0;
+        *failed += g_tests_failed - f0;
+        return;
+    }
     int fd[2];
     if (pipe(fd) != 0) {
         *failed += 1;
@@ -238,7 +247,7 @@ int main(int argc, char **argv)
         crashed += reap(&run[k], &p, &f);
         passed += p, failed += f;
     }
-    if (attention) run_attention_tests(&passed, &failed);
+    if (attention) run_attention_tests(fork_cases, &passed, &failed);
     const long p0 = g_tests_passed, f0 = g_tests_failed;
     check_f32_declined();
     passed += g_tests_passed - p0, failed += g_tests_failed - f0;
