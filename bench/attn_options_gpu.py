@@ -57,16 +57,22 @@ def main():
     }
     if T <= 16384:
         rows["bias [1,1,T,T] bf16"] = dict(bias=torch.randn(1, 1, T, T, device=dev, dtype=dt, generator=g))
+    rows["Tq = T/8 (chunked prefill)"] = dict(tq=T // 8)
     pairs = T * (T + 1) / 2
     print(f"# {torch.cuda.get_device_name()}  T={T} HQ={HQ} H={H} D={D} bf16 causal")
     print(f"{'option':28s} {'fwd ms':>9s} {'TF/s':>6s} {'fwd+bwd ms':>11s} {'TF/s':>6s}")
     for name, opts in rows.items():
+        opts = dict(opts)
+        tq = opts.pop("tq", T)  # the last tq queries against all T keys (bottom-right aligned)
+        qx = q[:, T - tq:].contiguous()
         win = opts.get("window", (-1, -1))
         p = min(pairs, T * (win[0] + 1)) if win[0] >= 0 else pairs
-        f = lambda: nsa.attention(q, k, v, causal=True, **opts)
+        if tq != T:
+            p = tq * T - tq * (tq - 1) / 2
+        f = lambda: nsa.attention(qx, k, v, causal=True, **opts)
         tf = timed(f, a.reps)
-        qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-        dout = torch.randn_like(q[..., :D])
+        qq, kk, vv = (x.detach().requires_grad_() for x in (qx, k, v))
+        dout = torch.randn_like(qx[..., :D])
 
         def fb():
             r = nsa.attention(qq, kk, vv, causal=True, **opts)

@@ -740,6 +740,13 @@ static void test_long_cases(void)
     c = shape("long: hd 192/128 segments", 1, 190, 190, 4, 4, 192, 128);
     c.dt = NSA_DTYPE_BF16, c.seg = 1, c.causal = 1;
     run_case(&c, seed++);
+    /* the tuned forward tiles with softcap, sinks and Tq != Tk (their backward: xattn.cuh) */
+    c = shape("long: Tq<Tk causal softcap + sinks hd 128", 2, 200, 700, 8, 1, 128, 128);
+    c.dt = NSA_DTYPE_BF16, c.causal = 1, c.softcap = 20.0f, c.sinks = 1;
+    run_case(&c, seed++);
+    c = shape("long: Tq>Tk window 64/8 hd 64", 1, 500, 300, 4, 2, 64, 64);
+    c.dt = NSA_DTYPE_F16, c.wl = 64, c.wr = 8;
+    run_case(&c, seed++);
     c = shape("long: hd 256 plain (no option)", 1, 150, 150, 2, 2, 256, 256);
     c.dt = NSA_DTYPE_BF16, c.causal = 1;
     run_case(&c, seed++);

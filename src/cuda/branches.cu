@@ -261,7 +261,7 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     /* the workspace a map takes does not depend on the tile height, so the dry pass (which
      * cannot ask the device) sizes the wgmma path too */
     qwg_maps maps;
-    const int64_t KR = rule->kind == RULE_CMP ? p->cmp_rows : p->T;
+    const int64_t KR = rule->kind == RULE_CMP ? p->cmp_rows : p->Tk; /* key rows (Tk == T but for attention) */
     const int wg = !g->dry && qwg_usable(g, &P, dt, MODE_FWD, KR, &maps);
     P.nw = 4;
     P.nst = 2;

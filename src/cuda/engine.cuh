@@ -44,6 +44,7 @@ __device__ __forceinline__ void rule_bounds(const rule_t &r, int t, int nkeys, i
         *lo = 0;
         *hi = (nv < nkeys ? nv : nkeys) - 1;
     } else if (r.kind == RULE_WIN) {
+        t += r.shift; /* bottom-right aligned diagonal (Tq != Tk); t < 0: the row sees nothing */
         const int64_t a = (r.wl < 0 || t - r.wl < 0) ? 0 : t - r.wl;
         int64_t b;
         if (r.causal) b = t < nkeys - 1 ? t : nkeys - 1;
@@ -210,7 +211,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
     const int64_t nrow_all = (int64_t)sq.len * G;
     const int nrows = (int)(nrow_all - r0 < BM ? nrow_all - r0 : BM);
     const int is_cmp = P.rule.kind == RULE_CMP, is_slc = P.rule.kind == RULE_SLC;
-    const int nkeys = is_cmp ? sq.ncmp : sq.len;
+    const int nkeys = is_cmp ? sq.ncmp : P.rule.nk ? P.rule.nk : sq.len;
     const int64_t key_row0 = is_cmp ? sq.cmp0 : sq.row0;
     const int has_v = MODE == MODE_DQ || P.o.p != nullptr;
 
@@ -635,7 +636,7 @@ __device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid
     const seqinfo sq = seq_get(P.sm, s);
     const int64_t G = P.G;
     const int is_cmp = P.rule.kind == RULE_CMP, is_slc = P.rule.kind == RULE_SLC;
-    const int nkeys = is_cmp ? sq.ncmp : sq.len;
+    const int nkeys = is_cmp ? sq.ncmp : P.rule.nk ? P.rule.nk : sq.len;
     const int64_t key_row0 = is_cmp ? sq.cmp0 : sq.row0;
 
     int k0, k1;

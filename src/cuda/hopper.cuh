@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
     const int64_t r0 = tile * BM;
     const int nrows = (int)(nrow_all - r0 < BM ? nrow_all - r0 : BM);
     const int is_cmp = P.rule.kind == RULE_CMP;
-    const int nkeys = is_cmp ? sq.ncmp : sq.len;
+    const int nkeys = is_cmp ? sq.ncmp : P.rule.nk ? P.rule.nk : sq.len;
     const int64_t key_row0 = is_cmp ? sq.cmp0 : sq.row0;
     const int has_v = DQ || P.v.p != nullptr;
 

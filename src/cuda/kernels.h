@@ -21,6 +21,8 @@ typedef struct rule_t {
     float cap;            /* logit softcap */
     const float *sinks;   /* [HQ] sink logits at stride sinks_s */
     int64_t sinks_s;
+    int shift;            /* window rule, Tq != Tk (dense batch): query t's diagonal is key t + shift */
+    int nk;               /* ... and its key count Tk (0: the sequence's length) */
 } rule_t;
 
 /* qtile: forward (o, lse) or dQ of one branch. */

@@ -169,13 +169,15 @@ CUDA_OP(slc_attn_bwd, nsa_slc_attn_bwd_args)
  * for) take the option-complete kernels of xattn.cuh; the rest the tuned range tiles. */
 static int attention_general(const nsa_problem *p) { return p->extended || !cu_dims_class(p->DK, p->DV); }
 
-/* The forward of softcap and sinks (alone or together) runs on the tuned tiles too, which apply
- * them per score / per row (their backward runs xattn.cuh, from the same lse). */
+/* The forward of softcap, sinks and Tq != Tk in a dense batch (alone or together) runs on the
+ * tuned tiles too, which apply them per score / per row / in the window bounds (their backward
+ * runs xattn.cuh, from the same lse). */
 static int attention_fwd_tuned(const nsa_problem *p, const nsa_attention_args *a)
 {
     if (!cu_dims_class(p->DK, p->DV)) return 0;
-    return p->T == p->Tk && !p->cu_seqlens_q && !a->q_segment_ids.data && !a->bias.data && !a->mask.data &&
-           a->dropout_p == 0.0f;
+    /* (Tq != Tk comes with a dense batch or varlen_qk, which stays on xattn.cuh; so do calls
+     * without keys: rule_t's nk = 0 means "the sequence's length") */
+    return !p->cu_seqlens_q && (p->Tk > 0 || p->T == 0) && !a->q_segment_ids.data && !a->bias.data && !a->mask.data && a->dropout_p == 0.0f;
 }
 
 static void run_attention(grun *g, const nsa_attention_args *a)
@@ -190,6 +192,7 @@ static void run_attention(grun *g, const nsa_attention_args *a)
     rule_t r = cu_rule_window(a->window_left, a->window_right, a->causal);
     r.cap = a->softcap;
     if (a->sinks.data) r.sinks = (const float *)a->sinks.data, r.sinks_s = a->sinks.stride[0];
+    if (g->p->Tk != g->p->T) r.shift = (int)(g->p->Tk - g->p->T), r.nk = (int)g->p->Tk;
     cu_fwd_range(g, &r, &q, a->q.dtype, &k, &v, &o, &lse);
 }
 CUDA_OP(attention, nsa_attention_args)
