@@ -1,8 +1,10 @@
 /* xattn.cuh -- the attention op with every option of nsa.h section 5 on the GPU: Tq != Tk
  * (bottom-right aligned), separate q / k packings, logit softcap, sinks, segment ids, additive
  * bias (and its gradient), boolean mask, Philox dropout; head dims up to 256. The plain calls
- * (no option, dims the engine has) keep the tuned tiles of engine.cuh / hopper.cuh; these
- * kernels are the general path (mma.sync m16n8k16, sm_80 and sm_90a alike):
+ * (no option, dims the engine has), and the forward with only softcap, sinks or Tq != Tk in a
+ * dense batch, keep the tuned tiles of engine.cuh / hopper.cuh (ops.cu routes); these kernels
+ * are the general path (mma.sync m16n8k16, sm_80 and sm_90a alike, chunks through a two-stage
+ * cp.async pipeline):
  *
  *   xfwd_kernel  64 query rows of one query head per CTA (16 per warp), online softmax over
  *                chunks of 64 keys (32 at DP 256): o, lse (sinks join the denominator at the end).
