@@ -5,7 +5,7 @@ them, which is error-prone by hand). Run from the repo root after changing SHAPE
     python3 scripts/gen_wgmma.py > src/cuda/wgmma_ops.cuh
 """
 SHAPES = [  # (kind, N): SS = A and B from shared-memory descriptors, RS = A from registers
-    ("SS", 16), ("SS", 64), ("SS", 128), ("RS", 64), ("RS", 128), ("RS", 192),
+    ("SS", 16), ("SS", 32), ("SS", 64), ("SS", 128), ("RS", 64), ("RS", 128), ("RS", 192),
 ]
 TYPES = [("bf16", "__nv_bfloat16"), ("f16", "__half")]
 

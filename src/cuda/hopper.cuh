@@ -242,10 +242,15 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
         const unsigned char *Kp = Ks + st * KB;
         const unsigned char *Vp = Vs + st * VB;
         if constexpr (!DQ) {
-            /* a chunk of at most 16 keys (the tail of a window tile: 8 positions x 16 heads
-             * see 519 keys, four chunks and 7) takes the 16-key products */
-            if (c1 - c0 <= 16)
+            /* a short chunk takes products of its width: a window tile of p positions sees
+             * 511 + p keys, four chunks and p - 1 (16 positions at G = 8 .. 64 at G = 2) */
+            const int w = c1 - c0;
+            if (w <= 16)
                 qwg_fwd_chunk<T, BN, 16, KT, DA, BM>(P, Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, lane, m_, l_, acc);
+            else if (w <= 32)
+                qwg_fwd_chunk<T, BN, 32, KT, DA, BM>(P, Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, lane, m_, l_, acc);
+            else if (w <= 64)
+                qwg_fwd_chunk<T, BN, 64, KT, DA, BM>(P, Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, lane, m_, l_, acc);
             else
                 qwg_fwd_chunk<T, BN, BN, KT, DA, BM>(P, Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, lane, m_, l_, acc);
         } else {

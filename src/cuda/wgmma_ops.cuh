@@ -22,6 +22,19 @@ template <> struct wgmma_op<__nv_bfloat16, 16> {
                      : "l"(da), "l"(db), "r"(scale_d), "n"(TRANS_B));
     }
 };
+template <> struct wgmma_op<__nv_bfloat16, 32> {
+    template <int TRANS_B>
+    static __device__ __forceinline__ void ss(float *d, uint64_t da, uint64_t db, int scale_d)
+    {
+        asm volatile("{\n.reg .pred p;\n"
+                     "setp.ne.b32 p, %18, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                     "%16, %17, p, 1, 1, 0, %19;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                     : "l"(da), "l"(db), "r"(scale_d), "n"(TRANS_B));
+    }
+};
 template <> struct wgmma_op<__nv_bfloat16, 64> {
     template <int TRANS_B>
     static __device__ __forceinline__ void ss(float *d, uint64_t da, uint64_t db, int scale_d)
@@ -93,6 +106,19 @@ template <> struct wgmma_op<__half, 16> {
                      "{%0, %1, %2, %3, %4, %5, %6, %7}, "
                      "%8, %9, p, 1, 1, 0, %11;\n}\n"
                      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                     : "l"(da), "l"(db), "r"(scale_d), "n"(TRANS_B));
+    }
+};
+template <> struct wgmma_op<__half, 32> {
+    template <int TRANS_B>
+    static __device__ __forceinline__ void ss(float *d, uint64_t da, uint64_t db, int scale_d)
+    {
+        asm volatile("{\n.reg .pred p;\n"
+                     "setp.ne.b32 p, %18, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                     "%16, %17, p, 1, 1, 0, %19;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
                      : "l"(da), "l"(db), "r"(scale_d), "n"(TRANS_B));
     }
 };
