@@ -50,6 +50,7 @@ rule_t cu_rule_window(int64_t wl, int64_t wr, int causal)
     rule_t r;
     memset(&r, 0, sizeof r);
     r.kind = RULE_WIN;
+    r.nk = -1; /* the sequence's own keys */
     r.wl = wl;
     r.wr = causal ? 0 : wr;
     r.causal = causal != 0;

@@ -35,6 +35,13 @@ __device__ __forceinline__ float ex2(float x)
     return y;
 }
 
+/* Keys of sequence sq that a rule's queries choose from: its compressed keys, or its own
+ * (the window rule's explicit count nk when it has one: Tq != Tk). */
+__device__ __forceinline__ int rule_nkeys(const rule_t &r, const seqinfo &sq)
+{
+    return r.kind == RULE_CMP ? sq.ncmp : r.kind == RULE_WIN && r.nk >= 0 ? r.nk : sq.len;
+}
+
 /* Visible keys [lo, hi] of query t (empty when hi < lo); for selected attention the causal
  * bound only (blocks are masked separately). */
 __device__ __forceinline__ void rule_bounds(const rule_t &r, int t, int nkeys, int *lo, int *hi)
@@ -87,29 +94,42 @@ __device__ __forceinline__ void sc_mask_scale(float (&S)[NT][4], int full, int c
     }
 }
 
+/* tanh(x) as 1 - 2 / (e^2x + 1): a few instructions against tanhf's dozens, error ~1e-7
+ * absolute (e^2x -> inf gives 1, -> 0 gives -1); the softcap of every attention path. */
+__device__ __forceinline__ float tanh_fast(float x) { return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f); }
+
 /* The logit softcap of the attention op on raw scores q.k: S -> softcap * tanh(scale q.k /
- * softcap) in the log2 domain (tanh as 1 - 2 / (e^2x + 1), as xattn.cuh). @return the factor
- * sc_mask_scale must still apply: 1 after the cap, scale * log2(e) without one. */
+ * softcap) in the log2 domain. @return the factor sc_mask_scale must still apply: 1 after the
+ * cap, scale * log2(e) without one. */
 template <int NT>
 __device__ __forceinline__ float sc_softcap(float (&S)[NT][4], const rule_t &r, float scale, float sl2)
 {
     if (!(r.cap > 0.0f)) return sl2;
-    const float k2 = 2.0f * scale / r.cap, c2 = r.cap * NSA_LOG2E;
+    const float k = scale / r.cap, c2 = r.cap * NSA_LOG2E;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) S[nt][e] = c2 * (1.0f - __fdividef(2.0f, __expf(k2 * S[nt][e]) + 1.0f));
+        for (int e = 0; e < 4; e++) S[nt][e] = c2 * tanh_fast(k * S[nt][e]);
     return 1.0f;
 }
 
+/* Whether every row of the warp sees all keys [c0, c1) of a chunk of `width` keys (rows' ranges
+ * lo / hi): such a chunk skips sc_mask_scale's per-element compares. */
+__device__ __forceinline__ int sc_chunk_whole(int c0, int c1, int width, const int lo[2], const int hi[2])
+{
+    const int w = c1 - c0 == width && lo[0] <= c0 && c1 - 1 <= hi[0] && lo[1] <= c0 && c1 - 1 <= hi[1];
+    return __all_sync(0xffffffffu, w);
+}
+
 /* A finished forward row: lse from the running max m2 (log2 domain) and this row's sum l; with
- * a sink, lse = log(l e^m + e^sink). @return o's multiplier (1 / l, times e^(lse without the
- * sink - lse)); 0 for a row that saw no key. */
-__device__ __forceinline__ float sc_row_finish(float m2, float l, const rule_t &r, int64_t hq, float *lse_out)
+ * a sink (sinks[hq * sinks_s]; sinks NULL: none), lse = log(l e^m + e^sink). @return o's
+ * multiplier (1 / l, times e^(lse without the sink - lse)); 0 for a row that saw no key. */
+__device__ __forceinline__ float sc_row_finish(float m2, float l, const float *sinks, int64_t sinks_s, int64_t hq,
+                                               float *lse_out)
 {
     float lse = l > 0.0f ? (m2 + log2f(l)) * NSA_LN2 : -INFINITY, w = l > 0.0f ? 1.0f / l : 0.0f;
-    if (r.sinks) {
-        const float sk = r.sinks[hq * r.sinks_s], mx = lse > sk ? lse : sk;
+    if (sinks) {
+        const float sk = sinks[hq * sinks_s], mx = lse > sk ? lse : sk;
         if (mx != -INFINITY) {
             const float lz = mx + logf(expf(lse - mx) + expf(sk - mx));
             w *= expf(lse - lz); /* l = 0: w stays 0 */
@@ -211,7 +231,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
     const int64_t nrow_all = (int64_t)sq.len * G;
     const int nrows = (int)(nrow_all - r0 < BM ? nrow_all - r0 : BM);
     const int is_cmp = P.rule.kind == RULE_CMP, is_slc = P.rule.kind == RULE_SLC;
-    const int nkeys = is_cmp ? sq.ncmp : P.rule.nk ? P.rule.nk : sq.len;
+    const int nkeys = rule_nkeys(P.rule, sq);
     const int64_t key_row0 = is_cmp ? sq.cmp0 : sq.row0;
     const int has_v = MODE == MODE_DQ || P.o.p != nullptr;
 
@@ -429,9 +449,8 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
             mlo[x] = rlo[x], mhi[x] = rhi[x];
             if (is_slc && !fl[rposl[x]]) mlo[x] = INT_MAX;
         }
-        int full = c1 - c0 == BN && mlo[0] <= c0 && c1 - 1 <= mhi[0] && mlo[1] <= c0 && c1 - 1 <= mhi[1];
-        full = __all_sync(0xffffffffu, full);
-        sc_mask_scale<NT>(S, full, c0, c1, mlo, mhi, lane, MODE == MODE_FWD ? sc_softcap<NT>(S, P.rule, P.scale, P.sl2) : P.sl2);
+        sc_mask_scale<NT>(S, sc_chunk_whole(c0, c1, BN, mlo, mhi), c0, c1, mlo, mhi, lane,
+                          MODE == MODE_FWD ? sc_softcap<NT>(S, P.rule, P.scale, P.sl2) : P.sl2);
 
         if constexpr (MODE == MODE_FWD) {
             sc_softmax<NT, DVP / 8>(S, m_, l_, acc);
@@ -525,7 +544,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
         const int64_t rr = r0 + r, pos = rr / G, g = rr % G, hq = h * G + g;
         if constexpr (MODE == MODE_FWD) {
             float lse;
-            const float inv = sc_row_finish(m_[x], l, P.rule, hq, &lse);
+            const float inv = sc_row_finish(m_[x], l, P.rule.sinks, P.rule.sinks_s, hq, &lse);
             if (P.o.p) {
                 const int64_t ob = sq.b * P.o.s0 + (sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
 #pragma unroll
@@ -636,7 +655,7 @@ __device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid
     const seqinfo sq = seq_get(P.sm, s);
     const int64_t G = P.G;
     const int is_cmp = P.rule.kind == RULE_CMP, is_slc = P.rule.kind == RULE_SLC;
-    const int nkeys = is_cmp ? sq.ncmp : P.rule.nk ? P.rule.nk : sq.len;
+    const int nkeys = rule_nkeys(P.rule, sq);
     const int64_t key_row0 = is_cmp ? sq.cmp0 : sq.row0;
 
     int k0, k1;

@@ -75,19 +75,13 @@ __device__ __forceinline__ void qwg_fwd_chunk(const qparams &P, const unsigned c
     float S[NT][4];
     pp_before_a(wg);
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < KT; kk++) {
-        const uint64_t da = wg_desc(Qw + (kk >> 2) * BM * 128 + (kk & 3) * 32, 16, 1024);
-        const uint64_t db = wg_desc(Kp + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024);
-        wgmma_op<T, NW>::template ss<0>(&S[0][0], da, db, kk > 0);
-    }
+    wg_ss_kmajor<T, NW, KT, BM, BN>(&S[0][0], Qw, Kp);
     wg_commit();
     pp_after_a(wg, has_v);
     wg_wait<0>();
 
-    int full = c1 - c0 == NW && rlo[0] <= c0 && c1 - 1 <= rhi[0] && rlo[1] <= c0 && c1 - 1 <= rhi[1];
-    full = __all_sync(0xffffffffu, full);
-    sc_mask_scale<NT>(S, full, c0, c1, rlo, rhi, lane, sc_softcap<NT>(S, P.rule, P.scale, P.sl2));
+    sc_mask_scale<NT>(S, sc_chunk_whole(c0, c1, NW, rlo, rhi), c0, c1, rlo, rhi, lane,
+                      sc_softcap<NT>(S, P.rule, P.scale, P.sl2));
     sc_softmax<NT, DA / 8>(S, m_, l_, acc);
     if (has_v) {
         uint32_t pa[NW / 16][4];
@@ -95,11 +89,7 @@ __device__ __forceinline__ void qwg_fwd_chunk(const qparams &P, const unsigned c
         for (int k2 = 0; k2 < NW / 16; k2++) sc_frag_a<T>(pa[k2], S[2 * k2], S[2 * k2 + 1]);
         pp_before_b(wg);
         wg_fence();
-#pragma unroll
-        for (int k2 = 0; k2 < NW / 16; k2++) {
-            const uint64_t db = wg_desc(Vp + k2 * 16 * 128, BN * 128, 1024);
-            wgmma_op<T, DA>::template rs<1>(&acc[0][0], pa[k2], db, 1);
-        }
+        wg_rs_mn<T, DA, NW, BN>(&acc[0][0], pa, Vp);
         wg_commit();
         pp_after_b(wg);
         wg_wait<0>();
@@ -142,7 +132,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
     const int64_t r0 = tile * BM;
     const int nrows = (int)(nrow_all - r0 < BM ? nrow_all - r0 : BM);
     const int is_cmp = P.rule.kind == RULE_CMP;
-    const int nkeys = is_cmp ? sq.ncmp : P.rule.nk ? P.rule.nk : sq.len;
+    const int nkeys = rule_nkeys(P.rule, sq);
     const int64_t key_row0 = is_cmp ? sq.cmp0 : sq.row0;
     const int has_v = DQ || P.v.p != nullptr;
 
@@ -254,46 +244,27 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             else
                 qwg_fwd_chunk<T, BN, BN, KT, DA, BM>(P, Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, lane, m_, l_, acc);
         } else {
-            /* S = Q K^T and dP = dO V^T: K-major A and B, 16 columns of the head dim per step
-             * (32 bytes inside a 128-byte swizzle row; the next column block after four steps) */
+            /* S = Q K^T and dP = dO V^T */
             float S[NT][4];
             float dP[NT][4];
             wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < KT; kk++) {
-                const uint64_t da = wg_desc(Qw + (kk >> 2) * BM * 128 + (kk & 3) * 32, 16, 1024);
-                const uint64_t db = wg_desc(Kp + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024);
-                wgmma_op<T, BN>::template ss<0>(&S[0][0], da, db, kk > 0);
-            }
-#pragma unroll
-            for (int kk = 0; kk < VT; kk++) {
-                const uint64_t da = wg_desc(Ow + (kk >> 2) * BM * 128 + (kk & 3) * 32, 16, 1024);
-                const uint64_t db = wg_desc(Vp + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024);
-                wgmma_op<T, BN>::template ss<0>(&dP[0][0], da, db, kk > 0);
-            }
+            wg_ss_kmajor<T, BN, KT, BM, BN>(&S[0][0], Qw, Kp);
+            wg_ss_kmajor<T, BN, VT, BM, BN>(&dP[0][0], Ow, Vp);
             wg_commit();
             wg_wait<0>();
 
-            int full = c1 - c0 == BN && rlo[0] <= c0 && c1 - 1 <= rhi[0] && rlo[1] <= c0 && c1 - 1 <= rhi[1];
-            full = __all_sync(0xffffffffu, full);
-            sc_mask_scale<NT>(S, full, c0, c1, rlo, rhi, lane, P.sl2);
+            sc_mask_scale<NT>(S, sc_chunk_whole(c0, c1, BN, rlo, rhi), c0, c1, rlo, rhi, lane, P.sl2);
             /* P from the saved lse; dS = P (g dP - D) */
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) S[nt][e] = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
-            /* dQ += dS K: the A fragments from S (its accumulator layout is the A-fragment
-             * layout), B MN-major (the head dim contiguous): 8-key row groups 1024 bytes apart,
-             * 64-column blocks BN * 128 bytes apart */
+            /* dQ += dS K: the A fragments from S (its accumulator layout is the A-fragment layout) */
             uint32_t pa[BN / 16][4];
 #pragma unroll
             for (int k2 = 0; k2 < BN / 16; k2++) sc_frag_a<T>(pa[k2], S[2 * k2], S[2 * k2 + 1]);
             wg_fence();
-#pragma unroll
-            for (int k2 = 0; k2 < BN / 16; k2++) {
-                const uint64_t db = wg_desc(Kp + k2 * 16 * 128, BN * 128, 1024);
-                wgmma_op<T, DA>::template rs<1>(&acc[0][0], pa[k2], db, 1);
-            }
+            wg_rs_mn<T, DA, BN, BN>(&acc[0][0], pa, Kp);
             wg_commit();
             wg_wait<0>();
         }
@@ -320,7 +291,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             continue;
         }
         float lse;
-        const float inv = sc_row_finish(m_[x], l, P.rule, hq, &lse);
+        const float inv = sc_row_finish(m_[x], l, P.rule.sinks, P.rule.sinks_s, hq, &lse);
         if (P.o.p) {
             const int64_t ob = sq.b * P.o.s0 + (sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
             if (P.o.dt == NSA_DTYPE_F32) {
@@ -353,17 +324,9 @@ __device__ __forceinline__ void kw_products(float (*S)[4], float (*dP)[4], const
 {
     constexpr int KT = DP / 16;
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < KT; kk++) {
-        const int ao = (kk >> 2) * BK * 128 + aoff + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
-        wgmma_op<T, BQ>::template ss<0>(&S[0][0], wg_desc(Ks + ao, 16, 1024), wg_desc(Qp + bo, 16, 1024), kk > 0);
-    }
+    wg_ss_kmajor<T, BQ, KT, BK, BQ>(&S[0][0], Ks + aoff, Qp);
     if (SPLIT) wg_commit();
-#pragma unroll
-    for (int kk = 0; kk < KT; kk++) {
-        const int ao = (kk >> 2) * BK * 128 + aoff + (kk & 3) * 32, bo = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
-        wgmma_op<T, BQ>::template ss<0>(&dP[0][0], wg_desc(Vs + ao, 16, 1024), wg_desc(Dp + bo, 16, 1024), kk > 0);
-    }
+    wg_ss_kmajor<T, BQ, KT, BK, BQ>(&dP[0][0], Vs + aoff, Dp);
     wg_commit();
 }
 
@@ -1275,7 +1238,8 @@ __global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __g
             float l = l_[x];
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            float lse;
+            const float inv = sc_row_finish(m_[x], l, nullptr, 0, hq, &lse);
             const int64_t ob = sq.b * P.o.s0 + (sq.row0 + t) * P.o.s1 + hq * P.o.s2;
 #pragma unroll
             for (int d = 0; d < DP / 8; d++) {
@@ -1283,10 +1247,7 @@ __global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __g
                 if (P.o.dt == NSA_DTYPE_F32) *(float2 *)((float *)P.o.p + ob + col) = make_float2(acc[d][2 * x] * inv, acc[d][2 * x + 1] * inv);
                 else *(uint32_t *)((T *)P.o.p + ob + col) = dtraits<T>::pack(acc[d][2 * x] * inv, acc[d][2 * x + 1] * inv);
             }
-            if ((lane & 3) == 0 && P.lse.p) {
-                const float lse = l > 0.0f ? (m_[x] + log2f(l)) * NSA_LN2 : -INFINITY;
-                ((float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + t) * P.lse.s1 + hq * P.lse.s2] = lse;
-            }
+            if ((lane & 3) == 0 && P.lse.p) ((float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + t) * P.lse.s1 + hq * P.lse.s2] = lse;
         }
     }
 #endif

@@ -22,7 +22,7 @@ typedef struct rule_t {
     const float *sinks;   /* [HQ] sink logits at stride sinks_s */
     int64_t sinks_s;
     int shift;            /* window rule, Tq != Tk (dense batch): query t's diagonal is key t + shift */
-    int nk;               /* ... and its key count Tk (0: the sequence's length) */
+    int nk;               /* window rule: key count (Tk, 0 allowed); -1: the sequence's length */
 } rule_t;
 
 /* qtile: forward (o, lse) or dQ of one branch. */

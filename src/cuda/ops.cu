@@ -175,9 +175,8 @@ static int attention_general(const nsa_problem *p) { return p->extended || !cu_d
 static int attention_fwd_tuned(const nsa_problem *p, const nsa_attention_args *a)
 {
     if (!cu_dims_class(p->DK, p->DV)) return 0;
-    /* (Tq != Tk comes with a dense batch or varlen_qk, which stays on xattn.cuh; so do calls
-     * without keys: rule_t's nk = 0 means "the sequence's length") */
-    return !p->cu_seqlens_q && (p->Tk > 0 || p->T == 0) && !a->q_segment_ids.data && !a->bias.data && !a->mask.data && a->dropout_p == 0.0f;
+    /* (Tq != Tk comes with a dense batch or varlen_qk, which stays on xattn.cuh) */
+    return !p->cu_seqlens_q && !a->q_segment_ids.data && !a->bias.data && !a->mask.data && a->dropout_p == 0.0f;
 }
 
 static void run_attention(grun *g, const nsa_attention_args *a)

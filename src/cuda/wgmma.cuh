@@ -53,6 +53,30 @@ __device__ __forceinline__ uint64_t wg_desc(const void *p, uint32_t lbo, uint32_
 __device__ __forceinline__ int sw_off(int R, int r, int c) { return (c >> 3) * R * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4); }
 
 /* R rows of DP elements into a swizzled tile: row r from src + roff[r] (roff < 0: zeros). */
+/* d (NW columns) = A B^T over KT steps of 16 head-dim columns: A (64 rows at a, inside a tile
+ * of RA rows) and B (NW rows of a tile of RB rows) K-major swizzled tiles; a step is 32 bytes
+ * of a 128-byte swizzle row, the next 64-column block after four steps. */
+template <typename T, int NW, int KT, int RA, int RB>
+__device__ __forceinline__ void wg_ss_kmajor(float *d, const unsigned char *a, const unsigned char *b)
+{
+#pragma unroll
+    for (int kk = 0; kk < KT; kk++) {
+        const uint64_t da = wg_desc(a + (kk >> 2) * RA * 128 + (kk & 3) * 32, 16, 1024);
+        const uint64_t db = wg_desc(b + (kk >> 2) * RB * 128 + (kk & 3) * 32, 16, 1024);
+        wgmma_op<T, NW>::template ss<0>(d, da, db, kk > 0);
+    }
+}
+
+/* acc (DA columns) += P B: P as A fragments pa[NW / 16] (16 keys each), B MN-major (the head
+ * dim contiguous) in a tile of RB rows: 8-key row groups 1024 bytes apart, 64-column blocks
+ * RB * 128 bytes apart (O += P V, dQ += dS K). */
+template <typename T, int DA, int NW, int RB>
+__device__ __forceinline__ void wg_rs_mn(float *acc, const uint32_t (*pa)[4], const unsigned char *b)
+{
+#pragma unroll
+    for (int k2 = 0; k2 < NW / 16; k2++) wgmma_op<T, DA>::template rs<1>(acc, pa[k2], wg_desc(b + k2 * 16 * 128, RB * 128, 1024), 1);
+}
+
 template <typename T, int DP, int R, int NTHR>
 __device__ __forceinline__ void sw_load_rows(unsigned char *dst, const T *src, const int64_t *roff, int tid)
 {

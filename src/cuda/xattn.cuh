@@ -98,8 +98,6 @@ __device__ __forceinline__ void x_tile_keys(const xparams &P, int qlen, int klen
     *kmax = (int)(b1 < 0 ? -1 : b1);
 }
 
-/* Score of query row i (packed) and key row jp (packed) of (b, hq), natural units: the mask,
- * then cap(scale q.k) + bias; -inf when hidden. *dc: d score / d (scale q.k). */
 /* Score of a pair, natural units: cap(scale q.k) + mb, -inf when hidden (vis 0, or the mask:
  * mb = -inf). mb: the pair's bias (0 without) from the chunk's side table. *dc: d score /
  * d (scale q.k). */
@@ -109,9 +107,7 @@ __device__ __forceinline__ float x_pair(const xparams &P, float qk, int vis, flo
     if (!vis || mb == -INFINITY) return -INFINITY;
     float s = qk * P.scale;
     if (P.cap > 0.0f) {
-        /* tanh(x) = 1 - 2 / (e^2x + 1): a few instructions against tanhf's dozens, error
-         * ~1e-7 absolute (e^2x -> inf gives 1, -> 0 gives -1) */
-        const float t = 1.0f - __fdividef(2.0f, __expf(2.0f * __fdividef(s, P.cap)) + 1.0f);
+        const float t = tanh_fast(__fdividef(s, P.cap));
         s = P.cap * t;
         *dc = 1.0f - t * t;
     }
@@ -379,12 +375,8 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xpara
         float l = l_[x];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        float lse = l > 0.0f ? (m_[x] + log2f(l)) * NSA_LN2 : -INFINITY;
-        if (P.sinks) {
-            const float sk = P.sinks[hq * P.sinks_s], mx = lse > sk ? lse : sk;
-            if (mx != -INFINITY) lse = mx + logf(expf(lse - mx) + expf(sk - mx));
-        }
-        const float w = l > 0.0f ? expf((m_[x] + log2f(l)) * NSA_LN2 - lse) / l : 0.0f;
+        float lse;
+        const float w = sc_row_finish(m_[x], l, P.sinks, P.sinks_s, hq, &lse);
 #pragma unroll
         for (int dt = 0; dt < DP / 8; dt++) acc[dt][2 * x] *= w, acc[dt][2 * x + 1] *= w;
         ooff[x] = row[x] >= 0 ? b * P.o.s0 + row[x] * P.o.s1 + hq * P.o.s2 : -1;
