@@ -15,9 +15,11 @@ mkdir -p "$OUT"
 BIN="${NSA_PREBUILT:-build}"
 T="${PROF_T:-65536}"
 K="${KREGEX:-qtile|select_kernel|ktile}"
+# PROF_CMD: profile another program instead (e.g. "python3 bench/window_scan.py --W 64 --no-flex")
+read -r -a CMD <<< "${PROF_CMD:-$BIN/nsa_gpu_bench --T $T --profile}"
 case "${MODE:-durations}" in
 durations)
-    timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv "$BIN/nsa_gpu_bench" --T "$T" --profile > "$OUT/durations.csv" 2>&1
+    timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv "${CMD[@]}" > "$OUT/durations.csv" 2>&1
     echo "ncu rc $?"
     python3 - "$OUT/durations.csv" <<'PY'
 import csv, sys
@@ -41,14 +43,14 @@ metrics)
         M="$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"
     done
     timeout 400 ncu --clock-control none -k "regex:$K" --launch-skip "${SKIP:-0}" --launch-count "${NLAUNCH:-11}" --metrics "$M" \
-        "$BIN/nsa_gpu_bench" --T "$T" --profile > "$OUT/metrics.txt" 2>&1
+        "${CMD[@]}" > "$OUT/metrics.txt" 2>&1
     echo "ncu rc $?"
     grep -E "^  [a-z_ ]+.*\(|duration|inst_executed|stalled|hmma|issue_active|warps_active|hit_rate" "$OUT/metrics.txt" |
         sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio/ (stall cycles per issue)/' | cut -c1-140
     ;;
 sass)
     timeout 300 ncu --clock-control none -k "regex:$K" --launch-skip "${SKIP:-0}" --launch-count 1 --section SourceCounters \
-        --page source --print-source sass --csv "$BIN/nsa_gpu_bench" --T "${PROF_T:-16384}" --profile > "$OUT/sass.csv" 2>&1
+        --page source --print-source sass --csv "${CMD[@]}" > "$OUT/sass.csv" 2>&1
     echo "ncu rc $?"
     python3 - "$OUT/sass.csv" <<'PY'
 import csv, sys, collections

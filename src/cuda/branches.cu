@@ -208,9 +208,10 @@ static int qwg_class(const qparams *P)
     return 0;
 }
 
-/* The tensor maps of a wgmma tile's K / V chunks (box rows: its chunk of keys). */
+/* The tensor maps of a wgmma tile: K / V chunks (box rows: its chunk of keys), and in the
+ * forward Q's tile and O's half tiles (P->qbox / obox), indexed QWG_MAP_K .. QWG_MAP_O. */
 typedef struct qwg_maps {
-    CUtensorMap k, v;
+    CUtensorMap m[4];
 } qwg_maps;
 
 /* The sm_90a wgmma tile (hopper.cuh) takes a range-rule forward or dQ when the device is a
@@ -218,7 +219,7 @@ typedef struct qwg_maps {
  * every row is 16-byte aligned and the K / V tensor maps can be made (into m);
  * NSA_CUDA_WGMMA=0 in the environment keeps the mma.sync tile (for comparisons). Same
  * function either way: the sweep checks both against float64. */
-static int qwg_usable(grun *g, const qparams *P, nsa_dtype dt, int mode, int64_t KR, qwg_maps *m)
+static int qwg_usable(grun *g, qparams *P, nsa_dtype dt, int mode, int64_t KR, qwg_maps *m)
 {
     if (!qwg_env() || g->cc_major != 9) return 0;
     const int D = qwg_class(P), DV = D == 192 ? 128 : D;
@@ -228,8 +229,16 @@ static int qwg_usable(grun *g, const qparams *P, nsa_dtype dt, int mode, int64_t
     if (!qwg_ready(D)) return 0;
     const nsa_problem *p = g->p;
     const int bn = QWG_BN(mode);
-    if (!tmap_make(&m->k, &P->k, dt, p->B, KR, p->H, P->DK, bn)) return 0;
-    if (P->v.p && !tmap_make(&m->v, &P->v, dt, p->B, KR, p->H, P->DV, bn)) return 0;
+    memset(m, 0, sizeof *m);
+    if (!tmap_make(&m->m[QWG_MAP_K], &P->k, dt, p->B, KR, p->H, P->DK, bn)) return 0;
+    if (P->v.p && !tmap_make(&m->m[QWG_MAP_V], &P->v, dt, p->B, KR, p->H, P->DV, bn)) return 0;
+    /* the forward's Q tile as one box when 128 rows are whole positions, and each warpgroup's
+     * 64 rows of O as one when they are (O in q's dtype); otherwise cp.async / plain stores */
+    const int64_t G = p->G;
+    P->qbox = mode == MODE_FWD && G <= QWG_BM && QWG_BM % G == 0 &&
+              tmap_make_h(&m->m[QWG_MAP_Q], &P->q, dt, p->B, p->T, p->HQ, P->DK, (int)(QWG_BM / G), (int)G);
+    P->obox = mode == MODE_FWD && P->o.p && P->o.dt == (int)dt && G <= 64 && 64 % G == 0 &&
+              tmap_make_h(&m->m[QWG_MAP_O], &P->o, dt, p->B, p->T, p->HQ, P->DV, (int)(64 / G), (int)G);
     return 1;
 }
 
@@ -238,11 +247,10 @@ static void run_qwg(grun *g, const qparams *P, int mode, int64_t tiles, nsa_dtyp
 {
     if (!g_live(g) || tiles == 0) return;
     const int bf16 = dt == NSA_DTYPE_BF16;
-    const void *tv = P->v.p ? (const void *)&m->v : NULL;
     switch (qwg_class(P)) {
-    case 64: nsa_cu_qwg_64(g, P, mode, bf16, tiles, &m->k, tv); break;
-    case 128: nsa_cu_qwg_128(g, P, mode, bf16, tiles, &m->k, tv); break;
-    default: nsa_cu_qwg_192(g, P, mode, bf16, tiles, &m->k, tv); break;
+    case 64: nsa_cu_qwg_64(g, P, mode, bf16, tiles, m->m); break;
+    case 128: nsa_cu_qwg_128(g, P, mode, bf16, tiles, m->m); break;
+    default: nsa_cu_qwg_192(g, P, mode, bf16, tiles, m->m); break;
     }
 }
 

@@ -98,7 +98,9 @@ __device__ __forceinline__ void qwg_fwd_chunk(const qparams &P, const unsigned c
 
 template <int DKP, int DVP, typename T, int MODE>
 __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
-                                                     const __grid_constant__ CUtensorMap tv)
+                                                     const __grid_constant__ CUtensorMap tv,
+                                                     const __grid_constant__ CUtensorMap tq,
+                                                     const __grid_constant__ CUtensorMap to)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int BM = QWG_BM, BN = QWG_BN(MODE), NT = BN / 8, KT = DKP / 16, VT = DVP / 16, NTHR = 256, NS = QWG_NS(MODE);
@@ -116,6 +118,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
     int64_t *roff2 = roff + BM;                 /* [BM] dout rows (dQ mode) */
     uint64_t *full = (uint64_t *)(roff2 + BM);  /* [NS] K / V chunk landed */
     uint64_t *empty = full + NS;                /* [NS] both warpgroups done with the stage */
+    uint64_t *qfull = empty + NS;               /* Q's box landed (P.qbox) */
 
     /* warpgroup 0: the producer (one warp issues the K / V boxes); warpgroups 1, 2: the
      * consumers, 64 rows each (wg, warp, tid below count the consumers from 0) */
@@ -131,15 +134,22 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
     tile = (nrow_all + BM - 1) / BM - 1 - tile;
     const int64_t r0 = tile * BM;
     const int nrows = (int)(nrow_all - r0 < BM ? nrow_all - r0 : BM);
+    /* row r0 + r is head g of position pos: one 64-bit division here, 32-bit ones per row */
+    const int64_t pos0 = r0 / G;
+    const int g0 = (int)(r0 - pos0 * G), G32 = (int)G;
+    /* Q by TMA (the producer's first box) and O by TMA (each warpgroup's 64 rows when they
+     * are whole positions of this sequence): the forward's per-tile prologue and epilogue,
+     * 40% of a 512-key window tile's time when the consumers loaded Q and stored O */
+    const bool qbox = !DQ && P.qbox;
     const int is_cmp = P.rule.kind == RULE_CMP;
     const int nkeys = rule_nkeys(P.rule, sq);
     const int64_t key_row0 = is_cmp ? sq.cmp0 : sq.row0;
     const int has_v = DQ || P.v.p != nullptr;
 
-    for (int r = tid; r >= 0 && r < BM; r += NTHR) {
+    for (int r = tid; !qbox && r >= 0 && r < BM; r += NTHR) {
         int64_t off = -1, off2 = -1;
         if (r < nrows) {
-            const int64_t rr = r0 + r, pos = rr / G, g = rr % G;
+            const int64_t pos = pos0 + (g0 + r) / G32, g = (g0 + r) % G32;
             off = sq.b * P.q.s0 + (sq.row0 + pos) * P.q.s1 + (h * G + g) * P.q.s2;
             if (DQ) off2 = sq.b * P.dout.s0 + (sq.row0 + pos) * P.dout.s1 + (h * G + g) * P.dout.s2;
         }
@@ -155,8 +165,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
         const int r = warp * 16 + (lane >> 2) + x * 8;
         rlo[x] = 1, rhi[x] = 0, rl2[x] = INFINITY, rD[x] = 0.0f, rg[x] = 1.0f;
         if (r >= 0 && r < nrows) { /* (r < 0: the producer's threads) */
-            const int64_t rr = r0 + r;
-            const int pos = (int)(rr / G), g = (int)(rr % G);
+            const int pos = (int)pos0 + (g0 + r) / G32, g = (g0 + r) % G32;
             rule_bounds(P.rule, pos, nkeys, &rlo[x], &rhi[x]);
             if (DQ) {
                 const int64_t flat = (sq.b * P.T + sq.row0 + pos) * P.HQ + h * G + g;
@@ -170,8 +179,8 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
     int kmin = 0, kmax = -1;
     if (nrows > 0) {
         int lo0, hi0, lo1, hi1;
-        rule_bounds(P.rule, (int)(r0 / G), nkeys, &lo0, &hi0);
-        rule_bounds(P.rule, (int)((r0 + nrows - 1) / G), nkeys, &lo1, &hi1);
+        rule_bounds(P.rule, (int)pos0, nkeys, &lo0, &hi0);
+        rule_bounds(P.rule, (int)pos0 + (g0 + nrows - 1) / G32, nkeys, &lo1, &hi1);
         kmin = lo0;
         kmax = hi1;
     }
@@ -187,12 +196,19 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             mb_init(&full[i], 1);
             mb_init(&empty[i], NTHR);
         }
+        mb_init(qfull, 1);
         mb_init_fence();
     }
     __syncthreads(); /* barriers initialised */
     if (wg_all == 0) {
         regs_dec<WS_PREGS>();
         if (threadIdx.x != 0) return;
+        if (qbox) { /* 128 / G positions x G heads: rows past the tensor land as zeros */
+            mb_expect(qfull, QB);
+#pragma unroll
+            for (int cb = 0; cb < DKP / 64; cb++)
+                tma_load4(Qs + cb * BM * 128, &tq, cb * 64, h * G32, (int)(sq.row0 + pos0), (int)sq.b, qfull);
+        }
         for (int ci = 0; ci < nchunks; ci++) {
             const int st = ci % NS, c0 = kmin + ci * BN;
             if (ci >= NS) mb_wait(&empty[st], ((ci / NS) & 1) ^ 1);
@@ -208,13 +224,17 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
         return;
     }
     regs_inc<WS_CREGS>();
-    nb_sync(4); /* roff written */
-    sw_load_rows<T, DKP, BM, NTHR>(Qs, (const T *)P.q.p, roff, tid);
-    if (DQ) sw_load_rows<T, DVP, BM, NTHR>(Os, (const T *)P.dout.p, roff2, tid);
-    cp_commit();
-    cp_wait<0>();
-    fence_async_smem();
-    nb_sync(4); /* Q (dO) visible to both warpgroups' tensor cores */
+    if (qbox) {
+        mb_wait(qfull, 0);
+    } else {
+        nb_sync(4); /* roff written */
+        sw_load_rows<T, DKP, BM, NTHR>(Qs, (const T *)P.q.p, roff, tid);
+        if (DQ) sw_load_rows<T, DVP, BM, NTHR>(Os, (const T *)P.dout.p, roff2, tid);
+        cp_commit();
+        cp_wait<0>();
+        fence_async_smem();
+        nb_sync(4); /* Q (dO) visible to both warpgroups' tensor cores */
+    }
 
     /* forward: O [64 x DV] per warpgroup; dQ: dQ [64 x DK] */
     float acc[DA / 8][4];
@@ -271,7 +291,9 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
         mb_arrive(&empty[st]); /* this thread's reads of the stage are done */
     }
 
-    /* epilogue (as qtile's) */
+    /* epilogue: O into this warpgroup's rows of the Q tile (its last product that read them
+     * is done), then one TMA box per 64 columns; else per-thread stores as qtile's */
+    const bool obox = !DQ && P.obox && P.o.p && wg * 64 + 64 <= nrows;
 #pragma unroll
     for (int x = 0; x < 2; x++) {
         const int r = warp * 16 + (lane >> 2) + x * 8;
@@ -279,7 +301,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         if (r >= nrows) continue;
-        const int64_t rr = r0 + r, pos = rr / G, g = rr % G, hq = h * G + g;
+        const int64_t pos = pos0 + (g0 + r) / G32, g = (g0 + r) % G32, hq = h * G + g;
         if constexpr (DQ) {
             float *dq = P.dq + ((sq.b * P.T + sq.row0 + pos) * P.HQ + hq) * P.DK;
 #pragma unroll
@@ -292,7 +314,14 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
         }
         float lse;
         const float inv = sc_row_finish(m_[x], l, P.rule.sinks, P.rule.sinks_s, hq, &lse);
-        if (P.o.p) {
+        if (obox) {
+            /* 4 bytes of row r in its swizzled 16-byte chunk: the warp's 8 rows x 16 bytes
+             * fall in 8 different chunk slots (no bank conflicts) */
+#pragma unroll
+            for (int d = 0; d < DA / 8; d++)
+                *(uint32_t *)(Qs + (d >> 3) * BM * 128 + r * 128 + (((d & 7) ^ (r & 7)) << 4) + (lane & 3) * 4) =
+                    dtraits<T>::pack(acc[d][2 * x] * inv, acc[d][2 * x + 1] * inv);
+        } else if (P.o.p) {
             const int64_t ob = sq.b * P.o.s0 + (sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
             if (P.o.dt == NSA_DTYPE_F32) {
 #pragma unroll
@@ -310,6 +339,18 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
         }
         if ((lane & 3) == 0 && P.lse.p)
             ((float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + pos) * P.lse.s1 + hq * P.lse.s2] = lse;
+    }
+    if (obox) {
+        fence_async_smem(); /* this thread's O writes -> the copy engine */
+        nb_sync_wg(5 + wg);
+        if ((tid & 127) == 0) {
+#pragma unroll
+            for (int cb = 0; cb < DVP / 64; cb++)
+                tma_store4(&to, Qs + cb * BM * 128 + wg * 64 * 128, cb * 64, h * G32,
+                           (int)(sq.row0 + pos0 + (g0 + wg * 64) / G32), (int)sq.b);
+            tma_store_commit();
+            tma_store_wait_read(); /* the CTA's shared memory must outlive the copies' reads */
+        }
     }
 #endif
 }
@@ -1298,13 +1339,14 @@ static void launch_kwp_t(grun *g, const kparams *P, int64_t tiles, const void *m
 }
 
 template <int DKP, int DVP, typename T, int MODE>
-static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
+static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles, const void *maps)
 {
     const size_t smem = qwg_smem(DKP, DVP, MODE);
     g_check(g, cudaFuncSetAttribute(qwg_kernel<DKP, DVP, T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
+    const CUtensorMap *m = (const CUtensorMap *)maps;
     qwg_kernel<DKP, DVP, T, MODE><<<dim3((unsigned)tiles, (unsigned)P->H), 384, smem, g->st>>>(
-        *P, *(const CUtensorMap *)tk, *(const CUtensorMap *)(tv ? tv : tk));
+        *P, m[QWG_MAP_K], m[QWG_MAP_V], m[QWG_MAP_Q], m[QWG_MAP_O]);
     g_launched(g);
 }
 
@@ -1323,14 +1365,14 @@ static int qwg_ready_t()
 
 /* The forward / dQ tile of one head-dim class (DKP x DVP) */
 #define NSA_HOPPER_QWG_INSTANCE(DKP, DVP)                                                        \
-    void nsa_cu_qwg_##DKP(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv) \
+    void nsa_cu_qwg_##DKP(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *maps) \
     {                                                                                            \
         if (bf16) {                                                                              \
-            if (mode == MODE_FWD) launch_qwg_t<DKP, DVP, __nv_bfloat16, MODE_FWD>(g, P, tiles, tk, tv); \
-            else launch_qwg_t<DKP, DVP, __nv_bfloat16, MODE_DQ>(g, P, tiles, tk, tv);            \
+            if (mode == MODE_FWD) launch_qwg_t<DKP, DVP, __nv_bfloat16, MODE_FWD>(g, P, tiles, maps); \
+            else launch_qwg_t<DKP, DVP, __nv_bfloat16, MODE_DQ>(g, P, tiles, maps);            \
         } else {                                                                                 \
-            if (mode == MODE_FWD) launch_qwg_t<DKP, DVP, __half, MODE_FWD>(g, P, tiles, tk, tv); \
-            else launch_qwg_t<DKP, DVP, __half, MODE_DQ>(g, P, tiles, tk, tv);                   \
+            if (mode == MODE_FWD) launch_qwg_t<DKP, DVP, __half, MODE_FWD>(g, P, tiles, maps); \
+            else launch_qwg_t<DKP, DVP, __half, MODE_DQ>(g, P, tiles, maps);                   \
         }                                                                                        \
     }                                                                                            \
     int nsa_cu_qwg_ready_##DKP(void) { return qwg_ready_t<DKP, DVP>(); }

@@ -40,6 +40,9 @@ typedef struct qparams {
     int nw;                /* warps per CTA: tile rows = 16 * nw */
     int nst;               /* K/V buffers: 2 = double-buffered, 1 = single (less shared memory) */
     int bn;                /* keys per chunk: 64, or 32 (one-warp selected tiles) */
+    /* qwg forward: Q arrives as one TMA box of 128 / G positions x G heads (G divides 128), O
+     * leaves each warpgroup as one of 64 / G positions (G divides 64; O in q's dtype) */
+    int qbox, obox;
 } qparams;
 
 /* ktile: dK, dV of one branch into flat fp32 [B, KR, H, D] buffers (added to). */
@@ -127,13 +130,13 @@ void nsa_cu_select_192(grun *g, const sparams *P, int bf16, int64_t tiles);
 #define WS_PREGS 40
 #define WS_CREGS 232
 /* Shared memory of qwg_kernel<DKP, DVP, MODE>: 1 KB alignment slack, Q (and dO), the K and V
- * stages, row offsets, the stages' full / empty mbarriers. Must match the carving in the
+ * stages, row offsets, the stages' full / empty mbarriers and Q's. Must match the carving in the
  * kernel. */
 static inline size_t qwg_smem(int DKP, int DVP, int mode)
 {
     const size_t bn = QWG_BN(mode), ns = QWG_NS(mode);
     return 1024 + (size_t)QWG_BM * DKP * 2 + (mode == MODE_DQ ? (size_t)QWG_BM * DVP * 2 : 0) + ns * bn * (DKP + DVP) * 2 +
-           2 * QWG_BM * sizeof(int64_t) + 2 * ns * sizeof(uint64_t);
+           2 * QWG_BM * sizeof(int64_t) + (2 * ns + 1) * sizeof(uint64_t);
 }
 
 /* swg_kernel (hopper.cuh): positions per CTA (the wgmma rows) and compressed keys per pass;
@@ -189,9 +192,11 @@ void nsa_cu_sfw_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles
 void nsa_cu_swg_64(grun *g, const sparams *P, int bf16, int64_t tiles);
 void nsa_cu_swg_128(grun *g, const sparams *P, int bf16, int64_t tiles);
 void nsa_cu_swg_192(grun *g, const sparams *P, int bf16, int64_t tiles);
-void nsa_cu_qwg_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv);
-void nsa_cu_qwg_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv);
-void nsa_cu_qwg_192(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv); /* DK 192, DV 128 */
+void nsa_cu_qwg_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *maps);
+void nsa_cu_qwg_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *maps);
+void nsa_cu_qwg_192(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *maps); /* DK 192, DV 128 */
+/* (maps: four CUtensorMaps, QWG_MAP_K .. QWG_MAP_O; Q's and O's only read when P->qbox / obox) */
+enum { QWG_MAP_K = 0, QWG_MAP_V = 1, QWG_MAP_Q = 2, QWG_MAP_O = 3 };
 /* sm_90a dK / dV of the range rules (hopper.cuh), kparams as ktile */
 void nsa_cu_kwg_64(grun *g, const kparams *P, int bf16, int64_t tiles);
 void nsa_cu_kwg_128(grun *g, const kparams *P, int bf16, int64_t tiles);

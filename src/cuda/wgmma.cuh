@@ -39,6 +39,8 @@ __device__ __forceinline__ void fence_async_smem()
 /* Named barriers (ids 1..3; 0 is __syncthreads) between the two warpgroups of a CTA. */
 __device__ __forceinline__ void nb_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void nb_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
+/* ... and one warpgroup's own (128 threads) */
+__device__ __forceinline__ void nb_sync_wg(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
 
 /* wgmma shared-memory descriptor, 128-byte swizzle: start address, leading and stride byte
  * offsets (16-byte units, 14 bits each), layout type 1 = SWIZZLE_128B in bits 62-63. */
@@ -185,6 +187,32 @@ __device__ __forceinline__ void tma_load4(void *dst, const void *map, int c0, in
                      smem_addr(dst)),
                  "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
                  : "memory");
+#endif
+}
+
+/* shared memory at src (a box in the map's swizzled layout) to the box at coordinates (c0
+ * innermost .. c3) of a 4-D tensor map, as one bulk group of this thread; rows past the
+ * tensor are not written */
+__device__ __forceinline__ void tma_store4(const void *map, const void *src, int c0, int c1, int c2, int c3)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"((uint64_t)map),
+                 "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+#endif
+}
+/* close this thread's bulk stores into a group; wait until every group has read its shared
+ * memory (the writes to global memory complete on their own) */
+__device__ __forceinline__ void tma_store_commit()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void tma_store_wait_read()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 #endif
 }
 
