@@ -43,6 +43,7 @@ typedef struct qparams {
     /* qwg forward: Q arrives as one TMA box of 128 / G positions x G heads (G divides 128), O
      * leaves each warpgroup as one of 64 / G positions (G divides 64; O in q's dtype) */
     int qbox, obox;
+    int64_t tiles, tasks;  /* qwg: tiles per kv head, tiles x H (set by its launcher) */
 } qparams;
 
 /* ktile: dK, dV of one branch into flat fp32 [B, KR, H, D] buffers (added to). */
@@ -125,18 +126,24 @@ void nsa_cu_select_192(grun *g, const sparams *P, int bf16, int64_t tiles);
 
 /* K / V stages: 2 of 128 keys in the forward (three do not fit at DK 192), 3 of 64 for dQ */
 #define QWG_NS(mode) ((mode) == MODE_FWD ? 2 : 3)
+/* Q buffers of qwg: two in the forward at head dims <= 128 (the next task's Q lands during
+ * this one; at DK 192 they do not fit beside the stages), else one */
+#define QWG_NQ(mode, dkp) ((mode) == MODE_FWD && (dkp) <= 128 ? 2 : 1)
+/* bytes of one qwg_task (hopper.cuh; checked there) */
+#define QWG_TASK_BYTES 96
 /* Register budgets of the warp-specialised sm_90a kernels (qwg, kwp: 384 threads, one producer
  * and two consumer warpgroups; setmaxnreg: 128 x 40 + 256 x 232 <= 64k) */
 #define WS_PREGS 40
 #define WS_CREGS 232
 /* Shared memory of qwg_kernel<DKP, DVP, MODE>: 1 KB alignment slack, Q (and dO), the K and V
- * stages, row offsets, the stages' full / empty mbarriers and Q's. Must match the carving in the
+ * stages, row offsets, the stages' and Q buffers' full / empty mbarriers. Must match the carving in the
  * kernel. */
 static inline size_t qwg_smem(int DKP, int DVP, int mode)
 {
     const size_t bn = QWG_BN(mode), ns = QWG_NS(mode);
-    return 1024 + (size_t)QWG_BM * DKP * 2 + (mode == MODE_DQ ? (size_t)QWG_BM * DVP * 2 : 0) + ns * bn * (DKP + DVP) * 2 +
-           2 * QWG_BM * sizeof(int64_t) + (2 * ns + 1) * sizeof(uint64_t);
+    const size_t nq = QWG_NQ(mode, DKP);
+    return 1024 + nq * QWG_BM * DKP * 2 + (mode == MODE_DQ ? (size_t)QWG_BM * DVP * 2 : 0) + ns * bn * (DKP + DVP) * 2 +
+           2 * QWG_BM * sizeof(int64_t) + (2 * ns + 2 * nq) * sizeof(uint64_t) + nq * QWG_TASK_BYTES;
 }
 
 /* swg_kernel (hopper.cuh): positions per CTA (the wgmma rows) and compressed keys per pass;
