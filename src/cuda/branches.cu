@@ -208,8 +208,9 @@ static int qwg_class(const qparams *P)
     return 0;
 }
 
-/* The tensor maps of a wgmma tile: K / V chunks (box rows: its chunk of keys), and in the
- * forward Q's tile and O's half tiles (P->qbox / obox), indexed QWG_MAP_K .. QWG_MAP_O. */
+/* The tensor maps of a wgmma tile: K / V chunks (box rows: its chunk of keys), Q's tile
+ * (P->qbox), and O's half tiles in the forward (P->obox) or dO's tile in dQ (with qbox),
+ * indexed QWG_MAP_K .. QWG_MAP_O. */
 typedef struct qwg_maps {
     CUtensorMap m[4];
 } qwg_maps;
@@ -235,10 +236,13 @@ static int qwg_usable(grun *g, qparams *P, nsa_dtype dt, int mode, int64_t KR, q
     /* the forward's Q tile as one box when 128 rows are whole positions, and each warpgroup's
      * 64 rows of O as one when they are (O in q's dtype); otherwise cp.async / plain stores */
     const int64_t G = p->G;
-    P->qbox = mode == MODE_FWD && G <= QWG_BM && QWG_BM % G == 0 &&
+    P->qbox = G <= QWG_BM && QWG_BM % G == 0 &&
               tmap_make_h(&m->m[QWG_MAP_Q], &P->q, dt, p->B, p->T, p->HQ, P->DK, (int)(QWG_BM / G), (int)G);
-    P->obox = mode == MODE_FWD && P->o.p && P->o.dt == (int)dt && G <= 64 && 64 % G == 0 &&
-              tmap_make_h(&m->m[QWG_MAP_O], &P->o, dt, p->B, p->T, p->HQ, P->DV, (int)(64 / G), (int)G);
+    if (mode == MODE_DQ) /* dO's tile as Q's (the O map's slot) */
+        P->qbox = P->qbox && tmap_make_h(&m->m[QWG_MAP_O], &P->dout, dt, p->B, p->T, p->HQ, P->DV, (int)(QWG_BM / G), (int)G);
+    else
+        P->obox = P->qbox && P->o.p && P->o.dt == (int)dt && G <= 64 && 64 % G == 0 &&
+                  tmap_make_h(&m->m[QWG_MAP_O], &P->o, dt, p->B, p->T, p->HQ, P->DV, (int)(64 / G), (int)G);
     return 1;
 }
 

@@ -138,7 +138,7 @@ template <int DKP, int DVP, typename T, int MODE>
 __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
                                                      const __grid_constant__ CUtensorMap tv,
                                                      const __grid_constant__ CUtensorMap tq,
-                                                     const __grid_constant__ CUtensorMap to)
+                                                     const __grid_constant__ CUtensorMap to) /* dQ: dO's */
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int BM = QWG_BM, BN = QWG_BN(MODE), NT = BN / 8, KT = DKP / 16, VT = DVP / 16, NTHR = 256, NS = QWG_NS(MODE);
@@ -171,10 +171,10 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
     const int tid = (int)threadIdx.x - 128, warp = tid >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
     const int64_t G = P.G;
     const int G32 = (int)G;
-    /* Q by TMA (the producer's box) and O by TMA (each warpgroup's 64 rows when they are whole
-     * positions of the sequence): the forward's per-task prologue and epilogue were 40% of a
-     * 512-key window task when the consumers loaded Q and stored O themselves */
-    const bool qbox = !DQ && P.qbox;
+    /* Q (and dO) by TMA (the producer's boxes) and O by TMA (each warpgroup's 64 rows when they
+     * are whole positions of the sequence): the forward's per-task prologue and epilogue were
+     * 40% of a 512-key window task when the consumers loaded Q and stored O themselves */
+    const bool qbox = P.qbox;
     const int is_cmp = P.rule.kind == RULE_CMP;
     const int has_v = DQ || P.v.p != nullptr;
 
@@ -206,11 +206,16 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                 const int qb = it % NQ;
                 if (it >= NQ) mb_wait(&qempty[qb], ((it / NQ) & 1) ^ 1);
                 qtask[qb] = t; /* for the consumers, who see it once the phase completes */
-                mb_expect(&qfull[qb], QB);
+                mb_expect(&qfull[qb], QB + (DQ ? OB : 0));
 #pragma unroll
                 for (int cb = 0; cb < DKP / 64; cb++)
                     tma_load4(Qall + qb * QB + cb * BM * 128, &tq, cb * 64, t.h * G32, (int)(t.sq.row0 + t.pos0),
                               (int)t.sq.b, &qfull[qb]);
+                if (DQ)
+#pragma unroll
+                    for (int cb = 0; cb < DVP / 64; cb++)
+                        tma_load4(Os + cb * BM * 128, &to, cb * 64, t.h * G32, (int)(t.sq.row0 + t.pos0), (int)t.sq.b,
+                                  &qfull[qb]);
             }
             for (int c = 0; c < t.nchunks; c++, ci++) {
                 const int st = ci % NS, c0 = t.kmin + c * BN;
@@ -235,8 +240,11 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
     int store_qb = -1;
     for (int64_t task = blockIdx.x; task < P.tasks; task += gridDim.x, it++) {
         const int qb = it % NQ;
-        if (qbox) mb_wait(&qfull[qb], (it / NQ) & 1); /* Q and its task landed */
-        const qwg_task t = qbox ? qtask[qb] : qwg_task_of<BM, BN>(P, task);
+        /* with two Q buffers the producer runs a task ahead and hands over its record; with one
+         * the consumers work it out themselves and start their row loads before Q lands */
+        constexpr bool ahead = NQ > 1;
+        if (qbox && ahead) mb_wait(&qfull[qb], (it / NQ) & 1); /* Q and its task landed */
+        const qwg_task t = qbox && ahead ? qtask[qb] : qwg_task_of<BM, BN>(P, task);
         const seqinfo sq = t.sq;
         const int h = t.h, nrows = t.nrows, g0 = t.g0;
         const int64_t pos0 = t.pos0;
@@ -262,7 +270,9 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             }
         }
 
-        if (!qbox) { /* Q (and dO), gathered rows, by the consumers' cp.async */
+        if (qbox) {
+            if (!ahead) mb_wait(&qfull[qb], (it / NQ) & 1);
+        } else { /* Q (and dO), gathered rows, by the consumers' cp.async */
             if (it > 0) nb_sync(4); /* both warpgroups done with the previous task's Q and rows */
             for (int r = tid; r < BM; r += NTHR) {
                 int64_t off = -1, off2 = -1;

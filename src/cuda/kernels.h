@@ -40,8 +40,9 @@ typedef struct qparams {
     int nw;                /* warps per CTA: tile rows = 16 * nw */
     int nst;               /* K/V buffers: 2 = double-buffered, 1 = single (less shared memory) */
     int bn;                /* keys per chunk: 64, or 32 (one-warp selected tiles) */
-    /* qwg forward: Q arrives as one TMA box of 128 / G positions x G heads (G divides 128), O
-     * leaves each warpgroup as one of 64 / G positions (G divides 64; O in q's dtype) */
+    /* qwg: Q (and dO in dQ) arrives as one TMA box of 128 / G positions x G heads (G divides
+     * 128); forward O leaves each warpgroup as one of 64 / G positions (G divides 64; O in q's
+     * dtype) */
     int qbox, obox;
     int64_t tiles, tasks;  /* qwg: tiles per kv head, tiles x H (set by its launcher) */
 } qparams;
@@ -202,7 +203,8 @@ void nsa_cu_swg_192(grun *g, const sparams *P, int bf16, int64_t tiles);
 void nsa_cu_qwg_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *maps);
 void nsa_cu_qwg_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *maps);
 void nsa_cu_qwg_192(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *maps); /* DK 192, DV 128 */
-/* (maps: four CUtensorMaps, QWG_MAP_K .. QWG_MAP_O; Q's and O's only read when P->qbox / obox) */
+/* (maps: four CUtensorMaps, QWG_MAP_K .. QWG_MAP_O; Q's and O's (dO's in dQ) only read when
+ * P->qbox / obox) */
 enum { QWG_MAP_K = 0, QWG_MAP_V = 1, QWG_MAP_Q = 2, QWG_MAP_O = 3 };
 /* sm_90a dK / dV of the range rules (hopper.cuh), kparams as ktile */
 void nsa_cu_kwg_64(grun *g, const kparams *P, int bf16, int64_t tiles);
