@@ -518,7 +518,7 @@ static void dkdv_params(kparams *P, const nsa_problem *p, const bwd_io *io)
     P->sl2 = p->scale * NSA_LOG2E;
 }
 
-void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
+int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
 {
     const nsa_problem *p = g->p;
     if (!io->D_ready) nsa_cu_dprep(g, io->dout, io->o, io->gate, io->Dw, io->gate ? io->gw : NULL, p->B, p->T, p->HQ, p->DV);
@@ -533,6 +533,14 @@ void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     unitspec uq = {UK_ROWS, p->G, wg ? QWG_BM : 64, 0, 0};
     int64_t qtiles;
     Q.sm = g_seqmap(g, uq, &qtiles);
+    /* dq written once, in its own dtype, by the task that owns its rows: no fp32 buffer to
+     * zero, add into and convert (2 + 4 + 3 bytes per element of traffic at HQ 64, 64k) */
+    const int direct = wg && io->dq_out && io->dq_out->al && (io->dq_out->dt == (int)io->dt || io->dq_out->dt == NSA_DTYPE_F32);
+    if (direct) {
+        Q.dqo = *io->dq_out;
+    } else if (io->dq_out) {
+        g_zero(g, io->dq32, (size_t)(p->B * p->T * p->HQ * p->DK) * sizeof(float));
+    }
     if (wg) {
         run_qwg(g, &Q, MODE_DQ, qtiles, io->dt, &maps);
     } else {
@@ -581,6 +589,7 @@ void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
         const seqmap tm = g_seqmap(g, ut, &ntiles);
         nsa_cu_seg_reduce(g, &K, tm, ntiles);
     }
+    return direct;
 }
 
 void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt, int64_t m)

@@ -38,8 +38,12 @@ typedef struct bwd_io {
     float *Dw, *gw, *dq32, *dk32, *dv32;
     int64_t KR;
     int D_ready;
+    /* non-NULL: this rule is dq's only term; dq32 comes unzeroed, and cu_bwd_range either
+     * writes dq_out itself (the wgmma dQ tile: returns 1) or zeroes dq32 and adds into it as
+     * usual (returns 0; the caller stores it). NULL: dq32 is zeroed and shared (returns 0). */
+    const dview *dq_out;
 } bwd_io;
-void cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io);
+int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io);
 void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt, int64_t m);
 
 /* The attention op with options (xattn.cu): any of Tq != Tk, varlen_qk, softcap, sinks,

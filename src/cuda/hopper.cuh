@@ -365,6 +365,17 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             if (r >= nrows) continue;
             const int64_t pos = pos0 + (g0 + r) / G32, g = (g0 + r) % G32, hq = h * G + g;
             if constexpr (DQ) {
+                if (P.dqo.p) { /* the only term of dq: written once, in its own dtype */
+                    const int64_t qo = sq.b * P.dqo.s0 + (sq.row0 + pos) * P.dqo.s1 + hq * P.dqo.s2;
+#pragma unroll
+                    for (int d = 0; d < DA / 8; d++) {
+                        const int col = d * 8 + 2 * (lane & 3);
+                        const float a0 = acc[d][2 * x] * P.scale, a1 = acc[d][2 * x + 1] * P.scale;
+                        if (P.dqo.dt == NSA_DTYPE_F32) *(float2 *)((float *)P.dqo.p + qo + col) = make_float2(a0, a1);
+                        else *(uint32_t *)((T *)P.dqo.p + qo + col) = dtraits<T>::pack(a0, a1);
+                    }
+                    continue;
+                }
                 float *dq = P.dq + ((sq.b * P.T + sq.row0 + pos) * P.HQ + hq) * P.DK;
 #pragma unroll
                 for (int d = 0; d < DA / 8; d++) {

@@ -45,6 +45,7 @@ typedef struct qparams {
      * dtype) */
     int qbox, obox;
     int64_t tiles, tasks;  /* qwg: tiles per kv head, tiles x H (set by its launcher) */
+    dview dqo;             /* qwg dQ: .p set = write dq here (q's dtype or f32) instead of adding into dq */
 } qparams;
 
 /* ktile: dK, dV of one branch into flat fp32 [B, KR, H, D] buffers (added to). */

@@ -72,12 +72,12 @@ static void range_bwd_op(grun *g, const rule_t *r, const nsa_tensor *q_t, const 
     io.q = &q, io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.dout = &dout, io.dt = q_t->dtype;
     io.KR = KR;
     io.Dw = cu_take_f32(g, p->B * p->T * p->HQ, 0);
-    io.dq32 = cu_take_f32(g, p->B * p->T * p->HQ * p->DK, 1);
+    io.dq32 = cu_take_f32(g, p->B * p->T * p->HQ * p->DK, 0); /* zeroed by cu_bwd_range if it adds */
     io.dk32 = cu_take_f32(g, p->B * KR * p->H * p->DK, 1);
     io.dv32 = cu_take_f32(g, p->B * KR * p->H * p->DV, 1);
-    cu_bwd_range(g, r, &io);
     const dview dq = dv_of(dq_t), dk = dv_of(dk_t), dv = dv_of(dv_t);
-    nsa_cu_store32(g, io.dq32, &dq, p->B, p->T, p->HQ, p->DK);
+    io.dq_out = &dq;
+    if (!cu_bwd_range(g, r, &io)) nsa_cu_store32(g, io.dq32, &dq, p->B, p->T, p->HQ, p->DK);
     nsa_cu_store32(g, io.dk32, &dk, p->B, KR, p->H, p->DK);
     nsa_cu_store32(g, io.dv32, &dv, p->B, KR, p->H, p->DV);
 }
