@@ -9,26 +9,11 @@ visible pairs (T^2 / 2 causal): 4 * HQ * D per pair forward, 2.5x that backward.
 row per option and the GPU it ran on.
 """
 import argparse
-import statistics
 
 import torch
 
 import nsa
-
-
-def timed(fn, reps):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from cuda_timing import median_ms  # bench/cuda_timing.py (this folder is on sys.path when run as a script)
 
 
 def main():
@@ -70,7 +55,7 @@ def main():
         if tq != T:
             p = tq * T - tq * (tq - 1) / 2
         f = lambda: nsa.attention(qx, k, v, causal=True, **opts)
-        tf = timed(f, a.reps)
+        tf = median_ms(f, a.reps)
         qq, kk, vv = (x.detach().requires_grad_() for x in (qx, k, v))
         dout = torch.randn_like(qx[..., :D])
 
@@ -78,7 +63,7 @@ def main():
             r = nsa.attention(qq, kk, vv, causal=True, **opts)
             r.o.backward(dout)
 
-        tb = timed(fb, a.reps)
+        tb = median_ms(fb, a.reps)
         print(f"{name:28s} {tf:9.2f} {4 * HQ * D * p / tf / 1e9:6.0f} {tb:11.2f} {3.5 * 4 * HQ * D * p / tb / 1e9:6.0f}")
 
 

@@ -5,9 +5,10 @@ warm-up, median of --reps, the best size reported.
     python3 bench/matmul_peak.py [--sizes 4096,8192,16384] [--reps 20]
 """
 import argparse
-import statistics
 
 import torch
+
+from cuda_timing import median_ms  # bench/cuda_timing.py
 
 
 def main():
@@ -21,18 +22,7 @@ def main():
     for n in [int(x) for x in a.sizes.split(",")]:
         x = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
         y = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-        for _ in range(5):
-            torch.matmul(x, y)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(a.reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            torch.matmul(x, y)
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e))
-        ms = statistics.median(ts)
+        ms = median_ms(lambda: torch.matmul(x, y), a.reps, warmup=5)
         tf = 2.0 * n ** 3 / ms / 1e9
         best = max(best, tf)
         print("  %6d x %-6d %8.3f ms  %6.1f TFLOP/s" % (n, n, ms, tf))

@@ -11,26 +11,11 @@ the 128-key chunks one tile of 128 / G positions walks (a: the tile's fixed cost
 chunk's), by least squares over the rows.
 """
 import argparse
-import statistics
 
 import torch
 
 import nsa
-
-
-def timed(fn, reps):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from cuda_timing import median_ms  # bench/cuda_timing.py (this folder is on sys.path when run as a script)
 
 
 def visible_pairs(T, W):
@@ -72,7 +57,7 @@ def main():
     xs, ys = [], []
     for W in [int(x) for x in a.W.split(",")]:
         flops = 4.0 * HQ * D * visible_pairs(T, W)
-        t_nsa = timed(lambda: nsa.attention(q, k, v, causal=True, window=(W - 1, 0)), a.reps)
+        t_nsa = median_ms(lambda: nsa.attention(q, k, v, causal=True, window=(W - 1, 0)), a.reps)
         chunks = (W - 1 + pos_per_tile + 127) // 128
         xs.append(chunks)
         ys.append(t_nsa)
@@ -82,7 +67,7 @@ def main():
                 def swa(b, h, qi, ki, W=W):
                     return (qi >= ki) & (qi - ki < W)
                 bm = create_block_mask(swa, B=None, H=None, Q_LEN=T, KV_LEN=T, device=dev)
-                t_flex = timed(lambda: flex(qf, kf, vf, block_mask=bm, enable_gqa=True), a.reps)
+                t_flex = median_ms(lambda: flex(qf, kf, vf, block_mask=bm, enable_gqa=True), a.reps)
             except Exception as e:  # noqa: BLE001
                 print("flex W=%d failed: %s" % (W, str(e).splitlines()[0][:160]))
         print("%6d %7d %10.3f %9.1f %10s %9s %9s" % (

@@ -121,6 +121,13 @@ __device__ __forceinline__ int sc_chunk_whole(int c0, int c1, int width, const i
     return __all_sync(0xffffffffu, w);
 }
 
+/* A row's sum over the four lanes that hold its columns (the accumulator layout above). */
+__device__ __forceinline__ float sc_quad_sum(float v)
+{
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
 /* A finished forward row: lse from the running max m2 (log2 domain) and this row's sum l; with
  * a sink (sinks[hq * sinks_s]; sinks NULL: none), lse = log(l e^m + e^sink). @return o's
  * multiplier (1 / l, times e^(lse without the sink - lse)); 0 for a row that saw no key. */
@@ -537,9 +544,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 #pragma unroll
     for (int x = 0; x < 2; x++) {
         const int r = warp * 16 + (lane >> 2) + x * 8;
-        float l = l_[x];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float l = sc_quad_sum(l_[x]);
         if (r >= nrows) continue;
         const int64_t rr = r0 + r, pos = rr / G, g = rr % G, hq = h * G + g;
         if constexpr (MODE == MODE_FWD) {

@@ -359,9 +359,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
 #pragma unroll
         for (int x = 0; x < 2; x++) {
             const int r = warp * 16 + (lane >> 2) + x * 8;
-            float l = l_[x];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float l = sc_quad_sum(l_[x]);
             if (r >= nrows) continue;
             const int64_t pos = pos0 + (g0 + r) / G32, g = (g0 + r) % G32, hq = h * G + g;
             if constexpr (DQ) {
@@ -1344,11 +1342,7 @@ __global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __g
     for (int x = 0; x < 2; x++) {
         const int64_t hq = h * G + g0 + (lane >> 2) + x * 8;
         if ((lane >> 2) + x * 8 >= rows) { /* padding rows: nothing to write (shuffles below stay uniform) */
-            if constexpr (!DQ) {
-                float l = l_[x];
-                l += __shfl_xor_sync(0xffffffffu, l, 1);
-                l += __shfl_xor_sync(0xffffffffu, l, 2);
-            }
+            if constexpr (!DQ) (void)sc_quad_sum(l_[x]);
             continue;
         }
         if constexpr (DQ) {
@@ -1360,9 +1354,7 @@ __global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __g
                 *q2 = make_float2(o.x + acc[d][2 * x] * P.scale, o.y + acc[d][2 * x + 1] * P.scale);
             }
         } else {
-            float l = l_[x];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float l = sc_quad_sum(l_[x]);
             float lse;
             const float inv = sc_row_finish(m_[x], l, nullptr, 0, hq, &lse);
             const int64_t ob = sq.b * P.o.s0 + (sq.row0 + t) * P.o.s1 + hq * P.o.s2;

@@ -372,9 +372,7 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xpara
     /* o = acc / l rescaled to the final lse; lse = log(l e^m + e^sink) */
     int64_t ooff[2];
     for (int x = 0; x < 2; x++) {
-        float l = l_[x];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float l = sc_quad_sum(l_[x]);
         float lse;
         const float w = sc_row_finish(m_[x], l, P.sinks, P.sinks_s, hq, &lse);
 #pragma unroll
