@@ -755,6 +755,15 @@ static void test_long_cases(void)
     memcpy(c.qlens, ql, sizeof ql), memcpy(c.klens, kl, sizeof kl);
     c.causal = 1, c.sinks = 1, c.bias = PAIR_1H, c.dbias = 1, c.p = 0.15f, c.seed = 12;
     run_case(&c, seed++);
+    /* the persistent window forward (more tasks than SMs, two Q buffers): a partial last tile
+     * per sequence (1100 positions x 16 heads), and Tq > Tk, where the tasks of the first 800
+     * positions have no key chunk (rows that see nothing: o = 0, lse = -inf) */
+    c = shape("long: persistent window, partial tiles", 2, 1100, 1100, 32, 2, 64, 64);
+    c.dt = NSA_DTYPE_BF16, c.causal = 1, c.wl = 63;
+    run_case(&c, seed++);
+    c = shape("long: persistent window, Tq > Tk", 2, 1100, 300, 32, 2, 128, 128);
+    c.dt = NSA_DTYPE_BF16, c.causal = 1, c.wl = 63;
+    run_case(&c, seed++);
     g_check_threads = 1;
     c = shape("long: determinism, broadcast dbias", 3, 200, 130, 4, 2, 64, 32);
     c.dt = NSA_DTYPE_BF16, c.softcap = 3.0f, c.sinks = 1, c.bias = PAIR_11, c.dbias = 1, c.p = 0.3f, c.seed = 8;

@@ -431,6 +431,14 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                 }
             }
         }
+        if (store_qb >= 0 && store_qb != qb) {
+            /* an earlier task's stores still pending (this task had no chunk and stored nothing):
+             * released now, or the producer could wait on that buffer for the task after next
+             * while this thread waits on the producer */
+            tma_store_wait_read();
+            mb_arrive(&qempty[store_qb]);
+            store_qb = -1;
+        }
         if (qbox && store_qb != qb) mb_arrive(&qempty[qb]); /* this thread is done with the Q buffer */
     }
     if (store_qb >= 0) tma_store_wait_read(); /* the CTA's shared memory outlives the stores' reads */
