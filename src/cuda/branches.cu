@@ -276,6 +276,8 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     qwg_maps maps;
     const int64_t KR = rule->kind == RULE_CMP ? p->cmp_rows : p->Tk; /* key rows (Tk == T but for attention) */
     const int wg = !g->dry && qwg_usable(g, &P, dt, MODE_FWD, KR, &maps);
+    P.ctr = (int *)g_take(g, sizeof(int)); /* (both passes: the workspace layout) */
+    if (wg) g_zero(g, P.ctr, sizeof(int));
     P.nw = 4;
     P.nst = 2;
     P.bn = 64;

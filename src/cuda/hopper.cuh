@@ -163,10 +163,11 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
 
     /* warpgroup 0: the producer (one warp issues the Q and K / V boxes); warpgroups 1, 2: the
      * consumers, 64 rows each (wg, warp, tid below count the consumers from 0). The CTA walks
-     * tasks blockIdx.x, + gridDim.x, ...: one each when the grid covers them, or persistent
-     * (window rules, whose tasks cost the same), where the producer runs ahead across tasks:
-     * the chunk count ci and the task count it, over the whole walk, give the stages' and Q
-     * buffers' phases. */
+     * tasks blockIdx.x, + gridDim.x, ...: one each when the grid covers them; or, persistent
+     * (P.dyn: one CTA per SM), blockIdx.x and then the next unclaimed task of a counter, in
+     * order (heaviest first), handed to the consumers with the Q buffer, a record with h < 0
+     * ending the walk. The producer runs ahead across tasks: the chunk count ci and the task
+     * count it, over the whole walk, give the stages' and Q buffers' phases. */
     const int wg_all = threadIdx.x >> 7;
     const int tid = (int)threadIdx.x - 128, warp = tid >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
     const int64_t G = P.G;
@@ -199,13 +200,21 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
         regs_dec<WS_PREGS>();
         if (threadIdx.x != 0) return;
         int ci = 0, it = 0;
-        for (int64_t task = blockIdx.x; task < P.tasks; task += gridDim.x, it++) {
-            const qwg_task t = qwg_task_of<BM, BN>(P, task);
+        for (int64_t task = blockIdx.x;; it++) {
+            const bool done = task >= P.tasks;
+            if (done && !P.dyn) break;
+            qwg_task t = {};
+            if (!done) t = qwg_task_of<BM, BN>(P, task);
+            else t.h = -1;
             const int64_t key_row0 = is_cmp ? t.sq.cmp0 : t.sq.row0;
             if (qbox) { /* 128 / G positions x G heads: rows past the tensor land as zeros */
                 const int qb = it % NQ;
                 if (it >= NQ) mb_wait(&qempty[qb], ((it / NQ) & 1) ^ 1);
                 qtask[qb] = t; /* for the consumers, who see it once the phase completes */
+                if (done) { /* the end of a persistent walk */
+                    mb_arrive(&qfull[qb]);
+                    break;
+                }
                 mb_expect(&qfull[qb], QB + (DQ ? OB : 0));
 #pragma unroll
                 for (int cb = 0; cb < DKP / 64; cb++)
@@ -230,6 +239,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                         tma_load4(Vs + st * VB + cb * BN * 128, &tv, cb * 64, t.h, (int)(key_row0 + c0), (int)t.sq.b,
                                   &full[st]);
             }
+            task = P.dyn ? (int64_t)atomicAdd(P.ctr, 1) + gridDim.x : task + gridDim.x;
         }
         return;
     }
@@ -238,12 +248,14 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
     /* the Q buffer whose O this thread's TMA stores still read: with two buffers, released
      * under the next task's first chunk instead of waiting for the reads at the task's end */
     int store_qb = -1;
-    for (int64_t task = blockIdx.x; task < P.tasks; task += gridDim.x, it++) {
+    for (int64_t task = blockIdx.x;; task += gridDim.x, it++) {
+        if (!P.dyn && task >= P.tasks) break;
         const int qb = it % NQ;
         /* with two Q buffers the producer runs a task ahead and hands over its record; with one
          * the consumers work it out themselves and start their row loads before Q lands */
         constexpr bool ahead = NQ > 1;
         if (qbox && ahead) mb_wait(&qfull[qb], (it / NQ) & 1); /* Q and its task landed */
+        if (P.dyn && qtask[qb].h < 0) break; /* (P.dyn: qbox and two buffers) */
         const qwg_task t = qbox && ahead ? qtask[qb] : qwg_task_of<BM, BN>(P, task);
         const seqinfo sq = t.sq;
         const int h = t.h, nrows = t.nrows, g0 = t.g0;
@@ -1432,13 +1444,11 @@ static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles, const void *m
     qparams Pl = *P;
     Pl.tiles = tiles;
     Pl.tasks = tiles * P->H;
-    /* persistent (one CTA per SM walking the tasks) when they cost about the same: a window
-     * bounded on both sides and short next to the sequence (static striding would leave
-     * causal tasks unbalanced), in the forward with Q by TMA into two buffers */
+    /* persistent (one CTA per SM, tasks claimed from the zeroed counter P->ctr in order, the
+     * heaviest first) in the forward with Q by TMA into two buffers */
     int64_t grid = Pl.tasks;
-    const rule_t &r = P->rule;
-    if (MODE == MODE_FWD && QWG_NQ(MODE, DKP) == 2 && P->qbox && r.kind == RULE_WIN && r.wl >= 0 && r.wl * 8 <= P->T &&
-        (r.causal || (r.wr >= 0 && r.wr * 8 <= P->T))) {
+    Pl.dyn = MODE == MODE_FWD && QWG_NQ(MODE, DKP) == 2 && P->qbox && P->ctr;
+    if (Pl.dyn) {
         int dev = 0, sms = 0;
         g_check(g, cudaGetDevice(&dev));
         g_check(g, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));

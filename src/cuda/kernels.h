@@ -46,6 +46,8 @@ typedef struct qparams {
     int qbox, obox;
     int64_t tiles, tasks;  /* qwg: tiles per kv head, tiles x H (set by its launcher) */
     dview dqo;             /* qwg dQ: .p set = write dq here (q's dtype or f32) instead of adding into dq */
+    int *ctr;              /* qwg forward: zeroed task counter of a persistent walk (NULL: none) */
+    int dyn;               /* (set by the launcher: the walk is persistent) */
 } qparams;
 
 /* ktile: dK, dV of one branch into flat fp32 [B, KR, H, D] buffers (added to). */
