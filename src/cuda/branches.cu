@@ -562,8 +562,8 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
          * tasks (8 .. 64 per tile; the same in both passes). Tile t has work only in the
          * segments its queries reach, so with 8 key tiles (fla's l = d = 64 at 64k) and 8
          * segments, 144 tasks of equal size ran in two waves on 132 SMs */
-        const int64_t nc = p->T >= p->cfg.cmp_len ? (p->T - p->cfg.cmp_len) / p->cfg.cmp_stride + 1 : 0;
-        const int64_t tiles128 = (nc + KWG_BK - 1) / KWG_BK;
+        const unitspec u128 = {UK_CMP_TILES_X, 1, KWG_BK, p->cfg.cmp_len, p->cfg.cmp_stride};
+        const int64_t tiles128 = seq_units(u128, p->T); /* key tiles of 128 of the longest sequence */
         K.nseg = 8;
         while (K.nseg < 64 && tiles128 * K.nseg * p->H < 1024) K.nseg *= 2;
         uk.kind = UK_CMP_TILES_X, uk.a = K.nseg, uk.b = K.bk, uk.cl = p->cfg.cmp_len, uk.cd = p->cfg.cmp_stride;

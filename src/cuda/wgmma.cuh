@@ -54,7 +54,6 @@ __device__ __forceinline__ uint64_t wg_desc(const void *p, uint32_t lbo, uint32_
 /* Byte offset of 16-byte chunk c of row r in a swizzled tile of R rows. */
 __device__ __forceinline__ int sw_off(int R, int r, int c) { return (c >> 3) * R * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4); }
 
-/* R rows of DP elements into a swizzled tile: row r from src + roff[r] (roff < 0: zeros). */
 /* d (NW columns) = A B^T over KT steps of 16 head-dim columns: A (64 rows at a, inside a tile
  * of RA rows) and B (NW rows of a tile of RB rows) K-major swizzled tiles; a step is 32 bytes
  * of a 128-byte swizzle row, the next 64-column block after four steps. */
@@ -79,6 +78,7 @@ __device__ __forceinline__ void wg_rs_mn(float *acc, const uint32_t (*pa)[4], co
     for (int k2 = 0; k2 < NW / 16; k2++) wgmma_op<T, DA>::template rs<1>(acc, pa[k2], wg_desc(b + k2 * 16 * 128, RB * 128, 1024), 1);
 }
 
+/* R rows of DP elements into a swizzled tile: row r from src + roff[r] (roff < 0: zeros). */
 template <typename T, int DP, int R, int NTHR>
 __device__ __forceinline__ void sw_load_rows(unsigned char *dst, const T *src, const int64_t *roff, int tid)
 {
