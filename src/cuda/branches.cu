@@ -392,16 +392,23 @@ static int select_jc(const nsa_config *c, int nk, int cap)
 
 /* The sm_90a selection (hopper.cuh swg_kernel) when the device, the binary, the head dim
  * (exactly 64, 128 or 192), the row alignment and the sizes allow it (a pass's keys fit
- * SWG_NK, n <= 32 for its register lists); NSA_CUDA_WGMMA=0 keeps select_kernel.
- * Returns whether it ran. Never in the dry pass: a sequence map takes the same workspace for
- * any tile height, so select_kernel's sizes the workspace for both. */
+ * SWG_NK, n <= 32 for its register lists) and the Q / K tensor maps can be made;
+ * NSA_CUDA_WGMMA=0 keeps select_kernel. Returns whether it ran. Never in the dry pass: a
+ * sequence map takes the same workspace for any tile height, so select_kernel's sizes the
+ * workspace for both. */
 static int swg_try(grun *g, sparams *P, nsa_dtype dt)
 {
     const nsa_problem *p = g->p;
     const int D = P->DK;
     if (g->dry || !qwg_env() || g->cc_major != 9 || (D != 64 && D != 128 && D != 192) || !P->q.al || !P->k.al) return 0;
     const int jc = select_jc(&p->cfg, SWG_NK, 64);
-    if (jc < 1 || P->n > 32 || swg_smem(D, jc, P->n <= 16 ? 16 : 32) > (size_t)g->smem_max || !qwg_ready(D)) return 0;
+    if (jc < 1 || P->n > 32 || P->G > INT_MAX / SWG_BP ||
+        swg_smem(D, jc, P->n <= 16 ? 16 : 32, (int)P->G) > (size_t)g->smem_max || !qwg_ready(D))
+        return 0;
+    CUtensorMap maps[2];
+    if (!tmap_make(&maps[0], &P->q, dt, p->B, p->T, p->HQ, D, SWG_BP) ||
+        !tmap_make(&maps[1], &P->k, dt, p->B, p->cmp_rows, p->H, D, SWG_NK))
+        return 0;
     P->JC = jc;
     unitspec u = {UK_ROWS, 1, SWG_BP, 0, 0};
     int64_t tiles;
@@ -409,9 +416,9 @@ static int swg_try(grun *g, sparams *P, nsa_dtype dt)
     if (!g_live(g) || tiles == 0) return 1;
     const int bf16 = dt == NSA_DTYPE_BF16;
     switch (D) {
-    case 64: nsa_cu_swg_64(g, P, bf16, tiles); break;
-    case 128: nsa_cu_swg_128(g, P, bf16, tiles); break;
-    default: nsa_cu_swg_192(g, P, bf16, tiles); break;
+    case 64: nsa_cu_swg_64(g, P, bf16, tiles, maps); break;
+    case 128: nsa_cu_swg_128(g, P, bf16, tiles, maps); break;
+    default: nsa_cu_swg_192(g, P, bf16, tiles, maps); break;
     }
     return 1;
 }

@@ -884,11 +884,15 @@ __device__ __forceinline__ uint64_t swg_key(int f, float v, int j)
 }
 
 /* One pass of the top-n for the 32 positions of a warp (lane = position pp, list in keys
- * [NR][SWG_BP], best first, zeros = empty): the list in registers, and every candidate that
- * beats some lane's last entry goes through a branchless insertion network, L[i] =
- * max(L[i], min(c, L[i - 1])), a no-op for the lanes it does not beat. Keeping the top NR >= n
- * keeps the top n. (A warp per position merging by rank counts took 8 of the 17 ms of the
- * selection at 64k; one thread per position shifting a shared-memory list, 7.) */
+ * [NR][SWG_BP], best first, zeros = empty): the list in registers; each lane scans its own
+ * candidates for the next one that beats its last entry (a compare each), and the warp runs
+ * the branchless insertion network, L[i] = max(L[i], min(c, L[i - 1])), once per round, a
+ * no-op for lanes without a winner (c = 0). Rounds = the most winners of any lane: all JC
+ * while the lists fill, a few once they hold their top n (random scores: ~n / (keys seen) of
+ * a pass's candidates win). Keeping the top NR >= n keeps the top n. (The network run for
+ * every candidate a lane of the warp could use was most of the merge: 16 steps of 64-bit
+ * min / max per candidate; a warp per position merging by rank counts took 8 of the 17 ms of
+ * the selection at 64k; one thread per position shifting a shared-memory list, 7.) */
 template <int NR>
 __device__ __forceinline__ void swg_merge(const sparams &P, const float *imp, int ims, uint64_t *keys, int p0, int npos,
                                           int jA, int JC, int pp)
@@ -899,13 +903,19 @@ __device__ __forceinline__ void swg_merge(const sparams &P, const float *imp, in
     const int cur = (p0 + pp) / P.lp;
     int m = cur - jA + 1 < JC ? cur - jA + 1 : JC;
     if (pp >= npos) m = 0;
-    for (int jj = 0; jj < JC; jj++) {
+    int jj = 0;
+    for (;;) {
         uint64_t c = 0;
-        if (jj < m) {
+        while (jj < m) {
             const int j = jA + jj;
-            c = swg_key(nsa_rule_forced(j, cur, P.n_init, P.n_local), imp[pp * ims + jj], j);
+            const uint64_t k = swg_key(nsa_rule_forced(j, cur, P.n_init, P.n_local), imp[pp * ims + jj], j);
+            jj++;
+            if (k > L[NR - 1]) {
+                c = k;
+                break;
+            }
         }
-        if (!__any_sync(0xffffffffu, c > L[NR - 1])) continue;
+        if (!__any_sync(0xffffffffu, c != 0)) break;
 #pragma unroll
         for (int i = NR - 1; i > 0; i--) {
             const uint64_t lo = c < L[i - 1] ? c : L[i - 1];
@@ -920,16 +930,24 @@ __device__ __forceinline__ void swg_merge(const sparams &P, const float *imp, in
 /* One warpgroup per CTA, 64 consecutive positions of one kv head (the wgmma rows are
  * positions, not position x head as in select_kernel). A pass takes the compressed keys
  * [iA, iB) (at most SWG_NK) that overlap JC selection blocks; for each of the G heads in
- * turn, S = Q_g K^T (wgmma SS; Q tiles in SWG_QST stages, so that heads g + 1 .. load during
- * head g) and p += 2^(S sl2 - lse_g): the head sum of the probabilities accumulates
- * elementwise in registers, with no cross-lane reduction. The pass then writes p to shared
- * memory (over the key tile, free by then), folds it into block importances, issues the next
- * pass's key tile and first Q tiles, and merges the candidates into the kept lists
- * (swg_merge, one lane per position) while those load. Two CTAs per SM overlap one's
- * exponentials and merges with the other's products. Keys a position cannot see are never
- * read back from p. NR: list registers, 16 or 32 (>= n). */
+ * turn, S = Q_g K^T (wgmma SS) and p += 2^(S sl2 - lse_g): the head sum of the probabilities
+ * accumulates elementwise in registers, with no cross-lane reduction. The products are
+ * software-pipelined in halves of 64 keys: the next half's product runs on the tensor cores
+ * while this half's exponentials run. Q tiles (one head each, the same for every pass)
+ * and key tiles arrive by TMA, issued by thread 0, on mbarriers: the Q tiles cycle through
+ * SWG_QST stages as one stream of G uses per pass (a stage is refilled once every warp is
+ * past the product that read it), so the next pass's first heads load during this pass's
+ * last ones. (Loading them by cp.async was a quarter of this kernel's instructions: the
+ * address work of 8 copies per thread per head.) The heads' lse sit in shared memory, read
+ * once per CTA. The pass then writes p to shared memory (over the key tile, free by then),
+ * folds it into block importances, issues the next pass's key tile and merges the candidates
+ * into the kept lists (swg_merge, one lane per position) while it loads. Two CTAs per SM
+ * overlap one's merges with the other's products. Keys a position cannot see (or past the
+ * pass, which the key box may hold) are never read back from p. NR: list registers, 16 or 32
+ * (>= n). */
 template <int DKP, typename T, int NR>
-__global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
+__global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __grid_constant__ CUtensorMap tq,
+                                                     const __grid_constant__ CUtensorMap tk)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int BP = SWG_BP, NK = SWG_NK, NT = NK / 8, KT = DKP / 16, NTHR = 128, NQ = SWG_QST;
@@ -940,9 +958,13 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
     unsigned char *Ks = Qs + NQ * QB;        /* key tile; then p [BP][NK] f32 (swizzled) */
     float *Ps = (float *)Ks;
     const int JC = P.JC, IMS = JC | 1;       /* odd row stride: swg_merge's lanes on distinct banks */
+    const int G = (int)P.G;
     uint64_t *keys = (uint64_t *)(Ks + KB);  /* [NR][BP] rank keys, best first */
-    float *imp = (float *)(keys + NR * BP);  /* [BP][IMS] */
-    int *kept = (int *)(imp + BP * IMS);     /* [BP] */
+    uint64_t *qfull = keys + NR * BP;        /* [NQ] a Q stage landed */
+    uint64_t *kfull = qfull + NQ;            /* the pass's key tile landed */
+    float *imp = (float *)(kfull + 1);       /* [BP][IMS] */
+    float *lsl = imp + BP * IMS;             /* [G][BP] lse * log2(e) (+inf: no keys, p = 0) */
+    int *kept = (int *)(lsl + G * BP);       /* [BP] */
     int *pcur = kept + BP, *pnv = pcur + BP; /* [BP] each: block of the position, its visible keys */
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -950,7 +972,6 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
     seq_decode(P.sm, blockIdx.x, &s, &tile);
     const seqinfo sq = seq_get(P.sm, s);
     const int h = blockIdx.y;
-    const int64_t G = P.G;
     /* heaviest tiles (latest positions, most passes) first */
     tile = (sq.len + BP - 1) / BP - 1 - tile;
     const int p0 = (int)tile * BP;
@@ -964,16 +985,15 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
     int nv_max = last_t + 1 >= cl ? (last_t + 1 - cl) / cd + 1 : 0;
     nv_max = nv_max < sq.ncmp ? nv_max : sq.ncmp;
     const float inv_d = 1.0f / (float)cd;
-    const int64_t qbase = sq.b * P.q.s0 + (sq.row0 + p0) * P.q.s1 + (int64_t)h * G * P.q.s2;
-    const int64_t kbase = sq.b * P.k.s0 + sq.cmp0 * P.k.s1 + (int64_t)h * P.k.s2;
-    const float *lsep = (const float *)P.lse.p;
     /* this lane's two rows (positions) of its warp's 16 */
     int rp[2];
-    int64_t lrow[2];
 #pragma unroll
-    for (int x = 0; x < 2; x++) {
-        rp[x] = warp * 16 + (lane >> 2) + x * 8;
-        lrow[x] = sq.b * P.lse.s0 + (sq.row0 + p0 + rp[x]) * P.lse.s1 + (int64_t)h * G * P.lse.s2;
+    for (int x = 0; x < 2; x++) rp[x] = warp * 16 + (lane >> 2) + x * 8;
+
+    if (tid == 0) {
+        for (int i = 0; i < NQ; i++) mb_init(&qfull[i], 1);
+        mb_init(kfull, 1);
+        mb_init_fence();
     }
     for (int i = tid; i < NR * BP; i += NTHR) keys[i] = 0;
     if (tid < BP) {
@@ -981,15 +1001,16 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
         pcur[tid] = tid < npos ? t / lp : -1;
         pnv[tid] = t + 1 >= cl ? (t + 1 - cl) / cd + 1 : 0; /* (as nv_max) */
     }
-
-    /* head g's lse of this lane's two rows, as the log2-domain offset (-inf: +inf, p = 0) */
-    auto lse_l2 = [&](int64_t g, float l2_[2]) {
-#pragma unroll
-        for (int x = 0; x < 2; x++) {
-            const float lse = rp[x] < npos ? lsep[lrow[x] + g * P.lse.s2] : -INFINITY;
-            l2_[x] = lse == -INFINITY ? INFINITY : lse * NSA_LOG2E;
+    {
+        const float *lsep = (const float *)P.lse.p;
+        const int64_t l0 = sq.b * P.lse.s0 + (sq.row0 + p0) * P.lse.s1 + (int64_t)h * G * P.lse.s2;
+        for (int i = tid; i < G * BP; i += NTHR) {
+            const int g = i / BP, r = i - g * BP;
+            const float lse = r < npos ? lsep[l0 + r * P.lse.s1 + g * P.lse.s2] : -INFINITY;
+            lsl[i] = lse == -INFINITY ? INFINITY : lse * NSA_LOG2E;
         }
-    };
+    }
+
     /* compressed keys [iA_, iB_) overlapping selection blocks [jA_, jA_ + JC) */
     auto range = [&](int jA_, int *iA_, int *iB_) {
         const int64_t a0 = (int64_t)jA_ * lp - cl;
@@ -997,57 +1018,105 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
         const int b = (int)(div_nn((int64_t)(jA_ + JC) * lp - 1, cd) + 1);
         *iB_ = b < nv_max ? b : nv_max;
     };
-    /* a pass's keys with its first Q tiles: groups (K, Q_0), (Q_1), ... (Q_{NQ-2}), some empty */
-    auto load_pass = [&](int iA_, int iB_) {
-        sw_load_lin<T, DKP, NK, NTHR>(Ks, (const T *)P.k.p, kbase + (int64_t)iA_ * P.k.s1, P.k.s1, iB_ - iA_, tid);
+    /* the Q stream: use u is head u % G in stage u % NQ; passes without keys use none */
+    int npass = 0;
+    for (int jA = 0; jA <= cur_max; jA += JC) {
+        int a, b;
+        range(jA, &a, &b);
+        npass += a < b;
+    }
+    const int uses = npass * G;
+    auto issue_q = [&](int u_) {
+        const int st = u_ % NQ, hq = h * G + u_ % G;
+        mb_expect(&qfull[st], QB);
 #pragma unroll
-        for (int x = 0; x < NQ - 1; x++) {
-            if (x < G) sw_load_lin<T, DKP, BP, NTHR>(Qs + x * QB, (const T *)P.q.p, qbase + x * P.q.s2, P.q.s1, npos, tid);
-            cp_commit();
+        for (int cb = 0; cb < DKP / 64; cb++)
+            tma_load4(Qs + st * QB + cb * BP * 128, &tq, cb * 64, hq, (int)(sq.row0 + p0), (int)sq.b, &qfull[st]);
+    };
+    auto issue_k = [&](int iA_) {
+        mb_expect(kfull, NK * DKP * 2);
+#pragma unroll
+        for (int cb = 0; cb < DKP / 64; cb++)
+            tma_load4(Ks + cb * NK * 128, &tk, cb * 64, h, (int)(sq.cmp0 + iA_), (int)sq.b, kfull);
+    };
+    /* half x (keys 64 x .. 64 x + 63 of the tile) of S = Q K^T for use u_ into S_, left
+     * running; the first half waits for the use's Q stage */
+    auto product = [&](float (&S_)[NT / 2][4], int u_, int x) {
+        if (x == 0) mb_wait(&qfull[u_ % NQ], (u_ / NQ) & 1);
+        const unsigned char *Qw = Qs + (u_ % NQ) * QB;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KT; kk++) {
+            const uint64_t da = wg_desc(Qw + (kk >> 2) * BP * 128 + (kk & 3) * 32, 16, 1024);
+            const uint64_t db = wg_desc(Ks + (kk >> 2) * NK * 128 + x * (NK / 2) * 128 + (kk & 3) * 32, 16, 1024);
+            wgmma_op<T, NK / 2>::template ss<0>(&S_[0][0], da, db, kk > 0);
         }
+        wg_commit();
     };
 
     int iA, iB;
     range(0, &iA, &iB);
-    if (iA < iB) load_pass(iA, iB);
+    __syncthreads(); /* barriers initialised; lse, lists and row facts written */
+    if (tid == 0) {
+        for (int x = 0; x < NQ && x < uses; x++) issue_q(x);
+        if (iA < iB) issue_k(iA);
+    }
+    int u = 0, kp = 0; /* next Q use, key tiles consumed */
     for (int jA = 0; jA <= cur_max; jA += JC) {
         if (iA < iB) {
             float acc[NT][4];
 #pragma unroll
             for (int i = 0; i < NT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-            float l2[2];
-            lse_l2(0, l2);
-            for (int64_t g = 0, st = 0; g < G; g++, st = st + 1 == NQ ? 0 : st + 1) {
-                cp_wait<NQ - 2>();
-                fence_async_smem();
-                __syncthreads(); /* Q_g (and the pass's keys) landed; Q_{g-1}'s products done */
-                if (g + NQ - 1 < G) {
-                    const int sn = st == 0 ? NQ - 1 : (int)st - 1; /* Q_{g-1}'s slot */
-                    sw_load_lin<T, DKP, BP, NTHR>(Qs + sn * QB, (const T *)P.q.p, qbase + (g + NQ - 1) * P.q.s2, P.q.s1,
-                                                 npos, tid);
-                }
-                cp_commit();
-                float S[NT][4];
-                const unsigned char *Qw = Qs + st * QB;
-                wg_fence();
+            mb_wait(kfull, kp & 1);
+            kp++;
+            /* Each head's product in two halves of 64 keys, issued one ahead: a half's
+             * exponentials run while the next half's product does. Two heads per iteration,
+             * every product waited for by its end: carrying one across the loop's back edge
+             * made ptxas serialise every wgmma (C7514), so one half in four runs its
+             * exponentials alone (the other CTA on the SM fills that gap). */
+            float SA[NT / 2][4], SB[NT / 2][4];
+            auto exps = [&](float (&S_)[NT / 2][4], int x, int g) {
+                const float l2[2] = {lsl[g * BP + rp[0]], lsl[g * BP + rp[1]]};
 #pragma unroll
-                for (int kk = 0; kk < KT; kk++) {
-                    const uint64_t da = wg_desc(Qw + (kk >> 2) * BP * 128 + (kk & 3) * 32, 16, 1024);
-                    const uint64_t db = wg_desc(Ks + (kk >> 2) * NK * 128 + (kk & 3) * 32, 16, 1024);
-                    wgmma_op<T, NK>::template ss<0>(&S[0][0], da, db, kk > 0);
-                }
-                wg_commit();
-                /* the next head's lse loads while the products run */
-                float l2n[2] = {l2[0], l2[1]};
-                if (g + 1 < G) lse_l2(g + 1, l2n);
+                for (int nt = 0; nt < NT / 2; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        acc[x * (NT / 2) + nt][e] += ex2(fmaf(S_[nt][e], P.sl2, -l2[e >> 1]));
+            };
+            /* use uu's stage is free once every warp is past its second half */
+            auto release = [&](int uu) {
+                __syncthreads();
+                if (tid == 0 && uu + NQ < uses) issue_q(uu + NQ);
+            };
+            int g = 0;
+            for (; g + 1 < G; g += 2, u += 2) { /* two heads: only the last half's exponentials run alone */
+                product(SA, u, 0);
+                product(SB, u, 1);
+                wg_wait<1>();
+                exps(SA, 0, g);
+                product(SA, u + 1, 0);
+                wg_wait<1>();
+                release(u);
+                exps(SB, 1, g);
+                product(SB, u + 1, 1);
+                wg_wait<1>();
+                exps(SA, 0, g + 1);
                 wg_wait<0>();
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) acc[nt][e] += ex2(fmaf(S[nt][e], P.sl2, -l2[e >> 1]));
-                l2[0] = l2n[0], l2[1] = l2n[1];
+                release(u + 1);
+                exps(SB, 1, g + 1);
             }
-            __syncthreads(); /* every product of the pass is done: the key tile becomes p */
+            if (g < G) { /* odd G: the last head alone */
+                product(SA, u, 0);
+                product(SB, u, 1);
+                wg_wait<1>();
+                exps(SA, 0, g);
+                wg_wait<0>();
+                release(u);
+                exps(SB, 1, g);
+                u++;
+            }
+            /* (the last step's barrier came after every product of the pass: the key tile
+             * becomes p) */
             /* p[r][c] at r * NK + (c ^ 8 (r % 4)): the float2 stores of a half-warp (rows
              * r..r+3) fall in distinct banks */
 #pragma unroll
@@ -1081,6 +1150,7 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
                     imp[pp * IMS + jj] = a * inv_d;
                 }
             }
+            fence_async_smem(); /* the generic reads and writes of p before the next key box */
         } else {
             for (int idx = tid; idx < npos * JC; idx += NTHR) imp[(idx / JC) * IMS + idx % JC] = 0.0f;
         }
@@ -1089,13 +1159,12 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
         int nA = 0, nB = 0;
         if (jn <= cur_max) {
             range(jn, &nA, &nB);
-            if (nA < nB) load_pass(nA, nB);
+            if (tid == 0 && nA < nB) issue_k(nA);
         }
         if (tid < BP) swg_merge<NR>(P, imp, IMS, keys, p0, npos, jA, JC, tid);
         __syncthreads();
         iA = nA, iB = nB;
     }
-    cp_wait<0>();
     /* the first n keys (nonzero ones: blocks) as block indices, entry-major over the keys */
     uint64_t L[NR];
     if (tid < BP)
@@ -1115,20 +1184,21 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P)
 }
 
 template <int DKP, typename T, int NR>
-static void launch_swg_nr(grun *g, const sparams *P, int64_t tiles)
+static void launch_swg_nr(grun *g, const sparams *P, int64_t tiles, const void *maps)
 {
-    const size_t smem = swg_smem(DKP, P->JC, NR);
+    const size_t smem = swg_smem(DKP, P->JC, NR, (int)P->G);
     g_check(g, cudaFuncSetAttribute(swg_kernel<DKP, T, NR>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
-    swg_kernel<DKP, T, NR><<<dim3((unsigned)tiles, (unsigned)P->H), 128, smem, g->st>>>(*P);
+    const CUtensorMap *m = (const CUtensorMap *)maps;
+    swg_kernel<DKP, T, NR><<<dim3((unsigned)tiles, (unsigned)P->H), 128, smem, g->st>>>(*P, m[0], m[1]);
     g_launched(g);
 }
 
 template <int DKP, typename T>
-static void launch_swg_t(grun *g, const sparams *P, int64_t tiles)
+static void launch_swg_t(grun *g, const sparams *P, int64_t tiles, const void *maps)
 {
-    if (P->n <= 16) launch_swg_nr<DKP, T, 16>(g, P, tiles);
-    else launch_swg_nr<DKP, T, 32>(g, P, tiles);
+    if (P->n <= 16) launch_swg_nr<DKP, T, 16>(g, P, tiles, maps);
+    else launch_swg_nr<DKP, T, 32>(g, P, tiles, maps);
 }
 
 /* ==== sfw_kernel helpers: one warp's mma.sync products on the swizzled TMA tiles ========== */
@@ -1492,10 +1562,10 @@ static int qwg_ready_t()
 
 /* ... and its dK / dV tile (DK == DV only: at 192 / 128 the accumulators would not fit) */
 #define NSA_HOPPER_SWG_INSTANCE(DKP)                                                             \
-    void nsa_cu_swg_##DKP(grun *g, const sparams *P, int bf16, int64_t tiles)                    \
+    void nsa_cu_swg_##DKP(grun *g, const sparams *P, int bf16, int64_t tiles, const void *maps)  \
     {                                                                                            \
-        if (bf16) launch_swg_t<DKP, __nv_bfloat16>(g, P, tiles);                                 \
-        else launch_swg_t<DKP, __half>(g, P, tiles);                                             \
+        if (bf16) launch_swg_t<DKP, __nv_bfloat16>(g, P, tiles, maps);                           \
+        else launch_swg_t<DKP, __half>(g, P, tiles, maps);                                       \
     }
 
 /* ... the selected-attention tile (DK == DV) */

@@ -157,12 +157,13 @@ static inline size_t qwg_smem(int DKP, int DVP, int mode)
 #define SWG_QST 3 /* Q tiles in flight (one head each) */
 #define SWG_KBYTES(DKP) (SWG_NK * (DKP) * 2 > SWG_BP * SWG_NK * 4 ? SWG_NK * (DKP) * 2 : SWG_BP * SWG_NK * 4)
 /* Shared memory of swg_kernel<DKP, T, NR>: slack, SWG_QST Q tiles, the key tile, rank keys
- * [NR][BP] (NR >= n: 16 or 32), importances [BP][JC | 1], counts, per-position block and
- * visible keys. Must match the carving in the kernel. */
-static inline size_t swg_smem(int DKP, int JC, int NR)
+ * [NR][BP] (NR >= n: 16 or 32), the Q stages' and the key tile's mbarriers, importances
+ * [BP][JC | 1], the G heads' lse [G][BP], counts, per-position block and visible keys. Must
+ * match the carving in the kernel. */
+static inline size_t swg_smem(int DKP, int JC, int NR, int G)
 {
-    return 1024 + SWG_QST * (size_t)SWG_BP * DKP * 2 + (size_t)SWG_KBYTES(DKP) + (size_t)NR * SWG_BP * 8 +
-           (size_t)SWG_BP * (JC | 1) * 4 + 3 * SWG_BP * 4;
+    return 1024 + SWG_QST * (size_t)SWG_BP * DKP * 2 + (size_t)SWG_KBYTES(DKP) + (size_t)NR * SWG_BP * 8 + (SWG_QST + 1) * 8 +
+           (size_t)SWG_BP * (JC | 1) * 4 + (size_t)G * SWG_BP * 4 + 3 * SWG_BP * 4;
 }
 
 /* sfw_kernel (hopper.cuh): selected attention with TMA, one warp per position, one or two
@@ -199,10 +200,12 @@ static inline size_t kwp_smem(int DP, int slc)
  * tk, tv: host CUtensorMap (4-D over the K / V views, box 64 x 1 x bn x 1, 128-byte swizzle) */
 void nsa_cu_sfw_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv);
 void nsa_cu_sfw_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv);
-/* sm_90a selection (importance + top-n) on wgmma, head dims exactly 64 / 128 / 192 */
-void nsa_cu_swg_64(grun *g, const sparams *P, int bf16, int64_t tiles);
-void nsa_cu_swg_128(grun *g, const sparams *P, int bf16, int64_t tiles);
-void nsa_cu_swg_192(grun *g, const sparams *P, int bf16, int64_t tiles);
+/* sm_90a selection (importance + top-n) on wgmma, head dims exactly 64 / 128 / 192; maps:
+ * two host CUtensorMap, Q (box 64 x 1 head x SWG_BP rows) and the compressed K (box 64 x 1 x
+ * SWG_NK) */
+void nsa_cu_swg_64(grun *g, const sparams *P, int bf16, int64_t tiles, const void *maps);
+void nsa_cu_swg_128(grun *g, const sparams *P, int bf16, int64_t tiles, const void *maps);
+void nsa_cu_swg_192(grun *g, const sparams *P, int bf16, int64_t tiles, const void *maps);
 void nsa_cu_qwg_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *maps);
 void nsa_cu_qwg_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *maps);
 void nsa_cu_qwg_192(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *maps); /* DK 192, DV 128 */
