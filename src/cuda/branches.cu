@@ -403,7 +403,7 @@ static int swg_try(grun *g, sparams *P, nsa_dtype dt)
     if (g->dry || !qwg_env() || g->cc_major != 9 || (D != 64 && D != 128 && D != 192) || !P->q.al || !P->k.al) return 0;
     const int jc = select_jc(&p->cfg, SWG_NK, 64);
     if (jc < 1 || P->n > 32 || P->G > INT_MAX / SWG_BP ||
-        swg_smem(D, jc, P->n <= 16 ? 16 : 32, (int)P->G) > (size_t)g->smem_max || !qwg_ready(D))
+        swg_smem(D, jc, P->n <= 16 ? 16 : 32, 1, (int)P->G) > (size_t)g->smem_max || !qwg_ready(D))
         return 0;
     CUtensorMap maps[2];
     if (!tmap_make(&maps[0], &P->q, dt, p->B, p->T, p->HQ, D, SWG_BP) ||

@@ -889,27 +889,32 @@ __device__ __forceinline__ uint64_t swg_key(int f, float v, int j)
  * the branchless insertion network, L[i] = max(L[i], min(c, L[i - 1])), once per round, a
  * no-op for lanes without a winner (c = 0). Rounds = the most winners of any lane: all JC
  * while the lists fill, a few once they hold their top n (random scores: ~n / (keys seen) of
- * a pass's candidates win). Keeping the top NR >= n keeps the top n. (The network run for
+ * a pass's candidates win). Keeping the top NR >= n keeps the top n. MS lanes per position
+ * (half = 0 .. MS - 1) each keep the top of every MS-th candidate in their own list (keys
+ * [NR][MS][SWG_BP]), merged once at the end: with MS = 2 every warp of the CTA merges and
+ * none waits at the barrier (one lane per position left two of four warps idle for a
+ * sixth of the kernel). (The network run for
  * every candidate a lane of the warp could use was most of the merge: 16 steps of 64-bit
  * min / max per candidate; a warp per position merging by rank counts took 8 of the 17 ms of
  * the selection at 64k; one thread per position shifting a shared-memory list, 7.) */
-template <int NR>
+template <int NR, int MS>
 __device__ __forceinline__ void swg_merge(const sparams &P, const float *imp, int ims, uint64_t *keys, int p0, int npos,
-                                          int jA, int JC, int pp)
+                                          int jA, int JC, int pp, int half)
 {
+    uint64_t *K = keys + half * SWG_BP + pp; /* entry i at K[i * MS * SWG_BP] */
     uint64_t L[NR];
 #pragma unroll
-    for (int i = 0; i < NR; i++) L[i] = keys[i * SWG_BP + pp];
+    for (int i = 0; i < NR; i++) L[i] = K[i * MS * SWG_BP];
     const int cur = (p0 + pp) / P.lp;
     int m = cur - jA + 1 < JC ? cur - jA + 1 : JC;
     if (pp >= npos) m = 0;
-    int jj = 0;
+    int jj = half;
     for (;;) {
         uint64_t c = 0;
         while (jj < m) {
             const int j = jA + jj;
             const uint64_t k = swg_key(nsa_rule_forced(j, cur, P.n_init, P.n_local), imp[pp * ims + jj], j);
-            jj++;
+            jj += MS;
             if (k > L[NR - 1]) {
                 c = k;
                 break;
@@ -924,7 +929,7 @@ __device__ __forceinline__ void swg_merge(const sparams &P, const float *imp, in
         L[0] = L[0] > c ? L[0] : c;
     }
 #pragma unroll
-    for (int i = 0; i < NR; i++) keys[i * SWG_BP + pp] = L[i];
+    for (int i = 0; i < NR; i++) K[i * MS * SWG_BP] = L[i];
 }
 
 /* One warpgroup per CTA, 64 consecutive positions of one kv head (the wgmma rows are
@@ -944,8 +949,8 @@ __device__ __forceinline__ void swg_merge(const sparams &P, const float *imp, in
  * into the kept lists (swg_merge, one lane per position) while it loads. Two CTAs per SM
  * overlap one's merges with the other's products. Keys a position cannot see (or past the
  * pass, which the key box may hold) are never read back from p. NR: list registers, 16 or 32
- * (>= n). */
-template <int DKP, typename T, int NR>
+ * (>= n); MS: merge lanes per position (swg_merge), 2 where that still fits two CTAs per SM. */
+template <int DKP, typename T, int NR, int MS>
 __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __grid_constant__ CUtensorMap tq,
                                                      const __grid_constant__ CUtensorMap tk)
 {
@@ -959,8 +964,8 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
     float *Ps = (float *)Ks;
     const int JC = P.JC, IMS = JC | 1;       /* odd row stride: swg_merge's lanes on distinct banks */
     const int G = (int)P.G;
-    uint64_t *keys = (uint64_t *)(Ks + KB);  /* [NR][BP] rank keys, best first */
-    uint64_t *qfull = keys + NR * BP;        /* [NQ] a Q stage landed */
+    uint64_t *keys = (uint64_t *)(Ks + KB);  /* [NR][MS][BP] rank keys, best first */
+    uint64_t *qfull = keys + NR * MS * BP;   /* [NQ] a Q stage landed */
     uint64_t *kfull = qfull + NQ;            /* the pass's key tile landed */
     float *imp = (float *)(kfull + 1);       /* [BP][IMS] */
     float *lsl = imp + BP * IMS;             /* [G][BP] lse * log2(e) (+inf: no keys, p = 0) */
@@ -995,7 +1000,7 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
         mb_init(kfull, 1);
         mb_init_fence();
     }
-    for (int i = tid; i < NR * BP; i += NTHR) keys[i] = 0;
+    for (int i = tid; i < NR * MS * BP; i += NTHR) keys[i] = 0;
     if (tid < BP) {
         const int t = p0 + tid;
         pcur[tid] = tid < npos ? t / lp : -1;
@@ -1139,6 +1144,26 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
                 int ib = (int)(div_nn((int64_t)jhi - 1, cd) + 1);
                 ia = ia > iA ? ia : iA;
                 ib = ib < iB ? ib : iB;
+                if (ib - ia <= SWG_WMAX) {
+                    /* the block's overlaps (the same for every position) in registers */
+                    float w[SWG_WMAX];
+#pragma unroll
+                    for (int q = 0; q < SWG_WMAX; q++) {
+                        const int x = (ia + q) * cd, lo = x > jlo ? x : jlo, hi = x + cl < jhi ? x + cl : jhi;
+                        w[q] = (float)(hi - lo);
+                    }
+                    for (int pp = warp; pp < npos; pp += 4) {
+                        if (j > pcur[pp]) continue;
+                        const int e = (ib < pnv[pp] ? ib : pnv[pp]) - ia, sw = (pp & 3) << 3;
+                        const float *row = Ps + pp * NK;
+                        float a = 0.0f;
+#pragma unroll
+                        for (int q = 0; q < SWG_WMAX; q++)
+                            if (q < e) a += row[(ia + q - iA) ^ sw] * w[q];
+                        imp[pp * IMS + jj] = a * inv_d;
+                    }
+                    continue;
+                }
                 for (int pp = warp; pp < npos; pp += 4) {
                     if (j > pcur[pp]) continue;
                     const int e = ib < pnv[pp] ? ib : pnv[pp], sw = (pp & 3) << 3;
@@ -1161,15 +1186,29 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
             range(jn, &nA, &nB);
             if (tid == 0 && nA < nB) issue_k(nA);
         }
-        if (tid < BP) swg_merge<NR>(P, imp, IMS, keys, p0, npos, jA, JC, tid);
+        if (tid < MS * BP) swg_merge<NR, MS>(P, imp, IMS, keys, p0, npos, jA, JC, tid % BP, tid / BP);
         __syncthreads();
         iA = nA, iB = nB;
     }
-    /* the first n keys (nonzero ones: blocks) as block indices, entry-major over the keys */
+    /* the first n keys (nonzero ones: blocks) as block indices, entry-major over the keys;
+     * with MS = 2 the second list's entries (best first) go through the network into the
+     * first until one no longer beats its last */
     uint64_t L[NR];
-    if (tid < BP)
+    if (tid < BP) {
 #pragma unroll
-        for (int i = 0; i < NR; i++) L[i] = keys[i * BP + tid];
+        for (int i = 0; i < NR; i++) L[i] = keys[i * MS * BP + tid];
+        for (int x = 1; x < MS; x++)
+            for (int e = 0; e < NR; e++) {
+                const uint64_t c = keys[(e * MS + x) * BP + tid];
+                if (c <= L[NR - 1]) break;
+#pragma unroll
+                for (int i = NR - 1; i > 0; i--) {
+                    const uint64_t lo = c < L[i - 1] ? c : L[i - 1];
+                    L[i] = L[i] > lo ? L[i] : lo;
+                }
+                L[0] = L[0] > c ? L[0] : c;
+            }
+    }
     __syncthreads();
     int *LJ = (int *)keys;
     if (tid < npos) {
@@ -1183,22 +1222,27 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
 #endif
 }
 
-template <int DKP, typename T, int NR>
+template <int DKP, typename T, int NR, int MS>
 static void launch_swg_nr(grun *g, const sparams *P, int64_t tiles, const void *maps)
 {
-    const size_t smem = swg_smem(DKP, P->JC, NR, (int)P->G);
-    g_check(g, cudaFuncSetAttribute(swg_kernel<DKP, T, NR>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const size_t smem = swg_smem(DKP, P->JC, NR, MS, (int)P->G);
+    g_check(g, cudaFuncSetAttribute(swg_kernel<DKP, T, NR, MS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
     const CUtensorMap *m = (const CUtensorMap *)maps;
-    swg_kernel<DKP, T, NR><<<dim3((unsigned)tiles, (unsigned)P->H), 128, smem, g->st>>>(*P, m[0], m[1]);
+    swg_kernel<DKP, T, NR, MS><<<dim3((unsigned)tiles, (unsigned)P->H), 128, smem, g->st>>>(*P, m[0], m[1]);
     g_launched(g);
 }
 
+/* two merge lanes per position (n <= 16) unless their lists would cost the second CTA per SM
+ * (sm_90: 228 KB of shared memory per SM, 1 KB of it reserved per CTA) or not fit at all */
 template <int DKP, typename T>
 static void launch_swg_t(grun *g, const sparams *P, int64_t tiles, const void *maps)
 {
-    if (P->n <= 16) launch_swg_nr<DKP, T, 16>(g, P, tiles, maps);
-    else launch_swg_nr<DKP, T, 32>(g, P, tiles, maps);
+    const size_t s2 = swg_smem(DKP, P->JC, 16, 2, (int)P->G), s1 = swg_smem(DKP, P->JC, 16, 1, (int)P->G);
+    const int two = 2 * (s2 + 1024) <= 228 * 1024 || (2 * (s1 + 1024) > 228 * 1024 && s2 <= (size_t)g->smem_max);
+    if (P->n <= 16 && two) launch_swg_nr<DKP, T, 16, 2>(g, P, tiles, maps);
+    else if (P->n <= 16) launch_swg_nr<DKP, T, 16, 1>(g, P, tiles, maps);
+    else launch_swg_nr<DKP, T, 32, 1>(g, P, tiles, maps);
 }
 
 /* ==== sfw_kernel helpers: one warp's mma.sync products on the swizzled TMA tiles ========== */
