@@ -339,6 +339,19 @@ static int sfw_try(grun *g, qparams *P, int mode, nsa_dtype dt, int64_t KR)
     CUtensorMap tk, tv;
     if (!tmap_make(&tk, &P->k, dt, p->B, KR, p->H, D, bn) || !tmap_make(&tv, &P->v, dt, p->B, KR, p->H, D, bn)) return 0;
     if (p->G > 16) np = 1; /* two positions per CTA only when one head group holds G */
+    /* dQ at G = 4 or 8: one warp's 16 rows are 16 / G positions x G heads over the union of
+     * their blocks (no padding rows; the forced blocks loaded once for them) unless
+     * NSA_CUDA_SLC_RP=1 (for comparisons). H100, 64k, HQ 16, H 4: selected dQ 16.5 -> 14.0 ms
+     * (L2 bytes 125 -> 113 GB); HQ 32: selected backward 27.8 -> 26.3. Not the forward: its
+     * online softmax chains the union's ~55 chunks in one warp per CTA (half the resident
+     * warps of the two-position tiles): 14.9 -> 17.0 ms at HQ 16. */
+    static int rp_env = -1;
+    if (rp_env < 0) {
+        const char *e = getenv("NSA_CUDA_SLC_RP");
+        rp_env = !(e && e[0] == '1');
+    }
+    P->rp = mode == MODE_DQ && rp_env && bn == 32 && ns == 2 && (p->G == 4 || p->G == 8) ? (int)(16 / p->G) : 1;
+    if (P->rp > 1) np = P->rp;
     P->nw = np;
     P->bn = bn;
     P->nst = ns;

@@ -25,8 +25,9 @@
  *               memory.
  *   sfw_kernel  selected attention forward and dQ (DK = DV = 64 / 128, G >= 4): one warp per
  *               16 heads of one position (two neighbouring positions per CTA when G <= 16,
- *               sharing the stages of the blocks both selected), K / V by TMA in 32-key
- *               stages, mma.sync from the swizzled tiles.
+ *               sharing the stages of the blocks both selected; dQ at G = 4 / 8: one warp's
+ *               rows are 16 / G positions over the union of their blocks), K / V by TMA in
+ *               32-key stages, mma.sync from the swizzled tiles.
  *
  * Shared tiles use the canonical 128-byte swizzle of wgmma (also TMA's SWIZZLE_128B): a tile
  * of R rows x D columns is D / 64 column blocks of R x 128 bytes; 16-byte chunk c of row r
@@ -1297,14 +1298,21 @@ __device__ __forceinline__ void sfw_pb(float (&acc)[2 * KT][4], const float (&Pm
  * issue slots on 16-byte cp.async copies and its barriers (64k paper forward: 26.8 ms). The
  * products stay mma.sync (16 rows are one m16 tile; wgmma needs 64), reading the swizzled
  * tiles with ldmatrix at swizzled addresses (conflict-free: 8 rows, one chunk each). Same
- * arithmetic as qtile's path (scores, masks, online softmax, epilogue). */
-template <int DP, typename T, int MODE, int BN, int NS, int NP>
-__global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
+ * arithmetic as qtile's path (scores, masks, online softmax, epilogue).
+ * RP > 1 (G = 16 / RP, i.e. 4 or 8): each warp's 16 rows are RP neighbouring positions x G
+ * heads instead of one position's 16 (padded) heads, walking the union of their blocks, rows
+ * of a position that did not select a chunk's block masked: at G = 4 the union of four
+ * positions (~55 blocks with random selections: the forced ones shared) is fewer K / V bytes
+ * than four 16-block walks, and no padding rows; used for dQ only (branches.cu sfw_try says
+ * why). NP positions per CTA, NP / RP warps. */
+template <int DP, typename T, int MODE, int BN, int NS, int NP, int RP>
+__global__ void __launch_bounds__(32 * (NP / RP)) sfw_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
                                                       const __grid_constant__ CUtensorMap tv)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int NT = BN / 8, KT = DP / 16, TB = BN * DP * 2; /* tile bytes (K or V of a chunk) */
     constexpr bool DQ = MODE == MODE_DQ;
+    constexpr int W = NP / RP, GR = 16 / RP; /* warps; rows per position in a warp's 16 */
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_align1024(smem_raw);
     unsigned char *Ks = smem;                     /* [NS] */
@@ -1321,7 +1329,7 @@ __global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __g
      * positions, one warp each, sharing the stages of the blocks they both selected (the
      * forced first and local blocks at least): fewer K / V bytes from L2, the bound. */
     const int64_t G = P.G, ngr = NP == 1 ? (G + 15) / 16 : 1;
-    const int t0 = (int)(tile / ngr) * NP, t = t0 + warp;
+    const int t0 = (int)(tile / ngr) * NP, t = t0 + warp * RP; /* the warp's first position */
     const int64_t g0 = (tile % ngr) * 16;
     const int rows = G - g0 < 16 ? (int)(G - g0) : 16;
     const int lp = P.rule.lp, nsub = (lp + BN - 1) / BN;
@@ -1339,7 +1347,7 @@ __global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __g
     if (threadIdx.x == 0) {
         for (int i = 0; i < NS; i++) {
             mb_init(&full[i], 1);
-            mb_init(&empty[i], 32 * NP);
+            mb_init(&empty[i], 32 * W);
         }
         mb_init_fence();
     }
@@ -1392,6 +1400,17 @@ __global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __g
         for (int i = 0; i < NS - 1; i++)
             if (next(pw, &pc0, &pend, &pmask)) issue(i, pc0);
     const bool live = t < sq.len; /* (a warp past the sequence walks along, computing nothing) */
+    /* this lane's rows (lane / 4, + 8): position index in the warp, position, head, realness
+     * (padding heads past G, or positions past the sequence: zero Q / dO, nothing written) */
+    int rpx[2], rt[2];
+    int64_t rhq[2];
+    bool rreal[2];
+#pragma unroll
+    for (int x = 0; x < 2; x++) {
+        const int r = (lane >> 2) + x * 8;
+        rpx[x] = r / GR, rt[x] = t + rpx[x], rhq[x] = h * G + g0 + r % GR;
+        rreal[x] = rt[x] < sq.len && r % GR < rows;
+    }
 
     /* A fragments of Q (and dO) straight from global memory (qtile's qreg layout): a[i] = row
      * lane / 4 (+ 8 for odd i), columns 2 (lane % 4) (+ 8 for i >= 2) and the next one */
@@ -1400,15 +1419,14 @@ __global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __g
         const unsigned short *qp = (const unsigned short *)P.q.p, *op = (const unsigned short *)P.dout.p;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const int r = (lane >> 2) + (i & 1) * 8;
-            const int64_t hq = h * G + g0 + r;
-            const int64_t qo = sq.b * P.q.s0 + (sq.row0 + t) * P.q.s1 + hq * P.q.s2;
-            const int64_t oo = DQ ? sq.b * P.dout.s0 + (sq.row0 + t) * P.dout.s1 + hq * P.dout.s2 : 0;
+            const int x = i & 1;
+            const int64_t qo = sq.b * P.q.s0 + (sq.row0 + rt[x]) * P.q.s1 + rhq[x] * P.q.s2;
+            const int64_t oo = DQ ? sq.b * P.dout.s0 + (sq.row0 + rt[x]) * P.dout.s1 + rhq[x] * P.dout.s2 : 0;
 #pragma unroll
             for (int kk = 0; kk < KT; kk++) {
                 const int c = kk * 16 + (i >> 1) * 8 + 2 * (lane & 3);
-                qf[kk][i] = live && r < rows ? qp[qo + c] | (uint32_t)qp[qo + c + 1] << 16 : 0u;
-                if constexpr (DQ) of[kk][i] = live && r < rows ? op[oo + c] | (uint32_t)op[oo + c + 1] << 16 : 0u;
+                qf[kk][i] = rreal[x] ? qp[qo + c] | (uint32_t)qp[qo + c + 1] << 16 : 0u;
+                if constexpr (DQ) of[kk][i] = rreal[x] ? op[oo + c] | (uint32_t)op[oo + c + 1] << 16 : 0u;
             }
         }
     }
@@ -1416,9 +1434,9 @@ __global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __g
     if constexpr (DQ) {
 #pragma unroll
         for (int x = 0; x < 2; x++) {
-            if (!live || (lane >> 2) + x * 8 >= rows) continue; /* padding: dO rows and D are 0, so dS = 0 */
-            const int64_t hq = h * G + g0 + (lane >> 2) + x * 8, flat = (sq.b * P.T + sq.row0 + t) * P.HQ + hq;
-            const float lse = ((const float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + t) * P.lse.s1 + hq * P.lse.s2];
+            if (!rreal[x]) continue; /* padding: dO rows and D are 0, so dS = 0 */
+            const int64_t hq = rhq[x], flat = (sq.b * P.T + sq.row0 + rt[x]) * P.HQ + hq;
+            const float lse = ((const float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + rt[x]) * P.lse.s1 + hq * P.lse.s2];
             rl2[x] = lse == -INFINITY ? INFINITY : lse * NSA_LOG2E;
             rD[x] = P.Dw[flat];
             rg[x] = P.gw ? P.gw[flat] : 1.0f;
@@ -1428,7 +1446,7 @@ __global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __g
 #pragma unroll
     for (int i = 0; i < DP / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     float m_[2] = {-INFINITY, -INFINITY}, l_[2] = {0.0f, 0.0f};
-    const int lo2[2] = {0, 0}, hi2[2] = {t, t};
+    const int lo2[2] = {0, 0};
 
     int c0, bend, mask;
     for (int ci = 0; next(cw, &c0, &bend, &mask); ci++) {
@@ -1442,7 +1460,8 @@ __global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __g
         /* every warp waits for every chunk, needed or not: a parity wait on a barrier two
          * phases ahead would pass */
         mb_wait(&full[st], (ci / NS) & 1);
-        if (!(mask >> warp & 1)) {
+        const int wm = (mask >> (warp * RP)) & ((1 << RP) - 1); /* this warp's positions that need it */
+        if (!wm) {
             mb_arrive(&empty[st]);
             continue;
         }
@@ -1451,7 +1470,9 @@ __global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __g
         float S[NT][4];
         sfw_abt<T, NT, KT, BN>(S, qf, Kp, lane);
         const int c1 = c0 + BN < bend ? c0 + BN : bend;
-        const int full = c1 - c0 == BN && c1 - 1 <= t;
+        /* rows of a position that did not select this block see none of its keys */
+        const int hi2[2] = {wm >> rpx[0] & 1 ? rt[0] : -1, wm >> rpx[1] & 1 ? rt[1] : -1};
+        const int full = c1 - c0 == BN && wm == (1 << RP) - 1 && c1 - 1 <= t;
         sc_mask_scale<NT>(S, full, c0, c1, lo2, hi2, lane, P.sl2);
         if constexpr (!DQ) {
             sc_softmax<NT, DP / 8>(S, m_, l_, acc);
@@ -1474,13 +1495,14 @@ __global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __g
     /* epilogue (qtile's) */
 #pragma unroll
     for (int x = 0; x < 2; x++) {
-        const int64_t hq = h * G + g0 + (lane >> 2) + x * 8;
-        if ((lane >> 2) + x * 8 >= rows) { /* padding rows: nothing to write (shuffles below stay uniform) */
+        const int64_t hq = rhq[x];
+        const int tr = rt[x];
+        if (!rreal[x]) { /* padding rows: nothing to write (shuffles below stay uniform) */
             if constexpr (!DQ) (void)sc_quad_sum(l_[x]);
             continue;
         }
         if constexpr (DQ) {
-            float *dq = P.dq + ((sq.b * P.T + sq.row0 + t) * P.HQ + hq) * P.DK;
+            float *dq = P.dq + ((sq.b * P.T + sq.row0 + tr) * P.HQ + hq) * P.DK;
 #pragma unroll
             for (int d = 0; d < DP / 8; d++) {
                 float2 *q2 = (float2 *)(dq + d * 8 + 2 * (lane & 3));
@@ -1491,27 +1513,27 @@ __global__ void __launch_bounds__(32 * NP) sfw_kernel(const qparams P, const __g
             const float l = sc_quad_sum(l_[x]);
             float lse;
             const float inv = sc_row_finish(m_[x], l, nullptr, 0, hq, &lse);
-            const int64_t ob = sq.b * P.o.s0 + (sq.row0 + t) * P.o.s1 + hq * P.o.s2;
+            const int64_t ob = sq.b * P.o.s0 + (sq.row0 + tr) * P.o.s1 + hq * P.o.s2;
 #pragma unroll
             for (int d = 0; d < DP / 8; d++) {
                 const int col = d * 8 + 2 * (lane & 3);
                 if (P.o.dt == NSA_DTYPE_F32) *(float2 *)((float *)P.o.p + ob + col) = make_float2(acc[d][2 * x] * inv, acc[d][2 * x + 1] * inv);
                 else *(uint32_t *)((T *)P.o.p + ob + col) = dtraits<T>::pack(acc[d][2 * x] * inv, acc[d][2 * x + 1] * inv);
             }
-            if ((lane & 3) == 0 && P.lse.p) ((float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + t) * P.lse.s1 + hq * P.lse.s2] = lse;
+            if ((lane & 3) == 0 && P.lse.p) ((float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + tr) * P.lse.s1 + hq * P.lse.s2] = lse;
         }
     }
 #endif
 }
 
-template <int DP, typename T, int MODE, int BN, int NS, int NP>
+template <int DP, typename T, int MODE, int BN, int NS, int NP, int RP = 1>
 static void launch_sfw_t(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
 {
     const size_t smem = sfw_smem(DP, BN, NS);
-    auto kern = sfw_kernel<DP, T, MODE, BN, NS, NP>;
+    auto kern = sfw_kernel<DP, T, MODE, BN, NS, NP, RP>;
     g_check(g, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
-    kern<<<dim3((unsigned)tiles, (unsigned)P->H), 32 * NP, smem, g->st>>>(*P, *(const CUtensorMap *)tk,
+    kern<<<dim3((unsigned)tiles, (unsigned)P->H), 32 * (NP / RP), smem, g->st>>>(*P, *(const CUtensorMap *)tk,
                                                                          *(const CUtensorMap *)tv);
     g_launched(g);
 }
@@ -1519,6 +1541,10 @@ static void launch_sfw_t(grun *g, const qparams *P, int64_t tiles, const void *t
 template <int DP, typename T, int MODE>
 static void launch_sfw_m(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
 {
+    if constexpr (MODE == MODE_DQ) { /* G = 4 / 8: one warp, four / two positions (branches.cu sfw_try) */
+        if (P->rp == 4) return launch_sfw_t<DP, T, MODE, 32, 2, 4, 4>(g, P, tiles, tk, tv);
+        if (P->rp == 2) return launch_sfw_t<DP, T, MODE, 32, 2, 2, 2>(g, P, tiles, tk, tv);
+    }
     if (P->nw == 2) launch_sfw_t<DP, T, MODE, 32, 2, 2>(g, P, tiles, tk, tv); /* two positions per CTA */
     else if (P->bn == 64) launch_sfw_t<DP, T, MODE, 64, 2, 1>(g, P, tiles, tk, tv);
     else if (P->nst == 3) launch_sfw_t<DP, T, MODE, 32, 3, 1>(g, P, tiles, tk, tv);
