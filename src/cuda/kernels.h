@@ -158,10 +158,10 @@ static inline size_t qwg_smem(int DKP, int DVP, int mode)
 #define SWG_QST 3 /* Q tiles in flight (one head each) */
 #define SWG_WMAX 8 /* compressed keys per selection block whose overlaps the importance pass keeps in registers */
 #define SWG_KBYTES(DKP) (SWG_NK * (DKP) * 2 > SWG_BP * SWG_NK * 4 ? SWG_NK * (DKP) * 2 : SWG_BP * SWG_NK * 4)
-/* Shared memory of swg_kernel<DKP, T, NR>: slack, SWG_QST Q tiles, the key tile, rank keys
- * [NR][MS][BP] (NR >= n: 16 or 32; MS merge lanes per position), the Q stages' and the key tile's mbarriers, importances
- * [BP][JC | 1], the G heads' lse [G][BP], counts, per-position block and visible keys. Must
- * match the carving in the kernel. */
+/* Shared memory of swg_kernel<DKP, T, NR, MS>: slack, SWG_QST Q tiles, the key tile, rank
+ * keys [NR][MS][BP] (NR >= n: 16 or 32; MS merge lanes per position), the Q stages' and the
+ * key tile's mbarriers, importances [BP][JC | 1], the G heads' lse [G][BP], counts,
+ * per-position block and visible keys. Must match the carving in the kernel. */
 static inline size_t swg_smem(int DKP, int JC, int NR, int MS, int G)
 {
     return 1024 + SWG_QST * (size_t)SWG_BP * DKP * 2 + (size_t)SWG_KBYTES(DKP) + (size_t)NR * MS * SWG_BP * 8 + (SWG_QST + 1) * 8 +
