@@ -339,18 +339,22 @@ static int sfw_try(grun *g, qparams *P, int mode, nsa_dtype dt, int64_t KR)
     CUtensorMap tk, tv;
     if (!tmap_make(&tk, &P->k, dt, p->B, KR, p->H, D, bn) || !tmap_make(&tv, &P->v, dt, p->B, KR, p->H, D, bn)) return 0;
     if (p->G > 16) np = 1; /* two positions per CTA only when one head group holds G */
-    /* dQ at G = 4 or 8: one warp's 16 rows are 16 / G positions x G heads over the union of
-     * their blocks (no padding rows; the forced blocks loaded once for them) unless
-     * NSA_CUDA_SLC_RP=1 (for comparisons). H100, 64k, HQ 16, H 4: selected dQ 16.5 -> 14.0 ms
-     * (L2 bytes 125 -> 113 GB); HQ 32: selected backward 27.8 -> 26.3. Not the forward: its
-     * online softmax chains the union's ~55 chunks in one warp per CTA (half the resident
-     * warps of the two-position tiles): 14.9 -> 17.0 ms at HQ 16. */
+    /* Union tiles (hopper.cuh sfw_kernel's RP): one warp's 16 rows are 16 / G neighbouring
+     * positions x G heads over the union of their blocks (no padding rows; the forced blocks
+     * loaded once for them), unless NSA_CUDA_SLC_RP=1 (for comparisons). H100, 64k, same-call
+     * A/Bs: dQ at G = 4 (HQ 16, H 4) 16.5 -> 14.0 ms (L2 bytes 125 -> 113 GB), backward
+     * 34.9 -> 32.6; at G = 8 backward 50.3 -> 48.9. The forward at G = 4 with two warps taking
+     * alternate chunks (KS = 2: the union's ~55 online-softmax steps in one warp ran 14.9 ->
+     * 17.0 ms): selected 15.0 -> 14.3, forward 21.9 -> 21.2 (16k 4.15 -> 3.93); at G = 8 it
+     * measured 0.5% slower, and dQ with two warps 2.3 ms slower, so neither is used. */
     static int rp_env = -1;
     if (rp_env < 0) {
         const char *e = getenv("NSA_CUDA_SLC_RP");
         rp_env = !(e && e[0] == '1');
     }
-    P->rp = mode == MODE_DQ && rp_env && bn == 32 && ns == 2 && (p->G == 4 || p->G == 8) ? (int)(16 / p->G) : 1;
+    const int uni = rp_env && bn == 32 && ns == 2 && (mode == MODE_DQ ? p->G == 4 || p->G == 8 : p->G == 4);
+    P->rp = uni ? (int)(16 / p->G) : 1;
+    P->ks = uni && mode == MODE_FWD ? 2 : 1;
     if (P->rp > 1) np = P->rp;
     P->nw = np;
     P->bn = bn;

@@ -25,9 +25,9 @@
  *               memory.
  *   sfw_kernel  selected attention forward and dQ (DK = DV = 64 / 128, G >= 4): one warp per
  *               16 heads of one position (two neighbouring positions per CTA when G <= 16,
- *               sharing the stages of the blocks both selected; dQ at G = 4 / 8: one warp's
- *               rows are 16 / G positions over the union of their blocks), K / V by TMA in
- *               32-key stages, mma.sync from the swizzled tiles.
+ *               sharing the stages of the blocks both selected; at G = 4, and for dQ at G = 8,
+ *               a warp's rows are 16 / G positions over the union of their blocks), K / V by
+ *               TMA in 32-key stages, mma.sync from the swizzled tiles.
  *
  * Shared tiles use the canonical 128-byte swizzle of wgmma (also TMA's SWIZZLE_128B): a tile
  * of R rows x D columns is D / 64 column blocks of R x 128 bytes; 16-byte chunk c of row r
@@ -1303,10 +1303,13 @@ __device__ __forceinline__ void sfw_pb(float (&acc)[2 * KT][4], const float (&Pm
  * heads instead of one position's 16 (padded) heads, walking the union of their blocks, rows
  * of a position that did not select a chunk's block masked: at G = 4 the union of four
  * positions (~55 blocks with random selections: the forced ones shared) is fewer K / V bytes
- * than four 16-block walks, and no padding rows; used for dQ only (branches.cu sfw_try says
- * why). NP positions per CTA, NP / RP warps. */
-template <int DP, typename T, int MODE, int BN, int NS, int NP, int RP>
-__global__ void __launch_bounds__(32 * (NP / RP)) sfw_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
+ * than four 16-block walks, and no padding rows. NP positions per CTA, NP / RP warps of rows.
+ * KS > 1: KS warps share each warp's rows and take alternate chunks of the walk, each with
+ * its own running max / sum / accumulators, combined at the end in a fixed order: the union's
+ * ~55 chunks at G = 4 are a chain of online-softmax steps that one warp per CTA ran
+ * latency-bound. */
+template <int DP, typename T, int MODE, int BN, int NS, int NP, int RP, int KS>
+__global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
                                                       const __grid_constant__ CUtensorMap tv)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1319,7 +1322,7 @@ __global__ void __launch_bounds__(32 * (NP / RP)) sfw_kernel(const qparams P, co
     unsigned char *Vs = Ks + NS * TB;             /* [NS] */
     uint64_t *full = (uint64_t *)(Vs + NS * TB);  /* [NS] the chunk landed */
     uint64_t *empty = full + NS;                  /* [NS] every warp is done with the stage */
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) / KS, ks = (threadIdx.x >> 5) % KS;
     int64_t s, tile;
     seq_decode(P.sm, blockIdx.x, &s, &tile);
     const seqinfo sq = seq_get(P.sm, s);
@@ -1347,7 +1350,7 @@ __global__ void __launch_bounds__(32 * (NP / RP)) sfw_kernel(const qparams P, co
     if (threadIdx.x == 0) {
         for (int i = 0; i < NS; i++) {
             mb_init(&full[i], 1);
-            mb_init(&empty[i], 32 * W);
+            mb_init(&empty[i], 32 * W * KS);
         }
         mb_init_fence();
     }
@@ -1461,7 +1464,7 @@ __global__ void __launch_bounds__(32 * (NP / RP)) sfw_kernel(const qparams P, co
          * phases ahead would pass */
         mb_wait(&full[st], (ci / NS) & 1);
         const int wm = (mask >> (warp * RP)) & ((1 << RP) - 1); /* this warp's positions that need it */
-        if (!wm) {
+        if (!wm || ci % KS != ks) {
             mb_arrive(&empty[st]);
             continue;
         }
@@ -1489,6 +1492,45 @@ __global__ void __launch_bounds__(32 * (NP / RP)) sfw_kernel(const qparams P, co
         }
         fence_async_smem(); /* this thread's ldmatrix reads before the stage's next TMA write */
         mb_arrive(&empty[st]);
+    }
+    if constexpr (KS > 1) {
+        /* every chunk landed and was read by every warp: the stages hold the partner warps'
+         * state, [value][lane] (acc, then m and l), added into split 0's in split order */
+        constexpr int NV = DP / 2 + 4;
+        float *xs = (float *)Ks + warp * (KS - 1) * NV * 32;
+        __syncthreads();
+        if (ks > 0) {
+            float *mine = xs + (ks - 1) * NV * 32 + lane;
+#pragma unroll
+            for (int d = 0; d < DP / 8; d++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) mine[(d * 4 + e) * 32] = acc[d][e];
+#pragma unroll
+            for (int x = 0; x < 2; x++) mine[(DP / 2 + x) * 32] = m_[x], mine[(DP / 2 + 2 + x) * 32] = l_[x];
+        }
+        __syncthreads();
+        if (ks > 0) return;
+        for (int k = 1; k < KS; k++) {
+            const float *other = xs + (k - 1) * NV * 32 + lane;
+            if constexpr (DQ) {
+#pragma unroll
+                for (int d = 0; d < DP / 8; d++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[d][e] += other[(d * 4 + e) * 32];
+            } else {
+#pragma unroll
+                for (int x = 0; x < 2; x++) {
+                    const float m1 = other[(DP / 2 + x) * 32], l1 = other[(DP / 2 + 2 + x) * 32];
+                    const float mn = fmaxf(m_[x], m1), mu = mn == -INFINITY ? 0.0f : mn;
+                    const float a0 = ex2(m_[x] - mu), a1 = ex2(m1 - mu);
+                    m_[x] = mn, l_[x] = l_[x] * a0 + l1 * a1;
+#pragma unroll
+                    for (int d = 0; d < DP / 8; d++)
+#pragma unroll
+                        for (int e = 2 * x; e < 2 * x + 2; e++) acc[d][e] = acc[d][e] * a0 + other[(d * 4 + e) * 32] * a1;
+                }
+            }
+        }
     }
     if (!live) return;
 
@@ -1526,14 +1568,14 @@ __global__ void __launch_bounds__(32 * (NP / RP)) sfw_kernel(const qparams P, co
 #endif
 }
 
-template <int DP, typename T, int MODE, int BN, int NS, int NP, int RP = 1>
+template <int DP, typename T, int MODE, int BN, int NS, int NP, int RP = 1, int KS = 1>
 static void launch_sfw_t(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
 {
     const size_t smem = sfw_smem(DP, BN, NS);
-    auto kern = sfw_kernel<DP, T, MODE, BN, NS, NP, RP>;
+    auto kern = sfw_kernel<DP, T, MODE, BN, NS, NP, RP, KS>;
     g_check(g, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
-    kern<<<dim3((unsigned)tiles, (unsigned)P->H), 32 * (NP / RP), smem, g->st>>>(*P, *(const CUtensorMap *)tk,
+    kern<<<dim3((unsigned)tiles, (unsigned)P->H), 32 * (NP / RP) * KS, smem, g->st>>>(*P, *(const CUtensorMap *)tk,
                                                                          *(const CUtensorMap *)tv);
     g_launched(g);
 }
@@ -1541,7 +1583,11 @@ static void launch_sfw_t(grun *g, const qparams *P, int64_t tiles, const void *t
 template <int DP, typename T, int MODE>
 static void launch_sfw_m(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
 {
-    if constexpr (MODE == MODE_DQ) { /* G = 4 / 8: one warp, four / two positions (branches.cu sfw_try) */
+    /* union tiles (branches.cu sfw_try): forward at G = 4 on two warps taking alternate
+     * chunks; dQ at G = 4 / 8 on one warp of four / two positions */
+    if constexpr (MODE == MODE_FWD) {
+        if (P->rp == 4) return launch_sfw_t<DP, T, MODE, 32, 2, 4, 4, 2>(g, P, tiles, tk, tv);
+    } else {
         if (P->rp == 4) return launch_sfw_t<DP, T, MODE, 32, 2, 4, 4>(g, P, tiles, tk, tv);
         if (P->rp == 2) return launch_sfw_t<DP, T, MODE, 32, 2, 2, 2>(g, P, tiles, tk, tv);
     }

@@ -41,6 +41,7 @@ typedef struct qparams {
     int nst;               /* K/V buffers: 2 = double-buffered, 1 = single (less shared memory) */
     int bn;                /* keys per chunk: 64, or 32 (one-warp selected tiles) */
     int rp;                /* sfw: positions per warp (16 / G at G = 4 or 8: rows = positions x heads), else 1 */
+    int ks;                /* sfw: warps sharing those rows on alternate chunks (2: the G = 4 forward) */
     /* qwg: Q (and dO in dQ) arrives as one TMA box of 128 / G positions x G heads (G divides
      * 128); forward O leaves each warpgroup as one of 64 / G positions (G divides 64; O in q's
      * dtype) */
