@@ -1304,10 +1304,10 @@ __device__ __forceinline__ void sfw_pb(float (&acc)[2 * KT][4], const float (&Pm
  * of a position that did not select a chunk's block masked: at G = 4 the union of four
  * positions (~55 blocks with random selections: the forced ones shared) is fewer K / V bytes
  * than four 16-block walks, and no padding rows. NP positions per CTA, NP / RP warps of rows.
- * KS > 1: KS warps share each warp's rows and take alternate chunks of the walk, each with
- * its own running max / sum / accumulators, combined at the end in a fixed order: the union's
- * ~55 chunks at G = 4 are a chain of online-softmax steps that one warp per CTA ran
- * latency-bound. */
+ * KS > 1 (forward): KS warps share each warp's rows and take alternate chunks of the walk,
+ * each with its own running max / sum / accumulators, combined at the end in a fixed order:
+ * the union's ~55 chunks at G = 4 are a chain of online-softmax steps that one warp per CTA
+ * ran latency-bound. */
 template <int DP, typename T, int MODE, int BN, int NS, int NP, int RP, int KS>
 __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
                                                       const __grid_constant__ CUtensorMap tv)
@@ -1494,8 +1494,9 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
         mb_arrive(&empty[st]);
     }
     if constexpr (KS > 1) {
+        static_assert(!DQ, "split chunks are the forward's (dQ on two warps measured slower: branches.cu sfw_try)");
         /* every chunk landed and was read by every warp: the stages hold the partner warps'
-         * state, [value][lane] (acc, then m and l), added into split 0's in split order */
+         * state, [value][lane] (acc, then m and l), merged into split 0's in split order */
         constexpr int NV = DP / 2 + 4;
         float *xs = (float *)Ks + warp * (KS - 1) * NV * 32;
         __syncthreads();
@@ -1512,23 +1513,16 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
         if (ks > 0) return;
         for (int k = 1; k < KS; k++) {
             const float *other = xs + (k - 1) * NV * 32 + lane;
-            if constexpr (DQ) {
+#pragma unroll
+            for (int x = 0; x < 2; x++) {
+                const float m1 = other[(DP / 2 + x) * 32], l1 = other[(DP / 2 + 2 + x) * 32];
+                const float mn = fmaxf(m_[x], m1), mu = mn == -INFINITY ? 0.0f : mn;
+                const float a0 = ex2(m_[x] - mu), a1 = ex2(m1 - mu);
+                m_[x] = mn, l_[x] = l_[x] * a0 + l1 * a1;
 #pragma unroll
                 for (int d = 0; d < DP / 8; d++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) acc[d][e] += other[(d * 4 + e) * 32];
-            } else {
-#pragma unroll
-                for (int x = 0; x < 2; x++) {
-                    const float m1 = other[(DP / 2 + x) * 32], l1 = other[(DP / 2 + 2 + x) * 32];
-                    const float mn = fmaxf(m_[x], m1), mu = mn == -INFINITY ? 0.0f : mn;
-                    const float a0 = ex2(m_[x] - mu), a1 = ex2(m1 - mu);
-                    m_[x] = mn, l_[x] = l_[x] * a0 + l1 * a1;
-#pragma unroll
-                    for (int d = 0; d < DP / 8; d++)
-#pragma unroll
-                        for (int e = 2 * x; e < 2 * x + 2; e++) acc[d][e] = acc[d][e] * a0 + other[(d * 4 + e) * 32] * a1;
-                }
+                    for (int e = 2 * x; e < 2 * x + 2; e++) acc[d][e] = acc[d][e] * a0 + other[(d * 4 + e) * 32] * a1;
             }
         }
     }
