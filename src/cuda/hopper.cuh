@@ -884,20 +884,33 @@ __device__ __forceinline__ uint64_t swg_key(int f, float v, int j)
     return ((uint64_t)(f != 0) << 63) | ((uint64_t)__float_as_uint(v) << 31) | (uint64_t)(0x7FFFFFFF - j);
 }
 
-/* One pass of the top-n for the 32 positions of a warp (lane = position pp, list in keys
- * [NR][SWG_BP], best first, zeros = empty): the list in registers; each lane scans its own
+/* c into the kept list L (best first, zeros = empty) by the branchless insertion network,
+ * L[i] = max(L[i], min(c, L[i - 1])): the last entry drops out when c beats it, and c = 0
+ * (no candidate) leaves L as it is. */
+template <int NR>
+__device__ __forceinline__ void swg_insert(uint64_t (&L)[NR], uint64_t c)
+{
+#pragma unroll
+    for (int i = NR - 1; i > 0; i--) {
+        const uint64_t lo = c < L[i - 1] ? c : L[i - 1];
+        L[i] = L[i] > lo ? L[i] : lo;
+    }
+    L[0] = L[0] > c ? L[0] : c;
+}
+
+/* One pass of the top-n for the 32 positions of a warp (lane = position pp, its list at keys
+ * [NR][MS][SWG_BP], best first, zeros = empty): the list in registers; each lane scans its own
  * candidates for the next one that beats its last entry (a compare each), and the warp runs
- * the branchless insertion network, L[i] = max(L[i], min(c, L[i - 1])), once per round, a
- * no-op for lanes without a winner (c = 0). Rounds = the most winners of any lane: all JC
- * while the lists fill, a few once they hold their top n (random scores: ~n / (keys seen) of
- * a pass's candidates win). Keeping the top NR >= n keeps the top n. MS lanes per position
- * (half = 0 .. MS - 1) each keep the top of every MS-th candidate in their own list (keys
- * [NR][MS][SWG_BP]), merged once at the end: with MS = 2 every warp of the CTA merges and
- * none waits at the barrier (one lane per position left two of four warps idle for a
- * sixth of the kernel). (The network run for
- * every candidate a lane of the warp could use was most of the merge: 16 steps of 64-bit
- * min / max per candidate; a warp per position merging by rank counts took 8 of the 17 ms of
- * the selection at 64k; one thread per position shifting a shared-memory list, 7.) */
+ * the insertion network (swg_insert) once per round, a no-op for lanes without a winner (c =
+ * 0). Rounds = the most winners of any lane: all JC while the lists fill, a few once they hold
+ * their top n (random scores: ~n / (keys seen) of a pass's candidates win). Keeping the top NR
+ * >= n keeps the top n. MS lanes per position (half = 0 .. MS - 1) each keep the top of every
+ * MS-th candidate in their own list, merged once at the end: with MS = 2 every warp of the CTA
+ * merges and none waits at the barrier (one lane per position left two of four warps idle for
+ * a sixth of the kernel). (The network run for every candidate a lane of the warp could use
+ * was most of the merge: 16 steps of 64-bit min / max per candidate; a warp per position
+ * merging by rank counts took 8 of the 17 ms of the selection at 64k; one thread per position
+ * shifting a shared-memory list, 7.) */
 template <int NR, int MS>
 __device__ __forceinline__ void swg_merge(const sparams &P, const float *imp, int ims, uint64_t *keys, int p0, int npos,
                                           int jA, int JC, int pp, int half)
@@ -922,12 +935,7 @@ __device__ __forceinline__ void swg_merge(const sparams &P, const float *imp, in
             }
         }
         if (!__any_sync(0xffffffffu, c != 0)) break;
-#pragma unroll
-        for (int i = NR - 1; i > 0; i--) {
-            const uint64_t lo = c < L[i - 1] ? c : L[i - 1];
-            L[i] = L[i] > lo ? L[i] : lo;
-        }
-        L[0] = L[0] > c ? L[0] : c;
+        swg_insert<NR>(L, c);
     }
 #pragma unroll
     for (int i = 0; i < NR; i++) K[i * MS * SWG_BP] = L[i];
@@ -947,7 +955,7 @@ __device__ __forceinline__ void swg_merge(const sparams &P, const float *imp, in
  * address work of 8 copies per thread per head.) The heads' lse sit in shared memory, read
  * once per CTA. The pass then writes p to shared memory (over the key tile, free by then),
  * folds it into block importances, issues the next pass's key tile and merges the candidates
- * into the kept lists (swg_merge, one lane per position) while it loads. Two CTAs per SM
+ * into the kept lists (swg_merge, MS lanes per position) while it loads. Two CTAs per SM
  * overlap one's merges with the other's products. Keys a position cannot see (or past the
  * pass, which the key box may hold) are never read back from p. NR: list registers, 16 or 32
  * (>= n); MS: merge lanes per position (swg_merge), 2 where that still fits two CTAs per SM. */
@@ -1202,12 +1210,7 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
             for (int e = 0; e < NR; e++) {
                 const uint64_t c = keys[(e * MS + x) * BP + tid];
                 if (c <= L[NR - 1]) break;
-#pragma unroll
-                for (int i = NR - 1; i > 0; i--) {
-                    const uint64_t lo = c < L[i - 1] ? c : L[i - 1];
-                    L[i] = L[i] > lo ? L[i] : lo;
-                }
-                L[0] = L[0] > c ? L[0] : c;
+                swg_insert<NR>(L, c);
             }
     }
     __syncthreads();
