@@ -26,7 +26,8 @@ endif
 ifeq ($(NSA_CUDA),1)
 CUDA_HOME ?= $(patsubst %/bin/,%,$(dir $(shell command -v $(NVCC) 2>/dev/null)))
 NVCCFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a
-CUDA_SRC := $(sort $(wildcard src/cuda/*.cu))
+CUDA_SRC := $(sort $(wildcard src/cuda/*.cu src/cuda/*/*.cu))
+CUDA_HDR := $(wildcard src/cuda/*.h src/cuda/*/*.h src/cuda/*/*.cuh src/*.h include/*.h)
 CUDA_OBJ := $(CUDA_SRC:%.cu=build/obj/%.o)
 CUDA_CFLAGS := -DNSA_WITH_CUDA -I$(CUDA_HOME)/include
 LIB_OBJ += $(CUDA_OBJ)
@@ -34,7 +35,7 @@ LDLIBS += -L$(CUDA_HOME)/lib64 -lcudart_static -lstdc++ -ldl -lrt -lpthread
 GPU_TEST_SRC := tests/gpu_main.c tests/test_attention.c $(TEST_SUPPORT)
 all: build/nsa_gpu_tests build/nsa_gpu_bench build/nsa_wgmma_test
 
-build/obj/src/cuda/%.o: src/cuda/%.cu $(wildcard src/cuda/*.h src/cuda/*.cuh src/*.h include/*.h)
+build/obj/src/cuda/%.o: src/cuda/%.cu $(CUDA_HDR)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Iinclude -Isrc -c $< -o $@
 
@@ -44,7 +45,7 @@ build/nsa_gpu_tests: $(GPU_TEST_SRC) $(wildcard tests/*.h) build/libnsa.a
 	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests -o $@ $(GPU_TEST_SRC) build/libnsa.a $(LDLIBS)
 
 # the Hopper primitives alone (tile loaders, descriptors, wgmma wrappers) against a host product
-build/nsa_wgmma_test: tests/gpu_wgmma.cu $(wildcard src/cuda/*.h src/cuda/*.cuh src/*.h include/*.h)
+build/nsa_wgmma_test: tests/gpu_wgmma.cu $(CUDA_HDR)
 	@mkdir -p build
 	$(NVCC) $(NVCCFLAGS) -Iinclude -Isrc -o $@ tests/gpu_wgmma.cu
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Writes src/cuda/wgmma_ops.cuh: the inline-PTX wrappers of the Hopper wgmma shapes the
+"""Writes src/cuda/prim/wgmma_ops.cuh: the inline-PTX wrappers of the Hopper wgmma shapes the
 engine uses (an asm statement needs every accumulator register spelled out, 32 or 64 of
 them, which is error-prone by hand). Run from the repo root after changing SHAPES:
-    python3 scripts/gen_wgmma.py > src/cuda/wgmma_ops.cuh
+    python3 scripts/gen_wgmma.py > src/cuda/prim/wgmma_ops.cuh
 """
 SHAPES = [  # (kind, N): SS = A and B from shared-memory descriptors, RS = A from registers
     ("SS", 16), ("SS", 32), ("SS", 64), ("SS", 128), ("RS", 64), ("RS", 128), ("RS", 192),

@@ -1,4 +1,4 @@
-/* gpu_wgmma.cu -- unit test of the Hopper primitives of src/cuda/hopper.cuh on the GPU: the
+/* gpu_wgmma.cu -- unit test of the Hopper primitives of src/cuda/prim (wgmma.cuh, tma.cuh) on the GPU: the
  * swizzled tile loaders, the wgmma descriptors and the generated wgmma wrappers, exactly as
  * qwg_kernel uses them:
  *   S = Q K^T   Q [64 x D], K [128 x D], both K-major from shared memory (SS);
@@ -8,7 +8,8 @@
  * shows as a wrong product here before it shows as a wrong attention in the sweep.
  * Prints one line per case and "N passed, N failed"; exit status 1 on any failure, 2 when the
  * device is not a Hopper (nothing to test). */
-#include "../src/cuda/hopper.cuh"
+#include "../src/cuda/prim/softmax.cuh"
+#include "../src/cuda/prim/wgmma.cuh"
 
 #include <math.h>
 #include <stdio.h>

@@ -1,6 +1,6 @@
 /* context.cu -- CUDA availability and context set-up. Without a driver or a GPU the
  * runtime reports an error from cudaGetDeviceCount, which reads as "not available". */
-#include "common.cuh"
+#include "prim/common.cuh"
 #include "cuda_backend.h"
 
 int nsa_cuda_available(void)

@@ -1,0 +1,60 @@
+/* attn/bwd_rows.cu -- the per-row terms of every branch's backward (D = g * rowsum(dout * o),
+ * the gate) and the store of fp32 accumulators into the caller's strided outputs. */
+#include "tiles.h"
+#include "../prim/rowwise.cuh"
+
+__global__ void dprep_kernel(dview dout, dview o, dview gate, float *Dw, float *gw, int64_t T, int64_t HQ, int64_t DV,
+                             int64_t rows)
+{
+    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    int64_t hq, t, b;
+    split_row(row, HQ, T, rows, &b, &t, &hq);
+    const int64_t db = b * dout.s0 + t * dout.s1 + hq * dout.s2, obase = b * o.s0 + t * o.s1 + hq * o.s2;
+    float acc = 0.0f;
+    for (int64_t d = lane; d < DV; d += 32) acc += ld_any(dout.p, dout.dt, db + d) * ld_any(o.p, o.dt, obase + d);
+    acc = warp_sum(acc);
+    if (lane == 0) {
+        const float gv = gate.p ? ld_any(gate.p, gate.dt, b * gate.s0 + t * gate.s1 + hq * gate.s2) : 1.0f;
+        Dw[row] = gv * acc;
+        if (gw) gw[row] = gv;
+    }
+}
+
+void nsa_cu_dprep(grun *g, const dview *dout, const dview *o, const dview *gate, float *Dw, float *gw, int64_t B,
+                  int64_t T, int64_t HQ, int64_t DV)
+{
+    const int64_t rows = B * T * HQ;
+    if (!g_live(g) || rows == 0) return;
+    dview none;
+    memset(&none, 0, sizeof none);
+    dprep_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(*dout, *o, gate ? *gate : none, Dw, gw, T,
+                                                                           HQ, DV, rows);
+    g_launched(g);
+}
+
+/* one warp per (b, r, h) row */
+__global__ void store32_kernel(const float *src, dview dst, int64_t R, int64_t H, int64_t D, int64_t rows, int vec)
+{
+    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    int64_t h, r, b;
+    split_row(row, H, R, rows, &b, &r, &h);
+    const int64_t base = b * dst.s0 + r * dst.s1 + h * dst.s2;
+    if (vec) {
+        for (int64_t d = 4 * lane; d < D; d += 128) st4_any(dst.p, dst.dt, base + d, *(const float4 *)(src + row * D + d));
+        return;
+    }
+    for (int64_t d = lane; d < D; d += 32) st_any(dst.p, dst.dt, base + d, src[row * D + d]);
+}
+
+void nsa_cu_store32(grun *g, const float *src, const dview *dst, int64_t B, int64_t R, int64_t H, int64_t D)
+{
+    const int64_t rows = B * R * H;
+    if (!g_live(g) || rows == 0 || D == 0) return;
+    const int vec = vec4_ok(dst, 1, D) && (uintptr_t)src % 16 == 0; /* src rows: D % 4 == 0 keeps them aligned */
+    store32_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(src, *dst, R, H, D, rows, vec);
+    g_launched(g);
+}

@@ -1,0 +1,462 @@
+/* attn/hopper_dkdv.cuh -- the sm_90a dK / dV tiles on wgmma, the tasks of ktile at 128 keys
+ * (dkdv_tasks.cuh):
+ *   kwp_kernel  range rules, and the selected rule over its inverted lists, when G divides 64,
+ *               head dims 64 / 128: a producer warpgroup loads Q / dO chunks of 64 rows by TMA
+ *               (whole positions x G heads) and fills the row slots; two consumer warpgroups
+ *               (range: 64 keys each of a 128-key tile, every chunk; selected: the block's 64
+ *               keys, alternate chunks) never meet at a CTA barrier.
+ *   kwg_kernel  the same range-rule tasks for the other G (Q / dO rows by cp.async, the two
+ *               warpgroups in step); its sums equal kwp's bit for bit.
+ * Deterministic: same tasks and ordered partials as ktile. The kernel bodies exist only in the
+ * sm_90a build. */
+#ifndef NSA_CUDA_ATTN_HOPPER_DKDV_CUH
+#define NSA_CUDA_ATTN_HOPPER_DKDV_CUH
+
+#include "dkdv_tasks.cuh"
+#include "../prim/wgmma.cuh"
+
+#if defined(__CUDACC__)
+
+/* The dK / dV tiles' first two products for one chunk: S^T = K Q^T and dP^T = V dO^T (keys x
+ * rows, wgmma SS, all operands K-major; A: 64 keys at byte offset aoff of the BK-key tile).
+ * SPLIT commits S alone first (its consumer waits for S while dP runs). */
+template <typename T, int DP, int BK, int BQ, bool SPLIT>
+__device__ __forceinline__ void kw_products(float (*S)[4], float (*dP)[4], const unsigned char *Ks,
+                                            const unsigned char *Vs, const unsigned char *Qp, const unsigned char *Dp,
+                                            int aoff)
+{
+    constexpr int KT = DP / 16;
+    wg_fence();
+    wg_ss_kmajor<T, BQ, KT, BK, BQ>(&S[0][0], Ks + aoff, Qp);
+    if (SPLIT) wg_commit();
+    wg_ss_kmajor<T, BQ, KT, BK, BQ>(&dP[0][0], Vs + aoff, Dp);
+    wg_commit();
+}
+
+/* The dK / dV tiles' epilogue (as ktile's): this thread's two keys' fp32 sums added into
+ * dk / dv, or, for a further row segment, its partial of BK keys written whole (scale folded
+ * into dK). */
+template <int DP, int BK>
+__device__ __forceinline__ void kwg_store(const kparams &P, const kt_task &t, const int kr[2], const float (*dK)[4],
+                                          const float (*dV)[4], int lane)
+{
+    const int h = t.h, k0 = t.k0, k1 = t.k1;
+#pragma unroll
+    for (int x = 0; x < 2; x++) {
+        const int key = kr[x];
+        if (key >= k1) continue;
+        float *pk, *pv;
+        const int64_t slot = t.slot;
+        if (slot >= 0) {
+            pk = P.part + slot * BK * (P.DK + P.DV) + (int64_t)(key - k0) * P.DK;
+            pv = P.part + slot * BK * (P.DK + P.DV) + (int64_t)BK * P.DK + (int64_t)(key - k0) * P.DV;
+        } else {
+            const int64_t row = (t.sq.b * P.KR + t.key_row0 + key) * P.H + h;
+            pk = P.dk + row * P.DK, pv = P.dv + row * P.DV;
+        }
+#pragma unroll
+        for (int d = 0; d < DP / 8; d++) {
+            const int col = d * 8 + 2 * (lane & 3);
+            float2 *k2p = (float2 *)(pk + col), *v2p = (float2 *)(pv + col);
+            const float2 a = slot >= 0 ? make_float2(0.0f, 0.0f) : *k2p, b = slot >= 0 ? make_float2(0.0f, 0.0f) : *v2p;
+            *k2p = make_float2(a.x + dK[d][2 * x] * P.scale, a.y + dK[d][2 * x + 1] * P.scale);
+            *v2p = make_float2(b.x + dV[d][2 * x], b.y + dV[d][2 * x + 1]);
+        }
+    }
+}
+
+/* dK and dV of the range rules: ktile's tasks at 128 keys (two warpgroups of 64 keys share
+ * every 64-row chunk of Q and dO they stream: half of ktile's L2 traffic per product; row
+ * segments with ordered partials for the compressed branch), one CTA per SM:
+ *   S^T = K Q^T, dP^T = V dO^T     (wgmma SS, all operands K-major)
+ *   dV += (g P)^T dO, dK += dS^T Q (wgmma RS, dO / Q MN-major)
+ * Deterministic as ktile: every key's sums run over its rows in one fixed order. */
+template <int DP, typename T>
+__global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BK = KWG_BK, BQ = 64, NT = BQ / 8, NTHR = 256;
+    constexpr int KB = BK * DP * 2, TB = BQ * DP * 2; /* key tile, row chunk */
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = smem_align1024(smem_raw);
+    unsigned char *Ks = smem, *Vs = Ks + KB;
+    unsigned char *Qs = Vs + KB;     /* [2] */
+    unsigned char *Ds = Qs + 2 * TB; /* [2] dO */
+    int64_t *rq = (int64_t *)(Ds + 2 * TB); /* [3][BQ] row slots */
+    int64_t *ro = rq + 3 * BQ;
+    float *rl2 = (float *)(ro + 3 * BQ);
+    float *rD = rl2 + 3 * BQ, *rg = rD + 3 * BQ;
+    int *rlo = (int *)(rg + 3 * BQ), *rhi = rlo + 3 * BQ;
+    int *rfull = rhi + 3 * BQ;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+
+    /* the task lives in shared memory: the row fill of every chunk reads it there, so its
+     * ~20 registers are not held through the products (they were spilled) */
+    __shared__ kt_task ts;
+    {
+        kt_task t;
+        if (!kt_task_get<BK, BQ>(P, &t, tid, NTHR)) return;
+        if (tid == 0) ts = t;
+    }
+    __syncthreads();
+    const kt_task &t = ts;
+    const int h = t.h, k0 = t.k0, k1 = t.k1;
+    const kt_rows R = {rq, ro, rl2, rD, rg, rlo, rhi, rfull};
+
+    sw_load_lin<T, DP, BK, NTHR>(Ks, (const T *)P.k.p, t.sq.b * P.k.s0 + (t.key_row0 + k0) * P.k.s1 + (int64_t)h * P.k.s2,
+                                 P.k.s1, k1 - k0, tid);
+    sw_load_lin<T, DP, BK, NTHR>(Vs, (const T *)P.v.p, t.sq.b * P.v.s0 + (t.key_row0 + k0) * P.v.s1 + (int64_t)h * P.v.s2,
+                                 P.v.s1, k1 - k0, tid);
+    const int64_t nchunks = (t.nrows + BQ - 1) / BQ;
+    /* rows of chunk c live in slot c % 3, filled two chunks ahead; data in stage c & 1 */
+    kt_fill<BQ>(P, t, R, 0, 0, tid);
+    if (nchunks > 1) kt_fill<BQ>(P, t, R, 1, 1, tid);
+    __syncthreads();
+    sw_load_rows<T, DP, BQ, NTHR>(Qs, (const T *)P.q.p, rq, tid);
+    sw_load_rows<T, DP, BQ, NTHR>(Ds, (const T *)P.dout.p, ro, tid);
+    cp_commit();
+
+    float dK[DP / 8][4], dV[DP / 8][4];
+#pragma unroll
+    for (int i = 0; i < DP / 8; i++) {
+        dK[i][0] = dK[i][1] = dK[i][2] = dK[i][3] = 0.0f;
+        dV[i][0] = dV[i][1] = dV[i][2] = dV[i][3] = 0.0f;
+    }
+    int kr[2];
+    kr[0] = k0 + warp * 16 + (lane >> 2);
+    kr[1] = kr[0] + 8;
+
+    for (int64_t c = 0; c < nchunks; c++) {
+        const int st = (int)(c & 1), sl = (int)(c % 3);
+        cp_wait<0>();
+        fence_async_smem();
+        __syncthreads(); /* chunk c landed; everyone is done with chunk c - 1 */
+        if (c + 1 < nchunks) {
+            const int ns = (int)((c + 1) % 3);
+            sw_load_rows<T, DP, BQ, NTHR>(Qs + (st ^ 1) * TB, (const T *)P.q.p, rq + ns * BQ, tid);
+            sw_load_rows<T, DP, BQ, NTHR>(Ds + (st ^ 1) * TB, (const T *)P.dout.p, ro + ns * BQ, tid);
+        }
+        cp_commit();
+        if (c + 2 < nchunks) kt_fill<BQ>(P, t, R, (int)((c + 2) % 3), c + 2, tid);
+        const unsigned char *Qp = Qs + st * TB, *Dp = Ds + st * TB;
+        const float *l2 = rl2 + sl * BQ, *Dr = rD + sl * BQ, *gr = rg + sl * BQ;
+        const int *lo = rlo + sl * BQ, *hi = rhi + sl * BQ;
+
+        /* S^T = K Q^T and dP^T = V dO^T (keys x rows; this warpgroup's 64 keys) */
+        float S[NT][4], dP[NT][4];
+        kw_products<T, DP, BK, BQ, false>(S, dP, Ks, Vs, Qp, Dp, wg * 64 * 128);
+        wg_wait<0>();
+
+        /* P^T (masked), dS^T = P^T (g dP^T - D); S becomes g P^T for dV (as ktile) */
+        if (k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1]) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
+                    const float p = ex2(S[nt][e] * P.sl2 - kt_l2(l2[n]));
+                    dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
+                    S[nt][e] = p * gr[n];
+                }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
+                    const int vis = key < k1 && key >= lo[n] && key <= hi[n];
+                    const float p = vis ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
+                    dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
+                    S[nt][e] = p * gr[n];
+                }
+        }
+        /* dV += (g P)^T dO, dK += dS^T Q: 16 rows per step, B MN-major (8-row groups 1024
+         * bytes apart, 64-column blocks BQ * 128 bytes apart) */
+        uint32_t pa[BQ / 16][4], da[BQ / 16][4];
+#pragma unroll
+        for (int k2 = 0; k2 < BQ / 16; k2++) {
+            sc_frag_a<T>(pa[k2], S[2 * k2], S[2 * k2 + 1]);
+            sc_frag_a<T>(da[k2], dP[2 * k2], dP[2 * k2 + 1]);
+        }
+        wg_fence();
+#pragma unroll
+        for (int k2 = 0; k2 < BQ / 16; k2++) {
+            wgmma_op<T, DP>::template rs<1>(&dV[0][0], pa[k2], wg_desc(Dp + k2 * 16 * 128, BQ * 128, 1024), 1);
+            wgmma_op<T, DP>::template rs<1>(&dK[0][0], da[k2], wg_desc(Qp + k2 * 16 * 128, BQ * 128, 1024), 1);
+        }
+        wg_commit();
+        wg_wait<0>();
+    }
+    cp_wait<0>();
+
+    kwg_store<DP, KWG_BK>(P, t, kr, dK, dV, lane);
+#endif
+}
+
+/* dK and dV, warp-specialised: ktile's tasks (range rules: kwg's 128-key tiles; SLC: one
+ * selected block's 64 keys over its inverted list), with the chunks of query rows streamed by a
+ * producer warpgroup into KWP_NS stages guarded by mbarriers (full: the chunk and its row slots
+ * landed; empty: every consuming thread is done with it), so that the two consumer warpgroups
+ * never meet at a CTA barrier and drift apart: one's elementwise phase runs under the other's
+ * products. Warp w of the producer owns stage w (a parity wait cannot tell phase u from u + 2,
+ * so each barrier's phases must be driven in order). A chunk's 64 rows are 64 / G whole
+ * positions x G heads (G divides 64; every chunk of a range task starts on a position): one TMA
+ * box of the q / dout maps per 64 columns for the range rules, one box per listed position for
+ * SLC; the row slots (lse, D, gate by cp.async, visible range) are filled by the producer's
+ * lanes (kt_fill), which arrive once for their stores and once when their copies land. The key
+ * tile rides on chunk 0's barrier. Rows past a task's end arrive as they are (masked, P = 0) or,
+ * past the tensor, as zeros. Range rules: warpgroup c takes keys 64 c .. of every chunk; SLC:
+ * both take the block's 64 keys on alternate chunks, summed at the end in a fixed order. Inside
+ * a warpgroup the exponentials run under the dP product and dS under the dV product:
+ *   S^T = K Q^T, dP^T = V dO^T   (wgmma SS; wait for S only)
+ *   P^T, dV += (g P)^T dO        (wgmma RS; wait for dP only)
+ *   dS^T, dK += dS^T Q           (wgmma RS)
+ * Deterministic; for the range rules the same sums as kwg bit for bit. 384 threads: warpgroup 0
+ * the producer (WS_PREGS registers), warpgroups 1 and 2 the consumers (WS_CREGS). */
+template <int DP, typename T, bool SLC>
+__global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __grid_constant__ CUtensorMap tq,
+                                                     const __grid_constant__ CUtensorMap tdo,
+                                                     const __grid_constant__ CUtensorMap tk,
+                                                     const __grid_constant__ CUtensorMap tv)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BK = SLC ? 64 : KWG_BK, BQ = 64, NT = BQ / 8, NS = SLC ? KWP_NS_SLC : KWP_NS;
+    constexpr int KB = BK * DP * 2, TB = BQ * DP * 2; /* key tile, row chunk */
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = smem_align1024(smem_raw);
+    unsigned char *Ks = smem, *Vs = Ks + KB;
+    unsigned char *Qs = Vs + KB;      /* [NS] */
+    unsigned char *Ds = Qs + NS * TB; /* [NS] dO */
+    uint64_t *full = (uint64_t *)(Ds + NS * TB), *empty = full + NS;
+    float *rl2 = (float *)(empty + NS); /* [NS][BQ] row slots (no row offsets: TMA) */
+    float *rD = rl2 + NS * BQ, *rg = rD + NS * BQ;
+    int *rlo = (int *)(rg + NS * BQ), *rhi = rlo + NS * BQ;
+    int *rfull = rhi + NS * BQ; /* [NS][2] */
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+
+    __shared__ kt_task ts; /* read from shared memory by the producer's fills (as kwg) */
+    {
+        kt_task t;
+        if (!kt_task_get<BK, BQ>(P, &t, tid, 384)) return;
+        if (tid == 0) ts = t;
+    }
+    if (tid == 0) {
+        for (int s = 0; s < NS; s++) {
+            mb_init(&full[s], 64); /* the producer's lanes: slot stores, slot copies (+ the bytes) */
+            mb_init(&empty[s], SLC ? 128 : 256); /* every consuming thread, after its last read */
+        }
+        mb_init_fence();
+    }
+    __syncthreads();
+    const kt_task &t = ts;
+    const int h = t.h, k0 = t.k0, k1 = t.k1;
+    const int64_t nchunks = (t.nrows + BQ - 1) / BQ;
+
+    if (wg == 0) {
+        /* the producer: warp w < NS of this warpgroup fills the chunks of stage w (one warp's
+         * fills and address work per chunk were the pipeline's throughput); one warp per stage
+         * keeps each barrier's phases in order (a parity wait cannot tell phase u from u + 2) */
+        regs_dec<WS_PREGS>();
+        if (warp >= NS) return;
+        const kt_rows R = {nullptr, nullptr, rl2, rD, rg, rlo, rhi, rfull};
+        const int G = (int)P.G, b = (int)t.sq.b, PP = BQ / G; /* positions per chunk */
+        /* selected rule: this lane's list entries (lane, lane + 32 of a chunk) for this warp's
+         * chunk (pe) and its next one (pn), loaded a round ahead; entries past the list repeat
+         * its last (finite rows, masked) */
+        const int64_t nlist = t.nrows / G;
+        int pe[2] = {0, 0}, pn[2] = {0, 0};
+        if (SLC)
+            for (int x = 0; x < 2; x++)
+                if (lane + 32 * x < PP) pn[x] = t.list[min((int64_t)warp * PP + lane + 32 * x, nlist - 1)];
+        for (int64_t c = warp; c < nchunks; c += NS) {
+            const int s = (int)(c % NS);
+            if (c >= NS) mb_wait(&empty[s], (int)(((c / NS) & 1) ^ 1));
+            if (lane == 0) mb_expect_tx(&full[s], 2 * TB + (c == 0 ? 2 * KB : 0));
+            __syncwarp(); /* the bytes expected before any box of this phase lands */
+            if (lane == 0 && c == 0)
+#pragma unroll
+                for (int cb = 0; cb < DP / 64; cb++) {
+                    const int kr0 = (int)(t.key_row0 + k0);
+                    tma_load4(Ks + cb * BK * 128, &tk, cb * 64, h, kr0, b, &full[0]);
+                    tma_load4(Vs + cb * BK * 128, &tv, cb * 64, h, kr0, b, &full[0]);
+                }
+            if (!SLC) { /* the chunk's 64 / G positions are consecutive: one box per 64 columns */
+                if (lane == 0) {
+                    const int row = (int)(t.sq.row0 + (t.rbase + c * BQ) / G);
+#pragma unroll
+                    for (int cb = 0; cb < DP / 64; cb++) {
+                        tma_load4(Qs + s * TB + cb * BQ * 128, &tq, cb * 64, h * G, row, b, &full[s]);
+                        tma_load4(Ds + s * TB + cb * BQ * 128, &tdo, cb * 64, h * G, row, b, &full[s]);
+                    }
+                }
+                kt_fill<BQ, false>(P, t, R, s, c, lane);
+                kt_fill<BQ, false>(P, t, R, s, c, lane + 32);
+            } else { /* one box of G heads per listed position, issued by the lane holding it */
+                pe[0] = pn[0], pe[1] = pn[1];
+#pragma unroll
+                for (int x = 0; x < 2; x++)
+                    if (lane + 32 * x < PP) {
+                        const int row = (int)(t.sq.row0 + pe[x]), r0 = (lane + 32 * x) * G;
+#pragma unroll
+                        for (int cb = 0; cb < DP / 64; cb++) {
+                            tma_load4(Qs + s * TB + cb * BQ * 128 + r0 * 128, &tq, cb * 64, h * G, row, b, &full[s]);
+                            tma_load4(Ds + s * TB + cb * BQ * 128 + r0 * 128, &tdo, cb * 64, h * G, row, b, &full[s]);
+                        }
+                    }
+                /* rows lane and lane + 32: positions from the lanes holding their entries */
+                int rp[2];
+#pragma unroll
+                for (int x = 0; x < 2; x++) {
+                    const int e = (lane + 32 * x) / G;
+                    const int v0 = __shfl_sync(0xffffffffu, pe[0], e & 31), v1 = __shfl_sync(0xffffffffu, pe[1], e & 31);
+                    rp[x] = e < 32 ? v0 : v1;
+                }
+#pragma unroll
+                for (int x = 0; x < 2; x++)
+                    if (c + NS < nchunks && lane + 32 * x < PP) pn[x] = t.list[min((c + NS) * PP + lane + 32 * x, nlist - 1)];
+                kt_fill_at<BQ, false>(P, t, R, s, c, lane, rp[0]);
+                kt_fill_at<BQ, false>(P, t, R, s, c, lane + 32, rp[1]);
+            }
+            /* lse, D, gate by cp.async (no load latency in this loop: it is the pipeline's
+             * throughput), the rest by stores: each lane arrives once for its stores and once
+             * when its copies land */
+            mb_arrive_cp(&full[s]);
+            mb_arrive(&full[s]);
+        }
+        return;
+    }
+    regs_inc<WS_CREGS>();
+    /* consumer warpgroup cw: range rule, keys cw * 64 .. of every chunk; selected rule, all
+     * 64 keys of chunks cw, cw + 2, .. (summed at the end in a fixed order) */
+    const int cw = wg - 1, cwarp = warp - 4;
+
+    float dK[DP / 8][4], dV[DP / 8][4];
+#pragma unroll
+    for (int i = 0; i < DP / 8; i++) {
+        dK[i][0] = dK[i][1] = dK[i][2] = dK[i][3] = 0.0f;
+        dV[i][0] = dV[i][1] = dV[i][2] = dV[i][3] = 0.0f;
+    }
+    int kr[2];
+    kr[0] = k0 + (SLC ? cwarp & 3 : cwarp) * 16 + (lane >> 2);
+    kr[1] = kr[0] + 8;
+    const int aoff = SLC ? 0 : cw * 64 * 128; /* this warpgroup's 64 rows of the key tile */
+
+    for (int64_t c = SLC ? cw : 0; c < nchunks; c += SLC ? 2 : 1) {
+        const int s = (int)(c % NS);
+        mb_wait(&full[s], (int)((c / NS) & 1));
+        const unsigned char *Qp = Qs + s * TB, *Dp = Ds + s * TB;
+        const float *l2 = rl2 + s * BQ, *Dr = rD + s * BQ, *gr = rg + s * BQ;
+        const int *lo = rlo + s * BQ, *hi = rhi + s * BQ;
+
+        float S[NT][4], dP[NT][4];
+        kw_products<T, DP, BK, BQ, true>(S, dP, Ks, Vs, Qp, Dp, aoff);
+        wg_wait<1>(); /* S^T ready, dP^T still on the tensor cores */
+
+        /* P^T (masked) in S; (g P)^T as the A fragments of dV */
+        const bool whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
+        uint32_t pa[BQ / 16][4], da[BQ / 16][4];
+        if (whole) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
+                    S[nt][e] = ex2(S[nt][e] * P.sl2 - kt_l2(l2[n]));
+                }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
+                    const int vis = key < k1 && key >= lo[n] && key <= hi[n];
+                    S[nt][e] = vis ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
+                }
+        }
+#pragma unroll
+        for (int k2 = 0; k2 < BQ / 16; k2++) {
+            float a[4], b[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                a[e] = S[2 * k2][e] * gr[2 * k2 * 8 + 2 * (lane & 3) + (e & 1)];
+                b[e] = S[2 * k2 + 1][e] * gr[(2 * k2 + 1) * 8 + 2 * (lane & 3) + (e & 1)];
+            }
+            sc_frag_a<T>(pa[k2], a, b);
+        }
+        wg_fence();
+#pragma unroll
+        for (int k2 = 0; k2 < BQ / 16; k2++)
+            wgmma_op<T, DP>::template rs<1>(&dV[0][0], pa[k2], wg_desc(Dp + k2 * 16 * 128, BQ * 128, 1024), 1);
+        wg_commit();
+        wg_wait<1>(); /* dP^T ready, dV on the tensor cores */
+
+        /* dS^T = P^T (g dP^T - D) */
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
+                dP[nt][e] = S[nt][e] * (dP[nt][e] * gr[n] - Dr[n]);
+            }
+#pragma unroll
+        for (int k2 = 0; k2 < BQ / 16; k2++) sc_frag_a<T>(da[k2], dP[2 * k2], dP[2 * k2 + 1]);
+        wg_fence();
+#pragma unroll
+        for (int k2 = 0; k2 < BQ / 16; k2++)
+            wgmma_op<T, DP>::template rs<1>(&dK[0][0], da[k2], wg_desc(Qp + k2 * 16 * 128, BQ * 128, 1024), 1);
+        wg_commit();
+        wg_wait<0>();
+        mb_arrive(&empty[s]); /* stage s free for chunk c + NS (each thread releases its own reads) */
+    }
+
+    if (SLC) { /* warpgroup 1's sums into warpgroup 0's (same fragment layout), in that order */
+        float4 *red = (float4 *)Qs; /* the stages are free once both warpgroups are done */
+        const int ct = tid - 128;   /* 0 .. 255 */
+        nb_sync(1);
+        if (cw == 1)
+#pragma unroll
+            for (int d = 0; d < DP / 8; d++) {
+                red[(2 * d) * 128 + ct - 128] = make_float4(dK[d][0], dK[d][1], dK[d][2], dK[d][3]);
+                red[(2 * d + 1) * 128 + ct - 128] = make_float4(dV[d][0], dV[d][1], dV[d][2], dV[d][3]);
+            }
+        nb_sync(1);
+        if (cw == 1) return;
+#pragma unroll
+        for (int d = 0; d < DP / 8; d++) {
+            const float4 a = red[(2 * d) * 128 + ct], v = red[(2 * d + 1) * 128 + ct];
+            dK[d][0] += a.x, dK[d][1] += a.y, dK[d][2] += a.z, dK[d][3] += a.w;
+            dV[d][0] += v.x, dV[d][1] += v.y, dV[d][2] += v.z, dV[d][3] += v.w;
+        }
+    }
+    kwg_store<DP, BK>(P, t, kr, dK, dV, lane);
+#endif
+}
+
+/* ---- launchers ---- */
+
+template <int DP, typename T>
+static void launch_kwg_t(grun *g, const kparams *P, int64_t tiles)
+{
+    const size_t smem = kwg_smem(DP);
+    g_check(g, cudaFuncSetAttribute(kwg_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (g->err != NSA_STATUS_SUCCESS) return;
+    kwg_kernel<DP, T><<<dim3((unsigned)tiles, (unsigned)P->H), 256, smem, g->st>>>(*P);
+    g_launched(g);
+}
+
+template <int DP, typename T, bool SLC>
+static void launch_kwp_t(grun *g, const kparams *P, int64_t tiles, const void *maps)
+{
+    const size_t smem = kwp_smem(DP, SLC);
+    g_check(g, cudaFuncSetAttribute(kwp_kernel<DP, T, SLC>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (g->err != NSA_STATUS_SUCCESS) return;
+    const CUtensorMap *m = (const CUtensorMap *)maps; /* q, dout, k, v */
+    /* a further-segments launch finds each task's head from its segment (as ktile) */
+    kwp_kernel<DP, T, SLC><<<dim3((unsigned)tiles, P->extra ? 1u : (unsigned)P->H), 384, smem, g->st>>>(*P, m[0], m[1], m[2],
+                                                                                                       m[3]);
+    g_launched(g);
+}
+
+#endif /* __CUDACC__ */
+
+#endif

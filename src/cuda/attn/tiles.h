@@ -1,0 +1,185 @@
+/* attn/tiles.h -- the attention tiles every NSA branch runs on: a query row sees the keys of
+ * its rule (prim/mask.cuh: window / dense, compressed, or its selected blocks), so one set of
+ * forward / dQ tiles and one set of dK / dV tiles serve the range rules (range/) and the
+ * selected rule (selected/). Their parameter blocks, shared-memory sizes and launchers:
+ *   ampere_fwd_dq.cuh  qtile_kernel  forward and dQ, mma.sync (sm_80 and sm_90a)
+ *   ampere_dkdv.cuh    ktile_kernel  dK / dV, mma.sync
+ *   hopper_dkdv.cuh    kwg_kernel, kwp_kernel  dK / dV on wgmma (kwp: TMA producer), sm_90a
+ * Kernels take their params struct by value; every launcher is a no-op in the sizing pass or
+ * after an earlier error. */
+#ifndef NSA_CUDA_ATTN_TILES_H
+#define NSA_CUDA_ATTN_TILES_H
+
+#include "../prim/mask.cuh"
+#include <cuda.h> /* CUtensorMap */
+
+enum { MODE_FWD = 0, MODE_DQ = 1 };
+
+/* qtile: forward (o, lse) or dQ of one branch. */
+typedef struct qparams {
+    dview q, k, v, o, lse, dout;
+    const float *Dw, *gw;  /* DQ: flat per-row D = g * rowsum(dout * o), gate g (NULL: 1) */
+    float *dq;             /* DQ: flat fp32 [B*T*HQ*DK], added to */
+    int64_t T, HQ, H, G;
+    int DK, DV;
+    float sl2, scale;      /* scale * log2(e), scale */
+    rule_t rule;
+    const int32_t *U, *ucnt; /* SLC: usable blocks [B*T*H][m] ascending, counts */
+    int m;
+    seqmap sm;
+    int nw;                /* warps per CTA: tile rows = 16 * nw */
+    int nst;               /* K/V buffers: 2 = double-buffered, 1 = single (less shared memory) */
+    int bn;                /* keys per chunk: 64, or 32 (one-warp selected tiles) */
+    int rp;                /* sfw: positions per warp (16 / G at G = 4 or 8: rows = positions x heads), else 1 */
+    int ks;                /* sfw: warps sharing those rows on alternate chunks (2: the G = 4 forward) */
+    /* qwg: Q (and dO in dQ) arrives as one TMA box of 128 / G positions x G heads (G divides
+     * 128); forward O leaves each warpgroup as one of 64 / G positions (G divides 64; O in q's
+     * dtype) */
+    int qbox, obox;
+    int64_t tiles, tasks;  /* qwg: tiles per kv head, tiles x H (set by its launcher) */
+    dview dqo;             /* qwg dQ: .p set = write dq here (q's dtype or f32) instead of adding into dq */
+    int *ctr;              /* qwg forward: zeroed task counter of a persistent walk (NULL: none) */
+    int dyn;               /* (set by the launcher: the walk is persistent) */
+} qparams;
+
+/* ktile: dK, dV of one branch into flat fp32 [B, KR, H, D] buffers (added to). */
+typedef struct kparams {
+    dview q, k, v, dout, lse;
+    const float *Dw, *gw;
+    float *dk, *dv;
+    int64_t T, HQ, H, G, KR;
+    int DK, DV;
+    float sl2, scale;
+    rule_t rule;
+    /* SLC: inverted selection, per (sequence, head) region: offs[nb + 1], list[len * m] */
+    const int32_t *offs, *list;
+    const int64_t *offs_pref, *list_pref; /* varlen region prefixes (NULL: dense) */
+    int m, nsub;                          /* list width, 64-key tiles per block */
+    /* Long lists are cut into segments of segp queries (0: never): the first segment adds
+     * into dk/dv, each further one (enumerated by xoff over the flat offs array of nflat
+     * entries) writes an fp32 partial that nsa_cu_slc_reduce adds in order afterwards. */
+    int segp, extra;                      /* extra: this launch runs the further segments */
+    const int32_t *xoff;
+    int64_t nflat;
+    float *part;
+    /* Compressed keys are few (Nc / 64 tiles) and each is seen by most queries: nseg > 1
+     * splits a tile's rows into nseg tasks; segment 0 adds into dk/dv, the others write the
+     * partial of slot (task, head), added in order by nsa_cu_seg_reduce. */
+    int nseg;
+    int bk;                               /* keys per task: 64 (ktile), KWG_BK (kwg_kernel) */
+    seqmap sm;
+} kparams;
+
+/* Shared memory of each kernel (bytes); the kernels carve in the same order. */
+static inline size_t qtile_smem(int DKP, int DVP, int nw, int mode, int nst, int bn)
+{
+    const size_t BM = 16 * (size_t)nw, LDK = DKP + 8, LDV = DVP + 8;
+    /* one-warp forward: Q lives in registers (qtile_kernel's qreg) */
+    const size_t el = (mode == MODE_FWD && nw == 1 ? 0 : BM * LDK) + (mode == MODE_DQ ? BM * LDV : 0) + (size_t)nst * bn * LDK + (size_t)nst * bn * LDV;
+    return el * 2 + 2 * BM * 8 + 12 * 4 + 3 * 64;
+}
+
+static inline size_t ktile_smem(int DKP, int DVP)
+{
+    const size_t LDK = DKP + 8, LDV = DVP + 8;
+    const size_t el = 3 * 64 * LDK + 3 * 64 * LDV;
+    return el * 2 + 2 * 3 * 64 * 8 + 5 * 3 * 64 * 4 + 3 * 2 * 4;
+}
+
+/* Register budgets of the warp-specialised sm_90a kernels (qwg, kwp: 384 threads, one producer
+ * and two consumer warpgroups; setmaxnreg: 128 x 40 + 256 x 232 <= 64k) */
+#define WS_PREGS 40
+#define WS_CREGS 232
+
+#define KWG_BK 128 /* keys per kwg_kernel task (ktile: 64) */
+/* Shared memory of kwg_kernel<DP>: slack, K and V of 128 keys, two Q and two dO stages of 64
+ * rows, the three row slots of ktile (offsets, lse, D, gate, ranges, whole-chunk flags). */
+static inline size_t kwg_smem(int DP)
+{
+    return 1024 + 2 * (size_t)KWG_BK * DP * 2 + 4 * (size_t)64 * DP * 2 + 3 * 64 * (2 * sizeof(int64_t) + 5 * 4) + 6 * 4;
+}
+
+/* kwp_kernel (hopper.cuh): kwg's tasks with a TMA producer warpgroup; row-chunk stages */
+#define KWP_NS 3     /* range rules: both warpgroups on every chunk */
+#define KWP_NS_SLC 4 /* selected rule: the warpgroups take alternate chunks */
+/* slack, K and V of 128 keys (selected: 64), the stages of Q and dO (64 rows each), their
+ * full / empty mbarriers, as many row slots (lse, D, gate, ranges: TMA needs no row offsets)
+ * and whole-chunk flags */
+static inline size_t kwp_smem(int DP, int slc)
+{
+    const size_t ns = slc ? KWP_NS_SLC : KWP_NS, bk = slc ? 64 : KWG_BK;
+    return 1024 + 2 * bk * DP * 2 + 2 * ns * 64 * DP * 2 + 2 * ns * 8 + ns * 64 * 5 * 4 + ns * 2 * 4;
+}
+
+/* Launchers, one per head-dim class (64 = DK, DV <= 64; 128 = DK, DV <= 128; 192 = DK <= 192,
+ * DV <= 128), defined in the generated src/cuda/inst files. */
+void nsa_cu_qtile_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
+void nsa_cu_qtile_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
+void nsa_cu_qtile_192(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
+void nsa_cu_ktile_64(grun *g, const kparams *P, int bf16, int64_t tiles);
+void nsa_cu_ktile_128(grun *g, const kparams *P, int bf16, int64_t tiles);
+void nsa_cu_ktile_192(grun *g, const kparams *P, int bf16, int64_t tiles);
+/* sm_90a dK / dV of the range rules, kparams as ktile, DK == DV == 64 / 128 */
+void nsa_cu_kwg_64(grun *g, const kparams *P, int bf16, int64_t tiles);
+void nsa_cu_kwg_128(grun *g, const kparams *P, int bf16, int64_t tiles);
+/* ... the same with a producer warpgroup and TMA (range rules: bit for bit kwg's sums), and,
+ * slc = 1, the selected rule's dK / dV over the inverted lists (ktile's tasks and partials);
+ * maps: four host CUtensorMap (q, dout: box 64 x G x (slc ? 1 : 64 / G) x 1; k, v: box 64 x 1
+ * x (slc ? 64 : 128) x 1) */
+void nsa_cu_kwp_64(grun *g, const kparams *P, int bf16, int slc, int64_t tiles, const void *maps);
+void nsa_cu_kwp_128(grun *g, const kparams *P, int bf16, int slc, int64_t tiles, const void *maps);
+/* whether the loaded binary carries the sm_90a kernels of head-dim class 64 / 128 / 192 (not a
+ * PTX JIT of the sm_80 build, whose Hopper bodies are empty) */
+int nsa_cu_sm90_ready_64(void);
+int nsa_cu_sm90_ready_128(void);
+int nsa_cu_sm90_ready_192(void);
+
+/* ---- host side shared by the range and selected branches (attn/host.cu) ---------------- */
+
+/* Head-dim class of the tiles (64, 128, 192) or 0 when the dims are not supported. */
+int cu_dims_class(int64_t DK, int64_t DV);
+/* The attention tiles need f16/bf16 storage, supported dims, int32 positions. Marks
+ * NOT_SUPPORTED on g and returns 0 otherwise. */
+int cu_attn_supported(grun *g, nsa_dtype dt);
+
+/* Backward of one branch: dq added to dq32 [B*T*HQ*DK], dK/dV added to flat fp32 [B, KR, H, D]
+ * buffers. Dw, gw: per-row scratch [B*T*HQ]: filled by the branch (nsa_cu_dprep) unless
+ * D_ready says the caller already did (the pipeline's gate backward computes them). */
+typedef struct bwd_io {
+    const dview *q, *k, *v, *o, *lse, *dout, *gate; /* gate may be NULL */
+    nsa_dtype dt;
+    float *Dw, *gw, *dq32, *dk32, *dv32;
+    int64_t KR;
+    int D_ready;
+    /* non-NULL: this rule is dq's only term; dq32 comes unzeroed, and cu_bwd_range either
+     * writes dq_out itself (the wgmma dQ tile: returns 1) or zeroes dq32 and adds into it as
+     * usual (returns 0; the caller stores it). NULL: dq32 is zeroed and shared (returns 0). */
+    const dview *dq_out;
+} bwd_io;
+
+/* The parameter blocks of a branch's forward / dQ and dK / dV from the problem. */
+void cu_qparams_base(qparams *P, const nsa_problem *p, const dview *q);
+void cu_dq_params(qparams *P, const nsa_problem *p, const bwd_io *io);
+void cu_dkdv_params(kparams *P, const nsa_problem *p, const bwd_io *io);
+
+/* Launch the mma.sync tiles of the problem's head-dim class (NOT_SUPPORTED when their
+ * shared memory does not fit the device). */
+void cu_run_qtile(grun *g, const qparams *P, int mode, int64_t tiles, nsa_dtype dt);
+void cu_run_ktile(grun *g, const kparams *P, int64_t tiles, nsa_dtype dt);
+/* NSA_CUDA_WGMMA=0 in the environment: never the sm_90a tiles (read once). */
+int cu_wgmma_env(void);
+/* whether the loaded binary carries the sm_90a kernels of head-dim class D (asked once) */
+int cu_sm90_ready(int D);
+/* The producer-warp dK / dV tile (kwp_kernel) for K when the device and views allow it; makes
+ * its four maps (q, dout, k, v). */
+int cu_kwp_usable(const grun *g, const kparams *K, nsa_dtype dt, int slc, CUtensorMap maps[4]);
+/* Launch kwp_kernel with its maps (the planner chose it and the maps were made). */
+void cu_run_kwp(grun *g, const kparams *K, nsa_dtype dt, int slc, int64_t tiles, const CUtensorMap maps[4]);
+
+/* Per row of a branch's backward: Dw = g * rowsum(dout * o), gw = g (when gate given). */
+void nsa_cu_dprep(grun *g, const dview *dout, const dview *o, const dview *gate, float *Dw, float *gw, int64_t B,
+                  int64_t T, int64_t HQ, int64_t DV);
+/* Flat fp32 [B, R, H, D] -> a view of the same shape. */
+void nsa_cu_store32(grun *g, const float *src, const dview *dst, int64_t B, int64_t R, int64_t H, int64_t D);
+
+#endif

@@ -1,0 +1,60 @@
+/* prim/mask.cuh -- which keys a query row sees: the rule of a branch (window / dense,
+ * compressed, selected) with the options the range tiles apply themselves, and its visible
+ * key range per query (host and device). */
+#ifndef NSA_CUDA_PRIM_MASK_CUH
+#define NSA_CUDA_PRIM_MASK_CUH
+
+#include "common.cuh"
+
+enum { RULE_WIN = 0, RULE_CMP = 1, RULE_SLC = 2 };
+
+/* Which keys a query row sees: window/dense (wl, wr, causal), compressed (l, d) or
+ * selected (block lp, causal inside the block). */
+typedef struct rule_t {
+    int kind;
+    int64_t wl, wr;
+    int causal;
+    int cl, cd, lp;
+    /* attention options the range forward tiles (qtile, qwg) apply themselves; 0 / NULL = off
+     * (their backward runs the general kernels of xattn.cuh) */
+    float cap;            /* logit softcap */
+    const float *sinks;   /* [HQ] sink logits at stride sinks_s */
+    int64_t sinks_s;
+    int shift;            /* window rule, Tq != Tk (dense batch): query t's diagonal is key t + shift */
+    int nk;               /* window rule: key count (Tk, 0 allowed); -1: the sequence's length */
+} rule_t;
+
+#if defined(__CUDACC__)
+
+/* Keys of sequence sq that a rule's queries choose from: its compressed keys, or its own
+ * (the window rule's explicit count nk when it has one: Tq != Tk). */
+__device__ __forceinline__ int rule_nkeys(const rule_t &r, const seqinfo &sq)
+{
+    return r.kind == RULE_CMP ? sq.ncmp : r.kind == RULE_WIN && r.nk >= 0 ? r.nk : sq.len;
+}
+
+/* Visible keys [lo, hi] of query t (empty when hi < lo); for selected attention the causal
+ * bound only (blocks are masked separately). */
+__device__ __forceinline__ void rule_bounds(const rule_t &r, int t, int nkeys, int *lo, int *hi)
+{
+    if (r.kind == RULE_CMP) {
+        const int nv = t + 1 >= r.cl ? (t + 1 - r.cl) / r.cd + 1 : 0;
+        *lo = 0;
+        *hi = (nv < nkeys ? nv : nkeys) - 1;
+    } else if (r.kind == RULE_WIN) {
+        t += r.shift; /* bottom-right aligned diagonal (Tq != Tk); t < 0: the row sees nothing */
+        const int64_t a = (r.wl < 0 || t - r.wl < 0) ? 0 : t - r.wl;
+        int64_t b;
+        if (r.causal) b = t < nkeys - 1 ? t : nkeys - 1;
+        else b = (r.wr < 0 || t + r.wr > nkeys - 1) ? nkeys - 1 : t + r.wr;
+        *lo = (int)a;
+        *hi = (int)b;
+    } else {
+        *lo = 0;
+        *hi = t < nkeys - 1 ? t : nkeys - 1;
+    }
+}
+
+#endif /* __CUDACC__ */
+
+#endif

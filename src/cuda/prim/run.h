@@ -1,0 +1,134 @@
+/* prim/run.h -- the host side of one op call: the run state (stream, workspace arena with a
+ * sizing dry run, first error), launch checks, and the strided tensor views the kernels take.
+ * Every op's host code runs twice, once to size the workspace and once for real, through
+ * cu_op_workspace / cu_op_run, so the size and the use of the workspace cannot disagree. */
+#ifndef NSA_CUDA_PRIM_RUN_H
+#define NSA_CUDA_PRIM_RUN_H
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+extern "C" {
+#include "../../internal.h"
+#include "../../rules.h"
+}
+
+#define NSA_LOG2E 1.4426950408889634f
+#define NSA_LN2 0.6931471805599453f
+
+/* Every op runs its host code twice: once with dry = 1 to size the workspace (no CUDA call
+ * is made, takes only count bytes), once for real. Carving and launching share one code
+ * path, so the size and the use cannot disagree. */
+typedef struct grun {
+    cudaStream_t st;
+    char *base;
+    size_t used;
+    int dry;
+    nsa_status err;
+    const nsa_problem *p;
+    int32_t *cu;    /* device copy of cu_seqlens (varlen), else NULL */
+    int64_t *cmp0;  /* device prefix of compressed rows per sequence (varlen), else NULL */
+    int smem_max;   /* opt-in shared memory per block of the device (live pass) */
+    int cc_major;   /* compute capability of the device (live pass) */
+} grun;
+
+static inline void *g_take(grun *g, size_t bytes)
+{
+    size_t at = (g->used + 255) & ~(size_t)255;
+    g->used = at + bytes;
+    return g->dry ? NULL : (void *)(g->base + at);
+}
+
+static inline int g_live(const grun *g) { return !g->dry && g->err == NSA_STATUS_SUCCESS; }
+
+static inline void g_check(grun *g, cudaError_t e)
+{
+    if (e != cudaSuccess && g->err == NSA_STATUS_SUCCESS) g->err = NSA_STATUS_DEVICE_ERROR;
+}
+
+/* After a launch: a bad configuration or a sticky error surfaces here. */
+static inline void g_launched(grun *g) { g_check(g, cudaGetLastError()); }
+
+static inline void g_fail(grun *g, nsa_status st)
+{
+    if (g->err == NSA_STATUS_SUCCESS) g->err = st;
+}
+
+static inline void g_zero(grun *g, void *p, size_t bytes)
+{
+    if (g_live(g) && bytes) g_check(g, cudaMemsetAsync(p, 0, bytes, g->st));
+}
+
+static inline int64_t cdiv64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* A rank-3/4 tensor as the kernels see it: element (i0, i1, i2, d) lives at
+ * p + i0*s0 + i1*s1 + i2*s2 + d. al: rows start on 16 bytes and every stride keeps them
+ * there, so 16-byte copies are legal (else the loaders fall back to scalar reads). */
+typedef struct dview {
+    void *p;
+    int64_t s0, s1, s2;
+    int dt; /* nsa_dtype */
+    int al;
+} dview;
+
+static inline dview dv_of(const nsa_tensor *t)
+{
+    dview v;
+    memset(&v, 0, sizeof v);
+    if (!t || !t->data) return v;
+    v.p = t->data;
+    v.dt = (int)t->dtype;
+    v.s0 = t->stride[0];
+    v.s1 = t->rank > 1 ? t->stride[1] : 0;
+    v.s2 = t->rank > 2 ? t->stride[2] : 0;
+    const int64_t vec = 16 / (int64_t)nsa_dtype_size(t->dtype);
+    v.al = ((uintptr_t)t->data % 16 == 0) && v.s0 % vec == 0 && v.s1 % vec == 0 && v.s2 % vec == 0;
+    return v;
+}
+
+/* A contiguous [n0, n1, n2, D] buffer of workspace memory. */
+static inline dview dv_flat(void *p, nsa_dtype dt, int64_t n1, int64_t n2, int64_t D)
+{
+    dview v;
+    v.p = p;
+    v.dt = (int)dt;
+    v.s2 = D;
+    v.s1 = n2 * D;
+    v.s0 = n1 * n2 * D;
+    const int64_t vec = 16 / (int64_t)nsa_dtype_size(dt);
+    v.al = ((uintptr_t)p % 16 == 0) && D % vec == 0;
+    return v;
+}
+
+/* Run state of one op call (dry: sizing pass, ws unused); reads the device's limits in the
+ * live pass. */
+void g_init(grun *g, const nsa_context *ctx, const nsa_problem *p, void *ws, int dry);
+/* fp32 scratch of n floats from the workspace (zeroed when asked). */
+float *cu_take_f32(grun *g, int64_t n, int zero);
+
+/* The two entry points of every op around its run function: the workspace size (the dry
+ * pass's bytes plus alignment slack) and the live call (its first error, or SUCCESS). */
+template <typename A>
+static inline size_t cu_op_workspace(const nsa_context *ctx, const nsa_problem *p, void (*run)(grun *, const A *),
+                                     const A *a)
+{
+    grun g;
+    g_init(&g, ctx, p, NULL, 1);
+    run(&g, a);
+    return g.used + 256;
+}
+
+template <typename A>
+static inline nsa_status cu_op_run(const nsa_context *ctx, const nsa_problem *p, void (*run)(grun *, const A *),
+                                   const A *a, void *ws)
+{
+    grun g;
+    g_init(&g, ctx, p, ws, 0);
+    if (g.err != NSA_STATUS_SUCCESS) return g.err;
+    run(&g, a);
+    if (g.err == NSA_STATUS_SUCCESS) g_check(&g, cudaGetLastError());
+    return g.err;
+}
+
+#endif

@@ -1,0 +1,143 @@
+/* prim/softmax.cuh -- a warp's tile of scores in the mma.sync accumulator layout (S[nt][e]:
+ * row lane / 4 + 8 (e / 2), column 8 nt + 2 (lane % 4) + (e % 2), also the layout of the A
+ * fragments built from it): masking to each row's visible keys, softcap, the online softmax
+ * and the row epilogue, shared by the mma.sync and wgmma tiles and the option kernels. */
+#ifndef NSA_CUDA_PRIM_SOFTMAX_CUH
+#define NSA_CUDA_PRIM_SOFTMAX_CUH
+
+#include "mask.cuh"
+
+#if defined(__CUDACC__)
+
+__device__ __forceinline__ float ex2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* ==== score-tile helpers shared by the mma.sync (qtile) and wgmma (hopper.cuh) tiles ======
+ * S[nt][e]: the accumulator layout of a warp's 16 rows (row lane / 4 + 8 (e / 2), column
+ * 8 nt + 2 (lane % 4) + (e % 2)), which is also the layout of the A fragments built from it. */
+
+/* Scale scores into the log2 domain and mask keys outside [lo[x], hi[x]] or past c1. A chunk
+ * every row of the warp sees whole (full, warp-uniform: the compressed branch past its first
+ * rows, window interiors, selected blocks that end before the query) takes a branch without
+ * the per-element compares and selects: same products, so the same values as the masked path
+ * (__fmul_rn in both: no FMA contraction with the later subtraction on one path only). */
+template <int NT>
+__device__ __forceinline__ void sc_mask_scale(float (&S)[NT][4], int full, int c0, int c1, const int lo[2],
+                                              const int hi[2], int lane, float sl2)
+{
+    if (full) {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) S[nt][e] = __fmul_rn(S[nt][e], sl2);
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int x = e >> 1, key = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+                const int out = !(key < c1 && key >= lo[x] && key <= hi[x]);
+                S[nt][e] = out ? -INFINITY : __fmul_rn(S[nt][e], sl2);
+            }
+    }
+}
+
+/* tanh(x) as 1 - 2 / (e^2x + 1): a few instructions against tanhf's dozens, error ~1e-7
+ * absolute (e^2x -> inf gives 1, -> 0 gives -1); the softcap of every attention path. */
+__device__ __forceinline__ float tanh_fast(float x) { return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f); }
+
+/* The logit softcap of the attention op on raw scores q.k: S -> softcap * tanh(scale q.k /
+ * softcap) in the log2 domain. @return the factor sc_mask_scale must still apply: 1 after the
+ * cap, scale * log2(e) without one. */
+template <int NT>
+__device__ __forceinline__ float sc_softcap(float (&S)[NT][4], const rule_t &r, float scale, float sl2)
+{
+    if (!(r.cap > 0.0f)) return sl2;
+    const float k = scale / r.cap, c2 = r.cap * NSA_LOG2E;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) S[nt][e] = c2 * tanh_fast(k * S[nt][e]);
+    return 1.0f;
+}
+
+/* Whether every row of the warp sees all keys [c0, c1) of a chunk of `width` keys (rows' ranges
+ * lo / hi): such a chunk skips sc_mask_scale's per-element compares. */
+__device__ __forceinline__ int sc_chunk_whole(int c0, int c1, int width, const int lo[2], const int hi[2])
+{
+    const int w = c1 - c0 == width && lo[0] <= c0 && c1 - 1 <= hi[0] && lo[1] <= c0 && c1 - 1 <= hi[1];
+    return __all_sync(0xffffffffu, w);
+}
+
+/* A row's sum over the four lanes that hold its columns (the accumulator layout above). */
+__device__ __forceinline__ float sc_quad_sum(float v)
+{
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+/* A finished forward row: lse from the running max m2 (log2 domain) and this row's sum l; with
+ * a sink (sinks[hq * sinks_s]; sinks NULL: none), lse = log(l e^m + e^sink). @return o's
+ * multiplier (1 / l, times e^(lse without the sink - lse)); 0 for a row that saw no key. */
+__device__ __forceinline__ float sc_row_finish(float m2, float l, const float *sinks, int64_t sinks_s, int64_t hq,
+                                               float *lse_out)
+{
+    float lse = l > 0.0f ? (m2 + log2f(l)) * NSA_LN2 : -INFINITY, w = l > 0.0f ? 1.0f / l : 0.0f;
+    if (sinks) {
+        const float sk = sinks[hq * sinks_s], mx = lse > sk ? lse : sk;
+        if (mx != -INFINITY) {
+            const float lz = mx + logf(expf(lse - mx) + expf(sk - mx));
+            w *= expf(lse - lz); /* l = 0: w stays 0 */
+            lse = lz;
+        }
+    }
+    *lse_out = lse;
+    return w;
+}
+
+/* Online softmax step: S (log2 domain) becomes exp2(S - new max) per row; the row max m_,
+ * the row sum l_ (this lane's share) and the accumulator rows rescale. */
+template <int NT, int NA>
+__device__ __forceinline__ void sc_softmax(float (&S)[NT][4], float m_[2], float l_[2], float (&acc)[NA][4])
+{
+#pragma unroll
+    for (int x = 0; x < 2; x++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(S[nt][2 * x], S[nt][2 * x + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mnew = fmaxf(m_[x], mx);
+        const float muse = mnew == -INFINITY ? 0.0f : mnew;
+        const float alpha = ex2(m_[x] - muse);
+        m_[x] = mnew;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            S[nt][2 * x] = ex2(S[nt][2 * x] - muse);
+            S[nt][2 * x + 1] = ex2(S[nt][2 * x + 1] - muse);
+            sum += S[nt][2 * x] + S[nt][2 * x + 1];
+        }
+        l_[x] = l_[x] * alpha + sum;
+#pragma unroll
+        for (int d = 0; d < NA; d++) acc[d][2 * x] *= alpha, acc[d][2 * x + 1] *= alpha;
+    }
+}
+
+/* The A fragment of 16 keys (columns 16 k2 .. 16 k2 + 15) from S[2 k2], S[2 k2 + 1]. */
+template <typename T>
+__device__ __forceinline__ void sc_frag_a(uint32_t a[4], const float s0[4], const float s1[4])
+{
+    a[0] = dtraits<T>::pack(s0[0], s0[1]);
+    a[1] = dtraits<T>::pack(s0[2], s0[3]);
+    a[2] = dtraits<T>::pack(s1[0], s1[1]);
+    a[3] = dtraits<T>::pack(s1[2], s1[3]);
+}
+
+#endif /* __CUDACC__ */
+
+#endif

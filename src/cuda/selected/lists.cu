@@ -1,0 +1,264 @@
+/* selected/lists.cu -- the usable-block lists of selected attention, their inversion (per
+ * block, the ascending queries that selected it: what makes the selected dK / dV
+ * deterministic), the segments of long query lists and the ordered reduction of their
+ * partials. */
+#include "selected.h"
+#include "../prim/rowwise.cuh"
+
+__global__ void usable_kernel(dview idx, dview cnt, int64_t m, int64_t lp, int32_t *U, int32_t *ucnt, seqmap sm,
+                              int64_t T, int64_t H, int64_t rows)
+{
+    const int64_t row = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= rows) return;
+    int64_t h, t, b;
+    split_row(row, H, T, rows, &b, &t, &h);
+    const seqinfo sq = seq_get(sm, seq_of_row(sm, b, t));
+    const int64_t pos = t - sq.row0, nb = (sq.len + lp - 1) / lp;
+    int64_t c = m;
+    if (cnt.p) {
+        c = ((const int32_t *)cnt.p)[b * cnt.s0 + t * cnt.s1 + h * cnt.s2];
+        c = c < 0 ? 0 : (c > m ? m : c);
+    }
+    const int32_t *ix = (const int32_t *)idx.p + b * idx.s0 + t * idx.s1 + h * idx.s2;
+    int32_t *u = U + row * m;
+    int k = 0;
+    for (int64_t e = 0; e < c; e++) {
+        const int32_t j = ix[e];
+        if (j < 0 || j >= nb || (int64_t)j * lp > pos) continue;
+        int q = k;
+        while (q > 0 && u[q - 1] > j) q--;
+        if (q > 0 && u[q - 1] == j) continue;
+        for (int r = k; r > q; r--) u[r] = u[r - 1];
+        u[q] = j;
+        k++;
+    }
+    ucnt[row] = k;
+}
+
+void nsa_cu_usable(grun *g, const dview *idx, const dview *counts, int64_t m, int64_t lp, int32_t *U, int32_t *ucnt)
+{
+    const nsa_problem *p = g->p;
+    const int64_t rows = p->B * p->T * p->H;
+    if (!g_live(g) || rows == 0) return;
+    dview none;
+    memset(&none, 0, sizeof none);
+    usable_kernel<<<grid1(rows, PREP_THREADS), PREP_THREADS, 0, g->st>>>(*idx, counts ? *counts : none, m, lp, U, ucnt,
+                                                                       g_plain_map(g), p->T, p->H, rows);
+    g_launched(g);
+}
+
+typedef struct inv_params {
+    const int32_t *U, *ucnt;
+    int32_t *cnt, *offs, *list;
+    const int64_t *cnt_pref, *offs_pref, *list_pref;
+    int64_t m, lp, T, H;
+    seqmap sm;
+} inv_params;
+
+__device__ __forceinline__ int64_t inv_region(const int64_t *pref, unitspec u, int64_t s, int64_t T, int64_t H,
+                                              int64_t h, int64_t len)
+{
+    return (pref ? pref[s] : s * seq_units(u, T)) * H + h * seq_units(u, len);
+}
+
+/* per (sequence, chunk of positions, head): how many of the chunk's queries selected each block */
+__global__ void inv_count_kernel(inv_params P)
+{
+    extern __shared__ int hist[];
+    int64_t s, c;
+    seq_decode(P.sm, blockIdx.x, &s, &c);
+    const seqinfo sq = seq_get(P.sm, s);
+    const int64_t h = blockIdx.y, nb = (sq.len + P.lp - 1) / P.lp;
+    for (int64_t j = threadIdx.x; j < nb; j += blockDim.x) hist[j] = 0;
+    __syncthreads();
+    const int64_t p0 = c * INV_CHUNK;
+    const int64_t np = sq.len - p0 < INV_CHUNK ? sq.len - p0 : INV_CHUNK;
+    for (int64_t i = threadIdx.x; i < np * P.m; i += blockDim.x) {
+        const int64_t pp = i / P.m, e = i % P.m;
+        const int64_t row = (sq.b * P.T + sq.row0 + p0 + pp) * P.H + h;
+        if (e < P.ucnt[row]) atomicAdd(&hist[P.U[row * P.m + e]], 1);
+    }
+    __syncthreads();
+    unitspec uc = {UK_INV_CNT, INV_CHUNK, P.lp, 0, 0};
+    int32_t *cnt = P.cnt + inv_region(P.cnt_pref, uc, s, P.T, P.H, h, sq.len) + c * nb;
+    for (int64_t j = threadIdx.x; j < nb; j += blockDim.x) cnt[j] = hist[j];
+}
+
+/* per (sequence, head): block offsets, and each chunk's first slot per block */
+__global__ void inv_scan_kernel(inv_params P)
+{
+    __shared__ int wsum[32];
+    __shared__ int carry;
+    const int64_t s = blockIdx.x, h = blockIdx.y;
+    const seqinfo sq = seq_get(P.sm, s);
+    const int64_t nb = (sq.len + P.lp - 1) / P.lp, nch = (sq.len + INV_CHUNK - 1) / INV_CHUNK;
+    unitspec uc = {UK_INV_CNT, INV_CHUNK, P.lp, 0, 0}, uo = {UK_INV_OFFS, 0, P.lp, 0, 0};
+    int32_t *cnt = P.cnt + inv_region(P.cnt_pref, uc, s, P.T, P.H, h, sq.len);
+    int32_t *offs = P.offs + inv_region(P.offs_pref, uo, s, P.T, P.H, h, sq.len);
+    for (int64_t j = threadIdx.x; j < nb; j += blockDim.x) {
+        int tot = 0;
+        for (int64_t c = 0; c < nch; c++) tot += cnt[c * nb + j];
+        offs[j] = tot;
+    }
+    if (threadIdx.x == 0) carry = 0;
+    __syncthreads();
+    for (int64_t base = 0; base < nb; base += blockDim.x) {
+        const int64_t j = base + threadIdx.x;
+        const int v = j < nb ? offs[j] : 0;
+        const int x = block_scan_pass<int>(v, wsum, &carry);
+        if (j < nb) offs[j] = x;
+    }
+    if (threadIdx.x == 0) offs[nb] = carry;
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < nb; j += blockDim.x) {
+        int run = offs[j];
+        for (int64_t c = 0; c < nch; c++) {
+            const int t = cnt[c * nb + j];
+            cnt[c * nb + j] = run;
+            run += t;
+        }
+    }
+}
+
+/* per (sequence, chunk, head), one warp: the chunk's queries in ascending order into the
+ * lists (a query's blocks are distinct, so the lanes never share a cursor) */
+__global__ void inv_fill_kernel(inv_params P)
+{
+    extern __shared__ int cursor[];
+    int64_t s, c;
+    seq_decode(P.sm, blockIdx.x, &s, &c);
+    const seqinfo sq = seq_get(P.sm, s);
+    const int64_t h = blockIdx.y, nb = (sq.len + P.lp - 1) / P.lp;
+    const int lane = threadIdx.x;
+    unitspec uc = {UK_INV_CNT, INV_CHUNK, P.lp, 0, 0}, ul = {UK_LIST, P.m, 1, 0, 0};
+    const int32_t *cnt = P.cnt + inv_region(P.cnt_pref, uc, s, P.T, P.H, h, sq.len) + c * nb;
+    int32_t *list = P.list + inv_region(P.list_pref, ul, s, P.T, P.H, h, sq.len);
+    for (int64_t j = lane; j < nb; j += 32) cursor[j] = cnt[j];
+    __syncwarp();
+    const int64_t p0 = c * INV_CHUNK;
+    const int64_t np = sq.len - p0 < INV_CHUNK ? sq.len - p0 : INV_CHUNK;
+    for (int64_t pp = 0; pp < np; pp++) {
+        const int64_t row = (sq.b * P.T + sq.row0 + p0 + pp) * P.H + h;
+        const int k = P.ucnt[row];
+        for (int e = lane; e < k; e += 32) {
+            const int j = P.U[row * P.m + e];
+            const int slot = cursor[j];
+            cursor[j] = slot + 1;
+            list[slot] = (int32_t)(p0 + pp);
+        }
+        __syncwarp();
+    }
+}
+
+void nsa_cu_invert(grun *g, const int32_t *U, const int32_t *ucnt, int64_t m, int64_t lp, inv_index *ix)
+{
+    const nsa_problem *p = g->p;
+    unitspec uc = {UK_INV_CNT, INV_CHUNK, lp, 0, 0}, uo = {UK_INV_OFFS, 0, lp, 0, 0}, ul = {UK_LIST, m, 1, 0, 0};
+    unitspec uch = {UK_ROWS, 1, INV_CHUNK, 0, 0};
+    int64_t ncnt, noffs, nlist, nchunks;
+    const int64_t *cnt_pref = g_prefix(g, uc, &ncnt);
+    ix->offs_pref = g_prefix(g, uo, &noffs);
+    ix->list_pref = g_prefix(g, ul, &nlist);
+    int32_t *cnt = (int32_t *)g_take(g, (size_t)(ncnt * p->H + 1) * sizeof(int32_t));
+    ix->offs = (int32_t *)g_take(g, (size_t)(noffs * p->H + 1) * sizeof(int32_t));
+    ix->list = (int32_t *)g_take(g, (size_t)(nlist * p->H + 1) * sizeof(int32_t));
+    seqmap sm = g_seqmap(g, uch, &nchunks);
+    int64_t nb_max = 0;
+    for (int64_t s = 0; s < p->num_seqs; s++) {
+        const int64_t len = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T;
+        const int64_t nb = (len + lp - 1) / lp;
+        nb_max = nb > nb_max ? nb : nb_max;
+    }
+    const size_t hist_bytes = (size_t)(nb_max > 0 ? nb_max : 1) * sizeof(int);
+    if (hist_bytes > 200 * 1024) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED); /* more than 51200 selection blocks in one sequence */
+        return;
+    }
+    if (!g_live(g) || p->H == 0) return;
+    inv_params P;
+    memset(&P, 0, sizeof P);
+    P.U = U, P.ucnt = ucnt, P.cnt = cnt, P.offs = ix->offs, P.list = ix->list;
+    P.cnt_pref = cnt_pref, P.offs_pref = ix->offs_pref, P.list_pref = ix->list_pref;
+    P.m = m, P.lp = lp, P.T = p->T, P.H = p->H, P.sm = sm;
+    if (hist_bytes > 48 * 1024) {
+        g_check(g, cudaFuncSetAttribute(inv_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)hist_bytes));
+        g_check(g, cudaFuncSetAttribute(inv_fill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)hist_bytes));
+        if (!g_live(g)) return;
+    }
+    if (nchunks > 0) {
+        inv_count_kernel<<<dim3((unsigned)nchunks, (unsigned)p->H), 256, hist_bytes, g->st>>>(P);
+        g_launched(g);
+    }
+    if (p->num_seqs > 0) {
+        seqmap plain = g_plain_map(g);
+        P.sm = plain;
+        inv_scan_kernel<<<dim3((unsigned)p->num_seqs, (unsigned)p->H), 1024, 0, g->st>>>(P);
+        g_launched(g);
+        P.sm = sm;
+    }
+    if (nchunks > 0) {
+        inv_fill_kernel<<<dim3((unsigned)nchunks, (unsigned)p->H), 32, hist_bytes, g->st>>>(P);
+        g_launched(g);
+    }
+}
+
+/* xoff = exclusive prefix over the flat offs array of the further segments per entry (one block) */
+__global__ void slc_segments_kernel(const int32_t *offs, int64_t nflat, int64_t segp, int32_t *xoff)
+{
+    __shared__ int wsum[32];
+    __shared__ int carry;
+    if (threadIdx.x == 0) carry = 0;
+    __syncthreads();
+    for (int64_t base = 0; base < nflat; base += blockDim.x) {
+        const int64_t f = base + threadIdx.x;
+        int v = 0;
+        if (f + 1 < nflat) {
+            const int64_t c = (int64_t)offs[f + 1] - offs[f]; /* <= 0 past a region's last block */
+            v = c > segp ? (int)((c - 1) / segp) : 0;
+        }
+        const int x = block_scan_pass<int>(v, wsum, &carry);
+        if (f < nflat) xoff[f] = x;
+    }
+    if (threadIdx.x == 0) xoff[nflat] = carry;
+}
+
+void nsa_cu_slc_segments(grun *g, const inv_index *ix, int64_t nflat, int64_t segp, int32_t *xoff)
+{
+    if (!g_live(g)) return;
+    slc_segments_kernel<<<1, 1024, 0, g->st>>>(ix->offs, nflat, segp, xoff);
+    g_launched(g);
+}
+
+/* per key tile (sequence, block, 64-key sub-tile, head): += the partials of its further
+ * segments, summed in segment order */
+__global__ void slc_reduce_kernel(kparams P)
+{
+    int64_t s, local;
+    seq_decode(P.sm, blockIdx.x, &s, &local);
+    const seqinfo sq = seq_get(P.sm, s);
+    const int64_t h = blockIdx.y, lp = P.rule.lp, j = local / P.nsub, sub = local % P.nsub;
+    const int64_t per_T = (P.T + lp - 1) / lp + 1, nb1 = (sq.len + lp - 1) / lp + 1;
+    const int64_t f = (P.offs_pref ? P.offs_pref[s] : s * per_T) * P.H + h * nb1 + j;
+    const int64_t x0 = P.xoff[f], x1 = P.xoff[f + 1];
+    if (x0 == x1) return;
+    const int64_t bend = j * lp + lp < sq.len ? j * lp + lp : sq.len;
+    const int64_t k0 = j * lp + sub * 64, k1 = k0 + 64 < bend ? k0 + 64 : bend;
+    if (k0 >= k1) return;
+    const int64_t W = P.DK + P.DV;
+    for (int64_t i = threadIdx.x; i < (k1 - k0) * W; i += blockDim.x) {
+        const int64_t key = i / W, col = i % W;
+        const int64_t po = col < P.DK ? key * P.DK + col : 64 * P.DK + key * P.DV + (col - P.DK);
+        float sum = 0.0f;
+        for (int64_t e = x0; e < x1; e++) sum += P.part[(e * P.nsub + sub) * 64 * W + po];
+        const int64_t row = (sq.b * P.KR + sq.row0 + k0 + key) * P.H + h;
+        if (col < P.DK) P.dk[row * P.DK + col] += sum;
+        else P.dv[row * P.DV + (col - P.DK)] += sum;
+    }
+}
+
+void nsa_cu_slc_reduce(grun *g, const kparams *P, int64_t tiles)
+{
+    if (!g_live(g) || tiles == 0) return;
+    slc_reduce_kernel<<<dim3((unsigned)tiles, (unsigned)P->H), 256, 0, g->st>>>(*P);
+    g_launched(g);
+}
