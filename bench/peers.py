@@ -380,9 +380,9 @@ def self_test():
     check(abs(dense_flops(8192, 64, 128, "fwd+bwd") / dense_flops(8192, 64, 128, "fwd") - 3.5) < 1e-12, "dense bwd")
     check(swa_flops(2000, 1, 1, 512, "fwd") == 4.0 * sum(min(t + 1, 512) for t in range(2000)), "swa closed form")
     check(swa_flops(300, 1, 1, 512, "fwd") == 4.0 * 300 * 301 / 2, "swa short")
-    # paper config at 64k, HQ=64, D=128: targets.md's ~7.7 TFLOP forward (cmp ~4.4, slc ~2.2, window ~1.1)
+    # paper config at 64k, HQ=64, D=128: the performance targets' ~7.7 TFLOP forward (cmp ~4.4, slc ~2.2, window ~1.1)
     f64 = nsa_flops(65536, 64, 4, 128, cfg, True, "fwd") / 1e12
-    check(7.0 < f64 < 8.5, "paper 64k forward %.2f TFLOP, targets.md says ~7.7" % f64)
+    check(7.0 < f64 < 8.5, "paper 64k forward %.2f TFLOP, the performance targets say ~7.7" % f64)
     cmp, slc, swa = nsa_pairs(65536, cfg)
     check(abs(cmp * 64 * 512 / 1e12 - 4.4) < 0.2 and abs(slc * 64 * 512 / 1e12 - 2.2) < 0.2
           and abs(swa * 64 * 512 / 1e12 - 1.1) < 0.1, "branch split at 64k")
