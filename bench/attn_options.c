@@ -1,4 +1,4 @@
-/* attn_options.c -- CPU cost of each nsa_attention option (issue 5) against the plain call.
+/* attn_options.c -- CPU cost of each nsa_attention option against the plain call.
  *
  *   make NSA_CUDA=0 build/libnsa.a
  *   cc -O2 -std=c11 -Iinclude -o build/attn_options bench/attn_options.c build/libnsa.a -fopenmp -lm

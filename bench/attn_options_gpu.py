@@ -1,4 +1,4 @@
-"""attn_options_gpu.py -- GPU cost of each nsa.attention option (issue 5) against the plain call.
+"""attn_options_gpu.py -- GPU cost of each nsa.attention option against the plain call.
 
     PYTHONPATH=python python3 bench/attn_options_gpu.py [--T 16384] [--HQ 16] [--H 4] [--D 128]
 

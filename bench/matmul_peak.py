@@ -1,4 +1,4 @@
-"""matmul_peak.py -- the measured bf16 matmul peak that issue 6's per-branch targets are
+"""matmul_peak.py -- the measured bf16 matmul peak that the per-branch utilisation targets are
 fractions of: torch.matmul on square bf16 matrices (random, not zeros), CUDA events after
 warm-up, median of --reps, the best size reported.
 

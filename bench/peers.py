@@ -6,7 +6,7 @@ Times, on one GPU, bf16, B = 1, D = 128, forward and forward+backward:
   nsa     this library through torch: nsa.native_sparse_attention (paper and fla configs) and
           nsa.parallel_nsa (fla's signature, fla config, no window)
   fla     fla.ops.nsa.parallel_nsa (fla-org/flash-linear-attention), fla config, no window
-          (its window branch needs flash-attn, absent on the device)
+          (its window branch needs flash-attn, which the harness does not assume)
   mdy666  flash_nsa.HFNSACore (mdy666/Scalable-Flash-Native-Sparse-Attention), paper config; its
           window branch (flash-attn) replaced by a compiled FlexAttention sliding window
   cudnn   torch SDPA, dense causal, cuDNN backend
@@ -14,10 +14,10 @@ Times, on one GPU, bf16, B = 1, D = 128, forward and forward+backward:
   flex    torch FlexAttention, causal sliding window of 512 keys, GQA, compiled
 
 Peers come from $NSA_PEERS (default <repo>/peers, git-ignored; scripts/fetch-peers.sh fills it);
-an absent peer is skipped with the reason printed. bench/PEERS.md says how to run it on the
-device, what each row means and the caveats.
+an absent peer is skipped with the reason printed. bench/PEERS.md says how to run it, what each
+row means and the caveats.
 
-  python3 bench/peers.py --T 8k,16k,32k,64k,128k --G 16,4 --out $OUT
+  python3 bench/peers.py --T 8k,16k,32k,64k,128k --G 16,4 --out DIR
   python3 bench/peers.py --list            # the plan and the FLOP counts, no torch needed
   python3 bench/peers.py --self-test       # the pure functions, no torch needed
 
@@ -80,7 +80,7 @@ REFERENCE = {
     ("fla", "parallel_nsa"): ("native", "fla"),
     ("mdy666", "hf+flexswa"): ("native", "paper"),
     ("mdy666", "hf-noswa"): ("native-noswa", "paper"),
-    # dense and windowed attention against the same computation in nsa (issue 5); the NSA rows
+    # dense and windowed attention against the same computation in nsa (nsa.attention); the NSA rows
     # against dense attention are read off the ms columns
     ("cudnn", "sdpa"): ("attention", "dense"),
     ("fa2", "sdpa"): ("attention", "dense"),
@@ -380,9 +380,9 @@ def self_test():
     check(abs(dense_flops(8192, 64, 128, "fwd+bwd") / dense_flops(8192, 64, 128, "fwd") - 3.5) < 1e-12, "dense bwd")
     check(swa_flops(2000, 1, 1, 512, "fwd") == 4.0 * sum(min(t + 1, 512) for t in range(2000)), "swa closed form")
     check(swa_flops(300, 1, 1, 512, "fwd") == 4.0 * 300 * 301 / 2, "swa short")
-    # paper config at 64k, HQ=64, D=128: targets.md's ~7.7 TFLOP forward (cmp ~4.4, slc ~2.2, window ~1.1)
+    # paper config at 64k, HQ=64, D=128: the performance targets' ~7.7 TFLOP forward (cmp ~4.4, slc ~2.2, window ~1.1)
     f64 = nsa_flops(65536, 64, 4, 128, cfg, True, "fwd") / 1e12
-    check(7.0 < f64 < 8.5, "paper 64k forward %.2f TFLOP, targets.md says ~7.7" % f64)
+    check(7.0 < f64 < 8.5, "paper 64k forward %.2f TFLOP, the performance targets say ~7.7" % f64)
     cmp, slc, swa = nsa_pairs(65536, cfg)
     check(abs(cmp * 64 * 512 / 1e12 - 4.4) < 0.2 and abs(slc * 64 * 512 / 1e12 - 2.2) < 0.2
           and abs(swa * 64 * 512 / 1e12 - 1.1) < 0.1, "branch split at 64k")
@@ -767,7 +767,7 @@ class Runner:
 def kernel_table(torch, fn, leaves, top, title):
     """--kernels N: one more run of fn under torch.profiler, and its N longest GPU kernels
     (summed per name, ms) -- where each implementation's time goes, for Triton peers and nsa
-    alike, without ncu (which does not finish under torch.compile inside a device call)."""
+    alike, without ncu (which did not finish under torch.compile within a 10-minute run)."""
     from torch.profiler import ProfilerActivity, profile
     for g in leaves:
         g.grad = None

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # fetch-peers.sh -- put the peer NSA implementations that bench/peers.py times into the
-# git-ignored folder peers/ (or $NSA_PEERS), pruned to the Python packages, so the folder can
-# travel to a GPU machine with the device tool's `carry` (64 MiB in all, with the work tree).
+# git-ignored folder peers/ (or $NSA_PEERS), pruned to their Python packages.
 # Peers are never committed: /peers/ is in .gitignore.
 #
 #   peers/fla     fla-org/flash-linear-attention, only fla/ + LICENSE   (~5.6 MB)
@@ -10,19 +9,34 @@
 #                 README.md (~0.5 MB; imgs/, notebooks, nano-vllm/, tests dropped)
 #   peers/<name>/PEER_COMMIT   the commit the files were exported from
 #
-# Where the repositories come from, first that works:
-#   1. a bare mirror $MIRROR/<owner>+<name>/repo (default MIRROR=/work/.mirror): what the
-#      agent environment's `fetch` tool writes (call fetch("github:fla-org/flash-linear-attention")
-#      and fetch("github:mdy666/Scalable-Flash-Native-Sparse-Attention") first);
-#   2. with PEERS_CLONE=1, a shallow `git clone` from GitHub (a machine with internet access).
-# Exported with `git --git-dir=... archive HEAD <paths> | tar -x`, so no .git travels.
+# Where the repositories come from:
+#   - by default, `git clone --depth 1` from GitHub (needs network access);
+#   - with --mirror DIR (or PEERS_MIRROR=DIR), local clones in DIR instead, for offline
+#     machines: each repository as DIR/<name>, DIR/<owner>/<name> or DIR/<owner>+<name>
+#     (a clone, bare or not, or a folder holding one as repo/).
+# PEER_REF_<name>=<commit or branch> (e.g. PEER_REF_fla=bc3b101dcb71) exports that revision
+# instead of the default branch's head (a full commit hash when cloning).
+# Exported with `git archive <rev> <paths> | tar -x`, so no .git is copied.
 #
-#   bash scripts/fetch-peers.sh            # both peers
-#   bash scripts/fetch-peers.sh fla        # just one
+#   bash scripts/fetch-peers.sh                    # both peers
+#   bash scripts/fetch-peers.sh fla                # just one
+#   bash scripts/fetch-peers.sh --mirror ~/src fla # from a local clone
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PEERS="${NSA_PEERS:-$PWD/peers}"
-MIRROR="${MIRROR:-/work/.mirror}"
+MIRROR="${PEERS_MIRROR:-}"
+
+names=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --mirror) [ $# -ge 2 ] || { echo "fetch-peers: --mirror needs a folder" >&2; exit 2; }
+              MIRROR="$2"; shift 2 ;;
+    --mirror=*) MIRROR="${1#--mirror=}"; shift ;;
+    -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "fetch-peers: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) names+=("$1"); shift ;;
+    esac
+done
 mkdir -p "$PEERS"
 
 # name | owner/repo | paths kept (archive pathspecs)
@@ -31,38 +45,75 @@ PEER_LIST=(
     "mdy666|mdy666/Scalable-Flash-Native-Sparse-Attention|flash_nsa LICENSE README.md"
 )
 
+# The git directory of a clone of $1 (owner/name) under $MIRROR, or nothing.
+mirror_gitdir() {
+    local repo="$1" owner="${1%%/*}" base="${1#*/}" d g
+    for d in "$MIRROR/$base" "$MIRROR/$owner/$base" "$MIRROR/$owner+$base" "$MIRROR/$owner+$base/repo"; do
+        for g in "$d/.git" "$d"; do
+            if [ -d "$g" ] && git --git-dir="$g" rev-parse --verify -q HEAD > /dev/null 2>&1; then
+                echo "$g"
+                return 0
+            fi
+        done
+    done
+    return 1
+}
+
 export_peer() {
-    local name="$1" repo="$2" keep="$3" gitdir tmp="" dest="$PEERS/$1"
-    gitdir="$MIRROR/${repo/\//+}/repo"
-    [ -d "$gitdir/.git" ] && gitdir="$gitdir/.git"
-    if ! git --git-dir="$gitdir" rev-parse --verify -q HEAD > /dev/null 2>&1; then
-        if [ "${PEERS_CLONE:-0}" = 1 ]; then
-            tmp="$(mktemp -d)"
-            git clone -q --depth 1 "https://github.com/$repo.git" "$tmp/repo"
-            gitdir="$tmp/repo/.git"
-        else
-            echo "fetch-peers: $name: no mirror at $gitdir (use the environment's fetch tool for" \
-                 "github:$repo, set MIRROR=, or PEERS_CLONE=1 to git clone); skipped" >&2
+    local name="$1" repo="$2" keep="$3" gitdir="" tmp="" dest="$PEERS/$1" refvar ref
+    refvar="PEER_REF_$name"
+    ref="${!refvar:-}"
+    if [ -n "$MIRROR" ]; then
+        if ! gitdir="$(mirror_gitdir "$repo")"; then
+            echo "fetch-peers: $name: no clone of $repo in $MIRROR; skipped" >&2
             return 1
         fi
+    else
+        tmp="$(mktemp -d)"
+        if [ -z "$ref" ]; then
+            if ! git clone -q --depth 1 "https://github.com/$repo.git" "$tmp/repo"; then
+                echo "fetch-peers: $name: git clone of https://github.com/$repo failed; skipped" >&2
+                rm -rf "$tmp"
+                return 1
+            fi
+        else
+            if ! { git init -q "$tmp/repo" &&
+                   git -C "$tmp/repo" fetch -q --depth 1 "https://github.com/$repo.git" "$ref" &&
+                   git -C "$tmp/repo" update-ref HEAD FETCH_HEAD; }; then
+                echo "fetch-peers: $name: fetching $ref of https://github.com/$repo failed; skipped" >&2
+                rm -rf "$tmp"
+                return 1
+            fi
+            ref=""
+        fi
+        gitdir="$tmp/repo/.git"
     fi
+    local rev="${ref:-HEAD}"
     rm -rf "$dest"
     mkdir -p "$dest"
     # shellcheck disable=SC2086  # keep is a list of pathspecs
-    git --git-dir="$gitdir" archive HEAD $keep | tar -x -C "$dest"
-    # drop what the harness never imports (tests inside the package, compiled caches)
+    if ! git --git-dir="$gitdir" archive "$rev" $keep | tar -x -C "$dest"; then
+        echo "fetch-peers: $name: exporting $rev ($keep) failed; skipped" >&2
+        if [ -n "$tmp" ]; then rm -rf "$tmp"; fi
+        rm -rf "$dest"
+        return 1
+    fi
+    # drop what the harness never imports (compiled caches)
     find "$dest" \( -name '__pycache__' -o -name '*.pyc' \) -prune -exec rm -rf {} +
-    git --git-dir="$gitdir" log -1 --format="%H %cd $repo" > "$dest/PEER_COMMIT"
-    [ -n "$tmp" ] && rm -rf "$tmp"
+    git --git-dir="$gitdir" log -1 --format="%H %cd $repo" "$rev" > "$dest/PEER_COMMIT"
+    if [ -n "$tmp" ]; then rm -rf "$tmp"; fi
     echo "fetch-peers: $name <- $repo @ $(cut -c1-12 "$dest/PEER_COMMIT"), $(du -sh "$dest" | cut -f1)"
 }
 
 rc=0
+for n in "${names[@]}"; do
+    [[ " fla mdy666 " == *" $n "* ]] || { echo "fetch-peers: unknown peer $n (fla, mdy666)" >&2; rc=1; }
+done
 for entry in "${PEER_LIST[@]}"; do
     IFS='|' read -r name repo keep <<< "$entry"
-    if [ $# -gt 0 ] && [[ " $* " != *" $name "* ]]; then continue; fi
+    if [ ${#names[@]} -gt 0 ] && [[ " ${names[*]} " != *" $name "* ]]; then continue; fi
     export_peer "$name" "$repo" "$keep" || rc=1
 done
 total_kb=$(du -sk "$PEERS" | cut -f1)
-echo "fetch-peers: $PEERS holds $((total_kb / 1024)) MiB (the device carry limit is 64 MiB with the work tree)"
+echo "fetch-peers: $PEERS holds $((total_kb / 1024)) MiB"
 exit $rc
