@@ -7,8 +7,12 @@
 #include "rules.h"
 #include "cpu/common.h"
 #include "cpu/common.h" /* twice on purpose: the guard must cover the whole header */
+#include "nsa.h"
+
 #include <limits.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* ---- counting mismatches: one harness check per rule, the first mismatch printed ------- */
 
@@ -661,10 +665,77 @@ static void test_selected_keys(void)
     tally_done(&tm, "sliding window and window_right");
 }
 
+/* ---- huge windows through the API: a window wider than the sequence is unbounded, and
+ * nothing like t + window_right may overflow on the way (INT64_MAX once emptied every row) */
+
+static nsa_tensor rules_tensor(int rank, int64_t d0, int64_t d1, int64_t d2, int64_t d3, test_rng *r)
+{
+    const int64_t shape[4] = {d0, d1, d2, d3};
+    int64_t n = 1;
+    for (int i = 0; i < rank; i++) n *= shape[i];
+    float *x = (float *)calloc((size_t)(n > 0 ? n : 1), sizeof(float));
+    for (int64_t i = 0; x && r && i < n; i++) x[i] = (float)rng_normal(r);
+    return nsa_tensor_make(x, NSA_DTYPE_F32, rank, shape);
+}
+
+/* o and lse of one attention call; NULL on failure */
+static float *rules_attention(nsa_context *ctx, int64_t Tq, int64_t Tk, int causal, int64_t wl, int64_t wr)
+{
+    test_rng r = {7};
+    nsa_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.q = rules_tensor(4, 1, Tq, 2, 16, &r);
+    a.k = rules_tensor(4, 1, Tk, 1, 16, &r);
+    a.v = rules_tensor(4, 1, Tk, 1, 16, &r);
+    a.o = rules_tensor(4, 1, Tq, 2, 16, NULL);
+    a.lse = rules_tensor(3, 1, Tq, 2, 1, NULL);
+    a.causal = causal, a.window_left = wl, a.window_right = wr;
+    size_t bytes = 0;
+    nsa_status st = nsa_attention_workspace_size(ctx, &a, &bytes);
+    void *ws = malloc(bytes ? bytes : 1);
+    if (st == NSA_STATUS_SUCCESS) st = nsa_attention(ctx, &a, ws, bytes);
+    float *out = (float *)malloc((size_t)(Tq * 2 * 17) * sizeof(float));
+    if (out && a.o.data && a.lse.data) {
+        memcpy(out, a.o.data, (size_t)(Tq * 2 * 16) * sizeof(float));
+        memcpy(out + Tq * 2 * 16, a.lse.data, (size_t)(Tq * 2) * sizeof(float));
+    }
+    free(ws), free(a.q.data), free(a.k.data), free(a.v.data), free(a.o.data), free(a.lse.data);
+    if (st != NSA_STATUS_SUCCESS) {
+        free(out);
+        return NULL;
+    }
+    return out;
+}
+
+static void test_huge_windows(void)
+{
+    nsa_context *ctx = NULL;
+    nsa_context_desc desc = {.backend = NSA_BACKEND_CPU};
+    CHECK_STATUS(nsa_context_create(&ctx, &desc), NSA_STATUS_SUCCESS);
+    const int64_t QKs[][2] = {{40, 40}, {30, 70}, {70, 30}}; /* the fast path, then the general one */
+    const int64_t huge[] = {INT64_MAX, INT64_MAX - 1, INT64_MAX / 2, 1000};
+    for (int k = 0; k < 3; k++) {
+        const int64_t tq = QKs[k][0], tk = QKs[k][1];
+        float *want = rules_attention(ctx, tq, tk, 0, -1, -1);
+        CHECK(want != NULL);
+        for (int h = 0; h < 4 && want; h++)
+            for (int side = 0; side < 3; side++) {
+                const int64_t wl = side != 1 ? huge[h] : -1, wr = side != 0 ? huge[h] : -1;
+                float *got = rules_attention(ctx, tq, tk, 0, wl, wr);
+                CHECK_MSG(got && !memcmp(got, want, (size_t)(tq * 2 * 17) * sizeof(float)),
+                          "a window wider than the sequence must read as unbounded");
+                free(got);
+            }
+        free(want);
+    }
+    nsa_context_destroy(ctx);
+}
+
 void test_rules_all(void)
 {
     test_window_bounds();
     test_window_queries();
     test_cmp_and_selection();
     test_selected_keys();
+    test_huge_windows();
 }
