@@ -6,8 +6,10 @@
  *
  * The int32 forms (suffix 32) are the same arithmetic for kernels whose loops live in 32-bit
  * registers; their callers guarantee that every position, length and product involved fits
- * in int32 (windows: pass them through nsa_rule_window_clamp first). tests/test_rules.c holds
- * the copies these functions replaced and checks each against its replacement. */
+ * in int32 (windows: pass them through nsa_rule_window_clamp first). Their divisions are
+ * unsigned: the dividends are never negative (positions and block indices are >= 0), and it
+ * is the shorter instruction sequence on the GPU. tests/test_rules.c holds the copies these
+ * functions replaced and checks each against its replacement. */
 #ifndef NSA_RULES_H
 #define NSA_RULES_H
 
@@ -56,7 +58,7 @@ NSA_HD int64_t nsa_rule_cmp_visible(int64_t t, int64_t l, int64_t d)
 
 NSA_HD int32_t nsa_rule_cmp_visible32(int32_t t, int32_t l, int32_t d)
 {
-    return t + 1 >= l ? (t + 1 - l) / d + 1 : 0;
+    return t + 1 >= l ? (int32_t)((uint32_t)(t + 1 - l) / (uint32_t)d) + 1 : 0;
 }
 
 /* The same, capped by the sequence's nc compressed keys: a row reads keys [0, result) (the
@@ -84,7 +86,7 @@ NSA_HD int64_t nsa_rule_num_slc(int64_t T, int64_t lp)
 /* The selection block holding position t: query t's current block cur (its candidates are
  * blocks 0 .. cur). */
 NSA_HD int64_t nsa_rule_slc_of(int64_t t, int64_t lp) { return t / lp; }
-NSA_HD int32_t nsa_rule_slc_of32(int32_t t, int32_t lp) { return t / lp; }
+NSA_HD int32_t nsa_rule_slc_of32(int32_t t, int32_t lp) { return (int32_t)((uint32_t)t / (uint32_t)lp); }
 
 /* Tokens shared by compressed block i = [i*d, i*d + l) and selection block j = [j*l', (j+1)*l'). */
 NSA_HD int64_t nsa_rule_overlap(int64_t i, int64_t j, int64_t l, int64_t d, int64_t lp)
@@ -119,12 +121,12 @@ NSA_HD int64_t nsa_rule_slc_last_cmp(int64_t j, int64_t d, int64_t lp)
 
 NSA_HD int32_t nsa_rule_slc_first_cmp32(int32_t j, int32_t l, int32_t d, int32_t lp)
 {
-    return j * lp >= l ? (j * lp - l) / d + 1 : 0;
+    return j * lp >= l ? (int32_t)((uint32_t)(j * lp - l) / (uint32_t)d) + 1 : 0;
 }
 
 NSA_HD int32_t nsa_rule_slc_last_cmp32(int32_t j, int32_t d, int32_t lp)
 {
-    return ((j + 1) * lp - 1) / d;
+    return (int32_t)((uint32_t)((j + 1) * lp - 1) / (uint32_t)d);
 }
 
 /* Is selection block j forced for a query in block cur (j <= cur assumed)? Spec 3:
