@@ -331,7 +331,7 @@ typedef struct nsa_attention_args {
     int32_t causal;        /* != 0: window_right = 0 (bottom-right aligned when Tq != Tk) */
     int64_t window_left;   /* -1 = unbounded */
     int64_t window_right;  /* -1 = unbounded (ignored when causal) */
-    /* ---- appended in 0.2 (issue 5); zero-initialised = off: today's behaviour ---- */
+    /* ---- appended in 0.2; zero-initialised = off (the 0.1 behaviour) ---- */
     float softcap;             /* > 0: logit softcap on the scaled score; 0 = off; finite, >= 0 */
     nsa_tensor sinks;          /* in, optional [HQ] F32: one sink logit per query head */
     nsa_tensor q_segment_ids;  /* in, optional [B, Tq] I32 (given with k_segment_ids) */
@@ -352,7 +352,7 @@ typedef struct nsa_attention_bwd_args {
     nsa_tensor dq;         /* out [B, Tq, HQ, DK] */
     nsa_tensor dk;         /* out [B, Tk, H, DK]  */
     nsa_tensor dv;         /* out [B, Tk, H, DV]  */
-    /* ---- appended in 0.2 (issue 5) ---- */
+    /* ---- appended in 0.2 ---- */
     nsa_tensor dsinks;     /* out [HQ] F32, required when fwd.sinks is given:
                               dsinks[hq] = -sum over the rows of head hq of exp(sink - lse) * D,
                               D = rowsum(dout * o) */

@@ -131,7 +131,8 @@ nsa_status nsa_cmp_offsets(const nsa_config *config, const int32_t *cu_seqlens, 
         if (cu_seqlens[s + 1] < cu_seqlens[s]) return NSA_STATUS_BAD_CU_SEQLENS;
     cu_cmp[0] = 0;
     for (int64_t s = 0; s < num_seqs; s++)
-        cu_cmp[s + 1] = cu_cmp[s] + nsa_rule_num_cmp(cu_seqlens[s + 1] - cu_seqlens[s], config->cmp_len, config->cmp_stride);
+        cu_cmp[s + 1] =
+            cu_cmp[s] + nsa_rule_num_cmp(cu_seqlens[s + 1] - cu_seqlens[s], config->cmp_len, config->cmp_stride);
     return NSA_STATUS_SUCCESS;
 }
 
@@ -191,56 +192,285 @@ void nsa_context_destroy(nsa_context *ctx) { free(ctx); }
 
 /* ---- the one dispatch place ---------------------------------------------------------- */
 
-#ifdef NSA_WITH_CUDA
-#define NSA_CUDA_WS(op, ctx, p, a) \
-    if ((ctx)->backend == NSA_BACKEND_CUDA) return nsa_cuda_##op##_workspace((ctx), (p), (a))
-#define NSA_CUDA_RUN(op, ctx, p, a, ws) \
-    if ((ctx)->backend == NSA_BACKEND_CUDA) return nsa_cuda_##op((ctx), (p), (a), (ws))
-#else
-#define NSA_CUDA_WS(op, ctx, p, a) (void)0
-#define NSA_CUDA_RUN(op, ctx, p, a, ws) (void)0
-#endif
+/* The operations of nsa.h, in its order. */
+typedef enum op_id {
+    OP_COMPRESS,
+    OP_COMPRESS_BWD,
+    OP_CMP_ATTN,
+    OP_CMP_ATTN_BWD,
+    OP_SELECT,
+    OP_SLC_ATTN,
+    OP_SLC_ATTN_BWD,
+    OP_ATTENTION,
+    OP_ATTENTION_BWD,
+    OP_GATE,
+    OP_GATE_BWD,
+    OP_FORWARD,
+    OP_BACKWARD,
+} op_id;
 
-/* Every public op: validate everything (once), then the workspace, then run. The backend
- * functions get a validated nsa_problem and never see bad input. */
-#define NSA_DEFINE_OP(op, args_t)                                                                        \
-    static size_t op##_need(const nsa_context *ctx, const nsa_problem *p, const args_t *args)           \
-    {                                                                                                    \
-        NSA_CUDA_WS(op, ctx, p, args);                                                                   \
-        return nsa_cpu_##op##_workspace(ctx, p, args);                                                   \
-    }                                                                                                    \
-    nsa_status nsa_##op##_workspace_size(nsa_context *ctx, const args_t *args, size_t *bytes)            \
-    {                                                                                                    \
-        if (!ctx || !args || !bytes) return NSA_STATUS_NULL_POINTER;                                     \
-        nsa_problem p;                                                                                   \
-        nsa_status st = nsa_validate_##op(args, &p);                                                     \
-        if (st != NSA_STATUS_SUCCESS) return st;                                                         \
-        *bytes = op##_need(ctx, &p, args);                                                               \
-        return NSA_STATUS_SUCCESS;                                                                       \
-    }                                                                                                    \
-    nsa_status nsa_##op(nsa_context *ctx, const args_t *args, void *workspace, size_t workspace_bytes)   \
-    {                                                                                                    \
-        if (!ctx || !args) return NSA_STATUS_NULL_POINTER;                                               \
-        nsa_problem p;                                                                                   \
-        nsa_status st = nsa_validate_##op(args, &p);                                                     \
-        if (st != NSA_STATUS_SUCCESS) return st;                                                         \
-        const size_t need = op##_need(ctx, &p, args);                                                    \
-        if (workspace_bytes < need) return NSA_STATUS_WORKSPACE_TOO_SMALL;                               \
-        if (need > 0 && !workspace) return NSA_STATUS_NULL_POINTER;                                      \
-        NSA_CUDA_RUN(op, ctx, &p, args, workspace);                                                      \
-        return nsa_cpu_##op(ctx, &p, args, workspace);                                                   \
+/* One call: the op and its args (a pointer to that op's own args struct). */
+typedef struct op_call {
+    op_id op;
+    const void *args;
+} op_call;
+
+static nsa_status op_validate(op_call c, nsa_problem *p)
+{
+    switch (c.op) {
+    case OP_COMPRESS: return nsa_validate_compress((const nsa_compress_args *)c.args, p);
+    case OP_COMPRESS_BWD: return nsa_validate_compress_bwd((const nsa_compress_bwd_args *)c.args, p);
+    case OP_CMP_ATTN: return nsa_validate_cmp_attn((const nsa_cmp_attn_args *)c.args, p);
+    case OP_CMP_ATTN_BWD: return nsa_validate_cmp_attn_bwd((const nsa_cmp_attn_bwd_args *)c.args, p);
+    case OP_SELECT: return nsa_validate_select((const nsa_select_args *)c.args, p);
+    case OP_SLC_ATTN: return nsa_validate_slc_attn((const nsa_slc_attn_args *)c.args, p);
+    case OP_SLC_ATTN_BWD: return nsa_validate_slc_attn_bwd((const nsa_slc_attn_bwd_args *)c.args, p);
+    case OP_ATTENTION: return nsa_validate_attention((const nsa_attention_args *)c.args, p);
+    case OP_ATTENTION_BWD: return nsa_validate_attention_bwd((const nsa_attention_bwd_args *)c.args, p);
+    case OP_GATE: return nsa_validate_gate((const nsa_gate_args *)c.args, p);
+    case OP_GATE_BWD: return nsa_validate_gate_bwd((const nsa_gate_bwd_args *)c.args, p);
+    case OP_FORWARD: return nsa_validate_forward((const nsa_forward_args *)c.args, p);
+    case OP_BACKWARD: return nsa_validate_backward((const nsa_backward_args *)c.args, p);
     }
+    return NSA_STATUS_BAD_ARGUMENT;
+}
 
-NSA_DEFINE_OP(compress, nsa_compress_args)
-NSA_DEFINE_OP(compress_bwd, nsa_compress_bwd_args)
-NSA_DEFINE_OP(cmp_attn, nsa_cmp_attn_args)
-NSA_DEFINE_OP(cmp_attn_bwd, nsa_cmp_attn_bwd_args)
-NSA_DEFINE_OP(select, nsa_select_args)
-NSA_DEFINE_OP(slc_attn, nsa_slc_attn_args)
-NSA_DEFINE_OP(slc_attn_bwd, nsa_slc_attn_bwd_args)
-NSA_DEFINE_OP(attention, nsa_attention_args)
-NSA_DEFINE_OP(attention_bwd, nsa_attention_bwd_args)
-NSA_DEFINE_OP(gate, nsa_gate_args)
-NSA_DEFINE_OP(gate_bwd, nsa_gate_bwd_args)
-NSA_DEFINE_OP(forward, nsa_forward_args)
-NSA_DEFINE_OP(backward, nsa_backward_args)
+/* The backend's workspace need for a validated call. */
+static size_t op_workspace(const nsa_context *ctx, const nsa_problem *p, op_call c)
+{
+#ifdef NSA_WITH_CUDA
+    if (ctx->backend == NSA_BACKEND_CUDA) {
+        switch (c.op) {
+        case OP_COMPRESS: return nsa_cuda_compress_workspace(ctx, p, (const nsa_compress_args *)c.args);
+        case OP_COMPRESS_BWD: return nsa_cuda_compress_bwd_workspace(ctx, p, (const nsa_compress_bwd_args *)c.args);
+        case OP_CMP_ATTN: return nsa_cuda_cmp_attn_workspace(ctx, p, (const nsa_cmp_attn_args *)c.args);
+        case OP_CMP_ATTN_BWD: return nsa_cuda_cmp_attn_bwd_workspace(ctx, p, (const nsa_cmp_attn_bwd_args *)c.args);
+        case OP_SELECT: return nsa_cuda_select_workspace(ctx, p, (const nsa_select_args *)c.args);
+        case OP_SLC_ATTN: return nsa_cuda_slc_attn_workspace(ctx, p, (const nsa_slc_attn_args *)c.args);
+        case OP_SLC_ATTN_BWD: return nsa_cuda_slc_attn_bwd_workspace(ctx, p, (const nsa_slc_attn_bwd_args *)c.args);
+        case OP_ATTENTION: return nsa_cuda_attention_workspace(ctx, p, (const nsa_attention_args *)c.args);
+        case OP_ATTENTION_BWD: return nsa_cuda_attention_bwd_workspace(ctx, p, (const nsa_attention_bwd_args *)c.args);
+        case OP_GATE: return nsa_cuda_gate_workspace(ctx, p, (const nsa_gate_args *)c.args);
+        case OP_GATE_BWD: return nsa_cuda_gate_bwd_workspace(ctx, p, (const nsa_gate_bwd_args *)c.args);
+        case OP_FORWARD: return nsa_cuda_forward_workspace(ctx, p, (const nsa_forward_args *)c.args);
+        case OP_BACKWARD: return nsa_cuda_backward_workspace(ctx, p, (const nsa_backward_args *)c.args);
+        }
+        return 0;
+    }
+#endif
+    switch (c.op) {
+    case OP_COMPRESS: return nsa_cpu_compress_workspace(ctx, p, (const nsa_compress_args *)c.args);
+    case OP_COMPRESS_BWD: return nsa_cpu_compress_bwd_workspace(ctx, p, (const nsa_compress_bwd_args *)c.args);
+    case OP_CMP_ATTN: return nsa_cpu_cmp_attn_workspace(ctx, p, (const nsa_cmp_attn_args *)c.args);
+    case OP_CMP_ATTN_BWD: return nsa_cpu_cmp_attn_bwd_workspace(ctx, p, (const nsa_cmp_attn_bwd_args *)c.args);
+    case OP_SELECT: return nsa_cpu_select_workspace(ctx, p, (const nsa_select_args *)c.args);
+    case OP_SLC_ATTN: return nsa_cpu_slc_attn_workspace(ctx, p, (const nsa_slc_attn_args *)c.args);
+    case OP_SLC_ATTN_BWD: return nsa_cpu_slc_attn_bwd_workspace(ctx, p, (const nsa_slc_attn_bwd_args *)c.args);
+    case OP_ATTENTION: return nsa_cpu_attention_workspace(ctx, p, (const nsa_attention_args *)c.args);
+    case OP_ATTENTION_BWD: return nsa_cpu_attention_bwd_workspace(ctx, p, (const nsa_attention_bwd_args *)c.args);
+    case OP_GATE: return nsa_cpu_gate_workspace(ctx, p, (const nsa_gate_args *)c.args);
+    case OP_GATE_BWD: return nsa_cpu_gate_bwd_workspace(ctx, p, (const nsa_gate_bwd_args *)c.args);
+    case OP_FORWARD: return nsa_cpu_forward_workspace(ctx, p, (const nsa_forward_args *)c.args);
+    case OP_BACKWARD: return nsa_cpu_backward_workspace(ctx, p, (const nsa_backward_args *)c.args);
+    }
+    return 0;
+}
+
+/* The backend's run of a validated call with enough workspace. */
+static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_call c, void *ws)
+{
+#ifdef NSA_WITH_CUDA
+    if (ctx->backend == NSA_BACKEND_CUDA) {
+        switch (c.op) {
+        case OP_COMPRESS: return nsa_cuda_compress(ctx, p, (const nsa_compress_args *)c.args, ws);
+        case OP_COMPRESS_BWD: return nsa_cuda_compress_bwd(ctx, p, (const nsa_compress_bwd_args *)c.args, ws);
+        case OP_CMP_ATTN: return nsa_cuda_cmp_attn(ctx, p, (const nsa_cmp_attn_args *)c.args, ws);
+        case OP_CMP_ATTN_BWD: return nsa_cuda_cmp_attn_bwd(ctx, p, (const nsa_cmp_attn_bwd_args *)c.args, ws);
+        case OP_SELECT: return nsa_cuda_select(ctx, p, (const nsa_select_args *)c.args, ws);
+        case OP_SLC_ATTN: return nsa_cuda_slc_attn(ctx, p, (const nsa_slc_attn_args *)c.args, ws);
+        case OP_SLC_ATTN_BWD: return nsa_cuda_slc_attn_bwd(ctx, p, (const nsa_slc_attn_bwd_args *)c.args, ws);
+        case OP_ATTENTION: return nsa_cuda_attention(ctx, p, (const nsa_attention_args *)c.args, ws);
+        case OP_ATTENTION_BWD: return nsa_cuda_attention_bwd(ctx, p, (const nsa_attention_bwd_args *)c.args, ws);
+        case OP_GATE: return nsa_cuda_gate(ctx, p, (const nsa_gate_args *)c.args, ws);
+        case OP_GATE_BWD: return nsa_cuda_gate_bwd(ctx, p, (const nsa_gate_bwd_args *)c.args, ws);
+        case OP_FORWARD: return nsa_cuda_forward(ctx, p, (const nsa_forward_args *)c.args, ws);
+        case OP_BACKWARD: return nsa_cuda_backward(ctx, p, (const nsa_backward_args *)c.args, ws);
+        }
+        return NSA_STATUS_BAD_ARGUMENT;
+    }
+#endif
+    switch (c.op) {
+    case OP_COMPRESS: return nsa_cpu_compress(ctx, p, (const nsa_compress_args *)c.args, ws);
+    case OP_COMPRESS_BWD: return nsa_cpu_compress_bwd(ctx, p, (const nsa_compress_bwd_args *)c.args, ws);
+    case OP_CMP_ATTN: return nsa_cpu_cmp_attn(ctx, p, (const nsa_cmp_attn_args *)c.args, ws);
+    case OP_CMP_ATTN_BWD: return nsa_cpu_cmp_attn_bwd(ctx, p, (const nsa_cmp_attn_bwd_args *)c.args, ws);
+    case OP_SELECT: return nsa_cpu_select(ctx, p, (const nsa_select_args *)c.args, ws);
+    case OP_SLC_ATTN: return nsa_cpu_slc_attn(ctx, p, (const nsa_slc_attn_args *)c.args, ws);
+    case OP_SLC_ATTN_BWD: return nsa_cpu_slc_attn_bwd(ctx, p, (const nsa_slc_attn_bwd_args *)c.args, ws);
+    case OP_ATTENTION: return nsa_cpu_attention(ctx, p, (const nsa_attention_args *)c.args, ws);
+    case OP_ATTENTION_BWD: return nsa_cpu_attention_bwd(ctx, p, (const nsa_attention_bwd_args *)c.args, ws);
+    case OP_GATE: return nsa_cpu_gate(ctx, p, (const nsa_gate_args *)c.args, ws);
+    case OP_GATE_BWD: return nsa_cpu_gate_bwd(ctx, p, (const nsa_gate_bwd_args *)c.args, ws);
+    case OP_FORWARD: return nsa_cpu_forward(ctx, p, (const nsa_forward_args *)c.args, ws);
+    case OP_BACKWARD: return nsa_cpu_backward(ctx, p, (const nsa_backward_args *)c.args, ws);
+    }
+    return NSA_STATUS_BAD_ARGUMENT;
+}
+
+/* Both halves of every public op: validate everything (once), size the workspace, then
+ * either report the size (query: *bytes) or check the caller's workspace and run. The
+ * backend functions get a validated nsa_problem and never see bad input. */
+typedef enum op_mode { OP_QUERY, OP_RUN } op_mode;
+
+static nsa_status op_dispatch(nsa_context *ctx, op_call c, op_mode mode, size_t *bytes, void *workspace,
+                              size_t workspace_bytes)
+{
+    if (!ctx || !c.args || (mode == OP_QUERY && !bytes)) return NSA_STATUS_NULL_POINTER;
+    nsa_problem p;
+    nsa_status st = op_validate(c, &p);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    const size_t need = op_workspace(ctx, &p, c);
+    if (mode == OP_QUERY) {
+        *bytes = need;
+        return NSA_STATUS_SUCCESS;
+    }
+    if (workspace_bytes < need) return NSA_STATUS_WORKSPACE_TOO_SMALL;
+    if (need > 0 && !workspace) return NSA_STATUS_NULL_POINTER;
+    return op_backend(ctx, &p, c, workspace);
+}
+
+/* ---- the public ops: each a query and a call through op_dispatch ----------------------- */
+
+nsa_status nsa_compress_workspace_size(nsa_context *ctx, const nsa_compress_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_COMPRESS, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_compress(nsa_context *ctx, const nsa_compress_args *args, void *workspace, size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_COMPRESS, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_compress_bwd_workspace_size(nsa_context *ctx, const nsa_compress_bwd_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_COMPRESS_BWD, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_compress_bwd(nsa_context *ctx, const nsa_compress_bwd_args *args, void *workspace,
+                            size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_COMPRESS_BWD, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_cmp_attn_workspace_size(nsa_context *ctx, const nsa_cmp_attn_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_CMP_ATTN, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_cmp_attn(nsa_context *ctx, const nsa_cmp_attn_args *args, void *workspace, size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_CMP_ATTN, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_cmp_attn_bwd_workspace_size(nsa_context *ctx, const nsa_cmp_attn_bwd_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_CMP_ATTN_BWD, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_cmp_attn_bwd(nsa_context *ctx, const nsa_cmp_attn_bwd_args *args, void *workspace,
+                            size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_CMP_ATTN_BWD, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_select_workspace_size(nsa_context *ctx, const nsa_select_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_SELECT, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_select(nsa_context *ctx, const nsa_select_args *args, void *workspace, size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_SELECT, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_slc_attn_workspace_size(nsa_context *ctx, const nsa_slc_attn_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_SLC_ATTN, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_slc_attn(nsa_context *ctx, const nsa_slc_attn_args *args, void *workspace, size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_SLC_ATTN, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_slc_attn_bwd_workspace_size(nsa_context *ctx, const nsa_slc_attn_bwd_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_SLC_ATTN_BWD, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_slc_attn_bwd(nsa_context *ctx, const nsa_slc_attn_bwd_args *args, void *workspace,
+                            size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_SLC_ATTN_BWD, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_attention_workspace_size(nsa_context *ctx, const nsa_attention_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_ATTENTION, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_attention(nsa_context *ctx, const nsa_attention_args *args, void *workspace, size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_ATTENTION, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_attention_bwd_workspace_size(nsa_context *ctx, const nsa_attention_bwd_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_ATTENTION_BWD, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_attention_bwd(nsa_context *ctx, const nsa_attention_bwd_args *args, void *workspace,
+                             size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_ATTENTION_BWD, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_gate_workspace_size(nsa_context *ctx, const nsa_gate_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_GATE, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_gate(nsa_context *ctx, const nsa_gate_args *args, void *workspace, size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_GATE, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_gate_bwd_workspace_size(nsa_context *ctx, const nsa_gate_bwd_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_GATE_BWD, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_gate_bwd(nsa_context *ctx, const nsa_gate_bwd_args *args, void *workspace, size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_GATE_BWD, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_forward_workspace_size(nsa_context *ctx, const nsa_forward_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_FORWARD, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_forward(nsa_context *ctx, const nsa_forward_args *args, void *workspace, size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_FORWARD, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_backward_workspace_size(nsa_context *ctx, const nsa_backward_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_BACKWARD, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_backward(nsa_context *ctx, const nsa_backward_args *args, void *workspace, size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_BACKWARD, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}

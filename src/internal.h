@@ -15,7 +15,7 @@ typedef struct nsa_problem {
     int64_t m;                 /* last dim of block_indices (selection width) */
     float scale;               /* resolved: config.scale, or 1/sqrt(DK) when that is 0 */
     nsa_config cfg;
-    /* appended for the attention op (issue 5); other ops leave Tk == T and the rest 0 */
+    /* the attention op's; other ops leave Tk == T and the rest 0 */
     int64_t Tk;                /* key rows (dim 1 of k, v); T is then the query rows Tq */
     const int64_t *cu_seqlens_q, *cu_seqlens_k; /* host, varlen_qk only; else NULL */
     int extended;              /* the attention call uses an option beyond causal / windows / scale

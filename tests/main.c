@@ -7,6 +7,7 @@ void test_ref_all(void);
 void test_validation_all(void);
 void test_backend_all(void);
 void test_attention_all(void);
+void test_rules_all(void);
 
 static void test_readme_example(void)
 {
@@ -24,6 +25,7 @@ int main(int argc, char **argv)
         {"validation", test_validation_all},
         {"backend", test_backend_all},
         {"attention", test_attention_all},
+        {"rules", test_rules_all},
         {"readme", test_readme_example},
     };
     for (size_t i = 0; i < sizeof groups / sizeof groups[0]; i++) {

@@ -42,7 +42,7 @@ static ext_opts ext_opts_make(const nsa_problem *p, const nsa_attention_args *a)
     o.a = a;
     o.causal = a->causal != 0;
     o.wl = a->window_left;
-    o.wr = a->causal ? 0 : a->window_right;
+    o.wr = nsa_rule_window_right(a->window_right, a->causal);
     o.cap = a->softcap;
     o.bias = opt(&a->bias);
     o.mask = opt(&a->mask);
@@ -81,13 +81,12 @@ static ext_seq ext_seq_get(const nsa_problem *p, int64_t s)
 }
 
 /* Window bounds of local query i, [lo, hi] in local keys (empty when hi < lo); both never
- * decrease in i. The diagonal is bottom-right aligned: shift = klen - qlen. */
+ * decrease in i. The diagonal is bottom-right aligned (nsa_rule_diag). */
 static void ext_bounds(const ext_opts *o, const ext_seq *sq, int64_t i, int64_t *lo, int64_t *hi)
 {
-    const int64_t d = i + sq->klen - sq->qlen;
-    int64_t a = o->wl < 0 ? 0 : d - o->wl, b = o->causal ? d : (o->wr < 0 ? sq->klen - 1 : d + o->wr);
-    *lo = a < 0 ? 0 : a;
-    *hi = b > sq->klen - 1 ? sq->klen - 1 : b;
+    const int64_t dg = nsa_rule_diag(i, sq->qlen, sq->klen);
+    *lo = nsa_rule_window_lo(dg, o->wl);
+    *hi = nsa_rule_window_hi(dg, o->wr, o->causal, sq->klen);
 }
 
 /* Query tiles: bq positions x G heads = at most EXT_ROWS rows (G rows when G > EXT_ROWS). */
@@ -452,32 +451,6 @@ size_t ext_bwd_ws(const nsa_context *ctx, const nsa_problem *p, const nsa_attent
     return ar.used + 64;
 }
 
-/* First local query whose range reaches key c / last whose range starts by key c (bisection:
- * lo and hi never decrease). */
-static int64_t ext_first_reaching(const ext_opts *o, const ext_seq *sq, int64_t c)
-{
-    int64_t a = 0, b = sq->qlen;
-    while (a < b) {
-        int64_t mid = a + (b - a) / 2, lo, hi;
-        ext_bounds(o, sq, mid, &lo, &hi);
-        if (hi >= c) b = mid;
-        else a = mid + 1;
-    }
-    return a;
-}
-
-static int64_t ext_last_starting(const ext_opts *o, const ext_seq *sq, int64_t c)
-{
-    int64_t a = -1, b = sq->qlen - 1;
-    while (a < b) {
-        int64_t mid = b - (b - a) / 2, lo, hi;
-        ext_bounds(o, sq, mid, &lo, &hi);
-        if (lo <= c) a = mid;
-        else b = mid - 1;
-    }
-    return a;
-}
-
 /* Rows of one query head hq: positions [t0, t0 + nt) of sequence sq, with dO, lse, D. */
 static void ext_load_head_rows(ext_scratch *x, const ext_opts *o, const ext_seq *sq, int64_t hq, int64_t t0,
                                int64_t nt, const grad_src *g, int64_t *kmin, int64_t *kmax)
@@ -652,7 +625,8 @@ void ext_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_b
             const float *K = tt.K, *V = tt.V;
             int64_t kmin, kmax;
             const int64_t c0 = tt.tile * EXT_KB, c1 = c0 + EXT_KB < sq.klen ? c0 + EXT_KB : sq.klen;
-            const int64_t q_first = ext_first_reaching(&o, &sq, c0), q_last = ext_last_starting(&o, &sq, c1 - 1);
+            const int64_t q_first = nsa_rule_window_q_first(c0, o.wr, o.causal, sq.qlen, sq.klen);
+            const int64_t q_last = nsa_rule_window_q_last(c1 - 1, o.wl, sq.qlen, sq.klen);
             for (int64_t tq0 = q_first; tq0 <= q_last; tq0 += bq) {
                 const int64_t nt = q_last + 1 - tq0 < bq ? q_last + 1 - tq0 : bq;
                 ext_load_tile(&x, &o, &sq, h, tq0, nt, &g, &kmin, &kmax);

@@ -163,8 +163,6 @@ static inline float core_exp(float x)
     return p * scale.f;
 }
 
-#endif
-
 /* ---- tasks over (sequence, kv head, tile) --------------------------------------------- */
 /* Flattens a ragged set of per-sequence tiles into one index range, so that one OpenMP
  * loop balances short and long sequences alike. first[s] = first task of sequence s. */
@@ -261,3 +259,5 @@ void compress_panel(const nsa_context *ctx, const nsa_problem *p, const int64_t 
                     int64_t D, float *xcp);
 void compress_panel_bwd(const nsa_context *ctx, const nsa_problem *p, const int64_t *cu_cmp, const float *dxcp,
                         int64_t D, float *dxp);
+
+#endif

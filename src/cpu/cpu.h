@@ -5,24 +5,32 @@
 
 #include "../internal.h"
 
-#define NSA_CPU_OP(op, args_t)                                                                   \
-    size_t nsa_cpu_##op##_workspace(const nsa_context *ctx, const nsa_problem *p, const args_t *a); \
-    nsa_status nsa_cpu_##op(const nsa_context *ctx, const nsa_problem *p, const args_t *a, void *ws);
-
-NSA_CPU_OP(compress, nsa_compress_args)
-NSA_CPU_OP(compress_bwd, nsa_compress_bwd_args)
-NSA_CPU_OP(cmp_attn, nsa_cmp_attn_args)
-NSA_CPU_OP(cmp_attn_bwd, nsa_cmp_attn_bwd_args)
-NSA_CPU_OP(select, nsa_select_args)
-NSA_CPU_OP(slc_attn, nsa_slc_attn_args)
-NSA_CPU_OP(slc_attn_bwd, nsa_slc_attn_bwd_args)
-NSA_CPU_OP(attention, nsa_attention_args)
-NSA_CPU_OP(attention_bwd, nsa_attention_bwd_args)
-NSA_CPU_OP(gate, nsa_gate_args)
-NSA_CPU_OP(gate_bwd, nsa_gate_bwd_args)
-NSA_CPU_OP(forward, nsa_forward_args)
-NSA_CPU_OP(backward, nsa_backward_args)
-
-#undef NSA_CPU_OP
+size_t nsa_cpu_compress_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_compress_args *a);
+nsa_status nsa_cpu_compress(const nsa_context *ctx, const nsa_problem *p, const nsa_compress_args *a, void *ws);
+size_t nsa_cpu_compress_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_compress_bwd_args *a);
+nsa_status nsa_cpu_compress_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_compress_bwd_args *a, void *ws);
+size_t nsa_cpu_cmp_attn_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_cmp_attn_args *a);
+nsa_status nsa_cpu_cmp_attn(const nsa_context *ctx, const nsa_problem *p, const nsa_cmp_attn_args *a, void *ws);
+size_t nsa_cpu_cmp_attn_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_cmp_attn_bwd_args *a);
+nsa_status nsa_cpu_cmp_attn_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_cmp_attn_bwd_args *a, void *ws);
+size_t nsa_cpu_select_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_select_args *a);
+nsa_status nsa_cpu_select(const nsa_context *ctx, const nsa_problem *p, const nsa_select_args *a, void *ws);
+size_t nsa_cpu_slc_attn_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_slc_attn_args *a);
+nsa_status nsa_cpu_slc_attn(const nsa_context *ctx, const nsa_problem *p, const nsa_slc_attn_args *a, void *ws);
+size_t nsa_cpu_slc_attn_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_slc_attn_bwd_args *a);
+nsa_status nsa_cpu_slc_attn_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_slc_attn_bwd_args *a, void *ws);
+size_t nsa_cpu_attention_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_args *a);
+nsa_status nsa_cpu_attention(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_args *a, void *ws);
+size_t nsa_cpu_attention_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_bwd_args *a);
+nsa_status nsa_cpu_attention_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_bwd_args *a,
+                                 void *ws);
+size_t nsa_cpu_gate_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_gate_args *a);
+nsa_status nsa_cpu_gate(const nsa_context *ctx, const nsa_problem *p, const nsa_gate_args *a, void *ws);
+size_t nsa_cpu_gate_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_gate_bwd_args *a);
+nsa_status nsa_cpu_gate_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_gate_bwd_args *a, void *ws);
+size_t nsa_cpu_forward_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_forward_args *a);
+nsa_status nsa_cpu_forward(const nsa_context *ctx, const nsa_problem *p, const nsa_forward_args *a, void *ws);
+size_t nsa_cpu_backward_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_backward_args *a);
+nsa_status nsa_cpu_backward(const nsa_context *ctx, const nsa_problem *p, const nsa_backward_args *a, void *ws);
 
 #endif

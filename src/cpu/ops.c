@@ -36,6 +36,12 @@ static range_rule window_rule(int64_t wl, int64_t wr, int causal)
     return r;
 }
 
+/* The sliding branch (spec 5): causal, window_left w - 1. */
+static range_rule swa_rule(const nsa_problem *p)
+{
+    return window_rule(nsa_rule_swa_left(p->cfg.window), 0, 1);
+}
+
 /* Larger of two scratch needs: phases run one after the other and share one region. */
 static size_t max_sz(size_t a, size_t b) { return a > b ? a : b; }
 
@@ -235,7 +241,7 @@ nsa_status nsa_cpu_slc_attn_bwd(const nsa_context *ctx, const nsa_problem *p, co
 
 static range_rule attention_rule(const nsa_attention_args *a)
 {
-    return window_rule(a->window_left, a->causal ? 0 : a->window_right, a->causal != 0);
+    return window_rule(a->window_left, nsa_rule_window_right(a->window_right, a->causal), a->causal != 0);
 }
 
 /* Calls with any option beyond the window branch's (p->extended) take attn_ext.c's path. */
@@ -489,7 +495,7 @@ size_t nsa_cpu_forward_workspace(const nsa_context *ctx, const nsa_problem *p, c
     plan_make(&pl, a, 0);
     ws_arena w = {NULL, 0};
     plan_carve(&pl, &w, p, a, 0);
-    range_rule rc = cmp_rule(p), rw = window_rule(p->cfg.window - 1, 0, 1);
+    range_rule rc = cmp_rule(p), rw = swa_rule(p);
     size_t scratch = 0;
     if (pl.need_scores) scratch = max_sz(scratch, range_fwd_ws(ctx, p, &rc, pl.slc_on && !nsa_present(&a->block_indices)));
     if (pl.slc_on) scratch = max_sz(scratch, slc_fwd_ws(ctx, p));
@@ -517,7 +523,7 @@ nsa_status nsa_cpu_forward(const nsa_context *ctx, const nsa_problem *p, const n
         slc_fwd(ctx, p, &a->q, pl.sep_slc ? pl.Ks : pl.K, pl.sep_slc ? pl.Vs : pl.V, pl.idx, pl.counts, &sv->o_slc,
                 &sv->lse_slc, scratch);
     if (pl.swa_on) {
-        range_rule rw = window_rule(p->cfg.window - 1, 0, 1);
+        range_rule rw = swa_rule(p);
         range_fwd(ctx, p, &rw, NULL, &a->q, pl.sep_swa ? pl.Kw : pl.K, pl.sep_swa ? pl.Vw : pl.V, p->T, &sv->o_swa,
                   &sv->lse_swa, NULL, scratch);
     }
@@ -533,7 +539,7 @@ size_t nsa_cpu_backward_workspace(const nsa_context *ctx, const nsa_problem *p, 
     plan_make(&pl, &a->fwd, 1);
     ws_arena w = {NULL, 0};
     plan_carve(&pl, &w, p, &a->fwd, 1);
-    range_rule rc = cmp_rule(p), rw = window_rule(p->cfg.window - 1, 0, 1);
+    range_rule rc = cmp_rule(p), rw = swa_rule(p);
     size_t scratch = 0;
     if (pl.cmp_on) scratch = max_sz(scratch, range_bwd_ws(ctx, p, &rc));
     if (pl.slc_on) scratch = max_sz(scratch, slc_bwd_ws(ctx, p));
@@ -573,7 +579,7 @@ nsa_status nsa_cpu_backward(const nsa_context *ctx, const nsa_problem *p, const 
                 pl.sep_slc ? pl.dKs : pl.dK, pl.sep_slc ? pl.dVs : pl.dV, scratch);
     }
     if (pl.swa_on) {
-        range_rule rw = window_rule(p->cfg.window - 1, 0, 1);
+        range_rule rw = swa_rule(p);
         grad_src g = {&a->dout, &f->g_swa, &sv->o_swa, &sv->lse_swa};
         range_bwd(ctx, p, &rw, NULL, &f->q, pl.sep_swa ? pl.Kw : pl.K, pl.sep_swa ? pl.Vw : pl.V, p->T, &g, pl.dq32,
                   pl.sep_swa ? pl.dKw : pl.dK, pl.sep_swa ? pl.dVw : pl.dV, scratch);

@@ -27,14 +27,12 @@ static int64_t seq_key_base(const range_rule *r, const cpu_seq *s) { return r->c
 static void rule_bounds(const range_rule *r, int64_t t, int64_t nkeys, int64_t *lo, int64_t *hi)
 {
     if (r->cmp) {
-        int64_t nv = nsa_rule_cmp_visible(t, r->l, r->d);
         *lo = 0;
-        *hi = (nv < nkeys ? nv : nkeys) - 1;
+        *hi = nsa_rule_cmp_visible_cap(t, r->l, r->d, nkeys) - 1;
         return;
     }
-    *lo = r->wl < 0 || t - r->wl < 0 ? 0 : t - r->wl;
-    if (r->causal) *hi = t < nkeys - 1 ? t : nkeys - 1;
-    else *hi = r->wr < 0 || t + r->wr > nkeys - 1 ? nkeys - 1 : t + r->wr;
+    *lo = nsa_rule_window_lo(t, r->wl);
+    *hi = nsa_rule_window_hi(t, r->wr, r->causal, nkeys);
 }
 
 typedef struct tiles_arg {
@@ -109,9 +107,8 @@ static void select_position(const nsa_problem *p, const core_tile *t, int64_t ti
 {
     const nsa_config *c = &p->cfg;
     const int64_t l = c->cmp_len, d = c->cmp_stride, lp = c->slc_block;
-    const int64_t cur = tpos / lp;
-    int64_t nv = nsa_rule_cmp_visible(tpos, l, d);
-    nv = nv < nkeys ? nv : nkeys;
+    const int64_t cur = nsa_rule_slc_of(tpos, lp);
+    const int64_t nv = nsa_rule_cmp_visible_cap(tpos, l, d, nkeys);
     for (int64_t i = 0; i < nv; i++) psum[i] = 0.0f;
     for (int64_t g = 0; g < p->G; g++) {
         const int r = (int)(ti * p->G + g);
@@ -127,9 +124,9 @@ static void select_position(const nsa_problem *p, const core_tile *t, int64_t ti
     }
     const float inv_d = 1.0f / (float)d;
     for (int64_t j = 0; j <= cur; j++) {
-        /* compressed blocks overlapping [j*l', (j+1)*l'): i*d + l > j*l' and i*d < (j+1)*l' */
-        int64_t i0 = j * lp - l + 1 > 0 ? (j * lp - l + 1 + d - 1) / d : 0;
-        int64_t i1 = ((j + 1) * lp - 1) / d;
+        /* the visible compressed blocks overlapping block j */
+        const int64_t i0 = nsa_rule_slc_first_cmp(j, l, d, lp);
+        int64_t i1 = nsa_rule_slc_last_cmp(j, d, lp);
         if (i1 > nv - 1) i1 = nv - 1;
         float acc = 0.0f;
         for (int64_t i = i0; i <= i1; i++) acc += psum[i] * (float)nsa_rule_overlap(i, j, l, d, lp);
@@ -245,30 +242,18 @@ size_t range_bwd_ws(const nsa_context *ctx, const nsa_problem *p, const range_ru
     return a.used + 64;
 }
 
-/* First query whose range reaches key c (hi(t) >= c) and last whose range starts at or
- * before key c (lo(t) <= c); both by bisection since lo and hi never decrease in t. */
-static int64_t first_query_reaching(const range_rule *r, int64_t len, int64_t nkeys, int64_t c)
+/* The queries whose ranges meet keys [c0, c1) of a sequence of len queries: [*first, *last]
+ * (empty when *last < *first). */
+static void queries_of_keys(const range_rule *r, int64_t len, int64_t c0, int64_t c1, int64_t *first, int64_t *last)
 {
-    int64_t a = 0, b = len; /* answer in [a, b]; b = none */
-    while (a < b) {
-        int64_t mid = a + (b - a) / 2, lo, hi;
-        rule_bounds(r, mid, nkeys, &lo, &hi);
-        if (hi >= c) b = mid;
-        else a = mid + 1;
+    if (r->cmp) { /* every query from the first that sees block c0 on */
+        const int64_t f = nsa_rule_cmp_last_token(c0, r->l, r->d);
+        *first = f < len ? f : len;
+        *last = len - 1;
+        return;
     }
-    return a;
-}
-
-static int64_t last_query_starting_by(const range_rule *r, int64_t len, int64_t nkeys, int64_t c)
-{
-    int64_t a = -1, b = len - 1; /* answer in [a, b]; -1 = none */
-    while (a < b) {
-        int64_t mid = b - (b - a) / 2, lo, hi;
-        rule_bounds(r, mid, nkeys, &lo, &hi);
-        if (lo <= c) a = mid;
-        else b = mid - 1;
-    }
-    return a;
+    *first = nsa_rule_window_q_first(c0, r->wr, r->causal, len, len);
+    *last = nsa_rule_window_q_last(c1 - 1, r->wl, len, len);
 }
 
 void range_bwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *rule, const int64_t *cu_cmp,
@@ -329,8 +314,8 @@ void range_bwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *r
             const int64_t off_k = ((sq.b * p->H + h) * key_rows + base);
             const float *K = Kp + off_k * p->DK, *V = Vp + off_k * p->DV;
             const int64_t c0 = tile * RANGE_KB, c1 = c0 + RANGE_KB < nkeys ? c0 + RANGE_KB : nkeys;
-            const int64_t q_first = first_query_reaching(rule, sq.len, nkeys, c0);
-            const int64_t q_last = last_query_starting_by(rule, sq.len, nkeys, c1 - 1);
+            int64_t q_first, q_last;
+            queries_of_keys(rule, sq.len, c0, c1, &q_first, &q_last);
             t.dQ = NULL;
             for (int64_t tq0 = q_first; tq0 <= q_last; tq0 += bq) {
                 const int64_t nt = q_last + 1 - tq0 < bq ? q_last + 1 - tq0 : bq;

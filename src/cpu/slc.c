@@ -39,7 +39,7 @@ static int64_t usable_blocks(const nsa_problem *p, const nsa_tensor *idx, const 
     int64_t n = 0;
     for (int64_t e = 0; e < cnt; e++) {
         int64_t j = ix[e];
-        if (j < 0 || j >= nb || j * p->cfg.slc_block > t) continue;
+        if (j < 0 || j >= nb || !nsa_rule_slc_visible(j, t, p->cfg.slc_block)) continue;
         int64_t pos = n; /* insertion sort keeps out ascending; m is small */
         while (pos > 0 && out[pos - 1] > j) pos--;
         if (pos > 0 && out[pos - 1] == j) continue;
@@ -110,7 +110,7 @@ static void one_position(core_tile *t, const nsa_problem *p, const cpu_seq *sq, 
     if (!g) {
         core_fwd_begin(t);
         for (int64_t e = 0; e < nblk; e++) {
-            const int64_t c0 = blocks[e] * lp, c1 = c0 + lp < sq->len ? c0 + lp : sq->len;
+            const int64_t c0 = nsa_rule_slc_lo(blocks[e], lp), c1 = nsa_rule_slc_end(blocks[e], lp, sq->len);
             core_fwd_block(t, K, V, c0, c1);
         }
         core_fwd_end(t, tmp);
@@ -119,7 +119,7 @@ static void one_position(core_tile *t, const nsa_problem *p, const cpu_seq *sq, 
     }
     memset(t->dQ, 0, (size_t)t->R * t->DK * sizeof(float));
     for (int64_t e = 0; e < nblk; e++) {
-        const int64_t c0 = blocks[e] * lp, c1 = c0 + lp < sq->len ? c0 + lp : sq->len;
+        const int64_t c0 = nsa_rule_slc_lo(blocks[e], lp), c1 = nsa_rule_slc_end(blocks[e], lp, sq->len);
         core_bwd_block(t, K, V, c0, c1, NULL, NULL);
     }
     tile_add_dq(t, 0, dq32, p, sq->b, row, h, p->scale);
@@ -278,7 +278,7 @@ void slc_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_tensor *q, 
             const int32_t *off = inv_region(&ix, p, &sq, s, h), *list = off + nb + 1;
             const int64_t koff = (sq.b * H + h) * p->T + sq.row0;
             const float *K = Kp + koff * p->DK, *V = Vp + koff * p->DV;
-            const int64_t c0 = j * lp, c1 = c0 + lp < sq.len ? c0 + lp : sq.len;
+            const int64_t c0 = nsa_rule_slc_lo(j, lp), c1 = nsa_rule_slc_end(j, lp, sq.len);
             t.dQ = NULL;
             for (int64_t e0 = off[j]; e0 < off[j + 1]; e0 += bq) {
                 const int64_t nt = off[j + 1] - e0 < bq ? off[j + 1] - e0 : bq;

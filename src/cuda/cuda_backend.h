@@ -18,25 +18,36 @@ int nsa_cuda_available(void);
 /* Selects ctx->device. @return SUCCESS, BAD_ARGUMENT (no such ordinal) or DEVICE_ERROR. */
 nsa_status nsa_cuda_context_init(nsa_context *ctx);
 
-#define NSA_CUDA_OP(op, args_t)                                                                       \
-    size_t nsa_cuda_##op##_workspace(const nsa_context *ctx, const nsa_problem *p, const args_t *a); \
-    nsa_status nsa_cuda_##op(const nsa_context *ctx, const nsa_problem *p, const args_t *a, void *ws);
-
-NSA_CUDA_OP(compress, nsa_compress_args)
-NSA_CUDA_OP(compress_bwd, nsa_compress_bwd_args)
-NSA_CUDA_OP(cmp_attn, nsa_cmp_attn_args)
-NSA_CUDA_OP(cmp_attn_bwd, nsa_cmp_attn_bwd_args)
-NSA_CUDA_OP(select, nsa_select_args)
-NSA_CUDA_OP(slc_attn, nsa_slc_attn_args)
-NSA_CUDA_OP(slc_attn_bwd, nsa_slc_attn_bwd_args)
-NSA_CUDA_OP(attention, nsa_attention_args)
-NSA_CUDA_OP(attention_bwd, nsa_attention_bwd_args)
-NSA_CUDA_OP(gate, nsa_gate_args)
-NSA_CUDA_OP(gate_bwd, nsa_gate_bwd_args)
-NSA_CUDA_OP(forward, nsa_forward_args)
-NSA_CUDA_OP(backward, nsa_backward_args)
-
-#undef NSA_CUDA_OP
+size_t nsa_cuda_compress_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_compress_args *a);
+nsa_status nsa_cuda_compress(const nsa_context *ctx, const nsa_problem *p, const nsa_compress_args *a, void *ws);
+size_t nsa_cuda_compress_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_compress_bwd_args *a);
+nsa_status nsa_cuda_compress_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_compress_bwd_args *a,
+                                 void *ws);
+size_t nsa_cuda_cmp_attn_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_cmp_attn_args *a);
+nsa_status nsa_cuda_cmp_attn(const nsa_context *ctx, const nsa_problem *p, const nsa_cmp_attn_args *a, void *ws);
+size_t nsa_cuda_cmp_attn_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_cmp_attn_bwd_args *a);
+nsa_status nsa_cuda_cmp_attn_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_cmp_attn_bwd_args *a,
+                                 void *ws);
+size_t nsa_cuda_select_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_select_args *a);
+nsa_status nsa_cuda_select(const nsa_context *ctx, const nsa_problem *p, const nsa_select_args *a, void *ws);
+size_t nsa_cuda_slc_attn_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_slc_attn_args *a);
+nsa_status nsa_cuda_slc_attn(const nsa_context *ctx, const nsa_problem *p, const nsa_slc_attn_args *a, void *ws);
+size_t nsa_cuda_slc_attn_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_slc_attn_bwd_args *a);
+nsa_status nsa_cuda_slc_attn_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_slc_attn_bwd_args *a,
+                                 void *ws);
+size_t nsa_cuda_attention_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_args *a);
+nsa_status nsa_cuda_attention(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_args *a, void *ws);
+size_t nsa_cuda_attention_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_bwd_args *a);
+nsa_status nsa_cuda_attention_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_bwd_args *a,
+                                  void *ws);
+size_t nsa_cuda_gate_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_gate_args *a);
+nsa_status nsa_cuda_gate(const nsa_context *ctx, const nsa_problem *p, const nsa_gate_args *a, void *ws);
+size_t nsa_cuda_gate_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_gate_bwd_args *a);
+nsa_status nsa_cuda_gate_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_gate_bwd_args *a, void *ws);
+size_t nsa_cuda_forward_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_forward_args *a);
+nsa_status nsa_cuda_forward(const nsa_context *ctx, const nsa_problem *p, const nsa_forward_args *a, void *ws);
+size_t nsa_cuda_backward_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_backward_args *a);
+nsa_status nsa_cuda_backward(const nsa_context *ctx, const nsa_problem *p, const nsa_backward_args *a, void *ws);
 
 #ifdef __cplusplus
 }
