@@ -7,7 +7,8 @@ ARCH := $(if $(filter 1,$(NATIVE)),-march=native,)
 CFLAGS_BASE := -std=c11 -Wall -Wextra -Werror -fPIC -fopenmp -ffp-contract=fast -fno-math-errno -Wno-psabi -g $(OPT) $(ARCH) -Iinclude -Isrc
 LDLIBS := -fopenmp -lm
 
-LIB_SRC := src/api.c src/validate.c $(sort $(wildcard src/cpu/*.c))
+# The CUDA planners are plain C: built in every configuration, so the CPU suite tests them.
+LIB_SRC := src/api.c src/validate.c $(sort $(wildcard src/cpu/*.c)) src/cuda/plan.c $(sort $(wildcard src/cuda/*/plan.c))
 LIB_OBJ := $(LIB_SRC:%.c=build/obj/%.o)
 TEST_SUPPORT := tests/harness.c tests/ref.c tests/sweep.c
 TEST_SRC := $(TEST_SUPPORT) tests/main.c $(filter-out $(TEST_SUPPORT) tests/main.c tests/gpu_main.c,$(sort $(wildcard tests/*.c)))
@@ -19,6 +20,11 @@ CLI_SRC := tools/nsa_cli.c tests/harness.c tests/ref.c tests/sweep.c
 # defines NSA_WITH_CUDA for api.c and the CLI, links cudart statically into every program and
 # libnsa.so, and adds build/nsa_gpu_tests (the sweep on the GPU) and build/nsa_gpu_bench.
 NSA_CUDA ?= auto
+# EXPERIMENTAL=1 also compiles the kernel variants kept only for comparisons (bench/NOTES.md).
+EXPERIMENTAL ?= 0
+ifeq ($(EXPERIMENTAL),1)
+CFLAGS_BASE += -DNSA_CUDA_EXPERIMENTAL=1
+endif
 NVCC ?= nvcc
 ifeq ($(NSA_CUDA),auto)
 override NSA_CUDA := $(if $(shell command -v $(NVCC) 2>/dev/null),1,0)
@@ -37,7 +43,7 @@ all: build/nsa_gpu_tests build/nsa_gpu_bench build/nsa_wgmma_test
 
 build/obj/src/cuda/%.o: src/cuda/%.cu $(CUDA_HDR)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -Iinclude -Isrc -c $< -o $@
+	$(NVCC) $(NVCCFLAGS) $(if $(filter 1,$(EXPERIMENTAL)),-DNSA_CUDA_EXPERIMENTAL=1,) -Iinclude -Isrc -c $< -o $@
 
 build/obj/src/api.o build/nsa build/nsa_gpu_tests build/nsa_gpu_bench: CFLAGS_BASE += $(CUDA_CFLAGS)
 
@@ -59,7 +65,7 @@ all: build/libnsa.a build/libnsa.so build/nsa build/nsa_tests
 
 lib: build/libnsa.a build/libnsa.so
 
-build/obj/%.o: %.c $(wildcard include/*.h src/*.h src/cpu/*.h)
+build/obj/%.o: %.c $(wildcard include/*.h src/*.h src/cpu/*.h src/cuda/*.h src/cuda/*/plan.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(CFLAGS) -c $< -o $@
 

@@ -19,7 +19,7 @@ typedef struct nsa_problem {
     int64_t Tk;                /* key rows (dim 1 of k, v); T is then the query rows Tq */
     const int64_t *cu_seqlens_q, *cu_seqlens_k; /* host, varlen_qk only; else NULL */
     int extended;              /* the attention call uses an option beyond causal / windows / scale
-                                  (CUDA: the general kernels of xattn.cuh instead of the tuned tiles) */
+                                  (CUDA: the general kernels of src/cuda/attention instead of the tuned tiles) */
 } nsa_problem;
 
 /* Validators: return SUCCESS and fill *p, or the specific error status. They read no
@@ -38,12 +38,25 @@ nsa_status nsa_validate_gate_bwd(const nsa_gate_bwd_args *a, nsa_problem *p);
 nsa_status nsa_validate_forward(const nsa_forward_args *a, nsa_problem *p);
 nsa_status nsa_validate_backward(const nsa_backward_args *a, nsa_problem *p);
 
+/* Explicit overrides of the CUDA planners (src/cuda/plan.h), parsed once when a CUDA context
+ * is created. The defaults are the tuned choices; the others compare kernels on the same
+ * inputs. */
+typedef struct nsa_cuda_overrides {
+    int wgmma;      /* 0: never the sm_90a tiles (NSA_CUDA_WGMMA=0): the mma.sync tiles everywhere */
+    int kwp;        /* 0: dK / dV never on the TMA-producer tile (NSA_CUDA_KWP=0) */
+    int slc_bn;     /* selected sm_90a tile: keys per chunk, 32 or 64 (NSA_CUDA_SLC_BN=64) */
+    int slc_stages; /* ... stages, 2 or 3 (NSA_CUDA_SLC_BN=32x3) */
+    int slc_pair;   /* ... two neighbouring positions per CTA (0: NSA_CUDA_SLC_NP=1) */
+    int slc_union;  /* ... union tiles at G = 4 / 8 (0: NSA_CUDA_SLC_RP=1) */
+} nsa_cuda_overrides;
+
 /* Context, shared by all backends. */
 struct nsa_context {
     nsa_backend backend;
     int32_t num_threads;
     int32_t device;
     void *stream;
+    nsa_cuda_overrides cuda; /* CUDA backend only */
 };
 
 #endif

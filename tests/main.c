@@ -8,6 +8,7 @@ void test_validation_all(void);
 void test_backend_all(void);
 void test_attention_all(void);
 void test_rules_all(void);
+void test_plan_all(void);
 
 static void test_readme_example(void)
 {
@@ -26,6 +27,7 @@ int main(int argc, char **argv)
         {"backend", test_backend_all},
         {"attention", test_attention_all},
         {"rules", test_rules_all},
+        {"plan", test_plan_all},
         {"readme", test_readme_example},
     };
     for (size_t i = 0; i < sizeof groups / sizeof groups[0]; i++) {

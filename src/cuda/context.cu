@@ -22,5 +22,6 @@ nsa_status nsa_cuda_context_init(nsa_context *ctx)
     }
     if (ctx->device >= n) return NSA_STATUS_BAD_ARGUMENT;
     if (cudaSetDevice(ctx->device) != cudaSuccess) return NSA_STATUS_DEVICE_ERROR;
+    cu_overrides_from_env(&ctx->cuda); /* read once: the planners never look at the environment */
     return NSA_STATUS_SUCCESS;
 }

@@ -2,7 +2,7 @@
  * (bottom-right aligned), separate q / k packings, logit softcap, sinks, segment ids, additive
  * bias (and its gradient), boolean mask, Philox dropout; head dims up to 256. The plain calls
  * (no option, dims the engine has), and the forward with only softcap, sinks or Tq != Tk in a
- * dense batch, keep the tuned tiles of attn/ and range/ (ops.cu routes); these kernels
+ * dense batch, keep the tuned tiles of attn/ and range/ (launch.cu routes); these kernels
  * are the general path (mma.sync m16n8k16, sm_80 and sm_90a alike, chunks through a two-stage
  * cp.async pipeline):
  *
@@ -26,7 +26,6 @@
 #include "attention.h"
 #include "../prim/softmax.cuh"
 #include "../../philox.h"
-
 
 /* One sequence of the call: batch index, first packed query / key row, lengths. */
 typedef struct xseq {

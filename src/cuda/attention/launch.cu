@@ -1,11 +1,67 @@
-/* attention/launch.cu -- host driver of the option-complete attention (kernels.cuh): fills
- * xparams from a validated call, lays out the sequence tables, launches forward, dQ (+ dbias),
- * dK / dV and the small dsinks / dbias kernels. */
+/* attention/launch.cu -- the attention op (nsa.h section 5) on the GPU: plain calls (causal,
+ * windows, scale; softcap, sinks and a dense Tq != Tk in the forward) on the tuned range
+ * tiles, everything else on the option-complete kernels (kernels.cuh), whose host driver
+ * follows: it fills xparams from a validated call, lays out the sequence tables, and launches
+ * forward, dQ (+ dbias), dK / dV and the small dsinks / dbias kernels. */
 #include "kernels.cuh"
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
+#include "attention.h"
+#include "plan.h"
+#include "../range/range.h"
+#include "../cuda_backend.h"
 
+static void run_attention(grun *g, const nsa_attention_args *a)
+{
+    if (cu_plan_attention_fwd(g->p, a) == CU_ATTN_GENERAL) {
+        if (cu_xattn_supported(g, a->q.dtype)) cu_xattn_fwd(g, a);
+        return;
+    }
+    if (!cu_attn_supported(g, a->q.dtype)) return;
+    g_seq_setup(g, 0);
+    const dview q = dv_of(&a->q), k = dv_of(&a->k), v = dv_of(&a->v), o = dv_of(&a->o), lse = dv_of(&a->lse);
+    rule_t r = cu_rule_window(a->window_left, a->window_right, a->causal);
+    r.cap = a->softcap;
+    if (a->sinks.data) r.sinks = (const float *)a->sinks.data, r.sinks_s = a->sinks.stride[0];
+    if (g->p->Tk != g->p->T) r.shift = (int)(g->p->Tk - g->p->T), r.nk = (int)g->p->Tk;
+    cu_fwd_range(g, &r, &q, a->q.dtype, &k, &v, &o, &lse);
+}
+
+size_t nsa_cuda_attention_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_args *a)
+{
+    return cu_op_workspace(ctx, p, run_attention, a);
+}
+
+nsa_status nsa_cuda_attention(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_args *a, void *ws)
+{
+    return cu_op_run(ctx, p, run_attention, a, ws);
+}
+
+static void run_attention_bwd(grun *g, const nsa_attention_bwd_args *a)
+{
+    const nsa_attention_args *f = &a->fwd;
+    if (cu_plan_attention_bwd(g->p) == CU_ATTN_GENERAL) {
+        if (cu_xattn_supported(g, f->q.dtype)) cu_xattn_bwd(g, a);
+        return;
+    }
+    if (!cu_attn_supported(g, f->q.dtype)) return;
+    g_seq_setup(g, 0);
+    const rule_t r = cu_rule_window(f->window_left, f->window_right, f->causal);
+    cu_range_bwd_op(g, &r, &f->q, &f->k, &f->v, &f->o, &f->lse, &a->dout, g->p->T, &a->dq, &a->dk, &a->dv);
+}
+
+size_t nsa_cuda_attention_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_bwd_args *a)
+{
+    return cu_op_workspace(ctx, p, run_attention_bwd, a);
+}
+
+nsa_status nsa_cuda_attention_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_bwd_args *a, void *ws)
+{
+    return cu_op_run(ctx, p, run_attention_bwd, a, ws);
+}
+
+/* ---- host drivers ------------------------------------------------------------------------ */
 
 /* Head-dim class of the option kernels: both dims padded to the same 64 / 128 / 256. */
 static int x_class(int64_t DK, int64_t DV)
@@ -100,7 +156,7 @@ static void x_launch(grun *g, const xparams *P, int kind, const int64_t grid[3],
 {
     const int cls = x_class(P->DK, P->DV), bf16 = dt == NSA_DTYPE_BF16;
     if (!g_live(g)) return;
-    if (xattn_smem(cls, kind, P->mask.p || P->bias.p || P->dropout) > (size_t)g->smem_max) {
+    if (xattn_smem(cls, kind, P->mask.p || P->bias.p || P->dropout) > (size_t)g->dev.smem_max) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED);
         return;
     }

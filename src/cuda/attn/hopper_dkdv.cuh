@@ -412,14 +412,14 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
     if (SLC) { /* warpgroup 1's sums into warpgroup 0's (same fragment layout), in that order */
         float4 *red = (float4 *)Qs; /* the stages are free once both warpgroups are done */
         const int ct = tid - 128;   /* 0 .. 255 */
-        nb_sync(1);
+        nb_sync(NB_DKDV_SUM);
         if (cw == 1)
 #pragma unroll
             for (int d = 0; d < DP / 8; d++) {
                 red[(2 * d) * 128 + ct - 128] = make_float4(dK[d][0], dK[d][1], dK[d][2], dK[d][3]);
                 red[(2 * d + 1) * 128 + ct - 128] = make_float4(dV[d][0], dV[d][1], dV[d][2], dV[d][3]);
             }
-        nb_sync(1);
+        nb_sync(NB_DKDV_SUM);
         if (cw == 1) return;
 #pragma unroll
         for (int d = 0; d < DP / 8; d++) {

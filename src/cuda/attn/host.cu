@@ -1,18 +1,11 @@
 /* attn/host.cu -- host side of the attention tiles shared by the range and selected branches:
- * parameter blocks from the problem, the head-dim class (the one place where run-time dims
- * become template arguments), and the launches of the tiles both branches use. */
+ * parameter blocks from the problem, the views' alignment for the planners, and the launches
+ * of the tiles both branches use (the one place where the run-time head-dim class becomes a
+ * template argument). */
 #include "tiles.h"
 #include "../prim/tmap.h"
 #include <limits.h>
-#include <stdlib.h>
-
-int cu_dims_class(int64_t DK, int64_t DV)
-{
-    if (DK <= 64 && DV <= 64) return 64;
-    if (DK <= 128 && DV <= 128) return 128;
-    if (DK <= 192 && DV <= 128) return 192;
-    return 0;
-}
+#include <string.h>
 
 static int class_dv(int cls) { return cls == 192 ? 128 : cls; }
 
@@ -67,7 +60,7 @@ void cu_run_qtile(grun *g, const qparams *P, int mode, int64_t tiles, nsa_dtype 
 {
     const int cls = cu_dims_class(g->p->DK, g->p->DV);
     if (!g_live(g) || tiles == 0) return;
-    if (qtile_smem(cls, class_dv(cls), P->nw, mode, P->nst, P->bn) > (size_t)g->smem_max) {
+    if (qtile_smem(cls, class_dv(cls), P->nw, mode, P->nst, P->bn) > (size_t)g->dev.smem_max) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED);
         return;
     }
@@ -83,7 +76,7 @@ void cu_run_ktile(grun *g, const kparams *P, int64_t tiles, nsa_dtype dt)
 {
     const int cls = cu_dims_class(g->p->DK, g->p->DV);
     if (!g_live(g) || tiles == 0) return;
-    if (ktile_smem(cls, class_dv(cls)) > (size_t)g->smem_max) {
+    if (ktile_smem(cls, class_dv(cls)) > (size_t)g->dev.smem_max) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED);
         return;
     }
@@ -95,43 +88,12 @@ void cu_run_ktile(grun *g, const kparams *P, int64_t tiles, nsa_dtype dt)
     }
 }
 
-/* NSA_CUDA_WGMMA=0 in the environment: never the wgmma paths */
-int cu_wgmma_env(void)
+/* kwp's four tensor maps (q, dout, k, v): range rules one box of 64 / G positions x G heads
+ * per 64-row chunk, the selected rule one box per listed position. @return 0 when one cannot
+ * be made. */
+int cu_kwp_maps(const grun *g, const kparams *K, nsa_dtype dt, int slc, CUtensorMap maps[4])
 {
-    static int env = -1;
-    if (env < 0) {
-        const char *e = getenv("NSA_CUDA_WGMMA");
-        env = !(e && e[0] == '0');
-    }
-    return env;
-}
-
-/* whether the loaded binary carries the sm_90a kernels of head-dim class D (asked once) */
-int cu_sm90_ready(int D)
-{
-    static int ready[3] = {-1, -1, -1};
-    const int i = D == 64 ? 0 : D == 128 ? 1 : 2;
-    if (ready[i] < 0) ready[i] = i == 0 ? nsa_cu_sm90_ready_64() : i == 1 ? nsa_cu_sm90_ready_128() : nsa_cu_sm90_ready_192();
-    return ready[i];
-}
-
-/* The producer-warp dK / dV tile (kwp_kernel) on a Hopper with the sm_90a kernels, when G
- * divides 64 (a 64-row chunk is whole positions: range rules one TMA box per 64 columns,
- * selected rule one box per listed position), DK == DV == 64 / 128, its shared memory fits
- * and the four tensor maps can be made (maps: q, dout, k, v). NSA_CUDA_KWP=0 keeps kwg /
- * ktile (comparisons; kwg's sums are the same bit for bit). */
-int cu_kwp_usable(const grun *g, const kparams *K, nsa_dtype dt, int slc, CUtensorMap maps[4])
-{
-    static int env = -1;
-    if (env < 0) {
-        const char *e = getenv("NSA_CUDA_KWP");
-        env = !(e && e[0] == '0');
-    }
     const nsa_problem *p = g->p;
-    if (!env || !cu_wgmma_env() || g->cc_major != 9 || p->G > 64 || 64 % p->G) return 0;
-    if (K->DK != K->DV || (K->DK != 64 && K->DK != 128) || !cu_sm90_ready(K->DK)) return 0;
-    if (kwp_smem(K->DK, slc) > (size_t)g->smem_max) return 0;
-    if (!K->dout.al || !K->q.al || !K->k.al || !K->v.al) return 0;
     const int qrows = slc ? 1 : (int)(64 / p->G), krows = slc ? 64 : KWG_BK;
     return tmap_make_h(&maps[0], &K->q, dt, p->B, p->T, p->HQ, K->DK, qrows, (int)p->G) &&
            tmap_make_h(&maps[1], &K->dout, dt, p->B, p->T, p->HQ, K->DV, qrows, (int)p->G) &&
@@ -139,10 +101,19 @@ int cu_kwp_usable(const grun *g, const kparams *K, nsa_dtype dt, int slc, CUtens
            tmap_make(&maps[3], &K->v, dt, p->B, K->KR, p->H, K->DV, krows);
 }
 
-/* launch kwp_kernel (kwp_usable said yes and made the maps) */
-void cu_run_kwp(grun *g, const kparams *K, nsa_dtype dt, int slc, int64_t tiles, const CUtensorMap maps[4])
+/* The alignment of a parameter block's views, as the planners take it. */
+cu_views cu_views_of(const dview *q, const dview *k, const dview *v, const dview *o, const dview *dout)
 {
-    if (!g_live(g) || tiles == 0) return;
-    if (K->DK == 64) nsa_cu_kwp_64(g, K, dt == NSA_DTYPE_BF16, slc, tiles, maps);
-    else nsa_cu_kwp_128(g, K, dt == NSA_DTYPE_BF16, slc, tiles, maps);
+    cu_views w;
+    memset(&w, 0, sizeof w);
+    w.q = q && q->p && q->al;
+    w.k = k && k->p && k->al;
+    w.has_v = v && v->p;
+    w.v = w.has_v && v->al;
+    w.has_o = o && o->p;
+    w.o = w.has_o && o->al;
+    w.o_dt = w.has_o ? o->dt : 0;
+    w.dout = dout && dout->p && dout->al;
+    return w;
 }
+

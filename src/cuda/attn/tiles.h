@@ -10,10 +10,9 @@
 #ifndef NSA_CUDA_ATTN_TILES_H
 #define NSA_CUDA_ATTN_TILES_H
 
+#include "plan.h"
 #include "../prim/mask.cuh"
 #include <cuda.h> /* CUtensorMap */
-
-enum { MODE_FWD = 0, MODE_DQ = 1 };
 
 /* qtile: forward (o, lse) or dQ of one branch. */
 typedef struct qparams {
@@ -70,47 +69,6 @@ typedef struct kparams {
     seqmap sm;
 } kparams;
 
-/* Shared memory of each kernel (bytes); the kernels carve in the same order. */
-static inline size_t qtile_smem(int DKP, int DVP, int nw, int mode, int nst, int bn)
-{
-    const size_t BM = 16 * (size_t)nw, LDK = DKP + 8, LDV = DVP + 8;
-    /* one-warp forward: Q lives in registers (qtile_kernel's qreg) */
-    const size_t el = (mode == MODE_FWD && nw == 1 ? 0 : BM * LDK) + (mode == MODE_DQ ? BM * LDV : 0) + (size_t)nst * bn * LDK + (size_t)nst * bn * LDV;
-    return el * 2 + 2 * BM * 8 + 12 * 4 + 3 * 64;
-}
-
-static inline size_t ktile_smem(int DKP, int DVP)
-{
-    const size_t LDK = DKP + 8, LDV = DVP + 8;
-    const size_t el = 3 * 64 * LDK + 3 * 64 * LDV;
-    return el * 2 + 2 * 3 * 64 * 8 + 5 * 3 * 64 * 4 + 3 * 2 * 4;
-}
-
-/* Register budgets of the warp-specialised sm_90a kernels (qwg, kwp: 384 threads, one producer
- * and two consumer warpgroups; setmaxnreg: 128 x 40 + 256 x 232 <= 64k) */
-#define WS_PREGS 40
-#define WS_CREGS 232
-
-#define KWG_BK 128 /* keys per kwg_kernel task (ktile: 64) */
-/* Shared memory of kwg_kernel<DP>: slack, K and V of 128 keys, two Q and two dO stages of 64
- * rows, the three row slots of ktile (offsets, lse, D, gate, ranges, whole-chunk flags). */
-static inline size_t kwg_smem(int DP)
-{
-    return 1024 + 2 * (size_t)KWG_BK * DP * 2 + 4 * (size_t)64 * DP * 2 + 3 * 64 * (2 * sizeof(int64_t) + 5 * 4) + 6 * 4;
-}
-
-/* kwp_kernel (hopper.cuh): kwg's tasks with a TMA producer warpgroup; row-chunk stages */
-#define KWP_NS 3     /* range rules: both warpgroups on every chunk */
-#define KWP_NS_SLC 4 /* selected rule: the warpgroups take alternate chunks */
-/* slack, K and V of 128 keys (selected: 64), the stages of Q and dO (64 rows each), their
- * full / empty mbarriers, as many row slots (lse, D, gate, ranges: TMA needs no row offsets)
- * and whole-chunk flags */
-static inline size_t kwp_smem(int DP, int slc)
-{
-    const size_t ns = slc ? KWP_NS_SLC : KWP_NS, bk = slc ? 64 : KWG_BK;
-    return 1024 + 2 * bk * DP * 2 + 2 * ns * 64 * DP * 2 + 2 * ns * 8 + ns * 64 * 5 * 4 + ns * 2 * 4;
-}
-
 /* Launchers, one per head-dim class (64 = DK, DV <= 64; 128 = DK, DV <= 128; 192 = DK <= 192,
  * DV <= 128), defined in the generated src/cuda/inst files. */
 void nsa_cu_qtile_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
@@ -128,16 +86,9 @@ void nsa_cu_kwg_128(grun *g, const kparams *P, int bf16, int64_t tiles);
  * x (slc ? 64 : 128) x 1) */
 void nsa_cu_kwp_64(grun *g, const kparams *P, int bf16, int slc, int64_t tiles, const void *maps);
 void nsa_cu_kwp_128(grun *g, const kparams *P, int bf16, int slc, int64_t tiles, const void *maps);
-/* whether the loaded binary carries the sm_90a kernels of head-dim class 64 / 128 / 192 (not a
- * PTX JIT of the sm_80 build, whose Hopper bodies are empty) */
-int nsa_cu_sm90_ready_64(void);
-int nsa_cu_sm90_ready_128(void);
-int nsa_cu_sm90_ready_192(void);
 
 /* ---- host side shared by the range and selected branches (attn/host.cu) ---------------- */
 
-/* Head-dim class of the tiles (64, 128, 192) or 0 when the dims are not supported. */
-int cu_dims_class(int64_t DK, int64_t DV);
 /* The attention tiles need f16/bf16 storage, supported dims, int32 positions. Marks
  * NOT_SUPPORTED on g and returns 0 otherwise. */
 int cu_attn_supported(grun *g, nsa_dtype dt);
@@ -166,15 +117,10 @@ void cu_dkdv_params(kparams *P, const nsa_problem *p, const bwd_io *io);
  * shared memory does not fit the device). */
 void cu_run_qtile(grun *g, const qparams *P, int mode, int64_t tiles, nsa_dtype dt);
 void cu_run_ktile(grun *g, const kparams *P, int64_t tiles, nsa_dtype dt);
-/* NSA_CUDA_WGMMA=0 in the environment: never the sm_90a tiles (read once). */
-int cu_wgmma_env(void);
-/* whether the loaded binary carries the sm_90a kernels of head-dim class D (asked once) */
-int cu_sm90_ready(int D);
-/* The producer-warp dK / dV tile (kwp_kernel) for K when the device and views allow it; makes
- * its four maps (q, dout, k, v). */
-int cu_kwp_usable(const grun *g, const kparams *K, nsa_dtype dt, int slc, CUtensorMap maps[4]);
-/* Launch kwp_kernel with its maps (the planner chose it and the maps were made). */
-void cu_run_kwp(grun *g, const kparams *K, nsa_dtype dt, int slc, int64_t tiles, const CUtensorMap maps[4]);
+/* The alignment of a parameter block's views, as the planners take it (NULL: absent). */
+cu_views cu_views_of(const dview *q, const dview *k, const dview *v, const dview *o, const dview *dout);
+/* kwp's four tensor maps (q, dout, k, v) for K. @return 0 when one cannot be made. */
+int cu_kwp_maps(const grun *g, const kparams *K, nsa_dtype dt, int slc, CUtensorMap maps[4]);
 
 /* Per row of a branch's backward: Dw = g * rowsum(dout * o), gw = g (when gate given). */
 void nsa_cu_dprep(grun *g, const dview *dout, const dview *o, const dview *gate, float *Dw, float *gw, int64_t B,

@@ -10,8 +10,7 @@ typedef struct gate3 {
 
 /* lpr lanes per (b, t, hq) row (a power of two dividing 32); vec: 8 elements per access.
  * Grid-stride over the rows x lpr items: a few CTAs per SM that live through the whole pass
- * instead of one short-lived CTA per 256 items (64k: 262144 CTAs, 2.2 ms for 4.3 GB, 58% of
- * the HBM peak). */
+ * beat one short-lived CTA per 256 items (bench/NOTES.md). */
 __global__ void gate_kernel(gate3 a, dview o, int64_t T, int64_t HQ, int64_t DV, int64_t rows, int vec, int lpr)
 {
     const int64_t total = rows * lpr, stride = (int64_t)gridDim.x * blockDim.x;
@@ -102,8 +101,8 @@ __global__ void gate_bwd_kernel(gate3 a, dview dout, int64_t T, int64_t HQ, int6
     int64_t hq = 0, t = 0, b = 0;
     if (live) split_row(row, HQ, T, rows, &b, &t, &hq);
     const int64_t ob = b * dout.s0 + t * dout.s1 + hq * dout.s2;
-    /* branch by branch (dout is re-read from L1 / L2): measured faster than one pass holding
-     * all three branches' state (64k: 4.8 vs 6.4 ms) */
+    /* branch by branch (dout is re-read from L1 / L2): faster than one pass holding all three
+     * branches' state (bench/NOTES.md) */
     for (int x = 0; x < 3; x++) {
         if (!a.g[x].p) continue;
         const float gv = live ? ld_any(a.g[x].p, a.g[x].dt, b * a.g[x].s0 + t * a.g[x].s1 + hq * a.g[x].s2) : 0.0f;

@@ -7,6 +7,4 @@
 #include "seq.cuh"
 #include "mma_sync.cuh"
 
-
-
 #endif

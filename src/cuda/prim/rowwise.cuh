@@ -138,7 +138,7 @@ static int vec8_ok(const dview *v, int n, int64_t D)
 /* Lanes per row of the gate kernels: vectorised, the power of two covering D / 8 elements
  * (D 128: 16 lanes, two rows per warp, every lane one 16-byte access per tensor); else 32
  * lanes of one element. Rows of a few hundred bytes leave a whole warp per row mostly idle
- * behind its index arithmetic and latency (64k: 3.2 ms for 4.3 GB). */
+ * behind its index arithmetic and latency. */
 static int gate_lanes(int vec, int64_t D)
 {
     int l = 1;

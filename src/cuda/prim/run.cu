@@ -9,12 +9,25 @@ void g_init(grun *g, const nsa_context *ctx, const nsa_problem *p, void *ws, int
     g->dry = dry;
     g->err = NSA_STATUS_SUCCESS;
     g->p = p;
+    g->ovr = &ctx->cuda;
     if (!dry) {
         if (cudaSetDevice(ctx->device) != cudaSuccess ||
-            cudaDeviceGetAttribute(&g->smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device) != cudaSuccess ||
-            cudaDeviceGetAttribute(&g->cc_major, cudaDevAttrComputeCapabilityMajor, ctx->device) != cudaSuccess)
+            cudaDeviceGetAttribute(&g->dev.smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device) != cudaSuccess ||
+            cudaDeviceGetAttribute(&g->dev.cc_major, cudaDevAttrComputeCapabilityMajor, ctx->device) != cudaSuccess)
             g->err = NSA_STATUS_DEVICE_ERROR;
+        if (g->dev.cc_major == 9)
+            for (int i = 0; i < 3; i++) g->dev.sm90_ready[i] = cu_sm90_binary(i == 0 ? 64 : i == 1 ? 128 : 192);
     }
+}
+
+/* whether the loaded binary carries the sm_90a kernels of head-dim class D (asked once per
+ * class and process) */
+int cu_sm90_binary(int D)
+{
+    static int ready[3] = {-1, -1, -1};
+    const int i = cu_class_index(D);
+    if (ready[i] < 0) ready[i] = i == 0 ? nsa_cu_sm90_ready_64() : i == 1 ? nsa_cu_sm90_ready_128() : nsa_cu_sm90_ready_192();
+    return ready[i];
 }
 
 float *cu_take_f32(grun *g, int64_t n, int zero)

@@ -13,6 +13,7 @@ extern "C" {
 #include "../../internal.h"
 #include "../../rules.h"
 }
+#include "../plan.h"
 
 #define NSA_LOG2E 1.4426950408889634f
 #define NSA_LN2 0.6931471805599453f
@@ -29,8 +30,8 @@ typedef struct grun {
     const nsa_problem *p;
     int32_t *cu;    /* device copy of cu_seqlens (varlen), else NULL */
     int64_t *cmp0;  /* device prefix of compressed rows per sequence (varlen), else NULL */
-    int smem_max;   /* opt-in shared memory per block of the device (live pass) */
-    int cc_major;   /* compute capability of the device (live pass) */
+    cu_device dev;            /* the device's limits (live pass; all zero in the sizing pass) */
+    const cu_overrides *ovr;  /* the context's planner overrides */
 } grun;
 
 static inline void *g_take(grun *g, size_t bytes)
@@ -104,6 +105,13 @@ static inline dview dv_flat(void *p, nsa_dtype dt, int64_t n1, int64_t n2, int64
 /* Run state of one op call (dry: sizing pass, ws unused); reads the device's limits in the
  * live pass. */
 void g_init(grun *g, const nsa_context *ctx, const nsa_problem *p, void *ws, int dry);
+/* Whether the loaded binary carries the sm_90a kernels of head-dim class D (64, 128, 192):
+ * not a PTX JIT of the sm_80 build, whose Hopper bodies are empty. */
+int cu_sm90_binary(int D);
+/* (defined in the generated src/cuda/inst/range_hopper_d*.cu) */
+int nsa_cu_sm90_ready_64(void);
+int nsa_cu_sm90_ready_128(void);
+int nsa_cu_sm90_ready_192(void);
 /* fp32 scratch of n floats from the workspace (zeroed when asked). */
 float *cu_take_f32(grun *g, int64_t n, int zero);
 

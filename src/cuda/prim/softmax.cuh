@@ -16,7 +16,7 @@ __device__ __forceinline__ float ex2(float x)
     return y;
 }
 
-/* ==== score-tile helpers shared by the mma.sync (qtile) and wgmma (hopper.cuh) tiles ======
+/* ==== score-tile helpers shared by the mma.sync and wgmma tiles ======
  * S[nt][e]: the accumulator layout of a warp's 16 rows (row lane / 4 + 8 (e / 2), column
  * 8 nt + 2 (lane % 4) + (e % 2)), which is also the layout of the A fragments built from it. */
 

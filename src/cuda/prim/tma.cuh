@@ -9,7 +9,17 @@
 
 #if defined(__CUDACC__)
 
-/* Named barriers (ids 1..3; 0 is __syncthreads) between the two warpgroups of a CTA. */
+/* Named barrier ids (0 is __syncthreads), one list for every kernel so no two uses collide
+ * by accident. With 256 threads (nb_sync / nb_arrive) they join the two consumer warpgroups
+ * of a CTA; nb_sync_wg joins one warpgroup's 128. */
+enum nb_id {
+    NB_PP_A = 1,     /* range forward ping-pong: warpgroup 1's score products after 0's */
+    NB_PP_B0 = 2,    /* ... warpgroup 0's accumulating products after 1's score products */
+    NB_PP_B1 = 3,    /* ... warpgroup 1's accumulating products after 0's */
+    NB_DKDV_SUM = 1, /* selected dK / dV: warpgroup 1's sums handed to warpgroup 0 (no ping-pong there) */
+    NB_TASK = 4,     /* range tile: both consumers done with a task's Q, rows and offsets */
+    NB_WG0 = 5,      /* range tile: a warpgroup's O tile written before its TMA store (5 + warpgroup) */
+};
 __device__ __forceinline__ void nb_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void nb_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 /* ... and one warpgroup's own (128 threads) */
@@ -18,7 +28,7 @@ __device__ __forceinline__ void nb_sync_wg(int id) { asm volatile("bar.sync %0, 
 /* ---- TMA (cp.async.bulk.tensor) and mbarriers ------------------------------------------
  * A box of a tensor map lands in shared memory and completes a transaction count on an
  * mbarrier; the waiting threads poll the barrier's phase parity. Used by the selected-
- * attention tiles (hopper.cuh sfw_kernel), whose one warp would otherwise spend its issue
+ * attention tiles (selected/hopper_fwd_dq.cuh), whose one warp would otherwise spend its issue
  * slots on 16-byte cp.async copies. */
 __device__ __forceinline__ void mb_init(uint64_t *bar, int count)
 {

@@ -26,7 +26,7 @@ static tmap_encode_fn tmap_encoder(void)
 
 /* A 4-D map over the [B, rows, H, D] view v (16-bit elements, 16-byte aligned rows and
  * strides: dview.al), boxes of 64 columns x box_heads heads x `box` rows x 1 batch with the
- * 128-byte swizzle (a box lands as box x box_heads rows of 128 bytes, head fastest) (the canonical layout of wgmma.cuh's sw_off); rows past the tensor read as zeros.
+ * 128-byte swizzle (a box lands as box x box_heads rows of 128 bytes, head fastest) (the canonical layout of prim/wgmma.cuh's sw_off); rows past the tensor read as zeros.
  * Returns 0 when it cannot be made (the caller keeps the cp.async tile). */
 int tmap_make_h(CUtensorMap *m, const dview *v, nsa_dtype dt, int64_t B, int64_t rows, int64_t H, int64_t D,
                        int box, int box_heads)

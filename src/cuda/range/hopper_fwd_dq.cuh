@@ -20,17 +20,16 @@
  * (A: the score products, B: the accumulating ones), so that each warpgroup's elementwise
  * work between A and B overlaps the other's products instead of both idling the tensor
  * cores at once:  X: A1 after A0;  Y: B0 after A1;  Z: B1 after B0. has_b: whether the
- * chunk has B products (uniform over the CTA). Used by the forward only: measured on the H100
- * at 64k it took 8% off the compressed forward but added 2% to dQ and 4-8% to dK/dV, whose
- * elementwise phase is short next to their products (bench/cuda.md). */
-__device__ __forceinline__ void pp_before_a(int wg) { if (wg == 1) nb_sync(1); }
+ * chunk has B products (uniform over the CTA). Used by the forward only: dQ and dK / dV have
+ * an elementwise phase too short next to their products to gain (bench/NOTES.md). */
+__device__ __forceinline__ void pp_before_a(int wg) { if (wg == 1) nb_sync(NB_PP_A); }
 __device__ __forceinline__ void pp_after_a(int wg, bool has_b)
 {
-    if (wg == 0) nb_arrive(1);
-    else if (has_b) nb_arrive(2);
+    if (wg == 0) nb_arrive(NB_PP_A);
+    else if (has_b) nb_arrive(NB_PP_B0);
 }
-__device__ __forceinline__ void pp_before_b(int wg) { if (wg == 0) nb_sync(2); else nb_sync(3); }
-__device__ __forceinline__ void pp_after_b(int wg) { if (wg == 0) nb_arrive(3); }
+__device__ __forceinline__ void pp_before_b(int wg) { if (wg == 0) nb_sync(NB_PP_B0); else nb_sync(NB_PP_B1); }
+__device__ __forceinline__ void pp_after_b(int wg) { if (wg == 0) nb_arrive(NB_PP_B1); }
 
 /* One forward chunk of qwg_kernel on NW keys (the BN-key stage's first NW rows): S = Q K^T by
  * wgmma SS, masked / scaled, online softmax, O += P V by wgmma RS (P from registers, V
@@ -255,7 +254,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
         if (qbox) {
             if (!ahead) mb_wait(&qfull[qb], (it / NQ) & 1);
         } else { /* Q (and dO), gathered rows, by the consumers' cp.async */
-            if (it > 0) nb_sync(4); /* both warpgroups done with the previous task's Q and rows */
+            if (it > 0) nb_sync(NB_TASK); /* both warpgroups done with the previous task's Q and rows */
             for (int r = tid; r < BM; r += NTHR) {
                 int64_t off = -1, off2 = -1;
                 if (r < nrows) {
@@ -266,13 +265,13 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                 roff[r] = off;
                 if (DQ) roff2[r] = off2;
             }
-            nb_sync(4); /* roff written */
+            nb_sync(NB_TASK); /* roff written */
             sw_load_rows<T, DKP, BM, NTHR>(Qs, (const T *)P.q.p, roff, tid);
             if (DQ) sw_load_rows<T, DVP, BM, NTHR>(Os, (const T *)P.dout.p, roff2, tid);
             cp_commit();
             cp_wait<0>();
             fence_async_smem();
-            nb_sync(4); /* Q (dO) visible to both warpgroups' tensor cores */
+            nb_sync(NB_TASK); /* Q (dO) visible to both warpgroups' tensor cores */
         }
 
         /* forward: O [64 x DV] per warpgroup; dQ: dQ [64 x DK] */
@@ -395,7 +394,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
         }
         if (obox) {
             fence_async_smem(); /* this thread's O writes -> the copy engine */
-            nb_sync_wg(5 + wg);
+            nb_sync_wg(NB_WG0 + wg);
             if ((tid & 127) == 0) {
 #pragma unroll
                 for (int cb = 0; cb < DVP / 64; cb++)

@@ -1,11 +1,55 @@
-/* range/launch.cu -- host drivers of the range branches: the rules, the choice between the
- * sm_90a tiles and the mma.sync ones, the task maps and the launches of forward, dQ and
- * dK / dV. */
+/* range/launch.cu -- the compressed-attention op (nsa.h section 2) and its backward on the
+ * GPU, and the host drivers of every range branch (window / dense, compressed): the plans
+ * (range/plan.c, attn/plan.c) with their tensor maps, the task maps and the launches of
+ * forward, dQ and dK / dV. Each op is one run function executed twice (sizing pass, live
+ * pass: prim/run.h). */
 #include "range.h"
 #include "../prim/tmap.h"
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
+#include "../cuda_backend.h"
+
+static void run_cmp_attn(grun *g, const nsa_cmp_attn_args *a)
+{
+    if (!cu_attn_supported(g, a->q.dtype)) return;
+    g_seq_setup(g, 1);
+    const dview q = dv_of(&a->q), kc = dv_of(&a->k_cmp), vc = dv_of(&a->v_cmp), o = dv_of(&a->o), lse = dv_of(&a->lse);
+    const rule_t r = cu_rule_cmp(g->p);
+    cu_fwd_range(g, &r, &q, a->q.dtype, &kc, &vc, &o, &lse);
+}
+
+size_t nsa_cuda_cmp_attn_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_cmp_attn_args *a)
+{
+    return cu_op_workspace(ctx, p, run_cmp_attn, a);
+}
+
+nsa_status nsa_cuda_cmp_attn(const nsa_context *ctx, const nsa_problem *p, const nsa_cmp_attn_args *a, void *ws)
+{
+    return cu_op_run(ctx, p, run_cmp_attn, a, ws);
+}
+
+static void run_cmp_attn_bwd(grun *g, const nsa_cmp_attn_bwd_args *a)
+{
+    const nsa_cmp_attn_args *f = &a->fwd;
+    if (!cu_attn_supported(g, f->q.dtype)) return;
+    g_seq_setup(g, 1);
+    const rule_t r = cu_rule_cmp(g->p);
+    cu_range_bwd_op(g, &r, &f->q, &f->k_cmp, &f->v_cmp, &f->o, &f->lse, &a->dout, g->p->cmp_rows, &a->dq, &a->dk_cmp,
+                 &a->dv_cmp);
+}
+
+size_t nsa_cuda_cmp_attn_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_cmp_attn_bwd_args *a)
+{
+    return cu_op_workspace(ctx, p, run_cmp_attn_bwd, a);
+}
+
+nsa_status nsa_cuda_cmp_attn_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_cmp_attn_bwd_args *a, void *ws)
+{
+    return cu_op_run(ctx, p, run_cmp_attn_bwd, a, ws);
+}
+
+/* ---- host drivers ------------------------------------------------------------------------ */
 
 rule_t cu_rule_window(int64_t wl, int64_t wr, int causal)
 {
@@ -29,60 +73,41 @@ rule_t cu_rule_cmp(const nsa_problem *p)
     return r;
 }
 
-/* The head-dim classes of the wgmma tiles: exactly 64 / 64, 128 / 128 or 192 / 128 (DK / DV;
- * DV only when V is read); 0 for none. */
-static int qwg_class(const qparams *P)
-{
-    const int DK = P->DK, DV = P->v.p ? P->DV : (DK == 192 ? 128 : DK);
-    if ((DK == 64 || DK == 128) && DV == DK) return DK;
-    if (DK == 192 && DV == 128) return 192;
-    return 0;
-}
-/* The tensor maps of a wgmma tile: K / V chunks (box rows: its chunk of keys), Q's tile
- * (P->qbox), and O's half tiles in the forward (P->obox) or dO's tile in dQ (with qbox),
- * indexed QWG_MAP_K .. QWG_MAP_O. */
+/* The tensor maps of qwg: K / V chunks (box rows: its chunk of keys), Q's tile (P->qbox),
+ * and O's half tiles in the forward (P->obox) or dO's tile in dQ (with qbox), indexed
+ * QWG_MAP_K .. QWG_MAP_O. */
 typedef struct qwg_maps {
     CUtensorMap m[4];
 } qwg_maps;
 
-/* The sm_90a wgmma tile (hopper.cuh) takes a range-rule forward or dQ when the device is a
- * Hopper, the binary carries that kernel, the head dims are exactly 64, 128 or 192 / 128,
- * every row is 16-byte aligned and the K / V tensor maps can be made (into m);
- * NSA_CUDA_WGMMA=0 in the environment keeps the mma.sync tile (for comparisons). Same
- * function either way: the sweep checks both against float64. */
-static int qwg_usable(grun *g, qparams *P, nsa_dtype dt, int mode, int64_t KR, qwg_maps *m)
+/* The plan of a range forward / dQ for P, with qwg's maps made (into m) when it chose qwg; a
+ * K / V map that cannot be made sends it back to qtile, a Q / O map only turns the box off. */
+static cu_range_plan plan_range(grun *g, qparams *P, nsa_dtype dt, int mode, int64_t KR, qwg_maps *m)
 {
-    if (!cu_wgmma_env() || g->cc_major != 9) return 0;
-    const int D = qwg_class(P), DV = D == 192 ? 128 : D;
-    if (!D || !P->q.al || !P->k.al || (P->v.p && !P->v.al)) return 0;
-    if (P->o.p && (!P->o.al || (P->o.dt != (int)dt && P->o.dt != NSA_DTYPE_F32))) return 0;
-    if (qwg_smem(D, DV, MODE_DQ) > (size_t)g->smem_max || qwg_smem(D, DV, MODE_FWD) > (size_t)g->smem_max) return 0;
-    if (!cu_sm90_ready(D)) return 0;
     const nsa_problem *p = g->p;
+    const cu_views v = cu_views_of(&P->q, &P->k, &P->v, &P->o, mode == MODE_DQ ? &P->dout : NULL);
+    cu_range_plan pl = cu_plan_range(p, &g->dev, g->ovr, &v, mode, dt, 0);
+    if (pl.kernel != CU_FWD_QWG) return pl;
     const int bn = QWG_BN(mode);
-    memset(m, 0, sizeof *m);
-    if (!tmap_make(&m->m[QWG_MAP_K], &P->k, dt, p->B, KR, p->H, P->DK, bn)) return 0;
-    if (P->v.p && !tmap_make(&m->m[QWG_MAP_V], &P->v, dt, p->B, KR, p->H, P->DV, bn)) return 0;
-    /* the forward's Q tile as one box when 128 rows are whole positions, and each warpgroup's
-     * 64 rows of O as one when they are (O in q's dtype); otherwise cp.async / plain stores */
     const int64_t G = p->G;
-    P->qbox = G <= QWG_BM && QWG_BM % G == 0 &&
-              tmap_make_h(&m->m[QWG_MAP_Q], &P->q, dt, p->B, p->T, p->HQ, P->DK, (int)(QWG_BM / G), (int)G);
+    memset(m, 0, sizeof *m);
+    if (!tmap_make(&m->m[QWG_MAP_K], &P->k, dt, p->B, KR, p->H, P->DK, bn) ||
+        (P->v.p && !tmap_make(&m->m[QWG_MAP_V], &P->v, dt, p->B, KR, p->H, P->DV, bn)))
+        return cu_plan_range(p, &g->dev, g->ovr, &v, mode, dt, 1);
+    P->qbox = pl.qbox && tmap_make_h(&m->m[QWG_MAP_Q], &P->q, dt, p->B, p->T, p->HQ, P->DK, (int)(QWG_BM / G), (int)G);
     if (mode == MODE_DQ) /* dO's tile as Q's (the O map's slot) */
         P->qbox = P->qbox && tmap_make_h(&m->m[QWG_MAP_O], &P->dout, dt, p->B, p->T, p->HQ, P->DV, (int)(QWG_BM / G), (int)G);
     else
-        P->obox = P->qbox && P->o.p && P->o.dt == (int)dt && G <= 64 && 64 % G == 0 &&
-                  tmap_make_h(&m->m[QWG_MAP_O], &P->o, dt, p->B, p->T, p->HQ, P->DV, (int)(64 / G), (int)G);
-    return 1;
+        P->obox = pl.obox && P->qbox && tmap_make_h(&m->m[QWG_MAP_O], &P->o, dt, p->B, p->T, p->HQ, P->DV, (int)(64 / G), (int)G);
+    return pl;
 }
 
-
-/* launch the wgmma tile of P's class (qwg_usable said yes and made the maps) */
+/* launch qwg for P's head-dim class (the plan chose it and its maps were made) */
 static void run_qwg(grun *g, const qparams *P, int mode, int64_t tiles, nsa_dtype dt, const qwg_maps *m)
 {
     if (!g_live(g) || tiles == 0) return;
     const int bf16 = dt == NSA_DTYPE_BF16;
-    switch (qwg_class(P)) {
+    switch (cu_qwg_class(P->DK, P->DV, P->v.p != NULL)) {
     case 64: nsa_cu_qwg_64(g, P, mode, bf16, tiles, m->m); break;
     case 128: nsa_cu_qwg_128(g, P, mode, bf16, tiles, m->m); break;
     default: nsa_cu_qwg_192(g, P, mode, bf16, tiles, m->m); break;
@@ -100,17 +125,18 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     if (o) P.o = *o;
     if (lse) P.lse = *lse;
     P.rule = *rule;
-    /* the workspace a map takes does not depend on the tile height, so the dry pass (which
-     * cannot ask the device) sizes the wgmma path too */
+    /* the workspace does not depend on the tile height, so the sizing pass (which plans the
+     * portable tile) sizes the sm_90a path too */
     qwg_maps maps;
     const int64_t KR = rule->kind == RULE_CMP ? p->cmp_rows : p->Tk; /* key rows (Tk == T but for attention) */
-    const int wg = !g->dry && qwg_usable(g, &P, dt, MODE_FWD, KR, &maps);
+    const cu_range_plan pl = plan_range(g, &P, dt, MODE_FWD, KR, &maps);
+    const int wg = pl.kernel == CU_FWD_QWG;
     P.ctr = (int *)g_take(g, sizeof(int)); /* (both passes: the workspace layout) */
     if (wg) g_zero(g, P.ctr, sizeof(int));
-    P.nw = 4;
-    P.nst = 2;
-    P.bn = 64;
-    unitspec u = {UK_ROWS, p->G, wg ? QWG_BM : 16 * P.nw, 0, 0};
+    P.nw = pl.nw;
+    P.nst = pl.nst;
+    P.bn = pl.bn;
+    unitspec u = {UK_ROWS, p->G, pl.rows, 0, 0};
     int64_t tiles;
     P.sm = g_seqmap(g, u, &tiles);
     if (wg) {
@@ -127,12 +153,13 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     qparams Q;
     cu_dq_params(&Q, p, io);
     Q.rule = *rule;
-    Q.nw = 4;
-    Q.nst = 2;
-    Q.bn = 64;
     qwg_maps maps;
-    const int wg = !g->dry && Q.dout.al && qwg_usable(g, &Q, io->dt, MODE_DQ, io->KR, &maps);
-    unitspec uq = {UK_ROWS, p->G, wg ? QWG_BM : 64, 0, 0};
+    const cu_range_plan pl = plan_range(g, &Q, io->dt, MODE_DQ, io->KR, &maps);
+    const int wg = pl.kernel == CU_FWD_QWG;
+    Q.nw = pl.nw;
+    Q.nst = pl.nst;
+    Q.bn = pl.bn;
+    unitspec uq = {UK_ROWS, p->G, pl.rows, 0, 0};
     int64_t qtiles;
     Q.sm = g_seqmap(g, uq, &qtiles);
     /* dq written once, in its own dtype, by the task that owns its rows: no fp32 buffer to
@@ -152,20 +179,12 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     kparams K;
     cu_dkdv_params(&K, p, io);
     K.rule = *rule;
-    /* same tasks at 128 keys, same ordered partials: the wgmma kernel when the dQ above
-     * could take its tile */
-    const int kwg = wg && Q.DK == Q.DV && kwg_smem(Q.DK) <= (size_t)g->smem_max;
-    K.bk = kwg ? KWG_BK : 64;
+    const cu_views kv = cu_views_of(&K.q, &K.k, &K.v, NULL, &K.dout);
+    cu_dkdv_plan kp = cu_plan_dkdv(p, &g->dev, g->ovr, &kv, 0, wg, 0);
+    K.bk = kp.bk;
     unitspec uk = {UK_ROWS, 1, K.bk, 0, 0};
-    if (rule->kind == RULE_CMP) {
-        /* few key tiles, each seen by most queries: row segments, enough of them for ~1024
-         * tasks (8 .. 64 per tile; the same in both passes). Tile t has work only in the
-         * segments its queries reach, so with 8 key tiles (fla's l = d = 64 at 64k) and 8
-         * segments, 144 tasks of equal size ran in two waves on 132 SMs */
-        const unitspec u128 = {UK_CMP_TILES_X, 1, KWG_BK, p->cfg.cmp_len, p->cfg.cmp_stride};
-        const int64_t tiles128 = seq_units(u128, p->T); /* key tiles of 128 of the longest sequence */
-        K.nseg = 8;
-        while (K.nseg < 64 && tiles128 * K.nseg * p->H < 1024) K.nseg *= 2;
+    if (rule->kind == RULE_CMP) { /* few key tiles, each seen by most queries: row segments */
+        K.nseg = cu_plan_cmp_segments(p);
         uk.kind = UK_CMP_TILES_X, uk.a = K.nseg, uk.b = K.bk, uk.cl = p->cfg.cmp_len, uk.cd = p->cfg.cmp_stride;
     }
     int64_t ktiles;
@@ -178,19 +197,19 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
         const int64_t n64 = g_units_total(p, u64) * 64, n128 = g_units_total(p, u128) * KWG_BK;
         K.part = cu_take_f32(g, (n64 > n128 ? n64 : n128) * p->H * (p->DK + p->DV), 0);
     }
-    if (kwg) {
-        if (g_live(g) && ktiles > 0) {
-            const int bf16 = io->dt == NSA_DTYPE_BF16;
-            CUtensorMap maps[4];
-            if (cu_kwp_usable(g, &K, io->dt, 0, maps)) {
-                cu_run_kwp(g, &K, io->dt, 0, ktiles, maps);
-            } else {
-                if (Q.DK == 64) nsa_cu_kwg_64(g, &K, bf16, ktiles);
-                else nsa_cu_kwg_128(g, &K, bf16, ktiles);
-            }
-        }
-    } else {
+    if (kp.kernel == CU_DKDV_KTILE) {
         cu_run_ktile(g, &K, ktiles, io->dt);
+    } else if (g_live(g) && ktiles > 0) {
+        CUtensorMap kmaps[4];
+        if (kp.kernel == CU_DKDV_KWP && !cu_kwp_maps(g, &K, io->dt, 0, kmaps)) kp = cu_plan_dkdv(p, &g->dev, g->ovr, &kv, 0, wg, 1);
+        const int bf16 = io->dt == NSA_DTYPE_BF16;
+        if (kp.kernel == CU_DKDV_KWP) {
+            if (K.DK == 64) nsa_cu_kwp_64(g, &K, bf16, 0, ktiles, kmaps);
+            else nsa_cu_kwp_128(g, &K, bf16, 0, ktiles, kmaps);
+        } else {
+            if (K.DK == 64) nsa_cu_kwg_64(g, &K, bf16, ktiles);
+            else nsa_cu_kwg_128(g, &K, bf16, ktiles);
+        }
     }
     if (K.nseg > 1) {
         unitspec ut = {UK_CMP_TILES, 0, K.bk, p->cfg.cmp_len, p->cfg.cmp_stride};

@@ -1,35 +1,13 @@
 /* range/range.h -- attention whose rows see a contiguous range of keys: the window / dense
  * rule and the compressed rule (spec sections 2 and 5). The forward and dQ run on the sm_90a
  * warp-specialised tile of hopper_fwd_dq.cuh (qwg_kernel) where it can, else on qtile
- * (attn/); dK / dV on the attn/ tiles. launch.cu holds the host drivers, ops.cu the entry
- * points of the compressed-attention op. */
+ * (attn/); dK / dV on the attn/ tiles. launch.cu holds the entry points of the
+ * compressed-attention op and the host drivers. */
 #ifndef NSA_CUDA_RANGE_RANGE_H
 #define NSA_CUDA_RANGE_RANGE_H
 
+#include "plan.h"
 #include "../attn/tiles.h"
-
-#define QWG_BM 128 /* rows per CTA: two warpgroups */
-/* keys per chunk: 128 in the forward; 64 for dQ, which holds S, dP and dQ in registers */
-#define QWG_BN(mode) ((mode) == MODE_FWD ? 128 : 64)
-
-/* K / V stages: 2 of 128 keys in the forward (three do not fit at DK 192), 3 of 64 for dQ */
-#define QWG_NS(mode) ((mode) == MODE_FWD ? 2 : 3)
-/* Q buffers of qwg: two in the forward at head dims <= 128 (the next task's Q lands during
- * this one; at DK 192 they do not fit beside the stages), else one */
-#define QWG_NQ(mode, dkp) ((mode) == MODE_FWD && (dkp) <= 128 ? 2 : 1)
-/* bytes of one qwg_task (hopper.cuh; checked there) */
-#define QWG_TASK_BYTES 96
-
-/* Shared memory of qwg_kernel<DKP, DVP, MODE>: 1 KB alignment slack, Q (and dO), the K and V
- * stages, row offsets, the stages' and Q buffers' full / empty mbarriers. Must match the carving in the
- * kernel. */
-static inline size_t qwg_smem(int DKP, int DVP, int mode)
-{
-    const size_t bn = QWG_BN(mode), ns = QWG_NS(mode);
-    const size_t nq = QWG_NQ(mode, DKP);
-    return 1024 + nq * QWG_BM * DKP * 2 + (mode == MODE_DQ ? (size_t)QWG_BM * DVP * 2 : 0) + ns * bn * (DKP + DVP) * 2 +
-           2 * QWG_BM * sizeof(int64_t) + (2 * ns + 2 * nq) * sizeof(uint64_t) + nq * QWG_TASK_BYTES;
-}
 
 /* sm_90a forward / dQ tile of the range rules, head dims 64 / 128 / 192 (DV 128); maps: four
  * CUtensorMaps, QWG_MAP_K .. QWG_MAP_O (Q's and O's (dO's in dQ) only read when P->qbox /

@@ -63,7 +63,7 @@ __device__ __forceinline__ void sfw_pb(float (&acc)[2 * KT][4], const float (&Pm
  * TMA (4-D tensor maps over the [B, T, H, D] views, 128-byte swizzle, built by the host) into
  * NS stages, NS - 1 chunks ahead of the products, each stage completing on its own mbarrier:
  * the copy engine moves the bytes while the warp computes, where qtile's one warp spent its
- * issue slots on 16-byte cp.async copies and its barriers (64k paper forward: 26.8 ms). The
+ * issue slots on 16-byte cp.async copies and its barriers. The
  * products stay mma.sync (16 rows are one m16 tile; wgmma needs 64), reading the swizzled
  * tiles with ldmatrix at swizzled addresses (conflict-free: 8 rows, one chunk each). Same
  * arithmetic as qtile's path (scores, masks, online softmax, epilogue).
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
         mb_arrive(&empty[st]);
     }
     if constexpr (KS > 1) {
-        static_assert(!DQ, "split chunks are the forward's (dQ on two warps measured slower: branches.cu sfw_try)");
+        static_assert(!DQ, "split chunks are the forward's (dQ on two warps is slower: selected/plan.c)");
         /* every chunk landed and was read by every warp: the stages hold the partner warps'
          * state, [value][lane] (acc, then m and l), merged into split 0's in split order */
         constexpr int NV = DP / 2 + 4;
@@ -347,8 +347,8 @@ static void launch_sfw_t(grun *g, const qparams *P, int64_t tiles, const void *t
 template <int DP, typename T, int MODE>
 static void launch_sfw_m(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
 {
-    /* union tiles (branches.cu sfw_try): forward at G = 4 on two warps taking alternate
-     * chunks; dQ at G = 4 / 8 on one warp of four / two positions */
+    /* union tiles (selected/plan.c): forward at G = 4 on two warps taking alternate chunks;
+     * dQ at G = 4 / 8 on one warp of four / two positions */
     if constexpr (MODE == MODE_FWD) {
         if (P->rp == 4) return launch_sfw_t<DP, T, MODE, 32, 2, 4, 4, 2>(g, P, tiles, tk, tv);
     } else {
@@ -356,8 +356,10 @@ static void launch_sfw_m(grun *g, const qparams *P, int64_t tiles, const void *t
         if (P->rp == 2) return launch_sfw_t<DP, T, MODE, 32, 2, 2, 2>(g, P, tiles, tk, tv);
     }
     if (P->nw == 2) launch_sfw_t<DP, T, MODE, 32, 2, 2>(g, P, tiles, tk, tv); /* two positions per CTA */
+#if NSA_CUDA_EXPERIMENTAL /* the chunk shapes kept for comparisons (NSA_CUDA_SLC_BN) */
     else if (P->bn == 64) launch_sfw_t<DP, T, MODE, 64, 2, 1>(g, P, tiles, tk, tv);
     else if (P->nst == 3) launch_sfw_t<DP, T, MODE, 32, 3, 1>(g, P, tiles, tk, tv);
+#endif
     else launch_sfw_t<DP, T, MODE, 32, 2, 1>(g, P, tiles, tk, tv);
 }
 

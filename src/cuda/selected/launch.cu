@@ -1,11 +1,69 @@
-/* selected/launch.cu -- host drivers of the selected branch: the choice between the sm_90a
- * TMA tile and qtile's union tiles, the task maps, and the backward's inverted lists and
- * segments. */
+/* selected/launch.cu -- the selected-attention op (nsa.h section 4) and its backward on the
+ * GPU, and the host drivers of the selected branch: the plans (selected/plan.c, attn/plan.c)
+ * with their tensor maps, the task maps, and the backward's inverted lists and segments. */
 #include "selected.h"
 #include "../prim/tmap.h"
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
+#include "../cuda_backend.h"
+
+static void run_slc_attn(grun *g, const nsa_slc_attn_args *a)
+{
+    if (!cu_attn_supported(g, a->q.dtype)) return;
+    g_seq_setup(g, 0);
+    int32_t *U, *ucnt;
+    cu_take_usable(g, &a->block_indices, &a->block_counts, &U, &ucnt);
+    const dview q = dv_of(&a->q), k = dv_of(&a->k), v = dv_of(&a->v), o = dv_of(&a->o), lse = dv_of(&a->lse);
+    cu_fwd_slc(g, &q, a->q.dtype, &k, &v, U, ucnt, g->p->m, &o, &lse);
+}
+
+size_t nsa_cuda_slc_attn_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_slc_attn_args *a)
+{
+    return cu_op_workspace(ctx, p, run_slc_attn, a);
+}
+
+nsa_status nsa_cuda_slc_attn(const nsa_context *ctx, const nsa_problem *p, const nsa_slc_attn_args *a, void *ws)
+{
+    return cu_op_run(ctx, p, run_slc_attn, a, ws);
+}
+
+static void run_slc_attn_bwd(grun *g, const nsa_slc_attn_bwd_args *a)
+{
+    const nsa_problem *p = g->p;
+    const nsa_slc_attn_args *f = &a->fwd;
+    if (!cu_attn_supported(g, f->q.dtype)) return;
+    g_seq_setup(g, 0);
+    int32_t *U, *ucnt;
+    cu_take_usable(g, &f->block_indices, &f->block_counts, &U, &ucnt);
+    const dview q = dv_of(&f->q), k = dv_of(&f->k), v = dv_of(&f->v), o = dv_of(&f->o), lse = dv_of(&f->lse);
+    const dview dout = dv_of(&a->dout);
+    bwd_io io;
+    memset(&io, 0, sizeof io);
+    io.q = &q, io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.dout = &dout, io.dt = f->q.dtype;
+    io.KR = p->T;
+    io.Dw = cu_take_f32(g, p->B * p->T * p->HQ, 0);
+    io.dq32 = cu_take_f32(g, p->B * p->T * p->HQ * p->DK, 1);
+    io.dk32 = cu_take_f32(g, p->B * p->T * p->H * p->DK, 1);
+    io.dv32 = cu_take_f32(g, p->B * p->T * p->H * p->DV, 1);
+    cu_bwd_slc(g, &io, U, ucnt, p->m);
+    const dview dq = dv_of(&a->dq), dk = dv_of(&a->dk), dv = dv_of(&a->dv);
+    nsa_cu_store32(g, io.dq32, &dq, p->B, p->T, p->HQ, p->DK);
+    nsa_cu_store32(g, io.dk32, &dk, p->B, p->T, p->H, p->DK);
+    nsa_cu_store32(g, io.dv32, &dv, p->B, p->T, p->H, p->DV);
+}
+
+size_t nsa_cuda_slc_attn_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_slc_attn_bwd_args *a)
+{
+    return cu_op_workspace(ctx, p, run_slc_attn_bwd, a);
+}
+
+nsa_status nsa_cuda_slc_attn_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_slc_attn_bwd_args *a, void *ws)
+{
+    return cu_op_run(ctx, p, run_slc_attn_bwd, a, ws);
+}
+
+/* ---- host drivers ------------------------------------------------------------------------ */
 
 static int has(const nsa_tensor *t) { return t->data != NULL; }
 
@@ -18,97 +76,32 @@ rule_t cu_rule_slc(const nsa_problem *p)
     return r;
 }
 
-/* G >= 16: one warp (16 rows) per CTA, so a tile never mixes the selections of different
- * positions, single-buffered so that more CTAs fit an SM; smaller G: 64 rows over several
- * positions, keys = the union of their blocks, double-buffered. */
-static int slc_warps(const nsa_problem *p) { return p->G >= 16 ? 1 : 4; }
-static int slc_stages(const nsa_problem *p) { return p->G >= 16 ? 1 : 2; }
-/* keys per chunk: 32 for the one-warp tiles (half the K/V shared memory: 8 instead of 5-6
- * of these latency-bound CTAs per SM), 64 otherwise */
-static int slc_chunk(const nsa_problem *p) { return p->G >= 16 ? 32 : 64; }
-
-/* Keys per chunk and stages of the TMA tile: 32 keys in 2 stages (32 KB: six or seven of
- * these one-warp CTAs per SM), unless NSA_CUDA_SLC_BN says "32x3" (three stages, four CTAs)
- * or "64" (64 keys, 2 stages, three CTAs: Triton's shape), for comparisons. H100 64k paper,
- * selected forward: 17.4 / 18.3 / 20.7 ms; 16 keys in 4 stages: 22.6. np: positions per CTA
- * on the default stages, 2 (neighbours sharing their common blocks' stages; forward 17.5 ->
- * 16.1 ms) unless NSA_CUDA_SLC_NP=1. Read once. */
-static int sfw_bn(int *ns, int *np)
-{
-    static int bn, st, two;
-    if (!bn) {
-        const char *e = getenv("NSA_CUDA_SLC_BN");
-        bn = e && atoi(e) == 64 ? 64 : 32;
-        st = bn == 32 && e && strchr(e, 'x') && atoi(strchr(e, 'x') + 1) == 3 ? 3 : 2;
-        const char *n = getenv("NSA_CUDA_SLC_NP");
-        two = bn == 32 && st == 2 && !(n && n[0] == '1');
-    }
-    *ns = st;
-    *np = two ? 2 : 1;
-    return bn;
-}
-
-/* The TMA selected-attention tile (forward or dQ) for P when the device, the binary, the
- * dims (DK == DV == 64 or 128), the group and the views allow it; launches it and returns 1,
- * else 0 (qtile runs). A tile is 16 heads of one position, padded past G: from G = 4 on
- * that beats qtile's 64-row tiles over the union of 16 / G positions' blocks (64k, G = 4:
- * selected forward 27.4 -> see bench/cuda.md); at G = 1 and 2 the union, which shares each
- * block between positions, moves fewer bytes than one tile per position. */
-static int sfw_try(grun *g, qparams *P, int mode, nsa_dtype dt, int64_t KR)
-{
-    const nsa_problem *p = g->p;
-    const int D = (int)p->DK;
-    if (g->dry || !cu_wgmma_env() || g->cc_major != 9 || p->DK != p->DV || (D != 64 && D != 128) || p->G < 4) return 0;
-    if (mode == MODE_FWD && (!P->o.al || (P->o.dt != (int)dt && P->o.dt != NSA_DTYPE_F32))) return 0;
-    int ns, np;
-    const int bn = sfw_bn(&ns, &np);
-    if (sfw_smem(D, bn, ns) > (size_t)g->smem_max || !cu_sm90_ready(D)) return 0;
-    CUtensorMap tk, tv;
-    if (!tmap_make(&tk, &P->k, dt, p->B, KR, p->H, D, bn) || !tmap_make(&tv, &P->v, dt, p->B, KR, p->H, D, bn)) return 0;
-    if (p->G > 16) np = 1; /* two positions per CTA only when one head group holds G */
-    /* Union tiles (hopper.cuh sfw_kernel's RP): one warp's 16 rows are 16 / G neighbouring
-     * positions x G heads over the union of their blocks (no padding rows; the forced blocks
-     * loaded once for them), unless NSA_CUDA_SLC_RP=1 (for comparisons). H100, 64k, same-call
-     * A/Bs: dQ at G = 4 (HQ 16, H 4) 16.5 -> 14.0 ms (L2 bytes 125 -> 113 GB), backward
-     * 34.9 -> 32.6; at G = 8 backward 50.3 -> 48.9. The forward at G = 4 with two warps taking
-     * alternate chunks (KS = 2: the union's ~55 online-softmax steps in one warp ran 14.9 ->
-     * 17.0 ms): selected 15.0 -> 14.3, forward 21.9 -> 21.2 (16k 4.15 -> 3.93); at G = 8 it
-     * measured 0.5% slower, and dQ with two warps 2.3 ms slower, so neither is used. */
-    static int rp_env = -1;
-    if (rp_env < 0) {
-        const char *e = getenv("NSA_CUDA_SLC_RP");
-        rp_env = !(e && e[0] == '1');
-    }
-    const int uni = rp_env && bn == 32 && ns == 2 && (mode == MODE_DQ ? p->G == 4 || p->G == 8 : p->G == 4);
-    P->rp = uni ? (int)(16 / p->G) : 1;
-    P->ks = uni && mode == MODE_FWD ? 2 : 1;
-    if (P->rp > 1) np = P->rp;
-    P->nw = np;
-    P->bn = bn;
-    P->nst = ns;
-    unitspec u = {UK_ROWS, (p->G + 15) / 16, np, 0, 0}; /* positions x head group */
-    int64_t tiles;
-    P->sm = g_seqmap(g, u, &tiles);
-    if (!g_live(g) || tiles == 0) return 1;
-    const int bf16 = dt == NSA_DTYPE_BF16;
-    if (D == 64) nsa_cu_sfw_64(g, P, mode, bf16, tiles, &tk, &tv);
-    else nsa_cu_sfw_128(g, P, mode, bf16, tiles, &tk, &tv);
-    return 1;
-}
-
-/* Selected attention forward or dQ (P's U / ucnt lists set): the TMA tile when sfw_try takes
- * it, else qtile's tiles over the union of 16 / G positions' blocks. */
+/* Selected attention forward or dQ (P's U / ucnt lists set) as the planner says: sfw with
+ * its K / V maps (a map that cannot be made sends it back to qtile), or qtile's tiles. */
 static void run_slc_q(grun *g, qparams *P, int mode, nsa_dtype dt)
 {
     const nsa_problem *p = g->p;
-    if (sfw_try(g, P, mode, dt, p->T)) return;
-    P->nw = slc_warps(p);
-    P->nst = slc_stages(p);
-    P->bn = slc_chunk(p);
-    unitspec u = {UK_ROWS, p->G, 16 * P->nw, 0, 0};
+    const cu_views v = cu_views_of(&P->q, &P->k, &P->v, &P->o, mode == MODE_DQ ? &P->dout : NULL);
+    cu_slc_plan pl = cu_plan_slc(p, &g->dev, g->ovr, &v, mode, dt, 0);
+    CUtensorMap tk, tv;
+    if (pl.kernel == CU_SLC_SFW && (!tmap_make(&tk, &P->k, dt, p->B, p->T, p->H, p->DK, pl.bn) ||
+                                    !tmap_make(&tv, &P->v, dt, p->B, p->T, p->H, p->DV, pl.bn)))
+        pl = cu_plan_slc(p, &g->dev, g->ovr, &v, mode, dt, 1);
+    P->nw = pl.nw;
+    P->nst = pl.nst;
+    P->bn = pl.bn;
+    if (pl.kernel == CU_SLC_SFW) P->rp = pl.rp, P->ks = pl.ks;
+    unitspec u = {UK_ROWS, pl.unit_a, pl.unit_b, 0, 0};
     int64_t tiles;
     P->sm = g_seqmap(g, u, &tiles);
-    cu_run_qtile(g, P, mode, tiles, dt);
+    if (pl.kernel == CU_SLC_QTILE) {
+        cu_run_qtile(g, P, mode, tiles, dt);
+        return;
+    }
+    if (!g_live(g) || tiles == 0) return;
+    const int bf16 = dt == NSA_DTYPE_BF16;
+    if (p->DK == 64) nsa_cu_sfw_64(g, P, mode, bf16, tiles, &tk, &tv);
+    else nsa_cu_sfw_128(g, P, mode, bf16, tiles, &tk, &tv);
 }
 
 void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dview *v, const int32_t *U,
@@ -124,6 +117,14 @@ void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvi
     P.rule = cu_rule_slc(p);
     P.U = U, P.ucnt = ucnt, P.m = (int)m;
     run_slc_q(g, &P, MODE_FWD, dt);
+}
+
+/* the selected rule's dK / dV on kwp_kernel (the plan chose it and its maps were made) */
+static void run_kwp(grun *g, const kparams *K, nsa_dtype dt, int64_t tiles, const CUtensorMap maps[4])
+{
+    if (!g_live(g) || tiles == 0) return;
+    if (K->DK == 64) nsa_cu_kwp_64(g, K, dt == NSA_DTYPE_BF16, 1, tiles, maps);
+    else nsa_cu_kwp_128(g, K, dt == NSA_DTYPE_BF16, 1, tiles, maps);
 }
 
 void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt, int64_t m)
@@ -170,14 +171,16 @@ void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt
     nsa_cu_slc_segments(g, &ix, nflat, segp, xoff);
     K.segp = (int)segp, K.xoff = xoff, K.nflat = nflat, K.part = part;
     /* same tasks and partials on either tile */
+    const cu_views kv = cu_views_of(&K.q, &K.k, &K.v, NULL, &K.dout);
+    const cu_dkdv_plan kp = cu_plan_dkdv(p, &g->dev, g->ovr, &kv, 1, 0, 0);
     CUtensorMap maps[4];
-    const int kwp = !g->dry && cu_kwp_usable(g, &K, io->dt, 1, maps);
-    if (kwp) cu_run_kwp(g, &K, io->dt, 1, ktiles, maps);
+    const int kwp = kp.kernel == CU_DKDV_KWP && cu_kwp_maps(g, &K, io->dt, 1, maps);
+    if (kwp) run_kwp(g, &K, io->dt, ktiles, maps);
     else cu_run_ktile(g, &K, ktiles, io->dt);
     if (ebound > 0) {
         kparams X = K;
         X.extra = 1;
-        if (kwp) cu_run_kwp(g, &X, io->dt, 1, ebound * K.nsub, maps);
+        if (kwp) run_kwp(g, &X, io->dt, ebound * K.nsub, maps);
         else cu_run_ktile(g, &X, ebound * K.nsub, io->dt);
         nsa_cu_slc_reduce(g, &K, ktiles);
     }

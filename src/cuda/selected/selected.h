@@ -6,15 +6,8 @@
 #ifndef NSA_CUDA_SELECTED_SELECTED_H
 #define NSA_CUDA_SELECTED_SELECTED_H
 
+#include "plan.h"
 #include "../attn/tiles.h"
-
-/* sfw_kernel (hopper.cuh): selected attention with TMA, one warp per position, one or two
- * positions per CTA; chunks of bn keys in ns stages (branches.cu sfw_bn). Shared memory:
- * slack, K and V stages, their full / empty mbarriers. */
-static inline size_t sfw_smem(int DP, int bn, int ns)
-{
-    return 1024 + 2 * (size_t)ns * bn * DP * 2 + 2 * (size_t)ns * 8;
-}
 
 /* sm_90a selected attention (forward / dQ) with TMA, DK == DV == 64 / 128, G >= 4; tk, tv:
  * host CUtensorMap (4-D over the K / V views, box 64 x 1 x bn x 1, 128-byte swizzle) */

@@ -43,10 +43,9 @@ __device__ __forceinline__ void swg_insert(uint64_t (&L)[NR], uint64_t c)
  * >= n keeps the top n. MS lanes per position (half = 0 .. MS - 1) each keep the top of every
  * MS-th candidate in their own list, merged once at the end: with MS = 2 every warp of the CTA
  * merges and none waits at the barrier (one lane per position left two of four warps idle for
- * a sixth of the kernel). (The network run for every candidate a lane of the warp could use
- * was most of the merge: 16 steps of 64-bit min / max per candidate; a warp per position
- * merging by rank counts took 8 of the 17 ms of the selection at 64k; one thread per position
- * shifting a shared-memory list, 7.) */
+ * a sixth of the kernel). (Running the network for every candidate any lane could use, a warp
+ * per position merging by rank counts, and one thread per position shifting a shared-memory
+ * list were all slower: bench/NOTES.md.) */
 template <int NR, int MS>
 __device__ __forceinline__ void swg_merge(const sparams &P, const float *imp, int ims, uint64_t *keys, int p0, int npos,
                                           int jA, int JC, int pp, int half)
@@ -129,9 +128,8 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
     const int lp = P.lp, cl = P.cl, cd = P.cd;
     const int cur_max = (p0 + npos - 1) / lp;
     const int last_t = p0 + npos - 1;
-    /* nsa_rule_cmp_visible in 32-bit arithmetic: calling the int64 helper here changed this
-     * register-bound kernel's code and the 64k forward measured 0.2 ms slower (H100, A/B in
-     * one call) */
+    /* nsa_rule_cmp_visible in 32-bit arithmetic: the int64 helper costs this register-bound
+     * kernel time (bench/NOTES.md) */
     int nv_max = last_t + 1 >= cl ? (last_t + 1 - cl) / cd + 1 : 0;
     nv_max = nv_max < sq.ncmp ? nv_max : sq.ncmp;
     const float inv_d = 1.0f / (float)cd;
@@ -373,15 +371,12 @@ static void launch_swg_nr(grun *g, const sparams *P, int64_t tiles, const void *
     g_launched(g);
 }
 
-/* two merge lanes per position (n <= 16) unless their lists would cost the second CTA per SM
- * (sm_90: 228 KB of shared memory per SM, 1 KB of it reserved per CTA) or not fit at all */
+/* rank-list length NR and merge lanes MS as planned (selection/plan.c) */
 template <int DKP, typename T>
-static void launch_swg_t(grun *g, const sparams *P, int64_t tiles, const void *maps)
+static void launch_swg_t(grun *g, const sparams *P, int nr, int ms, int64_t tiles, const void *maps)
 {
-    const size_t s2 = swg_smem(DKP, P->JC, 16, 2, (int)P->G), s1 = swg_smem(DKP, P->JC, 16, 1, (int)P->G);
-    const int two = 2 * (s2 + 1024) <= 228 * 1024 || (2 * (s1 + 1024) > 228 * 1024 && s2 <= (size_t)g->smem_max);
-    if (P->n <= 16 && two) launch_swg_nr<DKP, T, 16, 2>(g, P, tiles, maps);
-    else if (P->n <= 16) launch_swg_nr<DKP, T, 16, 1>(g, P, tiles, maps);
+    if (nr == 16 && ms == 2) launch_swg_nr<DKP, T, 16, 2>(g, P, tiles, maps);
+    else if (nr == 16) launch_swg_nr<DKP, T, 16, 1>(g, P, tiles, maps);
     else launch_swg_nr<DKP, T, 32, 1>(g, P, tiles, maps);
 }
 

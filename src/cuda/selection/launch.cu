@@ -1,51 +1,44 @@
-/* selection/launch.cu -- host driver of the selection: sm_90a swg_kernel or select_kernel,
- * their pass sizes and task maps. */
+/* selection/launch.cu -- the selection op (nsa.h section 3) on the GPU and its host driver:
+ * the plan (selection/plan.c) with its tensor maps, the task map and the launch of swg_kernel
+ * or select_kernel. */
 #include "selection.h"
 #include "../attn/tiles.h"
 #include "../prim/tmap.h"
 #include <limits.h>
 #include <string.h>
+#include "../range/range.h"
+#include "../cuda_backend.h"
 
-/* Selection blocks per pass whose overlapping compressed keys fit in nk (0: not even one). */
-static int select_jc(const nsa_config *c, int nk, int cap)
-{
-    for (int jc = cap; jc >= 1; jc--)
-        if ((jc * c->slc_block + c->cmp_len - 1) / c->cmp_stride + 1 <= nk) return jc;
-    return 0;
-}
+static int has(const nsa_tensor *t) { return t->data != NULL; }
 
-/* The sm_90a selection (hopper.cuh swg_kernel) when the device, the binary, the head dim
- * (exactly 64, 128 or 192), the row alignment and the sizes allow it (a pass's keys fit
- * SWG_NK, n <= 32 for its register lists) and the Q / K tensor maps can be made;
- * NSA_CUDA_WGMMA=0 keeps select_kernel. Returns whether it ran. Never in the dry pass: a
- * sequence map takes the same workspace for any tile height, so select_kernel's sizes the
- * workspace for both. */
-static int swg_try(grun *g, sparams *P, nsa_dtype dt)
+static void run_select(grun *g, const nsa_select_args *a)
 {
     const nsa_problem *p = g->p;
-    const int D = P->DK;
-    if (g->dry || !cu_wgmma_env() || g->cc_major != 9 || (D != 64 && D != 128 && D != 192) || !P->q.al || !P->k.al) return 0;
-    const int jc = select_jc(&p->cfg, SWG_NK, 64);
-    if (jc < 1 || P->n > 32 || P->G > INT_MAX / SWG_BP ||
-        swg_smem(D, jc, P->n <= 16 ? 16 : 32, 1, (int)P->G) > (size_t)g->smem_max || !cu_sm90_ready(D))
-        return 0;
-    CUtensorMap maps[2];
-    if (!tmap_make(&maps[0], &P->q, dt, p->B, p->T, p->HQ, D, SWG_BP) ||
-        !tmap_make(&maps[1], &P->k, dt, p->B, p->cmp_rows, p->H, D, SWG_NK))
-        return 0;
-    P->JC = jc;
-    unitspec u = {UK_ROWS, 1, SWG_BP, 0, 0};
-    int64_t tiles;
-    P->sm = g_seqmap(g, u, &tiles);
-    if (!g_live(g) || tiles == 0) return 1;
-    const int bf16 = dt == NSA_DTYPE_BF16;
-    switch (D) {
-    case 64: nsa_cu_swg_64(g, P, bf16, tiles, maps); break;
-    case 128: nsa_cu_swg_128(g, P, bf16, tiles, maps); break;
-    default: nsa_cu_swg_192(g, P, bf16, tiles, maps); break;
+    if (!cu_attn_supported(g, a->q.dtype)) return;
+    g_seq_setup(g, 1);
+    const dview q = dv_of(&a->q), kc = dv_of(&a->k_cmp), idx = dv_of(&a->block_indices);
+    const dview cnt = dv_of(&a->block_counts);
+    dview lse = dv_of(&a->lse_cmp);
+    if (!has(&a->lse_cmp)) { /* the compressed attention's normaliser, lse only */
+        float *lw = cu_take_f32(g, p->B * p->T * p->HQ, 0);
+        lse = dv_flat(lw, NSA_DTYPE_F32, p->T, p->HQ, 1);
+        const rule_t r = cu_rule_cmp(p);
+        cu_fwd_range(g, &r, &q, a->q.dtype, &kc, NULL, NULL, &lse);
     }
-    return 1;
+    cu_select(g, &q, a->q.dtype, &kc, &lse, &idx, &cnt);
 }
+
+size_t nsa_cuda_select_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_select_args *a)
+{
+    return cu_op_workspace(ctx, p, run_select, a);
+}
+
+nsa_status nsa_cuda_select(const nsa_context *ctx, const nsa_problem *p, const nsa_select_args *a, void *ws)
+{
+    return cu_op_run(ctx, p, run_select, a, ws);
+}
+
+/* ---- host drivers ------------------------------------------------------------------------ */
 
 void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dview *lse, const dview *idx,
                const dview *cnt)
@@ -62,24 +55,39 @@ void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvie
     P.cl = (int)c->cmp_len, P.cd = (int)c->cmp_stride, P.lp = (int)c->slc_block;
     P.n = (int)c->slc_topk, P.n_init = (int)(c->n_init < INT_MAX ? c->n_init : INT_MAX);
     P.n_local = (int)(c->n_local < INT_MAX ? c->n_local : INT_MAX);
-    P.HC = (int)(p->G < 64 ? p->G : 64);
-    P.P = 64 / P.HC;
-    const int64_t cap = (48 * 1024) / (8 * (c->slc_topk > 0 ? c->slc_topk : 1));
-    if (P.P > cap) P.P = (int)cap;
-    if (P.P < 1 || c->slc_topk > INT_MAX / 8) {
+    const cu_views v = cu_views_of(&P.q, &P.k, NULL, NULL, NULL);
+    cu_select_plan pl = cu_plan_select(p, &g->dev, g->ovr, &v, 0);
+    if (pl.kernel == CU_SEL_UNSUPPORTED) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED); /* n > 6144: the per-position lists would not fit */
         return;
     }
-    if (swg_try(g, &P, dt)) return;
-    /* selection blocks per pass: as many as keep the overlapping compressed keys within 64 */
-    P.JC = select_jc(c, 64, 64);
-    if (P.JC < 1) P.JC = 1; /* select_kernel walks a pass's keys in chunks of 64 */
+    P.HC = pl.HC;
+    P.P = pl.P;
+    const int D = P.DK;
+    CUtensorMap maps[2];
+    if (pl.kernel == CU_SEL_SWG && (!tmap_make(&maps[0], &P.q, dt, p->B, p->T, p->HQ, D, SWG_BP) ||
+                                    !tmap_make(&maps[1], &P.k, dt, p->B, p->cmp_rows, p->H, D, SWG_NK)))
+        pl = cu_plan_select(p, &g->dev, g->ovr, &v, 1);
+    P.JC = pl.JC;
+    if (pl.kernel == CU_SEL_SWG) {
+        unitspec u = {UK_ROWS, 1, SWG_BP, 0, 0};
+        int64_t tiles;
+        P.sm = g_seqmap(g, u, &tiles);
+        if (!g_live(g) || tiles == 0) return;
+        const int bf16 = dt == NSA_DTYPE_BF16;
+        switch (D) {
+        case 64: nsa_cu_swg_64(g, &P, bf16, pl.NR, pl.MS, tiles, maps); break;
+        case 128: nsa_cu_swg_128(g, &P, bf16, pl.NR, pl.MS, tiles, maps); break;
+        default: nsa_cu_swg_192(g, &P, bf16, pl.NR, pl.MS, tiles, maps); break;
+        }
+        return;
+    }
     unitspec u = {UK_ROWS, 1, P.P, 0, 0};
     int64_t tiles;
     P.sm = g_seqmap(g, u, &tiles);
     const int cls = cu_dims_class(p->DK, 0);
     if (!g_live(g) || tiles == 0) return;
-    if (select_smem(cls, P.P, P.JC, P.n, P.HC) > (size_t)g->smem_max) {
+    if (select_smem(cls, P.P, P.JC, P.n, P.HC) > (size_t)g->dev.smem_max) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED);
         return;
     }

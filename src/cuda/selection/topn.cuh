@@ -35,8 +35,8 @@ __device__ __forceinline__ int64_t div_nn(int64_t a, int b)
  * insertion in the order (forced, importance, index). That order is total, so the list is
  * exactly the CPU's (cpu/select.c) whatever the pass boundaries. With random importances few
  * candidates beat the last kept entry once the list is full, so most cost one comparison; the
- * entry-major layout and an odd ims keep a warp's 32 positions on distinct banks. (A warp per
- * position, merging by rank counts, cost 8 of the 17 ms of the selection at 64k.) */
+ * entry-major layout and an odd ims keep a warp's 32 positions on distinct banks (a warp per
+ * position merging by rank counts was much slower: bench/NOTES.md). */
 __device__ __forceinline__ void sel_merge(const sparams &P, const float *imp, int ims, float *LI, int *LJ, int *kept, int NP,
                                           int p0, int npos, int jA, int JC, int pp)
 {

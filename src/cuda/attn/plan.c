@@ -1,0 +1,39 @@
+/* attn/plan.c -- the dK / dV planner (attn/plan.h). */
+#include "plan.h"
+#include "../../rules.h"
+
+static int kwp_fits(const nsa_problem *p, const cu_device *d, const cu_overrides *o, const cu_views *v, int slc)
+{
+    if (!o->kwp || !cu_sm90(d, o) || p->G > 64 || 64 % p->G) return 0;
+    if (p->DK != p->DV || (p->DK != 64 && p->DK != 128) || !cu_sm90_class(d, (int)p->DK)) return 0;
+    if (kwp_smem((int)p->DK, slc) > (size_t)d->smem_max) return 0;
+    return v->dout && v->q && v->k && v->v;
+}
+
+cu_dkdv_plan cu_plan_dkdv(const nsa_problem *p, const cu_device *d, const cu_overrides *o, const cu_views *v, int slc,
+                          int dq_on_wgmma, int no_tma)
+{
+    cu_dkdv_plan pl = {CU_DKDV_KTILE, 64};
+    if (slc) {
+        if (!no_tma && kwp_fits(p, d, o, v, 1)) pl.kernel = CU_DKDV_KWP;
+        return pl;
+    }
+    /* same tasks at 128 keys, same ordered partials: the wgmma tiles when the dQ could take its
+     * sm_90a tile */
+    if (!dq_on_wgmma || p->DK != p->DV || kwg_smem((int)p->DK) > (size_t)d->smem_max) return pl;
+    pl.bk = KWG_BK;
+    pl.kernel = !no_tma && kwp_fits(p, d, o, v, 0) ? CU_DKDV_KWP : CU_DKDV_KWG;
+    return pl;
+}
+
+int cu_plan_cmp_segments(const nsa_problem *p)
+{
+    /* few key tiles, each seen by most queries; tile t has work only in the segments its
+     * queries reach, so too few tasks leave SMs idle (8 key tiles x 8 segments x H = 144 equal
+     * tasks run in two waves on 132 SMs) */
+    const int64_t nc = nsa_rule_num_cmp(p->T, p->cfg.cmp_len, p->cfg.cmp_stride);
+    const int64_t tiles128 = (nc + KWG_BK - 1) / KWG_BK; /* key tiles of 128 of the longest sequence */
+    int nseg = 8;
+    while (nseg < 64 && tiles128 * nseg * p->H < 1024) nseg *= 2;
+    return nseg;
+}

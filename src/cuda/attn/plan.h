@@ -1,0 +1,75 @@
+/* attn/plan.h -- tile sizes of the shared attention tiles (attn/tiles.h) and the planner of a
+ * branch's dK / dV (attn/plan.c): which tile, with how many keys per task. Plain C. */
+#ifndef NSA_CUDA_ATTN_PLAN_H
+#define NSA_CUDA_ATTN_PLAN_H
+
+#include "../plan.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Shared memory of each kernel (bytes); the kernels carve in the same order. */
+static inline size_t qtile_smem(int DKP, int DVP, int nw, int mode, int nst, int bn)
+{
+    const size_t BM = 16 * (size_t)nw, LDK = DKP + 8, LDV = DVP + 8;
+    /* one-warp forward: Q lives in registers (qtile_kernel's qreg) */
+    const size_t el = (mode == MODE_FWD && nw == 1 ? 0 : BM * LDK) + (mode == MODE_DQ ? BM * LDV : 0) + (size_t)nst * bn * LDK + (size_t)nst * bn * LDV;
+    return el * 2 + 2 * BM * 8 + 12 * 4 + 3 * 64;
+}
+
+static inline size_t ktile_smem(int DKP, int DVP)
+{
+    const size_t LDK = DKP + 8, LDV = DVP + 8;
+    const size_t el = 3 * 64 * LDK + 3 * 64 * LDV;
+    return el * 2 + 2 * 3 * 64 * 8 + 5 * 3 * 64 * 4 + 3 * 2 * 4;
+}
+
+/* Register budgets of the warp-specialised sm_90a kernels (qwg, kwp: 384 threads, one producer
+ * and two consumer warpgroups; setmaxnreg: 128 x 40 + 256 x 232 <= 64k) */
+#define WS_PREGS 40
+#define WS_CREGS 232
+
+#define KWG_BK 128 /* keys per kwg_kernel task (ktile: 64) */
+/* Shared memory of kwg_kernel<DP>: slack, K and V of 128 keys, two Q and two dO stages of 64
+ * rows, the three row slots of ktile (offsets, lse, D, gate, ranges, whole-chunk flags). */
+static inline size_t kwg_smem(int DP)
+{
+    return 1024 + 2 * (size_t)KWG_BK * DP * 2 + 4 * (size_t)64 * DP * 2 + 3 * 64 * (2 * sizeof(int64_t) + 5 * 4) + 6 * 4;
+}
+
+/* kwp_kernel (attn/hopper_dkdv.cuh): kwg's tasks with a TMA producer warpgroup; row-chunk stages */
+#define KWP_NS 3     /* range rules: both warpgroups on every chunk */
+#define KWP_NS_SLC 4 /* selected rule: the warpgroups take alternate chunks */
+/* slack, K and V of 128 keys (selected: 64), the stages of Q and dO (64 rows each), their
+ * full / empty mbarriers, as many row slots (lse, D, gate, ranges: TMA needs no row offsets)
+ * and whole-chunk flags */
+static inline size_t kwp_smem(int DP, int slc)
+{
+    const size_t ns = slc ? KWP_NS_SLC : KWP_NS, bk = slc ? 64 : KWG_BK;
+    return 1024 + 2 * bk * DP * 2 + 2 * ns * 64 * DP * 2 + 2 * ns * 8 + ns * 64 * 5 * 4 + ns * 2 * 4;
+}
+
+enum { CU_DKDV_KTILE = 0, CU_DKDV_KWG = 1, CU_DKDV_KWP = 2 };
+
+typedef struct cu_dkdv_plan {
+    int kernel; /* CU_DKDV_*: ktile (mma.sync), kwg (wgmma, cp.async rows), kwp (wgmma, TMA producer) */
+    int bk;     /* keys per task: 64 (ktile; kwp on the selected rule), KWG_BK (kwg, kwp on the range rules) */
+} cu_dkdv_plan;
+
+/* dK / dV of a range rule (slc = 0; dq_on_wgmma: its dQ runs on the sm_90a tile, whose
+ * conditions the wgmma dK / dV shares) or of the selected rule (slc = 1). The TMA tile kwp
+ * takes G dividing 64 (a 64-row chunk is whole positions), DK == DV == 64 / 128 and aligned
+ * views; no_tma: its tensor maps could not be made (the range rules keep kwg, whose sums are
+ * the same bit for bit; the selected rule ktile). */
+cu_dkdv_plan cu_plan_dkdv(const nsa_problem *p, const cu_device *d, const cu_overrides *o, const cu_views *v, int slc,
+                          int dq_on_wgmma, int no_tma);
+/* Row segments per compressed key tile of the range dK / dV: enough for ~1024 tasks (8 .. 64;
+ * the same in the sizing and the live pass). */
+int cu_plan_cmp_segments(const nsa_problem *p);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,44 @@
+/* plan.c -- the planners' shared inputs (plan.h): overrides and head-dim classes. */
+#include "plan.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+void cu_overrides_default(cu_overrides *o)
+{
+    memset(o, 0, sizeof *o);
+    o->wgmma = 1;
+    o->kwp = 1;
+    o->slc_bn = 32;
+    o->slc_stages = 2;
+    o->slc_pair = 1;
+    o->slc_union = 1;
+}
+
+void cu_overrides_from_env(cu_overrides *o)
+{
+    cu_overrides_default(o);
+    const char *e = getenv("NSA_CUDA_WGMMA");
+    if (e && e[0] == '0') o->wgmma = 0;
+    e = getenv("NSA_CUDA_KWP");
+    if (e && e[0] == '0') o->kwp = 0;
+#if NSA_CUDA_EXPERIMENTAL
+    /* NSA_CUDA_SLC_BN: "64" (64 keys in 2 stages) or "32x3" (32 keys in 3 stages); their
+     * kernels exist only in a build with EXPERIMENTAL=1 */
+    e = getenv("NSA_CUDA_SLC_BN");
+    if (e && atoi(e) == 64) o->slc_bn = 64;
+    if (o->slc_bn == 32 && e && strchr(e, 'x') && atoi(strchr(e, 'x') + 1) == 3) o->slc_stages = 3;
+#endif
+    e = getenv("NSA_CUDA_SLC_NP");
+    if (e && e[0] == '1') o->slc_pair = 0;
+    e = getenv("NSA_CUDA_SLC_RP");
+    if (e && e[0] == '1') o->slc_union = 0;
+}
+
+int cu_dims_class(int64_t DK, int64_t DV)
+{
+    if (DK <= 64 && DV <= 64) return 64;
+    if (DK <= 128 && DV <= 128) return 128;
+    if (DK <= 192 && DV <= 128) return 192;
+    return 0;
+}
