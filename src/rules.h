@@ -30,6 +30,13 @@ NSA_HD int64_t nsa_rule_num_cmp(int64_t T, int64_t l, int64_t d)
 }
 
 /* Last token of compressed block i; also the first query that sees the block (spec 2). */
+/* ... in 32-bit arithmetic (T, l, d >= 1 small enough for int32), as the kernels count per
+ * sequence */
+NSA_HD int32_t nsa_rule_num_cmp32(int32_t T, int32_t l, int32_t d)
+{
+    return T >= l ? (int32_t)((uint32_t)(T - l) / (uint32_t)d) + 1 : 0;
+}
+
 NSA_HD int64_t nsa_rule_cmp_last_token(int64_t i, int64_t l, int64_t d)
 {
     return i * d + l - 1;

@@ -731,8 +731,25 @@ static void test_huge_windows(void)
     nsa_context_destroy(ctx);
 }
 
+/* The 32-bit compressed-block count the kernels use per sequence against the int64 one. */
+static void test_num_cmp32(void)
+{
+    tally t = {0, 0, ""};
+    for (int32_t T = 0; T < 3000; T++)
+        for (int32_t l = 1; l <= 64; l++)
+            for (int32_t d = 1; d <= l; d++)
+                if (l % d == 0) tally_eq(&t, nsa_rule_num_cmp32(T, l, d), nsa_rule_num_cmp(T, l, d), "num_cmp32", T, l, d, 0);
+    static const int32_t big[] = {65536, 131072, 1 << 20, (1 << 30) + 7, INT32_MAX - 1, INT32_MAX};
+    for (int i = 0; i < 6; i++)
+        for (int32_t l = 1; l <= 128; l *= 2)
+            tally_eq(&t, nsa_rule_num_cmp32(big[i], l, l / 2 ? l / 2 : 1), nsa_rule_num_cmp(big[i], l, l / 2 ? l / 2 : 1),
+                     "num_cmp32", big[i], l, l / 2, 0);
+    tally_done(&t, "num_cmp32");
+}
+
 void test_rules_all(void)
 {
+    test_num_cmp32();
     test_window_bounds();
     test_window_queries();
     test_cmp_and_selection();

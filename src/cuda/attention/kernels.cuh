@@ -69,15 +69,12 @@ __device__ __forceinline__ void x_task(const xparams &P, int64_t *s, int64_t *ti
 }
 
 /* Window of local query i before the emptiness test: keys [*a, *b] clamped to the sequence
- * (*b < *a: none); both never decrease in i, so a tile's keys are [a(first), b(last)].
- * Windows wider than the sequence are clamped first, so nothing overflows. */
+ * (*b < *a: none); both never decrease in i, so a tile's keys are [a(first), b(last)]. */
 __device__ __forceinline__ void x_range(const xparams &P, int qlen, int klen, int i, int64_t *a, int64_t *b)
 {
-    const int64_t d = (int64_t)i + klen - qlen, span = (int64_t)klen + qlen;
-    const int64_t lo = (P.wl < 0 || P.wl > span) ? 0 : d - P.wl;
-    const int64_t hi = P.causal ? d : ((P.wr < 0 || P.wr > span) ? (int64_t)klen - 1 : d + P.wr);
-    *a = lo < 0 ? 0 : lo;
-    *b = hi > klen - 1 ? klen - 1 : hi;
+    const int64_t d = nsa_rule_diag(i, qlen, klen);
+    *a = nsa_rule_window_lo(d, P.wl);
+    *b = nsa_rule_window_hi(d, P.wr, P.causal, klen);
 }
 
 /* The same as int bounds of one row, [lo, hi] = [1, 0] when it sees no key. */
@@ -549,7 +546,6 @@ __global__ void __launch_bounds__(128) xdkv_kernel(const __grid_constant__ xpara
     const xseq sq = xseq_get(P, s);
     const int64_t h = blockIdx.y, b = sq.b;
     const int j0 = (int)tile * XQ_BM, nkeys = sq.klen - j0 < XQ_BM ? sq.klen - j0 : XQ_BM;
-    const int shift = sq.klen - sq.qlen;
 
     load_rows_lin<T, DP>(Ks, LD, (const T *)P.k.p, b * P.k.s0 + (sq.k0 + j0) * P.k.s1 + h * P.k.s2, P.k.s1, nkeys, XQ_BM,
                          P.DK, P.k.al, tid, 128);
@@ -563,13 +559,8 @@ __global__ void __launch_bounds__(128) xdkv_kernel(const __grid_constant__ xpara
         kseg[x] = r < nkeys ? x_seg(P.kseg, b, sq.k0 + j0 + r) : 0;
     }
     /* the queries that may see keys [j0, j0 + nkeys): i + shift within the window of each */
-    int64_t qmin = 0, qmax = (int64_t)sq.qlen - 1;
-    const int64_t span = (int64_t)sq.klen + sq.qlen;
-    if (P.causal) qmin = (int64_t)j0 - shift;
-    else if (P.wr >= 0 && P.wr <= span) qmin = (int64_t)j0 - shift - P.wr;
-    if (P.wl >= 0 && P.wl <= span) qmax = (int64_t)j0 + nkeys - 1 - shift + P.wl;
-    qmin = qmin < 0 ? 0 : qmin;
-    qmax = qmax > sq.qlen - 1 ? sq.qlen - 1 : qmax;
+    const int64_t qmin = nsa_rule_window_q_first(j0, P.wr, P.causal, sq.qlen, sq.klen);
+    int64_t qmax = nsa_rule_window_q_last((int64_t)j0 + nkeys - 1, P.wl, sq.qlen, sq.klen);
     if (nkeys <= 0) qmax = -1;
 
     /* At DP 256 a pass computes one of dK, dV (P.which) into dV's registers: the two sets of

@@ -24,7 +24,7 @@ static void run_attention(grun *g, const nsa_attention_args *a)
     rule_t r = cu_rule_window(a->window_left, a->window_right, a->causal);
     r.cap = a->softcap;
     if (a->sinks.data) r.sinks = (const float *)a->sinks.data, r.sinks_s = a->sinks.stride[0];
-    if (g->p->Tk != g->p->T) r.shift = (int)(g->p->Tk - g->p->T), r.nk = (int)g->p->Tk;
+    if (g->p->Tk != g->p->T) r.shift = (int)nsa_rule_diag(0, g->p->T, g->p->Tk), r.nk = (int)g->p->Tk;
     cu_fwd_range(g, &r, &q, a->q.dtype, &k, &v, &o, &lse);
 }
 

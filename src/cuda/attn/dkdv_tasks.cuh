@@ -14,32 +14,22 @@
 
 #define QT_BN 64 /* keys per ktile task, keys per select_kernel step */
 
-/* First query whose range reaches key c, last whose range starts at or before key c (both
- * monotone in t, as on the CPU). */
+/* First query (of len) whose range reaches key c < nkeys, and last whose range starts at or
+ * before key c, of a range rule (src/rules.h) */
 static __device__ int kt_first_reaching(const rule_t &r, int len, int nkeys, int c)
 {
-    int a = 0, b = len;
-    while (a < b) {
-        const int mid = a + (b - a) / 2;
-        int lo, hi;
-        rule_bounds(r, mid, nkeys, &lo, &hi);
-        if (hi >= c) b = mid;
-        else a = mid + 1;
+    if (r.kind == RULE_CMP) { /* block c is seen from its last token on */
+        const int64_t t = nsa_rule_cmp_last_token(c, r.cl, r.cd);
+        return (int)(t < len ? t : len);
     }
-    return a;
+    return (int)nsa_rule_window_q_first(c, r.wr, r.causal, len, (int64_t)len + r.shift);
 }
 
 static __device__ int kt_last_starting(const rule_t &r, int len, int nkeys, int c)
 {
-    int a = -1, b = len - 1;
-    while (a < b) {
-        const int mid = b - (b - a) / 2;
-        int lo, hi;
-        rule_bounds(r, mid, nkeys, &lo, &hi);
-        if (lo <= c) a = mid;
-        else b = mid - 1;
-    }
-    return a;
+    (void)nkeys;
+    if (r.kind == RULE_CMP) return len - 1; /* every range starts at key 0 */
+    return (int)nsa_rule_window_q_last(c, r.wl, len, (int64_t)len + r.shift);
 }
 
 /* One ktile task (the CTA's blockIdx): keys [k0, k1) of (sequence, head h) and the query
@@ -73,7 +63,7 @@ __device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid
         const int64_t f = lo, lp = P.rule.lp;
         seg = e - P.xoff[f] + 1;
         slot = e * P.nsub + sub;
-        const int64_t per_T = (P.T + lp - 1) / lp + 1;
+        const int64_t per_T = nsa_rule_num_slc(P.T, lp) + 1;
         if (P.offs_pref) {
             int64_t a = 0, b = P.sm.nseq - 1;
             while (a < b) {
@@ -86,7 +76,7 @@ __device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid
             s = f / (P.H * per_T);
         }
         const seqinfo q0 = seq_get(P.sm, s);
-        const int64_t nb1 = (q0.len + lp - 1) / lp + 1;
+        const int64_t nb1 = nsa_rule_num_slc(q0.len, lp) + 1;
         const int64_t r = f - (P.offs_pref ? P.offs_pref[s] : s * per_T) * P.H;
         h = (int)(r / nb1);
         local = (r % nb1) * P.nsub + sub;
@@ -129,8 +119,8 @@ __device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid
         }
     } else {
         const int lp = P.rule.lp, j = (int)(local / P.nsub), sub = (int)(local % P.nsub);
-        const int bend = j * lp + lp < sq.len ? j * lp + lp : sq.len;
-        k0 = j * lp + sub * BK;
+        const int bend = nsa_rule_slc_end32(j, lp, sq.len);
+        k0 = (int)nsa_rule_slc_lo(j, lp) + sub * BK;
         k1 = k0 + BK < bend ? k0 + BK : bend;
         if (k0 >= k1) return 0;
         unitspec ul = {UK_LIST, P.m, 1, 0, 0}, uo = {UK_INV_OFFS, 0, lp, 0, 0};

@@ -54,9 +54,8 @@ __global__ void compress_bwd_kernel(dview src, const float *src32, int64_t D, dv
     const int64_t s = seq_of_row(sm, b, t);
     const seqinfo sq = seq_get(sm, s);
     const int tl = (int)(t - sq.row0);
-    const int a = tl - sm.cl + 1;
-    const int ilo = a <= 0 ? 0 : (a + sm.cd - 1) / sm.cd;
-    int ihi = tl / sm.cd;
+    const int ilo = (int)nsa_rule_cmp_first_at(tl, sm.cl, sm.cd); /* the compressed blocks covering token tl */
+    int ihi = (int)nsa_rule_cmp_last_at(tl, sm.cd);
     ihi = ihi < sq.ncmp - 1 ? ihi : sq.ncmp - 1;
     const float inv_l = 1.0f / (float)sm.cl;
     for (int64_t d = lane; d < D; d += 32) {

@@ -100,7 +100,7 @@ static void run_forward(grun *g, const nsa_forward_args *a)
     if (pl.swa_on) {
         const dview k = dv_of(pl.sep_swa ? &a->k_swa : &a->k), v = dv_of(pl.sep_swa ? &a->v_swa : &a->v);
         const dview o = dv_of(&sv->o_swa), lse = dv_of(&sv->lse_swa);
-        const rule_t r = cu_rule_window(p->cfg.window - 1, 0, 1);
+        const rule_t r = cu_rule_window(nsa_rule_swa_left(p->cfg.window), 0, 1);
         cu_fwd_range(g, &r, &q, dt, &k, &v, &o, &lse);
     }
     const dview os[3] = {dv_of(&sv->o_cmp), dv_of(&sv->o_slc), dv_of(&sv->o_swa)};
@@ -195,7 +195,7 @@ static void run_backward(grun *g, const nsa_backward_args *ba)
         const dview o = dv_of(&sv->o_swa), lse = dv_of(&sv->lse_swa), gate = dv_of(&a->g_swa);
         io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.gate = &gate, io.KR = T, io.Dw = Dw[2], io.gw = gw[2];
         io.dk32 = pl.sep_swa ? dkw32 : dk32, io.dv32 = pl.sep_swa ? dvw32 : dv32;
-        const rule_t r = cu_rule_window(p->cfg.window - 1, 0, 1);
+        const rule_t r = cu_rule_window(nsa_rule_swa_left(p->cfg.window), 0, 1);
         cu_bwd_range(g, &r, &io);
     }
 

@@ -38,20 +38,15 @@ __device__ __forceinline__ int rule_nkeys(const rule_t &r, const seqinfo &sq)
 __device__ __forceinline__ void rule_bounds(const rule_t &r, int t, int nkeys, int *lo, int *hi)
 {
     if (r.kind == RULE_CMP) {
-        const int nv = t + 1 >= r.cl ? (t + 1 - r.cl) / r.cd + 1 : 0;
         *lo = 0;
-        *hi = (nv < nkeys ? nv : nkeys) - 1;
+        *hi = nsa_rule_cmp_visible_cap32(t, r.cl, r.cd, nkeys) - 1;
     } else if (r.kind == RULE_WIN) {
-        t += r.shift; /* bottom-right aligned diagonal (Tq != Tk); t < 0: the row sees nothing */
-        const int64_t a = (r.wl < 0 || t - r.wl < 0) ? 0 : t - r.wl;
-        int64_t b;
-        if (r.causal) b = t < nkeys - 1 ? t : nkeys - 1;
-        else b = (r.wr < 0 || t + r.wr > nkeys - 1) ? nkeys - 1 : t + r.wr;
-        *lo = (int)a;
-        *hi = (int)b;
-    } else {
+        const int dg = t + r.shift; /* bottom-right aligned diagonal (Tq != Tk); < 0: the row sees nothing */
+        *lo = (int)nsa_rule_window_lo(dg, r.wl);
+        *hi = (int)nsa_rule_window_hi(dg, r.wr, r.causal, nkeys);
+    } else { /* selected: the causal bound (its blocks are masked separately) */
         *lo = 0;
-        *hi = t < nkeys - 1 ? t : nkeys - 1;
+        *hi = nsa_rule_window_hi32(t, 0, 1, nkeys);
     }
 }
 

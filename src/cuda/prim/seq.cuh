@@ -37,18 +37,12 @@ NSA_CU_HD int64_t seq_units(unitspec u, int64_t len)
 {
     switch (u.kind) {
     case UK_ROWS: return (len * u.a + u.b - 1) / u.b;
-    case UK_CMP_TILES: {
-        int64_t nc = len >= u.cl ? (len - u.cl) / u.cd + 1 : 0;
-        return (nc + u.b - 1) / u.b;
-    }
-    case UK_CMP: return len >= u.cl ? (len - u.cl) / u.cd + 1 : 0;
-    case UK_SLC_TILES: return (len + u.b - 1) / u.b * u.a;
-    case UK_INV_CNT: return (len + u.a - 1) / u.a * ((len + u.b - 1) / u.b);
-    case UK_INV_OFFS: return (len + u.b - 1) / u.b + 1;
-    case UK_CMP_TILES_X: {
-        int64_t nc = len >= u.cl ? (len - u.cl) / u.cd + 1 : 0;
-        return (nc + u.b - 1) / u.b * u.a;
-    }
+    case UK_CMP_TILES: return (nsa_rule_num_cmp(len, u.cl, u.cd) + u.b - 1) / u.b;
+    case UK_CMP: return nsa_rule_num_cmp(len, u.cl, u.cd);
+    case UK_SLC_TILES: return nsa_rule_num_slc(len, u.b) * u.a;
+    case UK_INV_CNT: return (len + u.a - 1) / u.a * nsa_rule_num_slc(len, u.b);
+    case UK_INV_OFFS: return nsa_rule_num_slc(len, u.b) + 1;
+    case UK_CMP_TILES_X: return (nsa_rule_num_cmp(len, u.cl, u.cd) + u.b - 1) / u.b * u.a;
     default: return len * u.a;
     }
 }
@@ -83,7 +77,7 @@ __device__ __forceinline__ seqinfo seq_get(const seqmap &m, int64_t s)
         q.len = (int)m.T;
         q.cmp0 = 0;
     }
-    q.ncmp = (m.cd > 0 && q.len >= m.cl) ? (q.len - m.cl) / m.cd + 1 : 0;
+    q.ncmp = m.cd > 0 ? nsa_rule_num_cmp32(q.len, m.cl, m.cd) : 0;
     return q;
 }
 

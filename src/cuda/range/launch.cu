@@ -58,7 +58,7 @@ rule_t cu_rule_window(int64_t wl, int64_t wr, int causal)
     r.kind = RULE_WIN;
     r.nk = -1; /* the sequence's own keys */
     r.wl = wl;
-    r.wr = causal ? 0 : wr;
+    r.wr = nsa_rule_window_right(wr, causal);
     r.causal = causal != 0;
     return r;
 }

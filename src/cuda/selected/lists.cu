@@ -13,7 +13,7 @@ __global__ void usable_kernel(dview idx, dview cnt, int64_t m, int64_t lp, int32
     int64_t h, t, b;
     split_row(row, H, T, rows, &b, &t, &h);
     const seqinfo sq = seq_get(sm, seq_of_row(sm, b, t));
-    const int64_t pos = t - sq.row0, nb = (sq.len + lp - 1) / lp;
+    const int64_t pos = t - sq.row0, nb = nsa_rule_num_slc(sq.len, lp);
     int64_t c = m;
     if (cnt.p) {
         c = ((const int32_t *)cnt.p)[b * cnt.s0 + t * cnt.s1 + h * cnt.s2];
@@ -24,7 +24,7 @@ __global__ void usable_kernel(dview idx, dview cnt, int64_t m, int64_t lp, int32
     int k = 0;
     for (int64_t e = 0; e < c; e++) {
         const int32_t j = ix[e];
-        if (j < 0 || j >= nb || (int64_t)j * lp > pos) continue;
+        if (j < 0 || j >= nb || !nsa_rule_slc_visible(j, pos, lp)) continue; /* not yet started */
         int q = k;
         while (q > 0 && u[q - 1] > j) q--;
         if (q > 0 && u[q - 1] == j) continue;
@@ -68,7 +68,7 @@ __global__ void inv_count_kernel(inv_params P)
     int64_t s, c;
     seq_decode(P.sm, blockIdx.x, &s, &c);
     const seqinfo sq = seq_get(P.sm, s);
-    const int64_t h = blockIdx.y, nb = (sq.len + P.lp - 1) / P.lp;
+    const int64_t h = blockIdx.y, nb = nsa_rule_num_slc(sq.len, P.lp);
     for (int64_t j = threadIdx.x; j < nb; j += blockDim.x) hist[j] = 0;
     __syncthreads();
     const int64_t p0 = c * INV_CHUNK;
@@ -91,7 +91,7 @@ __global__ void inv_scan_kernel(inv_params P)
     __shared__ int carry;
     const int64_t s = blockIdx.x, h = blockIdx.y;
     const seqinfo sq = seq_get(P.sm, s);
-    const int64_t nb = (sq.len + P.lp - 1) / P.lp, nch = (sq.len + INV_CHUNK - 1) / INV_CHUNK;
+    const int64_t nb = nsa_rule_num_slc(sq.len, P.lp), nch = (sq.len + INV_CHUNK - 1) / INV_CHUNK;
     unitspec uc = {UK_INV_CNT, INV_CHUNK, P.lp, 0, 0}, uo = {UK_INV_OFFS, 0, P.lp, 0, 0};
     int32_t *cnt = P.cnt + inv_region(P.cnt_pref, uc, s, P.T, P.H, h, sq.len);
     int32_t *offs = P.offs + inv_region(P.offs_pref, uo, s, P.T, P.H, h, sq.len);
@@ -128,7 +128,7 @@ __global__ void inv_fill_kernel(inv_params P)
     int64_t s, c;
     seq_decode(P.sm, blockIdx.x, &s, &c);
     const seqinfo sq = seq_get(P.sm, s);
-    const int64_t h = blockIdx.y, nb = (sq.len + P.lp - 1) / P.lp;
+    const int64_t h = blockIdx.y, nb = nsa_rule_num_slc(sq.len, P.lp);
     const int lane = threadIdx.x;
     unitspec uc = {UK_INV_CNT, INV_CHUNK, P.lp, 0, 0}, ul = {UK_LIST, P.m, 1, 0, 0};
     const int32_t *cnt = P.cnt + inv_region(P.cnt_pref, uc, s, P.T, P.H, h, sq.len) + c * nb;
@@ -166,7 +166,7 @@ void nsa_cu_invert(grun *g, const int32_t *U, const int32_t *ucnt, int64_t m, in
     int64_t nb_max = 0;
     for (int64_t s = 0; s < p->num_seqs; s++) {
         const int64_t len = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T;
-        const int64_t nb = (len + lp - 1) / lp;
+        const int64_t nb = nsa_rule_num_slc(len, lp);
         nb_max = nb > nb_max ? nb : nb_max;
     }
     const size_t hist_bytes = (size_t)(nb_max > 0 ? nb_max : 1) * sizeof(int);
@@ -237,12 +237,12 @@ __global__ void slc_reduce_kernel(kparams P)
     seq_decode(P.sm, blockIdx.x, &s, &local);
     const seqinfo sq = seq_get(P.sm, s);
     const int64_t h = blockIdx.y, lp = P.rule.lp, j = local / P.nsub, sub = local % P.nsub;
-    const int64_t per_T = (P.T + lp - 1) / lp + 1, nb1 = (sq.len + lp - 1) / lp + 1;
+    const int64_t per_T = nsa_rule_num_slc(P.T, lp) + 1, nb1 = nsa_rule_num_slc(sq.len, lp) + 1;
     const int64_t f = (P.offs_pref ? P.offs_pref[s] : s * per_T) * P.H + h * nb1 + j;
     const int64_t x0 = P.xoff[f], x1 = P.xoff[f + 1];
     if (x0 == x1) return;
-    const int64_t bend = j * lp + lp < sq.len ? j * lp + lp : sq.len;
-    const int64_t k0 = j * lp + sub * 64, k1 = k0 + 64 < bend ? k0 + 64 : bend;
+    const int64_t bend = nsa_rule_slc_end(j, lp, sq.len);
+    const int64_t k0 = nsa_rule_slc_lo(j, lp) + sub * 64, k1 = k0 + 64 < bend ? k0 + 64 : bend;
     if (k0 >= k1) return;
     const int64_t W = P.DK + P.DV;
     for (int64_t i = threadIdx.x; i < (k1 - k0) * W; i += blockDim.x) {
