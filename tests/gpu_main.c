@@ -10,54 +10,21 @@
  *   nsa_gpu_tests [--seed N] [--cases N] [--max-T N] [--jobs N] [--no-fork] [--no-attention] [-v] */
 #define _POSIX_C_SOURCE 200809L
 
+#include "devmem.h"
 #include "harness.h"
 #include "sweep.h"
 
-#include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-/* ---- device memory for the sweep ------------------------------------------------------- */
-
-static void die(const char *what, cudaError_t e)
-{
-    fprintf(stderr, "FAIL %s: %s\n", what, cudaGetErrorString(e));
-    fflush(stderr);
-    _exit(3);
-}
-
-static void *dev_alloc(size_t bytes)
-{
-    void *p = NULL;
-    cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
-    if (e != cudaSuccess) die("cudaMalloc", e);
-    return p;
-}
-
-static void dev_release(void *p) { cudaFree(p); }
-
-static void dev_upload(void *dev, const void *host, size_t bytes)
-{
-    cudaError_t e = cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice);
-    if (e != cudaSuccess) die("upload (an earlier kernel may have faulted)", e);
-}
-
-static void dev_download(void *host, const void *dev, size_t bytes)
-{
-    cudaError_t e = cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost);
-    if (e != cudaSuccess) die("download (an earlier kernel may have faulted)", e);
-}
-
-static const sweep_memory g_dev = {dev_alloc, dev_release, dev_upload, dev_download};
-
 /* ---- one case ---------------------------------------------------------------------------- */
 
 static void run_one(const sweep_case *c, uint64_t seed, int verbose, long *passed, long *failed)
 {
-    sweep_set_memory(&g_dev);
+    sweep_set_memory(devmem_sweep_memory());
     nsa_context_desc d;
     memset(&d, 0, sizeof d);
     d.backend = NSA_BACKEND_CUDA;
@@ -76,8 +43,9 @@ static void run_one(const sweep_case *c, uint64_t seed, int verbose, long *passe
 static void check_f32_declined(void)
 {
     const int64_t T = 8, H = 1, D = 16;
-    float *q = (float *)dev_alloc((size_t)(T * H * D) * 4), *o = (float *)dev_alloc((size_t)(T * H * D) * 4);
-    float *lse = (float *)dev_alloc((size_t)(T * H) * 4);
+    const nsa_backend be = NSA_BACKEND_CUDA;
+    float *q = (float *)devmem_alloc(be, (size_t)(T * H * D) * 4, "q"), *o = (float *)devmem_alloc(be, (size_t)(T * H * D) * 4, "o");
+    float *lse = (float *)devmem_alloc(be, (size_t)(T * H) * 4, "lse");
     nsa_context_desc d;
     memset(&d, 0, sizeof d);
     d.backend = NSA_BACKEND_CUDA;
@@ -93,10 +61,10 @@ static void check_f32_declined(void)
     a.window_left = -1, a.window_right = -1;
     size_t need = 0;
     CHECK_STATUS(nsa_attention_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
-    void *ws = dev_alloc(need);
+    void *ws = devmem_alloc(be, need, "the workspace");
     CHECK_STATUS(nsa_attention(ctx, &a, ws, need), NSA_STATUS_NOT_SUPPORTED);
     nsa_context_destroy(ctx);
-    cudaFree(ws), cudaFree(q), cudaFree(o), cudaFree(lse);
+    devmem_free(be, ws), devmem_free(be, q), devmem_free(be, o), devmem_free(be, lse);
 }
 
 void test_attention_on(nsa_backend backend, const sweep_memory *mem);
@@ -108,7 +76,7 @@ static void run_attention_tests(int fork_it, long *passed, long *failed)
 {
     if (!fork_it) {
         const long p0 = g_tests_passed, f0 = g_tests_failed;
-        test_attention_on(NSA_BACKEND_CUDA, &g_dev);
+        test_attention_on(NSA_BACKEND_CUDA, devmem_sweep_memory());
         printf("attention options: %5ld passed, %3ld failed\n", g_tests_passed - p0, g_tests_failed - f0);
         *passed += g_tests_passed - p0;
         *failed += g_tests_failed - f0;
@@ -124,7 +92,7 @@ static void run_attention_tests(int fork_it, long *passed, long *failed)
     if (pid == 0) {
         close(fd[0]);
         const long p0 = g_tests_passed, f0 = g_tests_failed;
-        test_attention_on(NSA_BACKEND_CUDA, &g_dev);
+        test_attention_on(NSA_BACKEND_CUDA, devmem_sweep_memory());
         long res[2] = {g_tests_passed - p0, g_tests_failed - f0};
         fflush(stdout), fflush(stderr);
         if (write(fd[1], res, sizeof res) != (ssize_t)sizeof res) _exit(4);
@@ -201,20 +169,8 @@ int main(int argc, char **argv)
     int nrun = 0;
     for (long i = 0; i < cases; i++) {
         sweep_case c;
-        memset(&c, 0, sizeof c);
         const uint64_t case_seed = state;
-        test_rng r = {state ^ 0x5DEECE66Dull};
-        c.dtype = rng_int(&r, 0, 1) ? NSA_DTYPE_BF16 : NSA_DTYPE_F16; /* kept by the draw */
-        /* the first two cases fix the shapes of the selected attention's union tiles (Hopper:
-         * G = 4 forward and dQ, G = 8 dQ; hopper.cuh sfw_kernel's RP), which the random draw
-         * reaches rarely (G = 4 at head dims 64 / 128; G = 8 only when a long case halves its
-         * heads); the rest of each case is drawn */
-        if (i == 0) c.H = 1, c.HQ = 8, c.DK = c.DV = 128, c.T = 250 < max_T ? 250 : max_T;
-        if (i == 1) {
-            c.H = 2, c.HQ = 8, c.DK = c.DV = 64, c.varlen = 1, c.num_seqs = 3;
-            c.lens[0] = 97, c.lens[1] = 1, c.lens[2] = 180, c.T = 278;
-        }
-        sweep_case_random(&c, &state, max_T);
+        sweep_case_next(&c, &state, i, NSA_BACKEND_CUDA, max_T);
         char desc[400];
         sweep_case_describe(&c, desc, sizeof desc);
         if (verbose) fprintf(stderr, "case %ld: seed=%llu %s\n", i, (unsigned long long)case_seed, desc);

@@ -3,19 +3,21 @@
  *   demo   NSA forward + backward on a realistic synthetic input: time per branch op, the
  *          whole forward/backward, dense causal attention for comparison, the fraction of
  *          keys each query reads, and sampled rows against the float64 reference.
- *   check  the random correctness sweep of tests/sweep.c for a given time or case count.
+ *   check  the random correctness sweep of tests/kit/sweep.c for a given time or case count.
  *   bench  per-op and whole-NSA timings over several lengths, as a table and/or JSON.
  *
  * It calls the library only through nsa.h. Every buffer the library touches is "backend
- * memory" (bmem_* below): host memory on the CPU, device memory for CUDA, so a CUDA build
- * plugs in by filling the NSA_WITH_CUDA branches. Errors: a library status prints
- * nsa_status_string and exits 1; a bad command line prints the usage and exits 2. */
+ * memory" (devmem_* of tests/kit/devmem.h): host memory on the CPU, device memory for CUDA.
+ * The sweep, the float64 reference and the harness come from the test kit (tests/kit).
+ * Errors: a library status prints nsa_status_string and exits 1; a bad command line prints
+ * the usage and exits 2. */
 #define _POSIX_C_SOURCE 200809L
 
 #include "nsa.h"
 #include "harness.h"
 #include "ref.h"
 #include "sweep.h"
+#include "devmem.h"
 
 #include <errno.h>
 #include <math.h>
@@ -27,9 +29,6 @@
 #include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
-#endif
-#ifdef NSA_WITH_CUDA
-#include <cuda_runtime_api.h>
 #endif
 
 /* ==== errors ========================================================================= */
@@ -88,65 +87,10 @@ static const char *dtype_name(nsa_dtype dt)
 }
 
 /* ==== backend memory ==================================================================
- * The only place that knows where the backend's tensors live. */
+ * Every buffer the library touches: tests/kit/devmem.h (host memory on the CPU, device memory
+ * on CUDA); its failures end the run through fail(). */
 
-static void *bmem_alloc(nsa_backend be, size_t bytes, const char *what)
-{
-#ifdef NSA_WITH_CUDA
-    if (be == NSA_BACKEND_CUDA) {
-        void *p = NULL;
-        if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) fail("out of device memory allocating %zu bytes for %s", bytes, what);
-        return p;
-    }
-#endif
-    (void)be;
-    return host_alloc(bytes, what);
-}
-
-static void bmem_free(nsa_backend be, void *p)
-{
-#ifdef NSA_WITH_CUDA
-    if (be == NSA_BACKEND_CUDA) {
-        cudaFree(p);
-        return;
-    }
-#endif
-    (void)be;
-    free(p);
-}
-
-static void bmem_upload(nsa_backend be, void *dst, const void *src, size_t bytes)
-{
-#ifdef NSA_WITH_CUDA
-    if (be == NSA_BACKEND_CUDA) {
-        if (cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice) != cudaSuccess) fail("copy to the device failed");
-        return;
-    }
-#endif
-    (void)be;
-    if (dst != src) memcpy(dst, src, bytes);
-}
-
-static void bmem_download(nsa_backend be, void *dst, const void *src, size_t bytes)
-{
-#ifdef NSA_WITH_CUDA
-    if (be == NSA_BACKEND_CUDA) {
-        if (cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) fail("copy from the device failed");
-        return;
-    }
-#endif
-    (void)be;
-    if (dst != src) memcpy(dst, src, bytes);
-}
-
-/* CUDA calls return before the work is done: wait before reading the clock. */
-static void bmem_sync(nsa_backend be)
-{
-#ifdef NSA_WITH_CUDA
-    if (be == NSA_BACKEND_CUDA && cudaDeviceSynchronize() != cudaSuccess) fail("the device reported an error");
-#endif
-    (void)be;
-}
+static void devmem_failed(const char *reason) { fail("%s", reason); }
 
 /* ==== storage dtypes (round to nearest even, as the sweep does) ======================= */
 
@@ -220,7 +164,7 @@ static void tbuf_alloc(tbuf *b, nsa_backend be, nsa_dtype dt, int64_t n, const c
     b->dtype = dt;
     b->n = n;
     b->aliased = 0;
-    b->mem = bmem_alloc(be, tbuf_bytes(dt, n), what);
+    b->mem = devmem_alloc(be, tbuf_bytes(dt, n), what);
 }
 
 /* Stores host values vals[n] in dtype and rounds vals in place to what was stored, so the
@@ -243,7 +187,7 @@ static void tbuf_from_host(tbuf *b, nsa_backend be, nsa_dtype dt, float *vals, i
             vals[i] = dt == NSA_DTYPE_BF16 ? bf16_to_f32(s[i]) : f16_to_f32(s[i]);
         }
     }
-    bmem_upload(be, b->mem, stage, bytes);
+    devmem_upload(be, b->mem, stage, bytes);
     if (stage != b->mem) free(stage);
 }
 
@@ -253,18 +197,18 @@ static void tbuf_range_to_host_f32(const tbuf *b, nsa_backend be, int64_t first,
     const size_t es = nsa_dtype_size(b->dtype);
     const char *src = (const char *)b->mem + (size_t)first * es;
     if (b->dtype == NSA_DTYPE_F32) {
-        bmem_download(be, dst, src, (size_t)count * es);
+        devmem_download(be, dst, src, (size_t)count * es);
         return;
     }
     uint16_t *s = (uint16_t *)host_alloc((size_t)count * es, "a download");
-    bmem_download(be, s, src, (size_t)count * es);
+    devmem_download(be, s, src, (size_t)count * es);
     for (int64_t i = 0; i < count; i++) dst[i] = b->dtype == NSA_DTYPE_BF16 ? bf16_to_f32(s[i]) : f16_to_f32(s[i]);
     free(s);
 }
 
 static void tbuf_free(tbuf *b, nsa_backend be)
 {
-    if (b->mem && !b->aliased) bmem_free(be, b->mem);
+    if (b->mem && !b->aliased) devmem_free(be, b->mem);
     memset(b, 0, sizeof *b);
 }
 
@@ -549,7 +493,7 @@ static double op_run(problem *p, op_id id)
 {
     const double t0 = now_s();
     need(op_call(p, id), OPS[id].call);
-    bmem_sync(p->backend);
+    devmem_sync(p->backend);
     return now_s() - t0;
 }
 
@@ -564,7 +508,7 @@ static void alloc_workspace(problem *p)
         if (b > most) most = b;
     }
     p->ws_bytes = most;
-    p->ws = most ? bmem_alloc(p->backend, most, "the workspace") : NULL;
+    p->ws = most ? devmem_alloc(p->backend, most, "the workspace") : NULL;
 }
 
 static void problem_init(problem *p, const problem_opts *o)
@@ -599,7 +543,7 @@ static void problem_free(problem *p)
         free(p->hg[b]);
     }
     free(p->hq), free(p->hk), free(p->hv), free(p->hdout);
-    if (p->ws) bmem_free(be, p->ws);
+    if (p->ws) devmem_free(be, p->ws);
     nsa_context_destroy(p->ctx);
     memset(p, 0, sizeof *p);
 }
@@ -701,7 +645,7 @@ static double keys_fraction(const problem *p, const int32_t *idx, int64_t t)
 static int32_t *download_indices(const problem *p)
 {
     int32_t *idx = (int32_t *)host_alloc(tbuf_bytes(NSA_DTYPE_I32, p->idx.n), "block_indices (host)");
-    bmem_download(p->backend, idx, p->idx.mem, tbuf_bytes(NSA_DTYPE_I32, p->idx.n));
+    devmem_download(p->backend, idx, p->idx.mem, tbuf_bytes(NSA_DTYPE_I32, p->idx.n));
     return idx;
 }
 
@@ -977,51 +921,9 @@ static int cmd_demo(int argc, char **argv)
 
 /* ==== nsa check ======================================================================= */
 
-/* The sweep's tensors and workspace in device memory (tests/sweep.h). */
-static void *sweep_dev_alloc(size_t bytes) { return bmem_alloc(NSA_BACKEND_CUDA, bytes, "the sweep"); }
-static void sweep_dev_release(void *p) { bmem_free(NSA_BACKEND_CUDA, p); }
-static void sweep_dev_upload(void *dev, const void *host, size_t bytes) { bmem_upload(NSA_BACKEND_CUDA, dev, host, bytes); }
-static void sweep_dev_download(void *host, const void *dev, size_t bytes) { bmem_download(NSA_BACKEND_CUDA, host, dev, bytes); }
-
-/* sweep_run for the GPU: it takes 16-bit storage only, and sweep_run draws f32 too. The same
- * loop, with each case's dtype drawn as nsa_gpu_tests draws it (a seed reproduces there). */
-static long check_device(const sweep_opts *o)
-{
-    static const sweep_memory dev = {sweep_dev_alloc, sweep_dev_release, sweep_dev_upload, sweep_dev_download};
-    sweep_set_memory(&dev);
-    nsa_context *ctx = NULL;
-    nsa_context_desc d = {.backend = o->backend, .num_threads = o->threads};
-    need(nsa_context_create(&ctx, &d), "creating the context");
-    const long f0 = g_tests_failed;
-    uint64_t state = o->seed;
-    const double t0 = now_s();
-    double last = t0;
-    long cases = 0;
-    while (!(o->max_cases && cases >= o->max_cases) && !(o->minutes > 0 && now_s() - t0 >= 60.0 * o->minutes)) {
-        sweep_case c;
-        memset(&c, 0, sizeof c);
-        const uint64_t case_seed = state;
-        test_rng r = {state ^ 0x5DEECE66Dull};
-        c.dtype = rng_int(&r, 0, 1) ? NSA_DTYPE_BF16 : NSA_DTYPE_F16; /* kept by the draw */
-        sweep_case_random(&c, &state, 1000);
-        sweep_run_case(ctx, &c, case_seed, o->verbose > 1);
-        cases++;
-        if (o->verbose && now_s() - last >= 10.0) {
-            last = now_s();
-            printf("check: %ld cases, %ld checks passed, %ld failed, %.0f s\n", cases, g_tests_passed,
-                   g_tests_failed - f0, last - t0);
-            fflush(stdout);
-        }
-        if (g_tests_failed > f0 && o->minutes > 0) break; /* as sweep_run: a timed run stops at a failure */
-    }
-    if (o->verbose) printf("check: %ld cases done\n", cases);
-    nsa_context_destroy(ctx);
-    return g_tests_failed - f0;
-}
-
 static int cmd_check(int argc, char **argv)
 {
-    sweep_opts o = {.seed = (uint64_t)time(NULL), .minutes = 1.0, .backend = best_backend(), .verbose = 1};
+    sweep_opts o = {.seed = (uint64_t)time(NULL), .minutes = 1.0, .backend = best_backend(), .verbose = 1, .label = "check"};
     int named_backend = 0, named_minutes = 0;
     args a = {argc, 2, argv, NULL};
     for (; a.i < argc; a.i++) {
@@ -1044,8 +946,7 @@ static int cmd_check(int argc, char **argv)
     printf(" (reproduce with --seed %llu)\n", (unsigned long long)o.seed);
     fflush(stdout);
     g_check_running = 1;
-    if (o.backend == NSA_BACKEND_CUDA) check_device(&o);
-    else sweep_run(&o);
+    sweep_run(&o);
     g_check_running = 0;
     printf("%ld passed, %ld failed\n", g_tests_passed, g_tests_failed);
     return g_tests_failed == 0 ? 0 : 1;
@@ -1304,6 +1205,7 @@ int main(int argc, char **argv)
 {
     /* line-buffered even into a file: a run cut off by a time limit still shows how far it got */
     setvbuf(stdout, NULL, _IOLBF, 0);
+    devmem_set_fail(devmem_failed);
     if (argc < 2) usage_error("no command given");
     const char *cmd = argv[1];
     if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h") || !strcmp(cmd, "help")) {

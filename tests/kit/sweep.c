@@ -13,7 +13,8 @@
 #include "sweep.h"
 #include "harness.h"
 #include "ref.h"
-#include "../src/dtype.h"
+#include "devmem.h"
+#include "dtype.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -1194,6 +1195,25 @@ long sweep_run_case(nsa_context *ctx, const sweep_case *c, uint64_t seed, int ve
     return g_tests_failed - f0;
 }
 
+void sweep_case_next(sweep_case *c, uint64_t *state, long index, nsa_backend backend, int64_t max_T)
+{
+    memset(c, 0, sizeof *c);
+    if (backend == NSA_BACKEND_CUDA) {
+        test_rng r = {*state ^ 0x5DEECE66Dull};
+        c->dtype = rng_int(&r, 0, 1) ? NSA_DTYPE_BF16 : NSA_DTYPE_F16; /* kept by the draw */
+        /* the first two cases fix the shapes of the selected attention's union tiles (Hopper:
+         * G = 4 forward and dQ, G = 8 dQ; hopper.cuh sfw_kernel's RP), which the random draw
+         * reaches rarely (G = 4 at head dims 64 / 128; G = 8 only when a long case halves its
+         * heads); the rest of each case is drawn */
+        if (index == 0) c->H = 1, c->HQ = 8, c->DK = c->DV = 128, c->T = 250 < max_T ? 250 : max_T;
+        if (index == 1) {
+            c->H = 2, c->HQ = 8, c->DK = c->DV = 64, c->varlen = 1, c->num_seqs = 3;
+            c->lens[0] = 97, c->lens[1] = 1, c->lens[2] = 180, c->T = 278;
+        }
+    }
+    sweep_case_random(c, state, max_T);
+}
+
 long sweep_run(const sweep_opts *o)
 {
     nsa_context_desc d;
@@ -1208,7 +1228,9 @@ long sweep_run(const sweep_opts *o)
         harness_record(0, __FILE__, __LINE__, "sweep context", msg);
         return 1;
     }
+    sweep_set_memory(o->backend == NSA_BACKEND_CUDA ? devmem_sweep_memory() : NULL);
     const long f0 = g_tests_failed;
+    const char *label = o->label ? o->label : "sweep";
     uint64_t state = o->seed;
     const double t0 = (double)time(NULL);
     double last = t0;
@@ -1217,23 +1239,21 @@ long sweep_run(const sweep_opts *o)
         if (o->max_cases && cases >= o->max_cases) break;
         if (o->minutes > 0 && (double)time(NULL) - t0 >= o->minutes * 60.0) break;
         sweep_case c;
-        memset(&c, 0, sizeof c);
         const uint64_t case_seed = state;
-        /* the CUDA backend stores f16 / bf16 only: draw those there (f32 is NOT_SUPPORTED) */
-        if (o->backend == NSA_BACKEND_CUDA) c.dtype = (state >> 17) & 1 ? NSA_DTYPE_BF16 : NSA_DTYPE_F16;
-        sweep_case_random(&c, &state, o->max_T > 0 ? o->max_T : 1000);
+        sweep_case_next(&c, &state, cases, o->backend, o->max_T > 0 ? o->max_T : 1000);
         sweep_run_case(ctx, &c, case_seed, o->verbose > 1);
         cases++;
         if (o->verbose && (double)time(NULL) - last >= 10.0) {
             last = (double)time(NULL);
-            printf("check: %ld cases, %ld checks passed, %ld failed, %.0f s\n", cases, g_tests_passed, g_tests_failed - f0,
-                   last - t0);
+            printf("%s: %ld cases, %ld checks passed, %ld failed, %.0f s\n", label, cases, g_tests_passed,
+                   g_tests_failed - f0, last - t0);
             fflush(stdout);
         }
         if (g_tests_failed - f0 > 0 && o->minutes > 0) break; /* a long run stops at the first failing case */
     }
-    if (o->verbose) printf("check: %ld cases done\n", cases);
+    if (o->verbose) printf("%s: %ld cases done\n", label, cases);
     nsa_context_destroy(ctx);
     ws_release();
+    sweep_set_memory(NULL);
     return g_tests_failed - f0;
 }
