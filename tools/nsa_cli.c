@@ -14,6 +14,7 @@
 #define _POSIX_C_SOURCE 200809L
 
 #include "nsa.h"
+#include "dtype.h" /* src/dtype.h: the library's f16 / bf16 conversions */
 #include "harness.h"
 #include "ref.h"
 #include "sweep.h"
@@ -92,57 +93,6 @@ static const char *dtype_name(nsa_dtype dt)
 
 static void devmem_failed(const char *reason) { fail("%s", reason); }
 
-/* ==== storage dtypes (round to nearest even, as the sweep does) ======================= */
-
-static uint16_t f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static float bf16_to_f32(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static uint16_t f32_to_f16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
-    const uint32_t ax = x & 0x7fffffffu;
-    if (ax > 0x7f800000u) return sign | 0x7e00u;          /* NaN */
-    if (ax >= 0x477ff000u) return sign | 0x7c00u;         /* >= 65520 rounds to inf */
-    if (ax < 0x38800000u) {                               /* below 2^-14: half subnormal */
-        float a;
-        memcpy(&a, &ax, 4);
-        return (uint16_t)(sign | (uint16_t)lrintf(a * 16777216.0f));
-    }
-    const uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u);   /* round the 13 dropped bits */
-    return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
-}
-
-static float f16_to_f32(uint16_t h)
-{
-    const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    float f;
-    if (e == 0) {
-        f = ldexpf((float)m, -24);
-    } else if (e == 31) {
-        f = m ? NAN : INFINITY;
-    } else {
-        const uint32_t u = ((e + 112u) << 23) | (m << 13);
-        memcpy(&f, &u, 4);
-    }
-    return (h & 0x8000u) ? -f : f;
-}
-
 /* ==== tensors in backend memory ======================================================= */
 
 typedef struct tbuf {
@@ -183,8 +133,8 @@ static void tbuf_from_host(tbuf *b, nsa_backend be, nsa_dtype dt, float *vals, i
     } else {
         uint16_t *s = (uint16_t *)stage;
         for (int64_t i = 0; i < n; i++) {
-            s[i] = dt == NSA_DTYPE_BF16 ? f32_to_bf16(vals[i]) : f32_to_f16(vals[i]);
-            vals[i] = dt == NSA_DTYPE_BF16 ? bf16_to_f32(s[i]) : f16_to_f32(s[i]);
+            s[i] = dt == NSA_DTYPE_BF16 ? nsa_f32_to_bf16(vals[i]) : nsa_f32_to_f16(vals[i]);
+            vals[i] = dt == NSA_DTYPE_BF16 ? nsa_bf16_to_f32(s[i]) : nsa_f16_to_f32(s[i]);
         }
     }
     devmem_upload(be, b->mem, stage, bytes);
@@ -202,7 +152,7 @@ static void tbuf_range_to_host_f32(const tbuf *b, nsa_backend be, int64_t first,
     }
     uint16_t *s = (uint16_t *)host_alloc((size_t)count * es, "a download");
     devmem_download(be, s, src, (size_t)count * es);
-    for (int64_t i = 0; i < count; i++) dst[i] = b->dtype == NSA_DTYPE_BF16 ? bf16_to_f32(s[i]) : f16_to_f32(s[i]);
+    for (int64_t i = 0; i < count; i++) dst[i] = b->dtype == NSA_DTYPE_BF16 ? nsa_bf16_to_f32(s[i]) : nsa_f16_to_f32(s[i]);
     free(s);
 }
 
