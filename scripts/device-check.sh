@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # device-check.sh -- the CUDA backend on a GPU machine, in one go:
 #   1. records the GPU (nvidia-smi: name, driver, clocks) and nvcc;
-#   2. builds build/nsa_gpu_tests, build/nsa_gpu_bench and the CLI with the Makefile
+#   2. builds build/nsa_gpu_tests and the CLI (build/nsa) with the Makefile
 #      (or uses binaries prebuilt elsewhere: NSA_PREBUILT=dir, if they start);
 #   3. the GPU sweep: the random cases of tests/sweep.c against the float64 reference,
 #      every case in its own process (--jobs in parallel);
 #   4. compute-sanitizer memcheck on a few small cases (RACE=1: racecheck too);
-#   5. CUDA-event timings of the whole forward / backward (paper config, bf16) per length;
+#   5. CUDA-event timings of the whole forward / backward and of each branch (paper config,
+#      bf16) per length: `nsa bench --branches`;
 #   6. with EXTRA="tables cli 1m options peers" (FULL=1 = the first three): the benchmark
 #      tables of every config, the CLI's TFLOP/s tables, the 1M-token run, the cost of each
 #      attention option (bench/attn_options_gpu.py), and bench/peers.py beside mdy666 / fla
@@ -42,13 +43,14 @@ say "machine"
 note "gpu: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader 2>/dev/null | head -1)"
 
 BIN=build
+BENCH=(bench --branches) # the per-branch CUDA-event table of the CLI
 if [ -n "${NSA_PREBUILT:-}" ] && "$NSA_PREBUILT/nsa_gpu_tests" --cases 0 --no-attention > /tmp/nsa-prebuilt.txt 2>&1; then
     BIN="$NSA_PREBUILT"
     note "build: prebuilt binaries from $NSA_PREBUILT"
 else
     say "build"
     t0=$(date +%s)
-    if ! make -j"$(nproc)" NATIVE=0 CFLAGS=-Wno-psabi build/nsa_gpu_tests build/nsa_gpu_bench build/nsa build/nsa_wgmma_test build/libnsa.so > "$OUT/build.log" 2>&1; then
+    if ! make -j"$(nproc)" NATIVE=0 CFLAGS=-Wno-psabi build/nsa_gpu_tests build/nsa build/nsa_wgmma_test build/libnsa.so > "$OUT/build.log" 2>&1; then
         tail -40 "$OUT/build.log"
         note "build: FAILED"
         exit 1
@@ -97,21 +99,21 @@ if [ -n "${PROFILE:-}" ]; then
     say "ncu profile (T=$PROFILE)"
     timeout 150 ncu --clock-control none -k 'regex:qtile|ktile|select_kernel|gate_kernel|store32|compress|inv_|slc_' \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-        "$BIN/nsa_gpu_bench" --T "$PROFILE" --profile > "$OUT/ncu.txt" 2>&1
+        "$BIN/nsa" "${BENCH[@]}" --T "$PROFILE" --profile > "$OUT/ncu.txt" 2>&1
     note "ncu rc $?: $(grep -c 'Duration' "$OUT/ncu.txt") kernels"
     grep -E '^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall' "$OUT/ncu.txt" | head -120 > "$OUT/ncu-short.txt"
 fi
 
 say "bench"
-timeout 180 "$BIN/nsa_gpu_bench" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench.log" 2>&1
+timeout 180 "$BIN/nsa" "${BENCH[@]}" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench.log" 2>&1
 note "bench rc $?"
 if [ -n "${AB:-}" ]; then # the same bench on the mma.sync forward tile (A/B of the wgmma path)
-    NSA_CUDA_WGMMA=0 timeout 180 "$BIN/nsa_gpu_bench" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench-mma.log" 2>&1
+    NSA_CUDA_WGMMA=0 timeout 180 "$BIN/nsa" "${BENCH[@]}" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench-mma.log" 2>&1
     note "bench with NSA_CUDA_WGMMA=0 rc $?:"
     tail -n +2 "$OUT/bench-mma.log" | tee -a "$SUMMARY"
 fi
 if [ -n "${ENVAB:-}" ]; then # ENVAB="NAME=value ...": the same bench under those switches (A/B of one path)
-    env $ENVAB timeout 180 "$BIN/nsa_gpu_bench" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench-envab.log" 2>&1
+    env $ENVAB timeout 180 "$BIN/nsa" "${BENCH[@]}" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench-envab.log" 2>&1
     note "bench with $ENVAB rc $?:"
     tail -n +2 "$OUT/bench-envab.log" | tee -a "$SUMMARY"
 fi
@@ -132,7 +134,7 @@ if [ -n "$EXTRA" ]; then
     for part in $EXTRA; do
         case "$part" in
         tables)
-            run_bench() { name=$1; shift; timeout 240 "$BIN/nsa_gpu_bench" --reps "$REPS" "$@" > "$FULLDIR/bench-$name.log" 2>&1; note "bench-$name rc $?"; }
+            run_bench() { name=$1; shift; timeout 240 "$BIN/nsa" "${BENCH[@]}" --reps "$REPS" "$@" > "$FULLDIR/bench-$name.log" 2>&1; note "bench-$name rc $?"; }
             run_bench paper --T 8192,16384,32768,65536,131072
             run_bench fla --config fla --T 8192,16384,32768,65536,131072
             run_bench g4 --HQ 16 --H 4 --T 16384,65536

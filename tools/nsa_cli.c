@@ -4,7 +4,8 @@
  *          whole forward/backward, dense causal attention for comparison, the fraction of
  *          keys each query reads, and sampled rows against the float64 reference.
  *   check  the random correctness sweep of tests/kit/sweep.c for a given time or case count.
- *   bench  per-op and whole-NSA timings over several lengths, as a table and/or JSON.
+ *   bench  per-op and whole-NSA timings over several lengths, as a table and/or JSON;
+ *          --branches: CUDA-event timings of the whole forward / backward and of each branch.
  *
  * It calls the library only through nsa.h. Every buffer the library touches is "backend
  * memory" (devmem_* of tests/kit/devmem.h): host memory on the CPU, device memory for CUDA.
@@ -30,6 +31,9 @@
 #include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#ifdef NSA_WITH_CUDA
+#include <cuda_runtime_api.h> /* bench --branches: CUDA events and the device's name */
 #endif
 
 /* ==== errors ========================================================================= */
@@ -375,7 +379,7 @@ static const unsigned OP_NEEDS[OP_COUNT] = {
     [OP_BACKWARD] = OPBIT(OP_FORWARD),
     [OP_DENSE_BWD] = OPBIT(OP_DENSE),
 };
-/* --op groups: the flash-attention core alone (issue 5), and NSA's own ops */
+/* --op groups: the flash-attention core alone (nsa_attention, dense and windowed), and NSA's own ops */
 #define OPS_ATTENTION (OPBIT(OP_SWA) | OPBIT(OP_DENSE) | OPBIT(OP_SWA_BWD) | OPBIT(OP_DENSE_BWD))
 #define OPS_NSA                                                                                                        \
     (OPBIT(OP_COMPRESS) | OPBIT(OP_CMP_ATTN) | OPBIT(OP_SELECT) | OPBIT(OP_SLC_ATTN) | OPBIT(OP_SWA) | OPBIT(OP_GATE) | \
@@ -619,6 +623,13 @@ static const char *USAGE =
     "      GFLOP/s, and dense causal attention / NSA forward. --op times only the listed\n"
     "      ops (names as in the table, or the groups attention = window, dense and their\n"
     "      backwards, nsa = NSA's ops); what they read runs first, untimed.\n"
+    "  nsa bench --branches [--T 8192,16384,32768,65536] [--config paper|fla] [--HQ 64]\n"
+    "            [--H 4] [--D 128 | --DK 128 --DV 128] [--dtype bf16|f16] [--reps 10]\n"
+    "            [--profile] [--backend cuda|cpu] [--threads N]\n"
+    "      the whole NSA forward and backward, and each branch alone (the other gates\n"
+    "      absent), every gate on: median ms of --reps calls after 2 warm-ups, by CUDA\n"
+    "      events (the CPU: wall clock), one row per length. --profile runs one forward +\n"
+    "      backward at the first length and stops (for ncu). The former nsa_gpu_bench.\n"
     "  nsa version      library version and the backends present\n"
     "  nsa --help       this text\n"
     "\n"
@@ -1094,8 +1105,277 @@ static void print_loadavg(const char *when)
     if (f) fclose(f);
 }
 
+/* ==== nsa bench --branches ============================================================
+ * The whole NSA forward and backward, and each branch alone (the other gates absent; the
+ * selected branch alone reads the full forward's selection as caller indices), every branch
+ * gated on, the default mean-pooled compression. Per length: the median of --reps timed
+ * calls after 2 warm-ups, by CUDA events on the GPU (the wall clock on the CPU). Inputs are
+ * random, never zeros. The output is the former build/nsa_gpu_bench's, line for line: the
+ * scripts under scripts/ and the logs under bench/results read it. */
+
+typedef struct branches_opts {
+    nsa_backend backend;
+    int threads;
+    int64_t lengths[MAX_LENGTHS];
+    int nlengths;
+    int64_t HQ, H, DK, DV;
+    nsa_dtype dtype;
+    int fla, reps, profile;
+} branches_opts;
+
+/* A pool of random values (normal * scale + shift) tiled with shifting offsets into n
+ * elements of 16-bit storage: cheap to make, never zero, and no two rows of a tensor alike. */
+static void *branches_random(nsa_backend be, int64_t n, float scale, float shift, nsa_dtype dt, uint64_t seed)
+{
+    const int64_t pool_n = 1 << 22;
+    uint16_t *pool = (uint16_t *)host_alloc((size_t)pool_n * 2, "random pool");
+    uint16_t *host = (uint16_t *)host_alloc((size_t)(n > 0 ? n : 1) * 2, "random input");
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (int64_t i = 0; i < pool_n; i++) {
+        float acc = 0; /* Irwin-Hall: sum of 4 uniforms, centred: ~normal */
+        for (int k = 0; k < 4; k++) {
+            s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+            acc += (float)(s >> 40) * (1.0f / 16777216.0f);
+        }
+        const float x = (acc - 2.0f) * 1.7320508f * scale + shift;
+        pool[i] = dt == NSA_DTYPE_BF16 ? nsa_f32_to_bf16(x) : nsa_f32_to_f16(x);
+    }
+    for (int64_t i = 0; i < n;) {
+        const int64_t off = (i * 7919 + 13) % (pool_n / 2), m = n - i < pool_n / 2 ? n - i : pool_n / 2;
+        memcpy(host + i, pool + off, (size_t)m * 2);
+        i += m;
+    }
+    void *d = devmem_alloc(be, (size_t)(n > 0 ? n : 1) * 2, "a random input");
+    devmem_upload(be, d, host, (size_t)n * 2);
+    free(pool);
+    free(host);
+    return d;
+}
+
+static void *branches_zeros(nsa_backend be, size_t bytes)
+{
+    void *d = devmem_alloc(be, bytes ? bytes : 1, "an output");
+    devmem_zero(be, d, bytes ? bytes : 1);
+    return d;
+}
+
+static int cmp_float(const void *a, const void *b)
+{
+    const float x = *(const float *)a, y = *(const float *)b;
+    return x < y ? -1 : x > y;
+}
+
+static nsa_status branches_call(nsa_context *c, int bwd, const void *a, void *w, size_t n)
+{
+    return bwd ? nsa_backward(c, (const nsa_backward_args *)a, w, n) : nsa_forward(c, (const nsa_forward_args *)a, w, n);
+}
+
+/* Median ms of reps calls, after 2 warm-ups: CUDA events on the GPU, the wall clock on the CPU. */
+static float branches_time_ms(nsa_context *ctx, nsa_backend be, int bwd, const void *args, void *ws, size_t wsb, int reps)
+{
+    for (int i = 0; i < 2; i++) need(branches_call(ctx, bwd, args, ws, wsb), "warm-up call");
+    devmem_sync(be);
+    float t[64];
+    if (reps > 64) reps = 64;
+#ifdef NSA_WITH_CUDA
+    if (be == NSA_BACKEND_CUDA) {
+        cudaEvent_t e0, e1;
+        if (cudaEventCreate(&e0) != cudaSuccess || cudaEventCreate(&e1) != cudaSuccess) fail("cannot create CUDA events");
+        for (int i = 0; i < reps; i++) {
+            cudaEventRecord(e0, 0);
+            need(branches_call(ctx, bwd, args, ws, wsb), "timed call");
+            cudaEventRecord(e1, 0);
+            if (cudaEventSynchronize(e1) != cudaSuccess || cudaEventElapsedTime(&t[i], e0, e1) != cudaSuccess)
+                fail("the device reported an error during a timed call");
+        }
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+    }
+#endif
+    if (be != NSA_BACKEND_CUDA)
+        for (int i = 0; i < reps; i++) {
+            const double t0 = now_s();
+            need(branches_call(ctx, bwd, args, ws, wsb), "timed call");
+            t[i] = (float)(1e3 * (now_s() - t0));
+        }
+    qsort(t, (size_t)reps, sizeof(float), cmp_float);
+    return t[reps / 2];
+}
+
+/* "NVIDIA H100 80GB HBM3 (132 SMs)" on the GPU, "cpu (N threads)" on the CPU. */
+static void branches_device(nsa_backend be, int threads, char *buf, size_t n)
+{
+#ifdef NSA_WITH_CUDA
+    struct cudaDeviceProp prop;
+    if (be == NSA_BACKEND_CUDA) {
+        if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) fail("cannot read the device properties");
+        snprintf(buf, n, "%s (%d SMs)", prop.name, prop.multiProcessorCount);
+        return;
+    }
+#endif
+    (void)be;
+    snprintf(buf, n, "cpu (%d threads)", threads_used(threads));
+}
+
+/* One length: every buffer, the full calls and the branch-alone ones, then the timings. @return
+ * 0, or 1 after --profile's single forward + backward. */
+static int branches_length(const branches_opts *o, nsa_context *ctx, const nsa_config *cfg, int64_t T)
+{
+    const nsa_backend be = o->backend;
+    const nsa_dtype dt = o->dtype;
+    const int64_t HQ = o->HQ, H = o->H, DK = o->DK, DV = o->DV, n = cfg->slc_topk;
+    void *q = branches_random(be, T * HQ * DK, 1.0f, 0.0f, dt, 1), *k = branches_random(be, T * H * DK, 1.0f, 0.0f, dt, 2);
+    void *v = branches_random(be, T * H * DV, 1.0f, 0.0f, dt, 3), *dout = branches_random(be, T * HQ * DV, 1.0f, 0.0f, dt, 4);
+    void *gt[3], *so[3], *sl[3], *dg[3];
+    for (int x = 0; x < 3; x++) gt[x] = branches_random(be, T * HQ, 0.2f, 0.5f, dt, 5 + (uint64_t)x);
+    for (int x = 0; x < 3; x++) {
+        so[x] = branches_zeros(be, (size_t)(T * HQ * DV) * 2);
+        sl[x] = branches_zeros(be, (size_t)(T * HQ) * 4);
+        dg[x] = branches_zeros(be, (size_t)(T * HQ) * 2);
+    }
+    void *idx = branches_zeros(be, (size_t)(T * H * n) * 4), *out = branches_zeros(be, (size_t)(T * HQ * DV) * 2);
+    void *dq = branches_zeros(be, (size_t)(T * HQ * DK) * 2), *dk = branches_zeros(be, (size_t)(T * H * DK) * 2);
+    void *dv = branches_zeros(be, (size_t)(T * H * DV) * 2);
+
+    nsa_forward_args f;
+    memset(&f, 0, sizeof f);
+    f.q = nsa_tensor_4d(q, dt, 1, T, HQ, DK);
+    f.k = nsa_tensor_4d(k, dt, 1, T, H, DK);
+    f.v = nsa_tensor_4d(v, dt, 1, T, H, DV);
+    f.g_cmp = nsa_tensor_3d(gt[0], dt, 1, T, HQ);
+    f.g_slc = nsa_tensor_3d(gt[1], dt, 1, T, HQ);
+    f.g_swa = nsa_tensor_3d(gt[2], dt, 1, T, HQ);
+    f.o = nsa_tensor_4d(out, dt, 1, T, HQ, DV);
+    f.saved.block_indices = nsa_tensor_4d(idx, NSA_DTYPE_I32, 1, T, H, n);
+    f.saved.o_cmp = nsa_tensor_4d(so[0], dt, 1, T, HQ, DV);
+    f.saved.o_slc = nsa_tensor_4d(so[1], dt, 1, T, HQ, DV);
+    f.saved.o_swa = nsa_tensor_4d(so[2], dt, 1, T, HQ, DV);
+    f.saved.lse_cmp = nsa_tensor_3d(sl[0], NSA_DTYPE_F32, 1, T, HQ);
+    f.saved.lse_slc = nsa_tensor_3d(sl[1], NSA_DTYPE_F32, 1, T, HQ);
+    f.saved.lse_swa = nsa_tensor_3d(sl[2], NSA_DTYPE_F32, 1, T, HQ);
+    f.config = *cfg;
+    nsa_backward_args b;
+    memset(&b, 0, sizeof b);
+    b.fwd = f;
+    b.dout = nsa_tensor_4d(dout, dt, 1, T, HQ, DV);
+    b.dq = nsa_tensor_4d(dq, dt, 1, T, HQ, DK);
+    b.dk = nsa_tensor_4d(dk, dt, 1, T, H, DK);
+    b.dv = nsa_tensor_4d(dv, dt, 1, T, H, DV);
+    b.dg_cmp = nsa_tensor_3d(dg[0], dt, 1, T, HQ);
+    b.dg_slc = nsa_tensor_3d(dg[1], dt, 1, T, HQ);
+    b.dg_swa = nsa_tensor_3d(dg[2], dt, 1, T, HQ);
+
+    /* one branch alone: the other gates absent; the selected branch reads the full forward's
+     * selection as caller indices */
+    nsa_forward_args fb[3];
+    nsa_backward_args bb[3];
+    for (int x = 0; x < 3; x++) {
+        fb[x] = f;
+        nsa_tensor *gs[3] = {&fb[x].g_cmp, &fb[x].g_slc, &fb[x].g_swa};
+        for (int y = 0; y < 3; y++)
+            if (y != x) memset(gs[y], 0, sizeof(nsa_tensor));
+        if (x == 1) {
+            fb[x].block_indices = f.saved.block_indices;
+            memset(&fb[x].saved.block_indices, 0, sizeof(nsa_tensor));
+        }
+        bb[x] = b;
+        bb[x].fwd = fb[x];
+        nsa_tensor *dgs[3] = {&bb[x].dg_cmp, &bb[x].dg_slc, &bb[x].dg_swa};
+        for (int y = 0; y < 3; y++)
+            if (y != x) memset(dgs[y], 0, sizeof(nsa_tensor));
+    }
+
+    size_t wsb = 0, w = 0;
+    need(nsa_forward_workspace_size(ctx, &f, &w), "forward workspace"), wsb = w > wsb ? w : wsb;
+    need(nsa_backward_workspace_size(ctx, &b, &w), "backward workspace"), wsb = w > wsb ? w : wsb;
+    for (int x = 0; x < 3; x++) {
+        need(nsa_forward_workspace_size(ctx, &fb[x], &w), "forward workspace"), wsb = w > wsb ? w : wsb;
+        need(nsa_backward_workspace_size(ctx, &bb[x], &w), "backward workspace"), wsb = w > wsb ? w : wsb;
+    }
+    void *ws = branches_zeros(be, wsb);
+    int profiled = 0;
+    if (o->profile) {
+        need(nsa_forward(ctx, &f, ws, wsb), "forward");
+        need(nsa_backward(ctx, &b, ws, wsb), "backward");
+        devmem_sync(be);
+        printf("%8lld profiled one forward + backward\n", (long long)T);
+        profiled = 1;
+    } else {
+        const float tf = branches_time_ms(ctx, be, 0, &f, ws, wsb, o->reps);
+        const float tb = branches_time_ms(ctx, be, 1, &b, ws, wsb, o->reps);
+        float tfb[3], tbb[3];
+        for (int x = 0; x < 3; x++) {
+            tfb[x] = branches_time_ms(ctx, be, 0, &fb[x], ws, wsb, o->reps);
+            tbb[x] = branches_time_ms(ctx, be, 1, &bb[x], ws, wsb, o->reps);
+        }
+        printf("%8lld %9.3f %9.3f | %9.3f %9.3f %9.3f | %9.3f %9.3f %9.3f   ws %.2f GB\n", (long long)T, tf, tb, tfb[0],
+               tfb[1], tfb[2], tbb[0], tbb[1], tbb[2], (double)wsb / 1e9);
+    }
+    fflush(stdout);
+    void *all[] = {q, k, v, dout, gt[0], gt[1], gt[2], so[0], so[1], so[2], sl[0], sl[1], sl[2], dg[0], dg[1], dg[2],
+                   idx, out, dq, dk, dv, ws};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) devmem_free(be, all[i]);
+    return profiled;
+}
+
+static int cmd_bench_branches(int argc, char **argv)
+{
+    branches_opts o = {.backend = NSA_BACKEND_CUDA, .lengths = {8192, 16384, 32768, 65536}, .nlengths = 4,
+                       .HQ = 64, .H = 4, .DK = 128, .DV = 128, .dtype = NSA_DTYPE_BF16, .reps = 10};
+    args a = {argc, 2, argv, NULL};
+    for (; a.i < argc; a.i++) {
+        if (arg_is(&a, "--branches")) continue;
+        else if (arg_opt(&a, "--T")) {
+            bench_opts lengths;
+            parse_lengths(&lengths, a.value);
+            memcpy(o.lengths, lengths.lengths, sizeof o.lengths);
+            o.nlengths = lengths.nlengths;
+        } else if (arg_opt(&a, "--config")) {
+            if (strcmp(a.value, "paper") && strcmp(a.value, "fla")) usage_error("--config: expected paper or fla, got '%s'", a.value);
+            o.fla = !strcmp(a.value, "fla");
+        }
+        else if (arg_opt(&a, "--HQ")) o.HQ = parse_int(a.value, "--HQ", 1, 4096);
+        else if (arg_opt(&a, "--H")) o.H = parse_int(a.value, "--H", 1, 4096);
+        else if (arg_opt(&a, "--D")) o.DK = o.DV = parse_int(a.value, "--D", 1, 4096);
+        else if (arg_opt(&a, "--DK")) o.DK = parse_int(a.value, "--DK", 1, 4096);
+        else if (arg_opt(&a, "--DV")) o.DV = parse_int(a.value, "--DV", 1, 4096);
+        else if (arg_opt(&a, "--dtype")) {
+            o.dtype = parse_dtype(a.value);
+            if (o.dtype == NSA_DTYPE_F32) usage_error("bench --branches: --dtype takes bf16 or f16");
+        }
+        else if (arg_is(&a, "--f16")) o.dtype = NSA_DTYPE_F16;
+        else if (arg_opt(&a, "--reps")) o.reps = (int)parse_int(a.value, "--reps", 1, 64);
+        else if (arg_is(&a, "--profile")) o.profile = 1; /* one forward + backward, for ncu */
+        else if (arg_opt(&a, "--backend")) o.backend = parse_backend(a.value);
+        else if (arg_opt(&a, "--threads")) o.threads = (int)parse_int(a.value, "--threads", 0, 4096);
+        else usage_error("bench --branches: unknown option '%s'", argv[a.i]);
+    }
+    if (o.HQ % o.H != 0) usage_error("--HQ must be a multiple of --H");
+    require_backend(o.backend);
+    nsa_config cfg = nsa_config_default();
+    if (o.fla) cfg.cmp_len = cfg.cmp_stride = cfg.slc_block = 64;
+    char dev[300];
+    branches_device(o.backend, o.threads, dev, sizeof dev);
+    printf("gpu_bench: %s, %s, HQ=%lld H=%lld DK=%lld DV=%lld, config %s (l=%lld d=%lld l'=%lld n=%lld w=%lld), "
+           "median of %d\n",
+           dev, dtype_name(o.dtype), (long long)o.HQ, (long long)o.H, (long long)o.DK, (long long)o.DV,
+           o.fla ? "fla" : "paper", (long long)cfg.cmp_len, (long long)cfg.cmp_stride, (long long)cfg.slc_block,
+           (long long)cfg.slc_topk, (long long)cfg.window, o.reps);
+    nsa_context *ctx = NULL;
+    nsa_context_desc d = {.backend = o.backend, .num_threads = o.threads};
+    need(nsa_context_create(&ctx, &d), "creating the context");
+    printf("%8s %9s %9s | %9s %9s %9s | %9s %9s %9s  (ms)\n", "T", "fwd", "bwd", "fwd_cmp", "fwd_slc", "fwd_swa",
+           "bwd_cmp", "bwd_slc", "bwd_swa");
+    for (int i = 0; i < o.nlengths; i++)
+        if (branches_length(&o, ctx, &cfg, o.lengths[i])) break;
+    nsa_context_destroy(ctx);
+    return 0;
+}
+
 static int cmd_bench(int argc, char **argv)
 {
+    for (int i = 2; i < argc; i++)
+        if (!strcmp(argv[i], "--branches")) return cmd_bench_branches(argc, argv);
     bench_opts o = {.prob = {.backend = best_backend(), .HQ = 16, .H = 1, .DK = 128, .DV = 128,
                              .cfg = nsa_config_default(), .with_dense = 1, .seed = 1},
                     .config_name = "paper", .lengths = {8192, 16384, 32768}, .nlengths = 3, .reps = 5};
