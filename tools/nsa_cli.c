@@ -20,6 +20,8 @@
 #include "ref.h"
 #include "sweep.h"
 #include "devmem.h"
+#include "hashlog.h"
+#include "variant.h"
 
 #include <errno.h>
 #include <math.h>
@@ -613,8 +615,14 @@ static const char *USAGE =
     "      T=8192): time per branch, dense causal attention for comparison, keys read\n"
     "      per query, and sampled rows against the float64 reference.\n"
     "  nsa check [--seed N] [--minutes M] [--cases N] [--backend cpu|cuda] [--threads N] [-v]\n"
+    "            [--op NAME] [--hash-out FILE] [--hash-cmp FILE] [--variant KEY=VALUE]...\n"
     "      random correctness sweep against the float64 reference (default 1 minute);\n"
     "      the last line is \"N passed, N failed\"; exit code 0 iff nothing failed.\n"
+    "      --op: only that op's checks (nsa_forward, nsa_backward, nsa_attention,\n"
+    "      nsa_slc_attn_bwd, ...: the names in the checks' messages). --hash-out: a hash of\n"
+    "      every checked output per case, to FILE; --hash-cmp: the first cases whose hashes\n"
+    "      differ from FILE's, then \"N identical, M differ\" (not a failure). --variant:\n"
+    "      set in the environment before the context exists (e.g. NSA_CUDA_WGMMA=0).\n"
     "  nsa bench [--T 8192,16384,32768] [--config paper|fla] [--HQ 16] [--H 1]\n"
     "            [--D 128 | --DK 128 --DV 128] [--dtype f32|bf16|f16] [--threads N]\n"
     "            [--backend cpu|cuda] [--reps N] [--no-dense] [--bwd] [--json FILE]\n"
@@ -886,9 +894,23 @@ static int cmd_check(int argc, char **argv)
 {
     sweep_opts o = {.seed = (uint64_t)time(NULL), .minutes = 1.0, .backend = best_backend(), .verbose = 1, .label = "check"};
     int named_backend = 0, named_minutes = 0;
+    const char *hash_out = NULL, *hash_cmp = NULL;
     args a = {argc, 2, argv, NULL};
     for (; a.i < argc; a.i++) {
         if (arg_opt(&a, "--seed")) o.seed = (uint64_t)parse_int(a.value, "--seed", 0, INT64_MAX);
+        else if (arg_opt(&a, "--op")) {
+            if (sweep_set_op(a.value) != 0) {
+                char names[400] = "";
+                for (int i = 0; sweep_op_names[i]; i++) strcat(strcat(names, i ? ", " : ""), sweep_op_names[i]);
+                usage_error("check --op: unknown op '%s' (ops: %s)", a.value, names);
+            }
+            o.op = a.value;
+        }
+        else if (arg_opt(&a, "--hash-out")) hash_out = a.value;
+        else if (arg_opt(&a, "--hash-cmp")) hash_cmp = a.value;
+        else if (arg_opt(&a, "--variant")) {
+            if (variant_set(a.value) != 0) usage_error("--variant: expected KEY=VALUE, got '%s'", a.value);
+        }
         else if (arg_opt(&a, "--minutes")) o.minutes = parse_double(a.value, "--minutes", 0.0, 1e6), named_minutes = 1;
         else if (arg_opt(&a, "--cases")) o.max_cases = (long)parse_int(a.value, "--cases", 0, INT32_MAX);
         else if (arg_opt(&a, "--backend")) o.backend = parse_backend(a.value), named_backend = 1;
@@ -905,10 +927,20 @@ static int cmd_check(int argc, char **argv)
     if (o.max_cases) printf("%ld cases%s", o.max_cases, o.minutes > 0 ? " or " : "");
     if (o.minutes > 0) printf("%g minutes", o.minutes);
     printf(" (reproduce with --seed %llu)\n", (unsigned long long)o.seed);
+    char variants[1024];
+    variant_describe(variants, sizeof variants);
+    if (o.op || strcmp(variants, "none")) printf("  op %s; variants: %s\n", o.op ? o.op : "all", variants);
     fflush(stdout);
+    hashlog *base = NULL;
+    if (hash_cmp && !(base = hashlog_read(hash_cmp))) fail("cannot read %s: %s", hash_cmp, strerror(errno));
+    if (hash_out || hash_cmp) o.hashes = hashlog_new();
     g_check_running = 1;
     sweep_run(&o);
+    if (hash_out && hashlog_write(o.hashes, hash_out) != 0) fail("cannot write %s: %s", hash_out, strerror(errno));
+    if (hash_cmp) hashlog_compare(o.hashes, base, stdout, 10);
     g_check_running = 0;
+    hashlog_free(o.hashes);
+    hashlog_free(base);
     printf("%ld passed, %ld failed\n", g_tests_passed, g_tests_failed);
     return g_tests_failed == 0 ? 0 : 1;
 }

@@ -23,6 +23,8 @@ typedef struct sweep_case {
     int zero_q;               /* q = 0: every score equal (tie rule) */
 } sweep_case;
 
+struct hashlog; /* hashlog.h */
+
 typedef struct sweep_opts {
     uint64_t seed;
     long max_cases;           /* stop after this many random cases (0 = no limit) */
@@ -32,6 +34,8 @@ typedef struct sweep_opts {
     int verbose;
     int64_t max_T;            /* cap for random T (default 1000) */
     const char *label;        /* prefix of the progress lines (default "sweep") */
+    const char *op;           /* only this op's checks (sweep_set_op; NULL: all) */
+    struct hashlog *hashes;   /* receives every checked output's hash (NULL: none) */
 } sweep_opts;
 
 /* Where the sweep's tensors and workspace live. All NULL (the default): host memory, for
@@ -44,6 +48,18 @@ typedef struct sweep_memory {
     void (*download)(void *host, const void *dev, size_t bytes);
 } sweep_memory;
 void sweep_set_memory(const sweep_memory *m);
+
+/* The sweep's op names, as its checks print them ("nsa_attention o": op nsa_attention):
+ * nsa_forward and nsa_backward (the whole pipeline), then each single op and its backward.
+ * NULL-terminated. */
+extern const char *const sweep_op_names[];
+/* From now on only the checks of op `name` run (NULL: every op). What it reads from another op
+ * still runs, unchecked, and a case draws its data as in a full run, so a case index and seed
+ * mean the same with or without it. @return 0, or -1 for a name not in sweep_op_names. */
+int sweep_set_op(const char *name);
+/* Receives the 64-bit hash of each checked output's element bytes; name is "op output". */
+typedef void (*sweep_hash_fn)(void *user, const char *name, uint64_t hash);
+void sweep_set_hash(sweep_hash_fn fn, void *user);
 
 /* Draws a random valid case from rng state *s (fields already nonzero in *c are kept). */
 void sweep_case_random(sweep_case *c, uint64_t *s, int64_t max_T);
