@@ -11,6 +11,7 @@ void test_ref_all(void);
 void test_dtype_all(void);
 void test_validation_all(void);
 void test_backend_all(void);
+void test_backend_sweep_all(void);
 void test_attention_all(void);
 
 static void test_readme_example(void)
@@ -28,6 +29,7 @@ static const struct group {
     {"dtype", test_dtype_all},
     {"validation", test_validation_all},
     {"backend", test_backend_all},
+    {"sweep", test_backend_sweep_all},
     {"attention", test_attention_all},
     {"readme", test_readme_example},
 };
