@@ -1191,23 +1191,17 @@ static void *branches_zeros(nsa_backend be, size_t bytes)
     return d;
 }
 
-static int cmp_float(const void *a, const void *b)
-{
-    const float x = *(const float *)a, y = *(const float *)b;
-    return x < y ? -1 : x > y;
-}
-
 static nsa_status branches_call(nsa_context *c, int bwd, const void *a, void *w, size_t n)
 {
     return bwd ? nsa_backward(c, (const nsa_backward_args *)a, w, n) : nsa_forward(c, (const nsa_forward_args *)a, w, n);
 }
 
 /* Median ms of reps calls, after 2 warm-ups: CUDA events on the GPU, the wall clock on the CPU. */
-static float branches_time_ms(nsa_context *ctx, nsa_backend be, int bwd, const void *args, void *ws, size_t wsb, int reps)
+static double branches_time_ms(nsa_context *ctx, nsa_backend be, int bwd, const void *args, void *ws, size_t wsb, int reps)
 {
     for (int i = 0; i < 2; i++) need(branches_call(ctx, bwd, args, ws, wsb), "warm-up call");
     devmem_sync(be);
-    float t[64];
+    double t[64];
     if (reps > 64) reps = 64;
 #ifdef NSA_WITH_CUDA
     if (be == NSA_BACKEND_CUDA) {
@@ -1217,8 +1211,10 @@ static float branches_time_ms(nsa_context *ctx, nsa_backend be, int bwd, const v
             cudaEventRecord(e0, 0);
             need(branches_call(ctx, bwd, args, ws, wsb), "timed call");
             cudaEventRecord(e1, 0);
-            if (cudaEventSynchronize(e1) != cudaSuccess || cudaEventElapsedTime(&t[i], e0, e1) != cudaSuccess)
+            float ms = 0.0f;
+            if (cudaEventSynchronize(e1) != cudaSuccess || cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess)
                 fail("the device reported an error during a timed call");
+            t[i] = ms;
         }
         cudaEventDestroy(e0);
         cudaEventDestroy(e1);
@@ -1228,9 +1224,9 @@ static float branches_time_ms(nsa_context *ctx, nsa_backend be, int bwd, const v
         for (int i = 0; i < reps; i++) {
             const double t0 = now_s();
             need(branches_call(ctx, bwd, args, ws, wsb), "timed call");
-            t[i] = (float)(1e3 * (now_s() - t0));
+            t[i] = 1e3 * (now_s() - t0);
         }
-    qsort(t, (size_t)reps, sizeof(float), cmp_float);
+    qsort(t, (size_t)reps, sizeof t[0], cmp_double);
     return t[reps / 2];
 }
 
@@ -1333,9 +1329,9 @@ static int branches_length(const branches_opts *o, nsa_context *ctx, const nsa_c
         printf("%8lld profiled one forward + backward\n", (long long)T);
         profiled = 1;
     } else {
-        const float tf = branches_time_ms(ctx, be, 0, &f, ws, wsb, o->reps);
-        const float tb = branches_time_ms(ctx, be, 1, &b, ws, wsb, o->reps);
-        float tfb[3], tbb[3];
+        const double tf = branches_time_ms(ctx, be, 0, &f, ws, wsb, o->reps);
+        const double tb = branches_time_ms(ctx, be, 1, &b, ws, wsb, o->reps);
+        double tfb[3], tbb[3];
         for (int x = 0; x < 3; x++) {
             tfb[x] = branches_time_ms(ctx, be, 0, &fb[x], ws, wsb, o->reps);
             tbb[x] = branches_time_ms(ctx, be, 1, &bb[x], ws, wsb, o->reps);
