@@ -1,5 +1,7 @@
 # nsa -- build, test and demo. `make demo` and `make test` are all a new machine needs.
-# Outputs: build/libnsa.a, build/libnsa.so, build/nsa (CLI), build/nsa_tests.
+# Outputs: build/libnsa.a, build/libnsa.so, build/nsa (CLI), build/nsa_tests; the test kit
+# (tests/kit: harness, float64 reference, sweep, backend memory) is build/libnsa_testkit.a,
+# linked by build/nsa_tests, build/nsa_gpu_tests and build/nsa.
 CC ?= cc
 NATIVE ?= 1
 OPT ?= -O3
@@ -10,15 +12,17 @@ LDLIBS := -fopenmp -lm
 # The CUDA planners are plain C: built in every configuration, so the CPU suite tests them.
 LIB_SRC := src/api.c src/validate.c $(sort $(wildcard src/cpu/*.c)) src/cuda/plan.c $(sort $(wildcard src/cuda/*/plan.c))
 LIB_OBJ := $(LIB_SRC:%.c=build/obj/%.o)
-TEST_SUPPORT := tests/harness.c tests/ref.c tests/sweep.c
-TEST_SRC := $(TEST_SUPPORT) tests/main.c $(filter-out $(TEST_SUPPORT) tests/main.c tests/gpu_main.c,$(sort $(wildcard tests/*.c)))
-CLI_SRC := tools/nsa_cli.c tests/harness.c tests/ref.c tests/sweep.c
+KIT_SRC := $(sort $(wildcard tests/kit/*.c))
+KIT_OBJ := $(KIT_SRC:%.c=build/obj/%.o)
+KIT_H := $(wildcard tests/kit/*.h)
+KIT_LIB := build/libnsa_testkit.a
+TEST_SRC := tests/main.c $(filter-out tests/main.c tests/gpu_main.c,$(sort $(wildcard tests/*.c)))
 
-# ---- CUDA backend (src/cuda/*.cu) -------------------------------------------------------------
+# ---- CUDA backend (src/cuda/**/*.cu) ----------------------------------------------------------
 # NSA_CUDA=auto (default) builds it when nvcc is on PATH; NSA_CUDA=1 forces it, NSA_CUDA=0 keeps
-# the build CPU-only. Enabled, it compiles src/cuda/*.cu for sm_80 and sm_90a into libnsa,
-# defines NSA_WITH_CUDA for api.c and the CLI, links cudart statically into every program and
-# libnsa.so, and adds build/nsa_gpu_tests (the sweep on the GPU) and build/nsa_gpu_bench.
+# the build CPU-only. Enabled, it compiles src/cuda/**/*.cu for sm_80 and sm_90a into libnsa,
+# defines NSA_WITH_CUDA for api.c, the test kit and the CLI, links cudart statically into every
+# program and libnsa.so, and adds build/nsa_gpu_tests (the sweep on the GPU).
 NSA_CUDA ?= auto
 # EXPERIMENTAL=1 also compiles the kernel variants kept only for comparisons (bench/NOTES.md).
 EXPERIMENTAL ?= 0
@@ -38,25 +42,22 @@ CUDA_OBJ := $(CUDA_SRC:%.cu=build/obj/%.o)
 CUDA_CFLAGS := -DNSA_WITH_CUDA -I$(CUDA_HOME)/include
 LIB_OBJ += $(CUDA_OBJ)
 LDLIBS += -L$(CUDA_HOME)/lib64 -lcudart_static -lstdc++ -ldl -lrt -lpthread
-GPU_TEST_SRC := tests/gpu_main.c tests/test_attention.c $(TEST_SUPPORT)
-all: build/nsa_gpu_tests build/nsa_gpu_bench build/nsa_wgmma_test
+GPU_TEST_SRC := tests/gpu_main.c tests/test_attention.c
+all: build/nsa_gpu_tests build/nsa_wgmma_test
 
 build/obj/src/cuda/%.o: src/cuda/%.cu $(CUDA_HDR)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) $(if $(filter 1,$(EXPERIMENTAL)),-DNSA_CUDA_EXPERIMENTAL=1,) -Iinclude -Isrc -c $< -o $@
 
-build/obj/src/api.o build/nsa build/nsa_gpu_tests build/nsa_gpu_bench: CFLAGS_BASE += $(CUDA_CFLAGS)
+build/obj/src/api.o build/nsa build/nsa_gpu_tests $(KIT_OBJ): CFLAGS_BASE += $(CUDA_CFLAGS)
 
-build/nsa_gpu_tests: $(GPU_TEST_SRC) $(wildcard tests/*.h) build/libnsa.a
-	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests -o $@ $(GPU_TEST_SRC) build/libnsa.a $(LDLIBS)
+build/nsa_gpu_tests: $(GPU_TEST_SRC) $(KIT_H) $(KIT_LIB) build/libnsa.a
+	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests/kit -o $@ $(GPU_TEST_SRC) $(KIT_LIB) build/libnsa.a $(LDLIBS)
 
 # the Hopper primitives alone (tile loaders, descriptors, wgmma wrappers) against a host product
 build/nsa_wgmma_test: tests/gpu_wgmma.cu $(CUDA_HDR)
 	@mkdir -p build
 	$(NVCC) $(NVCCFLAGS) -Iinclude -Isrc -o $@ tests/gpu_wgmma.cu
-
-build/nsa_gpu_bench: tools/gpu_bench.c build/libnsa.a
-	$(CC) $(CFLAGS_BASE) $(CFLAGS) -o $@ tools/gpu_bench.c build/libnsa.a $(LDLIBS)
 endif
 # ---- end of the CUDA section --------------------------------------------------------------------
 
@@ -76,11 +77,18 @@ build/libnsa.a: $(LIB_OBJ)
 build/libnsa.so: $(LIB_OBJ)
 	$(CC) -shared -o $@ $^ $(LDLIBS)
 
-build/nsa_tests: $(TEST_SRC) $(wildcard tests/*.h) build/libnsa.a
-	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests -o $@ $(TEST_SRC) build/libnsa.a $(LDLIBS)
+# The test kit, compiled once; its objects also depend on its own headers.
+$(KIT_OBJ): $(KIT_H)
 
-build/nsa: $(CLI_SRC) $(wildcard tests/*.h) build/libnsa.a
-	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests -o $@ $(CLI_SRC) build/libnsa.a $(LDLIBS)
+$(KIT_LIB): $(KIT_OBJ)
+	@mkdir -p build
+	rm -f $@ && ar rcs $@ $^
+
+build/nsa_tests: $(TEST_SRC) $(KIT_H) $(KIT_LIB) build/libnsa.a
+	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests/kit -o $@ $(TEST_SRC) $(KIT_LIB) build/libnsa.a $(LDLIBS)
+
+build/nsa: tools/nsa_cli.c $(KIT_H) $(KIT_LIB) build/libnsa.a
+	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests/kit -o $@ tools/nsa_cli.c $(KIT_LIB) build/libnsa.a $(LDLIBS)
 
 # The README's C example is compiled from the README itself, so the two cannot drift.
 build/readme_example.c: README.md

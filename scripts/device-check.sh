@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
 # device-check.sh -- the CUDA backend on a GPU machine, in one go:
 #   1. records the GPU (nvidia-smi: name, driver, clocks) and nvcc;
-#   2. builds build/nsa_gpu_tests, build/nsa_gpu_bench and the CLI with the Makefile
+#   2. builds build/nsa_gpu_tests and the CLI (build/nsa) with the Makefile
 #      (or uses binaries prebuilt elsewhere: NSA_PREBUILT=dir, if they start);
-#   3. the GPU sweep: the random cases of tests/sweep.c against the float64 reference,
-#      every case in its own process (--jobs in parallel);
+#   3. the GPU sweep: the random cases of tests/kit/sweep.c against the float64 reference,
+#      every case in its own process (--jobs in parallel), writing a hash of every output
+#      to $OUT/hashes.txt; then a short pass (CASES/4) on the mma.sync tiles, the fallback of
+#      the wgmma paths (NSA_CUDA_WGMMA=0; AB=1 sweeps all CASES there instead);
 #   4. compute-sanitizer memcheck on a few small cases (RACE=1: racecheck too);
-#   5. CUDA-event timings of the whole forward / backward (paper config, bf16) per length;
+#   5. CUDA-event timings of the whole forward / backward and of each branch (paper config,
+#      bf16) per length: `nsa bench --branches`;
 #   6. with EXTRA="tables cli 1m options peers" (FULL=1 = the first three): the benchmark
 #      tables of every config, the CLI's TFLOP/s tables, the 1M-token run, the cost of each
 #      attention option (bench/attn_options_gpu.py), and bench/peers.py beside mdy666 / fla
 #      (carry peers/; see below; several minutes each).
-# AB=1 also sweeps and times the mma.sync tiles (NSA_CUDA_WGMMA=0) for comparison;
+# AB=1 sweeps the mma.sync tiles (NSA_CUDA_WGMMA=0) on all CASES and times them for comparison;
 # ENVAB="NAME=value ..." times the bench once more under those switches.
+# HASH_BASE=dir compares this build's outputs bit for bit with an earlier build's: the sweep
+# runs with --hash-cmp dir/hashes.txt and the summary says "N identical, M differ" (cases
+# whose every output has the same bytes, and the others; listed in sweep.log). To make the
+# base, run this script once with the earlier binaries (built from a tree whose sweep has
+# --hash-out) and the same SEED, CASES and MAXT: NSA_PREBUILT=old-bin OUT=dir; it leaves
+# dir/hashes.txt. A kernel change that should not move any bit (a refactor) shows 0 differ.
 # Logs go to $OUT (default ./device-out); a short table is printed last.
 #
 #   bash scripts/device-check.sh                     # what the device tool runs
 #   SEED=.. CASES=.. BENCH_T=8192,16384 REPS=5 bash scripts/device-check.sh
+#   NSA_PREBUILT=.old-bin OUT=base bash scripts/device-check.sh; HASH_BASE=base bash scripts/device-check.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-$PWD/device-out}"
@@ -48,12 +58,29 @@ if [ -n "${NSA_PREBUILT:-}" ] && "$NSA_PREBUILT/nsa_gpu_tests" --cases 0 --no-at
 else
     say "build"
     t0=$(date +%s)
-    if ! make -j"$(nproc)" NATIVE=0 CFLAGS=-Wno-psabi build/nsa_gpu_tests build/nsa_gpu_bench build/nsa build/nsa_wgmma_test build/libnsa.so > "$OUT/build.log" 2>&1; then
+    if ! make -j"$(nproc)" NATIVE=0 CFLAGS=-Wno-psabi build/nsa_gpu_tests build/nsa build/nsa_wgmma_test build/libnsa.so > "$OUT/build.log" 2>&1; then
         tail -40 "$OUT/build.log"
         note "build: FAILED"
         exit 1
     fi
     note "build: $(( $(date +%s) - t0 )) s (make -j$(nproc))"
+fi
+# the per-branch CUDA-event table: the CLI's bench --branches (prebuilt binaries from before
+# it existed: their nsa_gpu_bench, same table); the sweep's hash flags where it has them
+if grep -q -- --branches <<< "$("$BIN/nsa" bench --help 2>&1)" || [ ! -x "$BIN/nsa_gpu_bench" ]; then
+    BENCH=("$BIN/nsa" bench --branches)
+else
+    BENCH=("$BIN/nsa_gpu_bench")
+fi
+HASHES=()
+if grep -q -- --hash-out <<< "$("$BIN/nsa_gpu_tests" --help 2>&1)"; then
+    HASHES=(--hash-out "$OUT/hashes.txt")
+    if [ -n "${HASH_BASE:-}" ]; then
+        if [ -r "$HASH_BASE/hashes.txt" ]; then HASHES+=(--hash-cmp "$HASH_BASE/hashes.txt")
+        else note "hashes: $HASH_BASE/hashes.txt not readable, no comparison"; fi
+    fi
+elif [ -n "${HASH_BASE:-}" ]; then
+    note "hashes: $BIN/nsa_gpu_tests has no --hash-cmp, no comparison"
 fi
 
 if [ -x "$BIN/nsa_wgmma_test" ]; then
@@ -65,16 +92,26 @@ fi
 
 say "gpu sweep ($CASES cases, seed $SEED, max T $MAXT, $JOBS jobs)"
 t0=$(date +%s)
-timeout 240 "$BIN/nsa_gpu_tests" --seed "$SEED" --cases "$CASES" --max-T "$MAXT" --jobs "$JOBS" > "$OUT/sweep.log" 2>&1
+timeout 240 "$BIN/nsa_gpu_tests" --seed "$SEED" --cases "$CASES" --max-T "$MAXT" --jobs "$JOBS" ${HASHES[@]+"${HASHES[@]}"} > "$OUT/sweep.log" 2>&1
 rc=$?
 grep -E "^FAIL" "$OUT/sweep.log" | head -30
-note "sweep: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/sweep.log" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s; $(grep -c 'crashed' "$OUT/sweep.log") crash lines)"
+note "sweep: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/sweep.log" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s; $(grep -c ' (crashed)' "$OUT/sweep.log") crashed)"
 grep -E "^FAIL" "$OUT/sweep.log" | awk -F' -- ' '{print $1}' | sed -E 's/^FAIL [^ ]+ //' | sort | uniq -c | sort -rn | head -20 | tee -a "$SUMMARY"
-
-if [ -n "${AB:-}" ]; then # the mma.sync tiles on the same cases (the wgmma path is the default on Hopper)
-    NSA_CUDA_WGMMA=0 timeout 240 "$BIN/nsa_gpu_tests" --seed "$SEED" --cases "$CASES" --max-T "$MAXT" --jobs "$JOBS" --no-attention > "$OUT/sweep-mma.log" 2>&1
-    note "sweep with NSA_CUDA_WGMMA=0: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/sweep-mma.log" | tail -1) (rc $?)"
+if [[ " ${HASHES[*]-} " == *" --hash-cmp "* ]]; then
+    note "hashes vs $HASH_BASE: $(grep -E '^[0-9]+ identical, [0-9]+ differ$' "$OUT/sweep.log" | tail -1)"
+    grep -E '^hash: ' "$OUT/sweep.log" | head -5 | cut -c1-300 | tee -a "$SUMMARY"
 fi
+
+# The mma.sync tiles, the fallback of every wgmma path (and the only path before Hopper): the
+# first CASES/4 of the same cases by default, all CASES under AB=1; the option tests' fixed cases.
+if [ -n "${AB:-}" ]; then MMA_CASES=$CASES; else MMA_CASES=$(( CASES / 4 > 0 ? CASES / 4 : 1 )); fi
+say "gpu sweep with NSA_CUDA_WGMMA=0 ($MMA_CASES cases)"
+t0=$(date +%s)
+NSA_CUDA_WGMMA=0 NSA_TEST_ATTENTION_QUICK=1 timeout 240 "$BIN/nsa_gpu_tests" --seed "$SEED" --cases "$MMA_CASES" --max-T "$MAXT" \
+    --jobs "$JOBS" > "$OUT/sweep-mma.log" 2>&1
+rc=$?
+grep -E "^FAIL" "$OUT/sweep-mma.log" | head -10
+note "sweep with NSA_CUDA_WGMMA=0: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/sweep-mma.log" | tail -1) ($MMA_CASES cases, rc $rc, $(( $(date +%s) - t0 )) s)"
 
 say "memcheck"
 t0=$(date +%s)
@@ -97,27 +134,27 @@ if [ -n "${PROFILE:-}" ]; then
     say "ncu profile (T=$PROFILE)"
     timeout 150 ncu --clock-control none -k 'regex:qtile|ktile|select_kernel|gate_kernel|store32|compress|inv_|slc_' \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-        "$BIN/nsa_gpu_bench" --T "$PROFILE" --profile > "$OUT/ncu.txt" 2>&1
+        "${BENCH[@]}" --T "$PROFILE" --profile > "$OUT/ncu.txt" 2>&1
     note "ncu rc $?: $(grep -c 'Duration' "$OUT/ncu.txt") kernels"
     grep -E '^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall' "$OUT/ncu.txt" | head -120 > "$OUT/ncu-short.txt"
 fi
 
 say "bench"
-timeout 180 "$BIN/nsa_gpu_bench" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench.log" 2>&1
+timeout 180 "${BENCH[@]}" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench.log" 2>&1
 note "bench rc $?"
 if [ -n "${AB:-}" ]; then # the same bench on the mma.sync forward tile (A/B of the wgmma path)
-    NSA_CUDA_WGMMA=0 timeout 180 "$BIN/nsa_gpu_bench" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench-mma.log" 2>&1
+    NSA_CUDA_WGMMA=0 timeout 180 "${BENCH[@]}" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench-mma.log" 2>&1
     note "bench with NSA_CUDA_WGMMA=0 rc $?:"
     tail -n +2 "$OUT/bench-mma.log" | tee -a "$SUMMARY"
 fi
 if [ -n "${ENVAB:-}" ]; then # ENVAB="NAME=value ...": the same bench under those switches (A/B of one path)
-    env $ENVAB timeout 180 "$BIN/nsa_gpu_bench" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench-envab.log" 2>&1
+    env $ENVAB timeout 180 "${BENCH[@]}" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench-envab.log" 2>&1
     note "bench with $ENVAB rc $?:"
     tail -n +2 "$OUT/bench-envab.log" | tee -a "$SUMMARY"
 fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader >> "$OUT/gpu.txt" 2>&1
 
-# EXTRA (or FULL=1 = all three): "tables" the benchmark tables of issue #3 (paper config
+# EXTRA (or FULL=1 = all three): "tables" the benchmark tables (paper config
 # 8k..128k, fla config, G = 4 and 1, DK 192 / DV 128: CUDA-event ms per branch), "cli" the
 # CLI's per-op tables with TFLOP/s (JSON too), "1m" the 1M-token run checked on sampled rows
 # against the float64 reference. Everything lands in $OUT/full.txt and $OUT/full.tgz (the
@@ -132,7 +169,7 @@ if [ -n "$EXTRA" ]; then
     for part in $EXTRA; do
         case "$part" in
         tables)
-            run_bench() { name=$1; shift; timeout 240 "$BIN/nsa_gpu_bench" --reps "$REPS" "$@" > "$FULLDIR/bench-$name.log" 2>&1; note "bench-$name rc $?"; }
+            run_bench() { name=$1; shift; timeout 240 "${BENCH[@]}" --reps "$REPS" "$@" > "$FULLDIR/bench-$name.log" 2>&1; note "bench-$name rc $?"; }
             run_bench paper --T 8192,16384,32768,65536,131072
             run_bench fla --config fla --T 8192,16384,32768,65536,131072
             run_bench g4 --HQ 16 --H 4 --T 16384,65536

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # device-profile.sh -- where the CUDA backend's time goes, on the device (ncu; no nsys there).
-# One forward + backward of build/nsa_gpu_bench --profile (paper config) at T=$PROF_T, then:
+# One forward + backward of `build/nsa bench --branches --profile` (paper config) at T=$PROF_T, then:
 #   MODE=durations  every kernel's duration, in launch order (default)
 #   MODE=metrics    instructions by pipe, issue rate, active warps and stall reasons of the
 #                   attention kernels (KREGEX, SKIP, NLAUNCH pick which launches)
@@ -16,7 +16,7 @@ BIN="${NSA_PREBUILT:-build}"
 T="${PROF_T:-65536}"
 K="${KREGEX:-qtile|select_kernel|ktile}"
 # PROF_CMD: profile another program instead (e.g. "python3 bench/window_scan.py --W 64 --no-flex")
-read -r -a CMD <<< "${PROF_CMD:-$BIN/nsa_gpu_bench --T $T --profile}"
+read -r -a CMD <<< "${PROF_CMD:-$BIN/nsa bench --branches --T $T --profile}"
 case "${MODE:-durations}" in
 durations)
     timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv "${CMD[@]}" > "$OUT/durations.csv" 2>&1

@@ -1,4 +1,4 @@
-/* gpu_main.c -- the random sweep of tests/sweep.c on the CUDA backend (CUDA builds only:
+/* gpu_main.c -- the random sweep of tests/kit/sweep.c on the CUDA backend (CUDA builds only:
  * build/nsa_gpu_tests). The sweep's tensors and workspace live in device memory through
  * sweep_set_memory; every case runs in its own child process, so that a kernel fault (a
  * sticky CUDA error) fails that case alone and the others still report. Cases draw bf16 or
@@ -7,57 +7,67 @@
  * on the GPU (--no-attention skips them). Prints "N passed, N failed" last; exit 1 on any
  * failure.
  *
- *   nsa_gpu_tests [--seed N] [--cases N] [--max-T N] [--jobs N] [--no-fork] [--no-attention] [-v] */
+ *   nsa_gpu_tests [--seed N] [--cases N] [--max-T N] [--jobs N] [--no-fork] [--no-attention]
+ *                 [--op NAME] [--hash-out FILE] [--hash-cmp FILE] [--variant KEY=VALUE]... [-v]
+ *
+ * --op NAME: only that op's checks (names as the sweep prints them: nsa_forward, nsa_attention,
+ *     nsa_slc_attn_bwd, ...; the option tests only with nsa_attention / nsa_attention_bwd).
+ * --hash-out FILE: a 64-bit FNV-1a hash of every checked output, one line per case and output
+ *     (tests/kit/hashlog.h); --hash-cmp FILE recomputes them and reports the first cases whose
+ *     hashes differ from FILE's, then "N identical, M differ" (informational: not a failure).
+ * --variant KEY=VALUE: set in the environment before any context exists (the planner's
+ *     NSA_CUDA_* overrides, e.g. NSA_CUDA_WGMMA=0); repeatable. The header names every one. */
 #define _POSIX_C_SOURCE 200809L
 
+#include "devmem.h"
 #include "harness.h"
+#include "hashlog.h"
 #include "sweep.h"
+#include "variant.h"
 
-#include <cuda_runtime_api.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-/* ---- device memory for the sweep ------------------------------------------------------- */
-
-static void die(const char *what, cudaError_t e)
+/* Whole reads and writes on a pipe (a case's report can exceed one pipe buffer). */
+static int write_all(int fd, const void *buf, size_t n)
 {
-    fprintf(stderr, "FAIL %s: %s\n", what, cudaGetErrorString(e));
-    fflush(stderr);
-    _exit(3);
+    const char *p = (const char *)buf;
+    while (n) {
+        const ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return -1;
+        p += w, n -= (size_t)w;
+    }
+    return 0;
 }
 
-static void *dev_alloc(size_t bytes)
+static size_t read_all(int fd, void *buf, size_t n)
 {
-    void *p = NULL;
-    cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
-    if (e != cudaSuccess) die("cudaMalloc", e);
-    return p;
+    char *p = (char *)buf;
+    size_t got = 0;
+    while (got < n) {
+        const ssize_t r = read(fd, p + got, n - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        got += (size_t)r;
+    }
+    return got;
 }
-
-static void dev_release(void *p) { cudaFree(p); }
-
-static void dev_upload(void *dev, const void *host, size_t bytes)
-{
-    cudaError_t e = cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice);
-    if (e != cudaSuccess) die("upload (an earlier kernel may have faulted)", e);
-}
-
-static void dev_download(void *host, const void *dev, size_t bytes)
-{
-    cudaError_t e = cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost);
-    if (e != cudaSuccess) die("download (an earlier kernel may have faulted)", e);
-}
-
-static const sweep_memory g_dev = {dev_alloc, dev_release, dev_upload, dev_download};
 
 /* ---- one case ---------------------------------------------------------------------------- */
 
-static void run_one(const sweep_case *c, uint64_t seed, int verbose, long *passed, long *failed)
+/* Runs case `index`; its outputs' hashes go to log (NULL: none). */
+static void run_one(const sweep_case *c, long index, uint64_t seed, int verbose, hashlog *log, long *passed, long *failed)
 {
-    sweep_set_memory(&g_dev);
+    sweep_set_memory(devmem_sweep_memory());
+    if (log) {
+        sweep_set_hash(hashlog_sink, log);
+        hashlog_begin_case(log, index, seed, c);
+    }
     nsa_context_desc d;
     memset(&d, 0, sizeof d);
     d.backend = NSA_BACKEND_CUDA;
@@ -76,8 +86,9 @@ static void run_one(const sweep_case *c, uint64_t seed, int verbose, long *passe
 static void check_f32_declined(void)
 {
     const int64_t T = 8, H = 1, D = 16;
-    float *q = (float *)dev_alloc((size_t)(T * H * D) * 4), *o = (float *)dev_alloc((size_t)(T * H * D) * 4);
-    float *lse = (float *)dev_alloc((size_t)(T * H) * 4);
+    const nsa_backend be = NSA_BACKEND_CUDA;
+    float *q = (float *)devmem_alloc(be, (size_t)(T * H * D) * 4, "q"), *o = (float *)devmem_alloc(be, (size_t)(T * H * D) * 4, "o");
+    float *lse = (float *)devmem_alloc(be, (size_t)(T * H) * 4, "lse");
     nsa_context_desc d;
     memset(&d, 0, sizeof d);
     d.backend = NSA_BACKEND_CUDA;
@@ -93,10 +104,10 @@ static void check_f32_declined(void)
     a.window_left = -1, a.window_right = -1;
     size_t need = 0;
     CHECK_STATUS(nsa_attention_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
-    void *ws = dev_alloc(need);
+    void *ws = devmem_alloc(be, need, "the workspace");
     CHECK_STATUS(nsa_attention(ctx, &a, ws, need), NSA_STATUS_NOT_SUPPORTED);
     nsa_context_destroy(ctx);
-    cudaFree(ws), cudaFree(q), cudaFree(o), cudaFree(lse);
+    devmem_free(be, ws), devmem_free(be, q), devmem_free(be, o), devmem_free(be, lse);
 }
 
 void test_attention_on(nsa_backend backend, const sweep_memory *mem);
@@ -108,7 +119,7 @@ static void run_attention_tests(int fork_it, long *passed, long *failed)
 {
     if (!fork_it) {
         const long p0 = g_tests_passed, f0 = g_tests_failed;
-        test_attention_on(NSA_BACKEND_CUDA, &g_dev);
+        test_attention_on(NSA_BACKEND_CUDA, devmem_sweep_memory());
         printf("attention options: %5ld passed, %3ld failed\n", g_tests_passed - p0, g_tests_failed - f0);
         *passed += g_tests_passed - p0;
         *failed += g_tests_failed - f0;
@@ -124,7 +135,7 @@ static void run_attention_tests(int fork_it, long *passed, long *failed)
     if (pid == 0) {
         close(fd[0]);
         const long p0 = g_tests_passed, f0 = g_tests_failed;
-        test_attention_on(NSA_BACKEND_CUDA, &g_dev);
+        test_attention_on(NSA_BACKEND_CUDA, devmem_sweep_memory());
         long res[2] = {g_tests_passed - p0, g_tests_failed - f0};
         fflush(stdout), fflush(stderr);
         if (write(fd[1], res, sizeof res) != (ssize_t)sizeof res) _exit(4);
@@ -142,7 +153,7 @@ static void run_attention_tests(int fork_it, long *passed, long *failed)
     *failed += res[1] + !ok;
 }
 
-/* A forked case: its pid and the read end of its result pipe. */
+/* A forked case: its pid and the read end of its report pipe (counts, then its hash lines). */
 typedef struct child {
     pid_t pid;
     int fd;
@@ -151,17 +162,34 @@ typedef struct child {
     char desc[480];
 } child;
 
-/* Waits for c and turns its report (or its crash) into counts. @return 1 if it crashed. */
-static int reap(const child *c, long *p, long *f)
+/* The child's side: counts, then the length and text of its hash lines. */
+static void report(int fd, long passed, long failed, const hashlog *log)
+{
+    long res[2] = {passed, failed};
+    size_t n = 0;
+    const char *text = log ? hashlog_text(log, &n) : "";
+    fflush(stdout), fflush(stderr);
+    if (write_all(fd, res, sizeof res) || write_all(fd, &n, sizeof n) || write_all(fd, text, n)) _exit(4);
+}
+
+/* Waits for c and turns its report (or its crash) into counts; its hash lines go to log.
+ * @return 1 if it crashed. */
+static int reap(const child *c, hashlog *log, long *p, long *f)
 {
     long res[2] = {0, 0};
-    const ssize_t got = read(c->fd, res, sizeof res);
+    const int got = read_all(c->fd, res, sizeof res) == sizeof res;
+    size_t n = 0;
+    if (got && read_all(c->fd, &n, sizeof n) == sizeof n && n) {
+        char *text = (char *)malloc(n);
+        if (text && read_all(c->fd, text, n) == n && log) hashlog_append(log, text, n);
+        free(text);
+    }
     close(c->fd);
     int status = 0;
     waitpid(c->pid, &status, 0);
-    const int ok = got == (ssize_t)sizeof res && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    *p = got == (ssize_t)sizeof res ? res[0] : 0;
-    *f = got == (ssize_t)sizeof res ? res[1] : 0;
+    const int ok = got && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    *p = got ? res[0] : 0;
+    *f = got ? res[1] : 0;
     if (!ok) {
         fprintf(stderr, "FAIL case %ld crashed (status 0x%x): seed=%llu %s\n", c->idx, status, (unsigned long long)c->seed,
                 c->desc);
@@ -172,12 +200,23 @@ static int reap(const child *c, long *p, long *f)
     return !ok;
 }
 
+static void usage(void)
+{
+    fprintf(stderr, "usage: nsa_gpu_tests [--seed N] [--cases N] [--max-T N] [--jobs N] [--no-fork] [--no-attention]\n"
+                    "                     [--op NAME] [--hash-out FILE] [--hash-cmp FILE] [--variant KEY=VALUE]... [-v]\n"
+                    "ops:");
+    for (int i = 0; sweep_op_names[i]; i++) fprintf(stderr, " %s", sweep_op_names[i]);
+    fprintf(stderr, "\n");
+    exit(2);
+}
+
 int main(int argc, char **argv)
 {
     uint64_t seed = 20260301;
     long cases = 60;
     int64_t max_T = 1000;
     int fork_cases = 1, verbose = 0, jobs = 1, attention = 1;
+    const char *op = NULL, *hash_out = NULL, *hash_cmp = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--cases") && i + 1 < argc) cases = strtol(argv[++i], NULL, 10);
@@ -186,13 +225,36 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--no-fork")) fork_cases = 0;
         else if (!strcmp(argv[i], "-v")) verbose = 1, g_tests_verbose = 1;
         else if (!strcmp(argv[i], "--no-attention")) attention = 0;
-        else {
-            fprintf(stderr, "usage: nsa_gpu_tests [--seed N] [--cases N] [--max-T N] [--jobs N] [--no-fork] [--no-attention] [-v]\n");
-            return 2;
-        }
+        else if (!strcmp(argv[i], "--op") && i + 1 < argc) {
+            op = argv[++i];
+            if (sweep_set_op(op) != 0) {
+                fprintf(stderr, "nsa_gpu_tests: unknown op '%s'\n", op);
+                usage();
+            }
+        } else if (!strcmp(argv[i], "--hash-out") && i + 1 < argc) hash_out = argv[++i];
+        else if (!strcmp(argv[i], "--hash-cmp") && i + 1 < argc) hash_cmp = argv[++i];
+        else if (!strcmp(argv[i], "--variant") && i + 1 < argc) {
+            if (variant_set(argv[++i]) != 0) {
+                fprintf(stderr, "nsa_gpu_tests: --variant takes KEY=VALUE, got '%s'\n", argv[i]);
+                usage();
+            }
+        } else usage();
     }
     if (jobs < 1) jobs = 1;
     if (jobs > 64) jobs = 64;
+    /* the option tests and the f32 call belong to nsa_attention: with another --op they stay out */
+    const int attention_op = !op || !strncmp(op, "nsa_attention", 13);
+    attention &= attention_op;
+    hashlog *base = NULL, *run_log = hash_out || hash_cmp ? hashlog_new() : NULL;
+    if (hash_cmp && !(base = hashlog_read(hash_cmp))) {
+        fprintf(stderr, "nsa_gpu_tests: cannot read %s: %s\n", hash_cmp, strerror(errno));
+        return 2;
+    }
+    char variants[1024];
+    variant_describe(variants, sizeof variants);
+    printf("nsa_gpu_tests: seed %llu, %ld cases, max T %lld, %d jobs%s; op %s; variants: %s\n", (unsigned long long)seed,
+           cases, (long long)max_T, jobs, fork_cases ? "" : " (no fork)", op ? op : "all", variants);
+    fflush(stdout);
     /* the parent makes no CUDA call before the children are done (a forked child must not
      * inherit a CUDA context) */
     long passed = 0, failed = 0, crashed = 0;
@@ -201,35 +263,23 @@ int main(int argc, char **argv)
     int nrun = 0;
     for (long i = 0; i < cases; i++) {
         sweep_case c;
-        memset(&c, 0, sizeof c);
         const uint64_t case_seed = state;
-        test_rng r = {state ^ 0x5DEECE66Dull};
-        c.dtype = rng_int(&r, 0, 1) ? NSA_DTYPE_BF16 : NSA_DTYPE_F16; /* kept by the draw */
-        /* the first two cases fix the shapes of the selected attention's union tiles (Hopper:
-         * G = 4 forward and dQ, G = 8 dQ; hopper.cuh sfw_kernel's RP), which the random draw
-         * reaches rarely (G = 4 at head dims 64 / 128; G = 8 only when a long case halves its
-         * heads); the rest of each case is drawn */
-        if (i == 0) c.H = 1, c.HQ = 8, c.DK = c.DV = 128, c.T = 250 < max_T ? 250 : max_T;
-        if (i == 1) {
-            c.H = 2, c.HQ = 8, c.DK = c.DV = 64, c.varlen = 1, c.num_seqs = 3;
-            c.lens[0] = 97, c.lens[1] = 1, c.lens[2] = 180, c.T = 278;
-        }
-        sweep_case_random(&c, &state, max_T);
+        sweep_case_next(&c, &state, i, NSA_BACKEND_CUDA, max_T);
         char desc[400];
         sweep_case_describe(&c, desc, sizeof desc);
         if (verbose) fprintf(stderr, "case %ld: seed=%llu %s\n", i, (unsigned long long)case_seed, desc);
         long p = 0, f = 0;
         if (!fork_cases) {
             const long p0 = g_tests_passed, f0 = g_tests_failed;
-            run_one(&c, case_seed, verbose, &p, &f);
+            run_one(&c, i, case_seed, verbose, run_log, &p, &f);
             p -= p0, f -= f0;
             passed += p, failed += f;
             printf("case %3ld: %5ld passed, %3ld failed  %s\n", i, p, f, desc);
             fflush(stdout);
             continue;
         }
-        if (nrun == jobs) { /* the oldest first: reports stay in case order */
-            crashed += reap(&run[0], &p, &f);
+        if (nrun == jobs) { /* the oldest first: reports (and hash lines) stay in case order */
+            crashed += reap(&run[0], run_log, &p, &f);
             passed += p, failed += f;
             memmove(run, run + 1, sizeof run[0] * (size_t)(nrun - 1));
             nrun--;
@@ -240,10 +290,10 @@ int main(int argc, char **argv)
         pid_t pid = fork();
         if (pid == 0) {
             close(fd[0]);
+            hashlog *mine = run_log ? hashlog_new() : NULL; /* this case's lines only */
             long res[2];
-            run_one(&c, case_seed, verbose, &res[0], &res[1]);
-            fflush(stdout), fflush(stderr);
-            if (write(fd[1], res, sizeof res) != (ssize_t)sizeof res) _exit(4);
+            run_one(&c, i, case_seed, verbose, mine, &res[0], &res[1]);
+            report(fd[1], res[0], res[1], mine);
             _exit(0);
         }
         close(fd[1]);
@@ -253,13 +303,22 @@ int main(int argc, char **argv)
     }
     for (int k = 0; k < nrun; k++) {
         long p = 0, f = 0;
-        crashed += reap(&run[k], &p, &f);
+        crashed += reap(&run[k], run_log, &p, &f);
         passed += p, failed += f;
     }
     if (attention) run_attention_tests(fork_cases, &passed, &failed);
-    const long p0 = g_tests_passed, f0 = g_tests_failed;
-    check_f32_declined();
-    passed += g_tests_passed - p0, failed += g_tests_failed - f0;
+    if (attention_op) {
+        const long p0 = g_tests_passed, f0 = g_tests_failed;
+        check_f32_declined();
+        passed += g_tests_passed - p0, failed += g_tests_failed - f0;
+    }
+    if (hash_out && hashlog_write(run_log, hash_out) != 0) {
+        fprintf(stderr, "FAIL cannot write %s: %s\n", hash_out, strerror(errno));
+        failed++;
+    }
+    if (hash_cmp) hashlog_compare(run_log, base, stdout, 10);
+    hashlog_free(run_log);
+    hashlog_free(base);
     printf("gpu sweep: %ld cases (%ld crashed), seed %llu, max T %lld\n", cases, crashed, (unsigned long long)seed,
            (long long)max_T);
     printf("%ld passed, %ld failed\n", passed, failed);

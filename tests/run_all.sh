@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
-# run_all.sh -- the whole CPU test suite, as `make test` runs it: the C suite (build/nsa_tests),
-# then the Python suite (pytest, tests/python) when python3 has numpy and pytest, and one
-# combined "N passed, N failed, N skipped" line last. Exit code non-zero on any failure.
+# run_all.sh -- the whole CPU test suite, as `make test` runs it: the C suite (build/nsa_tests)
+# one group at a time, each announced as it starts ("== C: <group>"; the long random sweep
+# prints a progress line every ~10 s), then the Python suite (pytest, tests/python) when
+# python3 has numpy and pytest, and one combined "N passed, N failed, N skipped" line last.
+# Exit code non-zero on any failure.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 c_log="$(mktemp)"; py_log="$(mktemp)"
 trap 'rm -f "$c_log" "$py_log"' EXIT
 
-./build/nsa_tests 2>&1 | tee "$c_log"
-c_rc=${PIPESTATUS[0]}
-read -r c_pass c_fail < <(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$c_log" | tail -n 1 | sed -E 's/([0-9]+) passed, ([0-9]+) failed/\1 \2/')
-c_pass=${c_pass:-0}; c_fail=${c_fail:-1}
-[ "$c_rc" -eq 0 ] || [ "$c_fail" -gt 0 ] || c_fail=1 # a crash after the summary still fails
+c_pass=0; c_fail=0
+groups="$(./build/nsa_tests --list)" || { echo "build/nsa_tests --list failed"; groups=""; c_fail=1; }
+for g in $groups; do
+    echo "== C: $g"
+    # the group's own total line is left out: the only totals printed are the ones below
+    ./build/nsa_tests --group "$g" 2>&1 | tee "$c_log" | grep --line-buffered -vE '^[0-9]+ passed, [0-9]+ failed$'
+    rc=${PIPESTATUS[0]}
+    read -r p f < <(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$c_log" | tail -n 1 | sed -E 's/([0-9]+) passed, ([0-9]+) failed/\1 \2/')
+    p=${p:-0}; f=${f:-1}
+    [ "$rc" -eq 0 ] || [ "$f" -gt 0 ] || f=1 # a crash after the group's counts still fails
+    c_pass=$((c_pass + p)); c_fail=$((c_fail + f))
+done
 
 py_pass=0; py_fail=0; py_skip=0
 if python3 -c "import numpy, pytest" > /dev/null 2>&1; then

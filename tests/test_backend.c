@@ -1,5 +1,6 @@
 /* test_backend.c -- the CPU backend against the float64 reference: the spec's edge cases
- * one by one, then a fixed-seed random sweep (see sweep.c for the tolerance rule). */
+ * one by one (group "backend"), then a fixed-seed random sweep (group "sweep"; see
+ * tests/kit/sweep.c for the tolerance rule). */
 #define _DEFAULT_SOURCE /* mmap flags MAP_ANONYMOUS, MAP_NORESERVE */
 #include <sys/mman.h>
 
@@ -87,12 +88,18 @@ void test_backend_all(void)
     test_finite_differences(ctx);
     test_int64_offsets(ctx);
     nsa_context_destroy(ctx);
+}
+
+/* The fixed-seed random sweep: a group of its own, with a progress line every ~10 s. */
+void test_backend_sweep_all(void)
+{
     sweep_opts o;
     memset(&o, 0, sizeof o);
     o.seed = 20261122;
     o.max_cases = 60;
     o.backend = NSA_BACKEND_CPU;
-    o.verbose = g_tests_verbose ? 2 : 0;
+    o.verbose = g_tests_verbose ? 2 : 1;
+    o.label = "sweep";
     sweep_run(&o);
 }
 

@@ -1,4 +1,4 @@
-/* test_ref.c -- checks of the float64 reference itself (tests/ref.c).
+/* test_ref.c -- checks of the float64 reference itself (tests/kit/ref.c).
  *
  * Every backend is judged against ref.c, so ref.c is judged here against things it cannot
  * share a bug with: central finite differences for every backward, the spec's own numbers

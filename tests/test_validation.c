@@ -63,7 +63,7 @@ static struct world {
     named q, k, v, k2, v2, k3, v3, kc, vc, g[3], oi[3], li[3], bi, bc, dout;              /* inputs */
     named o, lse, xc, dx, dq, dk, dv, dk2, dv2, dk3, dv3, dkc, dvc, dg[3], dos[3], bio, bco, /* outputs */
         so[3], sl[3], sbi, biw;
-    named sinks, qseg, kseg, bias, mask, dsinks, dbias; /* the attention op's options (issue 5) */
+    named sinks, qseg, kseg, bias, mask, dsinks, dbias; /* the attention op's options (nsa.h section 5) */
 } W;
 
 static named make_named(int out, nsa_dtype dt, int tag, int rank, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
@@ -370,7 +370,7 @@ static void mk_attention_bwd(any_args *a, tlist *l)
     put_qkv_grads(l, &b->dout, &b->dq, &b->dk, &b->dv);
 }
 
-/* The attention op with every option of issue 5 (the CPU's general path). */
+/* The attention op with every option of nsa.h section 5 (the CPU's general path). */
 static void fill_attention_ext(nsa_attention_args *a, tlist *l, int bwd)
 {
     fill_attention(a, l, bwd);
@@ -1005,7 +1005,7 @@ static void attention_tests(void)
     EXPECT(op, &a, NSA_STATUS_SIZE_OVERFLOW, "q stride[1] huge");
 }
 
-/* The options of issue 5: each rule broken alone, then the Tq != Tk and varlen_qk forms. */
+/* The attention op's options (nsa.h section 5): each rule broken alone, then the Tq != Tk and varlen_qk forms. */
 static void attention_ext_tests(void)
 {
     const op_case *op = &OPS[OP_ATTENTION_EXT], *bop = &OPS[OP_ATTENTION_EXT_BWD];

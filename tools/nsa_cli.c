@@ -3,19 +3,25 @@
  *   demo   NSA forward + backward on a realistic synthetic input: time per branch op, the
  *          whole forward/backward, dense causal attention for comparison, the fraction of
  *          keys each query reads, and sampled rows against the float64 reference.
- *   check  the random correctness sweep of tests/sweep.c for a given time or case count.
- *   bench  per-op and whole-NSA timings over several lengths, as a table and/or JSON.
+ *   check  the random correctness sweep of tests/kit/sweep.c for a given time or case count.
+ *   bench  per-op and whole-NSA timings over several lengths, as a table and/or JSON;
+ *          --branches: CUDA-event timings of the whole forward / backward and of each branch.
  *
  * It calls the library only through nsa.h. Every buffer the library touches is "backend
- * memory" (bmem_* below): host memory on the CPU, device memory for CUDA, so a CUDA build
- * plugs in by filling the NSA_WITH_CUDA branches. Errors: a library status prints
- * nsa_status_string and exits 1; a bad command line prints the usage and exits 2. */
+ * memory" (devmem_* of tests/kit/devmem.h): host memory on the CPU, device memory for CUDA.
+ * The sweep, the float64 reference and the harness come from the test kit (tests/kit).
+ * Errors: a library status prints nsa_status_string and exits 1; a bad command line prints
+ * the usage and exits 2. */
 #define _POSIX_C_SOURCE 200809L
 
 #include "nsa.h"
+#include "dtype.h" /* src/dtype.h: the library's f16 / bf16 conversions */
 #include "harness.h"
 #include "ref.h"
 #include "sweep.h"
+#include "devmem.h"
+#include "hashlog.h"
+#include "variant.h"
 
 #include <errno.h>
 #include <math.h>
@@ -29,7 +35,7 @@
 #include <omp.h>
 #endif
 #ifdef NSA_WITH_CUDA
-#include <cuda_runtime_api.h>
+#include <cuda_runtime_api.h> /* bench --branches: CUDA events and the device's name */
 #endif
 
 /* ==== errors ========================================================================= */
@@ -88,116 +94,10 @@ static const char *dtype_name(nsa_dtype dt)
 }
 
 /* ==== backend memory ==================================================================
- * The only place that knows where the backend's tensors live. */
+ * Every buffer the library touches: tests/kit/devmem.h (host memory on the CPU, device memory
+ * on CUDA); its failures end the run through fail(). */
 
-static void *bmem_alloc(nsa_backend be, size_t bytes, const char *what)
-{
-#ifdef NSA_WITH_CUDA
-    if (be == NSA_BACKEND_CUDA) {
-        void *p = NULL;
-        if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) fail("out of device memory allocating %zu bytes for %s", bytes, what);
-        return p;
-    }
-#endif
-    (void)be;
-    return host_alloc(bytes, what);
-}
-
-static void bmem_free(nsa_backend be, void *p)
-{
-#ifdef NSA_WITH_CUDA
-    if (be == NSA_BACKEND_CUDA) {
-        cudaFree(p);
-        return;
-    }
-#endif
-    (void)be;
-    free(p);
-}
-
-static void bmem_upload(nsa_backend be, void *dst, const void *src, size_t bytes)
-{
-#ifdef NSA_WITH_CUDA
-    if (be == NSA_BACKEND_CUDA) {
-        if (cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice) != cudaSuccess) fail("copy to the device failed");
-        return;
-    }
-#endif
-    (void)be;
-    if (dst != src) memcpy(dst, src, bytes);
-}
-
-static void bmem_download(nsa_backend be, void *dst, const void *src, size_t bytes)
-{
-#ifdef NSA_WITH_CUDA
-    if (be == NSA_BACKEND_CUDA) {
-        if (cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) fail("copy from the device failed");
-        return;
-    }
-#endif
-    (void)be;
-    if (dst != src) memcpy(dst, src, bytes);
-}
-
-/* CUDA calls return before the work is done: wait before reading the clock. */
-static void bmem_sync(nsa_backend be)
-{
-#ifdef NSA_WITH_CUDA
-    if (be == NSA_BACKEND_CUDA && cudaDeviceSynchronize() != cudaSuccess) fail("the device reported an error");
-#endif
-    (void)be;
-}
-
-/* ==== storage dtypes (round to nearest even, as the sweep does) ======================= */
-
-static uint16_t f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static float bf16_to_f32(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static uint16_t f32_to_f16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
-    const uint32_t ax = x & 0x7fffffffu;
-    if (ax > 0x7f800000u) return sign | 0x7e00u;          /* NaN */
-    if (ax >= 0x477ff000u) return sign | 0x7c00u;         /* >= 65520 rounds to inf */
-    if (ax < 0x38800000u) {                               /* below 2^-14: half subnormal */
-        float a;
-        memcpy(&a, &ax, 4);
-        return (uint16_t)(sign | (uint16_t)lrintf(a * 16777216.0f));
-    }
-    const uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u);   /* round the 13 dropped bits */
-    return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
-}
-
-static float f16_to_f32(uint16_t h)
-{
-    const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    float f;
-    if (e == 0) {
-        f = ldexpf((float)m, -24);
-    } else if (e == 31) {
-        f = m ? NAN : INFINITY;
-    } else {
-        const uint32_t u = ((e + 112u) << 23) | (m << 13);
-        memcpy(&f, &u, 4);
-    }
-    return (h & 0x8000u) ? -f : f;
-}
+static void devmem_failed(const char *reason) { fail("%s", reason); }
 
 /* ==== tensors in backend memory ======================================================= */
 
@@ -220,7 +120,7 @@ static void tbuf_alloc(tbuf *b, nsa_backend be, nsa_dtype dt, int64_t n, const c
     b->dtype = dt;
     b->n = n;
     b->aliased = 0;
-    b->mem = bmem_alloc(be, tbuf_bytes(dt, n), what);
+    b->mem = devmem_alloc(be, tbuf_bytes(dt, n), what);
 }
 
 /* Stores host values vals[n] in dtype and rounds vals in place to what was stored, so the
@@ -239,11 +139,11 @@ static void tbuf_from_host(tbuf *b, nsa_backend be, nsa_dtype dt, float *vals, i
     } else {
         uint16_t *s = (uint16_t *)stage;
         for (int64_t i = 0; i < n; i++) {
-            s[i] = dt == NSA_DTYPE_BF16 ? f32_to_bf16(vals[i]) : f32_to_f16(vals[i]);
-            vals[i] = dt == NSA_DTYPE_BF16 ? bf16_to_f32(s[i]) : f16_to_f32(s[i]);
+            s[i] = dt == NSA_DTYPE_BF16 ? nsa_f32_to_bf16(vals[i]) : nsa_f32_to_f16(vals[i]);
+            vals[i] = dt == NSA_DTYPE_BF16 ? nsa_bf16_to_f32(s[i]) : nsa_f16_to_f32(s[i]);
         }
     }
-    bmem_upload(be, b->mem, stage, bytes);
+    devmem_upload(be, b->mem, stage, bytes);
     if (stage != b->mem) free(stage);
 }
 
@@ -253,18 +153,18 @@ static void tbuf_range_to_host_f32(const tbuf *b, nsa_backend be, int64_t first,
     const size_t es = nsa_dtype_size(b->dtype);
     const char *src = (const char *)b->mem + (size_t)first * es;
     if (b->dtype == NSA_DTYPE_F32) {
-        bmem_download(be, dst, src, (size_t)count * es);
+        devmem_download(be, dst, src, (size_t)count * es);
         return;
     }
     uint16_t *s = (uint16_t *)host_alloc((size_t)count * es, "a download");
-    bmem_download(be, s, src, (size_t)count * es);
-    for (int64_t i = 0; i < count; i++) dst[i] = b->dtype == NSA_DTYPE_BF16 ? bf16_to_f32(s[i]) : f16_to_f32(s[i]);
+    devmem_download(be, s, src, (size_t)count * es);
+    for (int64_t i = 0; i < count; i++) dst[i] = b->dtype == NSA_DTYPE_BF16 ? nsa_bf16_to_f32(s[i]) : nsa_f16_to_f32(s[i]);
     free(s);
 }
 
 static void tbuf_free(tbuf *b, nsa_backend be)
 {
-    if (b->mem && !b->aliased) bmem_free(be, b->mem);
+    if (b->mem && !b->aliased) devmem_free(be, b->mem);
     memset(b, 0, sizeof *b);
 }
 
@@ -481,7 +381,7 @@ static const unsigned OP_NEEDS[OP_COUNT] = {
     [OP_BACKWARD] = OPBIT(OP_FORWARD),
     [OP_DENSE_BWD] = OPBIT(OP_DENSE),
 };
-/* --op groups: the flash-attention core alone (issue 5), and NSA's own ops */
+/* --op groups: the flash-attention core alone (nsa_attention, dense and windowed), and NSA's own ops */
 #define OPS_ATTENTION (OPBIT(OP_SWA) | OPBIT(OP_DENSE) | OPBIT(OP_SWA_BWD) | OPBIT(OP_DENSE_BWD))
 #define OPS_NSA                                                                                                        \
     (OPBIT(OP_COMPRESS) | OPBIT(OP_CMP_ATTN) | OPBIT(OP_SELECT) | OPBIT(OP_SLC_ATTN) | OPBIT(OP_SWA) | OPBIT(OP_GATE) | \
@@ -549,7 +449,7 @@ static double op_run(problem *p, op_id id)
 {
     const double t0 = now_s();
     need(op_call(p, id), OPS[id].call);
-    bmem_sync(p->backend);
+    devmem_sync(p->backend);
     return now_s() - t0;
 }
 
@@ -564,7 +464,7 @@ static void alloc_workspace(problem *p)
         if (b > most) most = b;
     }
     p->ws_bytes = most;
-    p->ws = most ? bmem_alloc(p->backend, most, "the workspace") : NULL;
+    p->ws = most ? devmem_alloc(p->backend, most, "the workspace") : NULL;
 }
 
 static void problem_init(problem *p, const problem_opts *o)
@@ -599,7 +499,7 @@ static void problem_free(problem *p)
         free(p->hg[b]);
     }
     free(p->hq), free(p->hk), free(p->hv), free(p->hdout);
-    if (p->ws) bmem_free(be, p->ws);
+    if (p->ws) devmem_free(be, p->ws);
     nsa_context_destroy(p->ctx);
     memset(p, 0, sizeof *p);
 }
@@ -701,7 +601,7 @@ static double keys_fraction(const problem *p, const int32_t *idx, int64_t t)
 static int32_t *download_indices(const problem *p)
 {
     int32_t *idx = (int32_t *)host_alloc(tbuf_bytes(NSA_DTYPE_I32, p->idx.n), "block_indices (host)");
-    bmem_download(p->backend, idx, p->idx.mem, tbuf_bytes(NSA_DTYPE_I32, p->idx.n));
+    devmem_download(p->backend, idx, p->idx.mem, tbuf_bytes(NSA_DTYPE_I32, p->idx.n));
     return idx;
 }
 
@@ -715,8 +615,14 @@ static const char *USAGE =
     "      T=8192): time per branch, dense causal attention for comparison, keys read\n"
     "      per query, and sampled rows against the float64 reference.\n"
     "  nsa check [--seed N] [--minutes M] [--cases N] [--backend cpu|cuda] [--threads N] [-v]\n"
+    "            [--op NAME] [--hash-out FILE] [--hash-cmp FILE] [--variant KEY=VALUE]...\n"
     "      random correctness sweep against the float64 reference (default 1 minute);\n"
     "      the last line is \"N passed, N failed\"; exit code 0 iff nothing failed.\n"
+    "      --op: only that op's checks (nsa_forward, nsa_backward, nsa_attention,\n"
+    "      nsa_slc_attn_bwd, ...: the names in the checks' messages). --hash-out: a hash of\n"
+    "      every checked output per case, to FILE; --hash-cmp: the first cases whose hashes\n"
+    "      differ from FILE's, then \"N identical, M differ\" (not a failure). --variant:\n"
+    "      set in the environment before the context exists (e.g. NSA_CUDA_WGMMA=0).\n"
     "  nsa bench [--T 8192,16384,32768] [--config paper|fla] [--HQ 16] [--H 1]\n"
     "            [--D 128 | --DK 128 --DV 128] [--dtype f32|bf16|f16] [--threads N]\n"
     "            [--backend cpu|cuda] [--reps N] [--no-dense] [--bwd] [--json FILE]\n"
@@ -725,6 +631,13 @@ static const char *USAGE =
     "      GFLOP/s, and dense causal attention / NSA forward. --op times only the listed\n"
     "      ops (names as in the table, or the groups attention = window, dense and their\n"
     "      backwards, nsa = NSA's ops); what they read runs first, untimed.\n"
+    "  nsa bench --branches [--T 8192,16384,32768,65536] [--config paper|fla] [--HQ 64]\n"
+    "            [--H 4] [--D 128 | --DK 128 --DV 128] [--dtype bf16|f16] [--reps 10]\n"
+    "            [--profile] [--backend cuda|cpu] [--threads N]\n"
+    "      the whole NSA forward and backward, and each branch alone (the other gates\n"
+    "      absent), every gate on: median ms of --reps calls after 2 warm-ups, by CUDA\n"
+    "      events (the CPU: wall clock), one row per length. --profile runs one forward +\n"
+    "      backward at the first length and stops (for ncu). The former nsa_gpu_bench.\n"
     "  nsa version      library version and the backends present\n"
     "  nsa --help       this text\n"
     "\n"
@@ -977,55 +890,27 @@ static int cmd_demo(int argc, char **argv)
 
 /* ==== nsa check ======================================================================= */
 
-/* The sweep's tensors and workspace in device memory (tests/sweep.h). */
-static void *sweep_dev_alloc(size_t bytes) { return bmem_alloc(NSA_BACKEND_CUDA, bytes, "the sweep"); }
-static void sweep_dev_release(void *p) { bmem_free(NSA_BACKEND_CUDA, p); }
-static void sweep_dev_upload(void *dev, const void *host, size_t bytes) { bmem_upload(NSA_BACKEND_CUDA, dev, host, bytes); }
-static void sweep_dev_download(void *host, const void *dev, size_t bytes) { bmem_download(NSA_BACKEND_CUDA, host, dev, bytes); }
-
-/* sweep_run for the GPU: it takes 16-bit storage only, and sweep_run draws f32 too. The same
- * loop, with each case's dtype drawn as nsa_gpu_tests draws it (a seed reproduces there). */
-static long check_device(const sweep_opts *o)
-{
-    static const sweep_memory dev = {sweep_dev_alloc, sweep_dev_release, sweep_dev_upload, sweep_dev_download};
-    sweep_set_memory(&dev);
-    nsa_context *ctx = NULL;
-    nsa_context_desc d = {.backend = o->backend, .num_threads = o->threads};
-    need(nsa_context_create(&ctx, &d), "creating the context");
-    const long f0 = g_tests_failed;
-    uint64_t state = o->seed;
-    const double t0 = now_s();
-    double last = t0;
-    long cases = 0;
-    while (!(o->max_cases && cases >= o->max_cases) && !(o->minutes > 0 && now_s() - t0 >= 60.0 * o->minutes)) {
-        sweep_case c;
-        memset(&c, 0, sizeof c);
-        const uint64_t case_seed = state;
-        test_rng r = {state ^ 0x5DEECE66Dull};
-        c.dtype = rng_int(&r, 0, 1) ? NSA_DTYPE_BF16 : NSA_DTYPE_F16; /* kept by the draw */
-        sweep_case_random(&c, &state, 1000);
-        sweep_run_case(ctx, &c, case_seed, o->verbose > 1);
-        cases++;
-        if (o->verbose && now_s() - last >= 10.0) {
-            last = now_s();
-            printf("check: %ld cases, %ld checks passed, %ld failed, %.0f s\n", cases, g_tests_passed,
-                   g_tests_failed - f0, last - t0);
-            fflush(stdout);
-        }
-        if (g_tests_failed > f0 && o->minutes > 0) break; /* as sweep_run: a timed run stops at a failure */
-    }
-    if (o->verbose) printf("check: %ld cases done\n", cases);
-    nsa_context_destroy(ctx);
-    return g_tests_failed - f0;
-}
-
 static int cmd_check(int argc, char **argv)
 {
-    sweep_opts o = {.seed = (uint64_t)time(NULL), .minutes = 1.0, .backend = best_backend(), .verbose = 1};
+    sweep_opts o = {.seed = (uint64_t)time(NULL), .minutes = 1.0, .backend = best_backend(), .verbose = 1, .label = "check"};
     int named_backend = 0, named_minutes = 0;
+    const char *hash_out = NULL, *hash_cmp = NULL;
     args a = {argc, 2, argv, NULL};
     for (; a.i < argc; a.i++) {
         if (arg_opt(&a, "--seed")) o.seed = (uint64_t)parse_int(a.value, "--seed", 0, INT64_MAX);
+        else if (arg_opt(&a, "--op")) {
+            if (sweep_set_op(a.value) != 0) {
+                char names[400] = "";
+                for (int i = 0; sweep_op_names[i]; i++) strcat(strcat(names, i ? ", " : ""), sweep_op_names[i]);
+                usage_error("check --op: unknown op '%s' (ops: %s)", a.value, names);
+            }
+            o.op = a.value;
+        }
+        else if (arg_opt(&a, "--hash-out")) hash_out = a.value;
+        else if (arg_opt(&a, "--hash-cmp")) hash_cmp = a.value;
+        else if (arg_opt(&a, "--variant")) {
+            if (variant_set(a.value) != 0) usage_error("--variant: expected KEY=VALUE, got '%s'", a.value);
+        }
         else if (arg_opt(&a, "--minutes")) o.minutes = parse_double(a.value, "--minutes", 0.0, 1e6), named_minutes = 1;
         else if (arg_opt(&a, "--cases")) o.max_cases = (long)parse_int(a.value, "--cases", 0, INT32_MAX);
         else if (arg_opt(&a, "--backend")) o.backend = parse_backend(a.value), named_backend = 1;
@@ -1042,11 +927,20 @@ static int cmd_check(int argc, char **argv)
     if (o.max_cases) printf("%ld cases%s", o.max_cases, o.minutes > 0 ? " or " : "");
     if (o.minutes > 0) printf("%g minutes", o.minutes);
     printf(" (reproduce with --seed %llu)\n", (unsigned long long)o.seed);
+    char variants[1024];
+    variant_describe(variants, sizeof variants);
+    if (o.op || strcmp(variants, "none")) printf("  op %s; variants: %s\n", o.op ? o.op : "all", variants);
     fflush(stdout);
+    hashlog *base = NULL;
+    if (hash_cmp && !(base = hashlog_read(hash_cmp))) fail("cannot read %s: %s", hash_cmp, strerror(errno));
+    if (hash_out || hash_cmp) o.hashes = hashlog_new();
     g_check_running = 1;
-    if (o.backend == NSA_BACKEND_CUDA) check_device(&o);
-    else sweep_run(&o);
+    sweep_run(&o);
+    if (hash_out && hashlog_write(o.hashes, hash_out) != 0) fail("cannot write %s: %s", hash_out, strerror(errno));
+    if (hash_cmp) hashlog_compare(o.hashes, base, stdout, 10);
     g_check_running = 0;
+    hashlog_free(o.hashes);
+    hashlog_free(base);
     printf("%ld passed, %ld failed\n", g_tests_passed, g_tests_failed);
     return g_tests_failed == 0 ? 0 : 1;
 }
@@ -1243,8 +1137,273 @@ static void print_loadavg(const char *when)
     if (f) fclose(f);
 }
 
+/* ==== nsa bench --branches ============================================================
+ * The whole NSA forward and backward, and each branch alone (the other gates absent; the
+ * selected branch alone reads the full forward's selection as caller indices), every branch
+ * gated on, the default mean-pooled compression. Per length: the median of --reps timed
+ * calls after 2 warm-ups, by CUDA events on the GPU (the wall clock on the CPU). Inputs are
+ * random, never zeros. The output is the former build/nsa_gpu_bench's, line for line: the
+ * scripts under scripts/ and the logs under bench/results read it. */
+
+typedef struct branches_opts {
+    nsa_backend backend;
+    int threads;
+    int64_t lengths[MAX_LENGTHS];
+    int nlengths;
+    int64_t HQ, H, DK, DV;
+    nsa_dtype dtype;
+    int fla, reps, profile;
+} branches_opts;
+
+/* A pool of random values (normal * scale + shift) tiled with shifting offsets into n
+ * elements of 16-bit storage: cheap to make, never zero, and no two rows of a tensor alike. */
+static void *branches_random(nsa_backend be, int64_t n, float scale, float shift, nsa_dtype dt, uint64_t seed)
+{
+    const int64_t pool_n = 1 << 22;
+    uint16_t *pool = (uint16_t *)host_alloc((size_t)pool_n * 2, "random pool");
+    uint16_t *host = (uint16_t *)host_alloc((size_t)(n > 0 ? n : 1) * 2, "random input");
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (int64_t i = 0; i < pool_n; i++) {
+        float acc = 0; /* Irwin-Hall: sum of 4 uniforms, centred: ~normal */
+        for (int k = 0; k < 4; k++) {
+            s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+            acc += (float)(s >> 40) * (1.0f / 16777216.0f);
+        }
+        const float x = (acc - 2.0f) * 1.7320508f * scale + shift;
+        pool[i] = dt == NSA_DTYPE_BF16 ? nsa_f32_to_bf16(x) : nsa_f32_to_f16(x);
+    }
+    for (int64_t i = 0; i < n;) {
+        const int64_t off = (i * 7919 + 13) % (pool_n / 2), m = n - i < pool_n / 2 ? n - i : pool_n / 2;
+        memcpy(host + i, pool + off, (size_t)m * 2);
+        i += m;
+    }
+    void *d = devmem_alloc(be, (size_t)(n > 0 ? n : 1) * 2, "a random input");
+    devmem_upload(be, d, host, (size_t)n * 2);
+    free(pool);
+    free(host);
+    return d;
+}
+
+static void *branches_zeros(nsa_backend be, size_t bytes)
+{
+    void *d = devmem_alloc(be, bytes ? bytes : 1, "an output");
+    devmem_zero(be, d, bytes ? bytes : 1);
+    return d;
+}
+
+static nsa_status branches_call(nsa_context *c, int bwd, const void *a, void *w, size_t n)
+{
+    return bwd ? nsa_backward(c, (const nsa_backward_args *)a, w, n) : nsa_forward(c, (const nsa_forward_args *)a, w, n);
+}
+
+/* Median ms of reps calls, after 2 warm-ups: CUDA events on the GPU, the wall clock on the CPU. */
+static double branches_time_ms(nsa_context *ctx, nsa_backend be, int bwd, const void *args, void *ws, size_t wsb, int reps)
+{
+    for (int i = 0; i < 2; i++) need(branches_call(ctx, bwd, args, ws, wsb), "warm-up call");
+    devmem_sync(be);
+    double t[64];
+    if (reps > 64) reps = 64;
+#ifdef NSA_WITH_CUDA
+    if (be == NSA_BACKEND_CUDA) {
+        cudaEvent_t e0, e1;
+        if (cudaEventCreate(&e0) != cudaSuccess || cudaEventCreate(&e1) != cudaSuccess) fail("cannot create CUDA events");
+        for (int i = 0; i < reps; i++) {
+            cudaEventRecord(e0, 0);
+            need(branches_call(ctx, bwd, args, ws, wsb), "timed call");
+            cudaEventRecord(e1, 0);
+            float ms = 0.0f;
+            if (cudaEventSynchronize(e1) != cudaSuccess || cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess)
+                fail("the device reported an error during a timed call");
+            t[i] = ms;
+        }
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+    }
+#endif
+    if (be != NSA_BACKEND_CUDA)
+        for (int i = 0; i < reps; i++) {
+            const double t0 = now_s();
+            need(branches_call(ctx, bwd, args, ws, wsb), "timed call");
+            t[i] = 1e3 * (now_s() - t0);
+        }
+    qsort(t, (size_t)reps, sizeof t[0], cmp_double);
+    return t[reps / 2];
+}
+
+/* "NVIDIA H100 80GB HBM3 (132 SMs)" on the GPU, "cpu (N threads)" on the CPU. */
+static void branches_device(nsa_backend be, int threads, char *buf, size_t n)
+{
+#ifdef NSA_WITH_CUDA
+    struct cudaDeviceProp prop;
+    if (be == NSA_BACKEND_CUDA) {
+        if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) fail("cannot read the device properties");
+        snprintf(buf, n, "%s (%d SMs)", prop.name, prop.multiProcessorCount);
+        return;
+    }
+#endif
+    (void)be;
+    snprintf(buf, n, "cpu (%d threads)", threads_used(threads));
+}
+
+/* One length: every buffer, the full calls and the branch-alone ones, then the timings. @return
+ * 0, or 1 after --profile's single forward + backward. */
+static int branches_length(const branches_opts *o, nsa_context *ctx, const nsa_config *cfg, int64_t T)
+{
+    const nsa_backend be = o->backend;
+    const nsa_dtype dt = o->dtype;
+    const int64_t HQ = o->HQ, H = o->H, DK = o->DK, DV = o->DV, n = cfg->slc_topk;
+    void *q = branches_random(be, T * HQ * DK, 1.0f, 0.0f, dt, 1), *k = branches_random(be, T * H * DK, 1.0f, 0.0f, dt, 2);
+    void *v = branches_random(be, T * H * DV, 1.0f, 0.0f, dt, 3), *dout = branches_random(be, T * HQ * DV, 1.0f, 0.0f, dt, 4);
+    void *gt[3], *so[3], *sl[3], *dg[3];
+    for (int x = 0; x < 3; x++) gt[x] = branches_random(be, T * HQ, 0.2f, 0.5f, dt, 5 + (uint64_t)x);
+    for (int x = 0; x < 3; x++) {
+        so[x] = branches_zeros(be, (size_t)(T * HQ * DV) * 2);
+        sl[x] = branches_zeros(be, (size_t)(T * HQ) * 4);
+        dg[x] = branches_zeros(be, (size_t)(T * HQ) * 2);
+    }
+    void *idx = branches_zeros(be, (size_t)(T * H * n) * 4), *out = branches_zeros(be, (size_t)(T * HQ * DV) * 2);
+    void *dq = branches_zeros(be, (size_t)(T * HQ * DK) * 2), *dk = branches_zeros(be, (size_t)(T * H * DK) * 2);
+    void *dv = branches_zeros(be, (size_t)(T * H * DV) * 2);
+
+    nsa_forward_args f;
+    memset(&f, 0, sizeof f);
+    f.q = nsa_tensor_4d(q, dt, 1, T, HQ, DK);
+    f.k = nsa_tensor_4d(k, dt, 1, T, H, DK);
+    f.v = nsa_tensor_4d(v, dt, 1, T, H, DV);
+    f.g_cmp = nsa_tensor_3d(gt[0], dt, 1, T, HQ);
+    f.g_slc = nsa_tensor_3d(gt[1], dt, 1, T, HQ);
+    f.g_swa = nsa_tensor_3d(gt[2], dt, 1, T, HQ);
+    f.o = nsa_tensor_4d(out, dt, 1, T, HQ, DV);
+    f.saved.block_indices = nsa_tensor_4d(idx, NSA_DTYPE_I32, 1, T, H, n);
+    f.saved.o_cmp = nsa_tensor_4d(so[0], dt, 1, T, HQ, DV);
+    f.saved.o_slc = nsa_tensor_4d(so[1], dt, 1, T, HQ, DV);
+    f.saved.o_swa = nsa_tensor_4d(so[2], dt, 1, T, HQ, DV);
+    f.saved.lse_cmp = nsa_tensor_3d(sl[0], NSA_DTYPE_F32, 1, T, HQ);
+    f.saved.lse_slc = nsa_tensor_3d(sl[1], NSA_DTYPE_F32, 1, T, HQ);
+    f.saved.lse_swa = nsa_tensor_3d(sl[2], NSA_DTYPE_F32, 1, T, HQ);
+    f.config = *cfg;
+    nsa_backward_args b;
+    memset(&b, 0, sizeof b);
+    b.fwd = f;
+    b.dout = nsa_tensor_4d(dout, dt, 1, T, HQ, DV);
+    b.dq = nsa_tensor_4d(dq, dt, 1, T, HQ, DK);
+    b.dk = nsa_tensor_4d(dk, dt, 1, T, H, DK);
+    b.dv = nsa_tensor_4d(dv, dt, 1, T, H, DV);
+    b.dg_cmp = nsa_tensor_3d(dg[0], dt, 1, T, HQ);
+    b.dg_slc = nsa_tensor_3d(dg[1], dt, 1, T, HQ);
+    b.dg_swa = nsa_tensor_3d(dg[2], dt, 1, T, HQ);
+
+    /* one branch alone: the other gates absent; the selected branch reads the full forward's
+     * selection as caller indices */
+    nsa_forward_args fb[3];
+    nsa_backward_args bb[3];
+    for (int x = 0; x < 3; x++) {
+        fb[x] = f;
+        nsa_tensor *gs[3] = {&fb[x].g_cmp, &fb[x].g_slc, &fb[x].g_swa};
+        for (int y = 0; y < 3; y++)
+            if (y != x) memset(gs[y], 0, sizeof(nsa_tensor));
+        if (x == 1) {
+            fb[x].block_indices = f.saved.block_indices;
+            memset(&fb[x].saved.block_indices, 0, sizeof(nsa_tensor));
+        }
+        bb[x] = b;
+        bb[x].fwd = fb[x];
+        nsa_tensor *dgs[3] = {&bb[x].dg_cmp, &bb[x].dg_slc, &bb[x].dg_swa};
+        for (int y = 0; y < 3; y++)
+            if (y != x) memset(dgs[y], 0, sizeof(nsa_tensor));
+    }
+
+    size_t wsb = 0, w = 0;
+    need(nsa_forward_workspace_size(ctx, &f, &w), "forward workspace"), wsb = w > wsb ? w : wsb;
+    need(nsa_backward_workspace_size(ctx, &b, &w), "backward workspace"), wsb = w > wsb ? w : wsb;
+    for (int x = 0; x < 3; x++) {
+        need(nsa_forward_workspace_size(ctx, &fb[x], &w), "forward workspace"), wsb = w > wsb ? w : wsb;
+        need(nsa_backward_workspace_size(ctx, &bb[x], &w), "backward workspace"), wsb = w > wsb ? w : wsb;
+    }
+    void *ws = branches_zeros(be, wsb);
+    int profiled = 0;
+    if (o->profile) {
+        need(nsa_forward(ctx, &f, ws, wsb), "forward");
+        need(nsa_backward(ctx, &b, ws, wsb), "backward");
+        devmem_sync(be);
+        printf("%8lld profiled one forward + backward\n", (long long)T);
+        profiled = 1;
+    } else {
+        const double tf = branches_time_ms(ctx, be, 0, &f, ws, wsb, o->reps);
+        const double tb = branches_time_ms(ctx, be, 1, &b, ws, wsb, o->reps);
+        double tfb[3], tbb[3];
+        for (int x = 0; x < 3; x++) {
+            tfb[x] = branches_time_ms(ctx, be, 0, &fb[x], ws, wsb, o->reps);
+            tbb[x] = branches_time_ms(ctx, be, 1, &bb[x], ws, wsb, o->reps);
+        }
+        printf("%8lld %9.3f %9.3f | %9.3f %9.3f %9.3f | %9.3f %9.3f %9.3f   ws %.2f GB\n", (long long)T, tf, tb, tfb[0],
+               tfb[1], tfb[2], tbb[0], tbb[1], tbb[2], (double)wsb / 1e9);
+    }
+    fflush(stdout);
+    void *all[] = {q, k, v, dout, gt[0], gt[1], gt[2], so[0], so[1], so[2], sl[0], sl[1], sl[2], dg[0], dg[1], dg[2],
+                   idx, out, dq, dk, dv, ws};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) devmem_free(be, all[i]);
+    return profiled;
+}
+
+static int cmd_bench_branches(int argc, char **argv)
+{
+    branches_opts o = {.backend = NSA_BACKEND_CUDA, .lengths = {8192, 16384, 32768, 65536}, .nlengths = 4,
+                       .HQ = 64, .H = 4, .DK = 128, .DV = 128, .dtype = NSA_DTYPE_BF16, .reps = 10};
+    args a = {argc, 2, argv, NULL};
+    for (; a.i < argc; a.i++) {
+        if (arg_is(&a, "--branches")) continue;
+        else if (arg_opt(&a, "--T")) {
+            bench_opts lengths;
+            parse_lengths(&lengths, a.value);
+            memcpy(o.lengths, lengths.lengths, sizeof o.lengths);
+            o.nlengths = lengths.nlengths;
+        } else if (arg_opt(&a, "--config")) {
+            if (strcmp(a.value, "paper") && strcmp(a.value, "fla")) usage_error("--config: expected paper or fla, got '%s'", a.value);
+            o.fla = !strcmp(a.value, "fla");
+        }
+        else if (arg_opt(&a, "--HQ")) o.HQ = parse_int(a.value, "--HQ", 1, 4096);
+        else if (arg_opt(&a, "--H")) o.H = parse_int(a.value, "--H", 1, 4096);
+        else if (arg_opt(&a, "--D")) o.DK = o.DV = parse_int(a.value, "--D", 1, 4096);
+        else if (arg_opt(&a, "--DK")) o.DK = parse_int(a.value, "--DK", 1, 4096);
+        else if (arg_opt(&a, "--DV")) o.DV = parse_int(a.value, "--DV", 1, 4096);
+        else if (arg_opt(&a, "--dtype")) {
+            o.dtype = parse_dtype(a.value);
+            if (o.dtype == NSA_DTYPE_F32) usage_error("bench --branches: --dtype takes bf16 or f16");
+        }
+        else if (arg_is(&a, "--f16")) o.dtype = NSA_DTYPE_F16;
+        else if (arg_opt(&a, "--reps")) o.reps = (int)parse_int(a.value, "--reps", 1, 64);
+        else if (arg_is(&a, "--profile")) o.profile = 1; /* one forward + backward, for ncu */
+        else if (arg_opt(&a, "--backend")) o.backend = parse_backend(a.value);
+        else if (arg_opt(&a, "--threads")) o.threads = (int)parse_int(a.value, "--threads", 0, 4096);
+        else usage_error("bench --branches: unknown option '%s'", argv[a.i]);
+    }
+    if (o.HQ % o.H != 0) usage_error("--HQ must be a multiple of --H");
+    require_backend(o.backend);
+    nsa_config cfg = nsa_config_default();
+    if (o.fla) cfg.cmp_len = cfg.cmp_stride = cfg.slc_block = 64;
+    char dev[300];
+    branches_device(o.backend, o.threads, dev, sizeof dev);
+    printf("gpu_bench: %s, %s, HQ=%lld H=%lld DK=%lld DV=%lld, config %s (l=%lld d=%lld l'=%lld n=%lld w=%lld), "
+           "median of %d\n",
+           dev, dtype_name(o.dtype), (long long)o.HQ, (long long)o.H, (long long)o.DK, (long long)o.DV,
+           o.fla ? "fla" : "paper", (long long)cfg.cmp_len, (long long)cfg.cmp_stride, (long long)cfg.slc_block,
+           (long long)cfg.slc_topk, (long long)cfg.window, o.reps);
+    nsa_context *ctx = NULL;
+    nsa_context_desc d = {.backend = o.backend, .num_threads = o.threads};
+    need(nsa_context_create(&ctx, &d), "creating the context");
+    printf("%8s %9s %9s | %9s %9s %9s | %9s %9s %9s  (ms)\n", "T", "fwd", "bwd", "fwd_cmp", "fwd_slc", "fwd_swa",
+           "bwd_cmp", "bwd_slc", "bwd_swa");
+    for (int i = 0; i < o.nlengths; i++)
+        if (branches_length(&o, ctx, &cfg, o.lengths[i])) break;
+    nsa_context_destroy(ctx);
+    return 0;
+}
+
 static int cmd_bench(int argc, char **argv)
 {
+    for (int i = 2; i < argc; i++)
+        if (!strcmp(argv[i], "--branches")) return cmd_bench_branches(argc, argv);
     bench_opts o = {.prob = {.backend = best_backend(), .HQ = 16, .H = 1, .DK = 128, .DV = 128,
                              .cfg = nsa_config_default(), .with_dense = 1, .seed = 1},
                     .config_name = "paper", .lengths = {8192, 16384, 32768}, .nlengths = 3, .reps = 5};
@@ -1304,6 +1463,7 @@ int main(int argc, char **argv)
 {
     /* line-buffered even into a file: a run cut off by a time limit still shows how far it got */
     setvbuf(stdout, NULL, _IOLBF, 0);
+    devmem_set_fail(devmem_failed);
     if (argc < 2) usage_error("no command given");
     const char *cmd = argv[1];
     if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h") || !strcmp(cmd, "help")) {

@@ -1,5 +1,6 @@
 """The CLI's bench op selection (build/nsa bench --op): the listed ops are timed and written to
-the JSON, what they read runs first untimed, unknown names are a usage error (exit 2)."""
+the JSON, what they read runs first untimed, unknown names are a usage error (exit 2); and the
+table of bench --branches."""
 import json
 import os
 import subprocess
@@ -40,3 +41,31 @@ def test_unknown_op_is_a_usage_error(tmp_path):
         pytest.skip("build/nsa not built")
     r = subprocess.run([CLI, "bench", *SMALL, "--op", "bogus"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown op 'bogus'" in r.stderr
+
+
+def test_branches_table(tmp_path):
+    """bench --branches keeps the table of the former nsa_gpu_bench (scripts read it): a header
+    line, the column line, then per length T, fwd, bwd, three branch forwards, three branch
+    backwards (ms) and the workspace size."""
+    if not os.path.exists(CLI):
+        pytest.skip("build/nsa not built")
+    r = subprocess.run([CLI, "bench", "--branches", "--backend", "cpu", "--T", "64,128", "--HQ", "2", "--H", "1",
+                        "--D", "16", "--reps", "1", "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("gpu_bench: cpu (1 threads), bf16, HQ=2 H=1 DK=16 DV=16, config paper (l=32 d=16")
+    assert lines[0].endswith("median of 1")
+    assert lines[1].split() == ["T", "fwd", "bwd", "|", "fwd_cmp", "fwd_slc", "fwd_swa", "|", "bwd_cmp", "bwd_slc",
+                                "bwd_swa", "(ms)"]
+    rows = [l.split() for l in lines[2:]]
+    assert [x[0] for x in rows] == ["64", "128"]
+    for x in rows:
+        assert x[3] == "|" and x[7] == "|" and x[11] == "ws" and x[13] == "GB"
+        assert all(float(v) > 0 for v in x[1:3] + x[4:7] + x[8:11])
+
+
+def test_branches_unknown_option_is_a_usage_error():
+    if not os.path.exists(CLI):
+        pytest.skip("build/nsa not built")
+    r = subprocess.run([CLI, "bench", "--branches", "--json", "x.json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "bench --branches: unknown option '--json'" in r.stderr

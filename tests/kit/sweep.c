@@ -9,11 +9,17 @@
  * err(naive) is the error of a straightforward same-precision implementation: the reference
  * run again with every tensor such an implementation stores rounded to the storage dtype
  * (ref.h's ref_store_round), its result stored in that dtype too, with an absolute floor for
- * fp32 accumulation (see check_close). NaN never passes; -inf must match -inf. */
+ * fp32 accumulation (see check_close). NaN never passes; -inf must match -inf.
+ *
+ * Every check is named "op output" (nsa_attention o, nsa_forward saved lse_cmp, ...): --op
+ * keeps one op's checks (sweep_set_op) and the hash of each checked output goes to a
+ * sweep_hash_fn (hashlog.h), so that two builds can be compared bit for bit. */
 #include "sweep.h"
 #include "harness.h"
 #include "ref.h"
-#include "../src/dtype.h"
+#include "devmem.h"
+#include "dtype.h"
+#include "hashlog.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -193,6 +199,49 @@ static int tens_guard_ok(const tens *x)
 static char g_desc[512];
 static int g_verbose;
 
+/* --op: the one op whose checks run (NULL: every op), see sweep_set_op. */
+static const char *g_op;
+static int op_on(const char *op) { return !g_op || !strcmp(g_op, op); }
+
+const char *const sweep_op_names[] = {"nsa_forward", "nsa_backward", "nsa_compress", "nsa_compress_bwd",
+                                      "nsa_cmp_attn", "nsa_cmp_attn_bwd", "nsa_select", "nsa_slc_attn",
+                                      "nsa_slc_attn_bwd", "nsa_attention", "nsa_attention_bwd", "nsa_gate",
+                                      "nsa_gate_bwd", NULL};
+
+int sweep_set_op(const char *name)
+{
+    if (!name) {
+        g_op = NULL;
+        return 0;
+    }
+    for (int i = 0; sweep_op_names[i]; i++)
+        if (!strcmp(name, sweep_op_names[i])) {
+            g_op = sweep_op_names[i];
+            return 0;
+        }
+    return -1;
+}
+
+/* --hash-out / --hash-cmp: where each checked output's hash goes (NULL: nowhere). */
+static sweep_hash_fn g_hash_fn;
+static void *g_hash_user;
+
+void sweep_set_hash(sweep_hash_fn fn, void *user)
+{
+    g_hash_fn = fn;
+    g_hash_user = user;
+}
+
+/* Hashes the bytes of x's elements, in logical order, from its host copy (pulled already). */
+static void hash_host(const char *name, const tens *x)
+{
+    if (!g_hash_fn) return;
+    const size_t es = nsa_dtype_size(x->t.dtype);
+    uint64_t h = HASHLOG_FNV_OFFSET;
+    for (int64_t i = 0; i < x->numel; i++) h = hashlog_fnv1a(x->buf + (size_t)storage_offset(&x->t, i) * es, es, h);
+    g_hash_fn(g_hash_user, name, h);
+}
+
 /* The dtype the naive implementation rounds to, and the hook handed to the reference. */
 static nsa_dtype g_store_dtype;
 static double store_round(double x) { return sweep_round_to(g_store_dtype, x); }
@@ -234,6 +283,7 @@ static long check_close_x(const char *what, const tens *got, const double *ref, 
     const int64_t n = got->numel;
     double *g = (double *)malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
     tens_read(got, g);
+    hash_host(what, got);
     const double tol = sweep_tolerance(storage, ref, naive, n) + extra;
     long bad = 0;
     double worst = 0;
@@ -623,20 +673,24 @@ static void build_pipe(problem *p, pipe *x)
     a->o = x->o.t;
     a->varlen = p->vl;
     a->config = c->cfg;
+    /* the backward's dout, drawn here: every draw of the pipeline happens whether it runs or not */
+    alloc4(&x->dout, p, c->T, c->HQ, c->DV, dt);
+    tens_random(&x->dout, &p->rng, 0, 1.0, 1);
 }
 
 /* The selection the backend used, as the reference's caller-supplied indices. */
 static const tens *used_indices(const pipe *x) { return x->bi.buf ? &x->bi : &x->sidx; }
 
-static long check_pipeline_forward(problem *p, pipe *x, double **kc_ref, double **vc_ref, int32_t **idx_used)
+/* idx_used: the selection the forward used (to_i32 of used_indices), NULL without the selected branch. */
+static long check_pipeline_forward(problem *p, pipe *x, const int32_t *idx_used)
 {
     const sweep_case *c = &p->c;
     long fails = 0;
-    *kc_ref = c->own_cmp ? x->kc.val : ref_cmp_of(p, &x->k, c->DK);
-    *vc_ref = c->own_cmp ? x->vc.val : ref_cmp_of(p, &x->v, c->DV);
+    double *kc_ref = c->own_cmp ? x->kc.val : ref_cmp_of(p, &x->k, c->DK);
+    double *vc_ref = c->own_cmp ? x->vc.val : ref_cmp_of(p, &x->v, c->DV);
     /* the naive implementation stores its mean-pooled K/V in the storage dtype, so its
      * compressed lse is computed from those (as its o_cmp is, inside ref_nsa_forward) */
-    double *kc_naive = *kc_ref, *vc_naive = *vc_ref;
+    double *kc_naive = kc_ref, *vc_naive = vc_ref;
     if (!c->own_cmp) {
         g_store_dtype = c->dtype;
         ref_store_round = store_round;
@@ -644,8 +698,11 @@ static long check_pipeline_forward(problem *p, pipe *x, double **kc_ref, double 
         vc_naive = ref_cmp_of(p, &x->v, c->DV);
         ref_store_round = NULL;
     }
-    if ((c->gates & 2) && !x->bi.buf) fails += check_selection(p, &x->sidx, x->q.val, *kc_ref, kc_naive);
-    *idx_used = (c->gates & 2) ? to_i32(used_indices(x)) : NULL;
+    if (x->sidx.buf) {
+        tens_pull(&x->sidx);
+        hash_host("nsa_forward saved block_indices", &x->sidx);
+    }
+    if ((c->gates & 2) && !x->bi.buf) fails += check_selection(p, &x->sidx, x->q.val, kc_ref, kc_naive);
     const int64_t m = (c->gates & 2) ? used_indices(x)->t.shape[3] : 1;
     int32_t *counts = x->bc.buf ? to_i32(&x->bc) : NULL;
 
@@ -674,13 +731,13 @@ static long check_pipeline_forward(problem *p, pipe *x, double **kc_ref, double 
         in.g_cmp = (c->gates & 1) ? x->g[0].val + ol : NULL;
         in.g_slc = (c->gates & 2) ? x->g[1].val + ol : NULL;
         in.g_swa = (c->gates & 4) ? x->g[2].val + ol : NULL;
-        in.block_indices = *idx_used ? *idx_used + oi : NULL;
+        in.block_indices = idx_used ? idx_used + oi : NULL;
         in.m = m;
         in.block_counts = counts ? counts + row_off(p, sq, c->H, 1) : NULL;
         ref_nsa_forward(&c->cfg, p->scale, d, &in, o[pass_] + oo, ob[pass_][0] + oo, ob[pass_][1] + oo, ob[pass_][2] + oo, NULL);
         if (c->gates & 1)
-            ref_cmp_attn(&c->cfg, p->scale, d, sq->ncmp, in.q, (pass_ ? kc_naive : *kc_ref) + cmp_off(p, sq, c->H, c->DK),
-                         (pass_ ? vc_naive : *vc_ref) + cmp_off(p, sq, c->H, c->DV), tmp, lse[pass_][0] + ol);
+            ref_cmp_attn(&c->cfg, p->scale, d, sq->ncmp, in.q, (pass_ ? kc_naive : kc_ref) + cmp_off(p, sq, c->H, c->DK),
+                         (pass_ ? vc_naive : vc_ref) + cmp_off(p, sq, c->H, c->DV), tmp, lse[pass_][0] + ol);
         if (c->gates & 2)
             ref_slc_attn(&c->cfg, p->scale, d, in.q, ks + ok, vs + ov, in.block_indices, m, in.block_counts, tmp,
                          lse[pass_][1] + ol);
@@ -688,8 +745,9 @@ static long check_pipeline_forward(problem *p, pipe *x, double **kc_ref, double 
             ref_attention(p->scale, 1, c->cfg.window - 1, 0, d, in.q, kw + ok, vw + ov, tmp, lse[pass_][2] + ol);
     }
     fails += check_close("nsa_forward o", &x->o, o[0], o[1], c->dtype);
-    static const char *names[3][2] = {{"saved o_cmp", "saved lse_cmp"}, {"saved o_slc", "saved lse_slc"},
-                                      {"saved o_swa", "saved lse_swa"}};
+    static const char *names[3][2] = {{"nsa_forward saved o_cmp", "nsa_forward saved lse_cmp"},
+                                      {"nsa_forward saved o_slc", "nsa_forward saved lse_slc"},
+                                      {"nsa_forward saved o_swa", "nsa_forward saved lse_swa"}};
     for (int b = 0; b < 3; b++)
         if (c->gates >> b & 1) {
             fails += check_close(names[b][0], &x->so[b], ob[0][b], ob[1][b], c->dtype);
@@ -699,7 +757,7 @@ static long check_pipeline_forward(problem *p, pipe *x, double **kc_ref, double 
     fails += check_guard("o", &x->o);
     if (x->sidx.buf) fails += check_guard("saved block_indices", &x->sidx);
     free(tmp);
-    if (!c->own_cmp) free(kc_naive), free(vc_naive);
+    if (!c->own_cmp) free(kc_ref), free(vc_ref), free(kc_naive), free(vc_naive);
     for (int q2 = 0; q2 < 2; q2++) {
         free(o[q2]);
         for (int b = 0; b < 3; b++) free(ob[q2][b]), free(lse[q2][b]);
@@ -708,15 +766,12 @@ static long check_pipeline_forward(problem *p, pipe *x, double **kc_ref, double 
     return fails;
 }
 
-static long check_pipeline_backward(nsa_context *ctx, problem *p, pipe *x, const double *kc_ref, const double *vc_ref,
-                                    const int32_t *idx_used)
+static long check_pipeline_backward(nsa_context *ctx, problem *p, pipe *x, const int32_t *idx_used)
 {
     const sweep_case *c = &p->c;
     const nsa_dtype dt = c->dtype;
     nsa_backward_args *a = &x->ba;
     a->fwd = x->fa;
-    alloc4(&x->dout, p, c->T, c->HQ, c->DV, dt);
-    tens_random(&x->dout, &p->rng, 0, 1.0, 1);
     a->dout = x->dout.t;
     alloc4(&x->dq, p, c->T, c->HQ, c->DK, dt);
     alloc4(&x->dk, p, c->T, c->H, c->DK, dt);
@@ -756,7 +811,6 @@ static long check_pipeline_backward(nsa_context *ctx, problem *p, pipe *x, const
     }
     const int64_t m = (c->gates & 2) ? used_indices(x)->t.shape[3] : 1;
     int32_t *counts = x->bc.buf ? to_i32(&x->bc) : NULL;
-    (void)kc_ref, (void)vc_ref;
     REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
         const seqinfo *sq = &p->seq[s];
         const ref_dims d = seq_dims(p, sq);
@@ -863,9 +917,10 @@ static long check_ops(nsa_context *ctx, problem *p)
     const nsa_dtype dt = c->dtype;
     const int64_t B = c->B, T = c->T, HQ = c->HQ, H = c->H, DK = c->DK, DV = c->DV, R = p->cmp_rows;
     long fails = 0;
+    if (g_op && (!strcmp(g_op, "nsa_forward") || !strcmp(g_op, "nsa_backward"))) return 0; /* nothing drawn after this */
     tens q, k, v, kc, vc, o, lse, dout, dq, dk, dv, dkc, dvc, idx, cnt, bi, bc;
-    memset(&bi, 0, sizeof bi);
-    memset(&bc, 0, sizeof bc);
+    memset(&idx, 0, sizeof idx), memset(&cnt, 0, sizeof cnt);
+    memset(&bi, 0, sizeof bi), memset(&bc, 0, sizeof bc);
     alloc4(&q, p, T, HQ, DK, dt), alloc4(&k, p, T, H, DK, dt), alloc4(&v, p, T, H, DV, dt);
     tens_random(&q, &p->rng, 0, c->zero_q ? 0.0 : 1.0, 1), tens_random(&k, &p->rng, 0, 1, 1), tens_random(&v, &p->rng, 0, 1, 1);
     alloc4(&kc, p, R, H, DK, dt), alloc4(&vc, p, R, H, DV, dt);
@@ -886,31 +941,36 @@ static long check_ops(nsa_context *ctx, problem *p)
         nsa_compress_args a;
         memset(&a, 0, sizeof a);
         a.x = k.t, a.x_cmp = kc.t, a.varlen = p->vl, a.config = c->cfg;
-        RUN_OP(compress, ctx, &a);
-        REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
-            const seqinfo *sq = &p->seq[s];
-            ref_compress(&c->cfg, sq->len, H, DK, k.val + row_off(p, sq, H, DK), rkc[pass_] + cmp_off(p, sq, H, DK));
+        if (op_on("nsa_compress")) {
+            RUN_OP(compress, ctx, &a);
+            REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
+                const seqinfo *sq = &p->seq[s];
+                ref_compress(&c->cfg, sq->len, H, DK, k.val + row_off(p, sq, H, DK), rkc[pass_] + cmp_off(p, sq, H, DK));
+            }
+            fails += check_close("nsa_compress x_cmp", &kc, rkc[0], rkc[1], dt) + check_guard("x_cmp", &kc);
         }
-        fails += check_close("nsa_compress", &kc, rkc[0], rkc[1], dt) + check_guard("x_cmp", &kc);
         nsa_compress_bwd_args b;
         memset(&b, 0, sizeof b);
         b.fwd = a;
         tens_random(&dkc, &p->rng, 0, 1, 1);
         b.dx_cmp = dkc.t, b.dx = dk.t;
-        RUN_OP(compress_bwd, ctx, &b);
-        REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
-            const seqinfo *sq = &p->seq[s];
-            ref_compress_bwd(&c->cfg, sq->len, H, DK, dkc.val + cmp_off(p, sq, H, DK), rdk[pass_] + row_off(p, sq, H, DK));
+        if (op_on("nsa_compress_bwd")) {
+            RUN_OP(compress_bwd, ctx, &b);
+            REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
+                const seqinfo *sq = &p->seq[s];
+                ref_compress_bwd(&c->cfg, sq->len, H, DK, dkc.val + cmp_off(p, sq, H, DK), rdk[pass_] + row_off(p, sq, H, DK));
+            }
+            fails += check_close("nsa_compress_bwd dx", &dk, rdk[0], rdk[1], dt);
         }
-        fails += check_close("nsa_compress_bwd", &dk, rdk[0], rdk[1], dt);
     }
     /* 2. compressed attention on random compressed K/V, forward and backward */
     tens_random(&kc, &p->rng, 0, 1, 1), tens_random(&vc, &p->rng, 0, 1, 1);
     nsa_cmp_attn_args ca;
     memset(&ca, 0, sizeof ca);
     ca.q = q.t, ca.k_cmp = kc.t, ca.v_cmp = vc.t, ca.o = o.t, ca.lse = lse.t, ca.varlen = p->vl, ca.config = c->cfg;
-    {
-        RUN_OP(cmp_attn, ctx, &ca);
+    /* its lse is an input of the backward and of step 3 */
+    if (op_on("nsa_cmp_attn") || op_on("nsa_cmp_attn_bwd") || op_on("nsa_select")) RUN_OP(cmp_attn, ctx, &ca);
+    if (op_on("nsa_cmp_attn")) {
         REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
             const seqinfo *sq = &p->seq[s];
             ref_cmp_attn(&c->cfg, p->scale, seq_dims(p, sq), sq->ncmp, q.val + row_off(p, sq, HQ, DK),
@@ -918,6 +978,8 @@ static long check_ops(nsa_context *ctx, problem *p)
                          rl[pass_] + row_off(p, sq, HQ, 1));
         }
         fails += check_close("nsa_cmp_attn o", &o, ro[0], ro[1], dt) + check_close("nsa_cmp_attn lse", &lse, rl[0], rl[1], NSA_DTYPE_F32);
+    }
+    if (op_on("nsa_cmp_attn_bwd")) {
         nsa_cmp_attn_bwd_args b;
         memset(&b, 0, sizeof b);
         b.fwd = ca, b.dout = dout.t, b.dq = dq.t, b.dk_cmp = dkc.t, b.dv_cmp = dvc.t;
@@ -932,7 +994,7 @@ static long check_ops(nsa_context *ctx, problem *p)
                  check_close("nsa_cmp_attn_bwd dv_cmp", &dvc, rvc[0], rvc[1], dt);
     }
     /* 3. selection, with the lse of step 2 and without it */
-    {
+    if (op_on("nsa_select")) {
         const int64_t shape[4] = {B, T, H, c->cfg.slc_topk}, cshape[3] = {B, T, H};
         tens_alloc(&idx, 4, shape, NSA_DTYPE_I32, c->strided == 1 ? 1 : 0);
         tens_alloc(&cnt, 3, cshape, NSA_DTYPE_I32, 0);
@@ -947,6 +1009,8 @@ static long check_ops(nsa_context *ctx, problem *p)
             long bad = 0;
             tens_pull(&idx);
             tens_pull(&cnt);
+            hash_host(with_lse ? "nsa_select block_indices+lse" : "nsa_select block_indices", &idx);
+            hash_host(with_lse ? "nsa_select block_counts+lse" : "nsa_select block_counts", &cnt);
             for (int64_t s = 0; s < p->nseq; s++)
                 for (int64_t t = 0; t < p->seq[s].len; t++)
                     for (int64_t h = 0; h < H; h++) {
@@ -970,34 +1034,40 @@ static long check_ops(nsa_context *ctx, problem *p)
         int64_t m = c->cfg.slc_topk + rng_int(&p->rng, -2, 3);
         random_indices(p, &bi, &bc, m > 0 ? m : 1, (int)rng_int(&p->rng, 0, 1));
         m = bi.t.shape[3];
-        int32_t *ix = to_i32(&bi), *cn = bc.buf ? to_i32(&bc) : NULL;
-        nsa_slc_attn_args a;
-        memset(&a, 0, sizeof a);
-        a.q = q.t, a.k = k.t, a.v = v.t, a.block_indices = bi.t, a.o = o.t, a.lse = lse.t, a.varlen = p->vl, a.config = c->cfg;
-        if (cn) a.block_counts = bc.t;
-        RUN_OP(slc_attn, ctx, &a);
-        REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
-            const seqinfo *sq = &p->seq[s];
-            ref_slc_attn(&c->cfg, p->scale, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK), k.val + row_off(p, sq, H, DK),
-                         v.val + row_off(p, sq, H, DV), ix + row_off(p, sq, H, m), m, cn ? cn + row_off(p, sq, H, 1) : NULL,
-                         ro[pass_] + row_off(p, sq, HQ, DV), rl[pass_] + row_off(p, sq, HQ, 1));
+        if (op_on("nsa_slc_attn") || op_on("nsa_slc_attn_bwd")) {
+            int32_t *ix = to_i32(&bi), *cn = bc.buf ? to_i32(&bc) : NULL;
+            nsa_slc_attn_args a;
+            memset(&a, 0, sizeof a);
+            a.q = q.t, a.k = k.t, a.v = v.t, a.block_indices = bi.t, a.o = o.t, a.lse = lse.t, a.varlen = p->vl, a.config = c->cfg;
+            if (cn) a.block_counts = bc.t;
+            RUN_OP(slc_attn, ctx, &a);
+            if (op_on("nsa_slc_attn")) {
+                REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
+                    const seqinfo *sq = &p->seq[s];
+                    ref_slc_attn(&c->cfg, p->scale, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK), k.val + row_off(p, sq, H, DK),
+                                 v.val + row_off(p, sq, H, DV), ix + row_off(p, sq, H, m), m, cn ? cn + row_off(p, sq, H, 1) : NULL,
+                                 ro[pass_] + row_off(p, sq, HQ, DV), rl[pass_] + row_off(p, sq, HQ, 1));
+                }
+                fails += check_close("nsa_slc_attn o", &o, ro[0], ro[1], dt) + check_close("nsa_slc_attn lse", &lse, rl[0], rl[1], NSA_DTYPE_F32);
+            }
+            if (op_on("nsa_slc_attn_bwd")) {
+                nsa_slc_attn_bwd_args b;
+                memset(&b, 0, sizeof b);
+                b.fwd = a, b.dout = dout.t, b.dq = dq.t, b.dk = dk.t, b.dv = dv.t;
+                RUN_OP(slc_attn_bwd, ctx, &b);
+                REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
+                    const seqinfo *sq = &p->seq[s];
+                    ref_slc_attn_bwd(&c->cfg, p->scale, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK), k.val + row_off(p, sq, H, DK),
+                                     v.val + row_off(p, sq, H, DV), ix + row_off(p, sq, H, m), m, cn ? cn + row_off(p, sq, H, 1) : NULL,
+                                     dout.val + row_off(p, sq, HQ, DV), rdq[pass_] + row_off(p, sq, HQ, DK), rdk[pass_] + row_off(p, sq, H, DK),
+                                     rdv[pass_] + row_off(p, sq, H, DV));
+                }
+                fails += check_close("nsa_slc_attn_bwd dq", &dq, rdq[0], rdq[1], dt) + check_close("nsa_slc_attn_bwd dk", &dk, rdk[0], rdk[1], dt) +
+                         check_close("nsa_slc_attn_bwd dv", &dv, rdv[0], rdv[1], dt);
+            }
+            free(ix);
+            free(cn);
         }
-        fails += check_close("nsa_slc_attn o", &o, ro[0], ro[1], dt) + check_close("nsa_slc_attn lse", &lse, rl[0], rl[1], NSA_DTYPE_F32);
-        nsa_slc_attn_bwd_args b;
-        memset(&b, 0, sizeof b);
-        b.fwd = a, b.dout = dout.t, b.dq = dq.t, b.dk = dk.t, b.dv = dv.t;
-        RUN_OP(slc_attn_bwd, ctx, &b);
-        REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
-            const seqinfo *sq = &p->seq[s];
-            ref_slc_attn_bwd(&c->cfg, p->scale, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK), k.val + row_off(p, sq, H, DK),
-                             v.val + row_off(p, sq, H, DV), ix + row_off(p, sq, H, m), m, cn ? cn + row_off(p, sq, H, 1) : NULL,
-                             dout.val + row_off(p, sq, HQ, DV), rdq[pass_] + row_off(p, sq, HQ, DK), rdk[pass_] + row_off(p, sq, H, DK),
-                             rdv[pass_] + row_off(p, sq, H, DV));
-        }
-        fails += check_close("nsa_slc_attn_bwd dq", &dq, rdq[0], rdq[1], dt) + check_close("nsa_slc_attn_bwd dk", &dk, rdk[0], rdk[1], dt) +
-                 check_close("nsa_slc_attn_bwd dv", &dv, rdv[0], rdv[1], dt);
-        free(ix);
-        free(cn);
     }
     /* 5. dense / windowed attention with random window and causality */
     {
@@ -1009,26 +1079,32 @@ static long check_ops(nsa_context *ctx, problem *p)
         a.window_right = rng_int(&p->rng, 0, 2) == 0 ? -1 : rng_int(&p->rng, 0, T + 2);
         a.scale = rng_int(&p->rng, 0, 1) ? 0.0f : 0.3f;
         const double sc = a.scale > 0 ? (double)a.scale : 1.0 / sqrt((double)DK);
-        RUN_OP(attention, ctx, &a);
-        REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
-            const seqinfo *sq = &p->seq[s];
-            ref_attention(sc, a.causal, a.window_left, a.window_right, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK),
-                          k.val + row_off(p, sq, H, DK), v.val + row_off(p, sq, H, DV), ro[pass_] + row_off(p, sq, HQ, DV),
-                          rl[pass_] + row_off(p, sq, HQ, 1));
+        if (op_on("nsa_attention") || op_on("nsa_attention_bwd")) {
+            RUN_OP(attention, ctx, &a);
+            if (op_on("nsa_attention")) {
+                REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
+                    const seqinfo *sq = &p->seq[s];
+                    ref_attention(sc, a.causal, a.window_left, a.window_right, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK),
+                                  k.val + row_off(p, sq, H, DK), v.val + row_off(p, sq, H, DV), ro[pass_] + row_off(p, sq, HQ, DV),
+                                  rl[pass_] + row_off(p, sq, HQ, 1));
+                }
+                fails += check_close("nsa_attention o", &o, ro[0], ro[1], dt) + check_close("nsa_attention lse", &lse, rl[0], rl[1], NSA_DTYPE_F32);
+            }
+            if (op_on("nsa_attention_bwd")) {
+                nsa_attention_bwd_args b;
+                memset(&b, 0, sizeof b);
+                b.fwd = a, b.dout = dout.t, b.dq = dq.t, b.dk = dk.t, b.dv = dv.t;
+                RUN_OP(attention_bwd, ctx, &b);
+                REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
+                    const seqinfo *sq = &p->seq[s];
+                    ref_attention_bwd(sc, a.causal, a.window_left, a.window_right, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK),
+                                      k.val + row_off(p, sq, H, DK), v.val + row_off(p, sq, H, DV), dout.val + row_off(p, sq, HQ, DV),
+                                      rdq[pass_] + row_off(p, sq, HQ, DK), rdk[pass_] + row_off(p, sq, H, DK), rdv[pass_] + row_off(p, sq, H, DV));
+                }
+                fails += check_close("nsa_attention_bwd dq", &dq, rdq[0], rdq[1], dt) + check_close("nsa_attention_bwd dk", &dk, rdk[0], rdk[1], dt) +
+                         check_close("nsa_attention_bwd dv", &dv, rdv[0], rdv[1], dt);
+            }
         }
-        fails += check_close("nsa_attention o", &o, ro[0], ro[1], dt) + check_close("nsa_attention lse", &lse, rl[0], rl[1], NSA_DTYPE_F32);
-        nsa_attention_bwd_args b;
-        memset(&b, 0, sizeof b);
-        b.fwd = a, b.dout = dout.t, b.dq = dq.t, b.dk = dk.t, b.dv = dv.t;
-        RUN_OP(attention_bwd, ctx, &b);
-        REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
-            const seqinfo *sq = &p->seq[s];
-            ref_attention_bwd(sc, a.causal, a.window_left, a.window_right, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK),
-                              k.val + row_off(p, sq, H, DK), v.val + row_off(p, sq, H, DV), dout.val + row_off(p, sq, HQ, DV),
-                              rdq[pass_] + row_off(p, sq, HQ, DK), rdk[pass_] + row_off(p, sq, H, DK), rdv[pass_] + row_off(p, sq, H, DV));
-        }
-        fails += check_close("nsa_attention_bwd dq", &dq, rdq[0], rdq[1], dt) + check_close("nsa_attention_bwd dk", &dk, rdk[0], rdk[1], dt) +
-                 check_close("nsa_attention_bwd dv", &dv, rdv[0], rdv[1], dt);
     }
     /* 6. gating: the spec's formula written out here, and its gradients */
     {
@@ -1052,8 +1128,8 @@ static long check_ops(nsa_context *ctx, problem *p)
             *ao[x] = ob[x].t, *ag[x] = g[x].t, *bo[x] = dob[x].t, *bg[x] = dg[x].t;
         }
         a.o = o.t;
-        RUN_OP(gate, ctx, &a);
-        for (int64_t r = 0; r < nL; r++)
+        b.fwd = a, b.dout = dout.t;
+        for (int64_t r = 0; (op_on("nsa_gate") || op_on("nsa_gate_bwd")) && r < nL; r++)
             for (int64_t e = 0; e < DV; e++) {
                 double acc = 0, dd = dout.val[r * DV + e];
                 for (int x = 0; x < 3; x++)
@@ -1064,11 +1140,16 @@ static long check_ops(nsa_context *ctx, problem *p)
                     }
                 ro[0][r * DV + e] = acc;
             }
-        fails += check_close("nsa_gate", &o, ro[0], NULL, dt);
-        b.fwd = a, b.dout = dout.t;
-        RUN_OP(gate_bwd, ctx, &b);
+        if (op_on("nsa_gate")) {
+            RUN_OP(gate, ctx, &a);
+            fails += check_close("nsa_gate o", &o, ro[0], NULL, dt);
+        }
+        if (op_on("nsa_gate_bwd")) RUN_OP(gate_bwd, ctx, &b);
+        static const char *gdo[3] = {"nsa_gate_bwd do_cmp", "nsa_gate_bwd do_slc", "nsa_gate_bwd do_swa"};
+        static const char *gdg[3] = {"nsa_gate_bwd dg_cmp", "nsa_gate_bwd dg_slc", "nsa_gate_bwd dg_swa"};
         for (int x = 0; x < 3; x++) {
-            if (c->gates >> x & 1) fails += check_close("nsa_gate_bwd do", &dob[x], rdo[x], NULL, dt) + check_close("nsa_gate_bwd dg", &dg[x], rdg[x], NULL, dt);
+            if (op_on("nsa_gate_bwd") && (c->gates >> x & 1))
+                fails += check_close(gdo[x], &dob[x], rdo[x], NULL, dt) + check_close(gdg[x], &dg[x], rdg[x], NULL, dt);
             tens_free(&ob[x]), tens_free(&g[x]), tens_free(&dob[x]), tens_free(&dg[x]);
             free(rdo[x]), free(rdg[x]);
         }
@@ -1176,26 +1257,52 @@ long sweep_run_case(nsa_context *ctx, const sweep_case *c, uint64_t seed, int ve
     problem_init(&p, c, seed);
     pipe x;
     build_pipe(&p, &x);
-    size_t need = 0;
-    long fails = check_status("nsa_forward_workspace_size", nsa_forward_workspace_size(ctx, &x.fa, &need));
-    if (!fails) fails += check_status("nsa_forward", nsa_forward(ctx, &x.fa, workspace(need), need));
-    if (!fails) {
-        double *kc = NULL, *vc = NULL;
-        int32_t *idx = NULL;
-        fails += check_pipeline_forward(&p, &x, &kc, &vc, &idx);
-        fails += check_pipeline_backward(ctx, &p, &x, kc, vc, idx);
-        fails += check_determinism(ctx, &x);
-        if (!c->own_cmp) free(kc), free(vc);
-        free(idx);
-        fails += check_ops(ctx, &p);
+    /* the whole pipeline; build_pipe drew its inputs whether it runs or not, so the single ops
+     * below read the same data in any --op run. A failing nsa_forward call ends the case. */
+    const int fwd = op_on("nsa_forward"), bwd = op_on("nsa_backward");
+    long call_fails = 0;
+    if (fwd || bwd) {
+        size_t need = 0;
+        call_fails = check_status("nsa_forward_workspace_size", nsa_forward_workspace_size(ctx, &x.fa, &need));
+        if (!call_fails) call_fails = check_status("nsa_forward", nsa_forward(ctx, &x.fa, workspace(need), need));
+        if (!call_fails) {
+            int32_t *idx = (c->gates & 2) ? to_i32(used_indices(&x)) : NULL;
+            if (fwd) check_pipeline_forward(&p, &x, idx);
+            if (bwd) check_pipeline_backward(ctx, &p, &x, idx), check_determinism(ctx, &x);
+            free(idx);
+        }
     }
+    if (!call_fails) check_ops(ctx, &p);
     pipe_free(&x);
     problem_free(&p);
     return g_tests_failed - f0;
 }
 
+void sweep_case_next(sweep_case *c, uint64_t *state, long index, nsa_backend backend, int64_t max_T)
+{
+    memset(c, 0, sizeof *c);
+    if (backend == NSA_BACKEND_CUDA) {
+        test_rng r = {*state ^ 0x5DEECE66Dull};
+        c->dtype = rng_int(&r, 0, 1) ? NSA_DTYPE_BF16 : NSA_DTYPE_F16; /* kept by the draw */
+        /* the first two cases fix the shapes of the selected attention's union tiles (Hopper:
+         * G = 4 forward and dQ, G = 8 dQ; hopper.cuh sfw_kernel's RP), which the random draw
+         * reaches rarely (G = 4 at head dims 64 / 128; G = 8 only when a long case halves its
+         * heads); the rest of each case is drawn */
+        if (index == 0) c->H = 1, c->HQ = 8, c->DK = c->DV = 128, c->T = 250 < max_T ? 250 : max_T;
+        if (index == 1) {
+            c->H = 2, c->HQ = 8, c->DK = c->DV = 64, c->varlen = 1, c->num_seqs = 3;
+            c->lens[0] = 97, c->lens[1] = 1, c->lens[2] = 180, c->T = 278;
+        }
+    }
+    sweep_case_random(c, state, max_T);
+}
+
 long sweep_run(const sweep_opts *o)
 {
+    if (sweep_set_op(o->op) != 0) {
+        harness_record(0, __FILE__, __LINE__, "sweep op", "unknown op name");
+        return 1;
+    }
     nsa_context_desc d;
     memset(&d, 0, sizeof d);
     d.backend = o->backend;
@@ -1208,7 +1315,10 @@ long sweep_run(const sweep_opts *o)
         harness_record(0, __FILE__, __LINE__, "sweep context", msg);
         return 1;
     }
+    sweep_set_memory(o->backend == NSA_BACKEND_CUDA ? devmem_sweep_memory() : NULL);
+    if (o->hashes) sweep_set_hash(hashlog_sink, o->hashes);
     const long f0 = g_tests_failed;
+    const char *label = o->label ? o->label : "sweep";
     uint64_t state = o->seed;
     const double t0 = (double)time(NULL);
     double last = t0;
@@ -1217,23 +1327,24 @@ long sweep_run(const sweep_opts *o)
         if (o->max_cases && cases >= o->max_cases) break;
         if (o->minutes > 0 && (double)time(NULL) - t0 >= o->minutes * 60.0) break;
         sweep_case c;
-        memset(&c, 0, sizeof c);
         const uint64_t case_seed = state;
-        /* the CUDA backend stores f16 / bf16 only: draw those there (f32 is NOT_SUPPORTED) */
-        if (o->backend == NSA_BACKEND_CUDA) c.dtype = (state >> 17) & 1 ? NSA_DTYPE_BF16 : NSA_DTYPE_F16;
-        sweep_case_random(&c, &state, o->max_T > 0 ? o->max_T : 1000);
+        sweep_case_next(&c, &state, cases, o->backend, o->max_T > 0 ? o->max_T : 1000);
+        if (o->hashes) hashlog_begin_case(o->hashes, cases, case_seed, &c);
         sweep_run_case(ctx, &c, case_seed, o->verbose > 1);
         cases++;
         if (o->verbose && (double)time(NULL) - last >= 10.0) {
             last = (double)time(NULL);
-            printf("check: %ld cases, %ld checks passed, %ld failed, %.0f s\n", cases, g_tests_passed, g_tests_failed - f0,
-                   last - t0);
+            printf("%s: %ld cases, %ld checks passed, %ld failed, %.0f s\n", label, cases, g_tests_passed,
+                   g_tests_failed - f0, last - t0);
             fflush(stdout);
         }
         if (g_tests_failed - f0 > 0 && o->minutes > 0) break; /* a long run stops at the first failing case */
     }
-    if (o->verbose) printf("check: %ld cases done\n", cases);
+    if (o->verbose) printf("%s: %ld cases done\n", label, cases);
     nsa_context_destroy(ctx);
     ws_release();
+    sweep_set_memory(NULL);
+    sweep_set_op(NULL);
+    sweep_set_hash(NULL, NULL);
     return g_tests_failed - f0;
 }

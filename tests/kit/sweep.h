@@ -1,6 +1,7 @@
 /* sweep.h -- the random correctness sweep: the backend against the float64 reference
- * (tests/ref.c) on seeded random problems, op by op and for the whole pipeline, forward
- * and backward. Shared by `make test` (fixed seed, fixed case count) and `nsa check`. */
+ * (ref.c) on seeded random problems, op by op and for the whole pipeline, forward and
+ * backward. Shared by `make test` (fixed seed, fixed case count), build/nsa_gpu_tests and
+ * `nsa check`. */
 #ifndef NSA_TEST_SWEEP_H
 #define NSA_TEST_SWEEP_H
 
@@ -22,6 +23,8 @@ typedef struct sweep_case {
     int zero_q;               /* q = 0: every score equal (tie rule) */
 } sweep_case;
 
+struct hashlog; /* hashlog.h */
+
 typedef struct sweep_opts {
     uint64_t seed;
     long max_cases;           /* stop after this many random cases (0 = no limit) */
@@ -30,11 +33,14 @@ typedef struct sweep_opts {
     int threads;
     int verbose;
     int64_t max_T;            /* cap for random T (default 1000) */
+    const char *label;        /* prefix of the progress lines (default "sweep") */
+    const char *op;           /* only this op's checks (sweep_set_op; NULL: all) */
+    struct hashlog *hashes;   /* receives every checked output's hash (NULL: none) */
 } sweep_opts;
 
 /* Where the sweep's tensors and workspace live. All NULL (the default): host memory, for
- * the CPU backend. A CUDA build passes cudaMalloc/cudaFree/cudaMemcpy wrappers, so that
- * tests/sweep.c itself needs no CUDA header. */
+ * the CPU backend. On CUDA: devmem_sweep_memory() (devmem.h), so that sweep.c itself needs
+ * no CUDA header. */
 typedef struct sweep_memory {
     void *(*alloc)(size_t bytes);
     void (*release)(void *p);
@@ -43,13 +49,30 @@ typedef struct sweep_memory {
 } sweep_memory;
 void sweep_set_memory(const sweep_memory *m);
 
+/* The sweep's op names, as its checks print them ("nsa_attention o": op nsa_attention):
+ * nsa_forward and nsa_backward (the whole pipeline), then each single op and its backward.
+ * NULL-terminated. */
+extern const char *const sweep_op_names[];
+/* From now on only the checks of op `name` run (NULL: every op). What it reads from another op
+ * still runs, unchecked, and a case draws its data as in a full run, so a case index and seed
+ * mean the same with or without it. @return 0, or -1 for a name not in sweep_op_names. */
+int sweep_set_op(const char *name);
+/* Receives the 64-bit hash of each checked output's element bytes; name is "op output". */
+typedef void (*sweep_hash_fn)(void *user, const char *name, uint64_t hash);
+void sweep_set_hash(sweep_hash_fn fn, void *user);
+
 /* Draws a random valid case from rng state *s (fields already nonzero in *c are kept). */
 void sweep_case_random(sweep_case *c, uint64_t *s, int64_t max_T);
+/* Case `index` of a run from rng state *state: on CUDA, bf16 or f16 storage (the GPU takes no
+ * f32 attention inputs) and the first two cases' shapes fixed; then sweep_case_random. One
+ * function, so that a seed gives the same cases in build/nsa_gpu_tests and `nsa check`. */
+void sweep_case_next(sweep_case *c, uint64_t *state, long index, nsa_backend backend, int64_t max_T);
 /* Runs every check on one case, recording passes and failures in the harness counters.
  * @return the number of failed checks in this case. */
 long sweep_run_case(nsa_context *ctx, const sweep_case *c, uint64_t seed, int verbose);
-/* Random cases until max_cases or minutes; prints a progress line every ~10 s when
- * verbose. @return total failed checks. */
+/* Random cases (sweep_case_next) until max_cases or minutes, in host memory for the CPU and in
+ * device memory for CUDA (devmem.h); prints a progress line every ~10 s when verbose.
+ * @return total failed checks. */
 long sweep_run(const sweep_opts *o);
 /* The tolerance rule (style.md) for one tensor of n elements against the float64 reference:
  * 2 * (max error of the naive same-precision result, stored in `storage`, + an fp32

@@ -1,4 +1,4 @@
-/* harness.h -- the tiny test harness shared by every test file.
+/* harness.h -- the tiny test harness shared by the test suites and the CLI.
  * A test is a void function registered in tests/main.c; CHECK records one pass or fail
  * and prints the failing expression with its location. main() prints
  * "N passed, N failed" last. */
