@@ -1,8 +1,8 @@
 /*
  * nsa.h -- Native Sparse Attention (DeepSeek, arXiv 2502.11089) as a C11 library.
  *
- * What is computed is fixed by spec/nsa.md (shared with the project); every backend
- * computes that one function. Conventions used on every declaration below:
+ * What is computed is fixed by docs/spec.md (the contract: sections below cite it as "spec N");
+ * every backend computes that one function. Conventions used on every declaration below:
  *
  *   - Tensors are views (nsa_tensor): a data pointer, a dtype, a rank <= 4, int64 shapes
  *     and int64 strides counted in ELEMENTS (not bytes). The last dimension must have

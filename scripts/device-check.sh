@@ -24,7 +24,7 @@
 # dir/hashes.txt. A kernel change that should not move any bit (a refactor) shows 0 differ.
 # Logs go to $OUT (default ./device-out); a short table is printed last.
 #
-#   bash scripts/device-check.sh                     # what the device tool runs
+#   bash scripts/device-check.sh                     # on a GPU machine
 #   SEED=.. CASES=.. BENCH_T=8192,16384 REPS=5 bash scripts/device-check.sh
 #   NSA_PREBUILT=.old-bin OUT=base bash scripts/device-check.sh; HASH_BASE=base bash scripts/device-check.sh
 set -uo pipefail
@@ -117,7 +117,7 @@ say "memcheck"
 t0=$(date +%s)
 timeout 120 compute-sanitizer --tool memcheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --seed 7 --cases 4 --max-T 200 --no-attention > "$OUT/memcheck.log" 2>&1
 note "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/memcheck.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
-# the attention options' general kernels (xattn.cuh) on the fixed cases of tests/test_attention.c
+# the attention options' general kernels (src/cuda/attention) on the fixed cases of tests/test_attention.c
 t0=$(date +%s)
 NSA_TEST_ATTENTION_QUICK=1 timeout 240 compute-sanitizer --tool memcheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --cases 0 > "$OUT/memcheck-attention.log" 2>&1
 note "memcheck (attention options): $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-attention.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/memcheck-attention.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
@@ -158,7 +158,7 @@ nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=
 # 8k..128k, fla config, G = 4 and 1, DK 192 / DV 128: CUDA-event ms per branch), "cli" the
 # CLI's per-op tables with TFLOP/s (JSON too), "1m" the 1M-token run checked on sampled rows
 # against the float64 reference. Everything lands in $OUT/full.txt and $OUT/full.tgz (the
-# device tool returns only a few files per call). All three take ~10 minutes: split them
+# results come back as a few files). All three take ~10 minutes: split them
 # over calls (EXTRA=tables, then EXTRA="cli 1m").
 EXTRA="${EXTRA:-}"
 [ -n "${FULL:-}" ] && EXTRA="tables cli 1m"

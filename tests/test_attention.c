@@ -740,7 +740,7 @@ static void test_long_cases(void)
     c = shape("long: hd 192/128 segments", 1, 190, 190, 4, 4, 192, 128);
     c.dt = NSA_DTYPE_BF16, c.seg = 1, c.causal = 1;
     run_case(&c, seed++);
-    /* the tuned forward tiles with softcap, sinks and Tq != Tk (their backward: xattn.cuh) */
+    /* the tuned forward tiles with softcap, sinks and Tq != Tk (their backward: src/cuda/attention/kernels.cuh) */
     c = shape("long: Tq<Tk causal softcap + sinks hd 128", 2, 200, 700, 8, 1, 128, 128);
     c.dt = NSA_DTYPE_BF16, c.causal = 1, c.softcap = 20.0f, c.sinks = 1;
     run_case(&c, seed++);

@@ -195,7 +195,7 @@ static int64_t old_attention_wr(int causal, int64_t window_right) { return causa
 /* Old copies: the CUDA backend (listed for replacement; the same rules must hold there)    */
 /* ======================================================================================== */
 
-/* src/cuda/engine.cuh div_nn */
+/* src/cuda/selection/topn.cuh div_nn */
 static int64_t old_div_nn(int64_t a, int b)
 {
     return a <= INT_MAX ? (int64_t)((unsigned)a / (unsigned)b) : a / b;
@@ -211,7 +211,7 @@ typedef struct old_rule_t {
     int nk;
 } old_rule_t;
 
-/* src/cuda/engine.cuh rule_bounds */
+/* src/cuda/prim/mask.cuh rule_bounds, as it was */
 static void old_cu_rule_bounds(const old_rule_t *r, int t, int nkeys, int *lo, int *hi)
 {
     if (r->kind == OLD_RULE_CMP) {
@@ -232,7 +232,7 @@ static void old_cu_rule_bounds(const old_rule_t *r, int t, int nkeys, int *lo, i
     }
 }
 
-/* src/cuda/engine.cuh kt_first_reaching / kt_last_starting */
+/* src/cuda/attn/dkdv_tasks.cuh kt_first_reaching / kt_last_starting, as they were (bisections) */
 static int old_kt_first_reaching(const old_rule_t *r, int len, int nkeys, int c)
 {
     int a = 0, b = len;
@@ -264,7 +264,7 @@ typedef struct old_xparams {
     int64_t wl, wr;
 } old_xparams;
 
-/* src/cuda/xattn.cuh x_range */
+/* src/cuda/attention/kernels.cuh x_range, as it was */
 static void old_x_range(const old_xparams *P, int qlen, int klen, int i, int64_t *a, int64_t *b)
 {
     const int64_t d = (int64_t)i + klen - qlen, span = (int64_t)klen + qlen;
@@ -274,7 +274,7 @@ static void old_x_range(const old_xparams *P, int qlen, int klen, int i, int64_t
     *b = hi > klen - 1 ? klen - 1 : hi;
 }
 
-/* src/cuda/xattn.cuh xdkv kernel: the queries that may see keys [j0, j0 + nkeys) */
+/* src/cuda/attention/kernels.cuh xdkv kernel, as it was: the queries that may see keys [j0, j0 + nkeys) */
 static void old_x_key_queries(const old_xparams *P, int qlen, int klen, int j0, int nkeys, int64_t *qmin_o,
                               int64_t *qmax_o)
 {
@@ -290,10 +290,10 @@ static void old_x_key_queries(const old_xparams *P, int qlen, int klen, int j0, 
     *qmin_o = qmin, *qmax_o = qmax;
 }
 
-/* src/cuda/engine.cuh (selection, per position) and src/cuda/hopper.cuh: nv in int */
+/* src/cuda/selection/ampere.cuh (per position) and selection/hopper.cuh: nv in int */
 static int old_cu_nv(int t, int cl, int cd) { return t + 1 >= cl ? (t + 1 - cl) / cd + 1 : 0; }
 
-/* src/cuda/engine.cuh SEL_RANGE and src/cuda/hopper.cuh's range lambda: compressed keys
+/* src/cuda/selection/ampere.cuh SEL_RANGE and selection/hopper.cuh's range lambda: compressed keys
  * [iA, iB) overlapping selection blocks [jA, jA + JC) */
 static void old_sel_range(int jA_, int JC, int lp, int cl, int cd, int nv_max, int *iA_, int *iB_)
 {
@@ -303,7 +303,7 @@ static void old_sel_range(int jA_, int JC, int lp, int cl, int cd, int nv_max, i
     *iB_ = *iB_ < nv_max ? *iB_ : nv_max;
 }
 
-/* src/cuda/engine.cuh selection importance: one block j's keys [ia, ib) and overlaps */
+/* src/cuda/selection/ampere.cuh importance: one block j's keys [ia, ib) and overlaps */
 static void old_sel_block(int j, int lp, int cl, int cd, int *ia_o, int *ib_o)
 {
     const int64_t b0 = (int64_t)j * lp - cl;
@@ -319,7 +319,7 @@ static int old_sel_overlap(int i, int j, int lp, int cl, int cd)
     return hi - lo;
 }
 
-/* src/cuda/hopper.cuh selection importance: the same with x = i * cd */
+/* src/cuda/selection/hopper.cuh importance: the same with x = i * cd */
 static int old_swg_overlap(int i, int j, int lp, int cl, int cd)
 {
     const int jlo = j * lp, jhi = jlo + lp;
@@ -327,7 +327,7 @@ static int old_swg_overlap(int i, int j, int lp, int cl, int cd)
     return hi - lo;
 }
 
-/* src/cuda/prep.cu compress_bwd_kernel: the compressed blocks covering token tl */
+/* src/cuda/compress/compress.cu compress_bwd_kernel, as it was: the compressed blocks covering token tl */
 static void old_compress_bwd_blocks(int tl, int cl, int cd, int ncmp, int *ilo_o, int *ihi_o)
 {
     const int a = tl - cl + 1;
@@ -340,7 +340,7 @@ static void old_compress_bwd_blocks(int tl, int cl, int cd, int ncmp, int *ilo_o
 /* src/cuda/common.cuh seq_get / seq_units: Nc */
 static int old_cu_ncmp(int len, int cl, int cd) { return (cd > 0 && len >= cl) ? (len - cl) / cd + 1 : 0; }
 
-/* src/cuda/prep.cu / engine.cuh: nb, usable test, block end */
+/* src/cuda/selected/lists.cu / attn/dkdv_tasks.cuh, as they were: nb, usable test, block end */
 static int64_t old_cu_nb(int64_t len, int64_t lp) { return (len + lp - 1) / lp; }
 static int old_cu_unusable(int32_t j, int64_t lp, int64_t pos) { return (int64_t)j * lp > pos; }
 static int old_cu_unusable_div(int j, int t, int lp) { return j > t / lp; }
@@ -350,7 +350,7 @@ static int old_cu_bend(int j, int lp, int len) { return j * lp + lp < len ? j * 
 /* Tests                                                                                    */
 /* ======================================================================================== */
 
-/* Window bounds of every row: range.c, attn_ext.c, xattn.cuh's x_range, engine.cuh's
+/* Window bounds of every row: range.c, attn_ext.c, attention/kernels.cuh's x_range, prim/mask.cuh's
  * rule_bounds (window and selected rules), and the int32 forms on clamped windows. */
 static void test_window_bounds(void)
 {
@@ -416,7 +416,7 @@ static void test_window_bounds(void)
                     }
                 }
             }
-    /* the selected rule's causal bound: engine.cuh's RULE_SLC branch */
+    /* the selected rule's causal bound: prim/mask.cuh's RULE_SLC branch */
     for (int64_t nk = 0; nk <= 70; nk++)
         for (int64_t t = 0; t < 140; t++) {
             const old_rule_t cr = {OLD_RULE_SLC, 0, 0, 0, 0, 0, 16, 0, -1};
@@ -428,15 +428,15 @@ static void test_window_bounds(void)
         }
     tally_done(&tr, "range.c window bounds");
     tally_done(&te, "attn_ext.c window bounds");
-    tally_done(&tx, "xattn.cuh x_range");
-    tally_done(&tc, "engine.cuh window rule_bounds");
+    tally_done(&tx, "attention x_range");
+    tally_done(&tc, "mask.cuh window rule_bounds");
     tally_done(&t32, "int32 window bounds");
     tally_done(&tcl, "window clamp and the spec's window");
-    tally_done(&tsl, "engine.cuh selected rule_bounds");
+    tally_done(&tsl, "mask.cuh selected rule_bounds");
 }
 
-/* The queries that see a key range: the bisections of range.c, attn_ext.c and engine.cuh
- * and xattn.cuh's closed form against nsa_rule_window_q_first / _q_last. */
+/* The queries that see a key range: the bisections of range.c, attn_ext.c and attn/dkdv_tasks.cuh
+ * and attention/kernels.cuh's closed form against nsa_rule_window_q_first / _q_last. */
 static void test_window_queries(void)
 {
     int64_t W[32];
@@ -469,7 +469,7 @@ static void test_window_queries(void)
                         tally_eq(&tk_, l, old_kt_last_starting(&cr, (int)tq, (int)tk, (int)c), "kt last", c, wl, wr,
                                  causal);
                     }
-                    /* xattn.cuh's key tiles of 64 (the same queries, read as a range) */
+                    /* attention/kernels.cuh's key tiles of 64 (the same queries, read as a range) */
                     for (int64_t j0 = 0; j0 < tk; j0 += 64) {
                         const int64_t nkeys = tk - j0 < 64 ? tk - j0 : 64;
                         int64_t qmin, qmax;
@@ -483,8 +483,8 @@ static void test_window_queries(void)
             }
     tally_done(&tr, "range.c key queries");
     tally_done(&te, "attn_ext.c key queries");
-    tally_done(&tk_, "engine.cuh key queries");
-    tally_done(&tx, "xattn.cuh key queries");
+    tally_done(&tk_, "dkdv_tasks key queries");
+    tally_done(&tx, "attention key queries");
 }
 
 /* Every valid (l, d, l'): d | l, d | l', l <= l' (l' up to 128). @return how many. */
@@ -539,7 +539,7 @@ static void test_cmp_and_selection(void)
                 tally_eq(&tq, f < len ? f : len, old_kt_first_reaching(&cr, (int)len, (int)nc, (int)c0), "kt cmp first",
                          c0, l, d, len);
             }
-            /* the compressed blocks covering each token: prep.cu's compress backward */
+            /* the compressed blocks covering each token: compress/compress.cu's backward */
             for (int64_t x = 0; x < len; x++) {
                 int ilo, ihi;
                 old_compress_bwd_blocks((int)x, (int)l, (int)d, (int)nc, &ilo, &ihi);
@@ -580,7 +580,7 @@ static void test_cmp_and_selection(void)
             tally_eq(&tov, nsa_rule_slc_first_cmp32((int32_t)j, (int32_t)l, (int32_t)d, (int32_t)lp), i0, "first32", j,
                      l, d, lp);
             tally_eq(&tov, nsa_rule_slc_last_cmp32((int32_t)j, (int32_t)d, (int32_t)lp), i1, "last32", j, l, d, lp);
-            /* engine.cuh / hopper.cuh: one block, and runs of JC blocks capped at nv_max */
+            /* selection/ampere.cuh / hopper.cuh: one block, and runs of JC blocks capped at nv_max */
             int ia, ib;
             old_sel_block((int)j, (int)lp, (int)l, (int)d, &ia, &ib);
             tally_eq(&tcu, i0, ia, "sel block ia", j, l, d, lp);

@@ -133,7 +133,7 @@ class AttentionArgs(Structure):
     _fields_ = [
         ("q", Tensor), ("k", Tensor), ("v", Tensor), ("o", Tensor), ("lse", Tensor), ("varlen", Varlen),
         ("scale", c_float), ("causal", c_int32), ("window_left", c_int64), ("window_right", c_int64),
-        # appended in 0.2 (issue 5): zero = off
+        # appended in 0.2: zero = off
         ("softcap", c_float), ("sinks", Tensor), ("q_segment_ids", Tensor), ("k_segment_ids", Tensor),
         ("bias", Tensor), ("mask", Tensor), ("dropout_p", c_float), ("dropout_seed", c_uint64),
         ("dropout_offset", c_uint64), ("varlen_qk", VarlenQK),

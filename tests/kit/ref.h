@@ -17,7 +17,7 @@ typedef struct ref_dims {
     int64_t T, HQ, H, DK, DV;   /* G = HQ / H */
 } ref_dims;
 
-/* The tolerance rule's "straightforward same-precision implementation" (../shared/style.md):
+/* The tolerance rule's "straightforward same-precision implementation" (docs/spec.md, "Accuracy"):
  * when set, the reference rounds every tensor that a plain implementation in the storage
  * dtype would materialise (scores S, probabilities P, outputs O and branch outputs, dP, dS,
  * the compressed K/V) with this function. NULL (the default) = exact float64. */

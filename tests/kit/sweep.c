@@ -5,7 +5,7 @@
  * which are what the reference reads. After each call the whole output is compared (never
  * a prefix) and the sentinel bytes are checked untouched.
  *
- * Tolerance rule (../shared/style.md): err(kernel) <= 2 * err(naive), per tensor, where
+ * Tolerance rule (docs/spec.md, "Accuracy"): err(kernel) <= 2 * err(naive), per tensor, where
  * err(naive) is the error of a straightforward same-precision implementation: the reference
  * run again with every tensor such an implementation stores rounded to the storage dtype
  * (ref.h's ref_store_round), its result stored in that dtype too, with an absolute floor for
@@ -1285,7 +1285,7 @@ void sweep_case_next(sweep_case *c, uint64_t *state, long index, nsa_backend bac
         test_rng r = {*state ^ 0x5DEECE66Dull};
         c->dtype = rng_int(&r, 0, 1) ? NSA_DTYPE_BF16 : NSA_DTYPE_F16; /* kept by the draw */
         /* the first two cases fix the shapes of the selected attention's union tiles (Hopper:
-         * G = 4 forward and dQ, G = 8 dQ; hopper.cuh sfw_kernel's RP), which the random draw
+         * G = 4 forward and dQ, G = 8 dQ; selected/hopper_fwd_dq.cuh sfw_kernel's RP), which the random draw
          * reaches rarely (G = 4 at head dims 64 / 128; G = 8 only when a long case halves its
          * heads); the rest of each case is drawn */
         if (index == 0) c->H = 1, c->HQ = 8, c->DK = c->DV = 128, c->T = 250 < max_T ? 250 : max_T;

@@ -1,6 +1,6 @@
-"""bench/peers.py (the side-by-side GPU harness of issue 6) keeps its pure parts working here:
+"""bench/peers.py (the side-by-side GPU harness) keeps its pure parts working here:
 FLOP counts, rows, ratios, the table, the JSON round trip (and the PNG when matplotlib is
-installed), through its own --self-test. The GPU parts run only on the device."""
+installed), through its own --self-test. The GPU parts run only on a GPU machine."""
 import os
 import subprocess
 import sys
