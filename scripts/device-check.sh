@@ -6,7 +6,8 @@
 #   3. the GPU sweep: the random cases of tests/kit/sweep.c against the float64 reference,
 #      every case in its own process (--jobs in parallel), writing a hash of every output
 #      to $OUT/hashes.txt; then a short pass (CASES/4) on the mma.sync tiles, the fallback of
-#      the wgmma paths (NSA_CUDA_WGMMA=0; AB=1 sweeps all CASES there instead);
+#      the wgmma paths (NSA_CUDA_WGMMA=0; AB=1 sweeps all CASES there instead), and one on each
+#      other fallback a planner override selects (NSA_CUDA_KWP=0, _SLC_RP=1, _SLC_NP=1);
 #   4. compute-sanitizer memcheck on a few small cases (RACE=1: racecheck too);
 #   5. CUDA-event timings of the whole forward / backward and of each branch (paper config,
 #      bf16) per length: `nsa bench --branches`;
@@ -112,6 +113,16 @@ NSA_CUDA_WGMMA=0 NSA_TEST_ATTENTION_QUICK=1 timeout 240 "$BIN/nsa_gpu_tests" --s
 rc=$?
 grep -E "^FAIL" "$OUT/sweep-mma.log" | head -10
 note "sweep with NSA_CUDA_WGMMA=0: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/sweep-mma.log" | tail -1) ($MMA_CASES cases, rc $rc, $(( $(date +%s) - t0 )) s)"
+# The other fallbacks a planner override selects (src/cuda/plan.h): kwg instead of kwp for the
+# range dK / dV, and the selected tile without union rows or without position pairs; a short
+# pass each on the same first cases.
+for v in NSA_CUDA_KWP=0 NSA_CUDA_SLC_RP=1 NSA_CUDA_SLC_NP=1; do
+    vlog="$OUT/sweep-${v#NSA_CUDA_}.log"
+    NSA_TEST_ATTENTION_QUICK=1 timeout 240 "$BIN/nsa_gpu_tests" --seed "$SEED" --cases "$MMA_CASES" --max-T "$MAXT" \
+        --jobs "$JOBS" --variant "$v" > "$vlog" 2>&1
+    vrc=$?
+    note "sweep with $v: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$vlog" | tail -1) ($MMA_CASES cases, rc $vrc)"
+done
 
 say "memcheck"
 t0=$(date +%s)
