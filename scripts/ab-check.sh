@@ -8,7 +8,8 @@
 #               the last build;
 #   PART=time   CUDA-event timings, the builds interleaved ROUNDS times in one process tree:
 #               the whole NSA forward / backward per length (nsa bench --branches) and dense
-#               causal attention's forward (nsa bench --op dense).
+#               causal attention's forward (nsa bench --op dense); TIME_VARIANTS="NAME=value ..."
+#               times the branches again under those overrides (at VT, default 16384).
 # Each build is a folder holding nsa_gpu_tests and nsa (both from this tree's test kit and CLI,
 # linked against that build's libnsa.a, so only the library differs).
 #
@@ -68,6 +69,11 @@ else
             timeout 120 "$DIR/$b/nsa" bench --backend cuda --op dense --T 16384 --HQ 64 --H 4 --D 128 --dtype bf16 \
                 --reps "${REPS:-10}" > "$OUT/dense-$b-$r.log" 2>&1
             note "round $r $b dense 16k: $(grep -E '^ +16384 +fwd +dense' "$OUT/dense-$b-$r.log" | tr -s ' ')"
+            for v in ${TIME_VARIANTS:-}; do # the same bench under a planner override (a fallback tile's time)
+                env "$v" timeout 200 "$DIR/$b/nsa" bench --branches --T "${VT:-16384}" --reps "${REPS:-10}" > "$OUT/branches-$b-$r-$v.log" 2>&1
+                note "round $r $b branches with $v:"
+                tail -n +3 "$OUT/branches-$b-$r-$v.log" | tee -a "$SUMMARY"
+            done
         done
     done
 fi

@@ -34,8 +34,8 @@ def fn(sig, body):
 files = {}
 for n, k, v in CLS3:
     files["attn_ampere_d%d.cu" % n] = ('"../attn/ampere_fwd_dq.cuh"', '"../attn/ampere_dkdv.cuh"'), [
-        fn("void nsa_cu_qtile_%d(grun *g, const qparams *P, int mode, int bf16, int64_t tiles)" % n,
-           both_mode("launch_qtile_t<%d, %d, T_, M_>(g, P, tiles)" % (k, v))),
+        fn("void nsa_cu_qtile_%d(grun *g, const qparams *P, int mode, int bf16, int bn, int64_t tiles)" % n,
+           both_mode("launch_qtile_t<%d, %d, T_, M_>(g, P, bn, tiles)" % (k, v))),
         fn("void nsa_cu_ktile_%d(grun *g, const kparams *P, int bf16, int64_t tiles)" % n,
            both("launch_ktile_t<%d, %d, T_>(g, P, tiles)" % (k, v)))]
     files["range_hopper_d%d.cu" % n] = ('"../range/hopper_fwd_dq.cuh"',), [
@@ -56,8 +56,9 @@ for n, k, v in CLS2:
            "    if (slc) {\n" + both("launch_kwp_t<%d, T_, true>(g, P, tiles, maps)" % k).replace("    ", "        ") +
            "    } else {\n" + both("launch_kwp_t<%d, T_, false>(g, P, tiles, maps)" % k).replace("    ", "        ") + "    }\n")]
     files["selected_hopper_d%d.cu" % n] = ('"../selected/hopper_fwd_dq.cuh"',), [
-        fn("void nsa_cu_sfw_%d(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv)" % n,
-           both_mode("launch_sfw_m<%d, T_, M_>(g, P, tiles, tk, tv)" % k))]
+        fn("void nsa_cu_sfw_%d(grun *g, const qparams *P, const cu_slc_plan *pl, int mode, int bf16, int64_t tiles,\n"
+           "                   const void *tk, const void *tv)" % n,
+           both_mode("launch_sfw_m<%d, T_, M_>(g, P, pl, tiles, tk, tv)" % k))]
 for n in (64, 128, 256):
     files["attention_d%d.cu" % n] = ('"../attention/kernels.cuh"',), [
         fn("void nsa_cu_xattn_%d(grun *g, const xparams *P, int kind, int bf16, const int64_t grid[3])" % n,

@@ -55,7 +55,16 @@ typedef struct cu_views {
     int o_dt;             /* o's nsa_dtype (has_o) */
 } cu_views;
 
-enum { MODE_FWD = 0, MODE_DQ = 1 }; /* forward or dQ of a forward / dQ tile */
+enum { MODE_FWD = 0, MODE_DQ = 1 };
+
+/* The shared-memory sizes of plan.h files: plain C for the planners and their tests, constexpr
+ * in C++ so that each kernel's layout struct checks at compile time that the host reserves
+ * exactly its bytes. */
+#ifdef __cplusplus
+#define NSA_SMEM_FN static inline constexpr
+#else
+#define NSA_SMEM_FN static inline
+#endif /* forward or dQ of a forward / dQ tile */
 
 #ifdef __cplusplus
 }

@@ -8,22 +8,36 @@
 
 #if defined(__CUDACC__)
 
+/* Shared memory of ktile_kernel<DKP, DVP>: byte offsets in carving order (rows padded by 8
+ * elements against bank conflicts); the host reserves bytes (ktile_smem, checked below). */
+template <int DKP, int DVP> struct ktile_layout {
+    static constexpr size_t BK = QT_BN, BQ = 64, LDK = DKP + 8, LDV = DVP + 8;
+    static constexpr size_t k = 0, v = k + BK * LDK * 2;          /* the task's K and V */
+    static constexpr size_t q = v + BK * LDV * 2;                 /* [2][BQ][LDK] Q stages */
+    static constexpr size_t d = q + 2 * BQ * LDK * 2;             /* [2][BQ][LDV] dO stages */
+    static constexpr size_t rq = d + 2 * BQ * LDV * 2;            /* [3][BQ] q row offsets */
+    static constexpr size_t ro = rq + 3 * BQ * sizeof(int64_t);   /* [3][BQ] dout row offsets */
+    static constexpr size_t rl2 = ro + 3 * BQ * sizeof(int64_t);  /* [3][BQ] lse */
+    static constexpr size_t rD = rl2 + 3 * BQ * 4, rg = rD + 3 * BQ * 4; /* [3][BQ] D, gate */
+    static constexpr size_t rlo = rg + 3 * BQ * 4, rhi = rlo + 3 * BQ * 4; /* [3][BQ] visible keys */
+    static constexpr size_t rfull = rhi + 3 * BQ * 4;             /* [3][2] whole-chunk flags */
+    static constexpr size_t bytes = rfull + 3 * 2 * 4;
+    static_assert(bytes == ktile_smem(DKP, DVP), "ktile_smem reserves exactly this layout");
+};
+
 template <int DKP, int DVP, typename T>
 __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
 {
     constexpr int LDK = DKP + 8, LDV = DVP + 8, BK = QT_BN, BQ = 64, NT = BQ / 8, KT = DKP / 16, VT = DVP / 16;
     extern __shared__ __align__(16) unsigned char smem[];
     const int nthr = 128, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    T *Ks = (T *)smem;
-    T *Vs = Ks + BK * LDK;
-    T *Qs = Vs + BK * LDV;      /* [2][BQ][LDK] data stages */
-    T *Ds = Qs + 2 * BQ * LDK;  /* [2][BQ][LDV] */
-    int64_t *rq = (int64_t *)(Ds + 2 * BQ * LDV); /* [3][BQ] row slots */
-    int64_t *ro = rq + 3 * BQ;
-    float *rl2 = (float *)(ro + 3 * BQ);
-    float *rD = rl2 + 3 * BQ, *rg = rD + 3 * BQ;
-    int *rlo = (int *)(rg + 3 * BQ), *rhi = rlo + 3 * BQ;
-    int *rfull = rhi + 3 * BQ; /* [3][2]: every row of the slot's warp half sees all BK keys */
+    using L = ktile_layout<DKP, DVP>;
+    T *Ks = (T *)(smem + L::k), *Vs = (T *)(smem + L::v);
+    T *Qs = (T *)(smem + L::q), *Ds = (T *)(smem + L::d);
+    int64_t *rq = (int64_t *)(smem + L::rq), *ro = (int64_t *)(smem + L::ro);
+    float *rl2 = (float *)(smem + L::rl2), *rD = (float *)(smem + L::rD), *rg = (float *)(smem + L::rg);
+    int *rlo = (int *)(smem + L::rlo), *rhi = (int *)(smem + L::rhi);
+    int *rfull = (int *)(smem + L::rfull); /* [3][2]: every row of the slot's warp half sees all BK keys */
 
     /* the task lives in shared memory: the row fill of every chunk reads it there instead of
      * holding its ~20 registers through the products (spilled otherwise) */
@@ -208,7 +222,7 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
 template <int DKP, int DVP, typename T>
 static void launch_ktile_t(grun *g, const kparams *P, int64_t tiles)
 {
-    const size_t smem = ktile_smem(DKP, DVP);
+    const size_t smem = ktile_layout<DKP, DVP>::bytes;
     g_check(g, cudaFuncSetAttribute(ktile_kernel<DKP, DVP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
     ktile_kernel<DKP, DVP, T><<<dim3((unsigned)tiles, P->extra ? 1u : (unsigned)P->H), 128, smem, g->st>>>(*P);

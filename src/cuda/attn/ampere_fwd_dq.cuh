@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 {
     constexpr int LDK = DKP + 8, LDV = DVP + 8, NT = BN / 8, KT = DKP / 16, VT = DVP / 16;
     extern __shared__ __align__(16) unsigned char smem[];
-    const int nw = P.nw, BM = nw * 16, nthr = nw * 32;
+    constexpr int nw = QTILE_NW(BN), BM = nw * 16, nthr = nw * 32;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int64_t s, tile;
     seq_decode(P.sm, blockIdx.x, &s, &tile);
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
     const int64_t key_row0 = is_cmp ? sq.cmp0 : sq.row0;
     const int has_v = MODE == MODE_DQ || P.o.p != nullptr;
 
-    const int nst = P.nst; /* K/V stages: 2 = prefetch the next chunk during this one */
+    constexpr int nst = QTILE_NST(BN); /* K/V stages: 2 = prefetch the next chunk during this one */
     /* one-warp forward (selected attention, G >= 16): Q fragments come straight from global
      * memory into registers, so the tile needs no Q buffer and one more CTA fits an SM (the
      * kernel is latency bound at ~5 one-warp CTAs per SM); must match qtile_smem */
@@ -408,17 +408,17 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 template <int DKP, int DVP, typename T, int MODE, int BN>
 static void launch_qtile_bn(grun *g, const qparams *P, int64_t tiles)
 {
-    const size_t smem = qtile_smem(DKP, DVP, P->nw, MODE, P->nst, BN);
+    const size_t smem = qtile_smem(DKP, DVP, QTILE_NW(BN), MODE, QTILE_NST(BN), BN);
     g_check(g, cudaFuncSetAttribute(qtile_kernel<DKP, DVP, T, MODE, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
-    qtile_kernel<DKP, DVP, T, MODE, BN><<<dim3((unsigned)tiles, (unsigned)P->H), P->nw * 32, smem, g->st>>>(*P);
+    qtile_kernel<DKP, DVP, T, MODE, BN><<<dim3((unsigned)tiles, (unsigned)P->H), QTILE_NW(BN) * 32, smem, g->st>>>(*P);
     g_launched(g);
 }
 
 template <int DKP, int DVP, typename T, int MODE>
-static void launch_qtile_t(grun *g, const qparams *P, int64_t tiles)
+static void launch_qtile_t(grun *g, const qparams *P, int bn, int64_t tiles)
 {
-    if (P->bn == 32) launch_qtile_bn<DKP, DVP, T, MODE, 32>(g, P, tiles);
+    if (bn == 32) launch_qtile_bn<DKP, DVP, T, MODE, 32>(g, P, tiles);
     else launch_qtile_bn<DKP, DVP, T, MODE, 64>(g, P, tiles);
 }
 

@@ -71,23 +71,37 @@ __device__ __forceinline__ void kwg_store(const kparams &P, const kt_task &t, co
  *   S^T = K Q^T, dP^T = V dO^T     (wgmma SS, all operands K-major)
  *   dV += (g P)^T dO, dK += dS^T Q (wgmma RS, dO / Q MN-major)
  * Deterministic as ktile: every key's sums run over its rows in one fixed order. */
+/* Shared memory of kwg_kernel<DP>: byte offsets from the 1024-aligned base in carving order;
+ * the host reserves bytes + 1024 (kwg_smem, checked below). Row slots: three stages of BQ. */
+template <int DP> struct kwg_layout {
+    static constexpr size_t BK = KWG_BK, BQ = 64, KB = BK * DP * 2, TB = BQ * DP * 2; /* key tile, row chunk */
+    static constexpr size_t k = 0, v = k + KB;                  /* K and V of the task's keys */
+    static constexpr size_t q = v + KB;                         /* [2] Q chunks */
+    static constexpr size_t d = q + 2 * TB;                     /* [2] dO chunks */
+    static constexpr size_t rq = d + 2 * TB;                    /* [3][BQ] q row offsets */
+    static constexpr size_t ro = rq + 3 * BQ * sizeof(int64_t); /* [3][BQ] dout row offsets */
+    static constexpr size_t rl2 = ro + 3 * BQ * sizeof(int64_t); /* [3][BQ] lse */
+    static constexpr size_t rD = rl2 + 3 * BQ * 4, rg = rD + 3 * BQ * 4; /* [3][BQ] D, gate */
+    static constexpr size_t rlo = rg + 3 * BQ * 4, rhi = rlo + 3 * BQ * 4; /* [3][BQ] visible keys */
+    static constexpr size_t rfull = rhi + 3 * BQ * 4;           /* [3][2] whole-chunk flags */
+    static constexpr size_t bytes = rfull + 3 * 2 * 4;
+    static_assert(bytes + 1024 == kwg_smem(DP), "kwg_smem reserves exactly this layout");
+};
+
 template <int DP, typename T>
 __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int BK = KWG_BK, BQ = 64, NT = BQ / 8, NTHR = 256;
-    constexpr int KB = BK * DP * 2, TB = BQ * DP * 2; /* key tile, row chunk */
+    constexpr int TB = BQ * DP * 2; /* row chunk */
+    using L = kwg_layout<DP>;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_align1024(smem_raw);
-    unsigned char *Ks = smem, *Vs = Ks + KB;
-    unsigned char *Qs = Vs + KB;     /* [2] */
-    unsigned char *Ds = Qs + 2 * TB; /* [2] dO */
-    int64_t *rq = (int64_t *)(Ds + 2 * TB); /* [3][BQ] row slots */
-    int64_t *ro = rq + 3 * BQ;
-    float *rl2 = (float *)(ro + 3 * BQ);
-    float *rD = rl2 + 3 * BQ, *rg = rD + 3 * BQ;
-    int *rlo = (int *)(rg + 3 * BQ), *rhi = rlo + 3 * BQ;
-    int *rfull = rhi + 3 * BQ;
+    unsigned char *Ks = smem + L::k, *Vs = smem + L::v;
+    unsigned char *Qs = smem + L::q, *Ds = smem + L::d;
+    int64_t *rq = (int64_t *)(smem + L::rq), *ro = (int64_t *)(smem + L::ro);
+    float *rl2 = (float *)(smem + L::rl2), *rD = (float *)(smem + L::rD), *rg = (float *)(smem + L::rg);
+    int *rlo = (int *)(smem + L::rlo), *rhi = (int *)(smem + L::rhi), *rfull = (int *)(smem + L::rfull);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
 
     /* the task lives in shared memory: the row fill of every chunk reads it there, so its
@@ -213,6 +227,25 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
  *   dS^T, dK += dS^T Q           (wgmma RS)
  * Deterministic; for the range rules the same sums as kwg bit for bit. 384 threads: warpgroup 0
  * the producer (WS_PREGS registers), warpgroups 1 and 2 the consumers (WS_CREGS). */
+/* Shared memory of kwp_kernel<DP, SLC>: byte offsets from the 1024-aligned base in carving
+ * order; the host reserves bytes + 1024 (kwp_smem, checked below). NS stages of Q / dO rows,
+ * each with its full / empty mbarrier and row slots (no row offsets: TMA). */
+template <int DP, bool SLC> struct kwp_layout {
+    static constexpr size_t BK = SLC ? 64 : KWG_BK, BQ = 64, NS = SLC ? KWP_NS_SLC : KWP_NS;
+    static constexpr size_t KB = BK * DP * 2, TB = BQ * DP * 2; /* key tile, row chunk */
+    static constexpr size_t k = 0, v = k + KB;                  /* K and V of the task's keys */
+    static constexpr size_t q = v + KB;                         /* [NS] Q chunks */
+    static constexpr size_t d = q + NS * TB;                    /* [NS] dO chunks */
+    static constexpr size_t full = d + NS * TB;                 /* [NS] chunk landed */
+    static constexpr size_t empty = full + NS * sizeof(uint64_t); /* [NS] chunk released */
+    static constexpr size_t rl2 = empty + NS * sizeof(uint64_t); /* [NS][BQ] lse */
+    static constexpr size_t rD = rl2 + NS * BQ * 4, rg = rD + NS * BQ * 4; /* [NS][BQ] D, gate */
+    static constexpr size_t rlo = rg + NS * BQ * 4, rhi = rlo + NS * BQ * 4; /* [NS][BQ] visible keys */
+    static constexpr size_t rfull = rhi + NS * BQ * 4;          /* [NS][2] whole-chunk flags */
+    static constexpr size_t bytes = rfull + NS * 2 * 4;
+    static_assert(bytes + 1024 == kwp_smem(DP, SLC), "kwp_smem reserves exactly this layout");
+};
+
 template <int DP, typename T, bool SLC>
 __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __grid_constant__ CUtensorMap tq,
                                                      const __grid_constant__ CUtensorMap tdo,
@@ -222,16 +255,14 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int BK = SLC ? 64 : KWG_BK, BQ = 64, NT = BQ / 8, NS = SLC ? KWP_NS_SLC : KWP_NS;
     constexpr int KB = BK * DP * 2, TB = BQ * DP * 2; /* key tile, row chunk */
+    using L = kwp_layout<DP, SLC>;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_align1024(smem_raw);
-    unsigned char *Ks = smem, *Vs = Ks + KB;
-    unsigned char *Qs = Vs + KB;      /* [NS] */
-    unsigned char *Ds = Qs + NS * TB; /* [NS] dO */
-    uint64_t *full = (uint64_t *)(Ds + NS * TB), *empty = full + NS;
-    float *rl2 = (float *)(empty + NS); /* [NS][BQ] row slots (no row offsets: TMA) */
-    float *rD = rl2 + NS * BQ, *rg = rD + NS * BQ;
-    int *rlo = (int *)(rg + NS * BQ), *rhi = rlo + NS * BQ;
-    int *rfull = rhi + NS * BQ; /* [NS][2] */
+    unsigned char *Ks = smem + L::k, *Vs = smem + L::v;
+    unsigned char *Qs = smem + L::q, *Ds = smem + L::d;
+    uint64_t *full = (uint64_t *)(smem + L::full), *empty = (uint64_t *)(smem + L::empty);
+    float *rl2 = (float *)(smem + L::rl2), *rD = (float *)(smem + L::rD), *rg = (float *)(smem + L::rg);
+    int *rlo = (int *)(smem + L::rlo), *rhi = (int *)(smem + L::rhi), *rfull = (int *)(smem + L::rfull);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
 
     __shared__ kt_task ts; /* read from shared memory by the producer's fills (as kwg) */
@@ -437,7 +468,7 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
 template <int DP, typename T>
 static void launch_kwg_t(grun *g, const kparams *P, int64_t tiles)
 {
-    const size_t smem = kwg_smem(DP);
+    const size_t smem = kwg_layout<DP>::bytes + 1024;
     g_check(g, cudaFuncSetAttribute(kwg_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
     kwg_kernel<DP, T><<<dim3((unsigned)tiles, (unsigned)P->H), 256, smem, g->st>>>(*P);
@@ -447,7 +478,7 @@ static void launch_kwg_t(grun *g, const kparams *P, int64_t tiles)
 template <int DP, typename T, bool SLC>
 static void launch_kwp_t(grun *g, const kparams *P, int64_t tiles, const void *maps)
 {
-    const size_t smem = kwp_smem(DP, SLC);
+    const size_t smem = kwp_layout<DP, SLC>::bytes + 1024;
     g_check(g, cudaFuncSetAttribute(kwp_kernel<DP, T, SLC>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
     const CUtensorMap *m = (const CUtensorMap *)maps; /* q, dout, k, v */

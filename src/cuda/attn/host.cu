@@ -56,19 +56,19 @@ void cu_dkdv_params(kparams *P, const nsa_problem *p, const bwd_io *io)
     P->sl2 = p->scale * NSA_LOG2E;
 }
 
-void cu_run_qtile(grun *g, const qparams *P, int mode, int64_t tiles, nsa_dtype dt)
+void cu_run_qtile(grun *g, const qparams *P, int mode, int bn, int64_t tiles, nsa_dtype dt)
 {
     const int cls = cu_dims_class(g->p->DK, g->p->DV);
     if (!g_live(g) || tiles == 0) return;
-    if (qtile_smem(cls, class_dv(cls), P->nw, mode, P->nst, P->bn) > (size_t)g->dev.smem_max) {
+    if (qtile_smem(cls, class_dv(cls), QTILE_NW(bn), mode, QTILE_NST(bn), bn) > (size_t)g->dev.smem_max) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED);
         return;
     }
     const int bf16 = dt == NSA_DTYPE_BF16;
     switch (cls) {
-    case 64: nsa_cu_qtile_64(g, P, mode, bf16, tiles); break;
-    case 128: nsa_cu_qtile_128(g, P, mode, bf16, tiles); break;
-    default: nsa_cu_qtile_192(g, P, mode, bf16, tiles); break;
+    case 64: nsa_cu_qtile_64(g, P, mode, bf16, bn, tiles); break;
+    case 128: nsa_cu_qtile_128(g, P, mode, bf16, bn, tiles); break;
+    default: nsa_cu_qtile_192(g, P, mode, bf16, bn, tiles); break;
     }
 }
 

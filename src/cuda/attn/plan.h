@@ -10,7 +10,13 @@ extern "C" {
 #endif
 
 /* Shared memory of each kernel (bytes); the kernels carve in the same order. */
-static inline size_t qtile_smem(int DKP, int DVP, int nw, int mode, int nst, int bn)
+/* qtile's shape follows its chunk: 64 keys on four warps (64 rows) double-buffered, or 32 keys
+ * on one warp (16 rows: the selected tiles at G >= 16) single-buffered, so more of those
+ * latency-bound CTAs fit an SM */
+#define QTILE_NW(bn) ((bn) == 32 ? 1 : 4)
+#define QTILE_NST(bn) ((bn) == 32 ? 1 : 2)
+
+NSA_SMEM_FN size_t qtile_smem(int DKP, int DVP, int nw, int mode, int nst, int bn)
 {
     const size_t BM = 16 * (size_t)nw, LDK = DKP + 8, LDV = DVP + 8;
     /* one-warp forward: Q lives in registers (qtile_kernel's qreg) */
@@ -18,7 +24,7 @@ static inline size_t qtile_smem(int DKP, int DVP, int nw, int mode, int nst, int
     return el * 2 + 2 * BM * 8 + 12 * 4 + 3 * 64;
 }
 
-static inline size_t ktile_smem(int DKP, int DVP)
+NSA_SMEM_FN size_t ktile_smem(int DKP, int DVP)
 {
     const size_t LDK = DKP + 8, LDV = DVP + 8;
     const size_t el = 3 * 64 * LDK + 3 * 64 * LDV;
@@ -33,7 +39,7 @@ static inline size_t ktile_smem(int DKP, int DVP)
 #define KWG_BK 128 /* keys per kwg_kernel task (ktile: 64) */
 /* Shared memory of kwg_kernel<DP>: slack, K and V of 128 keys, two Q and two dO stages of 64
  * rows, the three row slots of ktile (offsets, lse, D, gate, ranges, whole-chunk flags). */
-static inline size_t kwg_smem(int DP)
+NSA_SMEM_FN size_t kwg_smem(int DP)
 {
     return 1024 + 2 * (size_t)KWG_BK * DP * 2 + 4 * (size_t)64 * DP * 2 + 3 * 64 * (2 * sizeof(int64_t) + 5 * 4) + 6 * 4;
 }
@@ -44,7 +50,7 @@ static inline size_t kwg_smem(int DP)
 /* slack, K and V of 128 keys (selected: 64), the stages of Q and dO (64 rows each), their
  * full / empty mbarriers, as many row slots (lse, D, gate, ranges: TMA needs no row offsets)
  * and whole-chunk flags */
-static inline size_t kwp_smem(int DP, int slc)
+NSA_SMEM_FN size_t kwp_smem(int DP, int slc)
 {
     const size_t ns = slc ? KWP_NS_SLC : KWP_NS, bk = slc ? 64 : KWG_BK;
     return 1024 + 2 * bk * DP * 2 + 2 * ns * 64 * DP * 2 + 2 * ns * 8 + ns * 64 * 5 * 4 + ns * 2 * 4;

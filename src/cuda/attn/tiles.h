@@ -26,11 +26,6 @@ typedef struct qparams {
     const int32_t *U, *ucnt; /* SLC: usable blocks [B*T*H][m] ascending, counts */
     int m;
     seqmap sm;
-    int nw;                /* warps per CTA: tile rows = 16 * nw */
-    int nst;               /* K/V buffers: 2 = double-buffered, 1 = single (less shared memory) */
-    int bn;                /* keys per chunk: 64, or 32 (one-warp selected tiles) */
-    int rp;                /* sfw: positions per warp (16 / G at G = 4 or 8: rows = positions x heads), else 1 */
-    int ks;                /* sfw: warps sharing those rows on alternate chunks (2: the G = 4 forward) */
     /* qwg: Q (and dO in dQ) arrives as one TMA box of 128 / G positions x G heads (G divides
      * 128); forward O leaves each warpgroup as one of 64 / G positions (G divides 64; O in q's
      * dtype) */
@@ -71,9 +66,10 @@ typedef struct kparams {
 
 /* Launchers, one per head-dim class (64 = DK, DV <= 64; 128 = DK, DV <= 128; 192 = DK <= 192,
  * DV <= 128), defined in the generated src/cuda/inst files. */
-void nsa_cu_qtile_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
-void nsa_cu_qtile_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
-void nsa_cu_qtile_192(grun *g, const qparams *P, int mode, int bf16, int64_t tiles);
+/* qtile with BN keys per chunk (its warps and stages follow: QTILE_NW, QTILE_NST) */
+void nsa_cu_qtile_64(grun *g, const qparams *P, int mode, int bf16, int bn, int64_t tiles);
+void nsa_cu_qtile_128(grun *g, const qparams *P, int mode, int bf16, int bn, int64_t tiles);
+void nsa_cu_qtile_192(grun *g, const qparams *P, int mode, int bf16, int bn, int64_t tiles);
 void nsa_cu_ktile_64(grun *g, const kparams *P, int bf16, int64_t tiles);
 void nsa_cu_ktile_128(grun *g, const kparams *P, int bf16, int64_t tiles);
 void nsa_cu_ktile_192(grun *g, const kparams *P, int bf16, int64_t tiles);
@@ -115,7 +111,7 @@ void cu_dkdv_params(kparams *P, const nsa_problem *p, const bwd_io *io);
 
 /* Launch the mma.sync tiles of the problem's head-dim class (NOT_SUPPORTED when their
  * shared memory does not fit the device). */
-void cu_run_qtile(grun *g, const qparams *P, int mode, int64_t tiles, nsa_dtype dt);
+void cu_run_qtile(grun *g, const qparams *P, int mode, int bn, int64_t tiles, nsa_dtype dt);
 void cu_run_ktile(grun *g, const kparams *P, int64_t tiles, nsa_dtype dt);
 /* The alignment of a parameter block's views, as the planners take it (NULL: absent). */
 cu_views cu_views_of(const dview *q, const dview *k, const dview *v, const dview *o, const dview *dout);

@@ -2,14 +2,14 @@
 #include "../attn/ampere_fwd_dq.cuh"
 #include "../attn/ampere_dkdv.cuh"
 
-void nsa_cu_qtile_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles)
+void nsa_cu_qtile_128(grun *g, const qparams *P, int mode, int bf16, int bn, int64_t tiles)
 {
     if (bf16) {
-        if (mode == MODE_FWD) launch_qtile_t<128, 128, __nv_bfloat16, MODE_FWD>(g, P, tiles);
-        else launch_qtile_t<128, 128, __nv_bfloat16, MODE_DQ>(g, P, tiles);
+        if (mode == MODE_FWD) launch_qtile_t<128, 128, __nv_bfloat16, MODE_FWD>(g, P, bn, tiles);
+        else launch_qtile_t<128, 128, __nv_bfloat16, MODE_DQ>(g, P, bn, tiles);
     } else {
-        if (mode == MODE_FWD) launch_qtile_t<128, 128, __half, MODE_FWD>(g, P, tiles);
-        else launch_qtile_t<128, 128, __half, MODE_DQ>(g, P, tiles);
+        if (mode == MODE_FWD) launch_qtile_t<128, 128, __half, MODE_FWD>(g, P, bn, tiles);
+        else launch_qtile_t<128, 128, __half, MODE_DQ>(g, P, bn, tiles);
     }
 }
 

@@ -103,6 +103,26 @@ __device__ __forceinline__ qwg_task qwg_task_of(const qparams &P, int64_t task)
     return t;
 }
 
+/* Shared memory of qwg_kernel<DKP, DVP, MODE>: byte offsets from the 1024-aligned base in carving
+ * order; the host reserves bytes + 1024 of alignment slack (qwg_smem, checked below). */
+template <int DKP, int DVP, int MODE> struct qwg_layout {
+    static constexpr size_t NQ = QWG_NQ(MODE, DKP), NS = QWG_NS(MODE), BM = QWG_BM, BN = QWG_BN(MODE);
+    static constexpr size_t QB = BM * DKP * 2, OB = BM * DVP * 2, KB = BN * DKP * 2, VB = BN * DVP * 2; /* tile bytes */
+    static constexpr size_t q = 0;                                     /* [NQ] Q tiles */
+    static constexpr size_t o = q + NQ * QB;                           /* dO tile (dQ mode) */
+    static constexpr size_t k = o + (MODE == MODE_DQ ? OB : 0);        /* [NS] K stages */
+    static constexpr size_t v = k + NS * KB;                           /* [NS] V stages */
+    static constexpr size_t roff = v + NS * VB;                        /* [BM] q row offsets */
+    static constexpr size_t roff2 = roff + BM * sizeof(int64_t);       /* [BM] dout row offsets (dQ mode) */
+    static constexpr size_t full = roff2 + BM * sizeof(int64_t);       /* [NS] K / V chunk landed */
+    static constexpr size_t empty = full + NS * sizeof(uint64_t);      /* [NS] both warpgroups done with the stage */
+    static constexpr size_t qfull = empty + NS * sizeof(uint64_t);     /* [NQ] Q's box landed */
+    static constexpr size_t qempty = qfull + NQ * sizeof(uint64_t);    /* [NQ] both warpgroups done with the Q buffer */
+    static constexpr size_t task = qempty + NQ * sizeof(uint64_t);     /* [NQ] the task whose Q is in the buffer */
+    static constexpr size_t bytes = task + NQ * QWG_TASK_BYTES;
+    static_assert(bytes + 1024 == qwg_smem(DKP, DVP, MODE), "qwg_smem reserves exactly this layout");
+};
+
 template <int DKP, int DVP, typename T, int MODE>
 __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
                                                      const __grid_constant__ CUtensorMap tv,
@@ -116,19 +136,20 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
     constexpr int DA = MODE == MODE_DQ ? DKP : DVP;
     constexpr int QB = BM * DKP * 2, OB = BM * DVP * 2, KB = BN * DKP * 2, VB = BN * DVP * 2; /* tile bytes */
     constexpr bool DQ = MODE == MODE_DQ;
+    using L = qwg_layout<DKP, DVP, MODE>;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_align1024(smem_raw);
-    unsigned char *Qall = smem;                 /* [NQ] */
-    unsigned char *Os = Qall + NQ * QB;         /* dO (dQ mode) */
-    unsigned char *Ks = Os + (DQ ? OB : 0);     /* [NS] */
-    unsigned char *Vs = Ks + NS * KB;           /* [NS] */
-    int64_t *roff = (int64_t *)(Vs + NS * VB);  /* [BM] q rows */
-    int64_t *roff2 = roff + BM;                 /* [BM] dout rows (dQ mode) */
-    uint64_t *full = (uint64_t *)(roff2 + BM);  /* [NS] K / V chunk landed */
-    uint64_t *empty = full + NS;                /* [NS] both warpgroups done with the stage */
-    uint64_t *qfull = empty + NS;               /* [NQ] Q's box landed (P.qbox) */
-    uint64_t *qempty = qfull + NQ;              /* [NQ] both warpgroups done with the Q buffer */
-    qwg_task *qtask = (qwg_task *)(qempty + NQ); /* [NQ] the task whose Q is in the buffer (P.qbox) */
+    unsigned char *Qall = smem + L::q;
+    unsigned char *Os = smem + L::o;
+    unsigned char *Ks = smem + L::k;
+    unsigned char *Vs = smem + L::v;
+    int64_t *roff = (int64_t *)(smem + L::roff);
+    int64_t *roff2 = (int64_t *)(smem + L::roff2);
+    uint64_t *full = (uint64_t *)(smem + L::full);
+    uint64_t *empty = (uint64_t *)(smem + L::empty);
+    uint64_t *qfull = (uint64_t *)(smem + L::qfull);   /* (P.qbox) */
+    uint64_t *qempty = (uint64_t *)(smem + L::qempty);
+    qwg_task *qtask = (qwg_task *)(smem + L::task);    /* (P.qbox) */
 
     /* warpgroup 0: the producer (one warp issues the Q and K / V boxes); warpgroups 1, 2: the
      * consumers, 64 rows each (wg, warp, tid below count the consumers from 0). The CTA walks
@@ -431,7 +452,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
 template <int DKP, int DVP, typename T, int MODE>
 static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles, const void *maps)
 {
-    const size_t smem = qwg_smem(DKP, DVP, MODE);
+    const size_t smem = qwg_layout<DKP, DVP, MODE>::bytes + 1024;
     g_check(g, cudaFuncSetAttribute(qwg_kernel<DKP, DVP, T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
     const CUtensorMap *m = (const CUtensorMap *)maps;

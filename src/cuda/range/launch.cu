@@ -133,9 +133,6 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     const int wg = pl.kernel == CU_FWD_QWG;
     P.ctr = (int *)g_take(g, sizeof(int)); /* (both passes: the workspace layout) */
     if (wg) g_zero(g, P.ctr, sizeof(int));
-    P.nw = pl.nw;
-    P.nst = pl.nst;
-    P.bn = pl.bn;
     unitspec u = {UK_ROWS, p->G, pl.rows, 0, 0};
     int64_t tiles;
     P.sm = g_seqmap(g, u, &tiles);
@@ -143,7 +140,7 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
         run_qwg(g, &P, MODE_FWD, tiles, dt, &maps);
         return;
     }
-    cu_run_qtile(g, &P, MODE_FWD, tiles, dt);
+    cu_run_qtile(g, &P, MODE_FWD, pl.bn, tiles, dt);
 }
 
 int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
@@ -156,9 +153,6 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     qwg_maps maps;
     const cu_range_plan pl = plan_range(g, &Q, io->dt, MODE_DQ, io->KR, &maps);
     const int wg = pl.kernel == CU_FWD_QWG;
-    Q.nw = pl.nw;
-    Q.nst = pl.nst;
-    Q.bn = pl.bn;
     unitspec uq = {UK_ROWS, p->G, pl.rows, 0, 0};
     int64_t qtiles;
     Q.sm = g_seqmap(g, uq, &qtiles);
@@ -173,7 +167,7 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     if (wg) {
         run_qwg(g, &Q, MODE_DQ, qtiles, io->dt, &maps);
     } else {
-        cu_run_qtile(g, &Q, MODE_DQ, qtiles, io->dt);
+        cu_run_qtile(g, &Q, MODE_DQ, pl.bn, qtiles, io->dt);
     }
 
     kparams K;

@@ -23,7 +23,7 @@ static int qwg_fits(const nsa_problem *p, const cu_device *d, const cu_overrides
 cu_range_plan cu_plan_range(const nsa_problem *p, const cu_device *d, const cu_overrides *o, const cu_views *v,
                             int mode, nsa_dtype dt, int no_tma)
 {
-    cu_range_plan pl = {CU_FWD_QTILE, 64, 4, 2, 64, 0, 0};
+    cu_range_plan pl = {CU_FWD_QTILE, 16 * QTILE_NW(64), QTILE_NW(64), QTILE_NST(64), 64, 0, 0};
     if (no_tma || !qwg_fits(p, d, o, v, mode, dt)) return pl;
     const int64_t G = p->G;
     pl.kernel = CU_FWD_QWG;

@@ -23,7 +23,7 @@ extern "C" {
 /* Shared memory of qwg_kernel<DKP, DVP, MODE>: 1 KB alignment slack, Q (and dO), the K and V
  * stages, row offsets, the stages' and Q buffers' full / empty mbarriers. Must match the carving in the
  * kernel. */
-static inline size_t qwg_smem(int DKP, int DVP, int mode)
+NSA_SMEM_FN size_t qwg_smem(int DKP, int DVP, int mode)
 {
     const size_t bn = QWG_BN(mode), ns = QWG_NS(mode);
     const size_t nq = QWG_NQ(mode, DKP);

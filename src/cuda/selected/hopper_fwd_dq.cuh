@@ -76,6 +76,17 @@ __device__ __forceinline__ void sfw_pb(float (&acc)[2 * KT][4], const float (&Pm
  * each with its own running max / sum / accumulators, combined at the end in a fixed order:
  * the union's ~55 chunks at G = 4 are a chain of online-softmax steps that one warp per CTA
  * ran latency-bound. */
+/* Shared memory of sfw_kernel<DP, BN, NS>: byte offsets from the 1024-aligned base; the host
+ * reserves bytes + 1024 (sfw_smem, checked below). */
+template <int DP, int BN, int NS> struct sfw_layout {
+    static constexpr size_t TB = (size_t)BN * DP * 2;            /* K or V of a chunk */
+    static constexpr size_t k = 0, v = k + NS * TB;              /* [NS] K, V stages */
+    static constexpr size_t full = v + NS * TB;                  /* [NS] the chunk landed */
+    static constexpr size_t empty = full + NS * sizeof(uint64_t); /* [NS] every warp is done with the stage */
+    static constexpr size_t bytes = empty + NS * sizeof(uint64_t);
+    static_assert(bytes + 1024 == sfw_smem(DP, BN, NS), "sfw_smem reserves exactly this layout");
+};
+
 template <int DP, typename T, int MODE, int BN, int NS, int NP, int RP, int KS>
 __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
                                                       const __grid_constant__ CUtensorMap tv)
@@ -84,12 +95,11 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
     constexpr int NT = BN / 8, KT = DP / 16, TB = BN * DP * 2; /* tile bytes (K or V of a chunk) */
     constexpr bool DQ = MODE == MODE_DQ;
     constexpr int W = NP / RP, GR = 16 / RP; /* warps; rows per position in a warp's 16 */
+    using L = sfw_layout<DP, BN, NS>;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_align1024(smem_raw);
-    unsigned char *Ks = smem;                     /* [NS] */
-    unsigned char *Vs = Ks + NS * TB;             /* [NS] */
-    uint64_t *full = (uint64_t *)(Vs + NS * TB);  /* [NS] the chunk landed */
-    uint64_t *empty = full + NS;                  /* [NS] every warp is done with the stage */
+    unsigned char *Ks = smem + L::k, *Vs = smem + L::v;
+    uint64_t *full = (uint64_t *)(smem + L::full), *empty = (uint64_t *)(smem + L::empty);
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) / KS, ks = (threadIdx.x >> 5) % KS;
     int64_t s, tile;
     seq_decode(P.sm, blockIdx.x, &s, &tile);
@@ -335,7 +345,7 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
 template <int DP, typename T, int MODE, int BN, int NS, int NP, int RP = 1, int KS = 1>
 static void launch_sfw_t(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
 {
-    const size_t smem = sfw_smem(DP, BN, NS);
+    const size_t smem = sfw_layout<DP, BN, NS>::bytes + 1024;
     auto kern = sfw_kernel<DP, T, MODE, BN, NS, NP, RP, KS>;
     g_check(g, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
@@ -345,20 +355,20 @@ static void launch_sfw_t(grun *g, const qparams *P, int64_t tiles, const void *t
 }
 
 template <int DP, typename T, int MODE>
-static void launch_sfw_m(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
+static void launch_sfw_m(grun *g, const qparams *P, const cu_slc_plan *pl, int64_t tiles, const void *tk, const void *tv)
 {
     /* union tiles (selected/plan.c): forward at G = 4 on two warps taking alternate chunks;
      * dQ at G = 4 / 8 on one warp of four / two positions */
     if constexpr (MODE == MODE_FWD) {
-        if (P->rp == 4) return launch_sfw_t<DP, T, MODE, 32, 2, 4, 4, 2>(g, P, tiles, tk, tv);
+        if (pl->rp == 4) return launch_sfw_t<DP, T, MODE, 32, 2, 4, 4, 2>(g, P, tiles, tk, tv);
     } else {
-        if (P->rp == 4) return launch_sfw_t<DP, T, MODE, 32, 2, 4, 4>(g, P, tiles, tk, tv);
-        if (P->rp == 2) return launch_sfw_t<DP, T, MODE, 32, 2, 2, 2>(g, P, tiles, tk, tv);
+        if (pl->rp == 4) return launch_sfw_t<DP, T, MODE, 32, 2, 4, 4>(g, P, tiles, tk, tv);
+        if (pl->rp == 2) return launch_sfw_t<DP, T, MODE, 32, 2, 2, 2>(g, P, tiles, tk, tv);
     }
-    if (P->nw == 2) launch_sfw_t<DP, T, MODE, 32, 2, 2>(g, P, tiles, tk, tv); /* two positions per CTA */
+    if (pl->nw == 2) launch_sfw_t<DP, T, MODE, 32, 2, 2>(g, P, tiles, tk, tv); /* two positions per CTA */
 #if NSA_CUDA_EXPERIMENTAL /* the chunk shapes kept for comparisons (NSA_CUDA_SLC_BN) */
-    else if (P->bn == 64) launch_sfw_t<DP, T, MODE, 64, 2, 1>(g, P, tiles, tk, tv);
-    else if (P->nst == 3) launch_sfw_t<DP, T, MODE, 32, 3, 1>(g, P, tiles, tk, tv);
+    else if (pl->bn == 64) launch_sfw_t<DP, T, MODE, 64, 2, 1>(g, P, tiles, tk, tv);
+    else if (pl->nst == 3) launch_sfw_t<DP, T, MODE, 32, 3, 1>(g, P, tiles, tk, tv);
 #endif
     else launch_sfw_t<DP, T, MODE, 32, 2, 1>(g, P, tiles, tk, tv);
 }

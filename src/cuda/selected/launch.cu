@@ -87,21 +87,17 @@ static void run_slc_q(grun *g, qparams *P, int mode, nsa_dtype dt)
     if (pl.kernel == CU_SLC_SFW && (!tmap_make(&tk, &P->k, dt, p->B, p->T, p->H, p->DK, pl.bn) ||
                                     !tmap_make(&tv, &P->v, dt, p->B, p->T, p->H, p->DV, pl.bn)))
         pl = cu_plan_slc(p, &g->dev, g->ovr, &v, mode, dt, 1);
-    P->nw = pl.nw;
-    P->nst = pl.nst;
-    P->bn = pl.bn;
-    if (pl.kernel == CU_SLC_SFW) P->rp = pl.rp, P->ks = pl.ks;
     unitspec u = {UK_ROWS, pl.unit_a, pl.unit_b, 0, 0};
     int64_t tiles;
     P->sm = g_seqmap(g, u, &tiles);
     if (pl.kernel == CU_SLC_QTILE) {
-        cu_run_qtile(g, P, mode, tiles, dt);
+        cu_run_qtile(g, P, mode, pl.bn, tiles, dt);
         return;
     }
     if (!g_live(g) || tiles == 0) return;
     const int bf16 = dt == NSA_DTYPE_BF16;
-    if (p->DK == 64) nsa_cu_sfw_64(g, P, mode, bf16, tiles, &tk, &tv);
-    else nsa_cu_sfw_128(g, P, mode, bf16, tiles, &tk, &tv);
+    if (p->DK == 64) nsa_cu_sfw_64(g, P, &pl, mode, bf16, tiles, &tk, &tv);
+    else nsa_cu_sfw_128(g, P, &pl, mode, bf16, tiles, &tk, &tv);
 }
 
 void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dview *v, const int32_t *U,

@@ -17,9 +17,9 @@ cu_slc_plan cu_plan_slc(const nsa_problem *p, const cu_device *d, const cu_overr
     if (sfw && (sfw_smem(D, bn, ns) > (size_t)d->smem_max || !cu_sm90_class(d, D))) sfw = 0;
     if (!sfw) {
         pl.kernel = CU_SLC_QTILE;
-        pl.nw = G >= 16 ? 1 : 4;
-        pl.nst = G >= 16 ? 1 : 2;  /* single-buffered one-warp tiles: more CTAs fit an SM */
-        pl.bn = G >= 16 ? 32 : 64; /* 32: half the K / V shared memory of the one-warp tiles */
+        pl.bn = G >= 16 ? 32 : 64; /* 32: one warp, single-buffered (attn/plan.h QTILE_NW / QTILE_NST) */
+        pl.nw = QTILE_NW(pl.bn);
+        pl.nst = QTILE_NST(pl.bn);
         pl.rp = 1, pl.ks = 1;
         pl.unit_a = G, pl.unit_b = 16 * pl.nw;
         return pl;

@@ -12,7 +12,7 @@ extern "C" {
 /* sfw_kernel (selected/hopper_fwd_dq.cuh): selected attention with TMA, one warp per position, one or two
  * positions per CTA; chunks of bn keys in ns stages (selected/plan.c). Shared memory:
  * slack, K and V stages, their full / empty mbarriers. */
-static inline size_t sfw_smem(int DP, int bn, int ns)
+NSA_SMEM_FN size_t sfw_smem(int DP, int bn, int ns)
 {
     return 1024 + 2 * (size_t)ns * bn * DP * 2 + 2 * (size_t)ns * 8;
 }

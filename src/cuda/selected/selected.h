@@ -9,10 +9,13 @@
 #include "plan.h"
 #include "../attn/tiles.h"
 
-/* sm_90a selected attention (forward / dQ) with TMA, DK == DV == 64 / 128, G >= 4; tk, tv:
- * host CUtensorMap (4-D over the K / V views, box 64 x 1 x bn x 1, 128-byte swizzle) */
-void nsa_cu_sfw_64(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv);
-void nsa_cu_sfw_128(grun *g, const qparams *P, int mode, int bf16, int64_t tiles, const void *tk, const void *tv);
+/* sm_90a selected attention (forward / dQ) with TMA, DK == DV == 64 / 128, G >= 4, in the shape
+ * the plan chose (chunk, stages, positions per CTA, union rows, split chunks); tk, tv: host
+ * CUtensorMap (4-D over the K / V views, box 64 x 1 x bn x 1, 128-byte swizzle) */
+void nsa_cu_sfw_64(grun *g, const qparams *P, const cu_slc_plan *pl, int mode, int bf16, int64_t tiles, const void *tk,
+                   const void *tv);
+void nsa_cu_sfw_128(grun *g, const qparams *P, const cu_slc_plan *pl, int mode, int bf16, int64_t tiles, const void *tk,
+                    const void *tv);
 
 rule_t cu_rule_slc(const nsa_problem *p);
 /* Forward of selected attention over usable lists U / ucnt of width m. */

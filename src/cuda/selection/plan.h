@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-static inline size_t select_smem(int DKP, int P, int JC, int n, int HC)
+NSA_SMEM_FN size_t select_smem(int DKP, int P, int JC, int n, int HC)
 {
     const size_t LDK = DKP + 8;
     const size_t el = 64 * LDK + 64 * LDK;
@@ -28,7 +28,7 @@ static inline size_t select_smem(int DKP, int P, int JC, int n, int HC)
  * keys [NR][MS][BP] (NR >= n: 16 or 32; MS merge lanes per position), the Q stages' and the
  * key tile's mbarriers, importances [BP][JC | 1], the G heads' lse [G][BP], counts,
  * per-position block and visible keys. Must match the carving in the kernel. */
-static inline size_t swg_smem(int DKP, int JC, int NR, int MS, int G)
+NSA_SMEM_FN size_t swg_smem(int DKP, int JC, int NR, int MS, int G)
 {
     return 1024 + SWG_QST * (size_t)SWG_BP * DKP * 2 + (size_t)SWG_KBYTES(DKP) + (size_t)NR * MS * SWG_BP * 8 + (SWG_QST + 1) * 8 +
            (size_t)SWG_BP * (JC | 1) * 4 + (size_t)G * SWG_BP * 4 + 3 * SWG_BP * 4;
