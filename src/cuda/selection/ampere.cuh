@@ -40,10 +40,9 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
     const int p0 = (int)tile * NP;
     const int npos = sq.len - p0 < NP ? sq.len - p0 : NP;
     const int lp = P.lp, cl = P.cl, cd = P.cd;
-    const int cur_max = (p0 + npos - 1) / lp;
+    const int cur_max = nsa_rule_slc_of32(p0 + npos - 1, lp);
     const int last_t = p0 + npos - 1;
-    int nv_max = (int)nsa_rule_cmp_visible(last_t, cl, cd);
-    nv_max = nv_max < sq.ncmp ? nv_max : sq.ncmp;
+    const int nv_max = nsa_rule_cmp_visible_cap32(last_t, cl, cd, sq.ncmp);
     const int nhc = (int)((G + HC - 1) / HC);
     const float inv_d = 1.0f / (float)cd;
 
@@ -78,9 +77,8 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
     /* compressed keys [iA_, iB_) overlapping selection blocks [jA_, jA_ + JC) */
 #define SEL_RANGE(jA_, iA_, iB_)                                                                 \
     do {                                                                                         \
-        const int64_t a0_ = (int64_t)(jA_) * lp - cl;                                            \
-        iA_ = a0_ < 0 ? 0 : (int)(div_nn(a0_, cd) + 1);                                          \
-        iB_ = (int)(div_nn((int64_t)((jA_) + JC) * lp - 1, cd) + 1);                             \
+        iA_ = nsa_rule_slc_first_cmp32((jA_), cl, cd, lp);                                       \
+        iB_ = nsa_rule_slc_last_cmp32((jA_) + JC - 1, cd, lp) + 1;                                \
         iB_ = iB_ < nv_max ? iB_ : nv_max;                                                       \
     } while (0)
 #define SEL_KLOAD(i0_, i1_)                                                                      \
@@ -132,7 +130,7 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
                      * lane groups, so Cs is written directly (one barrier, no Ps round trip) */
                     const int r0 = warp * 16 + (lane >> 2);
                     const int t = rpos[r0];
-                    const int nv = t + 1 >= cl ? (t + 1 - cl) / cd + 1 : 0;
+                    const int nv = nsa_rule_cmp_visible32(t, cl, cd);
                     const int lim = i1 < nv ? i1 : nv;
                     const float la = l2s[r0], lb = l2s[r0 + 8];
                     /* v[k], k = 2 nt + c: this lane's two rows summed for column
@@ -168,7 +166,7 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
                             const int r = warp * 16 + (lane >> 2) + (e >> 1) * 8;
                             const int col = nt * 8 + 2 * (lane & 3) + (e & 1), i = i0 + col;
                             const int t = rpos[r];
-                            const int nv = t + 1 >= cl ? (t + 1 - cl) / cd + 1 : 0;
+                            const int nv = nsa_rule_cmp_visible32(t, cl, cd);
                             const float pr = (i < i1 && i < nv) ? ex2(S[nt][e] * P.sl2 - l2s[r]) : 0.0f;
                             Ps[r * LDP + col] = pr;
                         }
@@ -194,19 +192,13 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
                 }
                 for (int idx = tid; idx < npos * JC; idx += nthr) {
                     const int pp = idx / JC, jj = idx % JC, j = jA + jj, t = p0 + pp;
-                    if (j > t / lp) continue;
-                    const int64_t b0 = (int64_t)j * lp - cl;
-                    int ia = b0 < 0 ? 0 : (int)(div_nn(b0, cd) + 1);
-                    int ib = (int)(div_nn((int64_t)j * lp + lp - 1, cd) + 1);
+                    if (!nsa_rule_slc_visible(j, t, lp)) continue;
+                    int ia = nsa_rule_slc_first_cmp32(j, cl, cd, lp), ib = nsa_rule_slc_last_cmp32(j, cd, lp) + 1;
                     ia = ia > i0 ? ia : i0;
                     ib = ib < i1 ? ib : i1;
                     float acc = 0.0f;
-                    for (int i = ia; i < ib; i++) {
-                        /* tokens shared by compressed block i and selection block j */
-                        const int lo = i * cd > j * lp ? i * cd : j * lp;
-                        const int hi = i * cd + cl < j * lp + lp ? i * cd + cl : j * lp + lp;
-                        acc += Cs[pp * BN + (i - i0)] * (float)(hi - lo);
-                    }
+                    for (int i = ia; i < ib; i++) /* weighted by the tokens blocks i and j share */
+                        acc += Cs[pp * BN + (i - i0)] * (float)nsa_rule_overlap32(i, j, cl, cd, lp);
                     imp[pp * JC + jj] += acc * inv_d;
                 }
                 __syncthreads();

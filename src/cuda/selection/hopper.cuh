@@ -126,12 +126,10 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
     const int p0 = (int)tile * BP;
     const int npos = sq.len - p0 < BP ? sq.len - p0 : BP;
     const int lp = P.lp, cl = P.cl, cd = P.cd;
-    const int cur_max = (p0 + npos - 1) / lp;
+    const int cur_max = nsa_rule_slc_of32(p0 + npos - 1, lp);
     const int last_t = p0 + npos - 1;
-    /* nsa_rule_cmp_visible in 32-bit arithmetic: the int64 helper costs this register-bound
-     * kernel time (bench/NOTES.md) */
-    int nv_max = last_t + 1 >= cl ? (last_t + 1 - cl) / cd + 1 : 0;
-    nv_max = nv_max < sq.ncmp ? nv_max : sq.ncmp;
+    /* the 32-bit forms: the int64 ones cost this register-bound kernel time (bench/NOTES.md) */
+    const int nv_max = nsa_rule_cmp_visible_cap32(last_t, cl, cd, sq.ncmp);
     const float inv_d = 1.0f / (float)cd;
     /* this lane's two rows (positions) of its warp's 16 */
     int rp[2];
@@ -146,8 +144,8 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
     for (int i = tid; i < NR * MS * BP; i += NTHR) keys[i] = 0;
     if (tid < BP) {
         const int t = p0 + tid;
-        pcur[tid] = tid < npos ? t / lp : -1;
-        pnv[tid] = t + 1 >= cl ? (t + 1 - cl) / cd + 1 : 0; /* (as nv_max) */
+        pcur[tid] = tid < npos ? nsa_rule_slc_of32(t, lp) : -1;
+        pnv[tid] = nsa_rule_cmp_visible32(t, cl, cd);
     }
     {
         const float *lsep = (const float *)P.lse.p;
@@ -161,9 +159,8 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
 
     /* compressed keys [iA_, iB_) overlapping selection blocks [jA_, jA_ + JC) */
     auto range = [&](int jA_, int *iA_, int *iB_) {
-        const int64_t a0 = (int64_t)jA_ * lp - cl;
-        *iA_ = a0 < 0 ? 0 : (int)(div_nn(a0, cd) + 1);
-        const int b = (int)(div_nn((int64_t)(jA_ + JC) * lp - 1, cd) + 1);
+        *iA_ = nsa_rule_slc_first_cmp32(jA_, cl, cd, lp);
+        const int b = nsa_rule_slc_last_cmp32(jA_ + JC - 1, cd, lp) + 1;
         *iB_ = b < nv_max ? b : nv_max;
     };
     /* the Q stream: use u is head u % G in stage u % NQ; passes without keys use none */
@@ -282,13 +279,11 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
              * (integer work was a third of this kernel's instructions). */
             for (int jj = lane; jj < JC; jj += 32) {
                 const int j = jA + jj, jlo = j * lp, jhi = jlo + lp;
-                const int64_t b0 = (int64_t)jlo - cl;
-                int ia = b0 < 0 ? 0 : (int)(div_nn(b0, cd) + 1);
-                int ib = (int)(div_nn((int64_t)jhi - 1, cd) + 1);
+                int ia = nsa_rule_slc_first_cmp32(j, cl, cd, lp), ib = nsa_rule_slc_last_cmp32(j, cd, lp) + 1;
                 ia = ia > iA ? ia : iA;
                 ib = ib < iB ? ib : iB;
                 if (ib - ia <= SWG_WMAX) {
-                    /* the block's overlaps (the same for every position) in registers */
+                    /* the block's overlaps (nsa_rule_overlap, the same for every position) in registers */
                     float w[SWG_WMAX];
 #pragma unroll
                     for (int q = 0; q < SWG_WMAX; q++) {

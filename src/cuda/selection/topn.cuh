@@ -22,13 +22,6 @@ __device__ __forceinline__ void sel_halve(float *v, int lane, int bit)
     }
 }
 
-/* a / b for a >= 0, b > 0: 32-bit division whenever a fits (positions always do), as 64-bit
- * division is a long software sequence and these run per pass and per block */
-__device__ __forceinline__ int64_t div_nn(int64_t a, int b)
-{
-    return a <= INT_MAX ? (int64_t)((unsigned)a / (unsigned)b) : a / b;
-}
-
 /* One pass of the streaming top-n (spec 3), one thread per position pp < npos: candidates
  * jA .. jA + JC - 1 (importance imp[pp * ims + jj]) enter the position's kept list, best first
  * (entry i at LI[i * NP + pp] importance, LJ[i * NP + pp] block; kept[pp] entries), by
@@ -41,7 +34,7 @@ __device__ __forceinline__ void sel_merge(const sparams &P, const float *imp, in
                                           int p0, int npos, int jA, int JC, int pp)
 {
     if (pp >= npos) return;
-    const int n = P.n, cur = (p0 + pp) / P.lp;
+    const int n = P.n, cur = nsa_rule_slc_of32(p0 + pp, P.lp);
     const int m = cur - jA + 1 < JC ? cur - jA + 1 : JC;
     int k = kept[pp];
     /* the last entry of a full list: the bar a candidate must clear */
