@@ -50,7 +50,7 @@ typedef struct xparams {
 #define XQ_BQ(DP) ((DP) == 64 ? 64 : 32)
 /* Two stages of every chunk (the next one loads during this one's products); side: the call
  * has bias, mask or dropout, whose per-chunk table (64 x 64 floats and bytes) comes last */
-static inline size_t xattn_smem(int DP, int kind, int side)
+static inline constexpr size_t xattn_smem(int DP, int kind, int side)
 {
     const size_t LD = (size_t)DP + 8, tab = side ? 64 * 64 * 5 : 0;
     if (kind == XK_FWD) return (XQ_BM + 4 * (size_t)XQ_BN(DP)) * LD * 2 + 2 * (size_t)XQ_BN(DP) * 4 + tab;

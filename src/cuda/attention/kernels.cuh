@@ -288,17 +288,52 @@ __device__ __forceinline__ int x_pipe_next(int c0, int step, int hi, int i, Issu
     return st;
 }
 
+/* Shared memory of the three kernels <DP>: byte offsets in carving order (rows padded by 8
+ * elements); side tables (bias / mask / dropout keeps of one 64 x 64 chunk, floats then bytes)
+ * come last and are reserved only for calls that have them: bytes(side) is what the host
+ * reserves (xattn_smem, checked below). */
+template <int DP> struct xfwd_layout {
+    static constexpr size_t LD = DP + 8, BN = XQ_BN(DP), NS = 2;
+    static constexpr size_t q = 0, k = q + XQ_BM * LD * 2, v = k + NS * BN * LD * 2; /* Q; K, V stages */
+    static constexpr size_t kseg = v + NS * BN * LD * 2;                            /* [NS][BN] key segments */
+    static constexpr size_t sb = kseg + NS * BN * 4, kp = sb + 64 * 64 * 4;         /* side tables */
+    static constexpr size_t bytes(bool side) { return side ? kp + 64 * 64 : sb; }
+    static_assert(bytes(false) == xattn_smem(DP, XK_FWD, 0) && bytes(true) == xattn_smem(DP, XK_FWD, 1),
+                  "xattn_smem reserves exactly this layout");
+};
+template <int DP> struct xdq_layout {
+    static constexpr size_t LD = DP + 8, BN = XQ_BN(DP);
+    static constexpr size_t q = 0, o = q + XQ_BM * LD * 2, k = o + XQ_BM * LD * 2, v = k + 2 * BN * LD * 2;
+    static constexpr size_t kseg = v + 2 * BN * LD * 2;                             /* [2][BN] key segments */
+    static constexpr size_t sb = kseg + 2 * BN * 4, kp = sb + 64 * 64 * 4;          /* side tables */
+    static constexpr size_t bytes(bool side) { return side ? kp + 64 * 64 : sb; }
+    static_assert(bytes(false) == xattn_smem(DP, XK_DQ, 0) && bytes(true) == xattn_smem(DP, XK_DQ, 1),
+                  "xattn_smem reserves exactly this layout");
+};
+template <int DP> struct xdkv_layout {
+    static constexpr size_t LD = DP + 8, BQ = XQ_BQ(DP);
+    static constexpr size_t k = 0, v = k + XQ_BM * LD * 2;                          /* the CTA's keys */
+    static constexpr size_t q = v + XQ_BM * LD * 2, o = q + 2 * BQ * LD * 2;        /* [2] Q, dO chunks */
+    static constexpr size_t rl2 = o + 2 * BQ * LD * 2, rD = rl2 + 2 * BQ * 4;       /* [2][BQ] row values */
+    static constexpr size_t rseg = rD + 2 * BQ * 4, rlo = rseg + 2 * BQ * 4, rhi = rlo + 2 * BQ * 4;
+    static constexpr size_t sb = rhi + 2 * BQ * 4, kp = sb + 64 * 64 * 4;           /* side tables [query][key] */
+    static constexpr size_t bytes(bool side) { return side ? kp + 64 * 64 : sb; }
+    static_assert(bytes(false) == xattn_smem(DP, XK_DKV, 0) && bytes(true) == xattn_smem(DP, XK_DKV, 1),
+                  "xattn_smem reserves exactly this layout");
+};
+
 /* ==== forward ================================================================================ */
 
 template <int DP, typename T>
 __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xparams P)
 {
-    constexpr int LD = DP + 8, BN = XQ_BN(DP), NT = BN / 8, NS = 2;
+    constexpr int LD = DP + 8, BN = XQ_BN(DP), NT = BN / 8;
     extern __shared__ __align__(16) unsigned char smem[];
-    T *Qs = (T *)smem, *Ks = Qs + XQ_BM * LD, *Vs = Ks + NS * BN * LD; /* K, V: two stages */
-    int *kseg = (int *)(Vs + NS * BN * LD);                             /* [NS][BN] */
-    float *sb = (float *)(kseg + NS * BN);                              /* side table */
-    unsigned char *kp = (unsigned char *)(sb + 64 * 64);
+    using L = xfwd_layout<DP>;
+    T *Qs = (T *)(smem + L::q), *Ks = (T *)(smem + L::k), *Vs = (T *)(smem + L::v); /* K, V: two stages */
+    int *kseg = (int *)(smem + L::kseg);
+    float *sb = (float *)(smem + L::sb); /* side table */
+    unsigned char *kp = smem + L::kp;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int64_t s, tile;
     x_task(P, &s, &tile);
@@ -415,10 +450,11 @@ __global__ void __launch_bounds__(128) xdq_kernel(const __grid_constant__ xparam
 {
     constexpr int LD = DP + 8, BN = XQ_BN(DP), NT = BN / 8;
     extern __shared__ __align__(16) unsigned char smem[];
-    T *Qs = (T *)smem, *Os = Qs + XQ_BM * LD, *Ks = Os + XQ_BM * LD, *Vs = Ks + 2 * BN * LD; /* K, V: 2 stages */
-    int *kseg = (int *)(Vs + 2 * BN * LD);                                                  /* [2][BN] */
-    float *sb = (float *)(kseg + 2 * BN);                                                   /* side table */
-    unsigned char *kp = (unsigned char *)(sb + 64 * 64);
+    using L = xdq_layout<DP>;
+    T *Qs = (T *)(smem + L::q), *Os = (T *)(smem + L::o), *Ks = (T *)(smem + L::k), *Vs = (T *)(smem + L::v);
+    int *kseg = (int *)(smem + L::kseg);
+    float *sb = (float *)(smem + L::sb); /* side table */
+    unsigned char *kp = smem + L::kp;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int64_t s, tile;
     x_task(P, &s, &tile);
@@ -535,11 +571,12 @@ __global__ void __launch_bounds__(128) xdkv_kernel(const __grid_constant__ xpara
     constexpr int LD = DP + 8, BQ = XQ_BQ(DP), NQ = BQ / 8;
     extern __shared__ __align__(16) unsigned char smem[];
     /* K, V of the CTA's keys; Q, dO chunks and their rows' values in two stages */
-    T *Ks = (T *)smem, *Vs = Ks + XQ_BM * LD, *Qc = Vs + XQ_BM * LD, *Oc = Qc + 2 * BQ * LD;
-    float *rl2 = (float *)(Oc + 2 * BQ * LD), *rD = rl2 + 2 * BQ;
-    int *rseg = (int *)(rD + 2 * BQ), *rlo = rseg + 2 * BQ, *rhi = rlo + 2 * BQ;
-    float *sb = (float *)(rhi + 2 * BQ); /* side table [query][key] */
-    unsigned char *kp = (unsigned char *)(sb + 64 * 64);
+    using L = xdkv_layout<DP>;
+    T *Ks = (T *)(smem + L::k), *Vs = (T *)(smem + L::v), *Qc = (T *)(smem + L::q), *Oc = (T *)(smem + L::o);
+    float *rl2 = (float *)(smem + L::rl2), *rD = (float *)(smem + L::rD);
+    int *rseg = (int *)(smem + L::rseg), *rlo = (int *)(smem + L::rlo), *rhi = (int *)(smem + L::rhi);
+    float *sb = (float *)(smem + L::sb); /* side table [query][key] */
+    unsigned char *kp = smem + L::kp;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int64_t s, tile;
     x_task(P, &s, &tile);
@@ -661,7 +698,9 @@ __global__ void __launch_bounds__(128) xdkv_kernel(const __grid_constant__ xpara
 template <int DP, typename T> static void xattn_launch(grun *g, const xparams *P, int kind, const int64_t grid[3])
 {
     void (*fn)(const xparams) = kind == XK_FWD ? xfwd_kernel<DP, T> : kind == XK_DQ ? xdq_kernel<DP, T> : xdkv_kernel<DP, T>;
-    const size_t smem = xattn_smem(DP, kind, P->mask.p || P->bias.p || P->dropout);
+    const bool side = P->mask.p || P->bias.p || P->dropout;
+    const size_t smem = kind == XK_FWD ? xfwd_layout<DP>::bytes(side) : kind == XK_DQ ? xdq_layout<DP>::bytes(side)
+                                                                                  : xdkv_layout<DP>::bytes(side);
     g_check(g, cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (!g_live(g)) return;
     fn<<<dim3((unsigned)grid[0], (unsigned)grid[1], (unsigned)grid[2]), 128, smem, g->st>>>(*P);

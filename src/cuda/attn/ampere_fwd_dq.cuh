@@ -48,6 +48,24 @@ __device__ __forceinline__ int slc_next(slc_iter *it, int lane, int bn, int *c0,
     return 1;
 }
 
+/* Shared memory of qtile_kernel<DKP, DVP, MODE, BN>: byte offsets in carving order (rows padded
+ * by 8 elements against bank conflicts); the host reserves bytes (qtile_smem, checked below).
+ * The one-warp forward keeps Q in registers (no Q tile). */
+template <int DKP, int DVP, int MODE, int BN> struct qtile_layout {
+    static constexpr size_t NW = QTILE_NW(BN), NST = QTILE_NST(BN), BM = 16 * NW, LDK = DKP + 8, LDV = DVP + 8;
+    static constexpr bool QREG = MODE == MODE_FWD && NW == 1;
+    static constexpr size_t q = 0;                                      /* [BM][LDK] Q (not QREG) */
+    static constexpr size_t o = q + (QREG ? 0 : BM * LDK * 2);          /* [BM][LDV] dO (dQ mode) */
+    static constexpr size_t k = o + (MODE == MODE_DQ ? BM * LDV * 2 : 0); /* [NST][BN][LDK] K stages */
+    static constexpr size_t v = k + NST * BN * LDK * 2;                 /* [NST][BN][LDV] V stages */
+    static constexpr size_t roff = v + NST * BN * LDV * 2;              /* [BM] q row offsets */
+    static constexpr size_t roff2 = roff + BM * sizeof(int64_t);        /* [BM] dout row offsets */
+    static constexpr size_t desc = roff2 + BM * sizeof(int64_t);        /* [3][4] chunk c0, c1, have */
+    static constexpr size_t flags = desc + 12 * 4;                      /* [3][64] rows that selected the chunk */
+    static constexpr size_t bytes = flags + 3 * 64;
+    static_assert(bytes == qtile_smem(DKP, DVP, NW, MODE, NST, BN), "qtile_smem reserves exactly this layout");
+};
+
 /* BN: keys per chunk, 64; 32 for the one-warp selected tiles, whose K/V buffers then take
  * half the shared memory, so more of these latency-bound CTAs fit an SM. */
 template <int DKP, int DVP, typename T, int MODE, int BN>
@@ -73,16 +91,14 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
     constexpr int nst = QTILE_NST(BN); /* K/V stages: 2 = prefetch the next chunk during this one */
     /* one-warp forward (selected attention, G >= 16): Q fragments come straight from global
      * memory into registers, so the tile needs no Q buffer and one more CTA fits an SM (the
-     * kernel is latency bound at ~5 one-warp CTAs per SM); must match qtile_smem */
-    const int qreg = MODE == MODE_FWD && nw == 1;
-    T *Qs = (T *)smem;
-    T *Os = Qs + (qreg ? 0 : BM * LDK);
-    T *Ks = Os + (MODE == MODE_DQ ? BM * LDV : 0);
-    T *Vs = Ks + nst * BN * LDK;
-    int64_t *roff = (int64_t *)(Vs + nst * BN * LDV);
-    int64_t *roff2 = roff + BM;
-    int *desc = (int *)(roff2 + BM);                      /* [3][4]: c0, c1, have (selected) */
-    unsigned char *flags = (unsigned char *)(desc + 12); /* [3][64] */
+     * kernel is latency bound at ~5 one-warp CTAs per SM) */
+    using L = qtile_layout<DKP, DVP, MODE, BN>;
+    const int qreg = L::QREG;
+    T *Qs = (T *)(smem + L::q), *Os = (T *)(smem + L::o);
+    T *Ks = (T *)(smem + L::k), *Vs = (T *)(smem + L::v);
+    int64_t *roff = (int64_t *)(smem + L::roff), *roff2 = (int64_t *)(smem + L::roff2);
+    int *desc = (int *)(smem + L::desc);                       /* [3][4]: c0, c1, have (selected) */
+    unsigned char *flags = (unsigned char *)(smem + L::flags); /* [3][64] */
 
     const int p_first = (int)(r0 / G), p_last = (int)((r0 + nrows - 1) / G);
 
@@ -408,7 +424,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 template <int DKP, int DVP, typename T, int MODE, int BN>
 static void launch_qtile_bn(grun *g, const qparams *P, int64_t tiles)
 {
-    const size_t smem = qtile_smem(DKP, DVP, QTILE_NW(BN), MODE, QTILE_NST(BN), BN);
+    const size_t smem = qtile_layout<DKP, DVP, MODE, BN>::bytes;
     g_check(g, cudaFuncSetAttribute(qtile_kernel<DKP, DVP, T, MODE, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
     qtile_kernel<DKP, DVP, T, MODE, BN><<<dim3((unsigned)tiles, (unsigned)P->H), QTILE_NW(BN) * 32, smem, g->st>>>(*P);
