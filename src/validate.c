@@ -221,6 +221,15 @@ static int expected_empty(enum shape_id id, const int64_t *dim)
 
 static int64_t fixed(int64_t v) { return v < 0 ? 0 : v; }
 
+/* No element in the view's own shape (rank 0, or a dim <= 0). */
+static int view_empty(const nsa_tensor *t)
+{
+    if (t->rank <= 0) return 1;
+    for (int j = 0; j < t->rank && j < NSA_MAX_RANK; j++)
+        if (t->shape[j] <= 0) return 1;
+    return 0;
+}
+
 /* Stages b to e over one op's table; fills *p from the agreed dimensions. `scale` is the
  * caller's (0 = 1/sqrt(DK)); vl and cfg are NULL for ops without them. */
 static nsa_status check_tensors(const tspec *s, int n, nsa_dtype ref, const nsa_varlen *vl, const nsa_config *cfg,
@@ -267,8 +276,13 @@ static nsa_status check_tensors(const tspec *s, int n, nsa_dtype ref, const nsa_
             if (SHAPES[s[i].shape][j] == Z_NC && s[i].t->shape[j] != p->cmp_rows) return NSA_STATUS_BAD_SHAPE;
     }
 
-    for (i = 0; i < n; i++)
-        if (s[i].role == R_OUT && !has(s[i].t) && !expected_empty(s[i].shape, dim)) return NSA_STATUS_MISSING_OUTPUT;
+    for (i = 0; i < n; i++) {
+        if (s[i].role != R_OUT || has(s[i].t)) continue;
+        if (!expected_empty(s[i].shape, dim)) return NSA_STATUS_MISSING_OUTPUT;
+        /* an absent output is an empty one: a view whose own shape holds elements would have a
+         * backend that walks its shape write through NULL */
+        if (!view_empty(s[i].t)) return NSA_STATUS_NULL_POINTER;
+    }
 
     p->B = fixed(dim[Z_B]);
     p->T = fixed(dim[Z_T]);

@@ -15,6 +15,7 @@ void test_backend_sweep_all(void);
 void test_attention_all(void);
 void test_rules_all(void);
 void test_plan_all(void);
+void test_safety_all(void);
 
 static void test_readme_example(void)
 {
@@ -35,6 +36,7 @@ static const struct group {
     {"attention", test_attention_all},
     {"rules", test_rules_all},
     {"plan", test_plan_all},
+    {"safety", test_safety_all},
     {"readme", test_readme_example},
 };
 enum { NGROUPS = sizeof GROUPS / sizeof GROUPS[0] };

@@ -159,7 +159,9 @@ static inline float core_exp(float x)
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
     const float f = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* ln2 split in two: exact n*hi */
     const float p = 1.0f + f * (1.0f + f * (0.5f + f * (0.166666667f + f * (0.0416666667f + f * (0.00833333333f + f * (0.00138888889f + f * 0.000198412698f))))));
-    union { uint32_t u; float f; } scale = {(uint32_t)((int32_t)n + 127) << 23}; /* 2^n */
+    /* a NaN input stays NaN through p; the exponent never converts a NaN to int */
+    const int32_t ni = n == n ? (int32_t)n : 0;
+    union { uint32_t u; float f; } scale = {(uint32_t)(ni + 127) << 23}; /* 2^n */
     return p * scale.f;
 }
 

@@ -60,8 +60,12 @@ static size_t thread_bytes(const nsa_problem *p, core_tile *t, ws_arena *a, floa
                            int64_t **cursor, int backward)
 {
     const int R = (int)(positions_per_tile(p) * p->G);
-    core_tile_alloc(t, a, R, (int)p->DK, (int)p->DV, 2 * p->cfg.slc_block, backward);
-    *tmp = (float *)ws_take(a, (size_t)p->DV * sizeof(float));
+    /* a block's keys in a row of scores (two halves in the backward): no more than the
+     * sequence holds, however long the configured block */
+    const int64_t keys = p->cfg.slc_block < p->T ? p->cfg.slc_block : (p->T > 0 ? p->T : 1);
+    core_tile_alloc(t, a, R, (int)p->DK, (int)p->DV, 2 * keys, backward);
+    /* row scratch: one row of dout (DV floats), or the lse of the tile's R rows */
+    *tmp = (float *)ws_take(a, (size_t)(p->DV > R ? p->DV : R) * sizeof(float));
     *blocks = (int64_t *)ws_take(a, (size_t)p->m * sizeof(int64_t));
     *cursor = (int64_t *)ws_take(a, (size_t)max_seq_blocks(p) * sizeof(int64_t));
     return (a->used + 127) & ~(size_t)63;

@@ -287,7 +287,7 @@ static long check_close_x(const char *what, const tens *got, const double *ref, 
     const double tol = sweep_tolerance(storage, ref, naive, n) + extra;
     long bad = 0;
     double worst = 0;
-    char msg[1024];
+    char msg[1024] = ""; /* the first mismatches; empty when none */
     int len = 0;
     for (int64_t i = 0; i < n; i++) {
         int ok;

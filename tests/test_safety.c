@@ -1,0 +1,118 @@
+/* test_safety.c -- calls that pass validation stay inside their workspace and their outputs.
+ * Each case reproduces a memory-safety finding of fuzzing the C API on the CPU backend: the
+ * workspace is exactly the size the library asked for, followed by a guard region that must
+ * come back untouched, and absent outputs must not be written through. */
+#include "harness.h"
+#include "nsa.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { GUARD = 4096 };
+
+static nsa_context *one_thread_cpu(void)
+{
+    nsa_context *ctx = NULL;
+    /* one worker: its scratch is the last in the workspace, so an overrun reaches the guard */
+    nsa_context_desc d = {.backend = NSA_BACKEND_CPU, .num_threads = 1};
+    CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_SUCCESS);
+    return ctx;
+}
+
+static nsa_tensor f32_tensor(test_rng *r, int rank, const int64_t *shape)
+{
+    int64_t n = 1;
+    for (int i = 0; i < rank; i++) n *= shape[i];
+    float *x = (float *)malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    for (int64_t i = 0; i < n; i++) x[i] = (float)rng_normal(r);
+    return nsa_tensor_make(x, NSA_DTYPE_F32, rank, shape);
+}
+
+/* workspace of `bytes` followed by a guard of 0xAB bytes */
+static unsigned char *guarded(size_t bytes)
+{
+    unsigned char *w = (unsigned char *)malloc(bytes + GUARD);
+    memset(w + bytes, 0xAB, GUARD);
+    return w;
+}
+
+static int guard_intact(const unsigned char *w, size_t bytes)
+{
+    for (size_t i = 0; i < GUARD; i++)
+        if (w[bytes + i] != 0xAB) return 0;
+    return 1;
+}
+
+/* Selected attention forward and backward, every block selected, with the workspace guard. */
+static void slc_case(int64_t T, int64_t HQ, int64_t H, int64_t D, int64_t slc_block, const char *what)
+{
+    test_rng r = {(uint64_t)(T * 131 + HQ * 7 + D)};
+    nsa_context *ctx = one_thread_cpu();
+    nsa_slc_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.config = nsa_config_default();
+    a.config.slc_block = slc_block;
+    const int64_t m = 4, sq[4] = {1, T, HQ, D}, sk[4] = {1, T, H, D}, si[4] = {1, T, H, m}, sl[3] = {1, T, HQ};
+    a.q = f32_tensor(&r, 4, sq), a.k = f32_tensor(&r, 4, sk), a.v = f32_tensor(&r, 4, sk);
+    a.o = f32_tensor(&r, 4, sq), a.lse = f32_tensor(&r, 3, sl);
+    int32_t *idx = (int32_t *)malloc((size_t)(T * H * m) * sizeof(int32_t));
+    for (int64_t i = 0; i < T * H * m; i++) idx[i] = (int32_t)(i % m); /* blocks 0..3, usable where started */
+    a.block_indices = nsa_tensor_make(idx, NSA_DTYPE_I32, 4, si);
+    size_t bytes = 0;
+    nsa_status st = nsa_slc_attn_workspace_size(ctx, &a, &bytes);
+    CHECK_MSG(st == NSA_STATUS_SUCCESS, what);
+    if (st == NSA_STATUS_SUCCESS) {
+        unsigned char *w = guarded(bytes);
+        CHECK_STATUS(nsa_slc_attn(ctx, &a, w, bytes), NSA_STATUS_SUCCESS);
+        CHECK_MSG(guard_intact(w, bytes), what);
+        free(w);
+    }
+    nsa_slc_attn_bwd_args b;
+    memset(&b, 0, sizeof b);
+    b.fwd = a;
+    b.dout = f32_tensor(&r, 4, sq), b.dq = f32_tensor(&r, 4, sq), b.dk = f32_tensor(&r, 4, sk), b.dv = f32_tensor(&r, 4, sk);
+    st = nsa_slc_attn_bwd_workspace_size(ctx, &b, &bytes);
+    CHECK_MSG(st == NSA_STATUS_SUCCESS, what);
+    if (st == NSA_STATUS_SUCCESS) {
+        unsigned char *w = guarded(bytes);
+        CHECK_STATUS(nsa_slc_attn_bwd(ctx, &b, w, bytes), NSA_STATUS_SUCCESS);
+        CHECK_MSG(guard_intact(w, bytes), what);
+        free(w);
+    }
+    free(a.q.data), free(a.k.data), free(a.v.data), free(a.o.data), free(a.lse.data), free(idx);
+    free(b.dout.data), free(b.dq.data), free(b.dk.data), free(b.dv.data);
+    nsa_context_destroy(ctx);
+}
+
+/* Absent output (data NULL) whose own shape is not empty, where the call's dims make the
+ * output empty: rejected, never written through. */
+static void absent_output_case(void)
+{
+    test_rng r = {5};
+    nsa_context *ctx = one_thread_cpu();
+    nsa_compress_args a;
+    memset(&a, 0, sizeof a);
+    a.config = nsa_config_default(); /* l = 32: T = 3 has no compressed block */
+    const int64_t sx[4] = {1, 3, 1, 4}, sc[4] = {1, 5, 1, 4}, sc0[4] = {1, 0, 1, 4};
+    a.x = f32_tensor(&r, 4, sx);
+    a.x_cmp = nsa_tensor_make(NULL, NSA_DTYPE_F32, 4, sc);
+    size_t bytes = 0;
+    CHECK_STATUS(nsa_compress_workspace_size(ctx, &a, &bytes), NSA_STATUS_NULL_POINTER);
+    CHECK_STATUS(nsa_compress(ctx, &a, NULL, 0), NSA_STATUS_NULL_POINTER);
+    a.x_cmp = nsa_tensor_make(NULL, NSA_DTYPE_F32, 4, sc0); /* an empty absent output is fine */
+    CHECK_STATUS(nsa_compress_workspace_size(ctx, &a, &bytes), NSA_STATUS_SUCCESS);
+    free(a.x.data);
+    nsa_context_destroy(ctx);
+}
+
+void test_safety_all(void)
+{
+    /* the per-thread scratch holds G lse values, not only DV floats: 128 query heads per kv head */
+    slc_case(8, 128, 1, 4, 64, "slc_attn G = 128, DV = 4 stays inside its workspace");
+    slc_case(9, 64, 2, 8, 32, "slc_attn G = 32, DV = 8 stays inside its workspace");
+    /* a selection block far longer than the sequence: scores sized by T, not by l' */
+    slc_case(8, 2, 1, 4, (int64_t)1 << 56, "slc_attn slc_block = 2^56 stays inside its workspace");
+    slc_case(40, 4, 2, 8, (int64_t)1 << 40, "slc_attn slc_block = 2^40 stays inside its workspace");
+    absent_output_case();
+}
