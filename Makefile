@@ -61,7 +61,7 @@ build/nsa_wgmma_test: tests/gpu_wgmma.cu $(CUDA_HDR)
 endif
 # ---- end of the CUDA section --------------------------------------------------------------------
 
-.PHONY: all lib test demo clean check
+.PHONY: all lib test test-sanitize demo clean check
 all: build/libnsa.a build/libnsa.so build/nsa build/nsa_tests
 
 lib: build/libnsa.a build/libnsa.so
@@ -101,6 +101,10 @@ build/readme_example: build/readme_example.c build/libnsa.a
 test: build/nsa_tests build/readme_example build/libnsa.so build/nsa
 	./tests/run_all.sh
 
+# the CPU suite and the CLI's check under ASan + UBSan + LSan, in build-sanitize/ (CI runs it)
+test-sanitize:
+	bash scripts/sanitize-check.sh
+
 demo: build/nsa
 	./build/nsa demo
 
@@ -108,4 +112,4 @@ check: build/nsa
 	./build/nsa check --minutes 1
 
 clean:
-	rm -rf build
+	rm -rf build build-sanitize
