@@ -61,7 +61,8 @@ build/nsa_wgmma_test: tests/gpu_wgmma.cu $(CUDA_HDR)
 endif
 # ---- end of the CUDA section --------------------------------------------------------------------
 
-.PHONY: all lib test test-sanitize demo clean check
+.PHONY: all lib test test-sanitize demo clean check fuzz fuzz-ci
+comma := ,
 all: build/libnsa.a build/libnsa.so build/nsa build/nsa_tests
 
 lib: build/libnsa.a build/libnsa.so
@@ -100,6 +101,30 @@ build/readme_example: build/readme_example.c build/libnsa.a
 
 test: build/nsa_tests build/readme_example build/libnsa.so build/nsa
 	./tests/run_all.sh
+
+# libFuzzer over the public C API (CPU backend), library and harness built with ASan + UBSan
+# into build/fuzz/; `make fuzz` fuzzes FUZZ_SECONDS on the corpus, `make fuzz-ci` first replays
+# tests/fuzz/regressions and the corpus, then fuzzes 120 s; any crash or violation fails.
+FUZZ_CC ?= clang
+FUZZ_SECONDS ?= 600
+FUZZ_FLAGS := -std=c11 -g -O1 -Wno-pass-failed -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -fopenmp -Iinclude -Isrc
+FUZZ_OBJ := $(LIB_SRC:%.c=build/fuzz/%.o)
+
+build/fuzz/%.o: %.c $(wildcard include/*.h src/*.h src/cpu/*.h src/cuda/*.h src/cuda/*/plan.h)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(subst fuzzer$(comma),fuzzer-no-link$(comma),$(FUZZ_FLAGS)) -c $< -o $@
+
+build/nsa_fuzz: tests/fuzz/fuzz_api.c $(FUZZ_OBJ) include/nsa.h
+	$(FUZZ_CC) $(FUZZ_FLAGS) -o $@ tests/fuzz/fuzz_api.c $(FUZZ_OBJ) -lm
+
+fuzz: build/nsa_fuzz
+	@mkdir -p build/fuzz/corpus
+	./build/nsa_fuzz -max_total_time=$(FUZZ_SECONDS) -max_len=512 -timeout=10 -print_final_stats=1 \
+		-artifact_prefix=build/fuzz/ build/fuzz/corpus tests/fuzz/corpus
+
+fuzz-ci: build/nsa_fuzz
+	./build/nsa_fuzz -runs=0 tests/fuzz/regressions tests/fuzz/corpus
+	$(MAKE) fuzz FUZZ_SECONDS=120
 
 # the CPU suite and the CLI's check under ASan + UBSan + LSan, in build-sanitize/ (CI runs it)
 test-sanitize:
