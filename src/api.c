@@ -111,7 +111,7 @@ nsa_config nsa_config_default(void)
 
 int64_t nsa_num_cmp_blocks(const nsa_config *config, int64_t T)
 {
-    if (!config || config->cmp_stride < 1 || T < 0) return 0;
+    if (!config || config->cmp_stride < 1 || config->cmp_len < 1 || T < 0) return 0;
     return nsa_rule_num_cmp(T, config->cmp_len, config->cmp_stride);
 }
 

@@ -87,7 +87,7 @@ NSA_HD int32_t nsa_rule_cmp_visible_cap32(int32_t t, int32_t l, int32_t d, int32
 /* nb = ceil(T / l') selection blocks. */
 NSA_HD int64_t nsa_rule_num_slc(int64_t T, int64_t lp)
 {
-    return (T + lp - 1) / lp;
+    return T > 0 ? (T - 1) / lp + 1 : 0; /* (not (T + lp - 1) / lp: lp may be near INT64_MAX) */
 }
 
 /* The selection block holding position t: query t's current block cur (its candidates are

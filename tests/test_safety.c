@@ -106,8 +106,41 @@ static void absent_output_case(void)
     nsa_context_destroy(ctx);
 }
 
+/* Block counts with extreme (valid or invalid) configurations: no overflow, the documented value. */
+static void block_count_case(void)
+{
+    nsa_config c = nsa_config_default();
+    c.cmp_len = 1, c.cmp_stride = 1, c.slc_block = INT64_MAX, c.slc_topk = 1, c.n_init = 0, c.n_local = 0, c.window = 1;
+    CHECK_STATUS(nsa_config_validate(&c), NSA_STATUS_SUCCESS);
+    CHECK(nsa_num_slc_blocks(&c, 11) == 1 && nsa_num_slc_blocks(&c, 0) == 0);
+    CHECK(nsa_num_slc_blocks(&c, INT64_MAX) == 1);
+    c.cmp_len = INT64_MIN, c.cmp_stride = 3; /* invalid: no blocks, and no overflow computing that */
+    CHECK(nsa_num_cmp_blocks(&c, 9) == 0);
+    /* the selection's workspace query on that valid configuration (it counted blocks as T + l' - 1) */
+    test_rng r = {11};
+    nsa_context *ctx = one_thread_cpu();
+    nsa_select_args a;
+    memset(&a, 0, sizeof a);
+    a.config = nsa_config_default();
+    a.config.cmp_len = 1, a.config.cmp_stride = 1, a.config.slc_block = INT64_MAX, a.config.slc_topk = 1;
+    a.config.n_init = 0, a.config.n_local = 0, a.config.window = 1;
+    const int64_t sq[4] = {1, 11, 2, 4}, sk[4] = {1, 11, 1, 4}, si[4] = {1, 11, 1, 1};
+    a.q = f32_tensor(&r, 4, sq), a.k_cmp = f32_tensor(&r, 4, sk);
+    int32_t idx[11];
+    a.block_indices = nsa_tensor_make(idx, NSA_DTYPE_I32, 4, si);
+    size_t bytes = 0;
+    CHECK_STATUS(nsa_select_workspace_size(ctx, &a, &bytes), NSA_STATUS_SUCCESS);
+    unsigned char *w = guarded(bytes);
+    CHECK_STATUS(nsa_select(ctx, &a, w, bytes), NSA_STATUS_SUCCESS);
+    CHECK(guard_intact(w, bytes));
+    for (int i = 0; i < 11; i++) CHECK(idx[i] == 0); /* one block: the forced / only choice */
+    free(w), free(a.q.data), free(a.k_cmp.data);
+    nsa_context_destroy(ctx);
+}
+
 void test_safety_all(void)
 {
+    block_count_case();
     /* the per-thread scratch holds G lse values, not only DV floats: 128 query heads per kv head */
     slc_case(8, 128, 1, 4, 64, "slc_attn G = 128, DV = 4 stays inside its workspace");
     slc_case(9, 64, 2, 8, 32, "slc_attn G = 32, DV = 8 stays inside its workspace");
