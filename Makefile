@@ -107,14 +107,14 @@ test: build/nsa_tests build/readme_example build/libnsa.so build/nsa
 # tests/fuzz/regressions and the corpus, then fuzzes 120 s; any crash or violation fails.
 FUZZ_CC ?= clang
 FUZZ_SECONDS ?= 600
-FUZZ_FLAGS := -std=c11 -g -O1 -Wno-pass-failed -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -fopenmp -Iinclude -Isrc
+FUZZ_FLAGS := -std=c11 -g -O1 -Wno-pass-failed -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -fopenmp -Iinclude -Isrc -Itests/kit
 FUZZ_OBJ := $(LIB_SRC:%.c=build/fuzz/%.o)
 
 build/fuzz/%.o: %.c $(wildcard include/*.h src/*.h src/cpu/*.h src/cuda/*.h src/cuda/*/plan.h)
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(subst fuzzer$(comma),fuzzer-no-link$(comma),$(FUZZ_FLAGS)) -c $< -o $@
 
-build/nsa_fuzz: tests/fuzz/fuzz_api.c $(FUZZ_OBJ) include/nsa.h
+build/nsa_fuzz: tests/fuzz/fuzz_api.c $(FUZZ_OBJ) include/nsa.h tests/kit/op_calls.h
 	$(FUZZ_CC) $(FUZZ_FLAGS) -o $@ tests/fuzz/fuzz_api.c $(FUZZ_OBJ) -lm
 
 fuzz: build/nsa_fuzz

@@ -22,6 +22,9 @@ typedef struct nsa_problem {
                                   (CUDA: the general kernels of src/cuda/attention instead of the tuned tiles) */
 } nsa_problem;
 
+/* An optional tensor is present when it has data (nsa.h: absent = data NULL). */
+static inline int nsa_present(const nsa_tensor *t) { return t->data != NULL; }
+
 /* Validators: return SUCCESS and fill *p, or the specific error status. They read no
  * tensor data except cu_seqlens (host) and never write to any tensor. */
 nsa_status nsa_validate_compress(const nsa_compress_args *a, nsa_problem *p);

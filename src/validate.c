@@ -83,11 +83,9 @@ typedef struct tspec {
 enum { MAX_SPECS = 40 };
 #define COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
-static int has(const nsa_tensor *t) { return t->data != NULL; }
-
 /* The role of a tensor that only matters when `gate` (a branch gate, or a K/V override)
  * is given. */
-static tensor_role when(const nsa_tensor *gate, tensor_role r) { return has(gate) ? r : R_SKIP; }
+static tensor_role when(const nsa_tensor *gate, tensor_role r) { return nsa_present(gate) ? r : R_SKIP; }
 
 static int append(tspec *s, int n, const tspec *more, int count)
 {
@@ -109,7 +107,7 @@ static int described(const tspec *s)
     case R_SKIP: return 0;
     case R_IN:
     case R_DESC: return 1;
-    default: return has(s->t);
+    default: return nsa_present(s->t);
     }
 }
 
@@ -180,10 +178,10 @@ static nsa_status check_one(const tspec *s, nsa_dtype ref)
 
     if (!described(s)) return NSA_STATUS_SUCCESS;
     /* A required input left zero-initialised was forgotten: "NULL" says more than "rank". */
-    if (s->role == R_IN && !has(t) && t->rank == 0) return NSA_STATUS_NULL_POINTER;
+    if (s->role == R_IN && !nsa_present(t) && t->rank == 0) return NSA_STATUS_NULL_POINTER;
     st = check_tensor(t, rank_of(s->shape), s->rule, ref, &count);
     if (st != NSA_STATUS_SUCCESS) return st;
-    if (s->role == R_IN && !has(t) && count > 0) return NSA_STATUS_NULL_POINTER;
+    if (s->role == R_IN && !nsa_present(t) && count > 0) return NSA_STATUS_NULL_POINTER;
     return NSA_STATUS_SUCCESS;
 }
 
@@ -277,7 +275,7 @@ static nsa_status check_tensors(const tspec *s, int n, nsa_dtype ref, const nsa_
     }
 
     for (i = 0; i < n; i++) {
-        if (s[i].role != R_OUT || has(s[i].t)) continue;
+        if (s[i].role != R_OUT || nsa_present(s[i].t)) continue;
         if (!expected_empty(s[i].shape, dim)) return NSA_STATUS_MISSING_OUTPUT;
         /* an absent output is an empty one: a view whose own shape holds elements would have a
          * backend that walks its shape write through NULL */
@@ -449,7 +447,7 @@ static nsa_status attention_scalars(const nsa_attention_args *a)
     if (a->window_left < -1 || a->window_right < -1) return NSA_STATUS_BAD_WINDOW;
     if (!isfinite(a->softcap) || a->softcap < 0.0f) return NSA_STATUS_BAD_SOFTCAP;
     if (!(a->dropout_p >= 0.0f && a->dropout_p < 1.0f)) return NSA_STATUS_BAD_DROPOUT; /* NaN fails too */
-    if (has(&a->q_segment_ids) != has(&a->k_segment_ids)) return NSA_STATUS_BAD_ARGUMENT;
+    if (nsa_present(&a->q_segment_ids) != nsa_present(&a->k_segment_ids)) return NSA_STATUS_BAD_ARGUMENT;
     if ((vq->cu_seqlens_q != NULL) != (vq->cu_seqlens_k != NULL)) return NSA_STATUS_BAD_ARGUMENT;
     if (vq->cu_seqlens_q && a->varlen.cu_seqlens) return NSA_STATUS_BAD_ARGUMENT; /* one packing only */
     return NSA_STATUS_SUCCESS;
@@ -478,14 +476,14 @@ static nsa_status attention_finish(const nsa_attention_args *a, const nsa_tensor
         p->cu_seqlens_q = vq->cu_seqlens_q;
         p->cu_seqlens_k = vq->cu_seqlens_k;
     }
-    if (dbias && has(dbias)) {
+    if (dbias && nsa_present(dbias)) {
         for (int j = 0; j < 4; j++)
             if (dbias->shape[j] != a->bias.shape[j]) return NSA_STATUS_BAD_SHAPE;
         for (int j = 0; j < 4; j++) /* an output dim of stride 0 would write one element twice */
             if (dbias->shape[j] > 1 && dbias->stride[j] == 0) return NSA_STATUS_BAD_STRIDE;
     }
-    p->extended = p->T != p->Tk || a->softcap != 0.0f || has(&a->sinks) || has(&a->q_segment_ids) ||
-                  has(&a->bias) || has(&a->mask) || a->dropout_p != 0.0f || vq->cu_seqlens_q != NULL;
+    p->extended = p->T != p->Tk || a->softcap != 0.0f || nsa_present(&a->sinks) || nsa_present(&a->q_segment_ids) ||
+                  nsa_present(&a->bias) || nsa_present(&a->mask) || a->dropout_p != 0.0f || vq->cu_seqlens_q != NULL;
     return NSA_STATUS_SUCCESS;
 }
 
@@ -533,7 +531,7 @@ nsa_status nsa_validate_attention_bwd(const nsa_attention_bwd_args *a, nsa_probl
     int n = append(s, attention_specs(f, 1, s), g, COUNT(g));
     nsa_status st = attention_scalars(f);
     if (st != NSA_STATUS_SUCCESS) return st;
-    if (has(&a->dbias) && !has(&f->bias)) return NSA_STATUS_BAD_ARGUMENT;
+    if (nsa_present(&a->dbias) && !nsa_present(&f->bias)) return NSA_STATUS_BAD_ARGUMENT;
     st = check_tensors(s, n, f->q.dtype, &f->varlen, NULL, f->scale, p);
     if (st != NSA_STATUS_SUCCESS) return st;
     return attention_finish(f, &a->dbias, p);
@@ -542,7 +540,7 @@ nsa_status nsa_validate_attention_bwd(const nsa_attention_bwd_args *a, nsa_probl
 /* ---- 6. Gating: o (not q) sets the sizes and the dtype of the gates. ------------------ */
 static int any_gate(const nsa_tensor *g_cmp, const nsa_tensor *g_slc, const nsa_tensor *g_swa)
 {
-    return has(g_cmp) || has(g_slc) || has(g_swa);
+    return nsa_present(g_cmp) || nsa_present(g_slc) || nsa_present(g_swa);
 }
 
 static int gate_specs(const nsa_gate_args *a, int bwd, tspec *s)
@@ -564,7 +562,7 @@ nsa_status nsa_validate_gate(const nsa_gate_args *a, nsa_problem *p)
     tspec s[MAX_SPECS];
     int n = gate_specs(a, 0, s);
     /* While o is absent (MISSING_OUTPUT, stage e) the first gate stands in for its dtype. */
-    nsa_dtype ref = has(&a->o) ? a->o.dtype : has(&a->g_cmp) ? a->g_cmp.dtype : has(&a->g_slc) ? a->g_slc.dtype : a->g_swa.dtype;
+    nsa_dtype ref = nsa_present(&a->o) ? a->o.dtype : nsa_present(&a->g_cmp) ? a->g_cmp.dtype : nsa_present(&a->g_slc) ? a->g_slc.dtype : a->g_swa.dtype;
     if (!any_gate(&a->g_cmp, &a->g_slc, &a->g_swa)) return NSA_STATUS_BAD_ARGUMENT;
     return check_tensors(s, n, ref, NULL, NULL, 0.0f, p);
 }
@@ -592,10 +590,10 @@ static nsa_status forward_scalars(const nsa_forward_args *a)
 {
     nsa_status st = nsa_config_validate(&a->config);
     if (st != NSA_STATUS_SUCCESS) return st;
-    if (has(&a->k_slc) != has(&a->v_slc) || has(&a->k_swa) != has(&a->v_swa) || has(&a->k_cmp) != has(&a->v_cmp))
+    if (nsa_present(&a->k_slc) != nsa_present(&a->v_slc) || nsa_present(&a->k_swa) != nsa_present(&a->v_swa) || nsa_present(&a->k_cmp) != nsa_present(&a->v_cmp))
         return NSA_STATUS_BAD_ARGUMENT;
     if (!any_gate(&a->g_cmp, &a->g_slc, &a->g_swa)) return NSA_STATUS_BAD_ARGUMENT;
-    if (has(&a->block_counts) && !has(&a->block_indices)) return NSA_STATUS_BAD_ARGUMENT;
+    if (nsa_present(&a->block_counts) && !nsa_present(&a->block_indices)) return NSA_STATUS_BAD_ARGUMENT;
     return NSA_STATUS_SUCCESS;
 }
 
@@ -603,7 +601,7 @@ static int forward_specs(const nsa_forward_args *a, int bwd, tspec *s)
 {
     const tensor_role sv = bwd ? R_IN : R_OUT;
     /* The forward selects (and saves the indices) only when the caller gave none. */
-    const tensor_role sel = has(&a->g_slc) && !has(&a->block_indices) ? sv : R_SKIP;
+    const tensor_role sel = nsa_present(&a->g_slc) && !nsa_present(&a->block_indices) ? sv : R_SKIP;
     const tspec t[] = {
         {&a->q, R_IN, K_REF, S_Q},
         {&a->k, R_IN, K_REF, S_K},

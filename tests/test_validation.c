@@ -15,6 +15,7 @@
 
 #include "harness.h"
 #include "nsa.h"
+#include "op_calls.h"
 
 void test_validation_all(void);
 
@@ -461,28 +462,6 @@ static void mk_backward(any_args *a, tlist *l)
     PUT(l, b->dg_swa, W.dg[2], USE_OUT);
 }
 
-#define WRAP(op, args_t)                                                                              \
-    static nsa_status ws_##op(nsa_context *c, const any_args *a, size_t *bytes)                       \
-    {                                                                                                 \
-        return nsa_##op##_workspace_size(c, (const args_t *)a, bytes);                                \
-    }                                                                                                 \
-    static nsa_status run_##op(nsa_context *c, const any_args *a, void *ws, size_t bytes)             \
-    {                                                                                                 \
-        return nsa_##op(c, (const args_t *)a, ws, bytes);                                             \
-    }
-WRAP(compress, nsa_compress_args)
-WRAP(compress_bwd, nsa_compress_bwd_args)
-WRAP(cmp_attn, nsa_cmp_attn_args)
-WRAP(cmp_attn_bwd, nsa_cmp_attn_bwd_args)
-WRAP(select, nsa_select_args)
-WRAP(slc_attn, nsa_slc_attn_args)
-WRAP(slc_attn_bwd, nsa_slc_attn_bwd_args)
-WRAP(attention, nsa_attention_args)
-WRAP(attention_bwd, nsa_attention_bwd_args)
-WRAP(gate, nsa_gate_args)
-WRAP(gate_bwd, nsa_gate_bwd_args)
-WRAP(forward, nsa_forward_args)
-WRAP(backward, nsa_backward_args)
 
 enum op_flags {
     F_CFG = 1,    /* carries an nsa_config */
@@ -495,12 +474,12 @@ enum op_flags {
 typedef struct op_case {
     const char *name;
     void (*make)(any_args *a, tlist *l);
-    nsa_status (*ws)(nsa_context *c, const any_args *a, size_t *bytes);
-    nsa_status (*run)(nsa_context *c, const any_args *a, void *ws, size_t bytes);
+    op_ws_fn ws;
+    op_run_fn run;
     int flags;
 } op_case;
 
-#define OP(op, flags) {#op, mk_##op, ws_##op, run_##op, flags}
+#define OP(op, flags) {#op, mk_##op, op_ws_##op, op_run_##op, flags}
 enum { OP_COMPRESS, OP_COMPRESS_BWD, OP_CMP_ATTN, OP_CMP_ATTN_BWD, OP_SELECT, OP_SLC_ATTN, OP_SLC_ATTN_BWD,
        OP_ATTENTION, OP_ATTENTION_BWD, OP_GATE, OP_GATE_BWD, OP_FORWARD, OP_BACKWARD, OP_ATTENTION_EXT,
        OP_ATTENTION_EXT_BWD, OP_COUNT };
@@ -519,8 +498,8 @@ static const op_case OPS[OP_COUNT] = {
     OP(forward, F_CFG | F_VARLEN | F_GQA | F_HQ),
     OP(backward, F_CFG | F_VARLEN | F_GQA | F_HQ),
     /* head counts are covered by the plain attention rows: sinks and bias carry HQ elsewhere */
-    {"attention (all options)", mk_attention_ext, ws_attention, run_attention, F_VARLEN},
-    {"attention_bwd (all options)", mk_attention_ext_bwd, ws_attention_bwd, run_attention_bwd, F_VARLEN},
+    {"attention (all options)", mk_attention_ext, op_ws_attention, op_run_attention, F_VARLEN},
+    {"attention_bwd (all options)", mk_attention_ext_bwd, op_ws_attention_bwd, op_run_attention_bwd, F_VARLEN},
 };
 
 static void build(const op_case *op, any_args *a, tlist *l)

@@ -50,7 +50,6 @@ static inline cpu_seq cpu_seq_get(const nsa_problem *p, const int64_t *cu_cmp, i
 }
 
 /* ---- strided tensors ----------------------------------------------------------------- */
-static inline int nsa_present(const nsa_tensor *t) { return t->data != NULL; }
 
 /* Element offset of [i0, i1, i2, 0] (rank 4) or [i0, i1, i2] (rank 3). */
 static inline int64_t io_off(const nsa_tensor *t, int64_t i0, int64_t i1, int64_t i2)

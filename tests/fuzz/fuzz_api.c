@@ -10,6 +10,7 @@
  *   - in every case all guards are intact (ASan / UBSan / LSan watch the rest).
  * Shapes stay small (dims 0..9, T up to 40) so one run takes microseconds. */
 #include "nsa.h"
+#include "op_calls.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -295,18 +296,9 @@ static nsa_config mk_config(reader *r)
 
 static int64_t clampd(int64_t v) { return v < 0 ? 0 : v > MAX_T ? MAX_T : v; }
 
-/* Nc and nb for shaping tensors, computed here without overflow: nsa_num_cmp_blocks and
- * nsa_num_slc_blocks overflow on extreme configs (tests/fuzz/found/README.md) */
-static int64_t num_cmp(const nsa_config *c, int64_t T)
-{
-    if (c->cmp_stride < 1 || c->cmp_len < 1 || T < c->cmp_len) return 0;
-    return (T - c->cmp_len) / c->cmp_stride + 1;
-}
-static int64_t num_slc(const nsa_config *c, int64_t T)
-{
-    if (c->slc_block < 1 || T < 1) return 0;
-    return T / c->slc_block + (T % c->slc_block != 0);
-}
+/* Nc and nb for shaping tensors: the library's own counts (0 for configs they cannot count) */
+static int64_t num_cmp(const nsa_config *c, int64_t T) { return nsa_num_cmp_blocks(c, T); }
+static int64_t num_slc(const nsa_config *c, int64_t T) { return nsa_num_slc_blocks(c, T); }
 
 /* Varlen (B becomes 1): a split of T into up to 5 sequences, sometimes broken. Returns the
  * total compressed rows under cfg in *nc (what the compressed tensors then hold). */
@@ -602,33 +594,6 @@ static void build_nsa(reader *r, dims *D, nsa_backward_args *a, int bwd, uint8_t
     a->dg_swa = opt(r, gsw && !(p2 == 251), OUT, D->dt, 3, D->B, D->T, D->HQ, 0);
 }
 
-typedef nsa_status (*size_fn)(nsa_context *, const void *, size_t *);
-typedef nsa_status (*run_fn)(nsa_context *, const void *, void *, size_t);
-
-/* one query / call pair per op behind void pointers, so no call goes through a cast function type */
-#define WRAP(name, type)                                                                          \
-    static nsa_status q_##name(nsa_context *c, const void *a, size_t *b)                          \
-    {                                                                                             \
-        return nsa_##name##_workspace_size(c, (const type *)a, b);                                \
-    }                                                                                             \
-    static nsa_status c_##name(nsa_context *c, const void *a, void *w, size_t n)                  \
-    {                                                                                             \
-        return nsa_##name(c, (const type *)a, w, n);                                              \
-    }
-WRAP(compress, nsa_compress_args)
-WRAP(compress_bwd, nsa_compress_bwd_args)
-WRAP(cmp_attn, nsa_cmp_attn_args)
-WRAP(cmp_attn_bwd, nsa_cmp_attn_bwd_args)
-WRAP(select, nsa_select_args)
-WRAP(slc_attn, nsa_slc_attn_args)
-WRAP(slc_attn_bwd, nsa_slc_attn_bwd_args)
-WRAP(attention, nsa_attention_args)
-WRAP(attention_bwd, nsa_attention_bwd_args)
-WRAP(gate, nsa_gate_args)
-WRAP(gate_bwd, nsa_gate_bwd_args)
-WRAP(forward, nsa_forward_args)
-WRAP(backward, nsa_backward_args)
-
 /* Marks the bytes an output view may write; returns 0 when the view is unknown (write anywhere). */
 static int mark_view(const buffer *b, unsigned char *ok)
 {
@@ -670,7 +635,7 @@ static void free_all(void)
     nbufs = 0;
 }
 
-static int run_op(reader *r, nsa_context *ctx, const void *a, size_fn qs, run_fn call)
+static int run_op(reader *r, nsa_context *ctx, const void *a, op_ws_fn qs, op_run_fn call)
 {
     uint8_t w = u8(r), nul = u8(r);
     size_t need = 0, sentinel = (size_t)0x5A5A5A5A5A5A5A5Aull, bytes = sentinel;
@@ -725,7 +690,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             violation("nsa_config_validate accepted an invalid config", -1);
         return 0;
     }
-#define RUN(name) run_op(&r, ctx, &a, q_##name, c_##name)
+#define RUN(name) run_op(&r, ctx, &a, op_ws_##name, op_run_##name)
     case OP_COMPRESS: build_compress(&r, &D, &a.compress, 0, pres); RUN(compress); break;
     case OP_COMPRESS_BWD: build_compress(&r, &D, &a.compress, 1, pres); RUN(compress_bwd); break;
     case OP_CMP_ATTN: build_cmp(&r, &D, &a.cmp, 0, pres); RUN(cmp_attn); break;

@@ -9,8 +9,6 @@
 #include "../selection/selection.h"
 #include "../cuda_backend.h"
 
-static int has(const nsa_tensor *t) { return t->data != NULL; }
-
 typedef struct plan {
     int cmp_on, slc_on, swa_on, selecting, need_scores, own_cmp, sep_slc, sep_swa;
     const nsa_tensor *idx, *counts;
@@ -19,17 +17,17 @@ typedef struct plan {
 static void plan_make(plan *pl, const nsa_forward_args *a, int backward)
 {
     memset(pl, 0, sizeof *pl);
-    pl->cmp_on = has(&a->g_cmp);
-    pl->slc_on = has(&a->g_slc);
-    pl->swa_on = has(&a->g_swa);
-    pl->selecting = !backward && pl->slc_on && !has(&a->block_indices);
+    pl->cmp_on = nsa_present(&a->g_cmp);
+    pl->slc_on = nsa_present(&a->g_slc);
+    pl->swa_on = nsa_present(&a->g_swa);
+    pl->selecting = !backward && pl->slc_on && !nsa_present(&a->block_indices);
     pl->need_scores = pl->cmp_on || pl->selecting;
-    pl->own_cmp = has(&a->k_cmp);
-    pl->sep_slc = has(&a->k_slc);
-    pl->sep_swa = has(&a->k_swa);
+    pl->own_cmp = nsa_present(&a->k_cmp);
+    pl->sep_slc = nsa_present(&a->k_slc);
+    pl->sep_swa = nsa_present(&a->k_swa);
     if (pl->slc_on) {
-        pl->idx = has(&a->block_indices) ? &a->block_indices : &a->saved.block_indices;
-        pl->counts = has(&a->block_indices) && has(&a->block_counts) ? &a->block_counts : NULL;
+        pl->idx = nsa_present(&a->block_indices) ? &a->block_indices : &a->saved.block_indices;
+        pl->counts = nsa_present(&a->block_indices) && nsa_present(&a->block_counts) ? &a->block_counts : NULL;
     }
 }
 

@@ -65,8 +65,6 @@ nsa_status nsa_cuda_slc_attn_bwd(const nsa_context *ctx, const nsa_problem *p, c
 
 /* ---- host drivers ------------------------------------------------------------------------ */
 
-static int has(const nsa_tensor *t) { return t->data != NULL; }
-
 rule_t cu_rule_slc(const nsa_problem *p)
 {
     rule_t r;
@@ -189,5 +187,5 @@ void cu_take_usable(grun *g, const nsa_tensor *idx, const nsa_tensor *counts, in
     *U = (int32_t *)g_take(g, (size_t)(rows * p->m + 1) * sizeof(int32_t));
     *ucnt = (int32_t *)g_take(g, (size_t)(rows + 1) * sizeof(int32_t));
     const dview iv = dv_of(idx), cv = dv_of(counts);
-    nsa_cu_usable(g, &iv, counts && has(counts) ? &cv : NULL, p->m, p->cfg.slc_block, *U, *ucnt);
+    nsa_cu_usable(g, &iv, counts && nsa_present(counts) ? &cv : NULL, p->m, p->cfg.slc_block, *U, *ucnt);
 }

@@ -9,8 +9,6 @@
 #include "../range/range.h"
 #include "../cuda_backend.h"
 
-static int has(const nsa_tensor *t) { return t->data != NULL; }
-
 static void run_select(grun *g, const nsa_select_args *a)
 {
     const nsa_problem *p = g->p;
@@ -19,7 +17,7 @@ static void run_select(grun *g, const nsa_select_args *a)
     const dview q = dv_of(&a->q), kc = dv_of(&a->k_cmp), idx = dv_of(&a->block_indices);
     const dview cnt = dv_of(&a->block_counts);
     dview lse = dv_of(&a->lse_cmp);
-    if (!has(&a->lse_cmp)) { /* the compressed attention's normaliser, lse only */
+    if (!nsa_present(&a->lse_cmp)) { /* the compressed attention's normaliser, lse only */
         float *lw = cu_take_f32(g, p->B * p->T * p->HQ, 0);
         lse = dv_flat(lw, NSA_DTYPE_F32, p->T, p->HQ, 1);
         const rule_t r = cu_rule_cmp(p);
