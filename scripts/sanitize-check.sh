@@ -26,23 +26,22 @@ if ! make -j"$(nproc)" NSA_CUDA=0 NATIVE=0 OPT=-O1 CFLAGS="$SAN" LDLIBS="-fopenm
     exit 1
 fi
 pass=0; fail=0
-echo "== sanitize: C suite"
-./build/nsa_tests > suite.log 2>&1
-rc=$?
-grep -E 'ERROR: |runtime error|SUMMARY: ' suite.log | head -20
-read -r p f < <(grep -E '^[0-9]+ passed, [0-9]+ failed$' suite.log | tail -n 1 | sed -E 's/([0-9]+) passed, ([0-9]+) failed/\1 \2/')
-p=${p:-0}; f=${f:-1}
-[ "$rc" -eq 0 ] || [ "$f" -gt 0 ] || f=1 # a sanitizer report after the counts still fails
-echo "sanitize: C suite $p passed, $f failed (rc $rc)"
-pass=$((pass + p)); fail=$((fail + f))
-echo "== sanitize: nsa check --cases $CASES"
-./build/nsa check --backend cpu --cases "$CASES" --seed 20261125 > check.log 2>&1
-rc=$?
-grep -E 'ERROR: |runtime error|SUMMARY: ' check.log | head -20
-read -r p f < <(grep -E '^[0-9]+ passed, [0-9]+ failed$' check.log | tail -n 1 | sed -E 's/([0-9]+) passed, ([0-9]+) failed/\1 \2/')
-p=${p:-0}; f=${f:-1}
-[ "$rc" -eq 0 ] || [ "$f" -gt 0 ] || f=1
-echo "sanitize: nsa check $p passed, $f failed (rc $rc)"
-pass=$((pass + p)); fail=$((fail + f))
+# run NAME LOG CMD...: one sanitized program; its counts join the totals (a sanitizer report
+# or a crash after the counts still fails)
+run() {
+    local name=$1 log=$2 rc p f
+    shift 2
+    echo "== sanitize: $name"
+    "$@" > "$log" 2>&1
+    rc=$?
+    grep -E 'ERROR: |runtime error|SUMMARY: ' "$log" | head -20
+    read -r p f < <(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -n 1 | sed -E 's/([0-9]+) passed, ([0-9]+) failed/\1 \2/')
+    p=${p:-0}; f=${f:-1}
+    [ "$rc" -eq 0 ] || [ "$f" -gt 0 ] || f=1
+    echo "sanitize: $name $p passed, $f failed (rc $rc)"
+    pass=$((pass + p)); fail=$((fail + f))
+}
+run "C suite" suite.log ./build/nsa_tests
+run "nsa check --cases $CASES" check.log ./build/nsa check --backend cpu --cases "$CASES" --seed 20261125
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
