@@ -143,12 +143,16 @@ NSA_HD int nsa_rule_forced(int64_t j, int64_t cur, int64_t n_init, int64_t n_loc
     return j < n_init || j > cur - n_local;
 }
 
-/* Selection order: forced blocks first, then larger importance, then lower index.
+/* Selection order: forced blocks first, then larger importance, then lower index; a NaN
+ * importance (a row that read a non-finite value) ranks below every number, so the order stays
+ * total and every backend keeps the same blocks.
  * Returns nonzero when candidate (fa, ia, ja) ranks strictly above (fb, ib, jb). */
 NSA_HD int nsa_rule_ranks_above(int fa, float ia, int64_t ja, int fb, float ib, int64_t jb)
 {
     if (fa != fb) return fa > fb;
-    if (ia != ib) return ia > ib;
+    const int na = ia != ia, nb = ib != ib;
+    if (na != nb) return nb;
+    if (!na && ia != ib) return ia > ib;
     return ja < jb;
 }
 

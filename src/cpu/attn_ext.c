@@ -305,12 +305,18 @@ static void ext_softmax_block(ext_scratch *x, const ext_opts *o, const ext_seq *
     const int64_t n = c1 - c0;
     for (int r = 0; r < t->R; r++) {
         float *s = t->S + (size_t)r * EXT_KB, mx = t->m[r];
-#pragma omp simd reduction(max : mx)
-        for (int64_t c = 0; c < n; c++) mx = s[c] > mx ? s[c] : mx;
-        if (mx == -INFINITY) { /* nothing visible yet */
-            memset(s, 0, (size_t)n * sizeof(float));
+        int visible = 0;
+#pragma omp simd reduction(max : mx) reduction(| : visible)
+        for (int64_t c = 0; c < n; c++) {
+            mx = s[c] > mx ? s[c] : mx;
+            visible |= s[c] != -INFINITY;
+        }
+        if (!visible) { /* nothing visible in this block */
+            core_fill_hidden(s, n);
             continue;
         }
+        /* visible scores that are all NaN leave the max at -inf: the row is NaN, not empty */
+        if (mx == -INFINITY) mx = NAN;
         const float alpha = t->m[r] == -INFINITY ? 0.0f : core_exp(t->m[r] - mx);
         const float sum = core_exp_row_masked(s, n, mx);
         t->m[r] = mx;
@@ -332,14 +338,15 @@ static void ext_finish_rows(ext_scratch *x, const ext_opts *o)
     core_tile *t = &x->t;
     for (int r = 0; r < t->R; r++) {
         float *orow = t->O + (size_t)r * t->DV;
-        float lse = t->l[r] > 0.0f ? t->m[r] + logf(t->l[r]) : -INFINITY;
+        /* l == 0 exactly when the row saw no key; NaN l (a non-finite row) stays NaN */
+        float lse = t->l[r] != 0.0f ? t->m[r] + logf(t->l[r]) : -INFINITY;
         if (o->sinks) {
             const float sk = io_get(o->sinks, x->rhq[r] * o->sinks->stride[0]);
             const float mx = lse > sk ? lse : sk;
             if (mx != -INFINITY) lse = mx + logf(expf(lse - mx) + expf(sk - mx)); /* exp(-inf) = 0 */
         }
         x->lse_rows[r] = lse;
-        if (t->l[r] > 0.0f) {
+        if (t->l[r] != 0.0f) {
             const float w = expf(t->m[r] - lse);
             for (int d = 0; d < t->DV; d++) orow[d] *= w;
         } else {
@@ -377,7 +384,7 @@ void ext_fwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_a
                 const int64_t c1 = c0 + EXT_KB < kmax + 1 ? c0 + EXT_KB : kmax + 1;
                 ext_scores(&x, &o, &sq, K, c0, c1);
                 ext_softmax_block(&x, &o, &sq, c0, c1);
-                core_accum(x.t.O, x.t.S, EXT_KB, x.t.R, V + c0 * p->DV, p->DV, c1 - c0);
+                core_accum(x.t.O, x.t.S, x.t.S, EXT_KB, x.t.R, V + c0 * p->DV, p->DV, c1 - c0);
             }
             ext_finish_rows(&x, &o);
             for (int64_t i = 0; i < nt; i++)
@@ -403,7 +410,7 @@ static void ext_grad_block(ext_scratch *x, const ext_opts *o, const ext_seq *sq,
         float *s = t->S + (size_t)r * EXT_KB, *ds = x->dS + (size_t)r * EXT_KB;
         const float lse = t->lse[r], D = t->Drow[r];
         if (lse == -INFINITY) {
-            memset(s, 0, (size_t)n * sizeof(float));
+            core_fill_hidden(s, n);
             memset(ds, 0, (size_t)n * sizeof(float));
             continue;
         }
@@ -611,7 +618,7 @@ void ext_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_b
             for (int64_t c0 = kmin; kmax >= 0 && c0 <= kmax; c0 += EXT_KB) {
                 const int64_t c1 = c0 + EXT_KB < kmax + 1 ? c0 + EXT_KB : kmax + 1;
                 ext_grad_block(&x, &o, &sq, K, V, c0, c1, 1, 0);
-                core_accum(x.t.dQ, x.dS, EXT_KB, x.t.R, K + c0 * p->DK, p->DK, c1 - c0);
+                core_accum(x.t.dQ, x.dS, x.t.S, EXT_KB, x.t.R, K + c0 * p->DK, p->DK, c1 - c0);
             }
             for (int64_t i = 0; i < nt; i++) tile_add_dq(&x.t, (int)(i * G), dq32, p, sq.b, sq.q0 + t0 + i, h, p->scale);
         }
@@ -631,8 +638,8 @@ void ext_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_b
                 const int64_t nt = q_last + 1 - tq0 < bq ? q_last + 1 - tq0 : bq;
                 ext_load_tile(&x, &o, &sq, h, tq0, nt, &g, &kmin, &kmax);
                 ext_grad_block(&x, &o, &sq, K, V, c0, c1, 1, 1);
-                core_accum_t(dKp + (off + c0) * p->DK, x.dS, EXT_KB, x.t.R, x.t.Q, p->DK, c1 - c0);
-                core_accum_t(dVp + (off + c0) * p->DV, x.t.S, EXT_KB, x.t.R, x.t.dO, p->DV, c1 - c0);
+                core_accum_t(dKp + (off + c0) * p->DK, x.dS, x.t.S, EXT_KB, x.t.R, x.t.Q, p->DK, c1 - c0);
+                core_accum_t(dVp + (off + c0) * p->DV, x.t.S, x.t.S, EXT_KB, x.t.R, x.t.dO, p->DV, c1 - c0);
             }
         }
     }

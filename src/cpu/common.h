@@ -124,10 +124,11 @@ void core_tile_alloc(core_tile *t, ws_arena *a, int R, int DK, int DV, int64_t s
 /* Resets m = -inf, l = 0, O = 0. */
 void core_fwd_begin(core_tile *t);
 /* Online softmax over keys [c0, c1) of K [*, DK] / V [*, DV] (V may be NULL: scores only).
- * Afterwards S[r * S_cap + (c - c0)] holds exp(s - m_r) for visible keys (0 otherwise),
+ * Afterwards S[r * S_cap + (c - c0)] holds exp(s - m_r) for visible keys (-0.0f otherwise),
  * relative to the row max m_r after this block. c1 - c0 <= S_cap. */
 void core_fwd_block(core_tile *t, const float *K, const float *V, int64_t c0, int64_t c1);
-/* Normalises: O /= l and lse = m + log(l); rows with no visible key get O = 0, lse = -inf. */
+/* Normalises: O /= l and lse = m + log(l); rows with no visible key get O = 0, lse = -inf (a
+ * row that saw keys keeps whatever its arithmetic gave, NaN included). */
 void core_fwd_end(core_tile *t, float *lse_out);
 /* Backward over keys [c0, c1): P = exp(s - lse), dS = P * (dO V^T - Drow). Accumulates
  * t->dQ += dS K (if t->dQ), dK[c] += dS^T Q (if dK), dV[c] += P^T dO (if dV), with dK/dV
@@ -139,8 +140,13 @@ void core_bwd_block(core_tile *t, const float *K, const float *V, int64_t c0, in
  * [D, 16]); Acc[r] += sum_c W[r * ldW + c] X[c] (c < n); Acc[c] += sum_r W[r * ldW + c] Y[r]. */
 void core_scores(const float *A, int R, int D, const float *X, int64_t c0, int64_t c1, float *S, int64_t ldS,
                  float *xt);
-void core_accum(float *Acc, const float *W, int64_t ldW, int R, const float *X, int D, int64_t n);
-void core_accum_t(float *Acc, const float *W, int64_t ldW, int R, const float *Y, int D, int64_t n);
+void core_accum(float *Acc, const float *W, const float *M, int64_t ldW, int R, const float *X, int D, int64_t n);
+void core_accum_t(float *Acc, const float *W, const float *M, int64_t ldW, int R, const float *Y, int D, int64_t n);
+/* Hidden (row, key) pairs carry the weight -0.0f; core_accum / core_accum_t skip the pairs whose
+ * M entry (same layout as W) is that marker when X / Y holds a non-finite value (core.c).
+ * core_fill_hidden writes the marker; core_all_finite scans n floats. */
+void core_fill_hidden(float *s, int64_t n);
+int core_all_finite(const float *x, int64_t n);
 /* Rows of the general path, -inf = invisible (weight exactly 0):
  * s = exp(s - shift), @return the sum; P = exp(p - lse), ds = P (ds * keep - D), p = P (or
  * P * keep with dropped_p); softcap: th = tanh(s / cap), s = cap * th, dcap = 1 - th^2

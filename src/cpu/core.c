@@ -204,6 +204,80 @@ static void mk_accum_t(float *Acc, const float *W, int64_t ldW, int R, const flo
     }
 }
 
+/* ---- non-finite operands ------------------------------------------------------------------
+ * The products above multiply every (row, key) pair of a block, hidden ones with weight 0. That
+ * is exact for finite operands, but 0 * NaN = NaN and 0 * Inf = NaN: a non-finite key, value,
+ * query or upstream gradient would reach rows the mask hides it from. Hidden pairs therefore
+ * carry the weight -0.0f (a visible weight is positive, since the exponential is clamped above
+ * 0, or NaN, or +0 when dropout drops it), and a product whose operand holds a non-finite value
+ * takes the visible-pairs-only path below. Finite inputs never leave the register-blocked path. */
+static inline int is_hidden(float w)
+{
+    union { float f; uint32_t u; } x = {w};
+    return x.u == 0x80000000u;
+}
+
+void core_fill_hidden(float *s, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) s[i] = -0.0f;
+}
+
+/* Nonzero when the n floats at x are all finite (x * 0 is NaN exactly for NaN and +-Inf). */
+int core_all_finite(const float *x, int64_t n)
+{
+    vf16 acc = vzero();
+    int64_t i = 0;
+    for (; i + MK_LANES <= n; i += MK_LANES) acc += vload(x + i) * 0.0f;
+    float sum = 0.0f;
+    for (int j = 0; j < MK_LANES; j++) sum += acc[j];
+    for (; i < n; i++) sum += x[i] * 0.0f;
+    return sum == 0.0f;
+}
+
+/* mk_accum over the visible pairs only (M[r * ldW + c] not hidden). */
+static void mk_accum_visible(float *Acc, const float *W, const float *M, int64_t ldW, int R, const float *X, int D,
+                             int64_t n)
+{
+    for (int r = 0; r < R; r++) {
+        float *o = Acc + (size_t)r * D;
+        const float *wr = W + (size_t)r * ldW, *mr = M + (size_t)r * ldW;
+        for (int64_t c = 0; c < n; c++) {
+            if (is_hidden(mr[c])) continue;
+            const float w = wr[c], *x = X + c * D;
+            for (int d = 0; d < D; d++) o[d] += w * x[d];
+        }
+    }
+}
+
+/* mk_accum_t over the visible pairs only. */
+static void mk_accum_t_visible(float *Acc, const float *W, const float *M, int64_t ldW, int R, const float *Y, int D,
+                               int64_t n)
+{
+    for (int64_t c = 0; c < n; c++) {
+        float *o = Acc + c * D;
+        for (int r = 0; r < R; r++) {
+            if (is_hidden(M[(size_t)r * ldW + c])) continue;
+            const float w = W[(size_t)r * ldW + c], *y = Y + (size_t)r * D;
+            for (int d = 0; d < D; d++) o[d] += w * y[d];
+        }
+    }
+}
+
+/* The products as the tiles call them: X (n rows) or Y (R rows) scanned first. */
+static void accum_checked(float *Acc, const float *W, const float *M, int64_t ldW, int R, const float *X, int D,
+                          int64_t n)
+{
+    if (core_all_finite(X, n * D)) mk_accum(Acc, W, ldW, R, X, D, n);
+    else mk_accum_visible(Acc, W, M, ldW, R, X, D, n);
+}
+
+static void accum_t_checked(float *Acc, const float *W, const float *M, int64_t ldW, int R, const float *Y, int D,
+                            int64_t n)
+{
+    if (core_all_finite(Y, (int64_t)R * D)) mk_accum_t(Acc, W, ldW, R, Y, D, n);
+    else mk_accum_t_visible(Acc, W, M, ldW, R, Y, D, n);
+}
+
 /* Visible part of [c0, c1) for row r, as [a, b) (empty when a >= b). */
 static inline void row_span(const core_tile *t, int r, int64_t c0, int64_t c1, int64_t *a, int64_t *b)
 {
@@ -231,7 +305,7 @@ void core_fwd_block(core_tile *t, const float *K, const float *V, int64_t c0, in
     int64_t ua, ub;
     union_span(t, c0, c1, &ua, &ub);
     if (ua >= ub) {
-        for (int r = 0; r < t->R; r++) memset(t->S + (size_t)r * t->S_cap, 0, (size_t)n * sizeof(float));
+        for (int r = 0; r < t->R; r++) core_fill_hidden(t->S + (size_t)r * t->S_cap, n);
         return;
     }
     mk_scores(t->Q, t->R, t->DK, K, ua, ub, t->S + (ua - c0), t->S_cap, t->xt);
@@ -240,11 +314,11 @@ void core_fwd_block(core_tile *t, const float *K, const float *V, int64_t c0, in
         int64_t a, b;
         row_span(t, r, c0, c1, &a, &b);
         if (a >= b) {
-            memset(s, 0, (size_t)n * sizeof(float));
+            core_fill_hidden(s, n);
             continue;
         }
-        memset(s, 0, (size_t)(a - c0) * sizeof(float));
-        memset(s + (b - c0), 0, (size_t)(c1 - b) * sizeof(float));
+        core_fill_hidden(s, a - c0);
+        core_fill_hidden(s + (b - c0), c1 - b);
         float mx = t->m[r];
 #pragma omp simd reduction(max : mx)
         for (int64_t c = a - c0; c < b - c0; c++) mx = s[c] > mx ? s[c] : mx;
@@ -258,14 +332,16 @@ void core_fwd_block(core_tile *t, const float *K, const float *V, int64_t c0, in
             for (int d = 0; d < t->DV; d++) o[d] *= alpha;
         }
     }
-    if (V) mk_accum(t->O, t->S + (ua - c0), t->S_cap, t->R, V + ua * t->DV, t->DV, ub - ua);
+    if (V) accum_checked(t->O, t->S + (ua - c0), t->S + (ua - c0), t->S_cap, t->R, V + ua * t->DV, t->DV, ub - ua);
 }
 
 void core_fwd_end(core_tile *t, float *lse_out)
 {
     for (int r = 0; r < t->R; r++) {
         float *o = t->O + (size_t)r * t->DV;
-        if (t->l[r] > 0.0f) {
+        /* l is 0 exactly when the row saw no key (a visible key adds at least exp(0) = 1 at the
+         * running max); a NaN l is a non-finite row, never an empty one */
+        if (t->l[r] != 0.0f) {
             float inv = 1.0f / t->l[r];
             for (int d = 0; d < t->DV; d++) o[d] *= inv;
             if (lse_out) lse_out[r] = t->m[r] + logf(t->l[r]);
@@ -292,19 +368,19 @@ void core_bwd_block(core_tile *t, const float *K, const float *V, int64_t c0, in
         int64_t a, b;
         row_span(t, r, ua, ub, &a, &b);
         if (t->lse[r] == -INFINITY || a >= b) { /* row saw no key here: no gradient */
-            memset(p, 0, (size_t)n * sizeof(float));
+            core_fill_hidden(p, n);
             memset(ds, 0, (size_t)n * sizeof(float));
             continue;
         }
-        memset(p, 0, (size_t)(a - ua) * sizeof(float));
-        memset(p + (b - ua), 0, (size_t)(ub - b) * sizeof(float));
+        core_fill_hidden(p, a - ua);
+        core_fill_hidden(p + (b - ua), ub - b);
         memset(ds, 0, (size_t)(a - ua) * sizeof(float));
         memset(ds + (b - ua), 0, (size_t)(ub - b) * sizeof(float));
         grad_row(p + (a - ua), ds + (a - ua), b - a, t->lse[r], t->Drow[r]);
     }
-    if (t->dQ) mk_accum(t->dQ, dS, t->S_cap, t->R, K + ua * t->DK, t->DK, n);
-    if (dK) mk_accum_t(dK + (ua - c0) * t->DK, dS, t->S_cap, t->R, t->Q, t->DK, n);
-    if (dV) mk_accum_t(dV + (ua - c0) * t->DV, P, t->S_cap, t->R, t->dO, t->DV, n);
+    if (t->dQ) accum_checked(t->dQ, dS, P, t->S_cap, t->R, K + ua * t->DK, t->DK, n);
+    if (dK) accum_t_checked(dK + (ua - c0) * t->DK, dS, P, t->S_cap, t->R, t->Q, t->DK, n);
+    if (dV) accum_t_checked(dV + (ua - c0) * t->DV, P, P, t->S_cap, t->R, t->dO, t->DV, n);
 }
 
 /* The micro-kernels for the attention op's general path (attn_ext.c). */
@@ -314,35 +390,35 @@ void core_scores(const float *A, int R, int D, const float *X, int64_t c0, int64
     mk_scores(A, R, D, X, c0, c1, S, ldS, xt);
 }
 
-void core_accum(float *Acc, const float *W, int64_t ldW, int R, const float *X, int D, int64_t n)
+void core_accum(float *Acc, const float *W, const float *M, int64_t ldW, int R, const float *X, int D, int64_t n)
 {
-    mk_accum(Acc, W, ldW, R, X, D, n);
+    accum_checked(Acc, W, M, ldW, R, X, D, n);
 }
 
-void core_accum_t(float *Acc, const float *W, int64_t ldW, int R, const float *Y, int D, int64_t n)
+void core_accum_t(float *Acc, const float *W, const float *M, int64_t ldW, int R, const float *Y, int D, int64_t n)
 {
-    mk_accum_t(Acc, W, ldW, R, Y, D, n);
+    accum_t_checked(Acc, W, M, ldW, R, Y, D, n);
 }
 
 /* ---- rows of attn_ext.c's general path: -inf marks an invisible key, whose weight must be
- * exactly 0 (vexp alone would give exp(-87)) ---------------------------------------------- */
+ * exactly 0 (vexp alone would give exp(-87)) and is written as the hidden marker -0.0f ------- */
 
 float core_exp_row_masked(float *s, int64_t n, float shift)
 {
-    const vf16 ninf = vzero() - INFINITY;
+    const vf16 ninf = vzero() - INFINITY, nzero = vzero() - 0.0f;
     vf16 acc = vzero();
     int64_t i = 0;
     for (; i + MK_LANES <= n; i += MK_LANES) {
         const vf16 x = vload(s + i);
         const vi16 hidden = x == ninf;
-        const vf16 e = (vf16)(~hidden & (vi16)vexp(x - shift));
+        const vf16 e = (vf16)((hidden & (vi16)nzero) | (~hidden & (vi16)vexp(x - shift)));
         vstore(s + i, e);
         acc += e;
     }
     float sum = 0.0f;
     for (int j = 0; j < MK_LANES; j++) sum += acc[j];
     for (; i < n; i++) {
-        s[i] = s[i] == -INFINITY ? 0.0f : core_exp(s[i] - shift);
+        s[i] = s[i] == -INFINITY ? -0.0f : core_exp(s[i] - shift);
         sum += s[i];
     }
     return sum;
@@ -350,18 +426,20 @@ float core_exp_row_masked(float *s, int64_t n, float shift)
 
 void core_grad_row_masked(float *p, float *ds, const float *keep, int64_t n, float lse, float D, int dropped_p)
 {
-    const vf16 ninf = vzero() - INFINITY;
+    /* hidden pairs: P = -0 (the marker; -0 * keep stays -0) and dS = 0, whatever dP holds */
+    const vf16 ninf = vzero() - INFINITY, nzero = vzero() - 0.0f;
     int64_t i = 0;
     for (; i + MK_LANES <= n; i += MK_LANES) {
         const vf16 x = vload(p + i), kf = vload(keep + i);
         const vi16 hidden = x == ninf;
-        const vf16 P = (vf16)(~hidden & (vi16)vexp(x - lse));
-        vstore(ds + i, P * (vload(ds + i) * kf - D));
+        const vf16 P = (vf16)((hidden & (vi16)nzero) | (~hidden & (vi16)vexp(x - lse)));
+        vstore(ds + i, (vf16)(~hidden & (vi16)(P * (vload(ds + i) * kf - D))));
         vstore(p + i, dropped_p ? P * kf : P);
     }
     for (; i < n; i++) {
-        const float P = p[i] == -INFINITY ? 0.0f : core_exp(p[i] - lse);
-        ds[i] = P * (ds[i] * keep[i] - D);
+        const int hidden = p[i] == -INFINITY;
+        const float P = hidden ? -0.0f : core_exp(p[i] - lse);
+        ds[i] = hidden ? 0.0f : P * (ds[i] * keep[i] - D);
         p[i] = dropped_p ? P * keep[i] : P;
     }
 }

@@ -112,7 +112,7 @@ static void select_position(const nsa_problem *p, const core_tile *t, int64_t ti
     for (int64_t i = 0; i < nv; i++) psum[i] = 0.0f;
     for (int64_t g = 0; g < p->G; g++) {
         const int r = (int)(ti * p->G + g);
-        if (t->l[r] <= 0.0f) continue; /* no visible block: p_cmp = 0 */
+        if (t->l[r] == 0.0f) continue; /* no visible block: p_cmp = 0 (a NaN l passes: NaN importance) */
         float w = 1.0f / t->l[r];       /* S holds exp(s - m): p = S / l */
         if (sel->lse_in) {
             float lse = io_get(sel->lse_in, io_off(sel->lse_in, b, row, h * p->G + g));

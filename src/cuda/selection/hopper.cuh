@@ -11,13 +11,15 @@
 
 #if defined(__CUDACC__)
 
-/* Rank key of candidate block j (importance v >= 0, forced f) for position-wise top-n: the
- * order (forced, importance, lower index) of spec 3 as one unsigned compare, since
- * non-negative floats order as their bit patterns. 0 is no block (every real key has the
- * index field > 0 or a set importance / forced bit). */
+/* Rank key of candidate block j (importance v >= 0 or NaN, forced f) for position-wise top-n:
+ * the order (forced, importance, lower index) of spec 3 (nsa_rule_ranks_above) as one unsigned
+ * compare, since non-negative floats order as their bit patterns: a number's field is its bits
+ * + 1 (the sign masked, so -0 ties +0), a NaN's is 0, below every number. 0 is no block
+ * (every real key has the index field > 0). */
 __device__ __forceinline__ uint64_t swg_key(int f, float v, int j)
 {
-    return ((uint64_t)(f != 0) << 63) | ((uint64_t)__float_as_uint(v) << 31) | (uint64_t)(0x7FFFFFFF - j);
+    const uint64_t imp = v == v ? (uint64_t)(__float_as_uint(v) & 0x7FFFFFFFu) + 1u : 0u;
+    return ((uint64_t)(f != 0) << 63) | (imp << 31) | (uint64_t)(0x7FFFFFFF - j);
 }
 
 /* c into the kept list L (best first, zeros = empty) by the branchless insertion network,
