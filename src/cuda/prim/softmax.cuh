@@ -82,11 +82,13 @@ __device__ __forceinline__ float sc_quad_sum(float v)
 
 /* A finished forward row: lse from the running max m2 (log2 domain) and this row's sum l; with
  * a sink (sinks[hq * sinks_s]; sinks NULL: none), lse = log(l e^m + e^sink). @return o's
- * multiplier (1 / l, times e^(lse without the sink - lse)); 0 for a row that saw no key. */
+ * multiplier (1 / l, times e^(lse without the sink - lse)); 0 for a row that saw no key.
+ * l is 0 exactly for such a row (a visible key adds exp2(0) = 1 at the running max); a NaN l
+ * (a non-finite score) stays NaN in o and lse rather than passing for an empty row. */
 __device__ __forceinline__ float sc_row_finish(float m2, float l, const float *sinks, int64_t sinks_s, int64_t hq,
                                                float *lse_out)
 {
-    float lse = l > 0.0f ? (m2 + log2f(l)) * NSA_LN2 : -INFINITY, w = l > 0.0f ? 1.0f / l : 0.0f;
+    float lse = l != 0.0f ? (m2 + log2f(l)) * NSA_LN2 : -INFINITY, w = l != 0.0f ? 1.0f / l : 0.0f;
     if (sinks) {
         const float sk = sinks[hq * sinks_s], mx = lse > sk ? lse : sk;
         if (mx != -INFINITY) {
