@@ -107,6 +107,8 @@ typedef struct ext_scratch {
     float *acc;          /* [R, EXT_KB] dbias accumulator */
     int64_t *rb, *rhq, *ri; /* [R] per row: batch, query head, packed query row */
     int32_t *rseg;       /* [R] per row: query segment id */
+    unsigned char *vis;  /* [R, EXT_KB] 1 = the pair is visible (window, segments, mask, bias > -inf):
+                            kept apart from the score, since a visible score may itself be -inf */
 } ext_scratch;
 
 static size_t ext_scratch_carve(ext_scratch *x, ws_arena *a, const nsa_problem *p)
@@ -123,6 +125,7 @@ static size_t ext_scratch_carve(ext_scratch *x, ws_arena *a, const nsa_problem *
     x->rhq = (int64_t *)ws_take(a, (size_t)R * sizeof(int64_t));
     x->ri = (int64_t *)ws_take(a, (size_t)R * sizeof(int64_t));
     x->rseg = (int32_t *)ws_take(a, (size_t)R * sizeof(int32_t));
+    x->vis = (unsigned char *)ws_take(a, (size_t)R * EXT_KB);
     return (a->used + 127) & ~(size_t)63;
 }
 
@@ -252,8 +255,8 @@ static void ext_keep(const ext_opts *o, const ext_scratch *x, int r, int64_t j0,
 }
 
 /* Scores of keys [c0, c1) (local to the sequence) for every row of the tile, in S with row
- * stride EXT_KB: s = cap(Q.K) + bias on visible pairs, -inf elsewhere; with a softcap, dcap
- * gets its derivative 1 - tanh^2. */
+ * stride EXT_KB: s = cap(Q.K) + bias on visible pairs, -inf elsewhere, and the visibility in
+ * x->vis; with a softcap, dcap gets its derivative 1 - tanh^2. */
 static void ext_scores(ext_scratch *x, const ext_opts *o, const ext_seq *sq, const float *K, int64_t c0, int64_t c1)
 {
     core_tile *t = &x->t;
@@ -261,27 +264,28 @@ static void ext_scores(ext_scratch *x, const ext_opts *o, const ext_seq *sq, con
     core_scores(t->Q, t->R, t->DK, K, c0, c1, t->S, EXT_KB, t->xt);
     for (int r = 0; r < t->R; r++) {
         float *s = t->S + (size_t)r * EXT_KB, *dc = x->dcap + (size_t)r * EXT_KB;
+        unsigned char *vis = x->vis + (size_t)r * EXT_KB;
+        /* the window range, then the per-element masks */
+        const int64_t a = t->lo[r] > c0 ? t->lo[r] - c0 : 0, b = t->hi[r] + 1 < c1 ? t->hi[r] + 1 - c0 : n;
+        for (int64_t c = 0; c < n; c++) vis[c] = c >= a && c < b;
         if (o->cap > 0.0f) core_softcap_row(s, dc, n, o->cap);
         if (o->bias) {
             io_load(o->bias, pair_off(o->bias, x->rb[r], x->rhq[r], x->ri[r], sq->k0 + c0), n, x->row);
 #pragma omp simd
             for (int64_t c = 0; c < n; c++) s[c] += x->row[c];
+            for (int64_t c = 0; c < n; c++) vis[c] &= x->row[c] != -INFINITY; /* a -inf bias masks */
         }
-        /* the window range, then the per-element masks */
-        const int64_t a = t->lo[r] > c0 ? t->lo[r] - c0 : 0, b = t->hi[r] + 1 < c1 ? t->hi[r] + 1 - c0 : n;
-        for (int64_t c = 0; c < n; c++)
-            if (c < a || c >= b) s[c] = -INFINITY;
         if (o->kseg) {
             const int32_t *ks = io_i32(o->kseg, x->rb[r] * o->kseg->stride[0] + (sq->k0 + c0) * o->kseg->stride[1]);
             const int64_t st = o->kseg->stride[1];
-            for (int64_t c = 0; c < n; c++)
-                if (ks[c * st] != x->rseg[r]) s[c] = -INFINITY;
+            for (int64_t c = 0; c < n; c++) vis[c] &= ks[c * st] == x->rseg[r];
         }
         if (o->mask) {
             const uint8_t *m = (const uint8_t *)o->mask->data + pair_off(o->mask, x->rb[r], x->rhq[r], x->ri[r], sq->k0 + c0);
-            for (int64_t c = 0; c < n; c++)
-                if (!m[c]) s[c] = -INFINITY;
+            for (int64_t c = 0; c < n; c++) vis[c] &= m[c] != 0;
         }
+        for (int64_t c = 0; c < n; c++)
+            if (!vis[c]) s[c] = -INFINITY; /* out of the row max */
     }
 }
 
@@ -305,20 +309,22 @@ static void ext_softmax_block(ext_scratch *x, const ext_opts *o, const ext_seq *
     const int64_t n = c1 - c0;
     for (int r = 0; r < t->R; r++) {
         float *s = t->S + (size_t)r * EXT_KB, mx = t->m[r];
+        const unsigned char *vis = x->vis + (size_t)r * EXT_KB;
         int visible = 0;
 #pragma omp simd reduction(max : mx) reduction(| : visible)
         for (int64_t c = 0; c < n; c++) {
             mx = s[c] > mx ? s[c] : mx;
-            visible |= s[c] != -INFINITY;
+            visible |= vis[c];
         }
         if (!visible) { /* nothing visible in this block */
             core_fill_hidden(s, n);
             continue;
         }
-        /* visible scores that are all NaN leave the max at -inf: the row is NaN, not empty */
+        /* visible scores that are all NaN or -inf leave the max at -inf: the row is NaN (as
+         * exp(s - max) is in dense attention), not empty */
         if (mx == -INFINITY) mx = NAN;
         const float alpha = t->m[r] == -INFINITY ? 0.0f : core_exp(t->m[r] - mx);
-        const float sum = core_exp_row_masked(s, n, mx);
+        const float sum = core_exp_row_masked(s, vis, n, mx);
         t->m[r] = mx;
         t->l[r] = t->l[r] * alpha + sum;
         if (alpha != 1.0f) {
@@ -417,7 +423,7 @@ static void ext_grad_block(ext_scratch *x, const ext_opts *o, const ext_seq *sq,
         if (o->dropout) ext_keep(o, x, r, sq->k0 + c0, sq->k0 + c1, x->row);
         else
             for (int64_t c = 0; c < n; c++) x->row[c] = 1.0f;
-        core_grad_row_masked(s, ds, x->row, n, lse, D, for_grad_v);
+        core_grad_row_masked(s, ds, x->row, x->vis + (size_t)r * EXT_KB, n, lse, D, for_grad_v);
         if (chain_cap && o->cap > 0.0f) {
             const float *dc = x->dcap + (size_t)r * EXT_KB;
             for (int64_t c = 0; c < n; c++) ds[c] *= dc[c];

@@ -147,12 +147,13 @@ void core_accum_t(float *Acc, const float *W, const float *M, int64_t ldW, int R
  * core_fill_hidden writes the marker; core_all_finite scans n floats. */
 void core_fill_hidden(float *s, int64_t n);
 int core_all_finite(const float *x, int64_t n);
-/* Rows of the general path, -inf = invisible (weight exactly 0):
- * s = exp(s - shift), @return the sum; P = exp(p - lse), ds = P (ds * keep - D), p = P (or
+/* Rows of the general path, vis[c] == 0 = hidden (weight -0.0f, the marker core_accum reads;
+ * dS 0): s = exp(s - shift), @return the sum; P = exp(p - lse), ds = P (ds * keep - D), p = P (or
  * P * keep with dropped_p); softcap: th = tanh(s / cap), s = cap * th, dcap = 1 - th^2
  * (tanh from the same exp: absolute error ~1e-7, exactly +-1 for large |s|). */
-float core_exp_row_masked(float *s, int64_t n, float shift);
-void core_grad_row_masked(float *p, float *ds, const float *keep, int64_t n, float lse, float D, int dropped_p);
+float core_exp_row_masked(float *s, const unsigned char *vis, int64_t n, float shift);
+void core_grad_row_masked(float *p, float *ds, const float *keep, const unsigned char *vis, int64_t n, float lse,
+                          float D, int dropped_p);
 void core_softcap_row(float *s, float *dcap, int64_t n, float cap);
 
 /* exp(x) in fp32 for the softmax, branch-free so the compiler vectorises it: the input is

@@ -400,46 +400,54 @@ void core_accum_t(float *Acc, const float *W, const float *M, int64_t ldW, int R
     accum_t_checked(Acc, W, M, ldW, R, Y, D, n);
 }
 
-/* ---- rows of attn_ext.c's general path: -inf marks an invisible key, whose weight must be
- * exactly 0 (vexp alone would give exp(-87)) and is written as the hidden marker -0.0f ------- */
+/* ---- rows of attn_ext.c's general path: vis[i] == 0 marks a hidden pair (mask, window,
+ * segments, a -inf bias), whose weight is the hidden marker -0.0f and whose dS is 0. A visible
+ * score of -inf (from an infinite q or k) keeps its tiny weight like any other visible key. -- */
 
-float core_exp_row_masked(float *s, int64_t n, float shift)
+/* The lanes of vis[0..16) that are hidden, as an all-ones lane mask. */
+static inline vi16 hidden_lanes(const unsigned char *vis)
 {
-    const vf16 ninf = vzero() - INFINITY, nzero = vzero() - 0.0f;
+    vi16 h;
+    for (int j = 0; j < MK_LANES; j++) h[j] = vis[j] ? 0 : -1;
+    return h;
+}
+
+float core_exp_row_masked(float *s, const unsigned char *vis, int64_t n, float shift)
+{
+    const vf16 nzero = -vzero(); /* -0.0f: 0.0f - 0.0f would be +0 */
     vf16 acc = vzero();
     int64_t i = 0;
     for (; i + MK_LANES <= n; i += MK_LANES) {
-        const vf16 x = vload(s + i);
-        const vi16 hidden = x == ninf;
-        const vf16 e = (vf16)((hidden & (vi16)nzero) | (~hidden & (vi16)vexp(x - shift)));
+        const vi16 hidden = hidden_lanes(vis + i);
+        const vf16 e = (vf16)((hidden & (vi16)nzero) | (~hidden & (vi16)vexp(vload(s + i) - shift)));
         vstore(s + i, e);
         acc += e;
     }
     float sum = 0.0f;
     for (int j = 0; j < MK_LANES; j++) sum += acc[j];
     for (; i < n; i++) {
-        s[i] = s[i] == -INFINITY ? -0.0f : core_exp(s[i] - shift);
+        s[i] = vis[i] ? core_exp(s[i] - shift) : -0.0f;
         sum += s[i];
     }
     return sum;
 }
 
-void core_grad_row_masked(float *p, float *ds, const float *keep, int64_t n, float lse, float D, int dropped_p)
+void core_grad_row_masked(float *p, float *ds, const float *keep, const unsigned char *vis, int64_t n, float lse,
+                          float D, int dropped_p)
 {
     /* hidden pairs: P = -0 (the marker; -0 * keep stays -0) and dS = 0, whatever dP holds */
-    const vf16 ninf = vzero() - INFINITY, nzero = vzero() - 0.0f;
+    const vf16 nzero = -vzero();
     int64_t i = 0;
     for (; i + MK_LANES <= n; i += MK_LANES) {
-        const vf16 x = vload(p + i), kf = vload(keep + i);
-        const vi16 hidden = x == ninf;
-        const vf16 P = (vf16)((hidden & (vi16)nzero) | (~hidden & (vi16)vexp(x - lse)));
+        const vf16 kf = vload(keep + i);
+        const vi16 hidden = hidden_lanes(vis + i);
+        const vf16 P = (vf16)((hidden & (vi16)nzero) | (~hidden & (vi16)vexp(vload(p + i) - lse)));
         vstore(ds + i, (vf16)(~hidden & (vi16)(P * (vload(ds + i) * kf - D))));
         vstore(p + i, dropped_p ? P * kf : P);
     }
     for (; i < n; i++) {
-        const int hidden = p[i] == -INFINITY;
-        const float P = hidden ? -0.0f : core_exp(p[i] - lse);
-        ds[i] = hidden ? 0.0f : P * (ds[i] * keep[i] - D);
+        const float P = vis[i] ? core_exp(p[i] - lse) : -0.0f;
+        ds[i] = vis[i] ? P * (ds[i] * keep[i] - D) : 0.0f;
         p[i] = dropped_p ? P * keep[i] : P;
     }
 }
