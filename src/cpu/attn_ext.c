@@ -425,8 +425,10 @@ static void ext_grad_block(ext_scratch *x, const ext_opts *o, const ext_seq *sq,
             for (int64_t c = 0; c < n; c++) x->row[c] = 1.0f;
         core_grad_row_masked(s, ds, x->row, x->vis + (size_t)r * EXT_KB, n, lse, D, for_grad_v);
         if (chain_cap && o->cap > 0.0f) {
+            /* hidden pairs keep dS = 0: their cap derivative may be NaN (a NaN score) */
             const float *dc = x->dcap + (size_t)r * EXT_KB;
-            for (int64_t c = 0; c < n; c++) ds[c] *= dc[c];
+            const unsigned char *vis = x->vis + (size_t)r * EXT_KB;
+            for (int64_t c = 0; c < n; c++) ds[c] = vis[c] ? ds[c] * dc[c] : 0.0f;
         }
     }
 }
