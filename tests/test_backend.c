@@ -111,12 +111,13 @@ void test_backend_nonfinite_all(void)
     sweep_opts o;
     memset(&o, 0, sizeof o);
     o.seed = 20260611;
-    o.max_cases = 24;
-    o.max_T = 100;
+    o.max_cases = 40;
+    o.max_T = 64;
     o.backend = NSA_BACKEND_CPU;
     o.verbose = g_tests_verbose ? 2 : 1;
     o.label = "nonfinite";
     o.nonfinite = 1;
+    o.threads = 1; /* tiny shapes: thread start-up would cost more than the work */
     sweep_run(&o);
 }
 

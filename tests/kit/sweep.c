@@ -13,7 +13,10 @@
  *
  * Every check is named "op output" (nsa_attention o, nsa_forward saved lse_cmp, ...): --op
  * keeps one op's checks (sweep_set_op) and the hash of each checked output goes to a
- * sweep_hash_fn (hashlog.h), so that two builds can be compared bit for bit. */
+ * sweep_hash_fn (hashlog.h), so that two builds can be compared bit for bit.
+ *
+ * The non-finite mode (sweep_set_nonfinite, nf_* below) runs the same cases with NaN / inf
+ * planted in each op's inputs and compares where non-finite values land, element for element. */
 #include "sweep.h"
 #include "harness.h"
 #include "ref.h"
