@@ -829,11 +829,14 @@ static double dg_extra(const sweep_case *c, const pipe *x, nsa_dtype storage)
     if (u == 0.0) return 0.0;
     double vmax = 0.0, dmax = 0.0;
     const tens *vs[] = {&x->v, &x->vs, &x->vw, &x->vc};
+    /* over the finite values only: a planted inf (non-finite mode) must not make it infinite */
     for (int i = 0; i < 4; i++)
-        for (int64_t e = 0; vs[i]->val && e < vs[i]->numel; e++) vmax = fmax(vmax, fabs(vs[i]->val[e]));
+        for (int64_t e = 0; vs[i]->val && e < vs[i]->numel; e++)
+            if (isfinite(vs[i]->val[e])) vmax = fmax(vmax, fabs(vs[i]->val[e]));
     for (int64_t r = 0; r * c->DV < x->dout.numel; r++) {
         double ss = 0.0;
-        for (int64_t e = 0; e < c->DV; e++) ss += x->dout.val[r * c->DV + e] * x->dout.val[r * c->DV + e];
+        for (int64_t e = 0; e < c->DV; e++)
+            if (isfinite(x->dout.val[r * c->DV + e])) ss += x->dout.val[r * c->DV + e] * x->dout.val[r * c->DV + e];
         dmax = fmax(dmax, sqrt(ss));
     }
     return 4.0 * u * vmax * dmax / sqrt(3.0);
