@@ -8,8 +8,12 @@
  * failure.
  *
  *   nsa_gpu_tests [--seed N] [--cases N] [--max-T N] [--jobs N] [--no-fork] [--no-attention]
- *                 [--op NAME] [--hash-out FILE] [--hash-cmp FILE] [--variant KEY=VALUE]... [-v]
+ *                 [--op NAME] [--hash-out FILE] [--hash-cmp FILE] [--variant KEY=VALUE]... [--nonfinite] [-v]
  *
+ * --nonfinite: the sweep's non-finite mode (sweep.h, sweep_set_nonfinite): each op runs with
+ *     NaN / +-inf planted in its inputs and must put non-finite values exactly where the
+ *     float64 reference does; some cases scale q, k so that scores overflow f32. A few hundred
+ *     tokens are enough (--max-T 300).
  * --op NAME: only that op's checks (names as the sweep prints them: nsa_forward, nsa_attention,
  *     nsa_slc_attn_bwd, ...; the option tests only with nsa_attention / nsa_attention_bwd).
  * --hash-out FILE: a 64-bit FNV-1a hash of every checked output, one line per case and output
@@ -203,7 +207,7 @@ static int reap(const child *c, hashlog *log, long *p, long *f)
 static void usage(void)
 {
     fprintf(stderr, "usage: nsa_gpu_tests [--seed N] [--cases N] [--max-T N] [--jobs N] [--no-fork] [--no-attention]\n"
-                    "                     [--op NAME] [--hash-out FILE] [--hash-cmp FILE] [--variant KEY=VALUE]... [-v]\n"
+                    "                     [--op NAME] [--hash-out FILE] [--hash-cmp FILE] [--variant KEY=VALUE]... [--nonfinite] [-v]\n"
                     "ops:");
     for (int i = 0; sweep_op_names[i]; i++) fprintf(stderr, " %s", sweep_op_names[i]);
     fprintf(stderr, "\n");
@@ -215,7 +219,7 @@ int main(int argc, char **argv)
     uint64_t seed = 20260301;
     long cases = 60;
     int64_t max_T = 1000;
-    int fork_cases = 1, verbose = 0, jobs = 1, attention = 1;
+    int fork_cases = 1, verbose = 0, jobs = 1, attention = 1, nonfinite = 0;
     const char *op = NULL, *hash_out = NULL, *hash_cmp = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
@@ -223,6 +227,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--max-T") && i + 1 < argc) max_T = strtoll(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--jobs") && i + 1 < argc) jobs = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--no-fork")) fork_cases = 0;
+        else if (!strcmp(argv[i], "--nonfinite")) nonfinite = 1;
         else if (!strcmp(argv[i], "-v")) verbose = 1, g_tests_verbose = 1;
         else if (!strcmp(argv[i], "--no-attention")) attention = 0;
         else if (!strcmp(argv[i], "--op") && i + 1 < argc) {
@@ -252,8 +257,11 @@ int main(int argc, char **argv)
     }
     char variants[1024];
     variant_describe(variants, sizeof variants);
-    printf("nsa_gpu_tests: seed %llu, %ld cases, max T %lld, %d jobs%s; op %s; variants: %s\n", (unsigned long long)seed,
-           cases, (long long)max_T, jobs, fork_cases ? "" : " (no fork)", op ? op : "all", variants);
+    /* set before any fork: every child runs its case in the mode */
+    sweep_set_nonfinite(nonfinite);
+    printf("nsa_gpu_tests: seed %llu, %ld cases, max T %lld, %d jobs%s%s; op %s; variants: %s\n", (unsigned long long)seed,
+           cases, (long long)max_T, jobs, fork_cases ? "" : " (no fork)", nonfinite ? ", non-finite mode" : "",
+           op ? op : "all", variants);
     fflush(stdout);
     /* the parent makes no CUDA call before the children are done (a forked child must not
      * inherit a CUDA context) */

@@ -12,6 +12,7 @@ void test_dtype_all(void);
 void test_validation_all(void);
 void test_backend_all(void);
 void test_backend_sweep_all(void);
+void test_backend_nonfinite_all(void);
 void test_attention_all(void);
 void test_rules_all(void);
 void test_plan_all(void);
@@ -33,6 +34,7 @@ static const struct group {
     {"validation", test_validation_all},
     {"backend", test_backend_all},
     {"sweep", test_backend_sweep_all},
+    {"nonfinite", test_backend_nonfinite_all},
     {"attention", test_attention_all},
     {"rules", test_rules_all},
     {"plan", test_plan_all},

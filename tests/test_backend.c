@@ -103,6 +103,24 @@ void test_backend_sweep_all(void)
     sweep_run(&o);
 }
 
+/* The sweep's non-finite mode (sweep_set_nonfinite): NaN / inf planted in each op's inputs
+ * must reach exactly the outputs the reference says, and nothing else. Short shapes keep the
+ * group to a few seconds. */
+void test_backend_nonfinite_all(void)
+{
+    sweep_opts o;
+    memset(&o, 0, sizeof o);
+    o.seed = 20260611;
+    o.max_cases = 40;
+    o.max_T = 64;
+    o.backend = NSA_BACKEND_CPU;
+    o.verbose = g_tests_verbose ? 2 : 1;
+    o.label = "nonfinite";
+    o.nonfinite = 1;
+    o.threads = 1; /* tiny shapes: thread start-up would cost more than the work */
+    sweep_run(&o);
+}
+
 /* ---- finite differences on the backend itself ------------------------------------------ */
 /* loss = sum(o * w) for fixed random w; d loss / d x from nsa_backward must match the
  * central difference of nsa_forward (f32, tiny shape). The selection keeps every candidate

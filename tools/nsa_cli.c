@@ -616,6 +616,7 @@ static const char *USAGE =
     "      per query, and sampled rows against the float64 reference.\n"
     "  nsa check [--seed N] [--minutes M] [--cases N] [--backend cpu|cuda] [--threads N] [-v]\n"
     "            [--op NAME] [--hash-out FILE] [--hash-cmp FILE] [--variant KEY=VALUE]...\n"
+    "            [--nonfinite]\n"
     "      random correctness sweep against the float64 reference (default 1 minute);\n"
     "      the last line is \"N passed, N failed\"; exit code 0 iff nothing failed.\n"
     "      --op: only that op's checks (nsa_forward, nsa_backward, nsa_attention,\n"
@@ -623,6 +624,8 @@ static const char *USAGE =
     "      every checked output per case, to FILE; --hash-cmp: the first cases whose hashes\n"
     "      differ from FILE's, then \"N identical, M differ\" (not a failure). --variant:\n"
     "      set in the environment before the context exists (e.g. NSA_CUDA_WGMMA=0).\n"
+    "      --nonfinite: NaN / inf planted in each op's inputs; the non-finite outputs must\n"
+    "      be exactly the reference's.\n"
     "  nsa bench [--T 8192,16384,32768] [--config paper|fla] [--HQ 16] [--H 1]\n"
     "            [--D 128 | --DK 128 --DV 128] [--dtype f32|bf16|f16] [--threads N]\n"
     "            [--backend cpu|cuda] [--reps N] [--no-dense] [--bwd] [--json FILE]\n"
@@ -911,6 +914,7 @@ static int cmd_check(int argc, char **argv)
         else if (arg_opt(&a, "--variant")) {
             if (variant_set(a.value) != 0) usage_error("--variant: expected KEY=VALUE, got '%s'", a.value);
         }
+        else if (arg_is(&a, "--nonfinite")) o.nonfinite = 1;
         else if (arg_opt(&a, "--minutes")) o.minutes = parse_double(a.value, "--minutes", 0.0, 1e6), named_minutes = 1;
         else if (arg_opt(&a, "--cases")) o.max_cases = (long)parse_int(a.value, "--cases", 0, INT32_MAX);
         else if (arg_opt(&a, "--backend")) o.backend = parse_backend(a.value), named_backend = 1;
@@ -930,6 +934,7 @@ static int cmd_check(int argc, char **argv)
     char variants[1024];
     variant_describe(variants, sizeof variants);
     if (o.op || strcmp(variants, "none")) printf("  op %s; variants: %s\n", o.op ? o.op : "all", variants);
+    if (o.nonfinite) printf("  non-finite mode: NaN / inf planted in each op's inputs\n");
     fflush(stdout);
     hashlog *base = NULL;
     if (hash_cmp && !(base = hashlog_read(hash_cmp))) fail("cannot read %s: %s", hash_cmp, strerror(errno));

@@ -403,12 +403,17 @@ typedef struct ref_cand {
     double imp;
 } ref_cand;
 
-/* Forced first, then higher importance, then the lower block index (the tie rule). */
+/* Forced first, then higher importance, then the lower block index (the tie rule). A NaN
+ * importance ranks below every number (and ties with another NaN), so the order stays a total
+ * one, which qsort needs, and a row poisoned by a non-finite input still keeps its forced
+ * blocks, then its numbered candidates, then NaN ones by index. */
 static int cand_order(const void *pa, const void *pb)
 {
     const ref_cand *a = pa, *b = pb;
     if (a->forced != b->forced) return a->forced ? -1 : 1;
-    if (a->imp != b->imp) return a->imp > b->imp ? -1 : 1;
+    const int an = isnan(a->imp), bn = isnan(b->imp);
+    if (an != bn) return an ? 1 : -1;
+    if (!an && a->imp != b->imp) return a->imp > b->imp ? -1 : 1;
     return (a->j > b->j) - (a->j < b->j);
 }
 
@@ -882,7 +887,10 @@ static ref_ext ext_open(const ref_attn_opts *o, ref_dims d, int64_t Tk, const do
     for (int64_t hq = 0; hq < d.HQ; hq++)
         for (int64_t i = 0; i < Tq; i++) {
             const int64_t diag = i + Tk - Tq; /* bottom-right aligned diagonal */
-            double mx = o->sinks ? o->sinks[hq] : -INFINITY;
+            /* mx: the first visible score or sink, then any larger one (as attend_rows), so a
+             * NaN or +inf score makes the whole row NaN, as dense softmax arithmetic does */
+            double mx = -INFINITY;
+            int any = 0;
             for (int64_t j = 0; j < Tk; j++) {
                 const int64_t x = ext_at(&e, hq, i, j);
                 int vis = (o->window_left < 0 || j >= diag - o->window_left) &&
@@ -893,9 +901,10 @@ static ref_ext ext_open(const ref_attn_opts *o, ref_dims d, int64_t Tk, const do
                 double s = o->softcap > 0 ? o->softcap * tanh(e.u[x] / o->softcap) : e.u[x];
                 if (o->bias) s += o->bias[x];
                 e.s[x] = rnd(s);
-                if (e.s[x] == -INFINITY) vis = 0; /* a -inf bias masks */
+                /* a -inf bias entry masks; a -inf score from q or k is a visible key of weight 0 */
+                if (o->bias && o->bias[x] == -INFINITY) vis = 0;
                 e.vis[x] = (unsigned char)vis;
-                if (vis && e.s[x] > mx) mx = e.s[x];
+                if (vis && (!any || e.s[x] > mx)) mx = e.s[x], any = 1;
                 e.keep[x] = 1.0;
                 if (o->dropout_p > 0)
                     e.keep[x] = ref_dropout_keep(o->dropout_p, o->seed, o->offset, o->b, d.HQ, hq,
@@ -903,13 +912,12 @@ static ref_ext ext_open(const ref_attn_opts *o, ref_dims d, int64_t Tk, const do
                                     ? 1.0 / (1.0 - o->dropout_p)
                                     : 0.0;
             }
+            if (o->sinks && (!any || o->sinks[hq] > mx)) mx = o->sinks[hq], any = 1;
             double z = 0;
-            if (mx != -INFINITY) {
-                for (int64_t j = 0; j < Tk; j++)
-                    if (e.vis[ext_at(&e, hq, i, j)]) z += exp(e.s[ext_at(&e, hq, i, j)] - mx);
-                if (o->sinks) z += exp(o->sinks[hq] - mx);
-            }
-            const double lse = z > 0 ? mx + log(z) : -INFINITY;
+            for (int64_t j = 0; any && j < Tk; j++)
+                if (e.vis[ext_at(&e, hq, i, j)]) z += exp(e.s[ext_at(&e, hq, i, j)] - mx);
+            if (any && o->sinks) z += exp(o->sinks[hq] - mx);
+            const double lse = any ? mx + log(z) : -INFINITY;
             e.lse[hq * Tq + i] = lse;
             for (int64_t j = 0; j < Tk; j++) {
                 const int64_t x = ext_at(&e, hq, i, j);
@@ -934,7 +942,8 @@ static void ext_out(const ref_ext *e, ref_dims d, const double *v, double *o)
             memset(orow, 0, (size_t)d.DV * sizeof(double));
             for (int64_t j = 0; j < e->Tk; j++) {
                 const int64_t x = ext_at(e, hq, i, j);
-                if (e->P[x] != 0.0) axpy(orow, e->P[x] * e->keep[x], v + (j * d.H + hq / G) * d.DV, d.DV);
+                /* every visible key, also at weight 0: 0 * inf in its v is NaN in dense P V too */
+                if (e->vis[x]) axpy(orow, e->P[x] * e->keep[x], v + (j * d.H + hq / G) * d.DV, d.DV);
             }
             for (int64_t c = 0; c < d.DV; c++) orow[c] = rnd(orow[c]);
         }

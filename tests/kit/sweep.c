@@ -13,7 +13,10 @@
  *
  * Every check is named "op output" (nsa_attention o, nsa_forward saved lse_cmp, ...): --op
  * keeps one op's checks (sweep_set_op) and the hash of each checked output goes to a
- * sweep_hash_fn (hashlog.h), so that two builds can be compared bit for bit. */
+ * sweep_hash_fn (hashlog.h), so that two builds can be compared bit for bit.
+ *
+ * The non-finite mode (sweep_set_nonfinite, nf_* below) runs the same cases with NaN / inf
+ * planted in each op's inputs and compares where non-finite values land, element for element. */
 #include "sweep.h"
 #include "harness.h"
 #include "ref.h"
@@ -22,6 +25,7 @@
 #include "hashlog.h"
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -196,8 +200,14 @@ static int tens_guard_ok(const tens *x)
 
 /* ---- comparison --------------------------------------------------------------------- */
 
-static char g_desc[512];
+static char g_desc[1536];  /* the case, then (non-finite mode) what was planted */
 static int g_verbose;
+
+/* The non-finite mode (sweep_set_nonfinite): g_nf on, each op runs with NaN / +-inf values
+ * planted in its inputs; g_large: this case scales one sequence instead (see nf_plant). */
+static int g_nf, g_large;
+static long nf_check_close(const char *what, const tens *got, const double *ref, const double *naive,
+                           nsa_dtype storage, double extra);
 
 /* --op: the one op whose checks run (NULL: every op), see sweep_set_op. */
 static const char *g_op;
@@ -207,6 +217,8 @@ const char *const sweep_op_names[] = {"nsa_forward", "nsa_backward", "nsa_compre
                                       "nsa_cmp_attn", "nsa_cmp_attn_bwd", "nsa_select", "nsa_slc_attn",
                                       "nsa_slc_attn_bwd", "nsa_attention", "nsa_attention_bwd", "nsa_gate",
                                       "nsa_gate_bwd", NULL};
+
+void sweep_set_nonfinite(int on) { g_nf = on != 0; }
 
 int sweep_set_op(const char *name)
 {
@@ -280,6 +292,7 @@ double sweep_tolerance(nsa_dtype storage, const double *ref, const double *naive
 static long check_close_x(const char *what, const tens *got, const double *ref, const double *naive, nsa_dtype storage,
                           double extra)
 {
+    if (g_nf) return nf_check_close(what, got, ref, naive, storage, extra);
     const int64_t n = got->numel;
     double *g = (double *)malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
     tens_read(got, g);
@@ -305,7 +318,7 @@ static long check_close_x(const char *what, const tens *got, const double *ref, 
             bad++;
         }
     }
-    char full[2048];
+    char full[3072];
     snprintf(full, sizeof full, "%s: %ld of %lld elements off (tol %.3g, worst %.3g):%s case %s", what, bad,
              (long long)n, tol, worst, msg, g_desc);
     harness_record(bad == 0, __FILE__, __LINE__, what, full);
@@ -321,7 +334,7 @@ static long check_close(const char *what, const tens *got, const double *ref, co
 
 static long check_guard(const char *what, const tens *x)
 {
-    char full[700];
+    char full[2048];
     snprintf(full, sizeof full, "%s: bytes outside the view were written; case %s", what, g_desc);
     int ok = tens_guard_ok(x);
     harness_record(ok, __FILE__, __LINE__, what, full);
@@ -330,7 +343,7 @@ static long check_guard(const char *what, const tens *x)
 
 static long check_status(const char *what, nsa_status st)
 {
-    char full[700];
+    char full[2048];
     snprintf(full, sizeof full, "%s returned %d (%s); case %s", what, st, nsa_status_string(st), g_desc);
     harness_record(st == NSA_STATUS_SUCCESS, __FILE__, __LINE__, what, full);
     return st == NSA_STATUS_SUCCESS ? 0 : 1;
@@ -439,16 +452,262 @@ static void *workspace(size_t bytes)
 
 static double *dalloc(int64_t n) { return (double *)calloc((size_t)(n > 0 ? n : 1), sizeof(double)); }
 
+/* ---- the non-finite mode: planted NaN / inf values ----------------------------------------- */
+
+/* Each op runs with one to three values among NaN, +inf and -inf planted at random positions
+ * of one of its inputs (chosen at random), and the reference reads the same stored values.
+ * Visibility comes from positions, windows, segments, block lists and -inf bias entries, never
+ * from values, so the set of non-finite elements of every output must be exactly the
+ * reference's (nf_check_close): a NaN reaches every row that reads it, and nothing else -- not
+ * a row the mask hides it from, not another sequence or batch entry. g_large cases plant
+ * nothing; they scale one sequence's q and k so that f32 scores overflow (check_rows). The
+ * mode's draws come from their own generator, so a case's other inputs stay the sweep's. */
+static test_rng g_nf_rng;
+static const problem *g_prob;       /* the case's sequences, for naming positions */
+static char g_desc_base[1024];      /* g_desc without the planted values */
+static int64_t g_large_seq;
+static double g_large_factor;
+
+typedef struct planted {
+    tens *x;
+    const char *name;
+    int64_t i;      /* logical element */
+    double old;     /* the value it replaced */
+} planted;
+static planted g_planted[3];
+static int g_nplanted;
+
+static void appendf(char *buf, size_t n, const char *fmt, ...)
+{
+    const size_t len = strlen(buf);
+    if (len + 1 >= n) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf + len, n - len, fmt, ap);
+    va_end(ap);
+}
+
+/* The output / input name after the op ("nsa_cmp_attn_bwd dk_cmp" -> "dk_cmp"). */
+static const char *short_name(const char *name)
+{
+    const char *sp = strrchr(name, ' ');
+    return sp ? sp + 1 : name;
+}
+
+static int is_cmp_rows(const char *name)
+{
+    const char *o = short_name(name);
+    return !strcmp(o, "x_cmp") || !strcmp(o, "dx_cmp") || !strcmp(o, "dk_cmp") || !strcmp(o, "dv_cmp") ||
+           !strcmp(o, "k_cmp") || !strcmp(o, "v_cmp");
+}
+
+static int is_pair(const char *name)
+{
+    const char *o = short_name(name);
+    return !strcmp(o, "bias") || !strcmp(o, "dbias");
+}
+
+/* "name[b=0 t=5 h=1 e=3] (seq 1 pos 2)": logical element i of x, its dims named (b batch,
+ * t row, c compressed row, h head, e dim; i, j the query / key of a bias), and for a packed
+ * batch the sequence and the position in it. */
+static void nf_where(char *buf, size_t n, const char *name, const tens *x, int64_t i)
+{
+    static const char *rows[4] = {"b", "t", "h", "e"}, *cmps[4] = {"b", "c", "h", "e"}, *pairs[4] = {"b", "h", "i", "j"};
+    static const char *heads[1] = {"h"};
+    const int rank = x->t.rank, cmp = is_cmp_rows(name);
+    const char *const *lab = rank == 1 ? heads : is_pair(name) ? pairs : cmp ? cmps : rows;
+    int64_t ix[4] = {0}, r = i;
+    for (int d = rank - 1; d >= 0; d--) {
+        ix[d] = x->t.shape[d] > 0 ? r % x->t.shape[d] : 0;
+        r = x->t.shape[d] > 0 ? r / x->t.shape[d] : 0;
+    }
+    buf[0] = 0;
+    appendf(buf, n, "%s[", name);
+    for (int d = 0; d < rank; d++) appendf(buf, n, "%s%s=%lld", d ? " " : "", lab[d], (long long)ix[d]);
+    appendf(buf, n, "]");
+    const problem *p = g_prob;
+    if (!p || !p->c.varlen || rank < 3 || is_pair(name)) return;
+    for (int64_t s = 0; s < p->nseq; s++) {
+        const seqinfo *q = &p->seq[s];
+        const int64_t lo = cmp ? q->cmp0 : q->row0, cnt = cmp ? q->ncmp : q->len;
+        if (ix[1] >= lo && ix[1] < lo + cnt) {
+            appendf(buf, n, " (seq %lld pos %lld)", (long long)s, (long long)(ix[1] - lo));
+            return;
+        }
+    }
+}
+
+static void nf_desc_update(void)
+{
+    snprintf(g_desc, sizeof g_desc, "%s", g_desc_base);
+    if (g_nplanted) appendf(g_desc, sizeof g_desc, "; planted:");
+    for (int k = 0; k < g_nplanted; k++) {
+        char w[256];
+        nf_where(w, sizeof w, g_planted[k].name, g_planted[k].x, g_planted[k].i);
+        appendf(g_desc, sizeof g_desc, " %s = %g", w, g_planted[k].x->val[g_planted[k].i]);
+    }
+}
+
+/* Stores v at logical element i (host copy; tens_push sends it to the device). */
+static void tens_put(tens *x, int64_t i, double v)
+{
+    const int64_t off = storage_offset(&x->t, i);
+    set_elem(x, off, v);
+    x->val[i] = get_elem(x, off);
+}
+
+/* Plants 1 to 3 non-finite values in one of the n candidate inputs (absent ones skipped); they
+ * stay until nf_restore. Nothing outside the mode or in a g_large case. */
+static void nf_plant(tens *const *cand, const char *const *names, int n)
+{
+    if (!g_nf || g_large) return;
+    int avail[16], na = 0;
+    for (int i = 0; i < n && na < 16; i++)
+        if (cand[i] && cand[i]->buf && cand[i]->numel > 0) avail[na++] = i;
+    if (!na) return;
+    const int w = avail[rng_int(&g_nf_rng, 0, na - 1)];
+    tens *x = cand[w];
+    static const double vals[3] = {NAN, INFINITY, -INFINITY};
+    const int count = (int)rng_int(&g_nf_rng, 1, 3);
+    for (int k = 0; k < count; k++) {
+        const int64_t i = rng_int(&g_nf_rng, 0, x->numel - 1);
+        const double v = vals[rng_int(&g_nf_rng, 0, 2)];
+        int dup = 0;
+        for (int j = 0; j < g_nplanted; j++) dup |= g_planted[j].x == x && g_planted[j].i == i;
+        if (dup || g_nplanted == 3) continue;
+        g_planted[g_nplanted++] = (planted){x, names[w], i, x->val[i]};
+        tens_put(x, i, v);
+    }
+    tens_push(x);
+    nf_desc_update();
+}
+
+/* Puts the planted elements back. */
+static void nf_restore(void)
+{
+    for (int k = g_nplanted - 1; k >= 0; k--) {
+        tens_put(g_planted[k].x, g_planted[k].i, g_planted[k].old);
+        tens_push(g_planted[k].x);
+    }
+    g_nplanted = 0;
+    nf_desc_update();
+}
+
+/* g_large: multiplies the rows of the chosen sequence in x [B, R, X, D] (R = T, or the
+ * compressed rows when cmp) by g_large_factor. */
+static void nf_scale_large(tens *x, int cmp)
+{
+    if (!g_large || !x->buf) return;
+    const seqinfo *s = &g_prob->seq[g_large_seq];
+    const int64_t r0 = cmp ? s->cmp0 : s->row0, cnt = cmp ? s->ncmp : s->len, per = x->t.shape[2] * x->t.shape[3];
+    for (int64_t r = r0; r < r0 + cnt; r++)
+        for (int64_t e = 0; e < per; e++) {
+            const int64_t i = (s->b * x->t.shape[1] + r) * per + e;
+            tens_put(x, i, x->val[i] * g_large_factor);
+        }
+    tens_push(x);
+}
+
+/* The mode's comparison of a whole output: the set of non-finite elements must be the
+ * reference's, element for element (NaN and +-inf alike: which of them comes out depends on
+ * the order of the sums), and every finite element must meet the tolerance rule, computed
+ * over the finite ones. Skipped in a g_large case, where the f32 scores overflow and the
+ * float64 ones do not: check_rows is its check. */
+static long nf_check_close(const char *what, const tens *got, const double *ref, const double *naive,
+                           nsa_dtype storage, double extra)
+{
+    if (g_large) return 0;
+    const int64_t n = got->numel;
+    double *g = (double *)malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
+    tens_read(got, g);
+    hash_host(what, got);
+    const double tol = sweep_tolerance(storage, ref, naive, n) + extra;
+    long bad = 0, nf_bad = 0;
+    int64_t first = -1;
+    double worst = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int gf = isfinite(g[i]) != 0, rf = isfinite(ref[i]) != 0;
+        int ok = gf == rf;
+        nf_bad += !ok;
+        if (ok && gf) {
+            const double e = fabs(g[i] - ref[i]);
+            worst = e > worst ? e : worst;
+            ok = e <= tol;
+        }
+        if (!ok && bad++ == 0) first = i;
+    }
+    char full[4096] = "";
+    if (bad) {
+        char where[256];
+        nf_where(where, sizeof where, what, got, first);
+        snprintf(full, sizeof full,
+                 "%s: %ld of %lld elements off (%ld in finiteness; tol %.3g, worst finite error %.3g); first at %s: "
+                 "reference %s %.9g, backend %s %.9g; case %s",
+                 what, bad, (long long)n, nf_bad, tol, worst, where, isfinite(ref[first]) ? "finite" : "non-finite",
+                 ref[first], isfinite(g[first]) ? "finite" : "non-finite", g[first], g_desc);
+    }
+    harness_record(bad == 0, __FILE__, __LINE__, what, full);
+    if (g_verbose && bad == 0) fprintf(stderr, "  ok %-22s worst %.3g tol %.3g\n", what, worst, tol);
+    free(g);
+    return bad ? 1 : 0;
+}
+
+/* The mode's row rule for one attention output (o [.., DV] and lse rows): a row the reference
+ * finds empty (no visible key: lse -inf and o = 0) must be exactly that, and a row that sees a
+ * key -- whatever its values, overflowing scores included -- must never be reported empty
+ * (lse = -inf with o = 0). With sinks an empty row carries its sink, so only the second rule
+ * applies there. */
+static long check_rows(const char *what, const tens *o, const tens *lse, const double *ref_o, const double *ref_lse,
+                       int has_sinks)
+{
+    if (!g_nf) return 0;
+    const int64_t nr = lse->numel, DV = nr > 0 ? o->numel / nr : 0;
+    double *go = dalloc(o->numel), *gl = dalloc(nr);
+    tens_read(o, go);
+    tens_read(lse, gl);
+    long bad = 0;
+    int64_t first = -1;
+    int first_empty = 0;
+    for (int64_t r = 0; r < nr; r++) {
+        int ref_zero = 1, got_zero = 1;
+        for (int64_t e = 0; e < DV; e++) {
+            ref_zero &= ref_o[r * DV + e] == 0.0;
+            got_zero &= go[r * DV + e] == 0.0;
+        }
+        const int ref_empty = !has_sinks && ref_lse[r] == -INFINITY && ref_zero;
+        const int got_empty = gl[r] == -INFINITY && got_zero;
+        const int ok = ref_empty ? got_empty : !got_empty;
+        if (!ok && bad++ == 0) first = r, first_empty = ref_empty;
+    }
+    char full[4096] = "";
+    if (bad) {
+        char where[256];
+        nf_where(where, sizeof where, short_name(what), lse, first);
+        snprintf(full, sizeof full, "%s: %ld rows wrong; first %s: %s (got lse %.9g, o[0] %.9g; reference lse %.9g); case %s",
+                 what, bad, where,
+                 first_empty ? "sees no key, so o = 0 and lse = -inf are due" : "sees a key but was reported empty (o = 0, lse = -inf)",
+                 gl[first], DV ? go[first * DV] : 0.0, ref_lse[first], g_desc);
+    }
+    harness_record(bad == 0, __FILE__, __LINE__, what, full);
+    free(go);
+    free(gl);
+    return bad ? 1 : 0;
+}
+
 /* ---- selection comparison (near ties allowed) ------------------------------------------- */
 
 /* Is `got` (the backend's kept set of one row) the reference's `want`, or a near tie of it:
  * both valid ascending sets of the same size whose swapped blocks have importances (im, the
- * reference's) within 1e-4 of the row's largest? */
+ * reference's) within 1e-4 of the row's largest? A row with a NaN importance must be exactly
+ * the reference's: NaN ranks below every number and ties go to the lower index (spec 3.4),
+ * so there is no near tie to allow. */
 static int selection_row_ok(const int32_t *got, const int32_t *want, const double *im, int64_t n, int64_t nb)
 {
-    int same = 1;
+    int same = 1, has_nan = 0;
     for (int64_t e = 0; e < n; e++) same &= got[e] == want[e];
     if (same) return 1;
+    for (int64_t j = 0; j < nb; j++) has_nan |= isnan(im[j]);
+    if (has_nan) return 0;
     double mx = 0, in_ref_only = -1, in_got_only = INFINITY;
     int nr = 0, ng = 0;
     for (int64_t e = 0; e < n; e++) {
@@ -481,7 +740,8 @@ static long check_selection(const problem *p, const tens *idx, const double *q, 
     const int64_t n = c->cfg.slc_topk;
     const int alt = kc_naive && kc_naive != kc;
     long bad_rows = 0;
-    char msg[512] = "";
+    char msg[1024] = "";
+    if (g_large) return 0; /* overflowing f32 scores: the float64 importances are not the backend's */
     tens_pull(idx);
     for (int64_t s = 0; s < p->nseq; s++) {
         const seqinfo *sq = &p->seq[s];
@@ -505,17 +765,23 @@ static long check_selection(const problem *p, const tens *idx, const double *q, 
                 if (selection_row_ok(got, ri + ro, imp + io, n, nb)) continue;
                 if (alt && selection_row_ok(got, ri2 + ro, imp2 + io, n, nb)) continue;
                 const int32_t *r = ri + ro;
-                if (bad_rows++ == 0)
-                    snprintf(msg, sizeof msg, "seq %lld t %lld h %lld: got [%d %d %d ...] want [%d %d %d ...]",
-                             (long long)s, (long long)t, (long long)h, got[0], n > 1 ? got[1] : 0, n > 2 ? got[2] : 0,
-                             r[0], n > 1 ? r[1] : 0, n > 2 ? r[2] : 0);
+                if (bad_rows++ == 0) {
+                    int nan_imp = 0;
+                    for (int64_t j = 0; j < nb; j++) nan_imp += isnan(imp[io + j]) != 0;
+                    snprintf(msg, sizeof msg, "seq %lld t %lld h %lld (%d of %lld importances NaN): got [", (long long)s,
+                             (long long)t, (long long)h, nan_imp, (long long)nb);
+                    for (int64_t e = 0; e < n && e < 24; e++) appendf(msg, sizeof msg, "%s%d", e ? " " : "", got[e]);
+                    appendf(msg, sizeof msg, "%s] want [", n > 24 ? " ..." : "");
+                    for (int64_t e = 0; e < n && e < 24; e++) appendf(msg, sizeof msg, "%s%d", e ? " " : "", r[e]);
+                    appendf(msg, sizeof msg, "%s]", n > 24 ? " ..." : "");
+                }
             }
         free(ri);
         free(ri2);
         free(imp);
         free(imp2);
     }
-    char full[1200];
+    char full[3072];
     snprintf(full, sizeof full, "block_indices: %ld rows differ beyond near ties: %s; case %s", bad_rows, msg, g_desc);
     harness_record(bad_rows == 0, __FILE__, __LINE__, "selection", full);
     return bad_rows ? 1 : 0;
@@ -563,11 +829,14 @@ static double dg_extra(const sweep_case *c, const pipe *x, nsa_dtype storage)
     if (u == 0.0) return 0.0;
     double vmax = 0.0, dmax = 0.0;
     const tens *vs[] = {&x->v, &x->vs, &x->vw, &x->vc};
+    /* over the finite values only: a planted inf (non-finite mode) must not make it infinite */
     for (int i = 0; i < 4; i++)
-        for (int64_t e = 0; vs[i]->val && e < vs[i]->numel; e++) vmax = fmax(vmax, fabs(vs[i]->val[e]));
+        for (int64_t e = 0; vs[i]->val && e < vs[i]->numel; e++)
+            if (isfinite(vs[i]->val[e])) vmax = fmax(vmax, fabs(vs[i]->val[e]));
     for (int64_t r = 0; r * c->DV < x->dout.numel; r++) {
         double ss = 0.0;
-        for (int64_t e = 0; e < c->DV; e++) ss += x->dout.val[r * c->DV + e] * x->dout.val[r * c->DV + e];
+        for (int64_t e = 0; e < c->DV; e++)
+            if (isfinite(x->dout.val[r * c->DV + e])) ss += x->dout.val[r * c->DV + e] * x->dout.val[r * c->DV + e];
         dmax = fmax(dmax, sqrt(ss));
     }
     return 4.0 * u * vmax * dmax / sqrt(3.0);
@@ -676,6 +945,14 @@ static void build_pipe(problem *p, pipe *x)
     /* the backward's dout, drawn here: every draw of the pipeline happens whether it runs or not */
     alloc4(&x->dout, p, c->T, c->HQ, c->DV, dt);
     tens_random(&x->dout, &p->rng, 0, 1.0, 1);
+    /* the non-finite mode: one plant for the forward and the backward (dout only reaches the
+     * backward), or the overflowing sequence */
+    tens *cand[] = {&x->q, &x->k, &x->v, &x->ks, &x->vs, &x->kw, &x->vw, &x->kc, &x->vc, &x->g[0], &x->g[1], &x->g[2], &x->dout};
+    static const char *names[] = {"q", "k", "v", "k_slc", "v_slc", "k_swa", "v_swa", "k_cmp", "v_cmp", "g_cmp", "g_slc", "g_swa", "dout"};
+    nf_plant(cand, names, 13);
+    tens *big[] = {&x->q, &x->k, &x->ks, &x->kw};
+    for (int i = 0; i < 4; i++) nf_scale_large(big[i], 0);
+    nf_scale_large(&x->kc, 1);
 }
 
 /* The selection the backend used, as the reference's caller-supplied indices. */
@@ -752,6 +1029,7 @@ static long check_pipeline_forward(problem *p, pipe *x, const int32_t *idx_used)
         if (c->gates >> b & 1) {
             fails += check_close(names[b][0], &x->so[b], ob[0][b], ob[1][b], c->dtype);
             fails += check_close(names[b][1], &x->sl[b], lse[0][b], lse[1][b], NSA_DTYPE_F32);
+            fails += check_rows(names[b][1], &x->so[b], &x->sl[b], ob[0][b], lse[0][b], 0);
             fails += check_guard(names[b][0], &x->so[b]);
         }
     fails += check_guard("o", &x->o);
@@ -885,7 +1163,7 @@ static long check_determinism(nsa_context *ctx, pipe *x)
     tens_pull(&x->o);
     tens_pull(&x->dq);
     tens_pull(&x->dk);
-    char msg[600];
+    char msg[2048];
     snprintf(msg, sizeof msg, "outputs differ between two runs of the same call; case %s", g_desc);
     int same = !memcmp(o0, x->o.buf, x->o.bytes) && !memcmp(dq0, x->dq.buf, x->dq.bytes) &&
                !memcmp(dk0, x->dk.buf, x->dk.bytes);
@@ -911,6 +1189,135 @@ static long run_status(nsa_status ws_st, size_t need, nsa_status (*dummy)(void),
         fails += run_status(st_, need_, NULL, "nsa_" #op);                                        \
     } while (0)
 
+/* 5b (the non-finite mode only): the attention op with its options -- softcap, sinks, segment
+ * ids, a bias (now and then with -inf entries: masking through the bias) and its dbias --
+ * against ref_attention_ext, forward and backward, on the case's q, k, v. Its draws come from
+ * the mode's generator. */
+static long check_attention_opts(nsa_context *ctx, problem *p, tens *q, tens *k, tens *v, tens *o, tens *lse, tens *dout,
+                                 tens *dq, tens *dk, tens *dv)
+{
+    const sweep_case *c = &p->c;
+    const nsa_dtype dt = c->dtype;
+    const int64_t B = c->B, T = c->T, HQ = c->HQ, H = c->H, DK = c->DK, DV = c->DV;
+    test_rng *r = &g_nf_rng;
+    long fails = 0;
+    tens sinks, dsinks, qs, ks, bias, dbias;
+    memset(&sinks, 0, sizeof sinks), memset(&dsinks, 0, sizeof dsinks), memset(&qs, 0, sizeof qs);
+    memset(&ks, 0, sizeof ks), memset(&bias, 0, sizeof bias), memset(&dbias, 0, sizeof dbias);
+    nsa_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.q = q->t, a.k = k->t, a.v = v->t, a.o = o->t, a.lse = lse->t, a.varlen = p->vl;
+    a.causal = (int)rng_int(r, 0, 1);
+    a.window_left = rng_int(r, 0, 2) == 0 ? rng_int(r, 0, T + 2) : -1;
+    a.window_right = rng_int(r, 0, 2) == 0 ? rng_int(r, 0, T + 2) : -1;
+    a.scale = rng_int(r, 0, 1) ? 0.0f : 0.3f;
+    a.softcap = rng_int(r, 0, 2) == 0 ? 2.5f : 0.0f;
+    const double sc = a.scale > 0 ? (double)a.scale : 1.0 / sqrt((double)DK);
+    if (rng_int(r, 0, 2) == 0) {
+        const int64_t shape[1] = {HQ};
+        tens_alloc(&sinks, 1, shape, NSA_DTYPE_F32, 0), tens_random(&sinks, r, 0, 1.5, 1);
+        tens_alloc(&dsinks, 1, shape, NSA_DTYPE_F32, 0);
+        a.sinks = sinks.t;
+    }
+    if (rng_int(r, 0, 2) == 0) {
+        const int64_t shape[2] = {B, T};
+        tens_alloc(&qs, 2, shape, NSA_DTYPE_I32, 0), tens_alloc(&ks, 2, shape, NSA_DTYPE_I32, 0);
+        for (int64_t i = 0; i < qs.numel; i++) qs.val[i] = (double)rng_int(r, 0, 2), ks.val[i] = (double)rng_int(r, 0, 2);
+        tens_set(&qs, qs.val), tens_set(&ks, ks.val);
+        a.q_segment_ids = qs.t, a.k_segment_ids = ks.t;
+    }
+    const int with_bias = (double)B * HQ * T * T <= (double)(1 << 21) && rng_int(r, 0, 1);
+    if (with_bias) {
+        const int64_t shape[4] = {B, HQ, T, T};
+        tens_alloc(&bias, 4, shape, dt, 0), tens_random(&bias, r, 0, 1.0, 1);
+        if (rng_int(r, 0, 3) == 0) {
+            for (int64_t i = 0; i < bias.numel; i++)
+                if (rng_uniform(r) < 0.125) bias.val[i] = -INFINITY;
+            tens_set(&bias, bias.val);
+        }
+        tens_alloc(&dbias, 4, shape, dt, 0);
+        a.bias = bias.t;
+    }
+    tens *cand[] = {q, k, v, &bias, dout};
+    static const char *nm[] = {"q", "k", "v", "bias", "dout"};
+    nf_plant(cand, nm, 5);
+    char opts[160];
+    snprintf(opts, sizeof opts, " attention options: causal=%d window=%lld/%lld softcap=%g sinks=%d segments=%d bias=%d",
+             a.causal, (long long)a.window_left, (long long)a.window_right, (double)a.softcap, sinks.buf != NULL,
+             qs.buf != NULL, with_bias);
+    appendf(g_desc, sizeof g_desc, "%s", opts);
+
+    nsa_attention_bwd_args b;
+    memset(&b, 0, sizeof b);
+    b.fwd = a, b.dout = dout->t, b.dq = dq->t, b.dk = dk->t, b.dv = dv->t;
+    if (sinks.buf) b.dsinks = dsinks.t;
+    if (with_bias) b.dbias = dbias.t;
+    RUN_OP(attention, ctx, &a);
+    RUN_OP(attention_bwd, ctx, &b);
+
+    const int64_t nO = B * T * HQ * DV, nL = B * T * HQ, nb = with_bias ? bias.numel : 1;
+    double *ro[2], *rl[2], *rdq[2], *rdk[2], *rdv[2], *rds[2], *rdb[2];
+    for (int q2 = 0; q2 < 2; q2++) {
+        ro[q2] = dalloc(nO), rl[q2] = dalloc(nL), rdq[q2] = dalloc(B * T * HQ * DK), rdk[q2] = dalloc(B * T * H * DK);
+        rdv[q2] = dalloc(B * T * H * DV), rds[q2] = dalloc(HQ), rdb[q2] = dalloc(nb);
+    }
+    REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
+        const seqinfo *sq = &p->seq[s];
+        const int64_t L = sq->len;
+        ref_attn_opts op;
+        memset(&op, 0, sizeof op);
+        op.scale = sc, op.causal = a.causal, op.window_left = a.window_left, op.window_right = a.window_right;
+        op.softcap = a.softcap;
+        op.sinks = sinks.buf ? sinks.val : NULL;
+        int32_t *qseg = NULL, *kseg = NULL;
+        double *bs = NULL, *dbs = dalloc(HQ * L * L), *ds = dalloc(HQ);
+        if (qs.buf) {
+            qseg = (int32_t *)calloc((size_t)(L > 0 ? L : 1), sizeof(int32_t));
+            kseg = (int32_t *)calloc((size_t)(L > 0 ? L : 1), sizeof(int32_t));
+            for (int64_t i = 0; i < L; i++)
+                qseg[i] = (int32_t)qs.val[sq->b * T + sq->row0 + i], kseg[i] = (int32_t)ks.val[sq->b * T + sq->row0 + i];
+            op.q_seg = qseg, op.k_seg = kseg;
+        }
+        if (with_bias) {
+            bs = dalloc(HQ * L * L);
+            for (int64_t hq = 0; hq < HQ; hq++)
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t j = 0; j < L; j++)
+                        bs[(hq * L + i) * L + j] = bias.val[((sq->b * HQ + hq) * T + sq->row0 + i) * T + sq->row0 + j];
+            op.bias = bs;
+        }
+        ref_dims d = seq_dims(p, sq);
+        const double *qq = q->val + row_off(p, sq, HQ, DK), *kk = k->val + row_off(p, sq, H, DK), *vv = v->val + row_off(p, sq, H, DV);
+        ref_attention_ext(&op, d, L, qq, kk, vv, ro[pass_] + row_off(p, sq, HQ, DV), rl[pass_] + row_off(p, sq, HQ, 1));
+        ref_attention_ext_bwd(&op, d, L, qq, kk, vv, dout->val + row_off(p, sq, HQ, DV), rdq[pass_] + row_off(p, sq, HQ, DK),
+                              rdk[pass_] + row_off(p, sq, H, DK), rdv[pass_] + row_off(p, sq, H, DV), ds, with_bias ? dbs : NULL);
+        if (s == 0) memset(rds[pass_], 0, (size_t)HQ * sizeof(double));
+        for (int64_t hq = 0; hq < HQ; hq++) rds[pass_][hq] += ds[hq];
+        for (int64_t hq = 0; with_bias && hq < HQ; hq++)
+            for (int64_t i = 0; i < L; i++)
+                for (int64_t j = 0; j < L; j++)
+                    rdb[pass_][((sq->b * HQ + hq) * T + sq->row0 + i) * T + sq->row0 + j] = dbs[(hq * L + i) * L + j];
+        free(qseg), free(kseg), free(bs), free(dbs), free(ds);
+    }
+    if (op_on("nsa_attention")) {
+        fails += check_close("nsa_attention(options) o", o, ro[0], ro[1], dt);
+        fails += check_close("nsa_attention(options) lse", lse, rl[0], rl[1], NSA_DTYPE_F32);
+        fails += check_rows("nsa_attention(options) rows", o, lse, ro[0], rl[0], sinks.buf != NULL);
+    }
+    if (op_on("nsa_attention_bwd")) {
+        fails += check_close("nsa_attention_bwd(options) dq", dq, rdq[0], rdq[1], dt);
+        fails += check_close("nsa_attention_bwd(options) dk", dk, rdk[0], rdk[1], dt);
+        fails += check_close("nsa_attention_bwd(options) dv", dv, rdv[0], rdv[1], dt);
+        if (sinks.buf) fails += check_close("nsa_attention_bwd(options) dsinks", &dsinks, rds[0], rds[1], NSA_DTYPE_F32);
+        if (with_bias) fails += check_close("nsa_attention_bwd(options) dbias", &dbias, rdb[0], rdb[1], dt);
+    }
+    nf_restore();
+    for (int q2 = 0; q2 < 2; q2++) free(ro[q2]), free(rl[q2]), free(rdq[q2]), free(rdk[q2]), free(rdv[q2]), free(rds[q2]), free(rdb[q2]);
+    tens *all[] = {&sinks, &dsinks, &qs, &ks, &bias, &dbias};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tens_free(all[i]);
+    return fails;
+}
+
 static long check_ops(nsa_context *ctx, problem *p)
 {
     const sweep_case *c = &p->c;
@@ -923,6 +1330,7 @@ static long check_ops(nsa_context *ctx, problem *p)
     memset(&bi, 0, sizeof bi), memset(&bc, 0, sizeof bc);
     alloc4(&q, p, T, HQ, DK, dt), alloc4(&k, p, T, H, DK, dt), alloc4(&v, p, T, H, DV, dt);
     tens_random(&q, &p->rng, 0, c->zero_q ? 0.0 : 1.0, 1), tens_random(&k, &p->rng, 0, 1, 1), tens_random(&v, &p->rng, 0, 1, 1);
+    nf_scale_large(&q, 0), nf_scale_large(&k, 0);
     alloc4(&kc, p, R, H, DK, dt), alloc4(&vc, p, R, H, DV, dt);
     alloc4(&o, p, T, HQ, DV, dt), alloc3(&lse, p, HQ, NSA_DTYPE_F32);
     alloc4(&dout, p, T, HQ, DV, dt), tens_random(&dout, &p->rng, 0, 1, 1);
@@ -941,6 +1349,11 @@ static long check_ops(nsa_context *ctx, problem *p)
         nsa_compress_args a;
         memset(&a, 0, sizeof a);
         a.x = k.t, a.x_cmp = kc.t, a.varlen = p->vl, a.config = c->cfg;
+        {
+            tens *cand[] = {&k};
+            static const char *nm[] = {"x"};
+            nf_plant(cand, nm, 1);
+        }
         if (op_on("nsa_compress")) {
             RUN_OP(compress, ctx, &a);
             REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
@@ -949,11 +1362,17 @@ static long check_ops(nsa_context *ctx, problem *p)
             }
             fails += check_close("nsa_compress x_cmp", &kc, rkc[0], rkc[1], dt) + check_guard("x_cmp", &kc);
         }
+        nf_restore();
         nsa_compress_bwd_args b;
         memset(&b, 0, sizeof b);
         b.fwd = a;
         tens_random(&dkc, &p->rng, 0, 1, 1);
         b.dx_cmp = dkc.t, b.dx = dk.t;
+        {
+            tens *cand[] = {&dkc};
+            static const char *nm[] = {"dx_cmp"};
+            nf_plant(cand, nm, 1);
+        }
         if (op_on("nsa_compress_bwd")) {
             RUN_OP(compress_bwd, ctx, &b);
             REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
@@ -962,9 +1381,17 @@ static long check_ops(nsa_context *ctx, problem *p)
             }
             fails += check_close("nsa_compress_bwd dx", &dk, rdk[0], rdk[1], dt);
         }
+        nf_restore();
     }
     /* 2. compressed attention on random compressed K/V, forward and backward */
     tens_random(&kc, &p->rng, 0, 1, 1), tens_random(&vc, &p->rng, 0, 1, 1);
+    nf_scale_large(&kc, 1);
+    {
+        /* one plant for steps 2 and 3: the selection reads step 2's lse */
+        tens *cand[] = {&q, &kc, &vc, &dout};
+        static const char *nm[] = {"q", "k_cmp", "v_cmp", "dout"};
+        nf_plant(cand, nm, 4);
+    }
     nsa_cmp_attn_args ca;
     memset(&ca, 0, sizeof ca);
     ca.q = q.t, ca.k_cmp = kc.t, ca.v_cmp = vc.t, ca.o = o.t, ca.lse = lse.t, ca.varlen = p->vl, ca.config = c->cfg;
@@ -978,6 +1405,7 @@ static long check_ops(nsa_context *ctx, problem *p)
                          rl[pass_] + row_off(p, sq, HQ, 1));
         }
         fails += check_close("nsa_cmp_attn o", &o, ro[0], ro[1], dt) + check_close("nsa_cmp_attn lse", &lse, rl[0], rl[1], NSA_DTYPE_F32);
+        fails += check_rows("nsa_cmp_attn rows", &o, &lse, ro[0], rl[0], 0);
     }
     if (op_on("nsa_cmp_attn_bwd")) {
         nsa_cmp_attn_bwd_args b;
@@ -1023,17 +1451,21 @@ static long check_ops(nsa_context *ctx, problem *p)
                         const double got = get_elem(&cnt, storage_offset(&cnt.t, row));
                         bad += valid != want || got != (double)want;
                     }
-            char msg[600];
+            char msg[2048];
             snprintf(msg, sizeof msg, "%ld rows with a wrong block count; case %s", bad, g_desc);
             harness_record(bad == 0, __FILE__, __LINE__, "select counts", msg);
             fails += bad != 0;
         }
     }
+    nf_restore();
     /* 4. selected attention on a random caller selection */
     {
         int64_t m = c->cfg.slc_topk + rng_int(&p->rng, -2, 3);
         random_indices(p, &bi, &bc, m > 0 ? m : 1, (int)rng_int(&p->rng, 0, 1));
         m = bi.t.shape[3];
+        tens *cand[] = {&q, &k, &v, &dout};
+        static const char *nm[] = {"q", "k", "v", "dout"};
+        nf_plant(cand, nm, 4);
         if (op_on("nsa_slc_attn") || op_on("nsa_slc_attn_bwd")) {
             int32_t *ix = to_i32(&bi), *cn = bc.buf ? to_i32(&bc) : NULL;
             nsa_slc_attn_args a;
@@ -1049,6 +1481,7 @@ static long check_ops(nsa_context *ctx, problem *p)
                                  ro[pass_] + row_off(p, sq, HQ, DV), rl[pass_] + row_off(p, sq, HQ, 1));
                 }
                 fails += check_close("nsa_slc_attn o", &o, ro[0], ro[1], dt) + check_close("nsa_slc_attn lse", &lse, rl[0], rl[1], NSA_DTYPE_F32);
+                fails += check_rows("nsa_slc_attn rows", &o, &lse, ro[0], rl[0], 0);
             }
             if (op_on("nsa_slc_attn_bwd")) {
                 nsa_slc_attn_bwd_args b;
@@ -1068,6 +1501,7 @@ static long check_ops(nsa_context *ctx, problem *p)
             free(ix);
             free(cn);
         }
+        nf_restore();
     }
     /* 5. dense / windowed attention with random window and causality */
     {
@@ -1079,6 +1513,9 @@ static long check_ops(nsa_context *ctx, problem *p)
         a.window_right = rng_int(&p->rng, 0, 2) == 0 ? -1 : rng_int(&p->rng, 0, T + 2);
         a.scale = rng_int(&p->rng, 0, 1) ? 0.0f : 0.3f;
         const double sc = a.scale > 0 ? (double)a.scale : 1.0 / sqrt((double)DK);
+        tens *cand[] = {&q, &k, &v, &dout};
+        static const char *nm[] = {"q", "k", "v", "dout"};
+        nf_plant(cand, nm, 4);
         if (op_on("nsa_attention") || op_on("nsa_attention_bwd")) {
             RUN_OP(attention, ctx, &a);
             if (op_on("nsa_attention")) {
@@ -1089,6 +1526,7 @@ static long check_ops(nsa_context *ctx, problem *p)
                                   rl[pass_] + row_off(p, sq, HQ, 1));
                 }
                 fails += check_close("nsa_attention o", &o, ro[0], ro[1], dt) + check_close("nsa_attention lse", &lse, rl[0], rl[1], NSA_DTYPE_F32);
+                fails += check_rows("nsa_attention rows", &o, &lse, ro[0], rl[0], 0);
             }
             if (op_on("nsa_attention_bwd")) {
                 nsa_attention_bwd_args b;
@@ -1105,6 +1543,9 @@ static long check_ops(nsa_context *ctx, problem *p)
                          check_close("nsa_attention_bwd dv", &dv, rdv[0], rdv[1], dt);
             }
         }
+        nf_restore();
+        if (g_nf && (op_on("nsa_attention") || op_on("nsa_attention_bwd")))
+            fails += check_attention_opts(ctx, p, &q, &k, &v, &o, &lse, &dout, &dq, &dk, &dv);
     }
     /* 6. gating: the spec's formula written out here, and its gradients */
     {
@@ -1129,6 +1570,9 @@ static long check_ops(nsa_context *ctx, problem *p)
         }
         a.o = o.t;
         b.fwd = a, b.dout = dout.t;
+        tens *cand[] = {&ob[0], &ob[1], &ob[2], &g[0], &g[1], &g[2], &dout};
+        static const char *nm[] = {"o_cmp", "o_slc", "o_swa", "g_cmp", "g_slc", "g_swa", "dout"};
+        nf_plant(cand, nm, 7);
         for (int64_t r = 0; (op_on("nsa_gate") || op_on("nsa_gate_bwd")) && r < nL; r++)
             for (int64_t e = 0; e < DV; e++) {
                 double acc = 0, dd = dout.val[r * DV + e];
@@ -1147,9 +1591,11 @@ static long check_ops(nsa_context *ctx, problem *p)
         if (op_on("nsa_gate_bwd")) RUN_OP(gate_bwd, ctx, &b);
         static const char *gdo[3] = {"nsa_gate_bwd do_cmp", "nsa_gate_bwd do_slc", "nsa_gate_bwd do_swa"};
         static const char *gdg[3] = {"nsa_gate_bwd dg_cmp", "nsa_gate_bwd dg_slc", "nsa_gate_bwd dg_swa"};
-        for (int x = 0; x < 3; x++) {
+        for (int x = 0; x < 3; x++)
             if (op_on("nsa_gate_bwd") && (c->gates >> x & 1))
                 fails += check_close(gdo[x], &dob[x], rdo[x], NULL, dt) + check_close(gdg[x], &dg[x], rdg[x], NULL, dt);
+        nf_restore();
+        for (int x = 0; x < 3; x++) {
             tens_free(&ob[x]), tens_free(&g[x]), tens_free(&dob[x]), tens_free(&dg[x]);
             free(rdo[x]), free(rdg[x]);
         }
@@ -1251,10 +1697,30 @@ long sweep_run_case(nsa_context *ctx, const sweep_case *c, uint64_t seed, int ve
     g_verbose = verbose;
     char d[400];
     sweep_case_describe(c, d, sizeof d);
-    snprintf(g_desc, sizeof g_desc, "seed=%llu %s", (unsigned long long)seed, d);
-    if (verbose) fprintf(stderr, "case %s\n", g_desc);
+    snprintf(g_desc_base, sizeof g_desc_base, "seed=%llu %s%s", (unsigned long long)seed, d, g_nf ? " nonfinite" : "");
     problem p;
     problem_init(&p, c, seed);
+    g_prob = &p;
+    g_nplanted = 0;
+    g_large = 0;
+    g_nf_rng.s = seed ^ 0x6E6F6E66696E6974ull;
+    /* one case in five overflows instead of planting: f32 and bf16 only (f16 cannot hold a
+     * finite value whose square overflows f32); 1e30 makes single products overflow, 1e19
+     * only their sums */
+    if (g_nf && c->dtype != NSA_DTYPE_F16 && rng_int(&g_nf_rng, 0, 4) == 0) {
+        int64_t nonempty = 0;
+        for (int64_t s = 0; s < p.nseq; s++) nonempty += p.seq[s].len > 0;
+        if (nonempty) {
+            int64_t pick_s = rng_int(&g_nf_rng, 0, nonempty - 1);
+            for (g_large_seq = 0; p.seq[g_large_seq].len == 0 || pick_s-- > 0; g_large_seq++) {}
+            g_large_factor = rng_int(&g_nf_rng, 0, 1) ? 1e30 : 1e19;
+            g_large = 1;
+            appendf(g_desc_base, sizeof g_desc_base, " large: q, k of seq %lld times %g", (long long)g_large_seq,
+                    g_large_factor);
+        }
+    }
+    nf_desc_update();
+    if (verbose) fprintf(stderr, "case %s\n", g_desc);
     pipe x;
     build_pipe(&p, &x);
     /* the whole pipeline; build_pipe drew its inputs whether it runs or not, so the single ops
@@ -1268,12 +1734,17 @@ long sweep_run_case(nsa_context *ctx, const sweep_case *c, uint64_t seed, int ve
         if (!call_fails) {
             int32_t *idx = (c->gates & 2) ? to_i32(used_indices(&x)) : NULL;
             if (fwd) check_pipeline_forward(&p, &x, idx);
-            if (bwd) check_pipeline_backward(ctx, &p, &x, idx), check_determinism(ctx, &x);
+            if (bwd) check_pipeline_backward(ctx, &p, &x, idx);
+            /* (the non-finite mode checks where values go, not determinism) */
+            if (bwd && !g_nf) check_determinism(ctx, &x);
             free(idx);
         }
     }
+    nf_restore();
     if (!call_fails) check_ops(ctx, &p);
     pipe_free(&x);
+    g_prob = NULL;
+    g_large = 0;
     problem_free(&p);
     return g_tests_failed - f0;
 }
@@ -1317,6 +1788,7 @@ long sweep_run(const sweep_opts *o)
     }
     sweep_set_memory(o->backend == NSA_BACKEND_CUDA ? devmem_sweep_memory() : NULL);
     if (o->hashes) sweep_set_hash(hashlog_sink, o->hashes);
+    sweep_set_nonfinite(o->nonfinite);
     const long f0 = g_tests_failed;
     const char *label = o->label ? o->label : "sweep";
     uint64_t state = o->seed;
@@ -1346,5 +1818,6 @@ long sweep_run(const sweep_opts *o)
     sweep_set_memory(NULL);
     sweep_set_op(NULL);
     sweep_set_hash(NULL, NULL);
+    sweep_set_nonfinite(0);
     return g_tests_failed - f0;
 }

@@ -36,6 +36,7 @@ typedef struct sweep_opts {
     const char *label;        /* prefix of the progress lines (default "sweep") */
     const char *op;           /* only this op's checks (sweep_set_op; NULL: all) */
     struct hashlog *hashes;   /* receives every checked output's hash (NULL: none) */
+    int nonfinite;            /* the non-finite mode (sweep_set_nonfinite) for this run */
 } sweep_opts;
 
 /* Where the sweep's tensors and workspace live. All NULL (the default): host memory, for
@@ -57,6 +58,16 @@ extern const char *const sweep_op_names[];
  * still runs, unchecked, and a case draws its data as in a full run, so a case index and seed
  * mean the same with or without it. @return 0, or -1 for a name not in sweep_op_names. */
 int sweep_set_op(const char *name);
+/* The non-finite mode, on (1) or off (0) from now on: every op of a case runs with one to three
+ * NaN / +inf / -inf values planted at random positions of one of its inputs (q, k, v, k_cmp,
+ * v_cmp, gates, bias, branch outputs, dout, ...), and each output's set of non-finite elements
+ * must be the float64 reference's, element for element, every finite element within the usual
+ * tolerance; rows with no visible key must stay o = 0, lse = -inf, and the attention op runs
+ * again with softcap, sinks, segment ids and a bias. One case in five (f32, bf16) plants
+ * nothing but scales one sequence's q and k by 1e30 or 1e19, so that f32 scores overflow; then
+ * only "a row that sees a key is never reported empty (o = 0, lse = -inf)" is checked. The
+ * plants come from a generator of their own: a case's other inputs are the sweep's. */
+void sweep_set_nonfinite(int on);
 /* Receives the 64-bit hash of each checked output's element bytes; name is "op output". */
 typedef void (*sweep_hash_fn)(void *user, const char *name, uint64_t hash);
 void sweep_set_hash(sweep_hash_fn fn, void *user);
