@@ -320,9 +320,20 @@ static void ext_softmax_block(ext_scratch *x, const ext_opts *o, const ext_seq *
             core_fill_hidden(s, n);
             continue;
         }
-        /* visible scores that are all NaN or -inf leave the max at -inf: the row is NaN (as
-         * exp(s - max) is in dense attention), not empty */
-        if (mx == -INFINITY) mx = NAN;
+        /* Visible scores that are all NaN or -inf leave the max at -inf (a row that has seen no
+         * other key). Dense softmax: a NaN makes the row NaN, and so does exp(-inf - max) with
+         * max = -inf; with a sink the max is the sink's and each -inf key has weight 0, which
+         * still multiplies its v (+0 here: visible, so 0 * inf stays NaN). */
+        if (mx == -INFINITY) {
+            int any_nan = 0;
+            for (int64_t c = 0; c < n; c++) any_nan |= vis[c] && s[c] != s[c];
+            if (any_nan || !o->sinks) {
+                mx = NAN;
+            } else {
+                for (int64_t c = 0; c < n; c++) s[c] = vis[c] ? 0.0f : -0.0f;
+                continue;
+            }
+        }
         const float alpha = t->m[r] == -INFINITY ? 0.0f : core_exp(t->m[r] - mx);
         const float sum = core_exp_row_masked(s, vis, n, mx);
         t->m[r] = mx;
@@ -352,12 +363,10 @@ static void ext_finish_rows(ext_scratch *x, const ext_opts *o)
             if (mx != -INFINITY) lse = mx + logf(expf(lse - mx) + expf(sk - mx)); /* exp(-inf) = 0 */
         }
         x->lse_rows[r] = lse;
-        if (t->l[r] != 0.0f) {
-            const float w = expf(t->m[r] - lse);
-            for (int d = 0; d < t->DV; d++) orow[d] *= w;
-        } else {
-            memset(orow, 0, (size_t)t->DV * sizeof(float));
-        }
+        /* a row that saw no key has O exactly 0 (hidden pairs never add); one that saw only
+         * weight-0 keys next to a sink may hold 0 * inf = NaN, which w = 0 keeps */
+        const float w = t->l[r] != 0.0f ? expf(t->m[r] - lse) : 0.0f;
+        for (int d = 0; d < t->DV; d++) orow[d] *= w;
     }
 }
 
