@@ -1,9 +1,11 @@
 /* test_safety.c -- calls that pass validation stay inside their workspace and their outputs.
  * Each case reproduces a memory-safety finding of fuzzing the C API on the CPU backend: the
  * workspace is exactly the size the library asked for, followed by a guard region that must
- * come back untouched, and absent outputs must not be written through. */
+ * come back untouched, and absent outputs must not be written through. Sizes too big for
+ * size_t are refused (NSA_STATUS_SIZE_OVERFLOW) before anything is written. */
 #include "harness.h"
 #include "nsa.h"
+#include "size.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -138,8 +140,27 @@ static void block_count_case(void)
     nsa_context_destroy(ctx);
 }
 
+/* The saturating size arithmetic every size goes through: overflow gives SIZE_MAX, and
+ * SIZE_MAX survives every later step, so one check at the end sees it. */
+static void size_helpers_case(void)
+{
+    const size_t half = SIZE_MAX / 2 + 1; /* 2^63 on 64-bit hosts */
+    CHECK(nsa_size_mul(3, 5) == 15 && nsa_size_mul(0, SIZE_MAX - 1) == 0 && nsa_size_mul(SIZE_MAX - 1, 1) == SIZE_MAX - 1);
+    CHECK(nsa_size_mul(half, 2) == SIZE_MAX && nsa_size_mul(2, half) == SIZE_MAX);
+    CHECK(nsa_size_mul(half - 1, 2) == SIZE_MAX - 1);
+    CHECK(nsa_size_mul(SIZE_MAX, 0) == SIZE_MAX && nsa_size_mul(0, SIZE_MAX) == SIZE_MAX); /* sticky, even times 0 */
+    CHECK(nsa_size_add(1, 2) == 3 && nsa_size_add(SIZE_MAX - 1, 0) == SIZE_MAX - 1);
+    CHECK(nsa_size_add(half, half) == SIZE_MAX && nsa_size_add(SIZE_MAX, 0) == SIZE_MAX);
+    CHECK(nsa_size_add(half, half - 1) == SIZE_MAX); /* exactly SIZE_MAX reads as overflowed too */
+    CHECK(nsa_size_align(0, 64) == 0 && nsa_size_align(1, 64) == 64 && nsa_size_align(64, 64) == 64);
+    CHECK(nsa_size_align(SIZE_MAX - 10, 64) == SIZE_MAX && nsa_size_align(SIZE_MAX, 256) == SIZE_MAX);
+    CHECK(nsa_size_of(0) == 0 && nsa_size_of(7) == 7 && nsa_size_of(-1) == SIZE_MAX && nsa_size_of(INT64_MIN) == SIZE_MAX);
+    CHECK(nsa_size_of(INT64_MAX) == (SIZE_MAX > (uint64_t)INT64_MAX ? (size_t)INT64_MAX : SIZE_MAX));
+}
+
 void test_safety_all(void)
 {
+    size_helpers_case();
     block_count_case();
     /* the per-thread scratch holds G lse values, not only DV floats: 128 query heads per kv head */
     slc_case(8, 128, 1, 4, 64, "slc_attn G = 128, DV = 4 stays inside its workspace");
