@@ -64,7 +64,9 @@ typedef enum nsa_status {
     NSA_STATUS_BAD_WINDOW = 11,           /* window w < 1 (NSA), or window_left/right < -1 (attention) */
     NSA_STATUS_BAD_SCALE = 12,            /* scale is negative, NaN or infinite */
     NSA_STATUS_BAD_CU_SEQLENS = 13,       /* cu_seqlens: cu[0] != 0, decreasing, last != T, or B != 1 */
-    NSA_STATUS_SIZE_OVERFLOW = 14,        /* an element count or offset does not fit in int64 */
+    NSA_STATUS_SIZE_OVERFLOW = 14,        /* an element count or offset does not fit in int64, or the
+                                             workspace the call needs does not fit size_t (query
+                                             and call alike; nothing written) */
     NSA_STATUS_WORKSPACE_TOO_SMALL = 15,  /* workspace_bytes below the *_workspace_size() answer */
     NSA_STATUS_BACKEND_UNAVAILABLE = 16,  /* backend not compiled in, or no device present */
     NSA_STATUS_NOT_SUPPORTED = 17,        /* valid request that this backend does not implement */

@@ -5,6 +5,7 @@
  * size_t are refused (NSA_STATUS_SIZE_OVERFLOW) before anything is written. */
 #include "harness.h"
 #include "nsa.h"
+#include "cpu/common.h" /* the CPU backend's workspace arena */
 #include "size.h"
 
 #include <stdint.h>
@@ -158,9 +159,135 @@ static void size_helpers_case(void)
     CHECK(nsa_size_of(INT64_MAX) == (SIZE_MAX > (uint64_t)INT64_MAX ? (size_t)INT64_MAX : SIZE_MAX));
 }
 
+/* ---- workspaces too big for size_t ---------------------------------------------------------
+ * Shapes whose element counts and offsets fit int64 (so they pass validation) but whose
+ * workspace does not fit size_t. The views all point at one small sentinel buffer: nothing
+ * reads tensor data before the workspace is known, and a call that fails must not write. */
+static uint32_t g_sentinel[256];
+
+static nsa_tensor huge_view(nsa_dtype dt, int rank, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
+{
+    const int64_t shape[4] = {d0, d1, d2, d3};
+    return nsa_tensor_make(g_sentinel, dt, rank, shape);
+}
+
+static void sentinel_fill(void) { memset(g_sentinel, 0xA5, sizeof g_sentinel); }
+
+static int sentinel_intact(void)
+{
+    for (size_t i = 0; i < sizeof g_sentinel / sizeof g_sentinel[0]; i++)
+        if (g_sentinel[i] != 0xA5A5A5A5u) return 0;
+    return 1;
+}
+
+/* The query and the op (with no workspace, and with a small one) all refuse, writing nothing. */
+#define EXPECT_SIZE_OVERFLOW(query, op, args, what)                                                       \
+    do {                                                                                                  \
+        size_t bytes_ = 12345;                                                                            \
+        unsigned char small_[256];                                                                        \
+        sentinel_fill();                                                                                  \
+        harness_check_status(query(ctx, (args), &bytes_), NSA_STATUS_SIZE_OVERFLOW, __FILE__, __LINE__, what); \
+        CHECK_MSG(bytes_ == 12345, what);                                                                 \
+        harness_check_status(op(ctx, (args), NULL, 0), NSA_STATUS_SIZE_OVERFLOW, __FILE__, __LINE__, what); \
+        harness_check_status(op(ctx, (args), small_, sizeof small_), NSA_STATUS_SIZE_OVERFLOW, __FILE__, __LINE__, what); \
+        CHECK_MSG(sentinel_intact(), what);                                                               \
+    } while (0)
+
+static void workspace_overflow_case(void)
+{
+    nsa_context *ctx = one_thread_cpu();
+    /* selected attention, bf16: k and v are 2^61 elements (2^62 bytes), their fp32 panels
+     * 2^63 bytes each, and the two together 2^64 */
+    {
+        const int64_t T = (int64_t)1 << 31, D = (int64_t)1 << 30;
+        nsa_slc_attn_args a;
+        memset(&a, 0, sizeof a);
+        a.config = nsa_config_default();
+        a.q = huge_view(NSA_DTYPE_BF16, 4, 1, T, 1, D), a.k = a.q, a.v = a.q, a.o = a.q;
+        a.lse = huge_view(NSA_DTYPE_F32, 3, 1, T, 1, 0);
+        a.block_indices = huge_view(NSA_DTYPE_I32, 4, 1, T, 1, 1);
+        EXPECT_SIZE_OVERFLOW(nsa_slc_attn_workspace_size, nsa_slc_attn, &a, "slc_attn: K and V panels of 2^63 bytes");
+        nsa_slc_attn_bwd_args b;
+        memset(&b, 0, sizeof b);
+        b.fwd = a;
+        b.dout = a.q, b.dq = a.q, b.dk = a.q, b.dv = a.q;
+        EXPECT_SIZE_OVERFLOW(nsa_slc_attn_bwd_workspace_size, nsa_slc_attn_bwd, &b, "slc_attn_bwd: K and V panels of 2^63 bytes");
+    }
+    /* compressed attention with l = d = 1: a tile's score row holds every one of the
+     * 2^58 compressed keys, 64 rows x 2^58 x 4 bytes = 2^66 (it wrapped to 0) */
+    {
+        const int64_t T = (int64_t)1 << 58;
+        nsa_cmp_attn_args a;
+        memset(&a, 0, sizeof a);
+        a.config = nsa_config_default();
+        a.config.cmp_len = a.config.cmp_stride = 1;
+        a.q = huge_view(NSA_DTYPE_F32, 4, 1, T, 1, 1), a.k_cmp = a.q, a.v_cmp = a.q, a.o = a.q;
+        a.lse = huge_view(NSA_DTYPE_F32, 3, 1, T, 1, 0);
+        EXPECT_SIZE_OVERFLOW(nsa_cmp_attn_workspace_size, nsa_cmp_attn, &a, "cmp_attn: score rows of 2^66 bytes");
+    }
+    nsa_context_destroy(ctx);
+    /* per-thread scratch of 2^42 bytes (score rows of 2^34 / 16 compressed keys) times 2^31 - 1 threads */
+    {
+        nsa_context_desc d = {.backend = NSA_BACKEND_CPU, .num_threads = INT32_MAX};
+        CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_SUCCESS);
+        const int64_t T = (int64_t)1 << 34, Nc = nsa_num_cmp_blocks(&(nsa_config){.cmp_len = 32, .cmp_stride = 16}, T);
+        nsa_cmp_attn_args a;
+        memset(&a, 0, sizeof a);
+        a.config = nsa_config_default();
+        a.q = huge_view(NSA_DTYPE_F32, 4, 1, T, 1, 1), a.o = a.q;
+        a.k_cmp = huge_view(NSA_DTYPE_F32, 4, 1, Nc, 1, 1), a.v_cmp = a.k_cmp;
+        a.lse = huge_view(NSA_DTYPE_F32, 3, 1, T, 1, 0);
+        EXPECT_SIZE_OVERFLOW(nsa_cmp_attn_workspace_size, nsa_cmp_attn, &a, "cmp_attn: scratch times 2^31 - 1 threads");
+        nsa_context_destroy(ctx);
+    }
+    /* a head dimension past int (the CPU tile's row length): 2^31 bf16 elements per row */
+    {
+        ctx = one_thread_cpu();
+        const int64_t D = (int64_t)1 << 31;
+        nsa_slc_attn_args a;
+        memset(&a, 0, sizeof a);
+        a.config = nsa_config_default();
+        a.q = huge_view(NSA_DTYPE_BF16, 4, 1, 1, 1, D), a.k = a.q, a.v = a.q, a.o = a.q;
+        a.lse = huge_view(NSA_DTYPE_F32, 3, 1, 1, 1, 0);
+        a.block_indices = huge_view(NSA_DTYPE_I32, 4, 1, 1, 1, 1);
+        EXPECT_SIZE_OVERFLOW(nsa_slc_attn_workspace_size, nsa_slc_attn, &a, "slc_attn: head dim 2^31");
+        nsa_context_destroy(ctx);
+    }
+}
+
+/* The CPU backend's workspace arena: a take that overflows leaves `used` at SIZE_MAX for
+ * good, so the sizing pass reports the overflow however many takes follow. */
+static void arena_case(void)
+{
+    ws_arena a = {NULL, 0};
+    CHECK(ws_take(&a, 10) == NULL && a.used == 10);
+    ws_take_n(&a, 3, 8);
+    CHECK(a.used == 64 + 24);
+    ws_take_2d(&a, 2, 3, 4);
+    CHECK(a.used == 128 + 24);
+    ws_take_2d(&a, SIZE_MAX / 8, 3, 4); /* the product overflows, not any single factor */
+    CHECK(a.used == SIZE_MAX);
+    ws_take(&a, 0);
+    ws_take_n(&a, 0, 4);
+    CHECK(a.used == SIZE_MAX);
+    CHECK(ws_region_bytes(&a) == SIZE_MAX);
+    ws_arena b = {NULL, SIZE_MAX - 10};
+    ws_take(&b, 1); /* the alignment itself passes SIZE_MAX */
+    CHECK(b.used == SIZE_MAX);
+    ws_arena c = {NULL, 0};
+    ws_fail(&c);
+    ws_take(&c, 1);
+    CHECK(c.used == SIZE_MAX);
+    unsigned char buf[256];
+    ws_arena live = {(char *)buf, 0};
+    CHECK(ws_take(&live, 8) == buf && ws_take(&live, 8) == buf + 64);
+    CHECK(ws_take_n(&live, SIZE_MAX / 2, 4) == NULL); /* never a pointer past an overflow */
+}
+
 void test_safety_all(void)
 {
     size_helpers_case();
+    arena_case();
     block_count_case();
     /* the per-thread scratch holds G lse values, not only DV floats: 128 query heads per kv head */
     slc_case(8, 128, 1, 4, 64, "slc_attn G = 128, DV = 4 stays inside its workspace");
@@ -169,4 +296,5 @@ void test_safety_all(void)
     slc_case(8, 2, 1, 4, (int64_t)1 << 56, "slc_attn slc_block = 2^56 stays inside its workspace");
     slc_case(40, 4, 2, 8, (int64_t)1 << 40, "slc_attn slc_block = 2^40 stays inside its workspace");
     absent_output_case();
+    workspace_overflow_case();
 }
