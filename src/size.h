@@ -42,4 +42,10 @@ static inline size_t nsa_size_of(int64_t v)
     return (size_t)v;
 }
 
+/* Elements of an [a, b, c, d] block of int64 dims (1 for a dim it lacks). */
+static inline size_t nsa_size_elems(int64_t a, int64_t b, int64_t c, int64_t d)
+{
+    return nsa_size_mul(nsa_size_mul(nsa_size_of(a), nsa_size_of(b)), nsa_size_mul(nsa_size_of(c), nsa_size_of(d)));
+}
+
 #endif

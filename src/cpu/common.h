@@ -77,9 +77,7 @@ static inline float *panel_at(float *panel, const nsa_tensor *x, int64_t b, int6
 void cpu_unpack_heads(const nsa_context *ctx, const float *panel, const nsa_tensor *x);
 static inline size_t panel_bytes(const nsa_tensor *x)
 {
-    return nsa_size_mul(nsa_size_mul(nsa_size_mul(nsa_size_of(x->shape[0]), nsa_size_of(x->shape[1])),
-                                     nsa_size_mul(nsa_size_of(x->shape[2]), nsa_size_of(x->shape[3]))),
-                        sizeof(float));
+    return nsa_size_mul(nsa_size_elems(x->shape[0], x->shape[1], x->shape[2], x->shape[3]), sizeof(float));
 }
 
 /* ---- workspace ----------------------------------------------------------------------- */

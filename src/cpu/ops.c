@@ -18,9 +18,7 @@ static float *take_zeroed_panel(ws_arena *a, const nsa_tensor *like)
 
 static float *take_dq32(ws_arena *a, const nsa_problem *p)
 {
-    const size_t bytes = nsa_size_mul(nsa_size_mul(nsa_size_mul(nsa_size_of(p->B), nsa_size_of(p->T)),
-                                                   nsa_size_mul(nsa_size_of(p->HQ), nsa_size_of(p->DK))),
-                                      sizeof(float));
+    const size_t bytes = nsa_size_mul(nsa_size_elems(p->B, p->T, p->HQ, p->DK), sizeof(float));
     float *d = (float *)ws_take(a, bytes);
     if (d) memset(d, 0, bytes);
     return d;
