@@ -32,10 +32,10 @@ const char *nsa_status_string(nsa_status status)
     case NSA_STATUS_BAD_STRIDE: return "a tensor's last-dim stride is not 1, or a stride is negative";
     case NSA_STATUS_BAD_DTYPE: return "a tensor's dtype is not allowed here";
     case NSA_STATUS_BAD_GQA: return "query heads HQ are not a multiple of kv heads H";
-    case NSA_STATUS_BAD_CMP_STRIDE: return "cmp_stride d must be >= 1 and divide cmp_len l";
-    case NSA_STATUS_BAD_CMP_LEN: return "cmp_len l must be >= 1 and <= slc_block l'";
-    case NSA_STATUS_BAD_SLC_BLOCK: return "cmp_stride d must divide slc_block l'";
-    case NSA_STATUS_BAD_TOPK: return "slc_topk n must be >= 1 and >= n_init + n_local (both >= 0)";
+    case NSA_STATUS_BAD_CMP_STRIDE: return "cmp_stride d must be in [1, INT32_MAX] and divide cmp_len l";
+    case NSA_STATUS_BAD_CMP_LEN: return "cmp_len l must be in [1, INT32_MAX] and <= slc_block l'";
+    case NSA_STATUS_BAD_SLC_BLOCK: return "slc_block l' must be <= INT32_MAX and a multiple of cmp_stride d";
+    case NSA_STATUS_BAD_TOPK: return "slc_topk n must be in [1, INT32_MAX] and >= n_init + n_local (both in [0, INT32_MAX])";
     case NSA_STATUS_BAD_WINDOW: return "window must be >= 1 (attention windows >= -1)";
     case NSA_STATUS_BAD_SCALE: return "scale must be finite and >= 0 (0 = 1/sqrt(DK))";
     case NSA_STATUS_BAD_CU_SEQLENS: return "cu_seqlens must start at 0, be non-decreasing, end at T, with B == 1";

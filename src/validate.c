@@ -289,16 +289,22 @@ static nsa_status check_tensors(const tspec *s, int n, nsa_dtype ref, const nsa_
 /* isfinite() rejects NaN and both infinities; -0 reads as 0, the default. */
 static int scale_ok(float scale) { return isfinite(scale) && scale >= 0.0f; }
 
+/* Block sizes and counts: block indices are int32 and the GPU counts positions, blocks and
+ * their products in 32 bits, so they stay within int32. The window alone is unbounded above
+ * (longer than the sequence: the whole prefix; rules.h clamps it without overflow). */
+static int in_int32(int64_t v, int64_t lo) { return v >= lo && v <= INT32_MAX; }
+
 nsa_status nsa_config_validate(const nsa_config *c)
 {
     if (!c) return NSA_STATUS_NULL_POINTER;
-    if (c->cmp_stride < 1) return NSA_STATUS_BAD_CMP_STRIDE;
-    if (c->cmp_len < 1) return NSA_STATUS_BAD_CMP_LEN;
+    if (!in_int32(c->cmp_stride, 1)) return NSA_STATUS_BAD_CMP_STRIDE;
+    if (!in_int32(c->cmp_len, 1)) return NSA_STATUS_BAD_CMP_LEN;
     if (c->cmp_len % c->cmp_stride != 0) return NSA_STATUS_BAD_CMP_STRIDE;
     if (c->cmp_len > c->slc_block) return NSA_STATUS_BAD_CMP_LEN;
-    if (c->slc_block < 1 || c->slc_block % c->cmp_stride != 0) return NSA_STATUS_BAD_SLC_BLOCK;
+    if (!in_int32(c->slc_block, 1) || c->slc_block % c->cmp_stride != 0) return NSA_STATUS_BAD_SLC_BLOCK;
     /* n - n_init cannot overflow once n >= 1 and n_init >= 0; n_init + n_local could. */
-    if (c->slc_topk < 1 || c->n_init < 0 || c->n_local < 0 || c->slc_topk - c->n_init < c->n_local)
+    if (!in_int32(c->slc_topk, 1) || !in_int32(c->n_init, 0) || !in_int32(c->n_local, 0) ||
+        c->slc_topk - c->n_init < c->n_local)
         return NSA_STATUS_BAD_TOPK;
     if (c->window < 1) return NSA_STATUS_BAD_WINDOW;
     if (!scale_ok(c->scale)) return NSA_STATUS_BAD_SCALE;

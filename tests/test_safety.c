@@ -114,18 +114,21 @@ static void block_count_case(void)
 {
     nsa_config c = nsa_config_default();
     c.cmp_len = 1, c.cmp_stride = 1, c.slc_block = INT64_MAX, c.slc_topk = 1, c.n_init = 0, c.n_local = 0, c.window = 1;
-    CHECK_STATUS(nsa_config_validate(&c), NSA_STATUS_SUCCESS);
+    CHECK_STATUS(nsa_config_validate(&c), NSA_STATUS_BAD_SLC_BLOCK); /* past int32; the counting helpers still cope */
     CHECK(nsa_num_slc_blocks(&c, 11) == 1 && nsa_num_slc_blocks(&c, 0) == 0);
     CHECK(nsa_num_slc_blocks(&c, INT64_MAX) == 1);
+    c.slc_block = INT32_MAX;
+    CHECK_STATUS(nsa_config_validate(&c), NSA_STATUS_SUCCESS);
+    CHECK(nsa_num_slc_blocks(&c, INT64_MAX) == ((int64_t)1 << 32) + 3); /* ceil((2^63 - 1) / (2^31 - 1)) */
     c.cmp_len = INT64_MIN, c.cmp_stride = 3; /* invalid: no blocks, and no overflow computing that */
     CHECK(nsa_num_cmp_blocks(&c, 9) == 0);
-    /* the selection's workspace query on that valid configuration (it counted blocks as T + l' - 1) */
+    /* the selection's workspace query with the largest valid block (it counted blocks as T + l' - 1) */
     test_rng r = {11};
     nsa_context *ctx = one_thread_cpu();
     nsa_select_args a;
     memset(&a, 0, sizeof a);
     a.config = nsa_config_default();
-    a.config.cmp_len = 1, a.config.cmp_stride = 1, a.config.slc_block = INT64_MAX, a.config.slc_topk = 1;
+    a.config.cmp_len = 1, a.config.cmp_stride = 1, a.config.slc_block = INT32_MAX, a.config.slc_topk = 1;
     a.config.n_init = 0, a.config.n_local = 0, a.config.window = 1;
     const int64_t sq[4] = {1, 11, 2, 4}, sk[4] = {1, 11, 1, 4}, si[4] = {1, 11, 1, 1};
     a.q = f32_tensor(&r, 4, sq), a.k_cmp = f32_tensor(&r, 4, sk);
@@ -293,8 +296,8 @@ void test_safety_all(void)
     slc_case(8, 128, 1, 4, 64, "slc_attn G = 128, DV = 4 stays inside its workspace");
     slc_case(9, 64, 2, 8, 32, "slc_attn G = 32, DV = 8 stays inside its workspace");
     /* a selection block far longer than the sequence: scores sized by T, not by l' */
-    slc_case(8, 2, 1, 4, (int64_t)1 << 56, "slc_attn slc_block = 2^56 stays inside its workspace");
-    slc_case(40, 4, 2, 8, (int64_t)1 << 40, "slc_attn slc_block = 2^40 stays inside its workspace");
+    slc_case(8, 2, 1, 4, (int64_t)INT32_MAX / 16 * 16, "slc_attn slc_block = 2^31 - 16 stays inside its workspace");
+    slc_case(40, 4, 2, 8, (int64_t)1 << 30, "slc_attn slc_block = 2^30 stays inside its workspace");
     absent_output_case();
     workspace_overflow_case();
 }
