@@ -287,6 +287,124 @@ static void arena_case(void)
     CHECK(ws_take_n(&live, SIZE_MAX / 2, 4) == NULL); /* never a pointer past an overflow */
 }
 
+/* ---- windows of any length -----------------------------------------------------------------
+ * A window longer than the sequence is the whole prefix, however long: INT64_MAX must give the
+ * unbounded result bit for bit (under UBSan: no `t - w + 1` on the way). */
+enum { WB = 2, WHQ = 4, WH = 2, WD = 8 };
+
+/* Everything an attention forward and backward writes, one after the other. */
+static float *attention_outputs(nsa_context *ctx, const float *in, int64_t Tq, int64_t Tk, int causal, int64_t wl,
+                                int64_t wr, size_t *count)
+{
+    const size_t nq = (size_t)(WB * Tq * WHQ * WD), nk = (size_t)(WB * Tk * WH * WD), nl = (size_t)(WB * Tq * WHQ);
+    *count = 2 * nq + nl + 2 * nk; /* o, lse, dq, dk, dv (DK = DV) */
+    float *out = (float *)calloc(*count, sizeof(float));
+    float *o = out, *lse = o + nq, *dq = lse + nl, *dk = dq + nq, *dv = dk + nk;
+    const float *q = in, *k = q + nq, *v = k + nk, *dout = v + nk;
+    nsa_attention_bwd_args b;
+    memset(&b, 0, sizeof b);
+    nsa_attention_args *a = &b.fwd;
+    a->q = nsa_tensor_4d((void *)q, NSA_DTYPE_F32, WB, Tq, WHQ, WD);
+    a->k = nsa_tensor_4d((void *)k, NSA_DTYPE_F32, WB, Tk, WH, WD);
+    a->v = nsa_tensor_4d((void *)v, NSA_DTYPE_F32, WB, Tk, WH, WD);
+    a->o = nsa_tensor_4d(o, NSA_DTYPE_F32, WB, Tq, WHQ, WD);
+    a->lse = nsa_tensor_3d(lse, NSA_DTYPE_F32, WB, Tq, WHQ);
+    a->causal = causal, a->window_left = wl, a->window_right = wr;
+    b.dout = nsa_tensor_4d((void *)dout, NSA_DTYPE_F32, WB, Tq, WHQ, WD);
+    b.dq = nsa_tensor_4d(dq, NSA_DTYPE_F32, WB, Tq, WHQ, WD);
+    b.dk = nsa_tensor_4d(dk, NSA_DTYPE_F32, WB, Tk, WH, WD);
+    b.dv = nsa_tensor_4d(dv, NSA_DTYPE_F32, WB, Tk, WH, WD);
+    size_t bytes = 0, bbytes = 0;
+    CHECK_STATUS(nsa_attention_workspace_size(ctx, a, &bytes), NSA_STATUS_SUCCESS);
+    CHECK_STATUS(nsa_attention_bwd_workspace_size(ctx, &b, &bbytes), NSA_STATUS_SUCCESS);
+    void *ws = malloc(bytes > bbytes ? bytes : bbytes);
+    CHECK_STATUS(nsa_attention(ctx, a, ws, bytes), NSA_STATUS_SUCCESS);
+    CHECK_STATUS(nsa_attention_bwd(ctx, &b, ws, bbytes), NSA_STATUS_SUCCESS);
+    free(ws);
+    return out;
+}
+
+static void huge_attention_window_case(nsa_context *ctx, const float *in, int64_t Tq, int64_t Tk, int causal)
+{
+    static const int64_t huge[] = {INT64_MAX, INT64_MAX - 1, (int64_t)1 << 62};
+    size_t n = 0, m = 0;
+    float *want = attention_outputs(ctx, in, Tq, Tk, causal, -1, -1, &n);
+    for (size_t i = 0; i < sizeof huge / sizeof huge[0]; i++) {
+        float *got = attention_outputs(ctx, in, Tq, Tk, causal, huge[i], huge[i], &m);
+        CHECK_MSG(m == n && memcmp(got, want, n * sizeof(float)) == 0, "attention window_left/right huge == unbounded");
+        free(got);
+        got = attention_outputs(ctx, in, Tq, Tk, causal, huge[i], -1, &m);
+        CHECK_MSG(memcmp(got, want, n * sizeof(float)) == 0, "attention window_left huge == unbounded");
+        free(got);
+        got = attention_outputs(ctx, in, Tq, Tk, causal, -1, huge[i], &m);
+        CHECK_MSG(memcmp(got, want, n * sizeof(float)) == 0, "attention window_right huge == unbounded");
+        free(got);
+    }
+    free(want);
+}
+
+/* The whole NSA's sliding branch, forward and backward: everything it writes. */
+static float *swa_outputs(nsa_context *ctx, const float *in, int64_t T, int64_t window, size_t *count)
+{
+    const size_t nq = (size_t)(WB * T * WHQ * WD), nk = (size_t)(WB * T * WH * WD), nl = (size_t)(WB * T * WHQ);
+    *count = 3 * nq + 2 * nl + 2 * nk; /* o, o_swa, lse_swa, dq, dk, dv, dg_swa */
+    float *out = (float *)calloc(*count, sizeof(float));
+    float *o = out, *o_swa = o + nq, *lse = o_swa + nq, *dq = lse + nl, *dk = dq + nq, *dv = dk + nk, *dg = dv + nk;
+    const float *q = in, *k = q + nq, *v = k + nk, *dout = v + nk, *g = dout + nq;
+    nsa_backward_args b;
+    memset(&b, 0, sizeof b);
+    nsa_forward_args *a = &b.fwd;
+    a->config = nsa_config_default();
+    a->config.window = window;
+    a->q = nsa_tensor_4d((void *)q, NSA_DTYPE_F32, WB, T, WHQ, WD);
+    a->k = nsa_tensor_4d((void *)k, NSA_DTYPE_F32, WB, T, WH, WD);
+    a->v = nsa_tensor_4d((void *)v, NSA_DTYPE_F32, WB, T, WH, WD);
+    a->g_swa = nsa_tensor_3d((void *)g, NSA_DTYPE_F32, WB, T, WHQ);
+    a->o = nsa_tensor_4d(o, NSA_DTYPE_F32, WB, T, WHQ, WD);
+    a->saved.o_swa = nsa_tensor_4d(o_swa, NSA_DTYPE_F32, WB, T, WHQ, WD);
+    a->saved.lse_swa = nsa_tensor_3d(lse, NSA_DTYPE_F32, WB, T, WHQ);
+    b.dout = nsa_tensor_4d((void *)dout, NSA_DTYPE_F32, WB, T, WHQ, WD);
+    b.dq = nsa_tensor_4d(dq, NSA_DTYPE_F32, WB, T, WHQ, WD);
+    b.dk = nsa_tensor_4d(dk, NSA_DTYPE_F32, WB, T, WH, WD);
+    b.dv = nsa_tensor_4d(dv, NSA_DTYPE_F32, WB, T, WH, WD);
+    b.dg_swa = nsa_tensor_3d(dg, NSA_DTYPE_F32, WB, T, WHQ);
+    size_t bytes = 0, bbytes = 0;
+    CHECK_STATUS(nsa_forward_workspace_size(ctx, a, &bytes), NSA_STATUS_SUCCESS);
+    CHECK_STATUS(nsa_backward_workspace_size(ctx, &b, &bbytes), NSA_STATUS_SUCCESS);
+    void *ws = malloc(bytes > bbytes ? bytes : bbytes);
+    CHECK_STATUS(nsa_forward(ctx, a, ws, bytes), NSA_STATUS_SUCCESS);
+    CHECK_STATUS(nsa_backward(ctx, &b, ws, bbytes), NSA_STATUS_SUCCESS);
+    free(ws);
+    return out;
+}
+
+static void huge_window_case(void)
+{
+    nsa_context *ctx = one_thread_cpu();
+    test_rng r = {77};
+    const int64_t T = 45, n = 8 * WB * T * WHQ * WD; /* room for every input of both cases */
+    float *in = (float *)malloc((size_t)n * sizeof(float));
+    for (int64_t i = 0; i < n; i++) in[i] = (float)rng_normal(&r);
+
+    /* the fast window path (Tq == Tk) and the general one (Tq != Tk, bottom-right aligned) */
+    for (int causal = 0; causal < 2; causal++) {
+        huge_attention_window_case(ctx, in, T, T, causal);
+        huge_attention_window_case(ctx, in, 37, T, causal);
+        huge_attention_window_case(ctx, in, T, 37, causal);
+    }
+    /* the sliding branch: a window of INT64_MAX is one of T, the whole prefix */
+    size_t cw = 0, ch = 0;
+    float *want = swa_outputs(ctx, in, T, T, &cw);
+    static const int64_t huge[] = {INT64_MAX, INT64_MAX - 1, (int64_t)1 << 62, T + 1};
+    for (size_t i = 0; i < sizeof huge / sizeof huge[0]; i++) {
+        float *got = swa_outputs(ctx, in, T, huge[i], &ch);
+        CHECK_MSG(ch == cw && memcmp(got, want, cw * sizeof(float)) == 0, "window huge == window T (sliding branch)");
+        free(got);
+    }
+    free(want), free(in);
+    nsa_context_destroy(ctx);
+}
+
 void test_safety_all(void)
 {
     size_helpers_case();
@@ -300,4 +418,5 @@ void test_safety_all(void)
     slc_case(40, 4, 2, 8, (int64_t)1 << 30, "slc_attn slc_block = 2^30 stays inside its workspace");
     absent_output_case();
     workspace_overflow_case();
+    huge_window_case();
 }
