@@ -57,14 +57,17 @@ typedef enum nsa_status {
     NSA_STATUS_BAD_STRIDE = 4,            /* last-dim stride != 1, or a negative stride */
     NSA_STATUS_BAD_DTYPE = 5,             /* dtype not allowed here or not the same as q's */
     NSA_STATUS_BAD_GQA = 6,               /* HQ is not a multiple of H */
-    NSA_STATUS_BAD_CMP_STRIDE = 7,        /* cmp_stride d < 1, or d does not divide cmp_len l */
-    NSA_STATUS_BAD_CMP_LEN = 8,           /* cmp_len l < 1, or l > slc_block l' */
-    NSA_STATUS_BAD_SLC_BLOCK = 9,         /* d does not divide slc_block l' */
-    NSA_STATUS_BAD_TOPK = 10,             /* slc_topk n < 1, n < n_init + n_local, or negative forced counts */
+    NSA_STATUS_BAD_CMP_STRIDE = 7,        /* cmp_stride d < 1 or > INT32_MAX, or d does not divide cmp_len l */
+    NSA_STATUS_BAD_CMP_LEN = 8,           /* cmp_len l < 1 or > INT32_MAX, or l > slc_block l' */
+    NSA_STATUS_BAD_SLC_BLOCK = 9,         /* slc_block l' > INT32_MAX, or d does not divide l' */
+    NSA_STATUS_BAD_TOPK = 10,             /* slc_topk n < 1, n < n_init + n_local, negative forced counts,
+                                             or any of the three > INT32_MAX */
     NSA_STATUS_BAD_WINDOW = 11,           /* window w < 1 (NSA), or window_left/right < -1 (attention) */
     NSA_STATUS_BAD_SCALE = 12,            /* scale is negative, NaN or infinite */
     NSA_STATUS_BAD_CU_SEQLENS = 13,       /* cu_seqlens: cu[0] != 0, decreasing, last != T, or B != 1 */
-    NSA_STATUS_SIZE_OVERFLOW = 14,        /* an element count or offset does not fit in int64 */
+    NSA_STATUS_SIZE_OVERFLOW = 14,        /* an element count or offset does not fit in int64, or the
+                                             workspace the call needs does not fit size_t (query
+                                             and call alike; nothing written) */
     NSA_STATUS_WORKSPACE_TOO_SMALL = 15,  /* workspace_bytes below the *_workspace_size() answer */
     NSA_STATUS_BACKEND_UNAVAILABLE = 16,  /* backend not compiled in, or no device present */
     NSA_STATUS_NOT_SUPPORTED = 17,        /* valid request that this backend does not implement */
@@ -118,6 +121,8 @@ NSA_API size_t nsa_dtype_size(nsa_dtype dtype);
 /* ------------------------------------------------------------------------------------ */
 /* Configuration (defaults = the paper's values)                                         */
 /* ------------------------------------------------------------------------------------ */
+/* Block sizes and counts are at most INT32_MAX (block indices are int32 and the GPU counts in
+ * 32 bits); the window has no upper bound (longer than the sequence: the whole prefix). */
 typedef struct nsa_config {
     int64_t cmp_len;     /* l:  tokens per compressed block                    (32)  */
     int64_t cmp_stride;  /* d:  stride between compressed blocks, d | l        (16)  */
@@ -125,7 +130,7 @@ typedef struct nsa_config {
     int64_t slc_topk;    /* n:  selected blocks per query, forced ones included (16)  */
     int64_t n_init;      /* leading blocks always selected                      (1)   */
     int64_t n_local;     /* blocks ending at the query's own block, always kept (2)   */
-    int64_t window;      /* w:  sliding window, keys in [t - w + 1, t]          (512) */
+    int64_t window;      /* w:  sliding window, keys in [t - w + 1, t], >= 1    (512) */
     float scale;         /* softmax scale; 0 = 1 / sqrt(DK)                     (0)   */
 } nsa_config;
 
@@ -329,8 +334,8 @@ typedef struct nsa_attention_args {
     nsa_varlen varlen;     /* int32, requires Tq == Tk; see varlen_qk */
     float scale;           /* 0 = 1 / sqrt(DK) */
     int32_t causal;        /* != 0: window_right = 0 (bottom-right aligned when Tq != Tk) */
-    int64_t window_left;   /* -1 = unbounded */
-    int64_t window_right;  /* -1 = unbounded (ignored when causal) */
+    int64_t window_left;   /* -1 = unbounded; any length up to INT64_MAX */
+    int64_t window_right;  /* -1 = unbounded (ignored when causal); any length up to INT64_MAX */
     /* ---- appended in 0.2; zero-initialised = off (the 0.1 behaviour) ---- */
     float softcap;             /* > 0: logit softcap on the scaled score; 0 = off; finite, >= 0 */
     nsa_tensor sinks;          /* in, optional [HQ] F32: one sink logit per query head */

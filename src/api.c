@@ -32,14 +32,14 @@ const char *nsa_status_string(nsa_status status)
     case NSA_STATUS_BAD_STRIDE: return "a tensor's last-dim stride is not 1, or a stride is negative";
     case NSA_STATUS_BAD_DTYPE: return "a tensor's dtype is not allowed here";
     case NSA_STATUS_BAD_GQA: return "query heads HQ are not a multiple of kv heads H";
-    case NSA_STATUS_BAD_CMP_STRIDE: return "cmp_stride d must be >= 1 and divide cmp_len l";
-    case NSA_STATUS_BAD_CMP_LEN: return "cmp_len l must be >= 1 and <= slc_block l'";
-    case NSA_STATUS_BAD_SLC_BLOCK: return "cmp_stride d must divide slc_block l'";
-    case NSA_STATUS_BAD_TOPK: return "slc_topk n must be >= 1 and >= n_init + n_local (both >= 0)";
+    case NSA_STATUS_BAD_CMP_STRIDE: return "cmp_stride d must be in [1, INT32_MAX] and divide cmp_len l";
+    case NSA_STATUS_BAD_CMP_LEN: return "cmp_len l must be in [1, INT32_MAX] and <= slc_block l'";
+    case NSA_STATUS_BAD_SLC_BLOCK: return "slc_block l' must be <= INT32_MAX and a multiple of cmp_stride d";
+    case NSA_STATUS_BAD_TOPK: return "slc_topk n must be in [1, INT32_MAX] and >= n_init + n_local (both in [0, INT32_MAX])";
     case NSA_STATUS_BAD_WINDOW: return "window must be >= 1 (attention windows >= -1)";
     case NSA_STATUS_BAD_SCALE: return "scale must be finite and >= 0 (0 = 1/sqrt(DK))";
     case NSA_STATUS_BAD_CU_SEQLENS: return "cu_seqlens must start at 0, be non-decreasing, end at T, with B == 1";
-    case NSA_STATUS_SIZE_OVERFLOW: return "a tensor's element count or offset overflows int64";
+    case NSA_STATUS_SIZE_OVERFLOW: return "a tensor's element count or offset overflows int64, or the workspace size overflows size_t";
     case NSA_STATUS_WORKSPACE_TOO_SMALL: return "workspace smaller than the *_workspace_size() answer";
     case NSA_STATUS_BACKEND_UNAVAILABLE: return "backend not compiled in, or no device present";
     case NSA_STATUS_NOT_SUPPORTED: return "valid request not supported by this backend";
@@ -319,7 +319,8 @@ static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_ca
 
 /* Both halves of every public op: validate everything (once), size the workspace, then
  * either report the size (query: *bytes) or check the caller's workspace and run. The
- * backend functions get a validated nsa_problem and never see bad input. */
+ * backend functions get a validated nsa_problem and never see bad input, nor a workspace
+ * need that overflowed. */
 typedef enum op_mode { OP_QUERY, OP_RUN } op_mode;
 
 static nsa_status op_dispatch(nsa_context *ctx, op_call c, op_mode mode, size_t *bytes, void *workspace,
@@ -330,6 +331,9 @@ static nsa_status op_dispatch(nsa_context *ctx, op_call c, op_mode mode, size_t 
     nsa_status st = op_validate(c, &p);
     if (st != NSA_STATUS_SUCCESS) return st;
     const size_t need = op_workspace(ctx, &p, c);
+    /* the backends size with size.h's saturating arithmetic: SIZE_MAX is a need that
+     * overflowed somewhere on the way, refused here for every op and both backends */
+    if (need == SIZE_MAX) return NSA_STATUS_SIZE_OVERFLOW;
     if (mode == OP_QUERY) {
         *bytes = need;
         return NSA_STATUS_SUCCESS;

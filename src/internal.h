@@ -4,6 +4,7 @@
 #define NSA_INTERNAL_H
 
 #include "nsa.h"
+#include "size.h" /* saturating size arithmetic, for every size the library computes */
 
 /* Sizes of one validated call, derived once by validate.c so that no backend re-derives
  * them. Fields an op does not use stay 0. */

@@ -111,20 +111,10 @@ static int described(const tspec *s)
     }
 }
 
-/* *r = a * b for a, b >= 0; 0 when that overflows int64. */
-static int mul_ok(int64_t a, int64_t b, int64_t *r)
-{
-    if (a != 0 && b > INT64_MAX / a) return 0;
-    *r = a * b;
-    return 1;
-}
-
-static int add_ok(int64_t a, int64_t b, int64_t *r)
-{
-    if (b > INT64_MAX - a) return 0;
-    *r = a + b;
-    return 1;
-}
+/* Counts and offsets are computed with size.h's saturating arithmetic and must end up in
+ * int64 (the backends index with int64 and trust it). Every term is >= 0, so the partial
+ * results only grow and checking the final one is checking them all. */
+static int fits_int64(size_t v) { return v != SIZE_MAX && (uint64_t)v <= (uint64_t)INT64_MAX; }
 
 static int dtype_ok(nsa_dtype dt, dtype_rule rule, nsa_dtype ref)
 {
@@ -142,8 +132,8 @@ static int dtype_ok(nsa_dtype dt, dtype_rule rule, nsa_dtype ref)
  * backends index with int64 and trust it). *count = its element count. */
 static nsa_status check_tensor(const nsa_tensor *t, int rank, dtype_rule rule, nsa_dtype ref, int64_t *count)
 {
-    int64_t n = 1, dims = 1, last = 0, term, bytes;
-    const int64_t es = (int64_t)nsa_dtype_size(t->dtype);
+    size_t n = 1, dims = 1, last = 0;
+    const size_t es = nsa_dtype_size(t->dtype);
     int i;
 
     if (t->rank != rank) return NSA_STATUS_BAD_RANK;
@@ -154,19 +144,19 @@ static nsa_status check_tensor(const nsa_tensor *t, int rank, dtype_rule rule, n
     for (i = 0; i < rank; i++)
         if (t->stride[i] < 0) return NSA_STATUS_BAD_STRIDE;
     /* Empty dims count as 1 in `dims`, so that no product of an empty tensor's sizes (a
-     * backend's loop bounds or scratch sizes) overflows either. */
+     * backend's loop bounds or scratch sizes) overflows either; n <= dims. */
     for (i = 0; i < rank; i++) {
-        if (!mul_ok(n, t->shape[i], &n) || !mul_ok(dims, t->shape[i] ? t->shape[i] : 1, &dims))
-            return NSA_STATUS_SIZE_OVERFLOW;
+        n = nsa_size_mul(n, nsa_size_of(t->shape[i]));
+        dims = nsa_size_mul(dims, t->shape[i] ? nsa_size_of(t->shape[i]) : 1);
     }
-    if (n > 0) {
+    if (!fits_int64(dims)) return NSA_STATUS_SIZE_OVERFLOW;
+    if (n > 0) { /* the last element's offset + 1, in elements and in bytes; the bytes of n */
         for (i = 0; i < rank; i++)
-            if (!mul_ok(t->stride[i], t->shape[i] - 1, &term) || !add_ok(last, term, &last))
-                return NSA_STATUS_SIZE_OVERFLOW;
-        if (!add_ok(last, 1, &last) || !mul_ok(last, es, &bytes) || !mul_ok(n, es, &bytes))
-            return NSA_STATUS_SIZE_OVERFLOW;
+            last = nsa_size_add(last, nsa_size_mul(nsa_size_of(t->stride[i]), nsa_size_of(t->shape[i] - 1)));
+        last = nsa_size_add(last, 1);
+        if (!fits_int64(nsa_size_mul(last, es)) || !fits_int64(nsa_size_mul(n, es))) return NSA_STATUS_SIZE_OVERFLOW;
     }
-    *count = n;
+    *count = (int64_t)n;
     return NSA_STATUS_SUCCESS;
 }
 
@@ -299,16 +289,22 @@ static nsa_status check_tensors(const tspec *s, int n, nsa_dtype ref, const nsa_
 /* isfinite() rejects NaN and both infinities; -0 reads as 0, the default. */
 static int scale_ok(float scale) { return isfinite(scale) && scale >= 0.0f; }
 
+/* Block sizes and counts: block indices are int32 and the GPU counts positions, blocks and
+ * their products in 32 bits, so they stay within int32. The window alone is unbounded above
+ * (longer than the sequence: the whole prefix; rules.h clamps it without overflow). */
+static int in_int32(int64_t v, int64_t lo) { return v >= lo && v <= INT32_MAX; }
+
 nsa_status nsa_config_validate(const nsa_config *c)
 {
     if (!c) return NSA_STATUS_NULL_POINTER;
-    if (c->cmp_stride < 1) return NSA_STATUS_BAD_CMP_STRIDE;
-    if (c->cmp_len < 1) return NSA_STATUS_BAD_CMP_LEN;
+    if (!in_int32(c->cmp_stride, 1)) return NSA_STATUS_BAD_CMP_STRIDE;
+    if (!in_int32(c->cmp_len, 1)) return NSA_STATUS_BAD_CMP_LEN;
     if (c->cmp_len % c->cmp_stride != 0) return NSA_STATUS_BAD_CMP_STRIDE;
     if (c->cmp_len > c->slc_block) return NSA_STATUS_BAD_CMP_LEN;
-    if (c->slc_block < 1 || c->slc_block % c->cmp_stride != 0) return NSA_STATUS_BAD_SLC_BLOCK;
+    if (!in_int32(c->slc_block, 1) || c->slc_block % c->cmp_stride != 0) return NSA_STATUS_BAD_SLC_BLOCK;
     /* n - n_init cannot overflow once n >= 1 and n_init >= 0; n_init + n_local could. */
-    if (c->slc_topk < 1 || c->n_init < 0 || c->n_local < 0 || c->slc_topk - c->n_init < c->n_local)
+    if (!in_int32(c->slc_topk, 1) || !in_int32(c->n_init, 0) || !in_int32(c->n_local, 0) ||
+        c->slc_topk - c->n_init < c->n_local)
         return NSA_STATUS_BAD_TOPK;
     if (c->window < 1) return NSA_STATUS_BAD_WINDOW;
     if (!scale_ok(c->scale)) return NSA_STATUS_BAD_SCALE;

@@ -721,6 +721,8 @@ typedef struct bad_config {
     nsa_status want;
 } bad_config;
 
+#define B31 ((int64_t)INT32_MAX + 1)
+#define B32 ((int64_t)1 << 32)
 static const bad_config BAD_CONFIGS[] = {
     {"d = 0", 4, 0, 4, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_STRIDE},
     {"d < 0", 4, -2, 4, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_STRIDE},
@@ -734,6 +736,14 @@ static const bad_config BAD_CONFIGS[] = {
     {"n_local < 0", 4, 2, 4, N_, 1, -1, 6, 0.0f, NSA_STATUS_BAD_TOPK},
     {"n < n_init + n_local", 4, 2, 4, 3, 2, 2, 6, 0.0f, NSA_STATUS_BAD_TOPK},
     {"n_init + n_local overflows", 4, 2, 4, N_, INT64_MAX, INT64_MAX, 6, 0.0f, NSA_STATUS_BAD_TOPK},
+    /* every size of the config fits int32 (block indices are int32); here the one field past it */
+    {"d > INT32_MAX (l, l' too: d first)", B31, B31, B31, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_STRIDE},
+    {"l > INT32_MAX (l' too: l first)", B32, 2, B32, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_LEN},
+    {"l' > INT32_MAX", 4, 2, B31, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_SLC_BLOCK},
+    {"l' = INT64_MAX - 1", 4, 2, INT64_MAX - 1, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_SLC_BLOCK},
+    {"n > INT32_MAX", 4, 2, 4, B31, 1, 1, 6, 0.0f, NSA_STATUS_BAD_TOPK},
+    {"n_init > INT32_MAX", 4, 2, 4, INT64_MAX, B31, 0, 6, 0.0f, NSA_STATUS_BAD_TOPK},
+    {"n_local > INT32_MAX", 4, 2, 4, INT64_MAX, 0, B31, 6, 0.0f, NSA_STATUS_BAD_TOPK},
     {"w = 0", 4, 2, 4, N_, 1, 1, 0, 0.0f, NSA_STATUS_BAD_WINDOW},
     {"w < 0", 4, 2, 4, N_, 1, 1, -5, 0.0f, NSA_STATUS_BAD_WINDOW},
     {"scale NaN", 4, 2, 4, N_, 1, 1, 6, NAN, NSA_STATUS_BAD_SCALE},
@@ -900,6 +910,13 @@ static void status_and_config_tests(void)
     c.scale = 0.125f;
     CHECK_STATUS(nsa_config_validate(&c), NSA_STATUS_SUCCESS);
     c.scale = -0.0f;
+    CHECK_STATUS(nsa_config_validate(&c), NSA_STATUS_SUCCESS);
+    /* the largest sizes: INT32_MAX everywhere, and a window of any length */
+    c.cmp_len = c.cmp_stride = c.slc_block = c.slc_topk = c.n_init = INT32_MAX;
+    c.n_local = 0;
+    c.window = INT64_MAX;
+    CHECK_STATUS(nsa_config_validate(&c), NSA_STATUS_SUCCESS);
+    c.n_init = 0, c.n_local = INT32_MAX;
     CHECK_STATUS(nsa_config_validate(&c), NSA_STATUS_SUCCESS);
 }
 

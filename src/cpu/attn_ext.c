@@ -113,20 +113,21 @@ typedef struct ext_scratch {
 
 static size_t ext_scratch_carve(ext_scratch *x, ws_arena *a, const nsa_problem *p)
 {
-    const int R = (int)(ext_bq(p) * p->G);
-    core_tile_alloc(&x->t, a, R, (int)p->DK, (int)p->DV, EXT_KB, 1);
-    x->dS = (float *)ws_take(a, (size_t)R * EXT_KB * sizeof(float));
-    x->dcap = (float *)ws_take(a, (size_t)R * EXT_KB * sizeof(float));
-    x->row = (float *)ws_take(a, EXT_KB * sizeof(float));
-    x->tmp = (float *)ws_take(a, (size_t)p->DV * sizeof(float));
-    x->lse_rows = (float *)ws_take(a, (size_t)R * sizeof(float));
-    x->acc = (float *)ws_take(a, (size_t)R * EXT_KB * sizeof(float));
-    x->rb = (int64_t *)ws_take(a, (size_t)R * sizeof(int64_t));
-    x->rhq = (int64_t *)ws_take(a, (size_t)R * sizeof(int64_t));
-    x->ri = (int64_t *)ws_take(a, (size_t)R * sizeof(int64_t));
-    x->rseg = (int32_t *)ws_take(a, (size_t)R * sizeof(int32_t));
-    x->vis = (unsigned char *)ws_take(a, (size_t)R * EXT_KB);
-    return (a->used + 127) & ~(size_t)63;
+    const int64_t R = ext_bq(p) * p->G; /* <= max(EXT_ROWS, G): G = HQ / H fits */
+    const size_t r = nsa_size_of(R);
+    core_tile_alloc(&x->t, a, R, p->DK, p->DV, EXT_KB, 1);
+    x->dS = (float *)ws_take_2d(a, r, EXT_KB, sizeof(float));
+    x->dcap = (float *)ws_take_2d(a, r, EXT_KB, sizeof(float));
+    x->row = (float *)ws_take_n(a, EXT_KB, sizeof(float));
+    x->tmp = (float *)ws_take_n(a, nsa_size_of(p->DV), sizeof(float));
+    x->lse_rows = (float *)ws_take_n(a, r, sizeof(float));
+    x->acc = (float *)ws_take_2d(a, r, EXT_KB, sizeof(float));
+    x->rb = (int64_t *)ws_take_n(a, r, sizeof(int64_t));
+    x->rhq = (int64_t *)ws_take_n(a, r, sizeof(int64_t));
+    x->ri = (int64_t *)ws_take_n(a, r, sizeof(int64_t));
+    x->rseg = (int32_t *)ws_take_n(a, r, sizeof(int32_t));
+    x->vis = (unsigned char *)ws_take_2d(a, r, EXT_KB, 1);
+    return ws_region_bytes(a);
 }
 
 static size_t ext_thread_bytes(const nsa_problem *p)
@@ -143,7 +144,7 @@ static void ext_tasks(cpu_tasks *tk, ws_arena *a, int64_t units, int64_t heads, 
 {
     tk->H = heads;
     tk->nseq = units;
-    tk->first = (int64_t *)ws_take(a, (size_t)(units + 1) * sizeof(int64_t));
+    tk->first = (int64_t *)ws_take_n(a, nsa_size_add(nsa_size_of(units), 1), sizeof(int64_t));
     tk->total = 0;
     if (!tk->first || !tiles) return;
     tk->first[0] = 0;
@@ -153,7 +154,7 @@ static void ext_tasks(cpu_tasks *tk, ws_arena *a, int64_t units, int64_t heads, 
 
 static int64_t *ext_tile_counts(ws_arena *a, const nsa_problem *p, int keys)
 {
-    int64_t *n = (int64_t *)ws_take(a, (size_t)(p->num_seqs > 0 ? p->num_seqs : 1) * sizeof(int64_t));
+    int64_t *n = (int64_t *)ws_take_n(a, nsa_size_of(p->num_seqs > 0 ? p->num_seqs : 1), sizeof(int64_t));
     if (!n) return NULL;
     const int64_t bq = ext_bq(p);
     for (int64_t s = 0; s < p->num_seqs; s++) {
@@ -297,8 +298,8 @@ size_t ext_fwd_ws(const nsa_context *ctx, const nsa_problem *p)
     cpu_tasks tk;
     ext_tile_counts(&a, p, 0);
     ext_tasks(&tk, &a, p->num_seqs, p->H, NULL);
-    ws_take(&a, ext_thread_bytes(p) * (size_t)cpu_threads(ctx));
-    return a.used + 64;
+    ws_take_threads(&a, ctx, ext_thread_bytes(p));
+    return nsa_size_add(a.used, 64);
 }
 
 /* Online softmax over one block: S holds scores (-inf = invisible); afterwards it holds the
@@ -378,7 +379,7 @@ void ext_fwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_a
     cpu_tasks tk;
     ext_tasks(&tk, &ar, p->num_seqs, p->H, ext_tile_counts(&ar, p, 0));
     const size_t per = ext_thread_bytes(p);
-    char *thread_base = (char *)ws_take(&ar, per * (size_t)cpu_threads(ctx));
+    char *thread_base = ws_take_threads(&ar, ctx, per);
     const int64_t bq = ext_bq(p), G = p->G;
 
 #pragma omp parallel num_threads(cpu_threads(ctx))
@@ -471,8 +472,8 @@ size_t ext_bwd_ws(const nsa_context *ctx, const nsa_problem *p, const nsa_attent
         ext_tile_counts(&ar, p, 0);
         ext_tasks(&tb, &ar, d.units, d.Hb, NULL);
     }
-    ws_take(&ar, ext_thread_bytes(p) * (size_t)cpu_threads(ctx));
-    return ar.used + 64;
+    ws_take_threads(&ar, ctx, ext_thread_bytes(p));
+    return nsa_size_add(ar.used, 64);
 }
 
 /* Rows of one query head hq: positions [t0, t0 + nt) of sequence sq, with dO, lse, D. */
@@ -508,14 +509,14 @@ static void ext_dbias(const nsa_context *ctx, const ext_opts *o, const nsa_atten
     const nsa_tensor *db = &a->dbias;
     const dbias_plan d = dbias_plan_make(p, db);
     const int64_t R = ext_bq(p) * p->G; /* positions per dbias tile: one head at a time */
-    int64_t *tiles = (int64_t *)ws_take(ar, (size_t)(d.units > 0 ? d.units : 1) * sizeof(int64_t));
+    int64_t *tiles = (int64_t *)ws_take_n(ar, nsa_size_of(d.units > 0 ? d.units : 1), sizeof(int64_t));
     for (int64_t u = 0; u < d.units; u++) {
         const ext_seq sq = ext_seq_get(p, u);
         tiles[u] = (sq.qlen + R - 1) / R;
     }
     cpu_tasks tk;
     ext_tasks(&tk, ar, d.units, d.Hb, tiles);
-    char *thread_base = (char *)ws_take(ar, per * (size_t)cpu_threads(ctx));
+    char *thread_base = ws_take_threads(ar, ctx, per);
 
     /* every element is owed: zero the whole tensor, then fill the visible blocks */
     const int64_t rows = db->shape[0] * db->shape[1] * db->shape[2], Tk = db->shape[3];
@@ -612,7 +613,7 @@ void ext_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_b
         ws_arena db = ar; /* its scratch comes after the other passes' (which it does not use) */
         ext_dbias(ctx, &o, a, Kp, Vp, &g, &db, per);
     }
-    char *thread_base = (char *)ws_take(&ar, per * (size_t)cpu_threads(ctx));
+    char *thread_base = ws_take_threads(&ar, ctx, per);
 
 #pragma omp parallel num_threads(cpu_threads(ctx))
     {

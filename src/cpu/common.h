@@ -6,6 +6,7 @@
 
 #include "../internal.h"
 #include "../rules.h"
+#include <limits.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -76,12 +77,14 @@ static inline float *panel_at(float *panel, const nsa_tensor *x, int64_t b, int6
 void cpu_unpack_heads(const nsa_context *ctx, const float *panel, const nsa_tensor *x);
 static inline size_t panel_bytes(const nsa_tensor *x)
 {
-    return (size_t)(x->shape[0] * x->shape[1] * x->shape[2] * x->shape[3]) * sizeof(float);
+    return nsa_size_mul(nsa_size_elems(x->shape[0], x->shape[1], x->shape[2], x->shape[3]), sizeof(float));
 }
 
 /* ---- workspace ----------------------------------------------------------------------- */
 /* A bump allocator over the caller's workspace; the same sequence of takes run with
- * base == NULL measures the size, so sizing and carving can never disagree. */
+ * base == NULL measures the size, so sizing and carving can never disagree. Its arithmetic
+ * saturates (size.h): once a take overflows, `used` stays SIZE_MAX, which api.c turns into
+ * NSA_STATUS_SIZE_OVERFLOW before the op runs, so a carving pass never sees it. */
 typedef struct ws_arena {
     char *base;
     size_t used;
@@ -89,12 +92,38 @@ typedef struct ws_arena {
 
 static inline void *ws_take(ws_arena *a, size_t bytes)
 {
-    size_t at = (a->used + 63) & ~(size_t)63;
-    a->used = at + bytes;
-    return a->base ? (void *)(a->base + at) : NULL;
+    const size_t at = nsa_size_align(a->used, 64);
+    a->used = nsa_size_add(at, bytes);
+    return a->base && a->used != SIZE_MAX ? (void *)(a->base + at) : NULL;
 }
 
+/* count elements of elem_bytes each: call sites pass counts, never their own products. */
+static inline void *ws_take_n(ws_arena *a, size_t count, size_t elem_bytes)
+{
+    return ws_take(a, nsa_size_mul(count, elem_bytes));
+}
+
+/* rows x cols elements of elem_bytes each. */
+static inline void *ws_take_2d(ws_arena *a, size_t rows, size_t cols, size_t elem_bytes)
+{
+    return ws_take(a, nsa_size_mul(nsa_size_mul(rows, cols), elem_bytes));
+}
+
+/* A size this backend cannot carve (e.g. a tile dimension past int): the call needs more
+ * than can exist, as an overflow does. */
+static inline void ws_fail(ws_arena *a) { a->used = SIZE_MAX; }
+
+/* A thread's region after carving its scratch into `a`: rounded up to 64 bytes with 64 to
+ * spare, so that every thread's region starts aligned. */
+static inline size_t ws_region_bytes(const ws_arena *a) { return nsa_size_align(nsa_size_add(a->used, 64), 64); }
+
 int cpu_threads(const nsa_context *ctx);
+
+/* One region of `per` bytes for each of the call's threads. */
+static inline char *ws_take_threads(ws_arena *a, const nsa_context *ctx, size_t per)
+{
+    return (char *)ws_take_n(a, (size_t)cpu_threads(ctx), per);
+}
 
 /* varlen compressed offsets in the arena (NULL when not varlen). */
 int64_t *cpu_cmp_offsets(ws_arena *a, const nsa_problem *p);
@@ -119,8 +148,9 @@ typedef struct core_tile {
     float *dQ;       /* [R, DK] accumulator of dS K (unscaled: multiply by scale at the end) */
 } core_tile;
 
-/* Carves a tile with R rows and S capacity s_cap from the arena. */
-void core_tile_alloc(core_tile *t, ws_arena *a, int R, int DK, int DV, int64_t s_cap, int backward);
+/* Carves a tile with R rows and S capacity s_cap from the arena; R, DK or DV past int fails
+ * the arena (ws_fail). */
+void core_tile_alloc(core_tile *t, ws_arena *a, int64_t R, int64_t DK, int64_t DV, int64_t s_cap, int backward);
 /* Resets m = -inf, l = 0, O = 0. */
 void core_fwd_begin(core_tile *t);
 /* Online softmax over keys [c0, c1) of K [*, DK] / V [*, DV] (V may be NULL: scores only).
@@ -186,7 +216,8 @@ void cpu_tasks_build(cpu_tasks *tk, ws_arena *a, const nsa_problem *p, const int
 /* Decodes a task into sequence, head and tile index. */
 void cpu_tasks_decode(const cpu_tasks *tk, int64_t task, int64_t *s, int64_t *h, int64_t *tile);
 
-/* Per-thread scratch: thread `tid` gets bytes [tid * per, (tid + 1) * per) of `base`. */
+/* Per-thread scratch: thread `tid` gets bytes [tid * per, (tid + 1) * per) of `base`, the
+ * region ws_take_threads carved (tid < threads: the product was checked there). */
 static inline ws_arena cpu_thread_arena(char *base, size_t per, int tid)
 {
     ws_arena a = {base ? base + (size_t)tid * per : NULL, 0};

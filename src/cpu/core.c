@@ -3,26 +3,30 @@
  * Rows carry their own visible key range, so one routine serves every mask of the spec. */
 #include "common.h"
 
-void core_tile_alloc(core_tile *t, ws_arena *a, int R, int DK, int DV, int64_t s_cap, int backward)
+void core_tile_alloc(core_tile *t, ws_arena *a, int64_t R, int64_t DK, int64_t DV, int64_t s_cap, int backward)
 {
-    t->R = R;
-    t->DK = DK;
-    t->DV = DV;
+    const size_t f = sizeof(float), i = sizeof(int64_t), xd = nsa_size_of(DK > DV ? DK : DV);
+    const size_t r = nsa_size_of(R), dk = nsa_size_of(DK), dv = nsa_size_of(DV);
+    /* the tile keeps these in int (loop bounds of the micro-kernels) */
+    if (R > INT_MAX || DK > INT_MAX || DV > INT_MAX) ws_fail(a);
+    t->R = (int)R;
+    t->DK = (int)DK;
+    t->DV = (int)DV;
     t->S_cap = s_cap;
-    t->Q = (float *)ws_take(a, (size_t)R * DK * sizeof(float));
-    t->lo = (int64_t *)ws_take(a, (size_t)R * sizeof(int64_t));
-    t->hi = (int64_t *)ws_take(a, (size_t)R * sizeof(int64_t));
-    t->m = (float *)ws_take(a, (size_t)R * sizeof(float));
-    t->l = (float *)ws_take(a, (size_t)R * sizeof(float));
-    t->O = (float *)ws_take(a, (size_t)R * DV * sizeof(float));
-    t->S = (float *)ws_take(a, (size_t)R * (size_t)s_cap * sizeof(float));
-    t->xt = (float *)ws_take(a, (size_t)(DK > DV ? DK : DV) * 16 * sizeof(float));
+    t->Q = (float *)ws_take_2d(a, r, dk, f);
+    t->lo = (int64_t *)ws_take_n(a, r, i);
+    t->hi = (int64_t *)ws_take_n(a, r, i);
+    t->m = (float *)ws_take_n(a, r, f);
+    t->l = (float *)ws_take_n(a, r, f);
+    t->O = (float *)ws_take_2d(a, r, dv, f);
+    t->S = (float *)ws_take_2d(a, r, nsa_size_of(s_cap), f);
+    t->xt = (float *)ws_take_2d(a, xd, 16, f);
     t->dO = t->lse = t->Drow = t->dQ = NULL;
     if (backward) {
-        t->dO = (float *)ws_take(a, (size_t)R * DV * sizeof(float));
-        t->lse = (float *)ws_take(a, (size_t)R * sizeof(float));
-        t->Drow = (float *)ws_take(a, (size_t)R * sizeof(float));
-        t->dQ = (float *)ws_take(a, (size_t)R * DK * sizeof(float));
+        t->dO = (float *)ws_take_2d(a, r, dv, f);
+        t->lse = (float *)ws_take_n(a, r, f);
+        t->Drow = (float *)ws_take_n(a, r, f);
+        t->dQ = (float *)ws_take_2d(a, r, dk, f);
     }
 }
 

@@ -94,7 +94,7 @@ void cpu_unpack_heads(const nsa_context *ctx, const float *panel, const nsa_tens
 int64_t *cpu_cmp_offsets(ws_arena *a, const nsa_problem *p)
 {
     if (!p->cu_seqlens) return NULL;
-    int64_t *cu = (int64_t *)ws_take(a, (size_t)(p->num_seqs + 1) * sizeof(int64_t));
+    int64_t *cu = (int64_t *)ws_take_n(a, nsa_size_add(nsa_size_of(p->num_seqs), 1), sizeof(int64_t));
     if (cu) nsa_cmp_offsets(&p->cfg, p->cu_seqlens, p->num_seqs, cu);
     return cu;
 }

@@ -18,7 +18,7 @@ static float *take_zeroed_panel(ws_arena *a, const nsa_tensor *like)
 
 static float *take_dq32(ws_arena *a, const nsa_problem *p)
 {
-    const size_t bytes = (size_t)(p->B * p->T * p->HQ * p->DK) * sizeof(float);
+    const size_t bytes = nsa_size_mul(nsa_size_elems(p->B, p->T, p->HQ, p->DK), sizeof(float));
     float *d = (float *)ws_take(a, bytes);
     if (d) memset(d, 0, bytes);
     return d;
@@ -42,7 +42,8 @@ static range_rule swa_rule(const nsa_problem *p)
     return window_rule(nsa_rule_swa_left(p->cfg.window), 0, 1);
 }
 
-/* Larger of two scratch needs: phases run one after the other and share one region. */
+/* Larger of two scratch needs: phases run one after the other and share one region (an
+ * overflowed need, SIZE_MAX, stays the larger). */
 static size_t max_sz(size_t a, size_t b) { return a > b ? a : b; }
 
 /* ---- 1. compression ------------------------------------------------------------------ */
@@ -62,7 +63,7 @@ size_t nsa_cpu_compress_workspace(const nsa_context *ctx, const nsa_problem *p, 
     int64_t *cu;
     float *xp, *xcp;
     compress_carve(&w, p, &a->x, &a->x_cmp, &cu, &xp, &xcp);
-    return w.used + 64;
+    return nsa_size_add(w.used, 64);
 }
 
 nsa_status nsa_cpu_compress(const nsa_context *ctx, const nsa_problem *p, const nsa_compress_args *a, void *ws)
@@ -84,7 +85,7 @@ size_t nsa_cpu_compress_bwd_workspace(const nsa_context *ctx, const nsa_problem 
     int64_t *cu;
     float *xp, *xcp;
     compress_carve(&w, p, &a->dx, &a->dx_cmp, &cu, &xp, &xcp);
-    return w.used + 64;
+    return nsa_size_add(w.used, 64);
 }
 
 nsa_status nsa_cpu_compress_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_compress_bwd_args *a, void *ws)
@@ -109,7 +110,7 @@ size_t nsa_cpu_cmp_attn_workspace(const nsa_context *ctx, const nsa_problem *p, 
     take_panel(&w, &a->k_cmp);
     take_panel(&w, &a->v_cmp);
     range_rule r = cmp_rule(p);
-    return w.used + 64 + range_fwd_ws(ctx, p, &r, 0);
+    return nsa_size_add(nsa_size_add(w.used, 64), range_fwd_ws(ctx, p, &r, 0));
 }
 
 nsa_status nsa_cpu_cmp_attn(const nsa_context *ctx, const nsa_problem *p, const nsa_cmp_attn_args *a, void *ws)
@@ -155,7 +156,7 @@ size_t nsa_cpu_cmp_attn_bwd_workspace(const nsa_context *ctx, const nsa_problem 
     bwd_panels b;
     branch_bwd_carve(&w, p, &a->fwd.k_cmp, &a->fwd.v_cmp, &b);
     range_rule r = cmp_rule(p);
-    return w.used + 64 + range_bwd_ws(ctx, p, &r);
+    return nsa_size_add(nsa_size_add(w.used, 64), range_bwd_ws(ctx, p, &r));
 }
 
 nsa_status nsa_cpu_cmp_attn_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_cmp_attn_bwd_args *a, void *ws)
@@ -178,7 +179,7 @@ size_t nsa_cpu_select_workspace(const nsa_context *ctx, const nsa_problem *p, co
     cpu_cmp_offsets(&w, p);
     take_panel(&w, &a->k_cmp);
     range_rule r = cmp_rule(p);
-    return w.used + 64 + range_fwd_ws(ctx, p, &r, 1);
+    return nsa_size_add(nsa_size_add(w.used, 64), range_fwd_ws(ctx, p, &r, 1));
 }
 
 nsa_status nsa_cpu_select(const nsa_context *ctx, const nsa_problem *p, const nsa_select_args *a, void *ws)
@@ -201,7 +202,7 @@ size_t nsa_cpu_slc_attn_workspace(const nsa_context *ctx, const nsa_problem *p, 
     ws_arena w = {NULL, 0};
     take_panel(&w, &a->k);
     take_panel(&w, &a->v);
-    return w.used + 64 + slc_fwd_ws(ctx, p);
+    return nsa_size_add(nsa_size_add(w.used, 64), slc_fwd_ws(ctx, p));
 }
 
 nsa_status nsa_cpu_slc_attn(const nsa_context *ctx, const nsa_problem *p, const nsa_slc_attn_args *a, void *ws)
@@ -220,7 +221,7 @@ size_t nsa_cpu_slc_attn_bwd_workspace(const nsa_context *ctx, const nsa_problem 
     ws_arena w = {NULL, 0};
     bwd_panels b;
     branch_bwd_carve(&w, p, &a->fwd.k, &a->fwd.v, &b);
-    return w.used + 64 + slc_bwd_ws(ctx, p);
+    return nsa_size_add(nsa_size_add(w.used, 64), slc_bwd_ws(ctx, p));
 }
 
 nsa_status nsa_cpu_slc_attn_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_slc_attn_bwd_args *a, void *ws)
@@ -251,7 +252,7 @@ size_t nsa_cpu_attention_workspace(const nsa_context *ctx, const nsa_problem *p,
     take_panel(&w, &a->k);
     take_panel(&w, &a->v);
     range_rule r = attention_rule(a);
-    return w.used + 64 + (p->extended ? ext_fwd_ws(ctx, p) : range_fwd_ws(ctx, p, &r, 0));
+    return nsa_size_add(nsa_size_add(w.used, 64), p->extended ? ext_fwd_ws(ctx, p) : range_fwd_ws(ctx, p, &r, 0));
 }
 
 nsa_status nsa_cpu_attention(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_args *a, void *ws)
@@ -275,7 +276,7 @@ size_t nsa_cpu_attention_bwd_workspace(const nsa_context *ctx, const nsa_problem
     bwd_panels b;
     branch_bwd_carve(&w, p, &a->fwd.k, &a->fwd.v, &b);
     range_rule r = attention_rule(&a->fwd);
-    return w.used + 64 + (p->extended ? ext_bwd_ws(ctx, p, a) : range_bwd_ws(ctx, p, &r));
+    return nsa_size_add(nsa_size_add(w.used, 64), p->extended ? ext_bwd_ws(ctx, p, a) : range_bwd_ws(ctx, p, &r));
 }
 
 nsa_status nsa_cpu_attention_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_bwd_args *a, void *ws)
@@ -500,7 +501,7 @@ size_t nsa_cpu_forward_workspace(const nsa_context *ctx, const nsa_problem *p, c
     if (pl.need_scores) scratch = max_sz(scratch, range_fwd_ws(ctx, p, &rc, pl.slc_on && !nsa_present(&a->block_indices)));
     if (pl.slc_on) scratch = max_sz(scratch, slc_fwd_ws(ctx, p));
     if (pl.swa_on) scratch = max_sz(scratch, range_fwd_ws(ctx, p, &rw, 0));
-    return w.used + 64 + scratch;
+    return nsa_size_add(nsa_size_add(w.used, 64), scratch);
 }
 
 nsa_status nsa_cpu_forward(const nsa_context *ctx, const nsa_problem *p, const nsa_forward_args *a, void *ws)
@@ -544,7 +545,7 @@ size_t nsa_cpu_backward_workspace(const nsa_context *ctx, const nsa_problem *p, 
     if (pl.cmp_on) scratch = max_sz(scratch, range_bwd_ws(ctx, p, &rc));
     if (pl.slc_on) scratch = max_sz(scratch, slc_bwd_ws(ctx, p));
     if (pl.swa_on) scratch = max_sz(scratch, range_bwd_ws(ctx, p, &rw));
-    return w.used + 64 + scratch;
+    return nsa_size_add(nsa_size_add(w.used, 64), scratch);
 }
 
 nsa_status nsa_cpu_backward(const nsa_context *ctx, const nsa_problem *p, const nsa_backward_args *a, void *ws)

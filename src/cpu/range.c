@@ -78,11 +78,13 @@ static int64_t max_slc_blocks(const nsa_problem *p)
 static size_t fwd_thread_bytes(const nsa_problem *p, const range_rule *r, int with_select, core_tile *t,
                                ws_arena *a, float **lse_rows, float **imp)
 {
-    const int R = (int)(positions_per_tile(p) * p->G);
-    core_tile_alloc(t, a, R, (int)p->DK, (int)p->DV, max_keys(p, r), 0);
-    *lse_rows = (float *)ws_take(a, (size_t)R * sizeof(float));
-    *imp = with_select ? (float *)ws_take(a, (size_t)(max_slc_blocks(p) + max_keys(p, r)) * sizeof(float)) : NULL;
-    return (a->used + 127) & ~(size_t)63;
+    const int64_t R = positions_per_tile(p) * p->G; /* <= max(64, G): G = HQ / H fits */
+    core_tile_alloc(t, a, R, p->DK, p->DV, max_keys(p, r), 0);
+    *lse_rows = (float *)ws_take_n(a, nsa_size_of(R), sizeof(float));
+    *imp = with_select ? (float *)ws_take_n(a, nsa_size_add(nsa_size_of(max_slc_blocks(p)), nsa_size_of(max_keys(p, r))),
+                                            sizeof(float))
+                       : NULL;
+    return ws_region_bytes(a);
 }
 
 size_t range_fwd_ws(const nsa_context *ctx, const nsa_problem *p, const range_rule *rule, int with_select)
@@ -94,8 +96,8 @@ size_t range_fwd_ws(const nsa_context *ctx, const nsa_problem *p, const range_ru
     cpu_tasks_build(&tk, &a, p, NULL, count_tiles, &ta);
     core_tile t;
     float *lse_rows, *imp;
-    ws_take(&a, fwd_thread_bytes(p, rule, with_select, &t, &probe, &lse_rows, &imp) * (size_t)cpu_threads(ctx));
-    return a.used + 64;
+    ws_take_threads(&a, ctx, fwd_thread_bytes(p, rule, with_select, &t, &probe, &lse_rows, &imp));
+    return nsa_size_add(a.used, 64);
 }
 
 /* Importance of every selection block for query t of kv head h (spec 3), from the tile's
@@ -174,7 +176,7 @@ void range_fwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *r
     float *lr0, *im0;
     ws_arena probe = {NULL, 0};
     const size_t per = fwd_thread_bytes(p, rule, sel != NULL, &t0, &probe, &lr0, &im0);
-    char *thread_base = (char *)ws_take(&a, per * (size_t)cpu_threads(ctx));
+    char *thread_base = ws_take_threads(&a, ctx, per);
     const int64_t bq = ta.per_tile, G = p->G, nb_max = sel ? max_slc_blocks(p) : 0;
 
 #pragma omp parallel num_threads(cpu_threads(ctx))
@@ -222,10 +224,10 @@ void range_fwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *r
 
 static size_t bwd_thread_bytes(const nsa_problem *p, core_tile *t, ws_arena *a, float **tmp)
 {
-    const int R = (int)(positions_per_tile(p) * p->G);
-    core_tile_alloc(t, a, R, (int)p->DK, (int)p->DV, 2 * RANGE_KB, 1);
-    *tmp = (float *)ws_take(a, (size_t)p->DV * sizeof(float));
-    return (a->used + 127) & ~(size_t)63;
+    const int64_t R = positions_per_tile(p) * p->G;
+    core_tile_alloc(t, a, R, p->DK, p->DV, 2 * RANGE_KB, 1);
+    *tmp = (float *)ws_take_n(a, nsa_size_of(p->DV), sizeof(float));
+    return ws_region_bytes(a);
 }
 
 size_t range_bwd_ws(const nsa_context *ctx, const nsa_problem *p, const range_rule *rule)
@@ -238,8 +240,8 @@ size_t range_bwd_ws(const nsa_context *ctx, const nsa_problem *p, const range_ru
     cpu_tasks_build(&tk, &a, p, NULL, count_tiles, &ta_k);
     core_tile t;
     float *tmp;
-    ws_take(&a, bwd_thread_bytes(p, &t, &probe, &tmp) * (size_t)cpu_threads(ctx));
-    return a.used + 64;
+    ws_take_threads(&a, ctx, bwd_thread_bytes(p, &t, &probe, &tmp));
+    return nsa_size_add(a.used, 64);
 }
 
 /* The queries whose ranges meet keys [c0, c1) of a sequence of len queries: [*first, *last]
@@ -269,7 +271,7 @@ void range_bwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *r
     float *tmp0;
     ws_arena probe = {NULL, 0};
     const size_t per = bwd_thread_bytes(p, &t0, &probe, &tmp0);
-    char *thread_base = (char *)ws_take(&a, per * (size_t)cpu_threads(ctx));
+    char *thread_base = ws_take_threads(&a, ctx, per);
     const int64_t bq = ta_q.per_tile;
 
 #pragma omp parallel num_threads(cpu_threads(ctx))

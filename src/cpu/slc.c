@@ -59,16 +59,17 @@ static int64_t positions_per_tile(const nsa_problem *p)
 static size_t thread_bytes(const nsa_problem *p, core_tile *t, ws_arena *a, float **tmp, int64_t **blocks,
                            int64_t **cursor, int backward)
 {
-    const int R = (int)(positions_per_tile(p) * p->G);
+    const int64_t R = positions_per_tile(p) * p->G; /* <= max(64, G): G = HQ / H fits */
     /* a block's keys in a row of scores (two halves in the backward): no more than the
      * sequence holds, however long the configured block */
     const int64_t keys = p->cfg.slc_block < p->T ? p->cfg.slc_block : (p->T > 0 ? p->T : 1);
-    core_tile_alloc(t, a, R, (int)p->DK, (int)p->DV, 2 * keys, backward);
+    /* (keys <= T < 2^62, as q's bytes fit int64: 2 * keys does too) */
+    core_tile_alloc(t, a, R, p->DK, p->DV, 2 * keys, backward);
     /* row scratch: one row of dout (DV floats), or the lse of the tile's R rows */
-    *tmp = (float *)ws_take(a, (size_t)(p->DV > R ? p->DV : R) * sizeof(float));
-    *blocks = (int64_t *)ws_take(a, (size_t)p->m * sizeof(int64_t));
-    *cursor = (int64_t *)ws_take(a, (size_t)max_seq_blocks(p) * sizeof(int64_t));
-    return (a->used + 127) & ~(size_t)63;
+    *tmp = (float *)ws_take_n(a, nsa_size_of(p->DV > R ? p->DV : R), sizeof(float));
+    *blocks = (int64_t *)ws_take_n(a, nsa_size_of(p->m), sizeof(int64_t));
+    *cursor = (int64_t *)ws_take_n(a, nsa_size_of(max_seq_blocks(p)), sizeof(int64_t));
+    return ws_region_bytes(a);
 }
 
 static int64_t position_runs(const cpu_seq *s, const void *arg)
@@ -88,11 +89,11 @@ size_t slc_fwd_ws(const nsa_context *ctx, const nsa_problem *p)
     core_tile t;
     float *tmp;
     int64_t *blocks, *cursor;
-    const size_t per = thread_bytes(p, &t, &probe, &tmp, &blocks, &cursor, 0) * (size_t)cpu_threads(ctx);
+    const size_t per = thread_bytes(p, &t, &probe, &tmp, &blocks, &cursor, 0);
     cpu_tasks tk;
     cpu_tasks_build(&tk, &a, p, NULL, position_runs, NULL);
-    ws_take(&a, per);
-    return a.used + 64;
+    ws_take_threads(&a, ctx, per);
+    return nsa_size_add(a.used, 64);
 }
 
 /* One query position: all G heads over its usable blocks. Forward (g == NULL) writes O
@@ -140,7 +141,7 @@ static void per_position_pass(const nsa_context *ctx, const nsa_problem *p, cons
     int64_t *b0, *c0;
     ws_arena probe = {NULL, 0};
     const size_t per = thread_bytes(p, &t0, &probe, &tmp0, &b0, &c0, g != NULL);
-    char *thread_base = (char *)ws_take(a, per * (size_t)cpu_threads(ctx));
+    char *thread_base = ws_take_threads(a, ctx, per);
 #pragma omp parallel num_threads(cpu_threads(ctx))
     {
         ws_arena ta = cpu_thread_arena(thread_base, per, cpu_thread_id());
@@ -179,27 +180,29 @@ typedef struct inv_index {
     int32_t *data;
 } inv_index;
 
-static int64_t region_size(const nsa_problem *p, const cpu_seq *sq)
+/* Entries of one (sequence, head) region: nb + 1 offsets, then len * m query slots. */
+static size_t region_size(const nsa_problem *p, const cpu_seq *sq)
 {
-    return seq_blocks(p, sq) + 1 + sq->len * p->m;
+    return nsa_size_add(nsa_size_add(nsa_size_of(seq_blocks(p, sq)), 1), nsa_size_mul(nsa_size_of(sq->len), nsa_size_of(p->m)));
 }
 
 static void inv_alloc(inv_index *ix, ws_arena *a, const nsa_problem *p)
 {
-    ix->seq_first = (int64_t *)ws_take(a, (size_t)(p->num_seqs + 1) * sizeof(int64_t));
-    int64_t sum = 0;
+    ix->seq_first = (int64_t *)ws_take_n(a, nsa_size_add(nsa_size_of(p->num_seqs), 1), sizeof(int64_t));
+    size_t sum = 0;
     for (int64_t s = 0; s < p->num_seqs; s++) {
         cpu_seq sq = cpu_seq_get(p, NULL, s);
-        if (ix->seq_first) ix->seq_first[s] = sum;
-        sum += p->H * region_size(p, &sq);
+        if (ix->seq_first) ix->seq_first[s] = (int64_t)sum;
+        sum = nsa_size_add(sum, nsa_size_mul(nsa_size_of(p->H), region_size(p, &sq)));
     }
-    if (ix->seq_first) ix->seq_first[p->num_seqs] = sum;
-    ix->data = (int32_t *)ws_take(a, (size_t)sum * sizeof(int32_t));
+    /* carving: the sum fitted the workspace (4 bytes an entry), so it fits int64 */
+    if (ix->seq_first) ix->seq_first[p->num_seqs] = (int64_t)sum;
+    ix->data = (int32_t *)ws_take_n(a, sum, sizeof(int32_t));
 }
 
 static int32_t *inv_region(const inv_index *ix, const nsa_problem *p, const cpu_seq *sq, int64_t s, int64_t h)
 {
-    return ix->data + ix->seq_first[s] + h * region_size(p, sq);
+    return ix->data + ix->seq_first[s] + h * (int64_t)region_size(p, sq);
 }
 
 size_t slc_bwd_ws(const nsa_context *ctx, const nsa_problem *p)
@@ -210,15 +213,15 @@ size_t slc_bwd_ws(const nsa_context *ctx, const nsa_problem *p)
     core_tile t;
     float *tmp;
     int64_t *blocks, *cursor;
-    const size_t per = thread_bytes(p, &t, &probe, &tmp, &blocks, &cursor, 1) * (size_t)cpu_threads(ctx);
+    const size_t per = thread_bytes(p, &t, &probe, &tmp, &blocks, &cursor, 1);
     cpu_tasks tk;
     cpu_tasks_build(&tk, &a, p, NULL, position_runs, NULL);
-    ws_take(&a, per);
+    ws_take_threads(&a, ctx, per);
     cpu_tasks_build(&tk, &a, p, NULL, block_tiles, p);
     inv_index ix;
     inv_alloc(&ix, &a, p);
-    ws_take(&a, per);
-    return a.used + 64;
+    ws_take_threads(&a, ctx, per);
+    return nsa_size_add(a.used, 64);
 }
 
 void slc_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_tensor *q, const float *Kp, const float *Vp,
@@ -238,7 +241,7 @@ void slc_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_tensor *q, 
     int64_t *b0, *c0;
     ws_arena probe = {NULL, 0};
     const size_t per = thread_bytes(p, &t0, &probe, &tmp0, &b0, &c0, 1);
-    char *thread_base = (char *)ws_take(&a, per * (size_t)cpu_threads(ctx));
+    char *thread_base = ws_take_threads(&a, ctx, per);
     const int64_t H = p->H, G = p->G, lp = p->cfg.slc_block, bq = positions_per_tile(p);
     const int64_t pairs = p->num_seqs * H;
 

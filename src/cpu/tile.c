@@ -6,7 +6,7 @@ void cpu_tasks_build(cpu_tasks *tk, ws_arena *a, const nsa_problem *p, const int
 {
     tk->H = p->H;
     tk->nseq = p->num_seqs;
-    tk->first = (int64_t *)ws_take(a, (size_t)(p->num_seqs + 1) * sizeof(int64_t));
+    tk->first = (int64_t *)ws_take_n(a, nsa_size_add(nsa_size_of(p->num_seqs), 1), sizeof(int64_t));
     tk->total = 0;
     if (!tk->first) return; /* sizing pass */
     tk->first[0] = 0;

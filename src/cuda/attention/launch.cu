@@ -127,8 +127,9 @@ static void x_fill(grun *g, const nsa_attention_args *a, xparams *P, int64_t *nq
     /* packed: cu_q, cu_k, then the query- and key-tile prefixes, one upload */
     const int64_t N = p->num_seqs, n1 = N + 1;
     P->nseq = N;
-    int64_t *dev = (int64_t *)g_take(g, (size_t)(4 * n1) * sizeof(int64_t));
-    int64_t *host = (int64_t *)malloc((size_t)(4 * n1) * sizeof(int64_t));
+    const size_t bytes = nsa_size_mul(nsa_size_mul(4, nsa_size_of(n1)), sizeof(int64_t));
+    int64_t *dev = (int64_t *)g_take(g, bytes);
+    int64_t *host = bytes == SIZE_MAX ? NULL : (int64_t *)malloc(bytes);
     if (!host) {
         g_fail(g, NSA_STATUS_OUT_OF_MEMORY);
         *nqt = *nkt = 0;
@@ -146,7 +147,7 @@ static void x_fill(grun *g, const nsa_attention_args *a, xparams *P, int64_t *nq
     }
     *nqt = qf[N], *nkt = kf[N];
     /* pageable memory: the copy is staged before cudaMemcpyAsync returns, so host is free to go */
-    if (g_live(g)) g_check(g, cudaMemcpyAsync(dev, host, (size_t)(4 * n1) * sizeof(int64_t), cudaMemcpyHostToDevice, g->st));
+    if (g_live(g)) g_check(g, cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, g->st));
     free(host);
     P->cuq = dev, P->cuk = dev ? dev + n1 : NULL;
     *qfirst = dev ? dev + 2 * n1 : NULL, *kfirst = dev ? dev + 3 * n1 : NULL;
@@ -188,14 +189,14 @@ void cu_xattn_bwd(grun *g, const nsa_attention_bwd_args *ba)
     const int64_t *qf, *kf;
     x_fill(g, a, &P, &nqt, &nkt, &qf, &kf);
     P.dout = dv_of(&ba->dout), P.dq = dv_of(&ba->dq), P.dk = dv_of(&ba->dk), P.dv = dv_of(&ba->dv);
-    float *Dw = cu_take_f32(g, p->B * p->T * p->HQ, 0);
+    float *Dw = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->HQ, 1), 0);
     /* with sinks the dQ kernel computes D from its products (and writes it for the others) */
     if (!P.sinks) nsa_cu_dprep(g, &P.dout, &P.o, NULL, Dw, NULL, p->B, p->T, p->HQ, p->DV);
     P.Dw = Dw;
     const int want_db = ba->dbias.data != NULL;
     if (want_db) {
         P.dbB = ba->dbias.shape[0], P.dbH = ba->dbias.shape[1];
-        P.dbias = cu_take_f32(g, P.dbB * P.dbH * p->T * p->Tk, 1);
+        P.dbias = cu_take_f32(g, nsa_size_elems(P.dbB, P.dbH, p->T, p->Tk), 1);
         /* the members sharing a dbias element are summed by one CTA, in order */
         P.loop_b = !qf && P.dbB == 1 && p->B > 1;
         P.loop_h = P.dbH == 1 && p->HQ > 1;

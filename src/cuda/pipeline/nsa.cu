@@ -44,9 +44,9 @@ static void cmp_kv(grun *g, const nsa_forward_args *a, int own, dview *kc, dview
         return;
     }
     const size_t es = nsa_dtype_size(dt);
-    const int64_t nk = p->B * p->cmp_rows * p->H * p->DK, nv = p->B * p->cmp_rows * p->H * p->DV;
-    *kc = dv_flat(g_take(g, (size_t)(nk + 8) * es), dt, p->cmp_rows, p->H, p->DK);
-    *vc = dv_flat(g_take(g, (size_t)(nv + 8) * es), dt, p->cmp_rows, p->H, p->DV);
+    const size_t nk = nsa_size_elems(p->B, p->cmp_rows, p->H, p->DK), nv = nsa_size_elems(p->B, p->cmp_rows, p->H, p->DV);
+    *kc = dv_flat(g_take_n(g, nsa_size_add(nk, 8), es), dt, p->cmp_rows, p->H, p->DK);
+    *vc = dv_flat(g_take_n(g, nsa_size_add(nv, 8), es), dt, p->cmp_rows, p->H, p->DV);
     const dview k = dv_of(&a->k), v = dv_of(&a->v);
     nsa_cu_compress(g, &k, p->DK, kc);
     nsa_cu_compress(g, &v, p->DV, vc);
@@ -75,7 +75,7 @@ static void run_forward(grun *g, const nsa_forward_args *a)
     if (pl.selecting) {
         dview lse = dv_of(&sv->lse_cmp);
         if (!pl.cmp_on) { /* the compressed normaliser alone */
-            float *lw = cu_take_f32(g, p->B * p->T * p->HQ, 0);
+            float *lw = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->HQ, 1), 0);
             lse = dv_flat(lw, NSA_DTYPE_F32, p->T, p->HQ, 1);
             const rule_t r = cu_rule_cmp(p);
             cu_fwd_range(g, &r, &q, dt, &kc, NULL, NULL, &lse);
@@ -87,8 +87,8 @@ static void run_forward(grun *g, const nsa_forward_args *a)
     }
     if (pl.slc_on) {
         const int64_t rows = p->B * p->T * p->H, m = pl.idx->shape[3];
-        int32_t *U = (int32_t *)g_take(g, (size_t)(rows * m + 1) * sizeof(int32_t));
-        int32_t *ucnt = (int32_t *)g_take(g, (size_t)(rows + 1) * sizeof(int32_t));
+        int32_t *U = (int32_t *)g_take_n(g, nsa_size_add(nsa_size_mul(nsa_size_of(rows), nsa_size_of(m)), 1), sizeof(int32_t));
+        int32_t *ucnt = (int32_t *)g_take_n(g, nsa_size_add(nsa_size_of(rows), 1), sizeof(int32_t));
         const dview iv = dv_of(pl.idx), cv = pl.counts ? dv_of(pl.counts) : dview();
         nsa_cu_usable(g, &iv, pl.counts ? &cv : NULL, m, p->cfg.slc_block, U, ucnt);
         const dview k = dv_of(pl.sep_slc ? &a->k_slc : &a->k), v = dv_of(pl.sep_slc ? &a->v_slc : &a->v);
@@ -112,7 +112,7 @@ size_t nsa_cuda_forward_workspace(const nsa_context *ctx, const nsa_problem *p, 
     grun g;
     g_init(&g, ctx, p, NULL, 1);
     run_forward(&g, a);
-    return g.used + 256;
+    return nsa_size_add(g.used, 256);
 }
 
 nsa_status nsa_cuda_forward(const nsa_context *ctx, const nsa_problem *p, const nsa_forward_args *a, void *ws)
@@ -138,17 +138,19 @@ static void run_backward(grun *g, const nsa_backward_args *ba)
     const int64_t B = p->B, T = p->T, H = p->H, HQ = p->HQ, DK = p->DK, DV = p->DV, R = p->cmp_rows;
 
     /* fp32 accumulators, zeroed: every branch adds */
-    float *dq32 = cu_take_f32(g, B * T * HQ * DK, 1);
-    float *dk32 = cu_take_f32(g, B * T * H * DK, 1), *dv32 = cu_take_f32(g, B * T * H * DV, 1);
+    const size_t nq = nsa_size_elems(B, T, HQ, DK), nk = nsa_size_elems(B, T, H, DK), nv = nsa_size_elems(B, T, H, DV);
+    const size_t nkc = nsa_size_elems(B, R, H, DK), nvc = nsa_size_elems(B, R, H, DV), qrows = nsa_size_elems(B, T, HQ, 1);
+    float *dq32 = cu_take_f32(g, nq, 1);
+    float *dk32 = cu_take_f32(g, nk, 1), *dv32 = cu_take_f32(g, nv, 1);
     float *dkc32 = NULL, *dvc32 = NULL, *dks32 = NULL, *dvs32 = NULL, *dkw32 = NULL, *dvw32 = NULL;
-    if (pl.cmp_on || pl.own_cmp) dkc32 = cu_take_f32(g, B * R * H * DK, 1), dvc32 = cu_take_f32(g, B * R * H * DV, 1);
-    if (pl.sep_slc) dks32 = cu_take_f32(g, B * T * H * DK, 1), dvs32 = cu_take_f32(g, B * T * H * DV, 1);
-    if (pl.sep_swa) dkw32 = cu_take_f32(g, B * T * H * DK, 1), dvw32 = cu_take_f32(g, B * T * H * DV, 1);
+    if (pl.cmp_on || pl.own_cmp) dkc32 = cu_take_f32(g, nkc, 1), dvc32 = cu_take_f32(g, nvc, 1);
+    if (pl.sep_slc) dks32 = cu_take_f32(g, nk, 1), dvs32 = cu_take_f32(g, nv, 1);
+    if (pl.sep_swa) dkw32 = cu_take_f32(g, nk, 1), dvw32 = cu_take_f32(g, nv, 1);
     /* each branch's row terms D = g * rowsum(dout * o_x) and g, from the gate backward's pass */
     float *Dw[3] = {NULL, NULL, NULL}, *gw[3] = {NULL, NULL, NULL};
     const int on[3] = {pl.cmp_on, pl.slc_on, pl.swa_on};
     for (int x = 0; x < 3; x++)
-        if (on[x]) Dw[x] = cu_take_f32(g, B * T * HQ, 0), gw[x] = cu_take_f32(g, B * T * HQ, 0);
+        if (on[x]) Dw[x] = cu_take_f32(g, qrows, 0), gw[x] = cu_take_f32(g, qrows, 0);
 
     const dview q = dv_of(&a->q), dout = dv_of(&ba->dout);
     {
@@ -178,8 +180,8 @@ static void run_backward(grun *g, const nsa_backward_args *ba)
     }
     if (pl.slc_on) {
         const int64_t rows = B * T * H, m = pl.idx->shape[3];
-        int32_t *U = (int32_t *)g_take(g, (size_t)(rows * m + 1) * sizeof(int32_t));
-        int32_t *ucnt = (int32_t *)g_take(g, (size_t)(rows + 1) * sizeof(int32_t));
+        int32_t *U = (int32_t *)g_take_n(g, nsa_size_add(nsa_size_mul(nsa_size_of(rows), nsa_size_of(m)), 1), sizeof(int32_t));
+        int32_t *ucnt = (int32_t *)g_take_n(g, nsa_size_add(nsa_size_of(rows), 1), sizeof(int32_t));
         const dview iv = dv_of(pl.idx), cv = pl.counts ? dv_of(pl.counts) : dview();
         nsa_cu_usable(g, &iv, pl.counts ? &cv : NULL, m, p->cfg.slc_block, U, ucnt);
         const dview k = dv_of(pl.sep_slc ? &a->k_slc : &a->k), v = dv_of(pl.sep_slc ? &a->v_slc : &a->v);
@@ -223,7 +225,7 @@ size_t nsa_cuda_backward_workspace(const nsa_context *ctx, const nsa_problem *p,
     grun g;
     g_init(&g, ctx, p, NULL, 1);
     run_backward(&g, a);
-    return g.used + 256;
+    return nsa_size_add(g.used, 256);
 }
 
 nsa_status nsa_cuda_backward(const nsa_context *ctx, const nsa_problem *p, const nsa_backward_args *a, void *ws)

@@ -30,9 +30,9 @@ int cu_sm90_binary(int D)
     return ready[i];
 }
 
-float *cu_take_f32(grun *g, int64_t n, int zero)
+float *cu_take_f32(grun *g, size_t n, int zero)
 {
-    float *x = (float *)g_take(g, (size_t)(n > 0 ? n : 1) * sizeof(float));
-    if (zero) g_zero(g, x, (size_t)(n > 0 ? n : 0) * sizeof(float));
+    float *x = (float *)g_take_n(g, n > 0 ? n : 1, sizeof(float));
+    if (zero) g_zero(g, x, nsa_size_mul(n, sizeof(float)));
     return x;
 }

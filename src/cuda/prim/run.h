@@ -20,7 +20,9 @@ extern "C" {
 
 /* Every op runs its host code twice: once with dry = 1 to size the workspace (no CUDA call
  * is made, takes only count bytes), once for real. Carving and launching share one code
- * path, so the size and the use cannot disagree. */
+ * path, so the size and the use cannot disagree. The count saturates (size.h): once a take
+ * overflows, `used` stays SIZE_MAX, which api.c refuses (NSA_STATUS_SIZE_OVERFLOW) before
+ * a live pass could see it. */
 typedef struct grun {
     cudaStream_t st;
     char *base;
@@ -36,9 +38,15 @@ typedef struct grun {
 
 static inline void *g_take(grun *g, size_t bytes)
 {
-    size_t at = (g->used + 255) & ~(size_t)255;
-    g->used = at + bytes;
-    return g->dry ? NULL : (void *)(g->base + at);
+    const size_t at = nsa_size_align(g->used, 256);
+    g->used = nsa_size_add(at, bytes);
+    return g->dry || g->used == SIZE_MAX ? NULL : (void *)(g->base + at);
+}
+
+/* count elements of elem_bytes each: call sites pass counts (size.h), never their own products. */
+static inline void *g_take_n(grun *g, size_t count, size_t elem_bytes)
+{
+    return g_take(g, nsa_size_mul(count, elem_bytes));
 }
 
 static inline int g_live(const grun *g) { return !g->dry && g->err == NSA_STATUS_SUCCESS; }
@@ -112,8 +120,9 @@ int cu_sm90_binary(int D);
 int nsa_cu_sm90_ready_64(void);
 int nsa_cu_sm90_ready_128(void);
 int nsa_cu_sm90_ready_192(void);
-/* fp32 scratch of n floats from the workspace (zeroed when asked). */
-float *cu_take_f32(grun *g, int64_t n, int zero);
+/* fp32 scratch of n floats from the workspace (zeroed when asked); n from size.h's
+ * arithmetic (e.g. nsa_size_elems). */
+float *cu_take_f32(grun *g, size_t n, int zero);
 
 /* The two entry points of every op around its run function: the workspace size (the dry
  * pass's bytes plus alignment slack) and the live call (its first error, or SUCCESS). */
@@ -124,7 +133,7 @@ static inline size_t cu_op_workspace(const nsa_context *ctx, const nsa_problem *
     grun g;
     g_init(&g, ctx, p, NULL, 1);
     run(&g, a);
-    return g.used + 256;
+    return nsa_size_add(g.used, 256);
 }
 
 template <typename A>

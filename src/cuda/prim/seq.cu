@@ -33,8 +33,9 @@ void g_seq_setup(grun *g, int need_cmp)
     g->cmp0 = NULL;
     if (!p->cu_seqlens) return;
     const int64_t N = p->num_seqs;
-    g->cu = (int32_t *)g_take(g, (size_t)(N + 1) * sizeof(int32_t));
-    if (g_live(g)) g_check(g, cudaMemcpyAsync(g->cu, p->cu_seqlens, (size_t)(N + 1) * sizeof(int32_t), cudaMemcpyHostToDevice, g->st));
+    const size_t bytes = nsa_size_mul(nsa_size_add(nsa_size_of(N), 1), sizeof(int32_t));
+    g->cu = (int32_t *)g_take(g, bytes);
+    if (g_live(g)) g_check(g, cudaMemcpyAsync(g->cu, p->cu_seqlens, bytes, cudaMemcpyHostToDevice, g->st));
     if (need_cmp) {
         unitspec u = {UK_CMP, 0, 1, p->cfg.cmp_len, p->cfg.cmp_stride};
         int64_t total;
@@ -47,7 +48,7 @@ int64_t *g_prefix(grun *g, unitspec u, int64_t *total)
     const nsa_problem *p = g->p;
     *total = g_units_total(p, u);
     if (!p->cu_seqlens) return NULL;
-    int64_t *out = (int64_t *)g_take(g, (size_t)(p->num_seqs + 1) * sizeof(int64_t));
+    int64_t *out = (int64_t *)g_take_n(g, nsa_size_add(nsa_size_of(p->num_seqs), 1), sizeof(int64_t));
     if (g_live(g)) {
         prefix_kernel<<<1, 1024, 0, g->st>>>(g->cu, p->num_seqs, u, out);
         g_launched(g);

@@ -162,7 +162,7 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     if (direct) {
         Q.dqo = *io->dq_out;
     } else if (io->dq_out) {
-        g_zero(g, io->dq32, (size_t)(p->B * p->T * p->HQ * p->DK) * sizeof(float));
+        g_zero(g, io->dq32, nsa_size_mul(nsa_size_elems(p->B, p->T, p->HQ, p->DK), sizeof(float)));
     }
     if (wg) {
         run_qwg(g, &Q, MODE_DQ, qtiles, io->dt, &maps);
@@ -188,8 +188,10 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
          * which kernel the device will run) */
         unitspec u64 = uk, u128 = uk;
         u64.b = 64, u128.b = KWG_BK;
-        const int64_t n64 = g_units_total(p, u64) * 64, n128 = g_units_total(p, u128) * KWG_BK;
-        K.part = cu_take_f32(g, (n64 > n128 ? n64 : n128) * p->H * (p->DK + p->DV), 0);
+        const size_t n64 = nsa_size_mul(nsa_size_of(g_units_total(p, u64)), 64);
+        const size_t n128 = nsa_size_mul(nsa_size_of(g_units_total(p, u128)), KWG_BK);
+        const size_t row = nsa_size_mul(nsa_size_of(p->H), nsa_size_add(nsa_size_of(p->DK), nsa_size_of(p->DV)));
+        K.part = cu_take_f32(g, nsa_size_mul(n64 > n128 ? n64 : n128, row), 0);
     }
     if (kp.kernel == CU_DKDV_KTILE) {
         cu_run_ktile(g, &K, ktiles, io->dt);
@@ -225,10 +227,10 @@ void cu_range_bwd_op(grun *g, const rule_t *r, const nsa_tensor *q_t, const nsa_
     memset(&io, 0, sizeof io);
     io.q = &q, io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.dout = &dout, io.dt = q_t->dtype;
     io.KR = KR;
-    io.Dw = cu_take_f32(g, p->B * p->T * p->HQ, 0);
-    io.dq32 = cu_take_f32(g, p->B * p->T * p->HQ * p->DK, 0); /* zeroed by cu_bwd_range if it adds */
-    io.dk32 = cu_take_f32(g, p->B * KR * p->H * p->DK, 1);
-    io.dv32 = cu_take_f32(g, p->B * KR * p->H * p->DV, 1);
+    io.Dw = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->HQ, 1), 0);
+    io.dq32 = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->HQ, p->DK), 0); /* zeroed by cu_bwd_range if it adds */
+    io.dk32 = cu_take_f32(g, nsa_size_elems(p->B, KR, p->H, p->DK), 1);
+    io.dv32 = cu_take_f32(g, nsa_size_elems(p->B, KR, p->H, p->DV), 1);
     const dview dq = dv_of(dq_t), dk = dv_of(dk_t), dv = dv_of(dv_t);
     io.dq_out = &dq;
     if (!cu_bwd_range(g, r, &io)) nsa_cu_store32(g, io.dq32, &dq, p->B, p->T, p->HQ, p->DK);

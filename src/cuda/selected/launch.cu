@@ -42,10 +42,10 @@ static void run_slc_attn_bwd(grun *g, const nsa_slc_attn_bwd_args *a)
     memset(&io, 0, sizeof io);
     io.q = &q, io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.dout = &dout, io.dt = f->q.dtype;
     io.KR = p->T;
-    io.Dw = cu_take_f32(g, p->B * p->T * p->HQ, 0);
-    io.dq32 = cu_take_f32(g, p->B * p->T * p->HQ * p->DK, 1);
-    io.dk32 = cu_take_f32(g, p->B * p->T * p->H * p->DK, 1);
-    io.dv32 = cu_take_f32(g, p->B * p->T * p->H * p->DV, 1);
+    io.Dw = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->HQ, 1), 0);
+    io.dq32 = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->HQ, p->DK), 1);
+    io.dk32 = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->H, p->DK), 1);
+    io.dv32 = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->H, p->DV), 1);
     cu_bwd_slc(g, &io, U, ucnt, p->m);
     const dview dq = dv_of(&a->dq), dk = dv_of(&a->dk), dv = dv_of(&a->dv);
     nsa_cu_store32(g, io.dq32, &dq, p->B, p->T, p->HQ, p->DK);
@@ -160,8 +160,9 @@ void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt
     }
     const int64_t nflat = noffs * p->H;
     ebound *= p->H;
-    int32_t *xoff = (int32_t *)g_take(g, (size_t)(nflat + 1) * sizeof(int32_t));
-    float *part = cu_take_f32(g, ebound * K.nsub * 64 * (p->DK + p->DV), 0);
+    int32_t *xoff = (int32_t *)g_take_n(g, nsa_size_add(nsa_size_of(nflat), 1), sizeof(int32_t));
+    const size_t part_rows = nsa_size_mul(nsa_size_mul(nsa_size_of(ebound), nsa_size_of(K.nsub)), 64);
+    float *part = cu_take_f32(g, nsa_size_mul(part_rows, nsa_size_add(nsa_size_of(p->DK), nsa_size_of(p->DV))), 0);
     nsa_cu_slc_segments(g, &ix, nflat, segp, xoff);
     K.segp = (int)segp, K.xoff = xoff, K.nflat = nflat, K.part = part;
     /* same tasks and partials on either tile */
@@ -171,7 +172,7 @@ void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt
     const int kwp = kp.kernel == CU_DKDV_KWP && cu_kwp_maps(g, &K, io->dt, 1, maps);
     if (kwp) run_kwp(g, &K, io->dt, ktiles, maps);
     else cu_run_ktile(g, &K, ktiles, io->dt);
-    if (ebound > 0) {
+    if (ebound > 0 && g_live(g)) { /* (live only: the launch counts below fit once the workspace did) */
         kparams X = K;
         X.extra = 1;
         if (kwp) run_kwp(g, &X, io->dt, ebound * K.nsub, maps);
@@ -184,8 +185,8 @@ void cu_take_usable(grun *g, const nsa_tensor *idx, const nsa_tensor *counts, in
 {
     const nsa_problem *p = g->p;
     const int64_t rows = p->B * p->T * p->H;
-    *U = (int32_t *)g_take(g, (size_t)(rows * p->m + 1) * sizeof(int32_t));
-    *ucnt = (int32_t *)g_take(g, (size_t)(rows + 1) * sizeof(int32_t));
+    *U = (int32_t *)g_take_n(g, nsa_size_add(nsa_size_mul(nsa_size_of(rows), nsa_size_of(p->m)), 1), sizeof(int32_t));
+    *ucnt = (int32_t *)g_take_n(g, nsa_size_add(nsa_size_of(rows), 1), sizeof(int32_t));
     const dview iv = dv_of(idx), cv = dv_of(counts);
     nsa_cu_usable(g, &iv, counts && nsa_present(counts) ? &cv : NULL, p->m, p->cfg.slc_block, *U, *ucnt);
 }

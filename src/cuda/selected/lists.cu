@@ -159,9 +159,11 @@ void nsa_cu_invert(grun *g, const int32_t *U, const int32_t *ucnt, int64_t m, in
     const int64_t *cnt_pref = g_prefix(g, uc, &ncnt);
     ix->offs_pref = g_prefix(g, uo, &noffs);
     ix->list_pref = g_prefix(g, ul, &nlist);
-    int32_t *cnt = (int32_t *)g_take(g, (size_t)(ncnt * p->H + 1) * sizeof(int32_t));
-    ix->offs = (int32_t *)g_take(g, (size_t)(noffs * p->H + 1) * sizeof(int32_t));
-    ix->list = (int32_t *)g_take(g, (size_t)(nlist * p->H + 1) * sizeof(int32_t));
+    /* per-head copies of each prefix's units, plus one end entry */
+    const size_t H = nsa_size_of(p->H);
+    int32_t *cnt = (int32_t *)g_take_n(g, nsa_size_add(nsa_size_mul(nsa_size_of(ncnt), H), 1), sizeof(int32_t));
+    ix->offs = (int32_t *)g_take_n(g, nsa_size_add(nsa_size_mul(nsa_size_of(noffs), H), 1), sizeof(int32_t));
+    ix->list = (int32_t *)g_take_n(g, nsa_size_add(nsa_size_mul(nsa_size_of(nlist), H), 1), sizeof(int32_t));
     seqmap sm = g_seqmap(g, uch, &nchunks);
     int64_t nb_max = 0;
     for (int64_t s = 0; s < p->num_seqs; s++) {
@@ -169,7 +171,7 @@ void nsa_cu_invert(grun *g, const int32_t *U, const int32_t *ucnt, int64_t m, in
         const int64_t nb = nsa_rule_num_slc(len, lp);
         nb_max = nb > nb_max ? nb : nb_max;
     }
-    const size_t hist_bytes = (size_t)(nb_max > 0 ? nb_max : 1) * sizeof(int);
+    const size_t hist_bytes = nsa_size_mul(nsa_size_of(nb_max > 0 ? nb_max : 1), sizeof(int));
     if (hist_bytes > 200 * 1024) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED); /* more than 51200 selection blocks in one sequence */
         return;

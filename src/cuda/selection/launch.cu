@@ -18,7 +18,7 @@ static void run_select(grun *g, const nsa_select_args *a)
     const dview cnt = dv_of(&a->block_counts);
     dview lse = dv_of(&a->lse_cmp);
     if (!nsa_present(&a->lse_cmp)) { /* the compressed attention's normaliser, lse only */
-        float *lw = cu_take_f32(g, p->B * p->T * p->HQ, 0);
+        float *lw = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->HQ, 1), 0);
         lse = dv_flat(lw, NSA_DTYPE_F32, p->T, p->HQ, 1);
         const rule_t r = cu_rule_cmp(p);
         cu_fwd_range(g, &r, &q, a->q.dtype, &kc, NULL, NULL, &lse);
