@@ -175,7 +175,8 @@ static void fill(void *data, nsa_dtype dt, int64_t n, int i32_hi, int mode)
             ((int32_t *)data)[i] = v;
             break;
         }
-        default: ((uint8_t *)data)[i] = (uint8_t)(r % 3 ? 1 : r >> 8); break;
+        case NSA_DTYPE_U8: ((uint8_t *)data)[i] = (uint8_t)(r % 3 ? 1 : r >> 8); break;
+        default: ((uint32_t *)data)[i] = (uint32_t)(r >> 16); break; /* not a dtype: dsize's 4 bytes, all set */
         }
     }
 }
