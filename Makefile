@@ -62,7 +62,7 @@ build/nsa_wgmma_test: tests/gpu_wgmma.cu $(CUDA_HDR)
 endif
 # ---- end of the CUDA section --------------------------------------------------------------------
 
-.PHONY: all lib test test-sanitize demo clean check fuzz fuzz-ci
+.PHONY: all lib test test-sanitize test-valgrind demo clean check fuzz fuzz-ci
 comma := ,
 all: build/libnsa.a build/libnsa.so build/nsa build/nsa_tests build/nsa_fuzz_replay
 
@@ -136,9 +136,15 @@ fuzz: build/nsa_fuzz
 fuzz-ci: build/nsa_fuzz
 	FUZZ_SECONDS=$(FUZZ_CI_SECONDS) bash scripts/fuzz-check.sh
 
-# the CPU suite and the CLI's check under ASan + UBSan + LSan, in build-sanitize/ (CI runs it)
+# the CPU suite, the CLI's check and the fuzz replay under ASan + UBSan + LSan, in
+# build-sanitize/ (CI runs it)
 test-sanitize:
 	bash scripts/sanitize-check.sh
+
+# small runs of the CLI, the README example and the fuzz replay under valgrind memcheck, in
+# build-valgrind/ (CI runs it)
+test-valgrind:
+	bash scripts/valgrind-check.sh
 
 demo: build/nsa
 	./build/nsa demo
@@ -147,4 +153,4 @@ check: build/nsa
 	./build/nsa check --minutes 1
 
 clean:
-	rm -rf build build-sanitize
+	rm -rf build build-sanitize build-valgrind
