@@ -1,5 +1,6 @@
 # nsa -- build, test and demo. `make demo` and `make test` are all a new machine needs.
-# Outputs: build/libnsa.a, build/libnsa.so, build/nsa (CLI), build/nsa_tests; the test kit
+# Outputs: build/libnsa.a, build/libnsa.so, build/nsa (CLI), build/nsa_tests, build/nsa_fuzz_replay
+# (the fuzz inputs replayed on either backend); the test kit
 # (tests/kit: harness, float64 reference, sweep, backend memory) is build/libnsa_testkit.a,
 # linked by build/nsa_tests, build/nsa_gpu_tests and build/nsa.
 CC ?= cc
@@ -49,7 +50,7 @@ build/obj/src/cuda/%.o: src/cuda/%.cu $(CUDA_HDR)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) $(if $(filter 1,$(EXPERIMENTAL)),-DNSA_CUDA_EXPERIMENTAL=1,) -Iinclude -Isrc -c $< -o $@
 
-build/obj/src/api.o build/nsa build/nsa_gpu_tests $(KIT_OBJ): CFLAGS_BASE += $(CUDA_CFLAGS)
+build/obj/src/api.o build/nsa build/nsa_gpu_tests build/nsa_fuzz_replay $(KIT_OBJ): CFLAGS_BASE += $(CUDA_CFLAGS)
 
 build/nsa_gpu_tests: $(GPU_TEST_SRC) $(KIT_H) $(KIT_LIB) build/libnsa.a
 	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests/kit -o $@ $(GPU_TEST_SRC) $(KIT_LIB) build/libnsa.a $(LDLIBS)
@@ -61,9 +62,9 @@ build/nsa_wgmma_test: tests/gpu_wgmma.cu $(CUDA_HDR)
 endif
 # ---- end of the CUDA section --------------------------------------------------------------------
 
-.PHONY: all lib test test-sanitize demo clean check fuzz fuzz-ci
+.PHONY: all lib test test-sanitize test-valgrind demo clean check fuzz fuzz-ci
 comma := ,
-all: build/libnsa.a build/libnsa.so build/nsa build/nsa_tests
+all: build/libnsa.a build/libnsa.so build/nsa build/nsa_tests build/nsa_fuzz_replay
 
 lib: build/libnsa.a build/libnsa.so
 
@@ -88,6 +89,12 @@ $(KIT_LIB): $(KIT_OBJ)
 build/nsa_tests: $(TEST_SRC) $(KIT_H) $(KIT_LIB) build/libnsa.a
 	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests/kit -o $@ $(TEST_SRC) $(KIT_LIB) build/libnsa.a $(LDLIBS)
 
+# The fuzz inputs without libFuzzer, on the backend --backend names (tests/fuzz/replay.c): the
+# device memory check of scripts/device-check.sh, and the sanitized build's replay.
+FUZZ_DECODE_H := tests/fuzz/decode.h tests/kit/op_calls.h
+build/nsa_fuzz_replay: tests/fuzz/replay.c tests/fuzz/decode.c $(FUZZ_DECODE_H) $(KIT_H) $(KIT_LIB) build/libnsa.a
+	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests/kit -o $@ tests/fuzz/replay.c tests/fuzz/decode.c $(KIT_LIB) build/libnsa.a $(LDLIBS)
+
 build/nsa: tools/nsa_cli.c $(KIT_H) $(KIT_LIB) build/libnsa.a
 	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests/kit -o $@ tools/nsa_cli.c $(KIT_LIB) build/libnsa.a $(LDLIBS)
 
@@ -103,10 +110,12 @@ test: build/nsa_tests build/readme_example build/libnsa.so build/nsa
 	./tests/run_all.sh
 
 # libFuzzer over the public C API (CPU backend), library and harness built with ASan + UBSan
-# into build/fuzz/; `make fuzz` fuzzes FUZZ_SECONDS on the corpus, `make fuzz-ci` first replays
-# tests/fuzz/regressions and the corpus, then fuzzes 120 s; any crash or violation fails.
+# into build/fuzz/; `make fuzz` fuzzes FUZZ_SECONDS on the corpus, `make fuzz-ci`
+# (scripts/fuzz-check.sh, run by CI) first replays every file of tests/fuzz/regressions and the
+# corpus, then fuzzes FUZZ_CI_SECONDS; any crash or violation fails.
 FUZZ_CC ?= clang
 FUZZ_SECONDS ?= 600
+FUZZ_CI_SECONDS ?= 180
 FUZZ_FLAGS := -std=c11 -g -O1 -Wno-pass-failed -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -fopenmp -Iinclude -Isrc -Itests/kit
 FUZZ_OBJ := $(LIB_SRC:%.c=build/fuzz/%.o)
 
@@ -114,8 +123,10 @@ build/fuzz/%.o: %.c $(wildcard include/*.h src/*.h src/cpu/*.h src/cuda/*.h src/
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(subst fuzzer$(comma),fuzzer-no-link$(comma),$(FUZZ_FLAGS)) -c $< -o $@
 
-build/nsa_fuzz: tests/fuzz/fuzz_api.c $(FUZZ_OBJ) include/nsa.h tests/kit/op_calls.h
-	$(FUZZ_CC) $(FUZZ_FLAGS) -o $@ tests/fuzz/fuzz_api.c $(FUZZ_OBJ) -lm
+build/fuzz/tests/fuzz/decode.o: $(FUZZ_DECODE_H)
+
+build/nsa_fuzz: tests/fuzz/fuzz_api.c build/fuzz/tests/fuzz/decode.o $(FUZZ_OBJ) $(FUZZ_DECODE_H)
+	$(FUZZ_CC) $(FUZZ_FLAGS) -o $@ tests/fuzz/fuzz_api.c build/fuzz/tests/fuzz/decode.o $(FUZZ_OBJ) -lm
 
 fuzz: build/nsa_fuzz
 	@mkdir -p build/fuzz/corpus
@@ -123,12 +134,17 @@ fuzz: build/nsa_fuzz
 		-artifact_prefix=build/fuzz/ build/fuzz/corpus tests/fuzz/corpus
 
 fuzz-ci: build/nsa_fuzz
-	./build/nsa_fuzz -runs=0 tests/fuzz/regressions tests/fuzz/corpus
-	$(MAKE) fuzz FUZZ_SECONDS=120
+	FUZZ_SECONDS=$(FUZZ_CI_SECONDS) bash scripts/fuzz-check.sh
 
-# the CPU suite and the CLI's check under ASan + UBSan + LSan, in build-sanitize/ (CI runs it)
+# the CPU suite, the CLI's check and the fuzz replay under ASan + UBSan + LSan, in
+# build-sanitize/ (CI runs it)
 test-sanitize:
 	bash scripts/sanitize-check.sh
+
+# small runs of the CLI, the README example and the fuzz replay under valgrind memcheck, in
+# build-valgrind/ (CI runs it)
+test-valgrind:
+	bash scripts/valgrind-check.sh
 
 demo: build/nsa
 	./build/nsa demo
@@ -137,4 +153,4 @@ check: build/nsa
 	./build/nsa check --minutes 1
 
 clean:
-	rm -rf build build-sanitize
+	rm -rf build build-sanitize build-valgrind

@@ -8,7 +8,10 @@
 #      to $OUT/hashes.txt; then a short pass (CASES/4) on the mma.sync tiles, the fallback of
 #      the wgmma paths (NSA_CUDA_WGMMA=0; AB=1 sweeps all CASES there instead), and one on each
 #      other fallback a planner override selects (NSA_CUDA_KWP=0, _SLC_RP=1, _SLC_NP=1);
-#   4. compute-sanitizer memcheck on a few small cases (RACE=1: racecheck too);
+#   4. compute-sanitizer memcheck on a few small cases (RACE=1: racecheck too), and the fuzz
+#      inputs (tests/fuzz/regressions, tests/fuzz/corpus) replayed on the CUDA backend by
+#      build/nsa_fuzz_replay, plain and under memcheck: a failing call leaves every device
+#      buffer untouched, a successful one writes only its outputs, no guard byte changes;
 #   5. CUDA-event timings of the whole forward / backward and of each branch (paper config,
 #      bf16) per length: `nsa bench --branches`;
 #   6. with EXTRA="tables cli 1m options peers" (FULL=1 = the first three): the benchmark
@@ -59,7 +62,7 @@ if [ -n "${NSA_PREBUILT:-}" ] && "$NSA_PREBUILT/nsa_gpu_tests" --cases 0 --no-at
 else
     say "build"
     t0=$(date +%s)
-    if ! make -j"$(nproc)" NATIVE=0 CFLAGS=-Wno-psabi build/nsa_gpu_tests build/nsa build/nsa_wgmma_test build/libnsa.so > "$OUT/build.log" 2>&1; then
+    if ! make -j"$(nproc)" NATIVE=0 CFLAGS=-Wno-psabi build/nsa_gpu_tests build/nsa build/nsa_wgmma_test build/libnsa.so build/nsa_fuzz_replay > "$OUT/build.log" 2>&1; then
         tail -40 "$OUT/build.log"
         note "build: FAILED"
         exit 1
@@ -132,6 +135,26 @@ note "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1) / $(gre
 t0=$(date +%s)
 NSA_TEST_ATTENTION_QUICK=1 timeout 240 compute-sanitizer --tool memcheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --cases 0 > "$OUT/memcheck-attention.log" 2>&1
 note "memcheck (attention options): $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-attention.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/memcheck-attention.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
+
+# The fuzz inputs on the device (tests/fuzz/replay.c): the same byte checks as the CPU fuzzing,
+# on device memory; the plain run first (fast, and it names a failing input), then memcheck.
+if [ -x "$BIN/nsa_fuzz_replay" ]; then
+    say "fuzz replay on cuda"
+    FUZZ_IN=(tests/fuzz/regressions tests/fuzz/corpus)
+    t0=$(date +%s)
+    timeout 120 "$BIN/nsa_fuzz_replay" --backend cuda "${FUZZ_IN[@]}" > "$OUT/fuzz-replay.log" 2>&1
+    rc=$?
+    grep -E '^FAIL' "$OUT/fuzz-replay.log" | head -10
+    note "fuzz replay (cuda): $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/fuzz-replay.log" | tail -1); $(grep -E '^replay ' "$OUT/fuzz-replay.log" | tail -1 | sed -E 's/^replay \(cuda\): //') (rc $rc, $(( $(date +%s) - t0 )) s)"
+    t0=$(date +%s)
+    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 10 "$BIN/nsa_fuzz_replay" --backend cuda "${FUZZ_IN[@]}" \
+        > "$OUT/fuzz-memcheck.log" 2>&1
+    rc=$?
+    grep -E '^FAIL' "$OUT/fuzz-memcheck.log" | head -10
+    note "fuzz replay memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/fuzz-memcheck.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/fuzz-memcheck.log" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s)"
+else
+    note "fuzz replay: $BIN/nsa_fuzz_replay missing, not run"
+fi
 
 if [ -n "${RACE:-}" ]; then # RACE=1: compute-sanitizer racecheck on small cases (a multi-chunk one included)
     say "racecheck"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# sanitize-check.sh -- the CPU test suite and the CLI's check built with AddressSanitizer,
-# UndefinedBehaviorSanitizer and LeakSanitizer, in a build folder of their own (the plain
-# build/ is left alone): any report fails the run. CPU backend only (no CUDA).
+# sanitize-check.sh -- the CPU test suite, the CLI's check and the fuzz inputs' replay
+# (build/nsa_fuzz_replay: host memory copied in and out as a device's would be) built with
+# AddressSanitizer, UndefinedBehaviorSanitizer and LeakSanitizer, in a build folder of their
+# own (the plain build/ is left alone): any report fails the run. CPU backend only (no CUDA).
 #
 #   bash scripts/sanitize-check.sh            # what `make test-sanitize` and CI run
 #   CASES=40 bash scripts/sanitize-check.sh   # a longer CLI check
@@ -13,13 +14,13 @@ CASES="${CASES:-12}"
 rm -rf "$SAN_DIR"
 mkdir -p "$SAN_DIR"
 # a copy of the tree, so the sanitized objects never mix with build/ (one configuration per folder)
-tar --exclude=./build --exclude=./build-sanitize --exclude=./.git -cf - . | tar -xf - -C "$SAN_DIR"
+tar --exclude=./build --exclude=./build-sanitize --exclude=./build-valgrind --exclude=./.git -cf - . | tar -xf - -C "$SAN_DIR"
 cd "$SAN_DIR"
 SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:exitcode=23" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 echo "== sanitize: build (NSA_CUDA=0, $SAN)"
 if ! make -j"$(nproc)" NSA_CUDA=0 NATIVE=0 OPT=-O1 CFLAGS="$SAN" LDLIBS="-fopenmp -lm $SAN" \
-    build/nsa_tests build/readme_example build/nsa > build.log 2>&1; then
+    build/nsa_tests build/readme_example build/nsa build/nsa_fuzz_replay > build.log 2>&1; then
     tail -30 build.log
     echo "sanitize: the build failed"
     echo "0 passed, 1 failed"
@@ -43,5 +44,6 @@ run() {
 }
 run "C suite" suite.log ./build/nsa_tests
 run "nsa check --cases $CASES" check.log ./build/nsa check --backend cpu --cases "$CASES" --seed 20261125
+run "fuzz replay" replay.log ./build/nsa_fuzz_replay --backend cpu tests/fuzz/regressions tests/fuzz/corpus
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
