@@ -127,6 +127,20 @@ for v in NSA_CUDA_KWP=0 NSA_CUDA_SLC_RP=1 NSA_CUDA_SLC_NP=1; do
     note "sweep with $v: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$vlog" | tail -1) ($MMA_CASES cases, rc $vrc)"
 done
 
+# The non-finite mode (docs/spec.md 0.4): NaN / inf planted in each op's inputs, the outputs'
+# non-finite elements compared with the float64 reference's, element for element; on the
+# default path and on the mma.sync tiles. The failures are grouped by op and output.
+for nfv in "" NSA_CUDA_WGMMA=0; do
+    nflog="$OUT/nonfinite${nfv:+-${nfv#NSA_CUDA_}}.log"
+    say "gpu non-finite sweep${nfv:+ with $nfv} ($(( CASES / 2 )) cases)"
+    t0=$(date +%s)
+    NSA_TEST_ATTENTION_QUICK=1 timeout 240 "$BIN/nsa_gpu_tests" --nonfinite --seed "$SEED" --cases $(( CASES / 2 )) --max-T 300 \
+        --jobs "$JOBS" ${nfv:+--variant "$nfv"} > "$nflog" 2>&1
+    rc=$?
+    note "non-finite sweep${nfv:+ with $nfv}: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$nflog" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s)"
+    grep -E "^FAIL" "$nflog" | sed -E 's/^FAIL [^ ]+ //; s/ -- .*//' | sort | uniq -c | sort -rn | head -12 | tee -a "$SUMMARY"
+done
+
 say "memcheck"
 t0=$(date +%s)
 timeout 120 compute-sanitizer --tool memcheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --seed 7 --cases 4 --max-T 200 --no-attention > "$OUT/memcheck.log" 2>&1
