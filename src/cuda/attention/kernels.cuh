@@ -362,6 +362,7 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xpara
     float acc[DP / 8][4];
     x_zero<DP>(acc);
     float m_[2] = {-INFINITY, -INFINITY}, l_[2] = {0.0f, 0.0f};
+    int seen[2] = {0, 0}; /* this lane's columns of each row: a visible pair (sc_row_finish) */
     const int64_t kbase = b * P.k.s0 + sq.k0 * P.k.s1 + h * P.k.s2, vbase = b * P.v.s0 + sq.k0 * P.v.s1 + h * P.v.s2;
 
     auto issue = [&](int c0, int st) {
@@ -387,8 +388,10 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xpara
                 const int r = warp * 16 + (lane >> 2) + 8 * x;
                 const int vis = j < c1 && j >= lo[x] && j <= hi[x] && (!P.kseg.p || kseg[st * BN + jl] == seg[x]);
                 float dc;
-                const float sc = x_pair(P, S[nt][e], vis, side ? sb[r * 64 + jl] : 0.0f, &dc);
+                const float mb = side ? sb[r * 64 + jl] : 0.0f;
+                const float sc = x_pair(P, S[nt][e], vis, mb, &dc);
                 S[nt][e] = sc * NSA_LOG2E; /* -inf stays -inf */
+                seen[x] |= vis && mb != -INFINITY; /* a -inf bias or a mask hides; a -inf score does not */
             }
         sc_softmax<NT, DP / 8>(S, m_, l_, acc);
         if (P.dropout) /* l keeps the undropped sum: lse is the undropped softmax's */
@@ -406,8 +409,9 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xpara
     int64_t ooff[2];
     for (int x = 0; x < 2; x++) {
         const float l = sc_quad_sum(l_[x]);
+        const int seen_row = sc_quad_sum((float)seen[x]) > 0.0f;
         float lse;
-        const float w = sc_row_finish(m_[x], l, P.sinks, P.sinks_s, hq, &lse);
+        const float w = sc_row_finish(m_[x], l, seen_row, P.sinks, P.sinks_s, hq, &lse);
 #pragma unroll
         for (int dt = 0; dt < DP / 8; dt++) acc[dt][2 * x] *= w, acc[dt][2 * x + 1] *= w;
         ooff[x] = row[x] >= 0 ? b * P.o.s0 + row[x] * P.o.s1 + hq * P.o.s2 : -1;

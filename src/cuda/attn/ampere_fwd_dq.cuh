@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
     }
 
     /* this lane's two rows: lane / 4 and lane / 4 + 8 of the warp's 16 */
-    int rlo[2], rhi[2], rposl[2];
+    int rlo[2], rhi[2], rposl[2], rseen[2] = {0, 0}; /* rseen: the row saw a key (sc_row_finish) */
     float rl2[2], rD[2], rg[2];
     for (int x = 0; x < 2; x++) {
         const int r = warp * 16 + (lane >> 2) + x * 8;
@@ -299,6 +299,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
         for (int x = 0; x < 2; x++) {
             mlo[x] = rlo[x], mhi[x] = rhi[x];
             if (is_slc && !fl[rposl[x]]) mlo[x] = INT_MAX;
+            rseen[x] |= mlo[x] <= mhi[x] && mlo[x] < c1 && mhi[x] >= c0;
         }
         sc_mask_scale<NT>(S, sc_chunk_whole(c0, c1, BN, mlo, mhi), c0, c1, mlo, mhi, lane,
                           MODE == MODE_FWD ? sc_softcap<NT>(S, P.rule, P.scale, P.sl2) : P.sl2);
@@ -393,7 +394,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
         const int64_t rr = r0 + r, pos = rr / G, g = rr % G, hq = h * G + g;
         if constexpr (MODE == MODE_FWD) {
             float lse;
-            const float inv = sc_row_finish(m_[x], l, P.rule.sinks, P.rule.sinks_s, hq, &lse);
+            const float inv = sc_row_finish(m_[x], l, rseen[x], P.rule.sinks, P.rule.sinks_s, hq, &lse);
             if (P.o.p) {
                 const int64_t ob = sq.b * P.o.s0 + (sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
 #pragma unroll

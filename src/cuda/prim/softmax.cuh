@@ -83,12 +83,15 @@ __device__ __forceinline__ float sc_quad_sum(float v)
 /* A finished forward row: lse from the running max m2 (log2 domain) and this row's sum l; with
  * a sink (sinks[hq * sinks_s]; sinks NULL: none), lse = log(l e^m + e^sink). @return o's
  * multiplier (1 / l, times e^(lse without the sink - lse)); 0 for a row that saw no key.
- * l is 0 exactly for such a row (a visible key adds exp2(0) = 1 at the running max); a NaN l
- * (a non-finite score) stays NaN in o and lse rather than passing for an empty row. */
-__device__ __forceinline__ float sc_row_finish(float m2, float l, const float *sinks, int64_t sinks_s, int64_t hq,
-                                               float *lse_out)
+ * `seen`: the mask let the row see at least one key. l is 0 for a row that saw none, and for
+ * a seen row whose scores were all -inf (an infinite q or k): without a sink that row is NaN,
+ * as exp(s - max) is in dense softmax, not empty; a NaN l (a NaN score) stays NaN in o and lse. */
+__device__ __forceinline__ float sc_row_finish(float m2, float l, int seen, const float *sinks, int64_t sinks_s,
+                                               int64_t hq, float *lse_out)
 {
-    float lse = l != 0.0f ? (m2 + log2f(l)) * NSA_LN2 : -INFINITY, w = l != 0.0f ? 1.0f / l : 0.0f;
+    const bool nan_row = l == 0.0f && seen && !sinks;
+    float lse = l != 0.0f ? (m2 + log2f(l)) * NSA_LN2 : nan_row ? NAN : -INFINITY;
+    float w = l != 0.0f ? 1.0f / l : nan_row ? NAN : 0.0f;
     if (sinks) {
         const float sk = sinks[hq * sinks_s], mx = lse > sk ? lse : sk;
         if (mx != -INFINITY) {
