@@ -412,6 +412,7 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xpara
         const int seen_row = sc_quad_sum((float)seen[x]) > 0.0f;
         float lse;
         const float w = sc_row_finish(m_[x], l, seen_row, P.sinks, P.sinks_s, hq, &lse);
+        sc_row_clear(acc, x, seen_row);
 #pragma unroll
         for (int dt = 0; dt < DP / 8; dt++) acc[dt][2 * x] *= w, acc[dt][2 * x + 1] *= w;
         ooff[x] = row[x] >= 0 ? b * P.o.s0 + row[x] * P.o.s1 + hq * P.o.s2 : -1;

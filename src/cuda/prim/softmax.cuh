@@ -104,6 +104,16 @@ __device__ __forceinline__ float sc_row_finish(float m2, float l, int seen, cons
     return w;
 }
 
+/* Row x of an accumulator in the layout above, cleared when the row saw no key: such a row is
+ * exactly o = 0 whatever the tile multiplied into it (a masked pair's 0 * inf is NaN). */
+template <int NA>
+__device__ __forceinline__ void sc_row_clear(float (&acc)[NA][4], int x, int seen)
+{
+    if (seen) return;
+#pragma unroll
+    for (int d = 0; d < NA; d++) acc[d][2 * x] = acc[d][2 * x + 1] = 0.0f;
+}
+
 /* Online softmax step: S (log2 domain) becomes exp2(S - new max) per row; the row max m_,
  * the row sum l_ (this lane's share) and the accumulator rows rescale. */
 template <int NT, int NA>

@@ -388,6 +388,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             float lse;
             /* the tiles walk the union of the rows' ranges: a row with a range saw a key */
             const float inv = sc_row_finish(m_[x], l, rlo[x] <= rhi[x], P.rule.sinks, P.rule.sinks_s, hq, &lse);
+            sc_row_clear(acc, x, rlo[x] <= rhi[x]);
             if (obox) {
                 /* 4 bytes of row r in its swizzled 16-byte chunk: the warp's 8 rows x 16 bytes
                  * fall in 8 different chunk slots (no bank conflicts) */

@@ -330,6 +330,7 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
 #pragma unroll
             for (int w = 0; w < NP; w++) seen |= w == warp * RP + rpx[x] && cnt[w] > 0;
             const float inv = sc_row_finish(m_[x], l, seen, nullptr, 0, hq, &lse);
+            sc_row_clear(acc, x, seen);
             const int64_t ob = sq.b * P.o.s0 + (sq.row0 + tr) * P.o.s1 + hq * P.o.s2;
 #pragma unroll
             for (int d = 0; d < DP / 8; d++) {
