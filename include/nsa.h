@@ -132,10 +132,11 @@ typedef struct nsa_config {
     int64_t n_local;     /* blocks ending at the query's own block, always kept (2)   */
     int64_t window;      /* w:  sliding window, keys in [t - w + 1, t], >= 1    (512) */
     float scale;         /* softmax scale; 0 = 1 / sqrt(DK)                     (0)   */
+    float swa_scale;     /* the sliding-window branch's softmax scale; 0 = scale (0)   */
 } nsa_config;
 
 /* @return the paper's configuration: l=32, d=16, l'=64, n=16, n_init=1, n_local=2,
- *         w=512, scale=0 (meaning 1/sqrt(DK)). */
+ *         w=512, scale=0 (meaning 1/sqrt(DK)), swa_scale=0 (meaning scale). */
 NSA_API nsa_config nsa_config_default(void);
 /* @return NSA_STATUS_SUCCESS, or the status naming the first invalid field. */
 NSA_API nsa_status nsa_config_validate(const nsa_config *config);

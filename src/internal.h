@@ -15,6 +15,7 @@ typedef struct nsa_problem {
     int64_t cmp_rows;          /* dim 1 of k_cmp/x_cmp: Nc(T) dense, sum of Nc(len_s) varlen */
     int64_t m;                 /* last dim of block_indices (selection width) */
     float scale;               /* resolved: config.scale, or 1/sqrt(DK) when that is 0 */
+    float swa_scale;           /* resolved: config.swa_scale, or scale when that is 0 (no config: scale) */
     nsa_config cfg;
     /* the attention op's; other ops leave Tk == T and the rest 0 */
     int64_t Tk;                /* key rows (dim 1 of k, v); T is then the query rows Tq */

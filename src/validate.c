@@ -282,6 +282,7 @@ static nsa_status check_tensors(const tspec *s, int n, nsa_dtype ref, const nsa_
     p->m = fixed(dim[Z_M]);
     p->Tk = dim[Z_TK] >= 0 ? dim[Z_TK] : p->T;
     p->scale = scale != 0.0f ? scale : p->DK > 0 ? 1.0f / sqrtf((float)p->DK) : 0.0f;
+    p->swa_scale = cfg && cfg->swa_scale != 0.0f ? cfg->swa_scale : p->scale;
     if (cfg) p->cfg = *cfg;
     return NSA_STATUS_SUCCESS;
 }
@@ -307,7 +308,7 @@ nsa_status nsa_config_validate(const nsa_config *c)
         c->slc_topk - c->n_init < c->n_local)
         return NSA_STATUS_BAD_TOPK;
     if (c->window < 1) return NSA_STATUS_BAD_WINDOW;
-    if (!scale_ok(c->scale)) return NSA_STATUS_BAD_SCALE;
+    if (!scale_ok(c->scale) || !scale_ok(c->swa_scale)) return NSA_STATUS_BAD_SCALE;
     return NSA_STATUS_SUCCESS;
 }
 

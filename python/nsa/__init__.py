@@ -256,6 +256,8 @@ def parallel_nsa(q, k, v, g_cmp=None, g_slc=None, g_swa=None, block_indices=None
     required) and g_swa is ignored otherwise; block_indices, when given, replace the
     computed selection; an int block_counts with block_indices given is not used (every
     entry is read); a tensor block_counts limits each row to its first block_counts entries.
+    The window branch uses fla's scale for it, K**-0.5 (flash-attn's default), whatever
+    `scale` is; compression and selection use `scale` (config.swa_scale carries the window's).
 
     Differences from fla: any GQA ratio (fla: HQ/H a power of 2 >= 16);
     an int block_counts is used as is (fla rounds it up to a power of 2 when it computes the
@@ -276,8 +278,9 @@ def parallel_nsa(q, k, v, g_cmp=None, g_slc=None, g_swa=None, block_indices=None
     forced = 3  # n_init + n_local of fla's rule: blocks 0, cur - 1, cur
     n = max(int(block_counts), forced) if counts_int else forced
     # a plain tuple (nsa_config's fields in order): nothing here builds objects inside a trace
+    # fla's window branch is flash-attn at its default scale K**-0.5 whatever `scale` is
     config = (block_size, block_size, block_size, n, 1, 2, window_size if window_size > 0 else 1,
-              0.0 if scale is None else float(scale))
+              0.0 if scale is None else float(scale), float(q.shape[-1]) ** -0.5)
     if g_slc is None:  # fla: o = o_slc when there is no selection gate
         g_slc = _full((q.shape[0], q.shape[1], q.shape[2]), 1, q.dtype, q, torch_path)
     counts = None

@@ -59,8 +59,9 @@ def _check(status, op):
 @dataclass(frozen=True)
 class Config:
     """nsa_config. Defaults are the paper's (l=32, d=16, l'=64, n=16, n_init=1, n_local=2,
-    w=512); scale 0 or None means 1/sqrt(DK). Frozen, so it can be hashed and used as a
-    constant under torch.compile."""
+    w=512); scale 0 or None means 1/sqrt(DK); swa_scale (the sliding-window branch's own
+    scale) 0 or None means scale. Frozen, so it can be hashed and used as a constant under
+    torch.compile."""
 
     cmp_len: int = 32
     cmp_stride: int = 16
@@ -70,11 +71,14 @@ class Config:
     n_local: int = 2
     window: int = 512
     scale: float = 0.0
+    swa_scale: float = 0.0
 
     @classmethod
     def fla(cls, block_size=64, block_counts=16, window_size=0, scale=None):
         """fla's parallel_nsa configuration: l = d = l' = block_size, n = block_counts,
-        forced blocks 0, cur-1 and cur (n_init=1, n_local=2), window w = window_size."""
+        forced blocks 0, cur-1 and cur (n_init=1, n_local=2), window w = window_size. fla's
+        window branch is flash-attn at its default scale 1/sqrt(K) whatever `scale` is:
+        parallel_nsa sets swa_scale to that (it knows K)."""
         return cls(cmp_len=block_size, cmp_stride=block_size, slc_block=block_size, slc_topk=block_counts,
                    n_init=1, n_local=2, window=window_size if window_size > 0 else 1,
                    scale=0.0 if scale is None else float(scale))
@@ -83,7 +87,7 @@ class Config:
         c = _lib.Config()
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "scale":
+            if f.name in ("scale", "swa_scale"):
                 setattr(c, f.name, 0.0 if v is None else float(v))
             else:
                 setattr(c, f.name, int(v))
@@ -125,11 +129,12 @@ def config_tuple(config):
         return config
     if isinstance(config, Config):
         return (int(config.cmp_len), int(config.cmp_stride), int(config.slc_block), int(config.slc_topk),
-                int(config.n_init), int(config.n_local), int(config.window), float(config.scale or 0.0))
+                int(config.n_init), int(config.n_local), int(config.window), float(config.scale or 0.0),
+                float(config.swa_scale or 0.0))
     raise TypeError("config must be nsa.Config, not %s" % type(config).__name__)
 
 
-DEFAULT_CONFIG = (32, 16, 64, 16, 1, 2, 512, 0.0)
+DEFAULT_CONFIG = (32, 16, 64, 16, 1, 2, 512, 0.0, 0.0)
 
 
 # ---- variable length ------------------------------------------------------------------------

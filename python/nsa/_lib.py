@@ -72,6 +72,7 @@ class Config(Structure):
         ("n_local", c_int64),
         ("window", c_int64),
         ("scale", c_float),
+        ("swa_scale", c_float),
     ]
 
 

@@ -4,7 +4,7 @@ torch.compile(fullgraph=True) traces through them. Imported by nsa when torch is
 
 Ops (torch.ops.nsa.*):
   forward(q, k, v, k_cmp?, v_cmp?, k_slc?, v_slc?, k_swa?, v_swa?, g_cmp?, g_slc?, g_swa?,
-          block_indices?, block_counts?, cu_seqlens?, <config ints>, scale)
+          block_indices?, block_counts?, cu_seqlens?, <config ints>, scale, swa_scale)
       -> (o, block_indices_saved, o_cmp, o_slc, o_swa, lse_cmp, lse_slc, lse_swa)
   backward(dout, <forward's tensors>, <forward's saved outputs>, <config>)
       -> (dq, dk, dv, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_swa, dv_swa, dg_cmp, dg_slc, dg_swa)
@@ -207,11 +207,11 @@ if HAS_CUSTOM_OP:
                    g_cmp: Optional[Tensor], g_slc: Optional[Tensor], g_swa: Optional[Tensor],
                    block_indices: Optional[Tensor], block_counts: Optional[Tensor], cu_seqlens: Optional[Tensor],
                    cmp_len: int, cmp_stride: int, slc_block: int, slc_topk: int, n_init: int, n_local: int,
-                   window: int, scale: float
+                   window: int, scale: float, swa_scale: float
                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         return _forward_impl(q, k, v, k_cmp, v_cmp, k_slc, v_slc, k_swa, v_swa, g_cmp, g_slc, g_swa,
                              block_indices, block_counts, cu_seqlens,
-                             cmp_len, cmp_stride, slc_block, slc_topk, n_init, n_local, window, scale)
+                             cmp_len, cmp_stride, slc_block, slc_topk, n_init, n_local, window, scale, swa_scale)
 
     @forward_op.register_fake
     def _(q, k, v, *rest):
@@ -227,13 +227,13 @@ if HAS_CUSTOM_OP:
                     saved_block_indices: Tensor, o_cmp: Tensor, o_slc: Tensor, o_swa: Tensor,
                     lse_cmp: Tensor, lse_slc: Tensor, lse_swa: Tensor,
                     cmp_len: int, cmp_stride: int, slc_block: int, slc_topk: int, n_init: int, n_local: int,
-                    window: int, scale: float
+                    window: int, scale: float, swa_scale: float
                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                Tensor, Tensor]:
         return _backward_impl(dout, q, k, v, k_cmp, v_cmp, k_slc, v_slc, k_swa, v_swa, g_cmp, g_slc, g_swa,
                               block_indices, block_counts, cu_seqlens,
                               saved_block_indices, o_cmp, o_slc, o_swa, lse_cmp, lse_slc, lse_swa,
-                              cmp_len, cmp_stride, slc_block, slc_topk, n_init, n_local, window, scale)
+                              cmp_len, cmp_stride, slc_block, slc_topk, n_init, n_local, window, scale, swa_scale)
 
     @backward_op.register_fake
     def _(dout, q, k, v, *rest):

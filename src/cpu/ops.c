@@ -37,6 +37,14 @@ static range_rule window_rule(int64_t wl, int64_t wr, int causal)
 }
 
 /* The sliding branch (spec 5): causal, window_left w - 1. */
+/* The problem the sliding branch runs: its own softmax scale (config.swa_scale, resolved). */
+static nsa_problem swa_problem(const nsa_problem *p)
+{
+    nsa_problem pw = *p;
+    pw.scale = p->swa_scale;
+    return pw;
+}
+
 static range_rule swa_rule(const nsa_problem *p)
 {
     return window_rule(nsa_rule_swa_left(p->cfg.window), 0, 1);
@@ -525,7 +533,8 @@ nsa_status nsa_cpu_forward(const nsa_context *ctx, const nsa_problem *p, const n
                 &sv->lse_slc, scratch);
     if (pl.swa_on) {
         range_rule rw = swa_rule(p);
-        range_fwd(ctx, p, &rw, NULL, &a->q, pl.sep_swa ? pl.Kw : pl.K, pl.sep_swa ? pl.Vw : pl.V, p->T, &sv->o_swa,
+        const nsa_problem pw = swa_problem(p);
+        range_fwd(ctx, &pw, &rw, NULL, &a->q, pl.sep_swa ? pl.Kw : pl.K, pl.sep_swa ? pl.Vw : pl.V, p->T, &sv->o_swa,
                   &sv->lse_swa, NULL, scratch);
     }
     const nsa_tensor *os[3] = {&sv->o_cmp, &sv->o_slc, &sv->o_swa};
@@ -581,8 +590,9 @@ nsa_status nsa_cpu_backward(const nsa_context *ctx, const nsa_problem *p, const 
     }
     if (pl.swa_on) {
         range_rule rw = swa_rule(p);
+        const nsa_problem pw = swa_problem(p);
         grad_src g = {&a->dout, &f->g_swa, &sv->o_swa, &sv->lse_swa};
-        range_bwd(ctx, p, &rw, NULL, &f->q, pl.sep_swa ? pl.Kw : pl.K, pl.sep_swa ? pl.Vw : pl.V, p->T, &g, pl.dq32,
+        range_bwd(ctx, &pw, &rw, NULL, &f->q, pl.sep_swa ? pl.Kw : pl.K, pl.sep_swa ? pl.Vw : pl.V, p->T, &g, pl.dq32,
                   pl.sep_swa ? pl.dKw : pl.dK, pl.sep_swa ? pl.dVw : pl.dV, scratch);
     }
 

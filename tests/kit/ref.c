@@ -316,6 +316,9 @@ static unsigned char *cmp_mask(const nsa_config *c, int64_t T, int64_t Nc)
     return m;
 }
 
+/* The sliding branch's scale (spec 7.1): config.swa_scale, or the common scale when it is 0. */
+static double swa_scale(const nsa_config *c, double scale) { return c->swa_scale != 0.0f ? c->swa_scale : scale; }
+
 /* mask [T, T] of the window / dense core. */
 static unsigned char *win_mask(int causal, int64_t wl, int64_t wr, int64_t T)
 {
@@ -679,7 +682,7 @@ void ref_nsa_forward(const nsa_config *c, double scale, ref_dims d, const ref_ns
     double *oc = dalloc(NO), *os = dalloc(NO), *ow = dalloc(NO), *lse = dalloc(d.T * d.HQ);
     if (in->g_cmp) ref_cmp_attn(c, scale, d, p.Nc, in->q, p.kc, p.vc, oc, lse);
     if (in->g_slc) ref_slc_attn(c, scale, d, in->q, p.ks, p.vs, p.idx, p.width, p.counts, os, lse);
-    if (in->g_swa) ref_attention(scale, 1, c->window - 1, 0, d, in->q, p.kw, p.vw, ow, lse);
+    if (in->g_swa) ref_attention(swa_scale(c, scale), 1, c->window - 1, 0, d, in->q, p.kw, p.vw, ow, lse);
     for (int64_t r = 0; r < d.T * d.HQ; r++)
         combine_row(d.DV, in->g_cmp ? in->g_cmp + r : NULL, in->g_slc ? in->g_slc + r : NULL,
                     in->g_swa ? in->g_swa + r : NULL, oc + r * d.DV, os + r * d.DV, ow + r * d.DV, o + r * d.DV);
@@ -754,9 +757,9 @@ void ref_nsa_backward(const nsa_config *c, double scale, ref_dims d, const ref_n
         route(in->v_slc != NULL, grads->dv_slc, dv, dv_x, NV);
     }
     if (in->g_swa) {
-        ref_attention(scale, 1, c->window - 1, 0, d, in->q, p.kw, p.vw, o_x, lse);
+        ref_attention(swa_scale(c, scale), 1, c->window - 1, 0, d, in->q, p.kw, p.vw, o_x, lse);
         gate_bwd(T * d.HQ, d.DV, in->g_swa, dout, o_x, do_x, grads->dg_swa);
-        ref_attention_bwd(scale, 1, c->window - 1, 0, d, in->q, p.kw, p.vw, do_x, dq_x, dk_x, dv_x);
+        ref_attention_bwd(swa_scale(c, scale), 1, c->window - 1, 0, d, in->q, p.kw, p.vw, do_x, dq_x, dk_x, dv_x);
         add_to(dq, dq_x, NQ);
         route(in->k_swa != NULL, grads->dk_swa, dk, dk_x, NK);
         route(in->v_swa != NULL, grads->dv_swa, dv, dv_x, NV);
@@ -819,8 +822,8 @@ void ref_nsa_forward_rows(const nsa_config *c, double scale, ref_dims d, const r
                     attend_rows(scale, d.DK, d.DV, T, p.ks + h * d.DK, H * d.DK, p.vs + h * d.DV, H * d.DV, 1, q_row,
                                 vs_row, pbuf, os_row, NULL);
                 if (in->g_swa)
-                    attend_rows(scale, d.DK, d.DV, T, p.kw + h * d.DK, H * d.DK, p.vw + h * d.DV, H * d.DV, 1, q_row,
-                                vw_row, pbuf, ow_row, NULL);
+                    attend_rows(swa_scale(c, scale), d.DK, d.DV, T, p.kw + h * d.DK, H * d.DK, p.vw + h * d.DV,
+                                H * d.DV, 1, q_row, vw_row, pbuf, ow_row, NULL);
                 combine_row(d.DV, in->g_cmp ? in->g_cmp + qr : NULL, in->g_slc ? in->g_slc + qr : NULL,
                             in->g_swa ? in->g_swa + qr : NULL, oc, os, ow, o_rows + (r * d.HQ + hq) * d.DV);
             }

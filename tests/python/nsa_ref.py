@@ -9,14 +9,15 @@ import numpy as np
 
 class Cfg:
     def __init__(self, cmp_len=32, cmp_stride=16, slc_block=64, slc_topk=16, n_init=1, n_local=2, window=512,
-                 scale=0.0):
+                 scale=0.0, swa_scale=0.0):
         self.cmp_len, self.cmp_stride, self.slc_block = cmp_len, cmp_stride, slc_block
         self.slc_topk, self.n_init, self.n_local, self.window, self.scale = slc_topk, n_init, n_local, window, scale
+        self.swa_scale = swa_scale  # the window branch's scale; 0 = scale
 
     @classmethod
     def of(cls, config):
         return cls(**{f: getattr(config, f) for f in ("cmp_len", "cmp_stride", "slc_block", "slc_topk", "n_init",
-                                                        "n_local", "window", "scale")})
+                                                        "n_local", "window", "scale", "swa_scale")})
 
 
 def sequences(B, T, cu_seqlens):
@@ -173,6 +174,7 @@ def nsa(q, k, v, g_cmp=None, g_slc=None, g_swa=None, cfg=None, k_cmp=None, v_cmp
     B, T, HQ, DK = q.shape
     H, DV = k.shape[2], v.shape[3]
     scale = cfg.scale if cfg.scale else 1.0 / math.sqrt(DK)
+    scale_swa = cfg.swa_scale if cfg.swa_scale else scale
     l, d, lp, n = cfg.cmp_len, cfg.cmp_stride, cfg.slc_block, cfg.slc_topk
     res = {"o": np.zeros((B, T, HQ, DV), dtype)}
     for br in ("cmp", "slc", "swa"):
@@ -210,7 +212,7 @@ def nsa(q, k, v, g_cmp=None, g_slc=None, g_swa=None, cfg=None, k_cmp=None, v_cmp
             tape["slc"] = (qs, ksl, vsl, P_b, o_b)
         if g["swa"] is not None:
             ksw, vsw = (kv_swa[0][b, s:e], kv_swa[1][b, s:e]) if kv_swa else (ks, vs)
-            o_b, lses["swa"], P_b = attn_fwd(qs, ksw, vsw, swa_mask(L, cfg.window), scale)
+            o_b, lses["swa"], P_b = attn_fwd(qs, ksw, vsw, swa_mask(L, cfg.window), scale_swa)
             tape["swa"] = (qs, ksw, vsw, P_b, o_b)
         for br in ("cmp", "slc", "swa"):
             if g[br] is None:
@@ -242,7 +244,7 @@ def nsa(q, k, v, g_cmp=None, g_slc=None, g_swa=None, cfg=None, k_cmp=None, v_cmp
                 qb, kb, vb, Pb, ob = tp[br]
                 gb = g[br][b, s:e]
                 gr["g_" + br][b, s:e] = (do_all * ob).sum(-1)
-                dq, dk, dv = attn_bwd(qb, kb, vb, Pb, ob, gb[..., None] * do_all, scale)
+                dq, dk, dv = attn_bwd(qb, kb, vb, Pb, ob, gb[..., None] * do_all, scale_swa if br == "swa" else scale)
                 gr["q"][b, s:e] += dq
                 if br == "cmp":
                     if kc_in is not None:
@@ -270,7 +272,9 @@ def fla_nsa(q, k, v, g_cmp=None, g_slc=None, g_swa=None, block_indices=None, blo
     forced 0, cur-1, cur; g_cmp None skips the compressed branch; the selected branch is always
     on (gate 1 without g_slc); the window branch iff window_size > 0. int block_counts only."""
     B, T, HQ = q.shape[:3]
-    cfg = Cfg(block_size, block_size, block_size, block_counts, 1, 2, max(window_size, 1), scale or 0.0)
+    # fla's window branch is flash-attn at its default scale K**-0.5, whatever `scale` is
+    cfg = Cfg(block_size, block_size, block_size, block_counts, 1, 2, max(window_size, 1), scale or 0.0,
+              q.shape[-1] ** -0.5)
     if g_slc is None:
         g_slc = np.ones((B, T, HQ))
     return nsa(q, k, v, g_cmp, g_slc, g_swa if window_size > 0 else None, cfg, block_indices=block_indices,
@@ -289,6 +293,7 @@ def torch_nsa(q, k, v, g_cmp, g_slc, g_swa, cfg, block_indices, block_counts=Non
     H, DV = k.shape[2], v.shape[3]
     G = HQ // H
     scale = cfg.scale if cfg.scale else 1.0 / math.sqrt(DK)
+    scale_swa = cfg.swa_scale if cfg.swa_scale else scale
     l, d, lp = cfg.cmp_len, cfg.cmp_stride, cfg.slc_block
     idx = None if block_indices is None else np.asarray(
         block_indices.cpu() if hasattr(block_indices, "cpu") else block_indices)
@@ -296,7 +301,7 @@ def torch_nsa(q, k, v, g_cmp, g_slc, g_swa, cfg, block_indices, block_counts=Non
         block_counts.cpu() if hasattr(block_counts, "cpu") else block_counts)
     dev = q.device
 
-    def attn(qs, ks, vs, mask):
+    def attn(qs, ks, vs, mask, scale=scale):
         if ks.shape[0] == 0:
             return qs.new_zeros((qs.shape[0], HQ, DV))
         kk, vv = ks.repeat_interleave(G, dim=1), vs.repeat_interleave(G, dim=1)
@@ -328,7 +333,7 @@ def torch_nsa(q, k, v, g_cmp, g_slc, g_swa, cfg, block_indices, block_counts=Non
             m = np.repeat(m, G, axis=0)
             out = out + g_slc[b, s:e, :, None] * attn(qs, ks, vs, m)
         if g_swa is not None:
-            out = out + g_swa[b, s:e, :, None] * attn(qs, ks, vs, swa_mask(L, cfg.window))
+            out = out + g_swa[b, s:e, :, None] * attn(qs, ks, vs, swa_mask(L, cfg.window), scale_swa)
         rows.append((b, out))
     per_b = [[o for bb, o in rows if bb == b] for b in range(B)]
     return torch.stack([torch.cat(x, 0) if x else q.new_zeros((0, HQ, DV)) for x in per_b], 0)

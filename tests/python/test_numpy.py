@@ -1,6 +1,7 @@
 """numpy arrays on the CPU backend: outputs, saved branch outputs, selection and gradients
 against the naive reference of nsa_ref.py (float64), with the tolerance rule of helpers.py;
 the fla-compatible call; strided views; bad input."""
+import dataclasses
 import numpy as np
 import pytest
 
@@ -225,6 +226,7 @@ def test_parallel_nsa_vs_reference(case):
     o = nsa.parallel_nsa(x["q"], x["k"], x["v"], x["g_cmp"], g_slc, x["g_swa"], **kw)
     # the same call through native_sparse_attention on the fla config
     cfg = nsa.Config.fla(kw["block_size"], kw["block_counts"], kw["window_size"], kw.get("scale"))
+    cfg = dataclasses.replace(cfg, swa_scale=D ** -0.5)  # fla's window scale, which parallel_nsa sets
     gs = np.ones_like(x["g_cmp"]) if no_slc_gate else g_slc
     o2, aux = nsa.native_sparse_attention(x["q"], x["k"], x["v"], x["g_cmp"], gs,
                                           x["g_swa"] if kw["window_size"] > 0 else None, config=cfg,

@@ -99,7 +99,12 @@ static void run_forward(grun *g, const nsa_forward_args *a)
         const dview k = dv_of(pl.sep_swa ? &a->k_swa : &a->k), v = dv_of(pl.sep_swa ? &a->v_swa : &a->v);
         const dview o = dv_of(&sv->o_swa), lse = dv_of(&sv->lse_swa);
         const rule_t r = cu_rule_window(nsa_rule_swa_left(p->cfg.window), 0, 1);
+        /* the sliding branch's own softmax scale: the tiles read it from the run's problem */
+        nsa_problem pw = *p;
+        pw.scale = p->swa_scale;
+        g->p = &pw;
         cu_fwd_range(g, &r, &q, dt, &k, &v, &o, &lse);
+        g->p = p;
     }
     const dview os[3] = {dv_of(&sv->o_cmp), dv_of(&sv->o_slc), dv_of(&sv->o_swa)};
     const dview gs[3] = {dv_of(&a->g_cmp), dv_of(&a->g_slc), dv_of(&a->g_swa)};
@@ -196,7 +201,11 @@ static void run_backward(grun *g, const nsa_backward_args *ba)
         io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.gate = &gate, io.KR = T, io.Dw = Dw[2], io.gw = gw[2];
         io.dk32 = pl.sep_swa ? dkw32 : dk32, io.dv32 = pl.sep_swa ? dvw32 : dv32;
         const rule_t r = cu_rule_window(nsa_rule_swa_left(p->cfg.window), 0, 1);
+        nsa_problem pw = *p; /* the sliding branch's own scale, as in the forward */
+        pw.scale = p->swa_scale;
+        g->p = &pw;
         cu_bwd_range(g, &r, &io);
+        g->p = p;
     }
 
     const dview dq = dv_of(&ba->dq), dk = dv_of(&ba->dk), dv = dv_of(&ba->dv);
