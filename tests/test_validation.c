@@ -9,6 +9,9 @@
  * config, cu_seqlens, GQA, workspace, NULL context / args) run over every tensor of every op;
  * the op-specific rules follow them. */
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1456,6 +1459,111 @@ static void backward_tests(void)
     EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "g_cmp", "no gate");
 }
 
+/* ---- the detail of a failure (nsa_last_error_detail) ------------------------------------- */
+/* The calls with no context yet, and the contract: emptied by a success, per thread. */
+static void detail_tests(void)
+{
+    nsa_context *ctx = NULL;
+    nsa_context_desc d;
+    memset(&d, 0, sizeof d);
+
+    CHECK_STATUS(nsa_context_create(NULL, &d), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("ctx");
+    CHECK_STATUS(nsa_context_create(&ctx, NULL), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("desc");
+    d.backend = (nsa_backend)7;
+    CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_BAD_ARGUMENT);
+    CHECK_DETAIL("desc.backend");
+    d.backend = NSA_BACKEND_CPU, d.num_threads = -1;
+    CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_BAD_ARGUMENT);
+    CHECK_DETAIL("desc.num_threads");
+    d.num_threads = 0, d.device = -1;
+    CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_BAD_ARGUMENT);
+    CHECK_DETAIL("desc.device");
+    if (!nsa_backend_available(NSA_BACKEND_CUDA)) {
+        d.backend = NSA_BACKEND_CUDA, d.device = 0;
+        CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_BACKEND_UNAVAILABLE);
+        CHECK_DETAIL("desc.backend");
+    }
+    CHECK_STATUS(nsa_context_set_stream(NULL, NULL), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("ctx");
+
+    /* nsa_cmp_offsets: its own argument names */
+    {
+        nsa_config c = test_config();
+        static const int32_t cu_down[] = {0, 5, 4}, cu_start[] = {2, 5};
+        int64_t out[3];
+        CHECK_STATUS(nsa_cmp_offsets(NULL, CU_OK, 3, out), NSA_STATUS_NULL_POINTER);
+        CHECK_DETAIL("config");
+        CHECK_STATUS(nsa_cmp_offsets(&c, NULL, 3, out), NSA_STATUS_NULL_POINTER);
+        CHECK_DETAIL("cu_seqlens");
+        CHECK_STATUS(nsa_cmp_offsets(&c, CU_OK, 3, NULL), NSA_STATUS_NULL_POINTER);
+        CHECK_DETAIL("cu_cmp");
+        CHECK_STATUS(nsa_cmp_offsets(&c, CU_OK, -1, out), NSA_STATUS_BAD_CU_SEQLENS);
+        CHECK_DETAIL("num_seqs");
+        CHECK_STATUS(nsa_cmp_offsets(&c, cu_start, 1, out), NSA_STATUS_BAD_CU_SEQLENS);
+        CHECK_DETAIL("cu_seqlens");
+        CHECK_STATUS(nsa_cmp_offsets(&c, cu_down, 2, out), NSA_STATUS_BAD_CU_SEQLENS);
+        CHECK_DETAIL("cu_seqlens");
+        c.window = 0;
+        CHECK_STATUS(nsa_cmp_offsets(&c, CU_OK, 3, out), NSA_STATUS_BAD_WINDOW);
+        CHECK_DETAIL("config.window");
+    }
+
+    /* one detail in full, the example nsa.h gives */
+    {
+        nsa_config c = nsa_config_default();
+        c.cmp_len = 32, c.cmp_stride = 32, c.slc_block = 48;
+        nsa_config_validate(&c);
+        CHECK_MSG(strcmp(nsa_last_error_detail(), "config.slc_block: 48 is not a multiple of cmp_stride 32") == 0,
+                  nsa_last_error_detail());
+    }
+
+    /* a success empties it: no stale detail from an earlier failure */
+    {
+        nsa_config c = nsa_config_default();
+        CHECK_STATUS(nsa_config_validate(NULL), NSA_STATUS_NULL_POINTER);
+        CHECK(nsa_last_error_detail()[0] != '\0');
+        CHECK_STATUS(nsa_config_validate(&c), NSA_STATUS_SUCCESS);
+        CHECK(nsa_last_error_detail()[0] == '\0');
+    }
+
+    /* per thread: each of two threads fails differently, waits for the other, then reads its own */
+    {
+        int named[2] = {0, 0}, ran = 0;
+#pragma omp parallel num_threads(2) reduction(+ : ran)
+        {
+#ifdef _OPENMP
+            const int me = omp_get_thread_num();
+#else
+            const int me = 0;
+#endif
+            nsa_config c = nsa_config_default();
+            if (me == 0) c.window = 0;
+            else c.scale = -1.0f;
+            nsa_config_validate(&c);
+#pragma omp barrier
+            named[me] = harness_detail_names(nsa_last_error_detail(), me == 0 ? "config.window" : "config.scale");
+            ran = 1;
+        }
+        CHECK(named[0]);
+        if (ran == 2) CHECK(named[1]); /* OpenMP may give fewer threads; then one is all there is */
+    }
+}
+
+/* The detail-name matcher itself: whole names only, so a check for "k" cannot pass on "dk". */
+static void detail_matcher_tests(void)
+{
+    CHECK(harness_detail_names("k: dim 1 (T) is 40, q has 10", "k"));
+    CHECK(harness_detail_names("k: dim 1 (T) is 40, q has 10", "q"));
+    CHECK(harness_detail_names("fwd.k: rank 3", "k"));
+    CHECK(harness_detail_names("fwd.config.window: 0", "config.window"));
+    CHECK(!harness_detail_names("dk: rank 3", "k"));
+    CHECK(!harness_detail_names("k_cmp: rank 3", "k"));
+    CHECK(!harness_detail_names("", "k"));
+    CHECK(!harness_detail_names("config.scale: nan", "config.window"));
+}
+
 void test_validation_all(void)
 {
     nsa_context_desc desc;
@@ -1468,6 +1576,8 @@ void test_validation_all(void)
     world_create();
 
     status_and_config_tests();
+    detail_tests();
+    detail_matcher_tests();
     for (i = 0; i < OP_COUNT; i++) generic_cases(&OPS[i]);
     attention_tests();
     attention_ext_tests();
