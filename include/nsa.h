@@ -20,7 +20,11 @@
  *     status and has not written to any output.
  *   - Scratch memory: each op has a *_workspace_size() query; pass a buffer of at least
  *     that many bytes (host memory for the CPU backend, device memory for CUDA).
- *   - The library never prints, never exits, never aborts, holds no global state.
+ *   - Every failure also leaves one line of detail, read with nsa_last_error_detail(), that
+ *     names the argument at fault and what was expected, e.g.
+ *     "k: dim 1 (T) is 40, q has 10" or "workspace_bytes: 1024 < 8192 needed".
+ *   - The library never prints, never exits, never aborts, holds no global state (the one
+ *     exception: that per-thread detail buffer, which no result depends on).
  */
 #ifndef NSA_H
 #define NSA_H
@@ -82,6 +86,21 @@ typedef enum nsa_status {
 
 /* A static, never-NULL English description of a status ("unknown status" if out of range). */
 NSA_API const char *nsa_status_string(nsa_status status);
+
+/* The detail of the most recent failure on the calling thread: one line (at most 255 bytes,
+ * truncated beyond) that starts with the argument at fault, as named in the args struct
+ * ("k", "fwd.dout", "config.slc_block", "varlen.cu_seqlens", "workspace_bytes", "ctx"),
+ * then what is wrong: the dimension by index and symbol (B, T, HQ, H, DK, DV, Nc, ...), the
+ * given and the expected value; for a backend failure, what is not supported or which CUDA
+ * call failed with the runtime's error string.
+ * Contract: every function of this header that returns an nsa_status empties the detail when
+ * it starts and, when it returns anything but SUCCESS, writes it; so after a failure it
+ * describes that failure, after a success it is "". It is per thread (C11 _Thread_local):
+ * a failure with no context yet (NULL ctx, nsa_config_validate, nsa_context_create) has one
+ * too, and threads never see each other's. Read it before the next nsa_ call on the same
+ * thread; copy it to keep it.
+ * @return a never-NULL, NUL-terminated string owned by the library ("" when none). */
+NSA_API const char *nsa_last_error_detail(void);
 
 /* @return NSA_VERSION_NUMBER of the library actually linked. */
 NSA_API int nsa_version_number(void);

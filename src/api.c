@@ -8,7 +8,10 @@
 #include "cuda/cuda_backend.h"
 #endif
 
+#include <inttypes.h>
 #include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -51,6 +54,44 @@ const char *nsa_status_string(nsa_status status)
     case NSA_STATUS_BAD_DROPOUT: return "dropout_p must be in [0, 1)";
     }
     return "unknown status";
+}
+
+/* ---- the detail of the last failure --------------------------------------------------- */
+
+/* Per thread, so that concurrent calls on different threads (one context each, or none) never
+ * see each other's detail; it holds a diagnostic only, never anything a result depends on. */
+static _Thread_local char tls_detail[NSA_DETAIL_BYTES];
+
+const char *nsa_last_error_detail(void) { return tls_detail; }
+
+void nsa_detail_clear(void) { tls_detail[0] = '\0'; }
+
+nsa_status nsa_fail(nsa_status status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(tls_detail, sizeof tls_detail, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+const char *nsa_shape_text(const nsa_tensor *t, char *buf, size_t size)
+{
+    size_t at = 0;
+    const int rank = t->rank < 0 ? 0 : t->rank > NSA_MAX_RANK ? NSA_MAX_RANK : t->rank;
+    at += (size_t)snprintf(buf, size, "[");
+    for (int i = 0; i < rank && at < size; i++)
+        at += (size_t)snprintf(buf + at, size - at, "%s%" PRId64, i ? ", " : "", t->shape[i]);
+    if (at < size) snprintf(buf + at, size - at, "]");
+    return buf;
+}
+
+/* The end of a public call: a success leaves no detail behind (a backend's sizing pass may
+ * have noted one it then did not return). */
+static nsa_status done(nsa_status st)
+{
+    if (st == NSA_STATUS_SUCCESS) nsa_detail_clear();
+    return st;
 }
 
 size_t nsa_dtype_size(nsa_dtype dtype)
@@ -123,12 +164,19 @@ int64_t nsa_num_slc_blocks(const nsa_config *config, int64_t T)
 
 nsa_status nsa_cmp_offsets(const nsa_config *config, const int32_t *cu_seqlens, int64_t num_seqs, int64_t *cu_cmp)
 {
-    if (!config || !cu_seqlens || !cu_cmp) return NSA_STATUS_NULL_POINTER;
-    nsa_status st = nsa_config_validate(config);
+    nsa_detail_clear();
+    if (!config) return nsa_fail(NSA_STATUS_NULL_POINTER, "config is NULL");
+    if (!cu_seqlens) return nsa_fail(NSA_STATUS_NULL_POINTER, "cu_seqlens is NULL");
+    if (!cu_cmp) return nsa_fail(NSA_STATUS_NULL_POINTER, "cu_cmp is NULL");
+    nsa_status st = nsa_config_check(config, "config");
     if (st != NSA_STATUS_SUCCESS) return st;
-    if (num_seqs < 0 || cu_seqlens[0] != 0) return NSA_STATUS_BAD_CU_SEQLENS;
+    if (num_seqs < 0) return nsa_fail(NSA_STATUS_BAD_CU_SEQLENS, "num_seqs: %" PRId64 " is negative", num_seqs);
+    if (cu_seqlens[0] != 0)
+        return nsa_fail(NSA_STATUS_BAD_CU_SEQLENS, "cu_seqlens: cu_seqlens[0] is %d, must be 0", (int)cu_seqlens[0]);
     for (int64_t s = 0; s < num_seqs; s++)
-        if (cu_seqlens[s + 1] < cu_seqlens[s]) return NSA_STATUS_BAD_CU_SEQLENS;
+        if (cu_seqlens[s + 1] < cu_seqlens[s])
+            return nsa_fail(NSA_STATUS_BAD_CU_SEQLENS, "cu_seqlens: cu_seqlens[%" PRId64 "] = %d < cu_seqlens[%" PRId64 "] = %d (must not decrease)",
+                            s + 1, (int)cu_seqlens[s + 1], s, (int)cu_seqlens[s]);
     cu_cmp[0] = 0;
     for (int64_t s = 0; s < num_seqs; s++)
         cu_cmp[s + 1] =
@@ -154,14 +202,24 @@ int nsa_backend_available(nsa_backend backend)
 
 nsa_status nsa_context_create(nsa_context **ctx, const nsa_context_desc *desc)
 {
-    if (!ctx) return NSA_STATUS_NULL_POINTER;
+    nsa_detail_clear();
+    if (!ctx) return nsa_fail(NSA_STATUS_NULL_POINTER, "ctx is NULL");
     *ctx = NULL;
-    if (!desc) return NSA_STATUS_NULL_POINTER;
-    if (desc->backend != NSA_BACKEND_CPU && desc->backend != NSA_BACKEND_CUDA) return NSA_STATUS_BAD_ARGUMENT;
-    if (desc->num_threads < 0 || desc->device < 0) return NSA_STATUS_BAD_ARGUMENT;
-    if (!nsa_backend_available(desc->backend)) return NSA_STATUS_BACKEND_UNAVAILABLE;
+    if (!desc) return nsa_fail(NSA_STATUS_NULL_POINTER, "desc is NULL");
+    if (desc->backend != NSA_BACKEND_CPU && desc->backend != NSA_BACKEND_CUDA)
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "desc.backend: %d is not a backend (CPU 0, CUDA 1)", (int)desc->backend);
+    if (desc->num_threads < 0)
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "desc.num_threads: %d is negative (0 = OpenMP default)", (int)desc->num_threads);
+    if (desc->device < 0) return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "desc.device: %d is negative", (int)desc->device);
+    if (!nsa_backend_available(desc->backend)) {
+#ifdef NSA_WITH_CUDA
+        return nsa_fail(NSA_STATUS_BACKEND_UNAVAILABLE, "desc.backend: CUDA is compiled in but no CUDA device is present");
+#else
+        return nsa_fail(NSA_STATUS_BACKEND_UNAVAILABLE, "desc.backend: CUDA is not compiled in (built with NSA_CUDA=0)");
+#endif
+    }
     nsa_context *c = (nsa_context *)calloc(1, sizeof *c);
-    if (!c) return NSA_STATUS_OUT_OF_MEMORY;
+    if (!c) return nsa_fail(NSA_STATUS_OUT_OF_MEMORY, "ctx: allocating the context (%zu bytes) failed", sizeof *c);
     c->backend = desc->backend;
     c->num_threads = desc->num_threads;
     c->device = desc->device;
@@ -181,7 +239,8 @@ nsa_status nsa_context_create(nsa_context **ctx, const nsa_context_desc *desc)
 
 nsa_status nsa_context_set_stream(nsa_context *ctx, void *stream)
 {
-    if (!ctx) return NSA_STATUS_NULL_POINTER;
+    nsa_detail_clear();
+    if (!ctx) return nsa_fail(NSA_STATUS_NULL_POINTER, "ctx is NULL");
     ctx->stream = stream;
     return NSA_STATUS_SUCCESS;
 }
@@ -232,7 +291,7 @@ static nsa_status op_validate(op_call c, nsa_problem *p)
     case OP_FORWARD: return nsa_validate_forward((const nsa_forward_args *)c.args, p);
     case OP_BACKWARD: return nsa_validate_backward((const nsa_backward_args *)c.args, p);
     }
-    return NSA_STATUS_BAD_ARGUMENT;
+    return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "op: unknown operation %d", (int)c.op);
 }
 
 /* The backend's workspace need for a validated call. */
@@ -296,7 +355,7 @@ static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_ca
         case OP_FORWARD: return nsa_cuda_forward(ctx, p, (const nsa_forward_args *)c.args, ws);
         case OP_BACKWARD: return nsa_cuda_backward(ctx, p, (const nsa_backward_args *)c.args, ws);
         }
-        return NSA_STATUS_BAD_ARGUMENT;
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "op: unknown operation %d", (int)c.op);
     }
 #endif
     switch (c.op) {
@@ -314,7 +373,7 @@ static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_ca
     case OP_FORWARD: return nsa_cpu_forward(ctx, p, (const nsa_forward_args *)c.args, ws);
     case OP_BACKWARD: return nsa_cpu_backward(ctx, p, (const nsa_backward_args *)c.args, ws);
     }
-    return NSA_STATUS_BAD_ARGUMENT;
+    return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "op: unknown operation %d", (int)c.op);
 }
 
 /* Both halves of every public op: validate everything (once), size the workspace, then
@@ -326,21 +385,28 @@ typedef enum op_mode { OP_QUERY, OP_RUN } op_mode;
 static nsa_status op_dispatch(nsa_context *ctx, op_call c, op_mode mode, size_t *bytes, void *workspace,
                               size_t workspace_bytes)
 {
-    if (!ctx || !c.args || (mode == OP_QUERY && !bytes)) return NSA_STATUS_NULL_POINTER;
+    nsa_detail_clear();
+    if (!ctx) return nsa_fail(NSA_STATUS_NULL_POINTER, "ctx is NULL");
+    if (!c.args) return nsa_fail(NSA_STATUS_NULL_POINTER, "args is NULL");
+    if (mode == OP_QUERY && !bytes) return nsa_fail(NSA_STATUS_NULL_POINTER, "bytes is NULL");
     nsa_problem p;
     nsa_status st = op_validate(c, &p);
     if (st != NSA_STATUS_SUCCESS) return st;
     const size_t need = op_workspace(ctx, &p, c);
     /* the backends size with size.h's saturating arithmetic: SIZE_MAX is a need that
      * overflowed somewhere on the way, refused here for every op and both backends */
-    if (need == SIZE_MAX) return NSA_STATUS_SIZE_OVERFLOW;
+    if (need == SIZE_MAX)
+        return nsa_fail(NSA_STATUS_SIZE_OVERFLOW, "workspace: the bytes this call needs overflow size_t "
+                                                  "(B %" PRId64 ", T %" PRId64 ", HQ %" PRId64 ")", p.B, p.T, p.HQ);
     if (mode == OP_QUERY) {
         *bytes = need;
-        return NSA_STATUS_SUCCESS;
+        return done(NSA_STATUS_SUCCESS);
     }
-    if (workspace_bytes < need) return NSA_STATUS_WORKSPACE_TOO_SMALL;
-    if (need > 0 && !workspace) return NSA_STATUS_NULL_POINTER;
-    return op_backend(ctx, &p, c, workspace);
+    if (workspace_bytes < need)
+        return nsa_fail(NSA_STATUS_WORKSPACE_TOO_SMALL, "workspace_bytes: %zu < %zu needed", workspace_bytes, need);
+    if (need > 0 && !workspace)
+        return nsa_fail(NSA_STATUS_NULL_POINTER, "workspace: NULL but %zu bytes are needed", need);
+    return done(op_backend(ctx, &p, c, workspace));
 }
 
 /* ---- the public ops: each a query and a call through op_dispatch ----------------------- */

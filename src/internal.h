@@ -24,11 +24,28 @@ typedef struct nsa_problem {
                                   (CUDA: the general kernels of src/cuda/attention instead of the tuned tiles) */
 } nsa_problem;
 
+/* The detail of the last failure on this thread (nsa_last_error_detail): every public call that
+ * returns a status empties it on entry, and each failing path writes one line naming the
+ * argument at fault. nsa_fail formats it (snprintf into a fixed per-thread buffer, truncated,
+ * never allocating) and returns `status`, so a failing path reads `return nsa_fail(...)`. */
+enum { NSA_DETAIL_BYTES = 256 };
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+nsa_status nsa_fail(nsa_status status, const char *fmt, ...);
+/* Empties the detail: the start of every public call, and its successful end. */
+void nsa_detail_clear(void);
+/* "[2, 64, 4, 64]": a view's shape for a detail (buf of at least 64 bytes). */
+const char *nsa_shape_text(const nsa_tensor *t, char *buf, size_t size);
+
 /* An optional tensor is present when it has data (nsa.h: absent = data NULL). */
 static inline int nsa_present(const nsa_tensor *t) { return t->data != NULL; }
 
 /* Validators: return SUCCESS and fill *p, or the specific error status. They read no
  * tensor data except cu_seqlens (host) and never write to any tensor. */
+/* nsa_config_validate with the detail's name for the config: "config", or "fwd.config"
+ * inside a backward's args. */
+nsa_status nsa_config_check(const nsa_config *c, const char *name);
 nsa_status nsa_validate_compress(const nsa_compress_args *a, nsa_problem *p);
 nsa_status nsa_validate_compress_bwd(const nsa_compress_bwd_args *a, nsa_problem *p);
 nsa_status nsa_validate_cmp_attn(const nsa_cmp_attn_args *a, nsa_problem *p);

@@ -11,8 +11,12 @@
  *   d. varlen cu_seqlens, then the compressed row count and the tensors that carry it
  *      (attention: then its varlen_qk, and dbias against bias);
  *   e. required outputs that are absent.
- * Nothing here reads tensor data except the host cu_seqlens, and nothing writes to a tensor. */
+ * Nothing here reads tensor data except the host cu_seqlens, and nothing writes to a tensor.
+ * Every failure writes its detail (nsa_fail) naming the argument as the args struct does, with
+ * a "fwd." prefix for the forward args embedded in a backward's. */
+#include <inttypes.h>
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
@@ -31,6 +35,12 @@ enum dim_sym {
     /* broadcast dims, checked after the others (stage c): 1 or the full size */
     Z_B1,       /* 1 or B */
     Z_HQ1       /* 1 or HQ */
+};
+
+/* The symbols as the details print them. */
+static const char *const DIM_NAME[] = {
+    [Z_NONE] = "?", [Z_B] = "B", [Z_T] = "T", [Z_HQ] = "HQ", [Z_H] = "H", [Z_DK] = "DK", [Z_DV] = "DV",
+    [Z_NC] = "Nc", [Z_M] = "m", [Z_N] = "n", [Z_TK] = "Tk", [Z_COUNT] = "?", [Z_B1] = "B or 1", [Z_HQ1] = "HQ or 1",
 };
 
 enum shape_id { S_Q, S_K, S_V, S_O, S_ROW, S_KC, S_VC, S_IDX_M, S_IDX_N, S_CNT, S_AK, S_AV, S_HEAD, S_SEGQ, S_SEGK,
@@ -77,7 +87,12 @@ typedef struct tspec {
     tensor_role role;
     dtype_rule rule;
     enum shape_id shape;
+    const char *name; /* the args field, for the detail: "k", "fwd.o", "saved.lse_cmp" */
 } tspec;
+
+/* A field's name in the forward args (bwd = 0) or in a backward's embedded fwd (bwd = 1). */
+#define NM(bwd, field) ((bwd) ? "fwd." field : field)
+#define PRE(bwd) ((bwd) ? "fwd." : "")
 
 /* The largest table (nsa_backward) has 35 rows. */
 enum { MAX_SPECS = 40 };
@@ -116,68 +131,126 @@ static int described(const tspec *s)
  * results only grow and checking the final one is checking them all. */
 static int fits_int64(size_t v) { return v != SIZE_MAX && (uint64_t)v <= (uint64_t)INT64_MAX; }
 
+static int is_float(nsa_dtype dt) { return dt == NSA_DTYPE_F32 || dt == NSA_DTYPE_F16 || dt == NSA_DTYPE_BF16; }
+
+static const char *dtype_name(nsa_dtype dt)
+{
+    switch (dt) {
+    case NSA_DTYPE_F32: return "f32";
+    case NSA_DTYPE_F16: return "f16";
+    case NSA_DTYPE_BF16: return "bf16";
+    case NSA_DTYPE_I32: return "i32";
+    case NSA_DTYPE_U8: return "u8";
+    }
+    return "unknown";
+}
+
+/* "[B, T, H, DK]": the symbolic shape a table row expects. */
+static const char *shape_sym(enum shape_id id, char *buf, size_t size)
+{
+    size_t at = (size_t)snprintf(buf, size, "[");
+    for (int j = 0; j < rank_of(id) && at < size; j++)
+        at += (size_t)snprintf(buf + at, size - at, "%s%s", j ? ", " : "", DIM_NAME[SHAPES[id][j]]);
+    if (at < size) snprintf(buf + at, size - at, "]");
+    return buf;
+}
+
 static int dtype_ok(nsa_dtype dt, dtype_rule rule, nsa_dtype ref)
 {
-    int is_float = dt == NSA_DTYPE_F32 || dt == NSA_DTYPE_F16 || dt == NSA_DTYPE_BF16;
     switch (rule) {
-    case K_REF: return is_float && dt == ref;
-    case K_FLOAT: return is_float;
+    case K_REF: return is_float(dt) && dt == ref;
+    case K_FLOAT: return is_float(dt);
     case K_F32: return dt == NSA_DTYPE_F32;
     case K_U8: return dt == NSA_DTYPE_U8;
     default: return dt == NSA_DTYPE_I32;
     }
 }
 
+static nsa_status dtype_fail(const tspec *s, nsa_dtype ref, const char *ref_name)
+{
+    const char *got = dtype_name(s->t->dtype), *name = s->name;
+    switch (s->rule) {
+    case K_REF:
+        if (!is_float(s->t->dtype) || !is_float(ref))
+            return nsa_fail(NSA_STATUS_BAD_DTYPE, "%s: dtype %s, must be a float dtype (f32, f16, bf16) and the same as %s's",
+                            name, got, ref_name);
+        return nsa_fail(NSA_STATUS_BAD_DTYPE, "%s: dtype %s, must be %s like %s", name, got, dtype_name(ref), ref_name);
+    case K_FLOAT: return nsa_fail(NSA_STATUS_BAD_DTYPE, "%s: dtype %s, must be f32, f16 or bf16", name, got);
+    case K_F32: return nsa_fail(NSA_STATUS_BAD_DTYPE, "%s: dtype %s, must be f32", name, got);
+    case K_U8: return nsa_fail(NSA_STATUS_BAD_DTYPE, "%s: dtype %s, must be u8", name, got);
+    default: return nsa_fail(NSA_STATUS_BAD_DTYPE, "%s: dtype %s, must be i32", name, got);
+    }
+}
+
 /* Stage b for one view: well-formed alone, and every offset it implies fits in int64 (the
  * backends index with int64 and trust it). *count = its element count. */
-static nsa_status check_tensor(const nsa_tensor *t, int rank, dtype_rule rule, nsa_dtype ref, int64_t *count)
+static nsa_status check_tensor(const tspec *s, nsa_dtype ref, const char *ref_name, int64_t *count)
 {
+    const nsa_tensor *t = s->t;
+    const int rank = rank_of(s->shape);
     size_t n = 1, dims = 1, last = 0;
     const size_t es = nsa_dtype_size(t->dtype);
+    char sym[64], shape[64];
     int i;
 
-    if (t->rank != rank) return NSA_STATUS_BAD_RANK;
-    if (!dtype_ok(t->dtype, rule, ref)) return NSA_STATUS_BAD_DTYPE;
+    if (t->rank != rank)
+        return nsa_fail(NSA_STATUS_BAD_RANK, "%s: rank %d, must be %d: %s", s->name, (int)t->rank, rank,
+                        shape_sym(s->shape, sym, sizeof sym));
+    if (!dtype_ok(t->dtype, s->rule, ref)) return dtype_fail(s, ref, ref_name);
     for (i = 0; i < rank; i++)
-        if (t->shape[i] < 0) return NSA_STATUS_BAD_SHAPE;
-    if (t->stride[rank - 1] != 1) return NSA_STATUS_BAD_STRIDE;
+        if (t->shape[i] < 0)
+            return nsa_fail(NSA_STATUS_BAD_SHAPE, "%s: dim %d (%s) is %" PRId64 ", must be >= 0", s->name, i,
+                            DIM_NAME[SHAPES[s->shape][i]], t->shape[i]);
+    if (t->stride[rank - 1] != 1)
+        return nsa_fail(NSA_STATUS_BAD_STRIDE, "%s: stride[%d] is %" PRId64 ", must be 1 (the last dim is contiguous)",
+                        s->name, rank - 1, t->stride[rank - 1]);
     for (i = 0; i < rank; i++)
-        if (t->stride[i] < 0) return NSA_STATUS_BAD_STRIDE;
+        if (t->stride[i] < 0)
+            return nsa_fail(NSA_STATUS_BAD_STRIDE, "%s: stride[%d] is %" PRId64 ", must be >= 0", s->name, i, t->stride[i]);
     /* Empty dims count as 1 in `dims`, so that no product of an empty tensor's sizes (a
      * backend's loop bounds or scratch sizes) overflows either; n <= dims. */
     for (i = 0; i < rank; i++) {
         n = nsa_size_mul(n, nsa_size_of(t->shape[i]));
         dims = nsa_size_mul(dims, t->shape[i] ? nsa_size_of(t->shape[i]) : 1);
     }
-    if (!fits_int64(dims)) return NSA_STATUS_SIZE_OVERFLOW;
+    if (!fits_int64(dims))
+        return nsa_fail(NSA_STATUS_SIZE_OVERFLOW, "%s: the element count of shape %s overflows int64", s->name,
+                        nsa_shape_text(t, shape, sizeof shape));
     if (n > 0) { /* the last element's offset + 1, in elements and in bytes; the bytes of n */
         for (i = 0; i < rank; i++)
             last = nsa_size_add(last, nsa_size_mul(nsa_size_of(t->stride[i]), nsa_size_of(t->shape[i] - 1)));
         last = nsa_size_add(last, 1);
-        if (!fits_int64(nsa_size_mul(last, es)) || !fits_int64(nsa_size_mul(n, es))) return NSA_STATUS_SIZE_OVERFLOW;
+        if (!fits_int64(nsa_size_mul(last, es)) || !fits_int64(nsa_size_mul(n, es)))
+            return nsa_fail(NSA_STATUS_SIZE_OVERFLOW, "%s: shape %s with its strides reaches a byte offset beyond int64",
+                            s->name, nsa_shape_text(t, shape, sizeof shape));
     }
     *count = (int64_t)n;
     return NSA_STATUS_SUCCESS;
 }
 
-static nsa_status check_one(const tspec *s, nsa_dtype ref)
+static nsa_status check_one(const tspec *s, nsa_dtype ref, const char *ref_name)
 {
     const nsa_tensor *t = s->t;
     int64_t count = 0;
     nsa_status st;
+    char shape[64];
 
     if (!described(s)) return NSA_STATUS_SUCCESS;
     /* A required input left zero-initialised was forgotten: "NULL" says more than "rank". */
-    if (s->role == R_IN && !nsa_present(t) && t->rank == 0) return NSA_STATUS_NULL_POINTER;
-    st = check_tensor(t, rank_of(s->shape), s->rule, ref, &count);
+    if (s->role == R_IN && !nsa_present(t) && t->rank == 0)
+        return nsa_fail(NSA_STATUS_NULL_POINTER, "%s: data is NULL and rank 0 (the tensor was never set)", s->name);
+    st = check_tensor(s, ref, ref_name, &count);
     if (st != NSA_STATUS_SUCCESS) return st;
-    if (s->role == R_IN && !nsa_present(t) && count > 0) return NSA_STATUS_NULL_POINTER;
+    if (s->role == R_IN && !nsa_present(t) && count > 0)
+        return nsa_fail(NSA_STATUS_NULL_POINTER, "%s: data is NULL but the shape %s is not empty", s->name,
+                        nsa_shape_text(t, shape, sizeof shape));
     return NSA_STATUS_SUCCESS;
 }
 
 /* Stage d, and the compressed row count of dense and packed inputs alike. cu_seqlens is host
  * memory (nsa.h), the one array this file reads. */
-static nsa_status check_varlen(const nsa_varlen *vl, int64_t B, int64_t T, const nsa_config *cfg, nsa_problem *p)
+static nsa_status check_varlen(const nsa_varlen *vl, int64_t B, int64_t T, const nsa_config *cfg, const char *pre,
+                               nsa_problem *p)
 {
     const int32_t *cu = vl ? vl->cu_seqlens : NULL;
     int64_t N, s, rows = 0;
@@ -186,12 +259,22 @@ static nsa_status check_varlen(const nsa_varlen *vl, int64_t B, int64_t T, const
     p->cmp_rows = cfg ? nsa_rule_num_cmp(T, cfg->cmp_len, cfg->cmp_stride) : 0;
     if (!cu) return NSA_STATUS_SUCCESS;
     N = vl->num_seqs;
-    if (B != 1 || N < 0 || cu[0] != 0) return NSA_STATUS_BAD_CU_SEQLENS;
+    if (B != 1)
+        return nsa_fail(NSA_STATUS_BAD_CU_SEQLENS, "%svarlen.cu_seqlens: packed input needs B == 1, B is %" PRId64, pre, B);
+    if (N < 0) return nsa_fail(NSA_STATUS_BAD_CU_SEQLENS, "%svarlen.num_seqs: %" PRId64 " is negative", pre, N);
+    if (cu[0] != 0)
+        return nsa_fail(NSA_STATUS_BAD_CU_SEQLENS, "%svarlen.cu_seqlens: cu_seqlens[0] is %d, must be 0", pre, (int)cu[0]);
     for (s = 0; s < N; s++) {
-        if (cu[s + 1] < cu[s]) return NSA_STATUS_BAD_CU_SEQLENS;
+        if (cu[s + 1] < cu[s])
+            return nsa_fail(NSA_STATUS_BAD_CU_SEQLENS,
+                            "%svarlen.cu_seqlens: cu_seqlens[%" PRId64 "] = %d < cu_seqlens[%" PRId64 "] = %d (must not decrease)",
+                            pre, s + 1, (int)cu[s + 1], s, (int)cu[s]);
         if (cfg) rows += nsa_rule_num_cmp(cu[s + 1] - cu[s], cfg->cmp_len, cfg->cmp_stride);
     }
-    if (cu[N] != T) return NSA_STATUS_BAD_CU_SEQLENS;
+    if (cu[N] != T)
+        return nsa_fail(NSA_STATUS_BAD_CU_SEQLENS,
+                        "%svarlen.cu_seqlens: cu_seqlens[%" PRId64 "] (the last) is %d, must equal T = %" PRId64, pre, N,
+                        (int)cu[N], T);
     p->num_seqs = N;
     p->cu_seqlens = cu;
     p->cmp_rows = cfg ? rows : 0;
@@ -218,58 +301,102 @@ static int view_empty(const nsa_tensor *t)
     return 0;
 }
 
-/* Stages b to e over one op's table; fills *p from the agreed dimensions. `scale` is the
- * caller's (0 = 1/sqrt(DK)); vl and cfg are NULL for ops without them. */
-static nsa_status check_tensors(const tspec *s, int n, nsa_dtype ref, const nsa_varlen *vl, const nsa_config *cfg,
-                                float scale, nsa_problem *p)
+/* What one op's engine run needs besides its table: the reference tensor of K_REF (its
+ * dtype and name), the varlen and config (NULL for ops without them), the caller's scale
+ * (0 = 1/sqrt(DK)) and the name prefix of the config and varlen fields ("" or "fwd."). */
+typedef struct engine_in {
+    nsa_dtype ref;
+    const char *ref_name;
+    const nsa_varlen *vl;
+    const nsa_config *cfg;
+    float scale;
+    const char *pre;
+} engine_in;
+
+/* Stage d's compressed rows disagree with a tensor's dim j; T came from t_name's dim 1. */
+static nsa_status nc_fail(const tspec *s, int j, const nsa_problem *p, const engine_in *e, int64_t T, const char *t_name)
+{
+    if (p->cu_seqlens)
+        return nsa_fail(NSA_STATUS_BAD_SHAPE, "%s: dim %d (Nc) is %" PRId64 ", the %" PRId64 " sequences of %svarlen.cu_seqlens "
+                        "have %" PRId64 " compressed rows", s->name, j, s->t->shape[j], p->num_seqs, e->pre, p->cmp_rows);
+    return nsa_fail(NSA_STATUS_BAD_SHAPE, "%s: dim %d (Nc) is %" PRId64 ", T = %" PRId64 " (%s) has %" PRId64 " compressed "
+                    "blocks (cmp_len %" PRId64 ", cmp_stride %" PRId64 ")", s->name, j, s->t->shape[j], T, t_name, p->cmp_rows,
+                    e->cfg ? e->cfg->cmp_len : 0, e->cfg ? e->cfg->cmp_stride : 0);
+}
+
+/* Stages b to e over one op's table; fills *p from the agreed dimensions. */
+static nsa_status check_tensors(const tspec *s, int n, const engine_in *e, nsa_problem *p)
 {
     int64_t dim[Z_COUNT];
+    int who[Z_COUNT], at[Z_COUNT]; /* the row and dim that fixed each symbol (-1: the config) */
+    const nsa_config *cfg = e->cfg;
+    char shape[64];
     nsa_status st;
     int i, j, z;
 
     memset(p, 0, sizeof *p);
     for (i = 0; i < n; i++)
-        if ((st = check_one(&s[i], ref)) != NSA_STATUS_SUCCESS) return st;
+        if ((st = check_one(&s[i], e->ref, e->ref_name)) != NSA_STATUS_SUCCESS) return st;
 
-    for (z = 0; z < Z_COUNT; z++) dim[z] = -1; /* not fixed yet */
+    for (z = 0; z < Z_COUNT; z++) dim[z] = -1, who[z] = -1, at[z] = 0; /* not fixed yet */
     if (cfg) dim[Z_N] = cfg->slc_topk;
     for (i = 0; i < n; i++) {
         if (!described(&s[i])) continue;
         for (j = 0; j < s[i].t->rank; j++) {
             z = SHAPES[s[i].shape][j];
             if (z == Z_NC || z >= Z_COUNT) continue;
-            if (dim[z] < 0) dim[z] = s[i].t->shape[j];
-            else if (dim[z] != s[i].t->shape[j]) return NSA_STATUS_BAD_SHAPE;
+            if (dim[z] < 0) {
+                dim[z] = s[i].t->shape[j], who[z] = i, at[z] = j;
+            } else if (dim[z] != s[i].t->shape[j]) {
+                if (who[z] < 0)
+                    return nsa_fail(NSA_STATUS_BAD_SHAPE, "%s: dim %d (%s) is %" PRId64 ", %sconfig.slc_topk is %" PRId64,
+                                    s[i].name, j, DIM_NAME[z], s[i].t->shape[j], e->pre, dim[z]);
+                return nsa_fail(NSA_STATUS_BAD_SHAPE, "%s: dim %d (%s) is %" PRId64 ", %s has %" PRId64, s[i].name, j,
+                                DIM_NAME[z], s[i].t->shape[j], s[who[z]].name, dim[z]);
+            }
         }
     }
     /* Zero heads leave G undefined; a zero head dim makes the default scale infinite. */
-    if (dim[Z_HQ] == 0 || dim[Z_H] == 0 || dim[Z_DK] == 0 || dim[Z_DV] == 0 || dim[Z_M] == 0)
-        return NSA_STATUS_BAD_SHAPE;
-    if (dim[Z_HQ] > 0 && dim[Z_H] > 0 && dim[Z_HQ] % dim[Z_H] != 0) return NSA_STATUS_BAD_GQA;
+    {
+        static const int positive[] = {Z_HQ, Z_H, Z_DK, Z_DV, Z_M};
+        for (i = 0; i < COUNT(positive); i++) {
+            z = positive[i];
+            if (dim[z] == 0)
+                return nsa_fail(NSA_STATUS_BAD_SHAPE, "%s: dim %d (%s) is 0, must be >= 1", s[who[z]].name, at[z], DIM_NAME[z]);
+        }
+    }
+    if (dim[Z_HQ] > 0 && dim[Z_H] > 0 && dim[Z_HQ] % dim[Z_H] != 0)
+        return nsa_fail(NSA_STATUS_BAD_GQA, "%s: dim %d (HQ) is %" PRId64 ", not a multiple of H = %" PRId64 " (%s dim %d)",
+                        s[who[Z_HQ]].name, at[Z_HQ], dim[Z_HQ], dim[Z_H], s[who[Z_H]].name, at[Z_H]);
     for (i = 0; i < n; i++) { /* broadcast dims: 1 or the size the other tensors fixed */
         if (!described(&s[i])) continue;
         for (j = 0; j < s[i].t->rank; j++) {
             z = SHAPES[s[i].shape][j];
             if (z < Z_COUNT) continue;
             const int64_t full = dim[z == Z_B1 ? Z_B : Z_HQ], got = s[i].t->shape[j];
-            if (got != 1 && got != full) return NSA_STATUS_BAD_SHAPE;
+            if (got != 1 && got != full)
+                return nsa_fail(NSA_STATUS_BAD_SHAPE, "%s: dim %d (%s) is %" PRId64 ", must be 1 or %" PRId64, s[i].name, j,
+                                DIM_NAME[z], got, full);
         }
     }
 
-    if ((st = check_varlen(vl, dim[Z_B], dim[Z_T], cfg, p)) != NSA_STATUS_SUCCESS) return st;
+    if ((st = check_varlen(e->vl, dim[Z_B], dim[Z_T], cfg, e->pre, p)) != NSA_STATUS_SUCCESS) return st;
     dim[Z_NC] = p->cmp_rows;
     for (i = 0; i < n; i++) {
         if (!described(&s[i])) continue;
         for (j = 0; j < s[i].t->rank; j++)
-            if (SHAPES[s[i].shape][j] == Z_NC && s[i].t->shape[j] != p->cmp_rows) return NSA_STATUS_BAD_SHAPE;
+            if (SHAPES[s[i].shape][j] == Z_NC && s[i].t->shape[j] != p->cmp_rows) return nc_fail(&s[i], j, p, e, dim[Z_T], who[Z_T] >= 0 ? s[who[Z_T]].name : "T");
     }
 
     for (i = 0; i < n; i++) {
         if (s[i].role != R_OUT || nsa_present(s[i].t)) continue;
-        if (!expected_empty(s[i].shape, dim)) return NSA_STATUS_MISSING_OUTPUT;
+        if (!expected_empty(s[i].shape, dim))
+            return nsa_fail(NSA_STATUS_MISSING_OUTPUT, "%s: a required output is absent (data NULL)", s[i].name);
         /* an absent output is an empty one: a view whose own shape holds elements would have a
          * backend that walks its shape write through NULL */
-        if (!view_empty(s[i].t)) return NSA_STATUS_NULL_POINTER;
+        if (!view_empty(s[i].t))
+            return nsa_fail(NSA_STATUS_NULL_POINTER, "%s: data is NULL but the shape %s is not empty", s[i].name,
+                            nsa_shape_text(s[i].t, shape, sizeof shape));
     }
 
     p->B = fixed(dim[Z_B]);
@@ -281,7 +408,7 @@ static nsa_status check_tensors(const tspec *s, int n, nsa_dtype ref, const nsa_
     p->DV = fixed(dim[Z_DV]);
     p->m = fixed(dim[Z_M]);
     p->Tk = dim[Z_TK] >= 0 ? dim[Z_TK] : p->T;
-    p->scale = scale != 0.0f ? scale : p->DK > 0 ? 1.0f / sqrtf((float)p->DK) : 0.0f;
+    p->scale = e->scale != 0.0f ? e->scale : p->DK > 0 ? 1.0f / sqrtf((float)p->DK) : 0.0f;
     p->swa_scale = cfg && cfg->swa_scale != 0.0f ? cfg->swa_scale : p->scale;
     if (cfg) p->cfg = *cfg;
     return NSA_STATUS_SUCCESS;
@@ -295,36 +422,62 @@ static int scale_ok(float scale) { return isfinite(scale) && scale >= 0.0f; }
  * (longer than the sequence: the whole prefix; rules.h clamps it without overflow). */
 static int in_int32(int64_t v, int64_t lo) { return v >= lo && v <= INT32_MAX; }
 
-nsa_status nsa_config_validate(const nsa_config *c)
+/* A field outside [lo, INT32_MAX]. */
+static nsa_status range_fail(nsa_status st, const char *cfg, const char *field, int64_t v, int64_t lo)
 {
-    if (!c) return NSA_STATUS_NULL_POINTER;
-    if (!in_int32(c->cmp_stride, 1)) return NSA_STATUS_BAD_CMP_STRIDE;
-    if (!in_int32(c->cmp_len, 1)) return NSA_STATUS_BAD_CMP_LEN;
-    if (c->cmp_len % c->cmp_stride != 0) return NSA_STATUS_BAD_CMP_STRIDE;
-    if (c->cmp_len > c->slc_block) return NSA_STATUS_BAD_CMP_LEN;
-    if (!in_int32(c->slc_block, 1) || c->slc_block % c->cmp_stride != 0) return NSA_STATUS_BAD_SLC_BLOCK;
+    return nsa_fail(st, "%s.%s: %" PRId64 ", must be in [%" PRId64 ", INT32_MAX]", cfg, field, v, lo);
+}
+
+nsa_status nsa_config_check(const nsa_config *c, const char *name)
+{
+    if (!c) return nsa_fail(NSA_STATUS_NULL_POINTER, "%s is NULL", name);
+    if (!in_int32(c->cmp_stride, 1)) return range_fail(NSA_STATUS_BAD_CMP_STRIDE, name, "cmp_stride", c->cmp_stride, 1);
+    if (!in_int32(c->cmp_len, 1)) return range_fail(NSA_STATUS_BAD_CMP_LEN, name, "cmp_len", c->cmp_len, 1);
+    if (c->cmp_len % c->cmp_stride != 0)
+        return nsa_fail(NSA_STATUS_BAD_CMP_STRIDE, "%s.cmp_stride: %" PRId64 " does not divide cmp_len %" PRId64, name,
+                        c->cmp_stride, c->cmp_len);
+    if (c->cmp_len > c->slc_block)
+        return nsa_fail(NSA_STATUS_BAD_CMP_LEN, "%s.cmp_len: %" PRId64 " > slc_block %" PRId64, name, c->cmp_len, c->slc_block);
+    if (!in_int32(c->slc_block, 1)) return range_fail(NSA_STATUS_BAD_SLC_BLOCK, name, "slc_block", c->slc_block, 1);
+    if (c->slc_block % c->cmp_stride != 0)
+        return nsa_fail(NSA_STATUS_BAD_SLC_BLOCK, "%s.slc_block: %" PRId64 " is not a multiple of cmp_stride %" PRId64, name,
+                        c->slc_block, c->cmp_stride);
+    if (!in_int32(c->n_init, 0)) return range_fail(NSA_STATUS_BAD_TOPK, name, "n_init", c->n_init, 0);
+    if (!in_int32(c->n_local, 0)) return range_fail(NSA_STATUS_BAD_TOPK, name, "n_local", c->n_local, 0);
+    if (!in_int32(c->slc_topk, 1)) return range_fail(NSA_STATUS_BAD_TOPK, name, "slc_topk", c->slc_topk, 1);
     /* n - n_init cannot overflow once n >= 1 and n_init >= 0; n_init + n_local could. */
-    if (!in_int32(c->slc_topk, 1) || !in_int32(c->n_init, 0) || !in_int32(c->n_local, 0) ||
-        c->slc_topk - c->n_init < c->n_local)
-        return NSA_STATUS_BAD_TOPK;
-    if (c->window < 1) return NSA_STATUS_BAD_WINDOW;
-    if (!scale_ok(c->scale) || !scale_ok(c->swa_scale)) return NSA_STATUS_BAD_SCALE;
+    if (c->slc_topk - c->n_init < c->n_local)
+        return nsa_fail(NSA_STATUS_BAD_TOPK, "%s.slc_topk: %" PRId64 " < n_init %" PRId64 " + n_local %" PRId64, name,
+                        c->slc_topk, c->n_init, c->n_local);
+    if (c->window < 1) return nsa_fail(NSA_STATUS_BAD_WINDOW, "%s.window: %" PRId64 ", must be >= 1", name, c->window);
+    if (!scale_ok(c->scale))
+        return nsa_fail(NSA_STATUS_BAD_SCALE, "%s.scale: %g, must be finite and >= 0 (0 = 1/sqrt(DK))", name, (double)c->scale);
+    if (!scale_ok(c->swa_scale))
+        return nsa_fail(NSA_STATUS_BAD_SCALE, "%s.swa_scale: %g, must be finite and >= 0 (0 = scale)", name,
+                        (double)c->swa_scale);
     return NSA_STATUS_SUCCESS;
 }
 
-/* The engine for ops that carry an nsa_config, after the config itself. */
-static nsa_status check_with_config(const tspec *s, int n, nsa_dtype ref, const nsa_varlen *vl, const nsa_config *cfg,
-                                    nsa_problem *p)
+nsa_status nsa_config_validate(const nsa_config *c)
 {
-    nsa_status st = nsa_config_validate(cfg);
+    nsa_detail_clear();
+    return nsa_config_check(c, "config");
+}
+
+/* The engine for ops that carry an nsa_config, after the config itself. */
+static nsa_status check_with_config(const tspec *s, int n, const tspec *ref, const nsa_varlen *vl, const nsa_config *cfg,
+                                    int bwd, nsa_problem *p)
+{
+    nsa_status st = nsa_config_check(cfg, NM(bwd, "config"));
     if (st != NSA_STATUS_SUCCESS) return st;
-    return check_tensors(s, n, ref, vl, cfg, cfg->scale, p);
+    const engine_in e = {ref->t->dtype, ref->name, vl, cfg, cfg->scale, PRE(bwd)};
+    return check_tensors(s, n, &e, p);
 }
 
 /* ---- 1. Compression: x is its own query, so HQ = H and DK = DV = D. ------------------ */
-static nsa_status check_compress(const tspec *s, int n, const nsa_compress_args *a, nsa_problem *p)
+static nsa_status check_compress(const tspec *s, int n, const nsa_compress_args *a, int bwd, nsa_problem *p)
 {
-    nsa_status st = check_with_config(s, n, a->x.dtype, &a->varlen, &a->config, p);
+    nsa_status st = check_with_config(s, n, &s[0], &a->varlen, &a->config, bwd, p);
     if (st != NSA_STATUS_SUCCESS) return st;
     p->HQ = p->H;
     p->G = 1;
@@ -335,20 +488,20 @@ static nsa_status check_compress(const tspec *s, int n, const nsa_compress_args 
 nsa_status nsa_validate_compress(const nsa_compress_args *a, nsa_problem *p)
 {
     const tspec s[] = {
-        {&a->x, R_IN, K_REF, S_K},
-        {&a->x_cmp, R_OUT, K_REF, S_KC},
+        {&a->x, R_IN, K_REF, S_K, "x"},
+        {&a->x_cmp, R_OUT, K_REF, S_KC, "x_cmp"},
     };
-    return check_compress(s, COUNT(s), a, p);
+    return check_compress(s, COUNT(s), a, 0, p);
 }
 
 nsa_status nsa_validate_compress_bwd(const nsa_compress_bwd_args *a, nsa_problem *p)
 {
     const tspec s[] = {
-        {&a->fwd.x, R_DESC, K_REF, S_K}, /* the backward is linear: x's values are never read */
-        {&a->dx_cmp, R_IN, K_REF, S_KC},
-        {&a->dx, R_OUT, K_REF, S_K},
+        {&a->fwd.x, R_DESC, K_REF, S_K, "fwd.x"}, /* the backward is linear: x's values are never read */
+        {&a->dx_cmp, R_IN, K_REF, S_KC, "dx_cmp"},
+        {&a->dx, R_OUT, K_REF, S_K, "dx"},
     };
-    return check_compress(s, COUNT(s), &a->fwd, p);
+    return check_compress(s, COUNT(s), &a->fwd, 1, p);
 }
 
 /* ---- 2. Compressed attention. In the backward the forward's outputs are inputs. ------- */
@@ -356,8 +509,11 @@ static int cmp_attn_specs(const nsa_cmp_attn_args *a, int bwd, tspec *s)
 {
     const tensor_role out = bwd ? R_IN : R_OUT;
     const tspec t[] = {
-        {&a->q, R_IN, K_REF, S_Q},     {&a->k_cmp, R_IN, K_REF, S_KC}, {&a->v_cmp, R_IN, K_REF, S_VC},
-        {&a->o, out, K_REF, S_O},      {&a->lse, out, K_F32, S_ROW},
+        {&a->q, R_IN, K_REF, S_Q, NM(bwd, "q")},
+        {&a->k_cmp, R_IN, K_REF, S_KC, NM(bwd, "k_cmp")},
+        {&a->v_cmp, R_IN, K_REF, S_VC, NM(bwd, "v_cmp")},
+        {&a->o, out, K_REF, S_O, NM(bwd, "o")},
+        {&a->lse, out, K_F32, S_ROW, NM(bwd, "lse")},
     };
     return append(s, 0, t, COUNT(t));
 }
@@ -366,31 +522,33 @@ nsa_status nsa_validate_cmp_attn(const nsa_cmp_attn_args *a, nsa_problem *p)
 {
     tspec s[MAX_SPECS];
     int n = cmp_attn_specs(a, 0, s);
-    return check_with_config(s, n, a->q.dtype, &a->varlen, &a->config, p);
+    return check_with_config(s, n, &s[0], &a->varlen, &a->config, 0, p);
 }
 
 nsa_status nsa_validate_cmp_attn_bwd(const nsa_cmp_attn_bwd_args *a, nsa_problem *p)
 {
     const tspec g[] = {
-        {&a->dout, R_IN, K_REF, S_O},      {&a->dq, R_OUT, K_REF, S_Q},
-        {&a->dk_cmp, R_OUT, K_REF, S_KC},  {&a->dv_cmp, R_OUT, K_REF, S_VC},
+        {&a->dout, R_IN, K_REF, S_O, "dout"},
+        {&a->dq, R_OUT, K_REF, S_Q, "dq"},
+        {&a->dk_cmp, R_OUT, K_REF, S_KC, "dk_cmp"},
+        {&a->dv_cmp, R_OUT, K_REF, S_VC, "dv_cmp"},
     };
     tspec s[MAX_SPECS];
     int n = append(s, cmp_attn_specs(&a->fwd, 1, s), g, COUNT(g));
-    return check_with_config(s, n, a->fwd.q.dtype, &a->fwd.varlen, &a->fwd.config, p);
+    return check_with_config(s, n, &s[0], &a->fwd.varlen, &a->fwd.config, 1, p);
 }
 
 /* ---- 3. Selection: writes exactly n = slc_topk indices per row. ---------------------- */
 nsa_status nsa_validate_select(const nsa_select_args *a, nsa_problem *p)
 {
     const tspec s[] = {
-        {&a->q, R_IN, K_REF, S_Q},
-        {&a->k_cmp, R_IN, K_REF, S_KC},
-        {&a->lse_cmp, R_OPT_IN, K_F32, S_ROW},
-        {&a->block_indices, R_OUT, K_I32, S_IDX_N},
-        {&a->block_counts, R_OPT_OUT, K_I32, S_CNT},
+        {&a->q, R_IN, K_REF, S_Q, "q"},
+        {&a->k_cmp, R_IN, K_REF, S_KC, "k_cmp"},
+        {&a->lse_cmp, R_OPT_IN, K_F32, S_ROW, "lse_cmp"},
+        {&a->block_indices, R_OUT, K_I32, S_IDX_N, "block_indices"},
+        {&a->block_counts, R_OPT_OUT, K_I32, S_CNT, "block_counts"},
     };
-    nsa_status st = check_with_config(s, COUNT(s), a->q.dtype, &a->varlen, &a->config, p);
+    nsa_status st = check_with_config(s, COUNT(s), &s[0], &a->varlen, &a->config, 0, p);
     if (st == NSA_STATUS_SUCCESS) p->m = a->config.slc_topk;
     return st;
 }
@@ -400,13 +558,13 @@ static int slc_attn_specs(const nsa_slc_attn_args *a, int bwd, tspec *s)
 {
     const tensor_role out = bwd ? R_IN : R_OUT;
     const tspec t[] = {
-        {&a->q, R_IN, K_REF, S_Q},
-        {&a->k, R_IN, K_REF, S_K},
-        {&a->v, R_IN, K_REF, S_V},
-        {&a->block_indices, R_IN, K_I32, S_IDX_M},
-        {&a->block_counts, R_OPT_IN, K_I32, S_CNT},
-        {&a->o, out, K_REF, S_O},
-        {&a->lse, out, K_F32, S_ROW},
+        {&a->q, R_IN, K_REF, S_Q, NM(bwd, "q")},
+        {&a->k, R_IN, K_REF, S_K, NM(bwd, "k")},
+        {&a->v, R_IN, K_REF, S_V, NM(bwd, "v")},
+        {&a->block_indices, R_IN, K_I32, S_IDX_M, NM(bwd, "block_indices")},
+        {&a->block_counts, R_OPT_IN, K_I32, S_CNT, NM(bwd, "block_counts")},
+        {&a->o, out, K_REF, S_O, NM(bwd, "o")},
+        {&a->lse, out, K_F32, S_ROW, NM(bwd, "lse")},
     };
     return append(s, 0, t, COUNT(t));
 }
@@ -416,7 +574,10 @@ static int qkv_grad_specs(const nsa_tensor *dout, const nsa_tensor *dq, const ns
                           tspec *s, int n)
 {
     const tspec g[] = {
-        {dout, R_IN, K_REF, S_O}, {dq, R_OUT, K_REF, S_Q}, {dk, R_OUT, K_REF, S_K}, {dv, R_OUT, K_REF, S_V},
+        {dout, R_IN, K_REF, S_O, "dout"},
+        {dq, R_OUT, K_REF, S_Q, "dq"},
+        {dk, R_OUT, K_REF, S_K, "dk"},
+        {dv, R_OUT, K_REF, S_V, "dv"},
     };
     return append(s, n, g, COUNT(g));
 }
@@ -425,59 +586,93 @@ nsa_status nsa_validate_slc_attn(const nsa_slc_attn_args *a, nsa_problem *p)
 {
     tspec s[MAX_SPECS];
     int n = slc_attn_specs(a, 0, s);
-    return check_with_config(s, n, a->q.dtype, &a->varlen, &a->config, p);
+    return check_with_config(s, n, &s[0], &a->varlen, &a->config, 0, p);
 }
 
 nsa_status nsa_validate_slc_attn_bwd(const nsa_slc_attn_bwd_args *a, nsa_problem *p)
 {
     tspec s[MAX_SPECS];
     int n = qkv_grad_specs(&a->dout, &a->dq, &a->dk, &a->dv, s, slc_attn_specs(&a->fwd, 1, s));
-    return check_with_config(s, n, a->fwd.q.dtype, &a->fwd.varlen, &a->fwd.config, p);
+    return check_with_config(s, n, &s[0], &a->fwd.varlen, &a->fwd.config, 1, p);
 }
 
 /* ---- 5. Dense / windowed attention: no nsa_config, its scalars are fields. ------------- */
 /* Stage a: the scalars and which options must come together. */
-static nsa_status attention_scalars(const nsa_attention_args *a)
+static nsa_status attention_scalars(const nsa_attention_args *a, int bwd)
 {
     const nsa_varlen_qk *vq = &a->varlen_qk;
-    if (!scale_ok(a->scale)) return NSA_STATUS_BAD_SCALE;
-    if (a->window_left < -1 || a->window_right < -1) return NSA_STATUS_BAD_WINDOW;
-    if (!isfinite(a->softcap) || a->softcap < 0.0f) return NSA_STATUS_BAD_SOFTCAP;
-    if (!(a->dropout_p >= 0.0f && a->dropout_p < 1.0f)) return NSA_STATUS_BAD_DROPOUT; /* NaN fails too */
-    if (nsa_present(&a->q_segment_ids) != nsa_present(&a->k_segment_ids)) return NSA_STATUS_BAD_ARGUMENT;
-    if ((vq->cu_seqlens_q != NULL) != (vq->cu_seqlens_k != NULL)) return NSA_STATUS_BAD_ARGUMENT;
-    if (vq->cu_seqlens_q && a->varlen.cu_seqlens) return NSA_STATUS_BAD_ARGUMENT; /* one packing only */
+    const char *pre = PRE(bwd);
+    if (!scale_ok(a->scale))
+        return nsa_fail(NSA_STATUS_BAD_SCALE, "%sscale: %g, must be finite and >= 0 (0 = 1/sqrt(DK))", pre, (double)a->scale);
+    if (a->window_left < -1)
+        return nsa_fail(NSA_STATUS_BAD_WINDOW, "%swindow_left: %" PRId64 ", must be >= -1 (-1 = unbounded)", pre, a->window_left);
+    if (a->window_right < -1)
+        return nsa_fail(NSA_STATUS_BAD_WINDOW, "%swindow_right: %" PRId64 ", must be >= -1 (-1 = unbounded)", pre,
+                        a->window_right);
+    if (!isfinite(a->softcap) || a->softcap < 0.0f)
+        return nsa_fail(NSA_STATUS_BAD_SOFTCAP, "%ssoftcap: %g, must be finite and >= 0 (0 = off)", pre, (double)a->softcap);
+    if (!(a->dropout_p >= 0.0f && a->dropout_p < 1.0f)) /* NaN fails too */
+        return nsa_fail(NSA_STATUS_BAD_DROPOUT, "%sdropout_p: %g, must be in [0, 1)", pre, (double)a->dropout_p);
+    if (nsa_present(&a->q_segment_ids) != nsa_present(&a->k_segment_ids))
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%s%s: given without %s (both or neither)", pre,
+                        nsa_present(&a->q_segment_ids) ? "q_segment_ids" : "k_segment_ids",
+                        nsa_present(&a->q_segment_ids) ? "k_segment_ids" : "q_segment_ids");
+    if ((vq->cu_seqlens_q != NULL) != (vq->cu_seqlens_k != NULL))
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%svarlen_qk.%s: given without %s (both or neither)", pre,
+                        vq->cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k", vq->cu_seqlens_q ? "cu_seqlens_k" : "cu_seqlens_q");
+    if (vq->cu_seqlens_q && a->varlen.cu_seqlens) /* one packing only */
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%svarlen_qk: given together with varlen.cu_seqlens (one packing only)", pre);
     return NSA_STATUS_SUCCESS;
 }
 
-/* One packing: cu[0] == 0, non-decreasing, cu[N] == total. */
-static int cu64_ok(const int64_t *cu, int64_t N, int64_t total)
+/* One packing: cu[0] == 0, non-decreasing, cu[N] == total (of rows named `rows`). */
+static nsa_status cu64_check(const int64_t *cu, int64_t N, int64_t total, const char *pre, const char *name,
+                             const char *rows)
 {
-    if (cu[0] != 0) return 0;
+    if (cu[0] != 0)
+        return nsa_fail(NSA_STATUS_BAD_CU_SEQLENS, "%svarlen_qk.%s: %s[0] is %" PRId64 ", must be 0", pre, name, name, cu[0]);
     for (int64_t s = 0; s < N; s++)
-        if (cu[s + 1] < cu[s]) return 0;
-    return cu[N] == total;
+        if (cu[s + 1] < cu[s])
+            return nsa_fail(NSA_STATUS_BAD_CU_SEQLENS,
+                            "%svarlen_qk.%s: %s[%" PRId64 "] = %" PRId64 " < %s[%" PRId64 "] = %" PRId64 " (must not decrease)",
+                            pre, name, name, s + 1, cu[s + 1], name, s, cu[s]);
+    if (cu[N] != total)
+        return nsa_fail(NSA_STATUS_BAD_CU_SEQLENS, "%svarlen_qk.%s: %s[%" PRId64 "] (the last) is %" PRId64 ", must equal %s = %" PRId64,
+                        pre, name, name, N, cu[N], rows, total);
+    return NSA_STATUS_SUCCESS;
 }
 
 /* Stage d for the attention's own varlen forms, and the rules tying dbias to bias. */
-static nsa_status attention_finish(const nsa_attention_args *a, const nsa_tensor *dbias, nsa_problem *p)
+static nsa_status attention_finish(const nsa_attention_args *a, const nsa_tensor *dbias, int bwd, nsa_problem *p)
 {
     const nsa_varlen_qk *vq = &a->varlen_qk;
+    const char *pre = PRE(bwd);
+    nsa_status st;
     /* the int32 packing is one for q and k alike: it cannot describe Tq != Tk */
-    if (a->varlen.cu_seqlens && p->Tk != p->T) return NSA_STATUS_BAD_CU_SEQLENS;
+    if (a->varlen.cu_seqlens && p->Tk != p->T)
+        return nsa_fail(NSA_STATUS_BAD_CU_SEQLENS, "%svarlen.cu_seqlens: one packing for q and k, but Tq = %" PRId64
+                        " and Tk = %" PRId64 " differ (varlen_qk packs them apart)", pre, p->T, p->Tk);
     if (vq->cu_seqlens_q) {
-        if (p->B != 1 || vq->num_seqs < 0 || !cu64_ok(vq->cu_seqlens_q, vq->num_seqs, p->T) ||
-            !cu64_ok(vq->cu_seqlens_k, vq->num_seqs, p->Tk))
-            return NSA_STATUS_BAD_CU_SEQLENS;
+        if (p->B != 1)
+            return nsa_fail(NSA_STATUS_BAD_CU_SEQLENS, "%svarlen_qk: packed input needs B == 1, B is %" PRId64, pre, p->B);
+        if (vq->num_seqs < 0)
+            return nsa_fail(NSA_STATUS_BAD_CU_SEQLENS, "%svarlen_qk.num_seqs: %" PRId64 " is negative", pre, vq->num_seqs);
+        if ((st = cu64_check(vq->cu_seqlens_q, vq->num_seqs, p->T, pre, "cu_seqlens_q", "Tq")) != NSA_STATUS_SUCCESS ||
+            (st = cu64_check(vq->cu_seqlens_k, vq->num_seqs, p->Tk, pre, "cu_seqlens_k", "Tk")) != NSA_STATUS_SUCCESS)
+            return st;
         p->num_seqs = vq->num_seqs;
         p->cu_seqlens_q = vq->cu_seqlens_q;
         p->cu_seqlens_k = vq->cu_seqlens_k;
     }
     if (dbias && nsa_present(dbias)) {
         for (int j = 0; j < 4; j++)
-            if (dbias->shape[j] != a->bias.shape[j]) return NSA_STATUS_BAD_SHAPE;
+            if (dbias->shape[j] != a->bias.shape[j])
+                return nsa_fail(NSA_STATUS_BAD_SHAPE, "dbias: dim %d is %" PRId64 ", fwd.bias has %" PRId64 " (same shape)", j,
+                                dbias->shape[j], a->bias.shape[j]);
         for (int j = 0; j < 4; j++) /* an output dim of stride 0 would write one element twice */
-            if (dbias->shape[j] > 1 && dbias->stride[j] == 0) return NSA_STATUS_BAD_STRIDE;
+            if (dbias->shape[j] > 1 && dbias->stride[j] == 0)
+                return nsa_fail(NSA_STATUS_BAD_STRIDE, "dbias: stride[%d] is 0 on a dim of size %" PRId64
+                                " (an output element would be written twice)", j, dbias->shape[j]);
     }
     p->extended = p->T != p->Tk || a->softcap != 0.0f || nsa_present(&a->sinks) || nsa_present(&a->q_segment_ids) ||
                   nsa_present(&a->bias) || nsa_present(&a->mask) || a->dropout_p != 0.0f || vq->cu_seqlens_q != NULL;
@@ -488,16 +683,16 @@ static int attention_specs(const nsa_attention_args *a, int bwd, tspec *s)
 {
     const tensor_role out = bwd ? R_IN : R_OUT;
     const tspec t[] = {
-        {&a->q, R_IN, K_REF, S_Q},
-        {&a->k, R_IN, K_REF, S_AK},
-        {&a->v, R_IN, K_REF, S_AV},
-        {&a->o, out, K_REF, S_O},
-        {&a->lse, out, K_F32, S_ROW},
-        {&a->sinks, R_OPT_IN, K_F32, S_HEAD},
-        {&a->q_segment_ids, R_OPT_IN, K_I32, S_SEGQ},
-        {&a->k_segment_ids, R_OPT_IN, K_I32, S_SEGK},
-        {&a->bias, R_OPT_IN, K_FLOAT, S_PAIR},
-        {&a->mask, R_OPT_IN, K_U8, S_PAIR},
+        {&a->q, R_IN, K_REF, S_Q, NM(bwd, "q")},
+        {&a->k, R_IN, K_REF, S_AK, NM(bwd, "k")},
+        {&a->v, R_IN, K_REF, S_AV, NM(bwd, "v")},
+        {&a->o, out, K_REF, S_O, NM(bwd, "o")},
+        {&a->lse, out, K_F32, S_ROW, NM(bwd, "lse")},
+        {&a->sinks, R_OPT_IN, K_F32, S_HEAD, NM(bwd, "sinks")},
+        {&a->q_segment_ids, R_OPT_IN, K_I32, S_SEGQ, NM(bwd, "q_segment_ids")},
+        {&a->k_segment_ids, R_OPT_IN, K_I32, S_SEGK, NM(bwd, "k_segment_ids")},
+        {&a->bias, R_OPT_IN, K_FLOAT, S_PAIR, NM(bwd, "bias")},
+        {&a->mask, R_OPT_IN, K_U8, S_PAIR, NM(bwd, "mask")},
     };
     return append(s, 0, t, COUNT(t));
 }
@@ -506,50 +701,57 @@ nsa_status nsa_validate_attention(const nsa_attention_args *a, nsa_problem *p)
 {
     tspec s[MAX_SPECS];
     int n = attention_specs(a, 0, s);
-    nsa_status st = attention_scalars(a);
+    nsa_status st = attention_scalars(a, 0);
     if (st != NSA_STATUS_SUCCESS) return st;
-    st = check_tensors(s, n, a->q.dtype, &a->varlen, NULL, a->scale, p);
+    const engine_in e = {a->q.dtype, "q", &a->varlen, NULL, a->scale, ""};
+    st = check_tensors(s, n, &e, p);
     if (st != NSA_STATUS_SUCCESS) return st;
-    return attention_finish(a, NULL, p);
+    return attention_finish(a, NULL, 0, p);
 }
 
 nsa_status nsa_validate_attention_bwd(const nsa_attention_bwd_args *a, nsa_problem *p)
 {
     const nsa_attention_args *f = &a->fwd;
     const tspec g[] = {
-        {&a->dout, R_IN, K_REF, S_O},
-        {&a->dq, R_OUT, K_REF, S_Q},
-        {&a->dk, R_OUT, K_REF, S_AK},
-        {&a->dv, R_OUT, K_REF, S_AV},
-        {&a->dsinks, when(&f->sinks, R_OUT), K_F32, S_HEAD},
-        {&a->dbias, when(&f->bias, R_OPT_OUT), K_FLOAT, S_PAIR},
+        {&a->dout, R_IN, K_REF, S_O, "dout"},
+        {&a->dq, R_OUT, K_REF, S_Q, "dq"},
+        {&a->dk, R_OUT, K_REF, S_AK, "dk"},
+        {&a->dv, R_OUT, K_REF, S_AV, "dv"},
+        {&a->dsinks, when(&f->sinks, R_OUT), K_F32, S_HEAD, "dsinks"},
+        {&a->dbias, when(&f->bias, R_OPT_OUT), K_FLOAT, S_PAIR, "dbias"},
     };
     tspec s[MAX_SPECS];
     int n = append(s, attention_specs(f, 1, s), g, COUNT(g));
-    nsa_status st = attention_scalars(f);
+    nsa_status st = attention_scalars(f, 1);
     if (st != NSA_STATUS_SUCCESS) return st;
-    if (nsa_present(&a->dbias) && !nsa_present(&f->bias)) return NSA_STATUS_BAD_ARGUMENT;
-    st = check_tensors(s, n, f->q.dtype, &f->varlen, NULL, f->scale, p);
+    if (nsa_present(&a->dbias) && !nsa_present(&f->bias))
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "dbias: given but fwd.bias is absent");
+    const engine_in e = {f->q.dtype, "fwd.q", &f->varlen, NULL, f->scale, "fwd."};
+    st = check_tensors(s, n, &e, p);
     if (st != NSA_STATUS_SUCCESS) return st;
-    return attention_finish(f, &a->dbias, p);
+    return attention_finish(f, &a->dbias, 1, p);
 }
 
 /* ---- 6. Gating: o (not q) sets the sizes and the dtype of the gates. ------------------ */
-static int any_gate(const nsa_tensor *g_cmp, const nsa_tensor *g_slc, const nsa_tensor *g_swa)
+static nsa_status need_gate(const nsa_tensor *g_cmp, const nsa_tensor *g_slc, const nsa_tensor *g_swa, int bwd)
 {
-    return nsa_present(g_cmp) || nsa_present(g_slc) || nsa_present(g_swa);
+    if (nsa_present(g_cmp) || nsa_present(g_slc) || nsa_present(g_swa)) return NSA_STATUS_SUCCESS;
+    const char *pre = PRE(bwd);
+    return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%sg_cmp, %sg_slc, %sg_swa: all absent, at least one gate is needed", pre, pre,
+                    pre);
 }
 
 static int gate_specs(const nsa_gate_args *a, int bwd, tspec *s)
 {
     const tspec t[] = {
-        {&a->o_cmp, when(&a->g_cmp, R_IN), K_FLOAT, S_O},
-        {&a->o_slc, when(&a->g_slc, R_IN), K_FLOAT, S_O},
-        {&a->o_swa, when(&a->g_swa, R_IN), K_FLOAT, S_O},
-        {&a->g_cmp, R_OPT_IN, K_REF, S_ROW},
-        {&a->g_slc, R_OPT_IN, K_REF, S_ROW},
-        {&a->g_swa, R_OPT_IN, K_REF, S_ROW},
-        {&a->o, bwd ? R_DESC : R_OUT, K_REF, S_O}, /* the backward reads o's shape and dtype only */
+        {&a->o_cmp, when(&a->g_cmp, R_IN), K_FLOAT, S_O, NM(bwd, "o_cmp")},
+        {&a->o_slc, when(&a->g_slc, R_IN), K_FLOAT, S_O, NM(bwd, "o_slc")},
+        {&a->o_swa, when(&a->g_swa, R_IN), K_FLOAT, S_O, NM(bwd, "o_swa")},
+        {&a->g_cmp, R_OPT_IN, K_REF, S_ROW, NM(bwd, "g_cmp")},
+        {&a->g_slc, R_OPT_IN, K_REF, S_ROW, NM(bwd, "g_slc")},
+        {&a->g_swa, R_OPT_IN, K_REF, S_ROW, NM(bwd, "g_swa")},
+        /* the backward reads o's shape and dtype only */
+        {&a->o, bwd ? R_DESC : R_OUT, K_REF, S_O, NM(bwd, "o")},
     };
     return append(s, 0, t, COUNT(t));
 }
@@ -559,38 +761,56 @@ nsa_status nsa_validate_gate(const nsa_gate_args *a, nsa_problem *p)
     tspec s[MAX_SPECS];
     int n = gate_specs(a, 0, s);
     /* While o is absent (MISSING_OUTPUT, stage e) the first gate stands in for its dtype. */
-    nsa_dtype ref = nsa_present(&a->o) ? a->o.dtype : nsa_present(&a->g_cmp) ? a->g_cmp.dtype : nsa_present(&a->g_slc) ? a->g_slc.dtype : a->g_swa.dtype;
-    if (!any_gate(&a->g_cmp, &a->g_slc, &a->g_swa)) return NSA_STATUS_BAD_ARGUMENT;
-    return check_tensors(s, n, ref, NULL, NULL, 0.0f, p);
+    const nsa_tensor *ref = nsa_present(&a->o) ? &a->o : nsa_present(&a->g_cmp) ? &a->g_cmp
+                          : nsa_present(&a->g_slc) ? &a->g_slc : &a->g_swa;
+    const char *ref_name = ref == &a->o ? "o" : ref == &a->g_cmp ? "g_cmp" : ref == &a->g_slc ? "g_slc" : "g_swa";
+    nsa_status st = need_gate(&a->g_cmp, &a->g_slc, &a->g_swa, 0);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    const engine_in e = {ref->dtype, ref_name, NULL, NULL, 0.0f, ""};
+    return check_tensors(s, n, &e, p);
 }
 
 nsa_status nsa_validate_gate_bwd(const nsa_gate_bwd_args *a, nsa_problem *p)
 {
     const nsa_gate_args *f = &a->fwd;
     const tspec g[] = {
-        {&a->dout, R_IN, K_REF, S_O},
-        {&a->do_cmp, when(&f->g_cmp, R_OUT), K_FLOAT, S_O},
-        {&a->do_slc, when(&f->g_slc, R_OUT), K_FLOAT, S_O},
-        {&a->do_swa, when(&f->g_swa, R_OUT), K_FLOAT, S_O},
-        {&a->dg_cmp, when(&f->g_cmp, R_OUT), K_REF, S_ROW},
-        {&a->dg_slc, when(&f->g_slc, R_OUT), K_REF, S_ROW},
-        {&a->dg_swa, when(&f->g_swa, R_OUT), K_REF, S_ROW},
+        {&a->dout, R_IN, K_REF, S_O, "dout"},
+        {&a->do_cmp, when(&f->g_cmp, R_OUT), K_FLOAT, S_O, "do_cmp"},
+        {&a->do_slc, when(&f->g_slc, R_OUT), K_FLOAT, S_O, "do_slc"},
+        {&a->do_swa, when(&f->g_swa, R_OUT), K_FLOAT, S_O, "do_swa"},
+        {&a->dg_cmp, when(&f->g_cmp, R_OUT), K_REF, S_ROW, "dg_cmp"},
+        {&a->dg_slc, when(&f->g_slc, R_OUT), K_REF, S_ROW, "dg_slc"},
+        {&a->dg_swa, when(&f->g_swa, R_OUT), K_REF, S_ROW, "dg_swa"},
     };
     tspec s[MAX_SPECS];
     int n = append(s, gate_specs(f, 1, s), g, COUNT(g));
-    if (!any_gate(&f->g_cmp, &f->g_slc, &f->g_swa)) return NSA_STATUS_BAD_ARGUMENT;
-    return check_tensors(s, n, f->o.dtype, NULL, NULL, 0.0f, p);
+    nsa_status st = need_gate(&f->g_cmp, &f->g_slc, &f->g_swa, 1);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    const engine_in e = {f->o.dtype, "fwd.o", NULL, NULL, 0.0f, "fwd."};
+    return check_tensors(s, n, &e, p);
 }
 
 /* ---- 7. Whole NSA. What the forward writes to `saved` the backward reads back. -------- */
-static nsa_status forward_scalars(const nsa_forward_args *a)
+/* K/V overrides come in pairs: `b` must be present exactly when `a` is. */
+static nsa_status pair_check(const nsa_tensor *a, const nsa_tensor *b, const char *pre, const char *an, const char *bn)
 {
-    nsa_status st = nsa_config_validate(&a->config);
+    if (nsa_present(a) == nsa_present(b)) return NSA_STATUS_SUCCESS;
+    return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%s%s: given without %s%s (both or neither)", pre, nsa_present(a) ? an : bn, pre,
+                    nsa_present(a) ? bn : an);
+}
+
+static nsa_status forward_scalars(const nsa_forward_args *a, int bwd)
+{
+    const char *pre = PRE(bwd);
+    nsa_status st = nsa_config_check(&a->config, NM(bwd, "config"));
     if (st != NSA_STATUS_SUCCESS) return st;
-    if (nsa_present(&a->k_slc) != nsa_present(&a->v_slc) || nsa_present(&a->k_swa) != nsa_present(&a->v_swa) || nsa_present(&a->k_cmp) != nsa_present(&a->v_cmp))
-        return NSA_STATUS_BAD_ARGUMENT;
-    if (!any_gate(&a->g_cmp, &a->g_slc, &a->g_swa)) return NSA_STATUS_BAD_ARGUMENT;
-    if (nsa_present(&a->block_counts) && !nsa_present(&a->block_indices)) return NSA_STATUS_BAD_ARGUMENT;
+    if ((st = pair_check(&a->k_slc, &a->v_slc, pre, "k_slc", "v_slc")) != NSA_STATUS_SUCCESS ||
+        (st = pair_check(&a->k_swa, &a->v_swa, pre, "k_swa", "v_swa")) != NSA_STATUS_SUCCESS ||
+        (st = pair_check(&a->k_cmp, &a->v_cmp, pre, "k_cmp", "v_cmp")) != NSA_STATUS_SUCCESS)
+        return st;
+    if ((st = need_gate(&a->g_cmp, &a->g_slc, &a->g_swa, bwd)) != NSA_STATUS_SUCCESS) return st;
+    if (nsa_present(&a->block_counts) && !nsa_present(&a->block_indices))
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%sblock_counts: given without %sblock_indices", pre, pre);
     return NSA_STATUS_SUCCESS;
 }
 
@@ -600,28 +820,28 @@ static int forward_specs(const nsa_forward_args *a, int bwd, tspec *s)
     /* The forward selects (and saves the indices) only when the caller gave none. */
     const tensor_role sel = nsa_present(&a->g_slc) && !nsa_present(&a->block_indices) ? sv : R_SKIP;
     const tspec t[] = {
-        {&a->q, R_IN, K_REF, S_Q},
-        {&a->k, R_IN, K_REF, S_K},
-        {&a->v, R_IN, K_REF, S_V},
-        {&a->k_slc, R_OPT_IN, K_REF, S_K},
-        {&a->v_slc, R_OPT_IN, K_REF, S_V},
-        {&a->k_swa, R_OPT_IN, K_REF, S_K},
-        {&a->v_swa, R_OPT_IN, K_REF, S_V},
-        {&a->k_cmp, R_OPT_IN, K_REF, S_KC},
-        {&a->v_cmp, R_OPT_IN, K_REF, S_VC},
-        {&a->g_cmp, R_OPT_IN, K_REF, S_ROW},
-        {&a->g_slc, R_OPT_IN, K_REF, S_ROW},
-        {&a->g_swa, R_OPT_IN, K_REF, S_ROW},
-        {&a->block_indices, R_OPT_IN, K_I32, S_IDX_M},
-        {&a->block_counts, R_OPT_IN, K_I32, S_CNT},
-        {&a->o, bwd ? R_SKIP : R_OUT, K_REF, S_O},
-        {&a->saved.block_indices, sel, K_I32, S_IDX_N},
-        {&a->saved.o_cmp, when(&a->g_cmp, sv), K_FLOAT, S_O},
-        {&a->saved.o_slc, when(&a->g_slc, sv), K_FLOAT, S_O},
-        {&a->saved.o_swa, when(&a->g_swa, sv), K_FLOAT, S_O},
-        {&a->saved.lse_cmp, when(&a->g_cmp, sv), K_F32, S_ROW},
-        {&a->saved.lse_slc, when(&a->g_slc, sv), K_F32, S_ROW},
-        {&a->saved.lse_swa, when(&a->g_swa, sv), K_F32, S_ROW},
+        {&a->q, R_IN, K_REF, S_Q, NM(bwd, "q")},
+        {&a->k, R_IN, K_REF, S_K, NM(bwd, "k")},
+        {&a->v, R_IN, K_REF, S_V, NM(bwd, "v")},
+        {&a->k_slc, R_OPT_IN, K_REF, S_K, NM(bwd, "k_slc")},
+        {&a->v_slc, R_OPT_IN, K_REF, S_V, NM(bwd, "v_slc")},
+        {&a->k_swa, R_OPT_IN, K_REF, S_K, NM(bwd, "k_swa")},
+        {&a->v_swa, R_OPT_IN, K_REF, S_V, NM(bwd, "v_swa")},
+        {&a->k_cmp, R_OPT_IN, K_REF, S_KC, NM(bwd, "k_cmp")},
+        {&a->v_cmp, R_OPT_IN, K_REF, S_VC, NM(bwd, "v_cmp")},
+        {&a->g_cmp, R_OPT_IN, K_REF, S_ROW, NM(bwd, "g_cmp")},
+        {&a->g_slc, R_OPT_IN, K_REF, S_ROW, NM(bwd, "g_slc")},
+        {&a->g_swa, R_OPT_IN, K_REF, S_ROW, NM(bwd, "g_swa")},
+        {&a->block_indices, R_OPT_IN, K_I32, S_IDX_M, NM(bwd, "block_indices")},
+        {&a->block_counts, R_OPT_IN, K_I32, S_CNT, NM(bwd, "block_counts")},
+        {&a->o, bwd ? R_SKIP : R_OUT, K_REF, S_O, NM(bwd, "o")},
+        {&a->saved.block_indices, sel, K_I32, S_IDX_N, NM(bwd, "saved.block_indices")},
+        {&a->saved.o_cmp, when(&a->g_cmp, sv), K_FLOAT, S_O, NM(bwd, "saved.o_cmp")},
+        {&a->saved.o_slc, when(&a->g_slc, sv), K_FLOAT, S_O, NM(bwd, "saved.o_slc")},
+        {&a->saved.o_swa, when(&a->g_swa, sv), K_FLOAT, S_O, NM(bwd, "saved.o_swa")},
+        {&a->saved.lse_cmp, when(&a->g_cmp, sv), K_F32, S_ROW, NM(bwd, "saved.lse_cmp")},
+        {&a->saved.lse_slc, when(&a->g_slc, sv), K_F32, S_ROW, NM(bwd, "saved.lse_slc")},
+        {&a->saved.lse_swa, when(&a->g_swa, sv), K_F32, S_ROW, NM(bwd, "saved.lse_swa")},
     };
     return append(s, 0, t, COUNT(t));
 }
@@ -637,29 +857,31 @@ nsa_status nsa_validate_forward(const nsa_forward_args *a, nsa_problem *p)
 {
     tspec s[MAX_SPECS];
     int n = forward_specs(a, 0, s);
-    nsa_status st = forward_scalars(a);
+    nsa_status st = forward_scalars(a, 0);
     if (st != NSA_STATUS_SUCCESS) return st;
-    return finish_forward(check_tensors(s, n, a->q.dtype, &a->varlen, &a->config, a->config.scale, p), a, p);
+    const engine_in e = {a->q.dtype, "q", &a->varlen, &a->config, a->config.scale, ""};
+    return finish_forward(check_tensors(s, n, &e, p), a, p);
 }
 
 nsa_status nsa_validate_backward(const nsa_backward_args *a, nsa_problem *p)
 {
     const nsa_forward_args *f = &a->fwd;
     const tspec g[] = {
-        {&a->dk_slc, when(&f->k_slc, R_OUT), K_REF, S_K},
-        {&a->dv_slc, when(&f->v_slc, R_OUT), K_REF, S_V},
-        {&a->dk_swa, when(&f->k_swa, R_OUT), K_REF, S_K},
-        {&a->dv_swa, when(&f->v_swa, R_OUT), K_REF, S_V},
-        {&a->dk_cmp, when(&f->k_cmp, R_OUT), K_REF, S_KC},
-        {&a->dv_cmp, when(&f->v_cmp, R_OUT), K_REF, S_VC},
-        {&a->dg_cmp, when(&f->g_cmp, R_OUT), K_REF, S_ROW},
-        {&a->dg_slc, when(&f->g_slc, R_OUT), K_REF, S_ROW},
-        {&a->dg_swa, when(&f->g_swa, R_OUT), K_REF, S_ROW},
+        {&a->dk_slc, when(&f->k_slc, R_OUT), K_REF, S_K, "dk_slc"},
+        {&a->dv_slc, when(&f->v_slc, R_OUT), K_REF, S_V, "dv_slc"},
+        {&a->dk_swa, when(&f->k_swa, R_OUT), K_REF, S_K, "dk_swa"},
+        {&a->dv_swa, when(&f->v_swa, R_OUT), K_REF, S_V, "dv_swa"},
+        {&a->dk_cmp, when(&f->k_cmp, R_OUT), K_REF, S_KC, "dk_cmp"},
+        {&a->dv_cmp, when(&f->v_cmp, R_OUT), K_REF, S_VC, "dv_cmp"},
+        {&a->dg_cmp, when(&f->g_cmp, R_OUT), K_REF, S_ROW, "dg_cmp"},
+        {&a->dg_slc, when(&f->g_slc, R_OUT), K_REF, S_ROW, "dg_slc"},
+        {&a->dg_swa, when(&f->g_swa, R_OUT), K_REF, S_ROW, "dg_swa"},
     };
     tspec s[MAX_SPECS];
     int n = qkv_grad_specs(&a->dout, &a->dq, &a->dk, &a->dv, s, forward_specs(f, 1, s));
-    nsa_status st = forward_scalars(f);
+    nsa_status st = forward_scalars(f, 1);
     if (st != NSA_STATUS_SUCCESS) return st;
     n = append(s, n, g, COUNT(g));
-    return finish_forward(check_tensors(s, n, f->q.dtype, &f->varlen, &f->config, f->config.scale, p), f, p);
+    const engine_in e = {f->q.dtype, "fwd.q", &f->varlen, &f->config, f->config.scale, "fwd."};
+    return finish_forward(check_tensors(s, n, &e, p), f, p);
 }

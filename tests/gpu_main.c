@@ -110,6 +110,7 @@ static void check_f32_declined(void)
     CHECK_STATUS(nsa_attention_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
     void *ws = devmem_alloc(be, need, "the workspace");
     CHECK_STATUS(nsa_attention(ctx, &a, ws, need), NSA_STATUS_NOT_SUPPORTED);
+    CHECK_DETAIL("q"); /* names the dtype the CUDA attention does not take */
     nsa_context_destroy(ctx);
     devmem_free(be, ws), devmem_free(be, q), devmem_free(be, o), devmem_free(be, lse);
 }

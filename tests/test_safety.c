@@ -102,7 +102,9 @@ static void absent_output_case(void)
     a.x_cmp = nsa_tensor_make(NULL, NSA_DTYPE_F32, 4, sc);
     size_t bytes = 0;
     CHECK_STATUS(nsa_compress_workspace_size(ctx, &a, &bytes), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("x_cmp");
     CHECK_STATUS(nsa_compress(ctx, &a, NULL, 0), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("x_cmp");
     a.x_cmp = nsa_tensor_make(NULL, NSA_DTYPE_F32, 4, sc0); /* an empty absent output is fine */
     CHECK_STATUS(nsa_compress_workspace_size(ctx, &a, &bytes), NSA_STATUS_SUCCESS);
     free(a.x.data);
@@ -115,6 +117,7 @@ static void block_count_case(void)
     nsa_config c = nsa_config_default();
     c.cmp_len = 1, c.cmp_stride = 1, c.slc_block = INT64_MAX, c.slc_topk = 1, c.n_init = 0, c.n_local = 0, c.window = 1;
     CHECK_STATUS(nsa_config_validate(&c), NSA_STATUS_BAD_SLC_BLOCK); /* past int32; the counting helpers still cope */
+    CHECK_DETAIL("config.slc_block");
     CHECK(nsa_num_slc_blocks(&c, 11) == 1 && nsa_num_slc_blocks(&c, 0) == 0);
     CHECK(nsa_num_slc_blocks(&c, INT64_MAX) == 1);
     c.slc_block = INT32_MAX;
@@ -190,9 +193,12 @@ static int sentinel_intact(void)
         unsigned char small_[256];                                                                        \
         sentinel_fill();                                                                                  \
         harness_check_status(query(ctx, (args), &bytes_), NSA_STATUS_SIZE_OVERFLOW, __FILE__, __LINE__, what); \
+        CHECK_DETAIL("workspace");                                                                        \
         CHECK_MSG(bytes_ == 12345, what);                                                                 \
         harness_check_status(op(ctx, (args), NULL, 0), NSA_STATUS_SIZE_OVERFLOW, __FILE__, __LINE__, what); \
+        CHECK_DETAIL("workspace");                                                                        \
         harness_check_status(op(ctx, (args), small_, sizeof small_), NSA_STATUS_SIZE_OVERFLOW, __FILE__, __LINE__, what); \
+        CHECK_DETAIL("workspace");                                                                        \
         CHECK_MSG(sentinel_intact(), what);                                                               \
     } while (0)
 

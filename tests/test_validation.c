@@ -9,6 +9,9 @@
  * config, cu_seqlens, GQA, workspace, NULL context / args) run over every tensor of every op;
  * the op-specific rules follow them. */
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -441,8 +444,10 @@ static void fill_forward(nsa_forward_args *a, tlist *l, int bwd)
     for (x = 0; x < 3; x++) {
         nsa_tensor *o = x == 0 ? &a->saved.o_cmp : x == 1 ? &a->saved.o_slc : &a->saved.o_swa;
         nsa_tensor *lse = x == 0 ? &a->saved.lse_cmp : x == 1 ? &a->saved.lse_slc : &a->saved.lse_swa;
-        put(l, o, bwd ? &W.oi[x] : &W.so[x], sv, "saved.o_*");
-        put(l, lse, bwd ? &W.li[x] : &W.sl[x], sv, "saved.lse_*");
+        static const char *const O_NAME[] = {"saved.o_cmp", "saved.o_slc", "saved.o_swa"};
+        static const char *const LSE_NAME[] = {"saved.lse_cmp", "saved.lse_slc", "saved.lse_swa"};
+        put(l, o, bwd ? &W.oi[x] : &W.so[x], sv, O_NAME[x]);
+        put(l, lse, bwd ? &W.li[x] : &W.sl[x], sv, LSE_NAME[x]);
     }
     a->varlen = mode_varlen();
     a->config = M.cfg;
@@ -525,7 +530,10 @@ static void ensure_ws(size_t bytes)
 }
 
 /* A call that must fail with `want` and write nothing; its workspace query must agree. */
-static void expect_at(const op_case *op, const any_args *a, nsa_status want, const char *what, int line)
+/* A call that must fail with `want`, its workspace query too, each leaving a detail that names
+ * `arg` (the field at fault; a dimension symbol where the fault is a head count). */
+static void expect_at(const op_case *op, const any_args *a, nsa_status want, const char *arg, const char *what,
+                      int line)
 {
     char desc[192];
     size_t bytes = 0;
@@ -534,13 +542,15 @@ static void expect_at(const op_case *op, const any_args *a, nsa_status want, con
     snprintf(desc, sizeof desc, "nsa_%s: %s", op->name, what);
     fill_sentinels();
     query = op->ws(g_ctx, a, &bytes);
+    harness_check_status(query, want, __FILE__, line, "(its workspace query)");
+    if (query == want) harness_check_detail(arg, __FILE__, line);
     got = op->run(g_ctx, a, g_ws, g_ws_bytes);
     harness_check_status(got, want, __FILE__, line, desc);
-    harness_check_status(query, want, __FILE__, line, "(its workspace query)");
+    if (got == want) harness_check_detail(arg, __FILE__, line);
     harness_record(sentinels_intact(), __FILE__, line, desc, "a failed call wrote to an output");
     g_cases++;
 }
-#define EXPECT(op, a, want, what) expect_at((op), (a), (want), (what), __LINE__)
+#define EXPECT(op, a, want, arg, what) expect_at((op), (a), (want), (arg), (what), __LINE__)
 
 /* Marks the 4-byte words of buffer b that the view t covers. */
 static void mark_view(const nsa_tensor *t, const buffer *b, unsigned char *mask)
@@ -659,6 +669,15 @@ static int mutate(nsa_tensor *t, int kind, int m)
     }
 }
 
+/* The field a tlist name ends with ("a->saved.o_cmp" -> "o_cmp"): the detail names it, as
+ * "o_cmp", "saved.o_cmp" or "fwd.saved.o_cmp". */
+static const char *field_of(const char *name)
+{
+    const char *dot = strrchr(name, '.'), *arrow = strrchr(name, '>');
+    const char *last = dot > arrow ? dot : arrow;
+    return last ? last + 1 : name;
+}
+
 static void tensor_cases(const op_case *op)
 {
     any_args a;
@@ -675,7 +694,7 @@ static void tensor_cases(const op_case *op)
             want = mutate(l.u[i].t, l.u[i].kind, m);
             if (want < 0) continue;
             snprintf(what, sizeof what, "%s: %s", l.u[i].name, MUT_NAMES[m]);
-            EXPECT(op, &a, (nsa_status)want, what);
+            EXPECT(op, &a, (nsa_status)want, field_of(l.u[i].name), what);
         }
 }
 
@@ -688,10 +707,15 @@ static void null_cases(const op_case *op)
     build(op, &a, &l);
     fill_sentinels();
     CHECK_STATUS(op->run(NULL, &a, g_ws, g_ws_bytes), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("ctx");
     CHECK_STATUS(op->ws(NULL, &a, &bytes), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("ctx");
     CHECK_STATUS(op->run(g_ctx, NULL, g_ws, g_ws_bytes), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("args");
     CHECK_STATUS(op->ws(g_ctx, NULL, &bytes), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("args");
     CHECK_STATUS(op->ws(g_ctx, &a, NULL), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("bytes");
     CHECK(sentinels_intact());
     g_cases += 5;
 }
@@ -709,6 +733,7 @@ static void workspace_case(const op_case *op)
     ensure_ws(need);
     fill_sentinels();
     CHECK_STATUS(op->run(g_ctx, &a, g_ws, need - 1), NSA_STATUS_WORKSPACE_TOO_SMALL);
+    CHECK_DETAIL("workspace_bytes");
     CHECK(sentinels_intact());
     g_cases++;
 }
@@ -719,39 +744,45 @@ typedef struct bad_config {
     int64_t l, d, lp, n, n_init, n_local, w;
     float scale;
     nsa_status want;
+    const char *arg; /* the field the detail must name */
+    float swa_scale;  /* the window branch's scale (0 = scale) */
 } bad_config;
 
 #define B31 ((int64_t)INT32_MAX + 1)
 #define B32 ((int64_t)1 << 32)
 static const bad_config BAD_CONFIGS[] = {
-    {"d = 0", 4, 0, 4, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_STRIDE},
-    {"d < 0", 4, -2, 4, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_STRIDE},
-    {"l = 0", 0, 2, 4, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_LEN},
-    {"l % d != 0", 5, 2, 8, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_STRIDE},
-    {"l' % d != 0", 4, 2, 5, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_SLC_BLOCK},
-    {"l > l'", 8, 2, 4, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_LEN},
-    {"l' = 0 (l > l' first)", 4, 2, 0, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_LEN},
-    {"n = 0", 4, 2, 4, 0, 0, 0, 6, 0.0f, NSA_STATUS_BAD_TOPK},
-    {"n_init < 0", 4, 2, 4, N_, -1, 1, 6, 0.0f, NSA_STATUS_BAD_TOPK},
-    {"n_local < 0", 4, 2, 4, N_, 1, -1, 6, 0.0f, NSA_STATUS_BAD_TOPK},
-    {"n < n_init + n_local", 4, 2, 4, 3, 2, 2, 6, 0.0f, NSA_STATUS_BAD_TOPK},
-    {"n_init + n_local overflows", 4, 2, 4, N_, INT64_MAX, INT64_MAX, 6, 0.0f, NSA_STATUS_BAD_TOPK},
+    {"d = 0", 4, 0, 4, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_STRIDE, "config.cmp_stride", 0.0f},
+    {"d < 0", 4, -2, 4, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_STRIDE, "config.cmp_stride", 0.0f},
+    {"l = 0", 0, 2, 4, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_LEN, "config.cmp_len", 0.0f},
+    {"l % d != 0", 5, 2, 8, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_STRIDE, "config.cmp_stride", 0.0f},
+    {"l' % d != 0", 4, 2, 5, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_SLC_BLOCK, "config.slc_block", 0.0f},
+    {"l > l'", 8, 2, 4, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_LEN, "config.cmp_len", 0.0f},
+    {"l' = 0 (l > l' first)", 4, 2, 0, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_LEN, "config.cmp_len", 0.0f},
+    {"n = 0", 4, 2, 4, 0, 0, 0, 6, 0.0f, NSA_STATUS_BAD_TOPK, "config.slc_topk", 0.0f},
+    {"n_init < 0", 4, 2, 4, N_, -1, 1, 6, 0.0f, NSA_STATUS_BAD_TOPK, "config.n_init", 0.0f},
+    {"n_local < 0", 4, 2, 4, N_, 1, -1, 6, 0.0f, NSA_STATUS_BAD_TOPK, "config.n_local", 0.0f},
+    {"n < n_init + n_local", 4, 2, 4, 3, 2, 2, 6, 0.0f, NSA_STATUS_BAD_TOPK, "config.slc_topk", 0.0f},
+    {"n_init + n_local overflows", 4, 2, 4, N_, INT64_MAX, INT64_MAX, 6, 0.0f, NSA_STATUS_BAD_TOPK, "config.n_init", 0.0f},
     /* every size of the config fits int32 (block indices are int32); here the one field past it */
-    {"d > INT32_MAX (l, l' too: d first)", B31, B31, B31, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_STRIDE},
-    {"l > INT32_MAX (l' too: l first)", B32, 2, B32, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_LEN},
-    {"l' > INT32_MAX", 4, 2, B31, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_SLC_BLOCK},
-    {"l' = INT64_MAX - 1", 4, 2, INT64_MAX - 1, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_SLC_BLOCK},
-    {"n > INT32_MAX", 4, 2, 4, B31, 1, 1, 6, 0.0f, NSA_STATUS_BAD_TOPK},
-    {"n_init > INT32_MAX", 4, 2, 4, INT64_MAX, B31, 0, 6, 0.0f, NSA_STATUS_BAD_TOPK},
-    {"n_local > INT32_MAX", 4, 2, 4, INT64_MAX, 0, B31, 6, 0.0f, NSA_STATUS_BAD_TOPK},
-    {"w = 0", 4, 2, 4, N_, 1, 1, 0, 0.0f, NSA_STATUS_BAD_WINDOW},
-    {"w < 0", 4, 2, 4, N_, 1, 1, -5, 0.0f, NSA_STATUS_BAD_WINDOW},
-    {"scale NaN", 4, 2, 4, N_, 1, 1, 6, NAN, NSA_STATUS_BAD_SCALE},
-    {"scale +inf", 4, 2, 4, N_, 1, 1, 6, INFINITY, NSA_STATUS_BAD_SCALE},
-    {"scale -inf", 4, 2, 4, N_, 1, 1, 6, -INFINITY, NSA_STATUS_BAD_SCALE},
-    {"scale < 0", 4, 2, 4, N_, 1, 1, 6, -0.5f, NSA_STATUS_BAD_SCALE},
-    {"d = 0 and w = 0: d first", 4, 0, 4, N_, 1, 1, 0, 0.0f, NSA_STATUS_BAD_CMP_STRIDE},
-    {"n = 0 and scale NaN: n first", 4, 2, 4, 0, 1, 1, 6, NAN, NSA_STATUS_BAD_TOPK},
+    {"d > INT32_MAX (l, l' too: d first)", B31, B31, B31, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_STRIDE, "config.cmp_stride", 0.0f},
+    {"l > INT32_MAX (l' too: l first)", B32, 2, B32, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_CMP_LEN, "config.cmp_len", 0.0f},
+    {"l' > INT32_MAX", 4, 2, B31, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_SLC_BLOCK, "config.slc_block", 0.0f},
+    {"l' = INT64_MAX - 1", 4, 2, INT64_MAX - 1, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_SLC_BLOCK, "config.slc_block", 0.0f},
+    {"n > INT32_MAX", 4, 2, 4, B31, 1, 1, 6, 0.0f, NSA_STATUS_BAD_TOPK, "config.slc_topk", 0.0f},
+    {"n_init > INT32_MAX", 4, 2, 4, INT64_MAX, B31, 0, 6, 0.0f, NSA_STATUS_BAD_TOPK, "config.n_init", 0.0f},
+    {"n_local > INT32_MAX", 4, 2, 4, INT64_MAX, 0, B31, 6, 0.0f, NSA_STATUS_BAD_TOPK, "config.n_local", 0.0f},
+    {"w = 0", 4, 2, 4, N_, 1, 1, 0, 0.0f, NSA_STATUS_BAD_WINDOW, "config.window", 0.0f},
+    {"w < 0", 4, 2, 4, N_, 1, 1, -5, 0.0f, NSA_STATUS_BAD_WINDOW, "config.window", 0.0f},
+    {"scale NaN", 4, 2, 4, N_, 1, 1, 6, NAN, NSA_STATUS_BAD_SCALE, "config.scale", 0.0f},
+    {"scale +inf", 4, 2, 4, N_, 1, 1, 6, INFINITY, NSA_STATUS_BAD_SCALE, "config.scale", 0.0f},
+    {"scale -inf", 4, 2, 4, N_, 1, 1, 6, -INFINITY, NSA_STATUS_BAD_SCALE, "config.scale", 0.0f},
+    {"scale < 0", 4, 2, 4, N_, 1, 1, 6, -0.5f, NSA_STATUS_BAD_SCALE, "config.scale", 0.0f},
+    {"swa_scale NaN", 4, 2, 4, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_SCALE, "config.swa_scale", NAN},
+    {"swa_scale +inf", 4, 2, 4, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_SCALE, "config.swa_scale", INFINITY},
+    {"swa_scale < 0", 4, 2, 4, N_, 1, 1, 6, 0.0f, NSA_STATUS_BAD_SCALE, "config.swa_scale", -0.5f},
+    {"scale < 0 before swa_scale", 4, 2, 4, N_, 1, 1, 6, -1.0f, NSA_STATUS_BAD_SCALE, "config.scale", -0.5f},
+    {"d = 0 and w = 0: d first", 4, 0, 4, N_, 1, 1, 0, 0.0f, NSA_STATUS_BAD_CMP_STRIDE, "config.cmp_stride", 0.0f},
+    {"n = 0 and scale NaN: n first", 4, 2, 4, 0, 1, 1, 6, NAN, NSA_STATUS_BAD_TOPK, "config.slc_topk", 0.0f},
 };
 
 static nsa_config config_of(const bad_config *r)
@@ -765,6 +796,7 @@ static nsa_config config_of(const bad_config *r)
     c.n_local = r->n_local;
     c.window = r->w;
     c.scale = r->scale;
+    c.swa_scale = r->swa_scale;
     return c;
 }
 
@@ -779,7 +811,7 @@ static void config_cases(const op_case *op)
         build(op, &a, &l);
         /* a broken tensor too: the config is checked first */
         l.u[0].t->rank = 1;
-        EXPECT(op, &a, BAD_CONFIGS[i].want, BAD_CONFIGS[i].what);
+        EXPECT(op, &a, BAD_CONFIGS[i].want, BAD_CONFIGS[i].arg, BAD_CONFIGS[i].what);
     }
     mode_dense();
 }
@@ -788,13 +820,13 @@ static void varlen_cases(const op_case *op)
 {
     static const int32_t cu_start[] = {1, 5, 5, 20}, cu_down[] = {0, 5, 4, 20}, cu_short[] = {0, 5, 5, 19},
                          cu_long[] = {0, 5, 5, 21};
-    const struct { const int32_t *cu; int64_t n; int packed; const char *what; } rows[] = {
-        {cu_start, 3, 1, "cu[0] != 0"},
-        {cu_down, 3, 1, "cu decreasing"},
-        {cu_short, 3, 1, "cu[N] < T"},
-        {cu_long, 3, 1, "cu[N] > T"},
-        {CU_OK, -1, 1, "num_seqs < 0"},
-        {CU_OK, 3, 0, "B != 1"},
+    const struct { const int32_t *cu; int64_t n; int packed; const char *what, *arg; } rows[] = {
+        {cu_start, 3, 1, "cu[0] != 0", "varlen.cu_seqlens"},
+        {cu_down, 3, 1, "cu decreasing", "varlen.cu_seqlens"},
+        {cu_short, 3, 1, "cu[N] < T", "varlen.cu_seqlens"},
+        {cu_long, 3, 1, "cu[N] > T", "varlen.cu_seqlens"},
+        {CU_OK, -1, 1, "num_seqs < 0", "varlen.num_seqs"},
+        {CU_OK, 3, 0, "B != 1", "varlen.cu_seqlens"},
     };
     any_args a;
     tlist l;
@@ -808,19 +840,19 @@ static void varlen_cases(const op_case *op)
         M.cu = rows[i].cu;
         M.num_seqs = rows[i].n;
         build(op, &a, &l);
-        EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, rows[i].what);
+        EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, rows[i].arg, rows[i].what);
         /* with an output missing too: cu_seqlens is checked before outputs */
         j = 0;
         while (l.u[j].kind != USE_OUT) j++; /* every op has one */
         l.u[j].t->data = NULL;
         snprintf(what, sizeof what, "%s, and %s missing", rows[i].what, l.u[j].name);
-        EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, what);
+        EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, rows[i].arg, what);
     }
     if (op->flags & F_NC) {
         mode_packed();
         M.nc = NC_; /* the dense count, not the packed one */
         build(op, &a, &l);
-        EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "packed compressed rows = Nc(T)");
+        EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "varlen.cu_seqlens", "packed compressed rows = Nc(T)");
     }
     mode_dense();
 }
@@ -835,18 +867,18 @@ static void head_cases(const op_case *op)
         mode_dense();
         M.hq = 4; /* H = 3 */
         build(op, &a, &l);
-        EXPECT(op, &a, NSA_STATUS_BAD_GQA, "HQ % H != 0");
+        EXPECT(op, &a, NSA_STATUS_BAD_GQA, "HQ", "HQ % H != 0");
         mode_packed();
         M.hq = 4;
         M.cu = cu_bad;
         build(op, &a, &l);
-        EXPECT(op, &a, NSA_STATUS_BAD_GQA, "HQ % H != 0 before bad cu_seqlens");
+        EXPECT(op, &a, NSA_STATUS_BAD_GQA, "HQ", "HQ % H != 0 before bad cu_seqlens");
     }
     if (op->flags & F_HQ) {
         mode_dense();
         M.hq = 0;
         build(op, &a, &l);
-        EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "HQ = 0");
+        EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "HQ", "HQ = 0");
     }
     mode_dense();
 }
@@ -897,9 +929,11 @@ static void status_and_config_tests(void)
     CHECK(c.n_init == 1 && c.n_local == 2 && c.window == 512 && c.scale == 0.0f);
     CHECK_STATUS(nsa_config_validate(&c), NSA_STATUS_SUCCESS);
     CHECK_STATUS(nsa_config_validate(NULL), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("config");
     for (k = 0; k < sizeof BAD_CONFIGS / sizeof BAD_CONFIGS[0]; k++) {
         nsa_config b = config_of(&BAD_CONFIGS[k]);
         harness_check_status(nsa_config_validate(&b), BAD_CONFIGS[k].want, __FILE__, __LINE__, BAD_CONFIGS[k].what);
+        CHECK_DETAIL(BAD_CONFIGS[k].arg);
     }
     /* edges that are valid: l = d = l' (fla), no forced blocks, explicit scale, -0 */
     c.cmp_len = c.cmp_stride = c.slc_block = 64;
@@ -930,20 +964,20 @@ static void attention_tests(void)
     mode_dense();
     build(op, &a, &l);
     x->window_left = -2;
-    EXPECT(op, &a, NSA_STATUS_BAD_WINDOW, "window_left = -2");
+    EXPECT(op, &a, NSA_STATUS_BAD_WINDOW, "window_left", "window_left = -2");
     build(op, &a, &l);
     x->causal = 0;
     x->window_right = -2;
-    EXPECT(op, &a, NSA_STATUS_BAD_WINDOW, "window_right = -2");
+    EXPECT(op, &a, NSA_STATUS_BAD_WINDOW, "window_right", "window_right = -2");
     build(op, &a, &l);
     x->scale = NAN;
-    EXPECT(op, &a, NSA_STATUS_BAD_SCALE, "scale NaN");
+    EXPECT(op, &a, NSA_STATUS_BAD_SCALE, "scale", "scale NaN");
     build(op, &a, &l);
     x->scale = -1.0f;
-    EXPECT(op, &a, NSA_STATUS_BAD_SCALE, "scale < 0");
+    EXPECT(op, &a, NSA_STATUS_BAD_SCALE, "scale", "scale < 0");
     build(op, &a, &l);
     x->scale = INFINITY;
-    EXPECT(op, &a, NSA_STATUS_BAD_SCALE, "scale +inf");
+    EXPECT(op, &a, NSA_STATUS_BAD_SCALE, "scale", "scale +inf");
     build(op, &a, &l);
     x->window_left = -1;
     x->window_right = -1;
@@ -954,37 +988,37 @@ static void attention_tests(void)
     /* dtype: q's is the reference; lse is F32 whatever q is */
     build(op, &a, &l);
     x->k.dtype = NSA_DTYPE_F16;
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "k F16, q F32");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "k", "k F16, q F32");
     build(op, &a, &l);
     x->q.dtype = NSA_DTYPE_BF16;
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "q BF16, k F32");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "k", "q BF16, k F32");
     build(op, &a, &l);
     x->lse.dtype = NSA_DTYPE_F16;
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "lse F16");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "lse", "lse F16");
     build(op, &a, &l);
     x->q.dtype = NSA_DTYPE_I32;
     x->k.dtype = NSA_DTYPE_I32;
     x->v.dtype = NSA_DTYPE_I32;
     x->o.dtype = NSA_DTYPE_I32;
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "all I32");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "q", "all I32");
 
     /* the first failure wins: per tensor in argument order, then across tensors, outputs last */
     build(op, &a, &l);
     x->q.rank = 3;
     x->k.dtype = NSA_DTYPE_F16;
-    EXPECT(op, &a, NSA_STATUS_BAD_RANK, "q rank and k dtype");
+    EXPECT(op, &a, NSA_STATUS_BAD_RANK, "q", "q rank and k dtype");
     build(op, &a, &l);
     x->q.shape[1] = T_ - 1;
     x->v.stride[3] = 3;
-    EXPECT(op, &a, NSA_STATUS_BAD_STRIDE, "q shape (cross) and v stride (alone)");
+    EXPECT(op, &a, NSA_STATUS_BAD_STRIDE, "v", "q shape (cross) and v stride (alone)");
     build(op, &a, &l);
     x->k.shape[1] = T_ - 1;
     x->o.data = NULL;
-    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "k shape and o missing");
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "k", "k shape and o missing");
     build(op, &a, &l);
     x->q.data = NULL;
     x->o.data = NULL;
-    EXPECT(op, &a, NSA_STATUS_NULL_POINTER, "q NULL and o missing");
+    EXPECT(op, &a, NSA_STATUS_NULL_POINTER, "q", "q NULL and o missing");
 
     /* zero elements: NULL data is fine for inputs and outputs alike */
     build(op, &a, &l);
@@ -998,7 +1032,7 @@ static void attention_tests(void)
     EXPECT_OK(op, &a, &l, "DK narrowed to a strided sub-view");
     build(op, &a, &l);
     x->q.stride[1] = INT64_MAX / 16;
-    EXPECT(op, &a, NSA_STATUS_SIZE_OVERFLOW, "q stride[1] huge");
+    EXPECT(op, &a, NSA_STATUS_SIZE_OVERFLOW, "q", "q stride[1] huge");
 }
 
 /* The attention op's options (nsa.h section 5): each rule broken alone, then the Tq != Tk and varlen_qk forms. */
@@ -1021,49 +1055,49 @@ static void attention_ext_tests(void)
         build(op, &a, &l);
         x->softcap = bad_caps[i];
         x->q.rank = 1; /* scalars come first */
-        EXPECT(op, &a, NSA_STATUS_BAD_SOFTCAP, "softcap negative or not finite");
+        EXPECT(op, &a, NSA_STATUS_BAD_SOFTCAP, "softcap", "softcap negative or not finite");
     }
     for (i = 0; i < sizeof bad_ps / sizeof bad_ps[0]; i++) {
         build(op, &a, &l);
         x->dropout_p = bad_ps[i];
-        EXPECT(op, &a, NSA_STATUS_BAD_DROPOUT, "dropout_p outside [0, 1)");
+        EXPECT(op, &a, NSA_STATUS_BAD_DROPOUT, "dropout_p", "dropout_p outside [0, 1)");
     }
     build(op, &a, &l);
     x->softcap = -1.0f;
     x->dropout_p = 2.0f;
-    EXPECT(op, &a, NSA_STATUS_BAD_SOFTCAP, "softcap and dropout_p: softcap first");
+    EXPECT(op, &a, NSA_STATUS_BAD_SOFTCAP, "softcap", "softcap and dropout_p: softcap first");
     build(op, &a, &l);
     x->k_segment_ids.data = NULL;
-    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "q_segment_ids without k_segment_ids");
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "q_segment_ids", "q_segment_ids without k_segment_ids");
     build(op, &a, &l);
     x->q_segment_ids.data = NULL;
-    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "k_segment_ids without q_segment_ids");
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "k_segment_ids", "k_segment_ids without q_segment_ids");
     build(bop, &a, &l);
     y->fwd.bias.data = NULL;
-    EXPECT(bop, &a, NSA_STATUS_BAD_ARGUMENT, "dbias without bias");
+    EXPECT(bop, &a, NSA_STATUS_BAD_ARGUMENT, "dbias", "dbias without bias");
 
     /* dtypes: sinks F32, segment ids I32, mask U8; bias and dbias any float dtype */
     build(op, &a, &l);
     x->sinks.dtype = NSA_DTYPE_F16;
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "sinks F16");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "sinks", "sinks F16");
     build(op, &a, &l);
     x->q_segment_ids.dtype = NSA_DTYPE_F32;
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "q_segment_ids F32");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "q_segment_ids", "q_segment_ids F32");
     build(op, &a, &l);
     x->mask.dtype = NSA_DTYPE_I32;
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "mask I32");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "mask", "mask I32");
     build(op, &a, &l);
     x->mask.dtype = NSA_DTYPE_F32;
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "mask F32");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "mask", "mask F32");
     build(op, &a, &l);
     x->bias.dtype = NSA_DTYPE_U8;
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "bias U8");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "bias", "bias U8");
     build(bop, &a, &l);
     y->dbias.dtype = NSA_DTYPE_I32;
-    EXPECT(bop, &a, NSA_STATUS_BAD_DTYPE, "dbias I32");
+    EXPECT(bop, &a, NSA_STATUS_BAD_DTYPE, "dbias", "dbias I32");
     build(bop, &a, &l);
     y->dsinks.dtype = NSA_DTYPE_BF16;
-    EXPECT(bop, &a, NSA_STATUS_BAD_DTYPE, "dsinks BF16");
+    EXPECT(bop, &a, NSA_STATUS_BAD_DTYPE, "dsinks", "dsinks BF16");
     build(op, &a, &l);
     x->bias.dtype = NSA_DTYPE_F16; /* the buffer is only read through a narrower view: fine */
     EXPECT_OK(op, &a, &l, "bias F16 with q F32");
@@ -1071,27 +1105,27 @@ static void attention_ext_tests(void)
     /* shapes: sinks [HQ], segment ids [B, T], bias/mask [1 or B, 1 or HQ, Tq, Tk] */
     build(op, &a, &l);
     x->sinks.rank = 2;
-    EXPECT(op, &a, NSA_STATUS_BAD_RANK, "sinks rank 2");
+    EXPECT(op, &a, NSA_STATUS_BAD_RANK, "sinks", "sinks rank 2");
     build(op, &a, &l);
     x->sinks.shape[0] = HQ_ / 2;
-    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "sinks [HQ / 2]");
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "sinks", "sinks [HQ / 2]");
     build(op, &a, &l);
     x->sinks.stride[0] = 2;
-    EXPECT(op, &a, NSA_STATUS_BAD_STRIDE, "sinks stride 2");
+    EXPECT(op, &a, NSA_STATUS_BAD_STRIDE, "sinks", "sinks stride 2");
     build(op, &a, &l);
     x->k_segment_ids.shape[1] = T_ - 1;
-    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "k_segment_ids [B, Tk - 1]");
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "k_segment_ids", "k_segment_ids [B, Tk - 1]");
     build(op, &a, &l);
     x->q_segment_ids.rank = 3;
-    EXPECT(op, &a, NSA_STATUS_BAD_RANK, "q_segment_ids rank 3");
+    EXPECT(op, &a, NSA_STATUS_BAD_RANK, "q_segment_ids", "q_segment_ids rank 3");
     build(op, &a, &l);
     x->bias.shape[1] = 2;
     x->bias.shape[3] = T_ / 2;
-    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "bias heads 2 (neither 1 nor HQ)");
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "bias", "bias heads 2 (neither 1 nor HQ)");
     build(op, &a, &l);
     x->bias.shape[0] = 3;
     x->bias.stride[0] = 0;
-    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "bias batch 3 (neither 1 nor B)");
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "bias", "bias batch 3 (neither 1 nor B)");
     build(op, &a, &l);
     x->bias.shape[0] = B_;
     x->bias.stride[0] = 0;
@@ -1105,27 +1139,27 @@ static void attention_ext_tests(void)
     EXPECT_OK(op, &a, &l, "mask heads HQ by stride 0");
     build(op, &a, &l);
     x->mask.shape[2] = T_ - 1;
-    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "mask [.., Tq - 1, Tk]");
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "mask", "mask [.., Tq - 1, Tk]");
     build(op, &a, &l);
     x->bias.stride[3] = 0;
-    EXPECT(op, &a, NSA_STATUS_BAD_STRIDE, "bias last stride 0");
+    EXPECT(op, &a, NSA_STATUS_BAD_STRIDE, "bias", "bias last stride 0");
     /* dbias: the shape of bias, and no stride 0 on a dim of size > 1 */
     build(bop, &a, &l);
     y->dbias.shape[1] = 1;
-    EXPECT(bop, &a, NSA_STATUS_BAD_SHAPE, "dbias [1, 1, T, T] for bias [1, HQ, T, T]");
+    EXPECT(bop, &a, NSA_STATUS_BAD_SHAPE, "dbias", "dbias [1, 1, T, T] for bias [1, HQ, T, T]");
     build(bop, &a, &l);
     y->fwd.bias.shape[1] = 1;
     y->dbias.shape[1] = 1;
     EXPECT_OK(bop, &a, &l, "bias and dbias [1, 1, T, T]");
     build(bop, &a, &l);
     y->dbias.stride[1] = 0;
-    EXPECT(bop, &a, NSA_STATUS_BAD_STRIDE, "dbias stride 0 on HQ");
+    EXPECT(bop, &a, NSA_STATUS_BAD_STRIDE, "dbias", "dbias stride 0 on HQ");
     build(bop, &a, &l);
     y->dbias.data = NULL;
     EXPECT_OK(bop, &a, &l, "dbias absent (optional)");
     build(bop, &a, &l);
     y->dsinks.data = NULL;
-    EXPECT(bop, &a, NSA_STATUS_MISSING_OUTPUT, "dsinks absent with sinks");
+    EXPECT(bop, &a, NSA_STATUS_MISSING_OUTPUT, "dsinks", "dsinks absent with sinks");
     build(bop, &a, &l);
     y->fwd.sinks.data = NULL;
     y->dsinks.dtype = (nsa_dtype)42; /* neither checked nor written without sinks */
@@ -1140,10 +1174,10 @@ static void attention_ext_tests(void)
     y->dout.shape[1] = y->dq.shape[1] = 12;
     EXPECT_OK(bop, &a, &l, "Tq = 12, Tk = 20");
     y->fwd.bias.shape[2] = 13;
-    EXPECT(bop, &a, NSA_STATUS_BAD_SHAPE, "Tq = 12, bias for 13 rows");
+    EXPECT(bop, &a, NSA_STATUS_BAD_SHAPE, "bias", "Tq = 12, bias for 13 rows");
     y->fwd.bias.shape[2] = 12;
     y->fwd.k_segment_ids.shape[1] = 12;
-    EXPECT(bop, &a, NSA_STATUS_BAD_SHAPE, "Tq = 12, k_segment_ids for 12 keys");
+    EXPECT(bop, &a, NSA_STATUS_BAD_SHAPE, "k_segment_ids", "Tq = 12, k_segment_ids for 12 keys");
     y->fwd.k_segment_ids.shape[1] = T_;
     /* int32 varlen is one packing for both: Tq != Tk cannot use it */
     mode_packed();
@@ -1151,7 +1185,7 @@ static void attention_ext_tests(void)
     build(op, &a, &l);
     x->q.shape[1] = x->o.shape[1] = x->lse.shape[1] = x->q_segment_ids.shape[1] = 12;
     x->bias.shape[2] = x->mask.shape[2] = 12;
-    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "varlen.cu_seqlens with Tq != Tk");
+    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "varlen.cu_seqlens", "varlen.cu_seqlens with Tq != Tk");
     /* varlen_qk: separate packings */
     x->varlen.cu_seqlens = NULL;
     x->varlen_qk.cu_seqlens_q = CQ;
@@ -1160,26 +1194,26 @@ static void attention_ext_tests(void)
     EXPECT_OK(op, &a, &l, "varlen_qk, Tq = 12, Tk = 20");
     x->varlen.cu_seqlens = CU12;
     x->varlen.num_seqs = 3;
-    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "varlen and varlen_qk both");
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "varlen_qk", "varlen and varlen_qk both");
     x->varlen.cu_seqlens = NULL;
     x->varlen_qk.cu_seqlens_k = NULL;
-    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "cu_seqlens_q without cu_seqlens_k");
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "cu_seqlens_q", "cu_seqlens_q without cu_seqlens_k");
     x->varlen_qk.cu_seqlens_k = CK_BAD0;
-    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "cu_seqlens_k[0] != 0");
+    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "cu_seqlens_k", "cu_seqlens_k[0] != 0");
     x->varlen_qk.cu_seqlens_k = CK_DOWN;
-    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "cu_seqlens_k decreasing");
+    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "cu_seqlens_k", "cu_seqlens_k decreasing");
     x->varlen_qk.cu_seqlens_k = CK;
     x->varlen_qk.cu_seqlens_q = CQ_SHORT;
-    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "cu_seqlens_q[N] != Tq");
+    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "cu_seqlens_q", "cu_seqlens_q[N] != Tq");
     x->varlen_qk.cu_seqlens_q = CK;
-    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "cu_seqlens_q[N] = Tk != Tq");
+    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "cu_seqlens_q", "cu_seqlens_q[N] = Tk != Tq");
     x->varlen_qk.cu_seqlens_q = CQ;
     x->varlen_qk.num_seqs = -1;
-    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "varlen_qk num_seqs < 0");
+    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "varlen_qk.num_seqs", "varlen_qk num_seqs < 0");
     x->varlen_qk.num_seqs = 3;
     x->q.shape[0] = x->k.shape[0] = x->v.shape[0] = x->o.shape[0] = x->lse.shape[0] = B_;
     x->q_segment_ids.shape[0] = x->k_segment_ids.shape[0] = B_;
-    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "varlen_qk with B != 1");
+    EXPECT(op, &a, NSA_STATUS_BAD_CU_SEQLENS, "varlen_qk", "varlen_qk with B != 1");
     mode_dense();
 }
 
@@ -1199,10 +1233,10 @@ static void compress_tests(void)
     EXPECT_OK(op, &a, &l, "T < l, empty x_cmp without data");
     a.compress.x_cmp.shape[1] = 1;
     a.compress.x_cmp.data = W.xc.t.data;
-    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "T < l, x_cmp with one row");
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "x_cmp", "T < l, x_cmp with one row");
     build(op, &a, &l);
     a.compress.x_cmp.dtype = NSA_DTYPE_F16;
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "x_cmp F16, x F32");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "x_cmp", "x_cmp F16, x F32");
 
     /* the backward reads x's shape and dtype only, and never x_cmp */
     build(bop, &a, &l);
@@ -1212,7 +1246,7 @@ static void compress_tests(void)
     EXPECT_OK(bop, &a, &l, "fwd.x without data, fwd.x_cmp garbage");
     build(bop, &a, &l);
     a.compress_bwd.fwd.x.dtype = NSA_DTYPE_BF16;
-    EXPECT(bop, &a, NSA_STATUS_BAD_DTYPE, "fwd.x BF16, dx_cmp F32");
+    EXPECT(bop, &a, NSA_STATUS_BAD_DTYPE, "dx_cmp", "fwd.x BF16, dx_cmp F32");
 }
 
 static void selection_tests(void)
@@ -1225,16 +1259,16 @@ static void selection_tests(void)
     /* nsa_select writes exactly n indices per row */
     build(sel, &a, &l);
     a.select.block_indices.shape[3] = N_ - 1;
-    EXPECT(sel, &a, NSA_STATUS_BAD_SHAPE, "block_indices width n - 1");
+    EXPECT(sel, &a, NSA_STATUS_BAD_SHAPE, "block_indices", "block_indices width n - 1");
     build(sel, &a, &l);
     a.select.block_indices = view(&W.biw);
-    EXPECT(sel, &a, NSA_STATUS_BAD_SHAPE, "block_indices width n + 1");
+    EXPECT(sel, &a, NSA_STATUS_BAD_SHAPE, "block_indices", "block_indices width n + 1");
     build(sel, &a, &l);
     a.select.lse_cmp.dtype = NSA_DTYPE_F16;
-    EXPECT(sel, &a, NSA_STATUS_BAD_DTYPE, "lse_cmp F16");
+    EXPECT(sel, &a, NSA_STATUS_BAD_DTYPE, "lse_cmp", "lse_cmp F16");
     build(sel, &a, &l);
     a.select.block_counts.dtype = NSA_DTYPE_F32;
-    EXPECT(sel, &a, NSA_STATUS_BAD_DTYPE, "block_counts F32");
+    EXPECT(sel, &a, NSA_STATUS_BAD_DTYPE, "block_counts", "block_counts F32");
     build(sel, &a, &l);
     a.select.lse_cmp.data = NULL;
     a.select.block_counts.data = NULL;
@@ -1243,14 +1277,14 @@ static void selection_tests(void)
     /* nsa_slc_attn takes any width m >= 1 */
     build(slc, &a, &l);
     a.slc_attn.block_indices.shape[3] = 0;
-    EXPECT(slc, &a, NSA_STATUS_BAD_SHAPE, "block_indices width 0");
+    EXPECT(slc, &a, NSA_STATUS_BAD_SHAPE, "block_indices", "block_indices width 0");
     build(slc, &a, &l);
     a.slc_attn.block_indices.shape[3] = 2;
     a.slc_attn.block_counts.data = NULL;
     EXPECT_OK(slc, &a, &l, "block_indices width 2 (a strided sub-view), no counts");
     build(slc, &a, &l);
     a.slc_attn.block_indices.dtype = NSA_DTYPE_F32;
-    EXPECT(slc, &a, NSA_STATUS_BAD_DTYPE, "block_indices F32");
+    EXPECT(slc, &a, NSA_STATUS_BAD_DTYPE, "block_indices", "block_indices F32");
 }
 
 static void gate_tests(void)
@@ -1263,7 +1297,7 @@ static void gate_tests(void)
     mode_dense();
     build(op, &a, &l);
     g->g_cmp.data = g->g_slc.data = g->g_swa.data = NULL;
-    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "no gate");
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "g_cmp", "no gate");
     build(op, &a, &l);
     g->g_cmp.data = g->g_slc.data = NULL;
     memset(&g->o_cmp, 0, sizeof g->o_cmp); /* a disabled branch's o_* may be absent */
@@ -1274,21 +1308,21 @@ static void gate_tests(void)
     EXPECT_OK(op, &a, &l, "o_cmp F16, the rest F32");
     build(op, &a, &l);
     g->g_slc.dtype = NSA_DTYPE_F16;
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "g_slc F16, o F32");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "g_slc", "g_slc F16, o F32");
     build(op, &a, &l);
     g->o.dtype = NSA_DTYPE_BF16;
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "o BF16, gates F32");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "o", "o BF16, gates F32");
     build(op, &a, &l);
     g->o_swa.dtype = NSA_DTYPE_I32;
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "o_swa I32");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "o_swa", "o_swa I32");
     build(op, &a, &l);
     g->o.data = NULL;
     g->g_cmp.shape[1] = T_ - 1;
-    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "o missing and g_cmp shape");
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "g_cmp", "o missing and g_cmp shape");
 
     build(bop, &a, &l);
     a.gate_bwd.fwd.g_cmp.data = a.gate_bwd.fwd.g_slc.data = a.gate_bwd.fwd.g_swa.data = NULL;
-    EXPECT(bop, &a, NSA_STATUS_BAD_ARGUMENT, "no gate");
+    EXPECT(bop, &a, NSA_STATUS_BAD_ARGUMENT, "g_cmp", "no gate");
     build(bop, &a, &l);
     a.gate_bwd.fwd.o.data = NULL; /* only its shape and dtype are read */
     EXPECT_OK(bop, &a, &l, "fwd.o without data");
@@ -1300,10 +1334,10 @@ static void gate_tests(void)
     EXPECT_OK(bop, &a, &l, "no compressed branch, none of its tensors");
     build(bop, &a, &l);
     a.gate_bwd.dg_swa.dtype = NSA_DTYPE_F16;
-    EXPECT(bop, &a, NSA_STATUS_BAD_DTYPE, "dg_swa F16, o F32");
+    EXPECT(bop, &a, NSA_STATUS_BAD_DTYPE, "dg_swa", "dg_swa F16, o F32");
     build(bop, &a, &l);
     a.gate_bwd.fwd.o.dtype = NSA_DTYPE_F16;
-    EXPECT(bop, &a, NSA_STATUS_BAD_DTYPE, "fwd.o F16, gates F32");
+    EXPECT(bop, &a, NSA_STATUS_BAD_DTYPE, "fwd.o", "fwd.o F16, gates F32");
 }
 
 static void forward_tests(void)
@@ -1316,26 +1350,26 @@ static void forward_tests(void)
     mode_dense();
     build(op, &a, &l);
     f->v_slc.data = NULL;
-    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "k_slc without v_slc");
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "k_slc", "k_slc without v_slc");
     build(op, &a, &l);
     f->k_slc.data = NULL;
-    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "v_slc without k_slc");
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "v_slc", "v_slc without k_slc");
     build(op, &a, &l);
     f->k_swa = view(&W.k3);
-    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "k_swa without v_swa");
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "k_swa", "k_swa without v_swa");
     build(op, &a, &l);
     f->v_cmp = view(&W.vc);
-    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "v_cmp without k_cmp");
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "v_cmp", "v_cmp without k_cmp");
     build(op, &a, &l);
     f->g_cmp.data = f->g_slc.data = f->g_swa.data = NULL;
-    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "no gate");
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "g_cmp", "no gate");
     build(op, &a, &l);
     f->block_counts = view(&W.bc);
-    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "block_counts without block_indices");
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "block_counts", "block_counts without block_indices");
     build(op, &a, &l);
     f->v_slc.data = NULL;
     f->q.rank = 2;
-    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "one of a pair, and q rank: the pair first");
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "v_slc", "one of a pair, and q rank: the pair first");
 
     /* the caller's compression and selection */
     build(op, &a, &l);
@@ -1346,13 +1380,13 @@ static void forward_tests(void)
     f->saved.block_indices.data = NULL; /* not written when the caller selects */
     EXPECT_OK(op, &a, &l, "own k_cmp/v_cmp and block_indices, no saved indices");
     f->k_cmp.shape[1] = NC_ - 1;
-    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "k_cmp with Nc - 1 rows");
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "k_cmp", "k_cmp with Nc - 1 rows");
     f->k_cmp.shape[1] = NC_;
     f->block_indices.shape[3] = 0;
-    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "block_indices width 0");
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "block_indices", "block_indices width 0");
     f->block_indices.shape[3] = N_;
     f->block_counts.shape[2] = H_ - 1;
-    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "block_counts with H - 1 heads");
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "block_counts", "block_counts with H - 1 heads");
 
     /* saved tensors: only those of present branches; lse is F32, o any float */
     build(op, &a, &l);
@@ -1368,13 +1402,13 @@ static void forward_tests(void)
     EXPECT_OK(op, &a, &l, "no selection branch, saved.block_indices ignored");
     build(op, &a, &l);
     f->saved.lse_cmp.dtype = NSA_DTYPE_F16;
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "saved.lse_cmp F16");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "saved.lse_cmp", "saved.lse_cmp F16");
     build(op, &a, &l);
     f->saved.block_indices.shape[3] = N_ - 1;
-    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "saved.block_indices width n - 1");
+    EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "saved.block_indices", "saved.block_indices width n - 1");
     build(op, &a, &l);
     f->g_slc.dtype = NSA_DTYPE_BF16;
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "g_slc BF16, q F32");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "g_slc", "g_slc BF16, q F32");
 }
 
 static void backward_tests(void)
@@ -1393,14 +1427,14 @@ static void backward_tests(void)
     b->fwd.k_swa = view(&W.k3);
     b->fwd.v_swa = view(&W.v3);
     PUT(&l, b->dv_swa, W.dv3, USE_OUT);
-    EXPECT(op, &a, NSA_STATUS_MISSING_OUTPUT, "k_swa given, dk_swa missing");
+    EXPECT(op, &a, NSA_STATUS_MISSING_OUTPUT, "dk_swa", "k_swa given, dk_swa missing");
     PUT(&l, b->dk_swa, W.dk3, USE_OUT);
     EXPECT_OK(op, &a, &l, "own window K/V with their gradients");
     build(op, &a, &l);
     b->fwd.k_cmp = view(&W.kc);
     b->fwd.v_cmp = view(&W.vc);
     PUT(&l, b->dk_cmp, W.dkc, USE_OUT);
-    EXPECT(op, &a, NSA_STATUS_MISSING_OUTPUT, "k_cmp given, dv_cmp missing");
+    EXPECT(op, &a, NSA_STATUS_MISSING_OUTPUT, "dv_cmp", "k_cmp given, dv_cmp missing");
     PUT(&l, b->dv_cmp, W.dvc, USE_OUT);
     EXPECT_OK(op, &a, &l, "own k_cmp/v_cmp with their gradients");
     build(op, &a, &l);
@@ -1409,10 +1443,10 @@ static void backward_tests(void)
     b->dk_cmp = view(&W.dkc);
     b->dv_cmp = view(&W.dvc);
     b->dk_cmp.dtype = NSA_DTYPE_F16; /* ... and shares q's dtype when it is */
-    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "dk_cmp F16");
+    EXPECT(op, &a, NSA_STATUS_BAD_DTYPE, "dk_cmp", "dk_cmp F16");
     build(op, &a, &l);
     memset(&b->fwd.saved.o_slc, 0, sizeof b->fwd.saved.o_slc);
-    EXPECT(op, &a, NSA_STATUS_NULL_POINTER, "saved.o_slc absent");
+    EXPECT(op, &a, NSA_STATUS_NULL_POINTER, "saved.o_slc", "saved.o_slc absent");
     build(op, &a, &l);
     b->fwd.g_cmp.data = NULL;
     memset(&b->fwd.saved.o_cmp, 0, sizeof b->fwd.saved.o_cmp);
@@ -1425,10 +1459,115 @@ static void backward_tests(void)
     EXPECT_OK(op, &a, &l, "caller's block_indices, no saved indices");
     build(op, &a, &l);
     b->fwd.k_slc.data = NULL;
-    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "v_slc without k_slc");
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "v_slc", "v_slc without k_slc");
     build(op, &a, &l);
     b->fwd.g_cmp.data = b->fwd.g_slc.data = b->fwd.g_swa.data = NULL;
-    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "no gate");
+    EXPECT(op, &a, NSA_STATUS_BAD_ARGUMENT, "g_cmp", "no gate");
+}
+
+/* ---- the detail of a failure (nsa_last_error_detail) ------------------------------------- */
+/* The calls with no context yet, and the contract: emptied by a success, per thread. */
+static void detail_tests(void)
+{
+    nsa_context *ctx = NULL;
+    nsa_context_desc d;
+    memset(&d, 0, sizeof d);
+
+    CHECK_STATUS(nsa_context_create(NULL, &d), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("ctx");
+    CHECK_STATUS(nsa_context_create(&ctx, NULL), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("desc");
+    d.backend = (nsa_backend)7;
+    CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_BAD_ARGUMENT);
+    CHECK_DETAIL("desc.backend");
+    d.backend = NSA_BACKEND_CPU, d.num_threads = -1;
+    CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_BAD_ARGUMENT);
+    CHECK_DETAIL("desc.num_threads");
+    d.num_threads = 0, d.device = -1;
+    CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_BAD_ARGUMENT);
+    CHECK_DETAIL("desc.device");
+    if (!nsa_backend_available(NSA_BACKEND_CUDA)) {
+        d.backend = NSA_BACKEND_CUDA, d.device = 0;
+        CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_BACKEND_UNAVAILABLE);
+        CHECK_DETAIL("desc.backend");
+    }
+    CHECK_STATUS(nsa_context_set_stream(NULL, NULL), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("ctx");
+
+    /* nsa_cmp_offsets: its own argument names */
+    {
+        nsa_config c = test_config();
+        static const int32_t cu_down[] = {0, 5, 4}, cu_start[] = {2, 5};
+        int64_t out[3];
+        CHECK_STATUS(nsa_cmp_offsets(NULL, CU_OK, 3, out), NSA_STATUS_NULL_POINTER);
+        CHECK_DETAIL("config");
+        CHECK_STATUS(nsa_cmp_offsets(&c, NULL, 3, out), NSA_STATUS_NULL_POINTER);
+        CHECK_DETAIL("cu_seqlens");
+        CHECK_STATUS(nsa_cmp_offsets(&c, CU_OK, 3, NULL), NSA_STATUS_NULL_POINTER);
+        CHECK_DETAIL("cu_cmp");
+        CHECK_STATUS(nsa_cmp_offsets(&c, CU_OK, -1, out), NSA_STATUS_BAD_CU_SEQLENS);
+        CHECK_DETAIL("num_seqs");
+        CHECK_STATUS(nsa_cmp_offsets(&c, cu_start, 1, out), NSA_STATUS_BAD_CU_SEQLENS);
+        CHECK_DETAIL("cu_seqlens");
+        CHECK_STATUS(nsa_cmp_offsets(&c, cu_down, 2, out), NSA_STATUS_BAD_CU_SEQLENS);
+        CHECK_DETAIL("cu_seqlens");
+        c.window = 0;
+        CHECK_STATUS(nsa_cmp_offsets(&c, CU_OK, 3, out), NSA_STATUS_BAD_WINDOW);
+        CHECK_DETAIL("config.window");
+    }
+
+    /* one detail in full, the example nsa.h gives */
+    {
+        nsa_config c = nsa_config_default();
+        c.cmp_len = 32, c.cmp_stride = 32, c.slc_block = 48;
+        nsa_config_validate(&c);
+        CHECK_MSG(strcmp(nsa_last_error_detail(), "config.slc_block: 48 is not a multiple of cmp_stride 32") == 0,
+                  nsa_last_error_detail());
+    }
+
+    /* a success empties it: no stale detail from an earlier failure */
+    {
+        nsa_config c = nsa_config_default();
+        CHECK_STATUS(nsa_config_validate(NULL), NSA_STATUS_NULL_POINTER);
+        CHECK(nsa_last_error_detail()[0] != '\0');
+        CHECK_STATUS(nsa_config_validate(&c), NSA_STATUS_SUCCESS);
+        CHECK(nsa_last_error_detail()[0] == '\0');
+    }
+
+    /* per thread: each of two threads fails differently, waits for the other, then reads its own */
+    {
+        int named[2] = {0, 0}, ran = 0;
+#pragma omp parallel num_threads(2) reduction(+ : ran)
+        {
+#ifdef _OPENMP
+            const int me = omp_get_thread_num();
+#else
+            const int me = 0;
+#endif
+            nsa_config c = nsa_config_default();
+            if (me == 0) c.window = 0;
+            else c.scale = -1.0f;
+            nsa_config_validate(&c);
+#pragma omp barrier
+            named[me] = harness_detail_names(nsa_last_error_detail(), me == 0 ? "config.window" : "config.scale");
+            ran = 1;
+        }
+        CHECK(named[0]);
+        if (ran == 2) CHECK(named[1]); /* OpenMP may give fewer threads; then one is all there is */
+    }
+}
+
+/* The detail-name matcher itself: whole names only, so a check for "k" cannot pass on "dk". */
+static void detail_matcher_tests(void)
+{
+    CHECK(harness_detail_names("k: dim 1 (T) is 40, q has 10", "k"));
+    CHECK(harness_detail_names("k: dim 1 (T) is 40, q has 10", "q"));
+    CHECK(harness_detail_names("fwd.k: rank 3", "k"));
+    CHECK(harness_detail_names("fwd.config.window: 0", "config.window"));
+    CHECK(!harness_detail_names("dk: rank 3", "k"));
+    CHECK(!harness_detail_names("k_cmp: rank 3", "k"));
+    CHECK(!harness_detail_names("", "k"));
+    CHECK(!harness_detail_names("config.scale: nan", "config.window"));
 }
 
 void test_validation_all(void)
@@ -1443,6 +1582,8 @@ void test_validation_all(void)
     world_create();
 
     status_and_config_tests();
+    detail_tests();
+    detail_matcher_tests();
     for (i = 0; i < OP_COUNT; i++) generic_cases(&OPS[i]);
     attention_tests();
     attention_ext_tests();

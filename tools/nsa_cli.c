@@ -10,7 +10,8 @@
  * It calls the library only through nsa.h. Every buffer the library touches is "backend
  * memory" (devmem_* of tests/kit/devmem.h): host memory on the CPU, device memory for CUDA.
  * The sweep, the float64 reference and the harness come from the test kit (tests/kit).
- * Errors: a library status prints nsa_status_string and exits 1; a bad command line prints
+ * Errors: a library status prints its detail (nsa_last_error_detail) and nsa_status_string
+ * and exits 1; a bad command line prints
  * the usage and exits 2. */
 #define _POSIX_C_SOURCE 200809L
 
@@ -55,10 +56,14 @@ static void fail(const char *fmt, ...)
     exit(1);
 }
 
-/* Every library call goes through here: a tool may exit, the library never does. */
+/* Every library call goes through here, right after it (the detail is the last call's): a
+ * tool may exit, the library never does. */
 static void need(nsa_status st, const char *what)
 {
-    if (st != NSA_STATUS_SUCCESS) fail("%s: %s (status %d)", what, nsa_status_string(st), (int)st);
+    if (st == NSA_STATUS_SUCCESS) return;
+    const char *detail = nsa_last_error_detail();
+    if (detail[0]) fail("%s: %s (%s, status %d)", what, detail, nsa_status_string(st), (int)st);
+    fail("%s: %s (status %d)", what, nsa_status_string(st), (int)st);
 }
 
 static void *host_alloc(size_t bytes, const char *what)
@@ -728,7 +733,13 @@ static nsa_backend best_backend(void) { return nsa_backend_available(NSA_BACKEND
 /* A named backend that is absent is an error, not a silent fallback. */
 static void require_backend(nsa_backend be)
 {
-    if (!nsa_backend_available(be)) fail("backend %s: %s", backend_name(be), nsa_status_string(NSA_STATUS_BACKEND_UNAVAILABLE));
+    if (nsa_backend_available(be)) return;
+    /* a context creation says why (not compiled in, or no device) */
+    nsa_context *ctx = NULL;
+    nsa_context_desc d = {.backend = be};
+    const nsa_status st = nsa_context_create(&ctx, &d);
+    nsa_context_destroy(ctx);
+    need(st != NSA_STATUS_SUCCESS ? st : NSA_STATUS_BACKEND_UNAVAILABLE, backend_name(be));
 }
 
 /* The CPU takes f32 attention inputs; CUDA takes f16/bf16 only. */

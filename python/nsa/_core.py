@@ -32,25 +32,26 @@ def status_name(status):
 class NsaError(RuntimeError):
     """A C call returned a status other than success (or the binding found the same fault
     before calling). .status holds the nsa_status code, .name its enum name without the
-    NSA_STATUS_ prefix, .op the call, .detail the binding's explanation if any."""
+    NSA_STATUS_ prefix, .op the call, .detail what is wrong: the library's
+    nsa_last_error_detail() (the argument at fault, expected and given values) or the
+    binding's own explanation. The message reads "nsa_<op>: <detail> (NSA_STATUS_<name>)",
+    with the status string standing in for a missing detail."""
 
     def __init__(self, status, detail=None, op=None):
         self.status = int(status)
         self.name = status_name(self.status)
         self.op = op
         self.detail = detail
-        msg = "nsa status %d: %s" % (self.status, status_string(self.status))
+        msg = "%s (NSA_STATUS_%s)" % (detail or status_string(self.status), self.name)
         if op:
             msg = "nsa_%s: %s" % (op, msg)
-        msg += " (NSA_STATUS_%s)" % self.name
-        if detail:
-            msg += ": " + detail
         super().__init__(msg)
 
 
 def _check(status, op):
+    # ctypes calls run on this thread, so the per-thread detail read next is this call's own
     if status != _lib.STATUS_SUCCESS:
-        raise NsaError(status, op=op)
+        raise NsaError(status, detail=_L.nsa_last_error_detail().decode(errors="replace") or None, op=op)
 
 
 # ---- configuration ----------------------------------------------------------------------------

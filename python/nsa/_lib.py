@@ -249,6 +249,7 @@ def _declare(lib):
         f.argtypes = list(argtypes)
 
     fn("nsa_status_string", c_char_p, c_int)
+    fn("nsa_last_error_detail", c_char_p)
     fn("nsa_version_number", c_int)
     fn("nsa_version_string", c_char_p)
     fn("nsa_tensor_make", Tensor, c_void_p, c_int, c_int32, POINTER(c_int64))

@@ -16,12 +16,17 @@ int nsa_cuda_available(void)
 nsa_status nsa_cuda_context_init(nsa_context *ctx)
 {
     int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
         cudaGetLastError();
-        return NSA_STATUS_BACKEND_UNAVAILABLE;
+        return nsa_fail(NSA_STATUS_BACKEND_UNAVAILABLE, "desc.backend: cudaGetDeviceCount failed: %s (%s)",
+                        cudaGetErrorName(e), cudaGetErrorString(e));
     }
-    if (ctx->device >= n) return NSA_STATUS_BAD_ARGUMENT;
-    if (cudaSetDevice(ctx->device) != cudaSuccess) return NSA_STATUS_DEVICE_ERROR;
+    if (ctx->device >= n)
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "desc.device: %d, but only %d CUDA device(s) present", (int)ctx->device, n);
+    if ((e = cudaSetDevice(ctx->device)) != cudaSuccess)
+        return nsa_fail(NSA_STATUS_DEVICE_ERROR, "desc.device: cudaSetDevice(%d) failed: %s (%s)", (int)ctx->device,
+                        cudaGetErrorName(e), cudaGetErrorString(e));
     cu_overrides_from_env(&ctx->cuda); /* read once: the planners never look at the environment */
     return NSA_STATUS_SUCCESS;
 }

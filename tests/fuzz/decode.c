@@ -102,6 +102,15 @@ static void violation(const char *what, int buf)
     nviolations++;
 }
 
+/* Right after a library call: a failure says what is wrong (nsa_last_error_detail is not
+ * empty) and a success leaves no stale detail behind (nsa.h's contract). */
+static void check_detail(nsa_status st)
+{
+    const char *d = nsa_last_error_detail();
+    if (st != NSA_STATUS_SUCCESS && d[0] == '\0') violation("a failing call left no detail", -1);
+    if (st == NSA_STATUS_SUCCESS && d[0] != '\0') violation("a successful call left a detail", -1);
+}
+
 /* NSA_FUZZ_VERBOSE=1 prints each decoded tensor, config and status (for triage) */
 static int verbose(void)
 {
@@ -651,6 +660,7 @@ static void run_op(reader *r, nsa_context *ctx, const void *a, op_ws_fn qs, op_r
     uint8_t w = u8(r), nul = u8(r);
     size_t need = 0, sentinel = (size_t)0x5A5A5A5A5A5A5A5Aull, bytes = sentinel;
     nsa_status qst = qs(nul == 255 ? NULL : ctx, nul == 254 ? NULL : a, nul == 253 ? NULL : &bytes);
+    check_detail(qst);
     res->query = qst;
     if (qst != NSA_STATUS_SUCCESS && bytes != sentinel) violation("a failing workspace query wrote its answer", -1);
     if (qst == NSA_STATUS_SUCCESS) need = bytes;
@@ -677,6 +687,7 @@ static void run_op(reader *r, nsa_context *ctx, const void *a, op_ws_fn qs, op_r
     }
     if (verbose()) fprintf(stderr, "query status %d need %zu, workspace %zu%s\n", (int)qst, need, ws, wp ? "" : " (NULL)");
     nsa_status st = call(nul == 252 ? NULL : ctx, nul == 251 ? NULL : a, wp, ws);
+    check_detail(st);
     res->ran = 1;
     res->status = st;
     if (verbose()) fprintf(stderr, "status %d\n", (int)st);
@@ -717,6 +728,7 @@ fuzz_result fuzz_run(const uint8_t *data, size_t size, nsa_context *ctx, const f
     case OP_CONFIG: {
         nsa_config c = mk_config(&r);
         nsa_status st = nsa_config_validate(u8(&r) == 255 ? NULL : &c);
+        check_detail(st);
         if (st == NSA_STATUS_SUCCESS && (c.cmp_len < 1 || c.cmp_stride < 1 || c.cmp_len % c.cmp_stride || c.slc_block < c.cmp_len ||
                                          c.slc_block % c.cmp_stride || c.slc_topk < 1 || c.window < 1 || c.n_init < 0 ||
                                          c.n_local < 0 || c.slc_topk - c.n_init < c.n_local))

@@ -1,7 +1,9 @@
 /* harness.c -- counters, failure printing and the seeded random generator. */
 #include "harness.h"
 #include "nsa.h"
+#include <ctype.h>
 #include <math.h>
+#include <string.h>
 
 long g_tests_passed = 0;
 long g_tests_failed = 0;
@@ -27,6 +29,35 @@ void harness_check_status(int got, int want, const char *file, int line, const c
     snprintf(msg, sizeof msg, "got %d (%s), want %d (%s)", got, nsa_status_string((nsa_status)got), want,
              nsa_status_string((nsa_status)want));
     harness_record(got == want, file, line, expr, msg);
+    /* Every failure the library reports carries its detail (nsa.h): a failing status without
+     * one is a path that forgot to say what is wrong. The detail is read right after the call,
+     * as CHECK_STATUS(nsa_x(...), ...) evaluates it. */
+    if (got == want && want != NSA_STATUS_SUCCESS) {
+        const char *d = nsa_last_error_detail();
+        snprintf(msg, sizeof msg, "status %d came with an empty detail", got);
+        harness_record(d[0] != '\0', file, line, expr, msg);
+    }
+}
+
+/* Characters that continue a field name: "k" inside "dk", "k_cmp" or "k2" is not "k"; the
+ * dot is not one, so "fwd.k" and "config.window" name "k" and "config" too. */
+static int name_char(char c) { return isalnum((unsigned char)c) || c == '_'; }
+
+int harness_detail_names(const char *detail, const char *arg)
+{
+    const size_t n = strlen(arg);
+    if (n == 0) return 0;
+    for (const char *p = strstr(detail, arg); p; p = strstr(p + 1, arg))
+        if ((p == detail || !name_char(p[-1])) && !name_char(p[n])) return 1;
+    return 0;
+}
+
+void harness_check_detail(const char *arg, const char *file, int line)
+{
+    const char *d = nsa_last_error_detail();
+    char msg[400];
+    snprintf(msg, sizeof msg, "detail \"%s\" does not name %s", d, arg);
+    harness_record(harness_detail_names(d, arg), file, line, "CHECK_DETAIL", msg);
 }
 
 uint64_t rng_next(test_rng *r)

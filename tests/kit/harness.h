@@ -20,6 +20,12 @@ void harness_record(int ok, const char *file, int line, const char *expr, const 
 /* Status equality, printing both status strings when it fails. */
 #define CHECK_STATUS(got, want) harness_check_status((got), (want), __FILE__, __LINE__, #got)
 void harness_check_status(int got, int want, const char *file, int line, const char *expr);
+/* After a failing call: nsa_last_error_detail() names `arg` (an args field such as "k",
+ * "fwd.dout" or "config.slc_block") as a whole word; prints the detail when it does not. */
+#define CHECK_DETAIL(arg) harness_check_detail((arg), __FILE__, __LINE__)
+void harness_check_detail(const char *arg, const char *file, int line);
+/* Whether `detail` names `arg` as a whole word (not inside a longer name: "k" is not in "dk"). */
+int harness_detail_names(const char *detail, const char *arg);
 
 /* Deterministic random numbers (splitmix64), so a printed seed reproduces a failure. */
 typedef struct test_rng { uint64_t s; } test_rng;

@@ -159,12 +159,14 @@ def test_bad_options_raise_the_specific_status():
     with pytest.raises(nsa.NsaError) as e:
         nsa.attention(q, k, v, softcap=-1.0)
     assert nsa.status_name(e.value.status) == "BAD_SOFTCAP"
+    assert str(e.value) == "nsa_attention: softcap: -1, must be finite and >= 0 (0 = off) (NSA_STATUS_BAD_SOFTCAP)"
     with pytest.raises(nsa.NsaError) as e:
         nsa.attention(q, k, v, dropout_p=1.0)
     assert nsa.status_name(e.value.status) == "BAD_DROPOUT"
     out = np.full((1, 4, 2, 8), 7.0, np.float32)
-    with pytest.raises(nsa.NsaError):
+    with pytest.raises(nsa.NsaError) as e:
         nsa.attention(q, k, v, sinks=np.zeros(3, np.float32), out=out)  # sinks must be [HQ]
+    assert e.value.detail == "sinks: dim 0 (HQ) is 3, q has 2"
     assert np.all(out == 7.0)  # untouched on error
 
 

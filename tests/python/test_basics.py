@@ -67,6 +67,16 @@ def test_config_validate(kw, status):
     assert e.value.name == status
 
 
+def test_config_error_names_the_field():
+    with pytest.raises(nsa.NsaError) as e:
+        nsa.Config(slc_block=72).validate()
+    assert str(e.value) == ("nsa_config_validate: config.slc_block: 72 is not a multiple of cmp_stride 16 "
+                            "(NSA_STATUS_BAD_SLC_BLOCK)")
+    with pytest.raises(nsa.NsaError) as e:
+        nsa.Config(slc_topk=2).validate()
+    assert e.value.detail == "config.slc_topk: 2 < n_init 1 + n_local 2"
+
+
 def test_config_fla():
     c = nsa.Config.fla(block_size=64, block_counts=16, window_size=512)
     assert (c.cmp_len, c.cmp_stride, c.slc_block, c.slc_topk, c.window) == (64, 64, 64, 16, 512)
@@ -82,6 +92,7 @@ def test_block_counts_helpers():
     with pytest.raises(nsa.NsaError) as e:
         nsa.cmp_offsets(c, [0, 10, 5])
     assert e.value.name == "BAD_CU_SEQLENS"
+    assert e.value.detail == "cu_seqlens: cu_seqlens[2] = 5 < cu_seqlens[1] = 10 (must not decrease)"
 
 
 def _run(code, env=None, cwd=None):
@@ -134,6 +145,7 @@ def test_context_cache():
         with pytest.raises(nsa.NsaError) as e:
             _core._Context(_lib.BACKEND_CUDA)
         assert e.value.name == "BACKEND_UNAVAILABLE"
+        assert e.value.detail.startswith("desc.backend: ")
     handle = ctypes.c_void_p()
     bad = _lib.ContextDesc(backend=_lib.BACKEND_CPU, num_threads=-1)
     assert nsa.library.nsa_context_create(ctypes.byref(handle), ctypes.byref(bad)) == _lib.STATUS_BAD_ARGUMENT

@@ -69,3 +69,15 @@ def test_branches_unknown_option_is_a_usage_error():
         pytest.skip("build/nsa not built")
     r = subprocess.run([CLI, "bench", "--branches", "--json", "x.json"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "bench --branches: unknown option '--json'" in r.stderr
+
+
+def test_library_failure_prints_its_detail():
+    """A failing library status prints the detail (the argument at fault), not only the status string."""
+    if not os.path.exists(CLI):
+        pytest.skip("build/nsa not built")
+    import nsa
+    if nsa.backend_available("cuda"):
+        pytest.skip("needs a machine where the CUDA backend is absent")
+    r = subprocess.run([CLI, "demo", "--backend", "cuda"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "cuda: desc.backend: " in r.stderr and "status 16" in r.stderr, r.stderr

@@ -73,9 +73,19 @@ static int x_class(int64_t DK, int64_t DV)
 int cu_xattn_supported(grun *g, nsa_dtype dt)
 {
     const nsa_problem *p = g->p;
-    if ((dt != NSA_DTYPE_F16 && dt != NSA_DTYPE_BF16) || !x_class(p->DK, p->DV) || p->T > INT_MAX / 2 ||
-        p->Tk > INT_MAX / 2 || p->HQ > 65535 || p->H > 65535 || p->B > 65535) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED);
+    if (dt != NSA_DTYPE_F16 && dt != NSA_DTYPE_BF16) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: dtype %s, the CUDA attention takes f16 or bf16", dt == NSA_DTYPE_F32 ? "f32" : "other");
+        return 0;
+    }
+    if (!x_class(p->DK, p->DV)) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: DK %lld and DV %lld, the CUDA attention takes head dims up to 256",
+               (long long)p->DK, (long long)p->DV);
+        return 0;
+    }
+    if (p->T > INT_MAX / 2 || p->Tk > INT_MAX / 2 || p->HQ > 65535 || p->H > 65535 || p->B > 65535) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: Tq %lld, Tk %lld, HQ %lld, H %lld or B %lld beyond the CUDA grid "
+               "(T, Tk <= %d; HQ, H, B <= 65535)", (long long)p->T, (long long)p->Tk, (long long)p->HQ, (long long)p->H,
+               (long long)p->B, INT_MAX / 2);
         return 0;
     }
     return 1;
@@ -131,7 +141,7 @@ static void x_fill(grun *g, const nsa_attention_args *a, xparams *P, int64_t *nq
     int64_t *dev = (int64_t *)g_take(g, bytes);
     int64_t *host = bytes == SIZE_MAX ? NULL : (int64_t *)malloc(bytes);
     if (!host) {
-        g_fail(g, NSA_STATUS_OUT_OF_MEMORY);
+        g_fail(g, NSA_STATUS_OUT_OF_MEMORY, "varlen_qk: allocating the %zu-byte host table of packed sequences failed", bytes);
         *nqt = *nkt = 0;
         return;
     }
@@ -158,7 +168,8 @@ static void x_launch(grun *g, const xparams *P, int kind, const int64_t grid[3],
     const int cls = x_class(P->DK, P->DV), bf16 = dt == NSA_DTYPE_BF16;
     if (!g_live(g)) return;
     if (xattn_smem(cls, kind, P->mask.p || P->bias.p || P->dropout) > (size_t)g->dev.smem_max) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED);
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "device: the attention tile for head dim %d needs %zu bytes of shared memory, "
+               "the device has %d", cls, xattn_smem(cls, kind, P->mask.p || P->bias.p || P->dropout), g->dev.smem_max);
         return;
     }
     switch (cls) {

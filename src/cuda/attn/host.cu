@@ -12,9 +12,19 @@ static int class_dv(int cls) { return cls == 192 ? 128 : cls; }
 int cu_attn_supported(grun *g, nsa_dtype dt)
 {
     const nsa_problem *p = g->p;
-    if ((dt != NSA_DTYPE_F16 && dt != NSA_DTYPE_BF16) || !cu_dims_class(p->DK, p->DV) || p->T > INT_MAX / 2 ||
-        p->H > 65535 || (p->cfg.slc_block > 0 && p->cfg.slc_block > INT_MAX / 4)) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED);
+    if (dt != NSA_DTYPE_F16 && dt != NSA_DTYPE_BF16) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: dtype %s, the CUDA kernels take f16 or bf16", dt == NSA_DTYPE_F32 ? "f32" : "other");
+        return 0;
+    }
+    if (!cu_dims_class(p->DK, p->DV)) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: DK %lld and DV %lld, no CUDA tile for these head dims",
+               (long long)p->DK, (long long)p->DV);
+        return 0;
+    }
+    if (p->T > INT_MAX / 2 || p->H > 65535 || (p->cfg.slc_block > 0 && p->cfg.slc_block > INT_MAX / 4)) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: T %lld, H %lld or slc_block %lld beyond the CUDA kernels (T <= %d, "
+               "H <= 65535, slc_block <= %d)", (long long)p->T, (long long)p->H, (long long)p->cfg.slc_block, INT_MAX / 2,
+               INT_MAX / 4);
         return 0;
     }
     return 1;
@@ -61,7 +71,8 @@ void cu_run_qtile(grun *g, const qparams *P, int mode, int bn, int64_t tiles, ns
     const int cls = cu_dims_class(g->p->DK, g->p->DV);
     if (!g_live(g) || tiles == 0) return;
     if (qtile_smem(cls, class_dv(cls), QTILE_NW(bn), mode, QTILE_NST(bn), bn) > (size_t)g->dev.smem_max) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED);
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "device: the query tile for head dim %d needs more shared memory than the "
+               "device's %d bytes", cls, g->dev.smem_max);
         return;
     }
     const int bf16 = dt == NSA_DTYPE_BF16;
@@ -77,7 +88,8 @@ void cu_run_ktile(grun *g, const kparams *P, int64_t tiles, nsa_dtype dt)
     const int cls = cu_dims_class(g->p->DK, g->p->DV);
     if (!g_live(g) || tiles == 0) return;
     if (ktile_smem(cls, class_dv(cls)) > (size_t)g->dev.smem_max) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED);
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "device: the key tile for head dim %d needs more shared memory than the "
+               "device's %d bytes", cls, g->dev.smem_max);
         return;
     }
     const int bf16 = dt == NSA_DTYPE_BF16;

@@ -11,10 +11,9 @@ void g_init(grun *g, const nsa_context *ctx, const nsa_problem *p, void *ws, int
     g->p = p;
     g->ovr = &ctx->cuda;
     if (!dry) {
-        if (cudaSetDevice(ctx->device) != cudaSuccess ||
-            cudaDeviceGetAttribute(&g->dev.smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device) != cudaSuccess ||
-            cudaDeviceGetAttribute(&g->dev.cc_major, cudaDevAttrComputeCapabilityMajor, ctx->device) != cudaSuccess)
-            g->err = NSA_STATUS_DEVICE_ERROR;
+        g_check(g, cudaSetDevice(ctx->device));
+        g_check(g, cudaDeviceGetAttribute(&g->dev.smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device));
+        g_check(g, cudaDeviceGetAttribute(&g->dev.cc_major, cudaDevAttrComputeCapabilityMajor, ctx->device));
         if (g->dev.cc_major == 9)
             for (int i = 0; i < 3; i++) g->dev.sm90_ready[i] = cu_sm90_binary(i == 0 ? 64 : i == 1 ? 128 : 192);
     }

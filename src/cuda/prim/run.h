@@ -6,7 +6,9 @@
 #define NSA_CUDA_PRIM_RUN_H
 
 #include <cuda_runtime.h>
+#include <stdarg.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 extern "C" {
@@ -51,17 +53,29 @@ static inline void *g_take_n(grun *g, size_t count, size_t elem_bytes)
 
 static inline int g_live(const grun *g) { return !g->dry && g->err == NSA_STATUS_SUCCESS; }
 
-static inline void g_check(grun *g, cudaError_t e)
+/* The first CUDA error of the call becomes its status; its detail names the call (the
+ * source text `what`) and the runtime's own words. */
+static inline void g_check_call(grun *g, cudaError_t e, const char *what)
 {
-    if (e != cudaSuccess && g->err == NSA_STATUS_SUCCESS) g->err = NSA_STATUS_DEVICE_ERROR;
+    if (e == cudaSuccess || g->err != NSA_STATUS_SUCCESS) return;
+    g->err = nsa_fail(NSA_STATUS_DEVICE_ERROR, "device: %.120s failed: %s (%s)", what, cudaGetErrorName(e),
+                      cudaGetErrorString(e));
 }
+#define g_check(g, e) g_check_call((g), (e), #e)
 
 /* After a launch: a bad configuration or a sticky error surfaces here. */
-static inline void g_launched(grun *g) { g_check(g, cudaGetLastError()); }
+#define g_launched(g) g_check_call((g), cudaGetLastError(), "a kernel launch (cudaGetLastError)")
 
-static inline void g_fail(grun *g, nsa_status st)
+/* The first failure of the call, with its detail (printf-style: what is not supported). */
+static inline void g_fail(grun *g, nsa_status st, const char *fmt, ...)
 {
-    if (g->err == NSA_STATUS_SUCCESS) g->err = st;
+    if (g->err != NSA_STATUS_SUCCESS) return;
+    char buf[NSA_DETAIL_BYTES];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    g->err = nsa_fail(st, "%s", buf);
 }
 
 static inline void g_zero(grun *g, void *p, size_t bytes)

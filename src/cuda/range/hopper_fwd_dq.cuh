@@ -472,7 +472,7 @@ static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles, const void *m
         if (sms > 0 && grid > sms) grid = sms;
     }
     if (g->err != NSA_STATUS_SUCCESS || grid > INT32_MAX) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED);
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: %lld tasks exceed the CUDA grid limit", (long long)grid);
         return;
     }
     qwg_kernel<DKP, DVP, T, MODE><<<(unsigned)grid, 384, smem, g->st>>>(Pl, m[QWG_MAP_K], m[QWG_MAP_V], m[QWG_MAP_Q],

@@ -173,7 +173,8 @@ void nsa_cu_invert(grun *g, const int32_t *U, const int32_t *ucnt, int64_t m, in
     }
     const size_t hist_bytes = nsa_size_mul(nsa_size_of(nb_max > 0 ? nb_max : 1), sizeof(int));
     if (hist_bytes > 200 * 1024) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED); /* more than 51200 selection blocks in one sequence */
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "config.slc_block: a sequence of %lld selection blocks, the CUDA backend "
+               "takes at most 51200 per sequence", (long long)nb_max);
         return;
     }
     if (!g_live(g) || p->H == 0) return;

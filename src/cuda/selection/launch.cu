@@ -56,7 +56,8 @@ void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvie
     const cu_views v = cu_views_of(&P.q, &P.k, NULL, NULL, NULL);
     cu_select_plan pl = cu_plan_select(p, &g->dev, g->ovr, &v, 0);
     if (pl.kernel == CU_SEL_UNSUPPORTED) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED); /* n > 6144: the per-position lists would not fit */
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "config.slc_topk: %lld, the CUDA selection takes at most 6144",
+               (long long)c->slc_topk);
         return;
     }
     P.HC = pl.HC;
@@ -86,7 +87,8 @@ void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvie
     const int cls = cu_dims_class(p->DK, 0);
     if (!g_live(g) || tiles == 0) return;
     if (select_smem(cls, P.P, P.JC, P.n, P.HC) > (size_t)g->dev.smem_max) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED);
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "config.slc_topk: %d with head dim %d needs more shared memory for the "
+               "selection than the device's %d bytes", P.n, cls, g->dev.smem_max);
         return;
     }
     const int bf16 = dt == NSA_DTYPE_BF16;
