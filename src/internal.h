@@ -29,6 +29,9 @@ typedef struct nsa_problem {
  * argument at fault. nsa_fail formats it (snprintf into a fixed per-thread buffer, truncated,
  * never allocating) and returns `status`, so a failing path reads `return nsa_fail(...)`. */
 enum { NSA_DETAIL_BYTES = 256 };
+#ifdef __cplusplus
+extern "C" { /* the CUDA launchers (C++) report through the same functions */
+#endif
 #if defined(__GNUC__)
 __attribute__((format(printf, 2, 3)))
 #endif
@@ -37,6 +40,9 @@ nsa_status nsa_fail(nsa_status status, const char *fmt, ...);
 void nsa_detail_clear(void);
 /* "[2, 64, 4, 64]": a view's shape for a detail (buf of at least 64 bytes). */
 const char *nsa_shape_text(const nsa_tensor *t, char *buf, size_t size);
+#ifdef __cplusplus
+}
+#endif
 
 /* An optional tensor is present when it has data (nsa.h: absent = data NULL). */
 static inline int nsa_present(const nsa_tensor *t) { return t->data != NULL; }
