@@ -171,7 +171,7 @@ def test_opcheck(device):
     AOT dispatch, for the forward op (with and without caller tensors) and the backward op."""
     dtype = storage_dtypes(device)[0]
     x = to_torch(rand_inputs(29, 1, 48, 4, 2, 64, 64), device, dtype)
-    cfg = (16, 8, 16, 3, 1, 2, 16, 0.0)
+    cfg = (16, 8, 16, 3, 1, 2, 16, 0.0, 0.3)  # ends with scale and the window branch's own scale
     cu = [0, 20, 48]
     nc = nsa.cmp_offsets(nsa.Config(*cfg), cu)[-1]  # packed compressed rows of the two sequences
     kc = torch.randn(1, nc, 2, 64, device=device, dtype=dtype, requires_grad=True)
