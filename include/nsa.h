@@ -136,6 +136,8 @@ NSA_API nsa_tensor nsa_tensor_3d(void *data, nsa_dtype dtype, int64_t d0, int64_
 NSA_API nsa_tensor nsa_tensor_4d(void *data, nsa_dtype dtype, int64_t d0, int64_t d1, int64_t d2, int64_t d3);
 /* @return bytes per element of dtype (0 for an unknown dtype). */
 NSA_API size_t nsa_dtype_size(nsa_dtype dtype);
+/* @return the dtype's short name ("f32", "f16", "bf16", "i32", "u8"; "unknown" otherwise), static. */
+NSA_API const char *nsa_dtype_name(nsa_dtype dtype);
 
 /* ------------------------------------------------------------------------------------ */
 /* Configuration (defaults = the paper's values)                                         */

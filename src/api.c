@@ -106,6 +106,18 @@ size_t nsa_dtype_size(nsa_dtype dtype)
     return 0;
 }
 
+const char *nsa_dtype_name(nsa_dtype dtype)
+{
+    switch (dtype) {
+    case NSA_DTYPE_F32: return "f32";
+    case NSA_DTYPE_F16: return "f16";
+    case NSA_DTYPE_BF16: return "bf16";
+    case NSA_DTYPE_I32: return "i32";
+    case NSA_DTYPE_U8: return "u8";
+    }
+    return "unknown";
+}
+
 nsa_tensor nsa_tensor_make(void *data, nsa_dtype dtype, int32_t rank, const int64_t *shape)
 {
     nsa_tensor t;

@@ -133,17 +133,6 @@ static int fits_int64(size_t v) { return v != SIZE_MAX && (uint64_t)v <= (uint64
 
 static int is_float(nsa_dtype dt) { return dt == NSA_DTYPE_F32 || dt == NSA_DTYPE_F16 || dt == NSA_DTYPE_BF16; }
 
-static const char *dtype_name(nsa_dtype dt)
-{
-    switch (dt) {
-    case NSA_DTYPE_F32: return "f32";
-    case NSA_DTYPE_F16: return "f16";
-    case NSA_DTYPE_BF16: return "bf16";
-    case NSA_DTYPE_I32: return "i32";
-    case NSA_DTYPE_U8: return "u8";
-    }
-    return "unknown";
-}
 
 /* "[B, T, H, DK]": the symbolic shape a table row expects. */
 static const char *shape_sym(enum shape_id id, char *buf, size_t size)
@@ -168,13 +157,13 @@ static int dtype_ok(nsa_dtype dt, dtype_rule rule, nsa_dtype ref)
 
 static nsa_status dtype_fail(const tspec *s, nsa_dtype ref, const char *ref_name)
 {
-    const char *got = dtype_name(s->t->dtype), *name = s->name;
+    const char *got = nsa_dtype_name(s->t->dtype), *name = s->name;
     switch (s->rule) {
     case K_REF:
         if (!is_float(s->t->dtype) || !is_float(ref))
             return nsa_fail(NSA_STATUS_BAD_DTYPE, "%s: dtype %s, must be a float dtype (f32, f16, bf16) and the same as %s's",
                             name, got, ref_name);
-        return nsa_fail(NSA_STATUS_BAD_DTYPE, "%s: dtype %s, must be %s like %s", name, got, dtype_name(ref), ref_name);
+        return nsa_fail(NSA_STATUS_BAD_DTYPE, "%s: dtype %s, must be %s like %s", name, got, nsa_dtype_name(ref), ref_name);
     case K_FLOAT: return nsa_fail(NSA_STATUS_BAD_DTYPE, "%s: dtype %s, must be f32, f16 or bf16", name, got);
     case K_F32: return nsa_fail(NSA_STATUS_BAD_DTYPE, "%s: dtype %s, must be f32", name, got);
     case K_U8: return nsa_fail(NSA_STATUS_BAD_DTYPE, "%s: dtype %s, must be u8", name, got);

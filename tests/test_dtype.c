@@ -4,6 +4,7 @@
  * midpoint between neighbours (ties to even) and one f32 ulp either side of both, random f32
  * patterns, subnormals of both formats, overflow to inf, and NaN (quiet, sign kept). */
 #include "harness.h"
+#include "nsa.h"
 #include "../src/dtype.h"
 
 #include <float.h>
@@ -199,8 +200,22 @@ static void check_named(void)
     CHECK(isnan(nsa_f16_to_f32(0x7e00)) && isnan(nsa_bf16_to_f32(0xffc0)) && signbit(nsa_bf16_to_f32(0xffc0)));
 }
 
+/* The public size and name of every dtype, and of a value outside the enum. */
+static void check_size_and_name(void)
+{
+    static const struct { nsa_dtype dt; size_t size; const char *name; } rows[] = {
+        {NSA_DTYPE_F32, 4, "f32"}, {NSA_DTYPE_F16, 2, "f16"}, {NSA_DTYPE_BF16, 2, "bf16"},
+        {NSA_DTYPE_I32, 4, "i32"}, {NSA_DTYPE_U8, 1, "u8"}, {(nsa_dtype)97, 0, "unknown"},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        CHECK(nsa_dtype_size(rows[i].dt) == rows[i].size);
+        CHECK_MSG(strcmp(nsa_dtype_name(rows[i].dt), rows[i].name) == 0, rows[i].name);
+    }
+}
+
 void test_dtype_all(void)
 {
+    check_size_and_name();
     const fmt f16 = {"f16", 5, 10, nsa_f16_to_f32, nsa_f32_to_f16};
     const fmt bf16 = {"bf16", 8, 7, nsa_bf16_to_f32, nsa_f32_to_bf16};
     check_named();

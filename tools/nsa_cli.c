@@ -86,17 +86,6 @@ static double cpu_s(void) { return clock_s(CLOCK_PROCESS_CPUTIME_ID); }
 
 static const char *backend_name(nsa_backend be) { return be == NSA_BACKEND_CUDA ? "cuda" : "cpu"; }
 
-static const char *dtype_name(nsa_dtype dt)
-{
-    switch (dt) {
-    case NSA_DTYPE_F32: return "f32";
-    case NSA_DTYPE_F16: return "f16";
-    case NSA_DTYPE_BF16: return "bf16";
-    case NSA_DTYPE_I32: return "i32";
-    case NSA_DTYPE_U8: return "u8";
-    }
-    return "?";
-}
 
 /* ==== backend memory ==================================================================
  * Every buffer the library touches: tests/kit/devmem.h (host memory on the CPU, device memory
@@ -771,7 +760,7 @@ static void print_config(const problem *p)
            (long long)c->cmp_stride, (long long)c->slc_block, (long long)c->slc_topk, (long long)c->n_init,
            (long long)c->n_local, (long long)c->window);
     printf("  shape   B=%lld T=%lld HQ=%lld H=%lld DK=%lld DV=%lld %s\n", (long long)p->B, (long long)p->T,
-           (long long)p->HQ, (long long)p->H, (long long)p->DK, (long long)p->DV, dtype_name(p->dtype));
+           (long long)p->HQ, (long long)p->H, (long long)p->DK, (long long)p->DV, nsa_dtype_name(p->dtype));
 }
 
 /* ==== nsa demo ======================================================================== */
@@ -1090,7 +1079,7 @@ static void json_row(FILE *f, int *first, const bench_opts *o, const problem *p,
                "\"ms\":%.4f,\"gflops\":%.3f,\"runs\":%d,\"HQ\":%lld,\"H\":%lld,\"DK\":%lld,\"DV\":%lld,\"dtype\":\"%s\"",
             *first ? "" : ",", OPS[m->id].dense ? "dense" : "nsa", backend_name(p->backend), o->config_name,
             (long long)p->T, OPS[m->id].bwd ? "bwd" : "fwd", OPS[m->id].name, m->ms, m->gflops, m->runs,
-            (long long)p->HQ, (long long)p->H, (long long)p->DK, (long long)p->DV, dtype_name(p->dtype));
+            (long long)p->HQ, (long long)p->H, (long long)p->DK, (long long)p->DV, nsa_dtype_name(p->dtype));
     if (cpu) fprintf(f, ",\"threads\":%d,\"cpu_util\":%.3f", threads_used(o->prob.threads), m->cpu_util);
     fprintf(f, "}");
     *first = 0;
@@ -1402,7 +1391,7 @@ static int cmd_bench_branches(int argc, char **argv)
     branches_device(o.backend, o.threads, dev, sizeof dev);
     printf("gpu_bench: %s, %s, HQ=%lld H=%lld DK=%lld DV=%lld, config %s (l=%lld d=%lld l'=%lld n=%lld w=%lld), "
            "median of %d\n",
-           dev, dtype_name(o.dtype), (long long)o.HQ, (long long)o.H, (long long)o.DK, (long long)o.DV,
+           dev, nsa_dtype_name(o.dtype), (long long)o.HQ, (long long)o.H, (long long)o.DK, (long long)o.DV,
            o.fla ? "fla" : "paper", (long long)cfg.cmp_len, (long long)cfg.cmp_stride, (long long)cfg.slc_block,
            (long long)cfg.slc_topk, (long long)cfg.window, o.reps);
     nsa_context *ctx = NULL;
@@ -1435,7 +1424,7 @@ static int cmd_bench(int argc, char **argv)
            backend_desc(po->backend, po->threads), o.config_name, (long long)po->cfg.cmp_len,
            (long long)po->cfg.cmp_stride, (long long)po->cfg.slc_block, (long long)po->cfg.slc_topk,
            (long long)po->cfg.window, (long long)po->HQ, (long long)po->H, (long long)po->DK, (long long)po->DV,
-           dtype_name(po->dtype));
+           nsa_dtype_name(po->dtype));
     printf("median of up to %d runs after a warm-up%s; GFLOP/s from the visible (query head, key) pairs\n", o.reps,
            o.reps_given ? "" : " (repeats stop after 20 s)");
     const int cpu = po->backend == NSA_BACKEND_CPU;
