@@ -3,8 +3,10 @@
 # git-ignored folder peers/ (or $NSA_PEERS), pruned to their Python packages.
 # Peers are never committed: /peers/ is in .gitignore.
 #
-#   peers/fla     fla-org/flash-linear-attention, only fla/ + LICENSE   (~5.6 MB)
-#                 (fla.ops.nsa.parallel_nsa; tests/, benchmarks/, evals/, examples/ dropped)
+#   peers/fla     fla-org/flash-linear-attention, only fla/ + LICENSE + two test files (~7 MB)
+#                 (fla.ops.nsa.parallel_nsa; tests/ops/test_nsa.py and tests/conftest.py, its
+#                 fixture, which tests/python/test_fla_suite.py runs against nsa.parallel_nsa;
+#                 the rest of tests/, benchmarks/, evals/, examples/ dropped)
 #   peers/mdy666  mdy666/Scalable-Flash-Native-Sparse-Attention, only flash_nsa/ + LICENSE +
 #                 README.md (~0.5 MB; imgs/, notebooks, nano-vllm/, tests dropped)
 #   peers/<name>/PEER_COMMIT   the commit the files were exported from
@@ -14,6 +16,8 @@
 #   - with --mirror DIR (or PEERS_MIRROR=DIR), local clones in DIR instead, for offline
 #     machines: each repository as DIR/<name>, DIR/<owner>/<name> or DIR/<owner>+<name>
 #     (a clone, bare or not, or a folder holding one as repo/).
+# A kept path written with a trailing '?' is optional: left out, with a note, when the exported
+# revision has no such file (fla's test files at older commits).
 # PEER_REF_<name>=<commit or branch> (e.g. PEER_REF_fla=bc3b101dcb71) exports that revision
 # instead of the default branch's head (a full commit hash when cloning).
 # Exported with `git archive <rev> <paths> | tar -x`, so no .git is copied.
@@ -32,16 +36,18 @@ while [ $# -gt 0 ]; do
     --mirror) [ $# -ge 2 ] || { echo "fetch-peers: --mirror needs a folder" >&2; exit 2; }
               MIRROR="$2"; shift 2 ;;
     --mirror=*) MIRROR="${1#--mirror=}"; shift ;;
-    -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "fetch-peers: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) names+=("$1"); shift ;;
     esac
 done
 mkdir -p "$PEERS"
 
-# name | owner/repo | paths kept (archive pathspecs)
+# name | owner/repo | paths kept (archive pathspecs; a trailing '?' marks an optional one)
+# test_nsa.py imports only fla itself; tests/conftest.py is the fixture every fla op test runs
+# under (scratch memory from fla filled with NaN), so nsa is judged the way fla judges itself.
 PEER_LIST=(
-    "fla|fla-org/flash-linear-attention|fla LICENSE"
+    "fla|fla-org/flash-linear-attention|fla LICENSE tests/conftest.py? tests/ops/test_nsa.py?"
     "mdy666|mdy666/Scalable-Flash-Native-Sparse-Attention|flash_nsa LICENSE README.md"
 )
 
@@ -88,12 +94,22 @@ export_peer() {
         fi
         gitdir="$tmp/repo/.git"
     fi
-    local rev="${ref:-HEAD}"
+    local rev="${ref:-HEAD}" p paths=""
+    for p in $keep; do
+        if [[ "$p" == *\? ]]; then
+            p="${p%\?}"
+            if ! git --git-dir="$gitdir" cat-file -e "$rev:$p" 2> /dev/null; then
+                echo "fetch-peers: $name: no $p at $rev; left out" >&2
+                continue
+            fi
+        fi
+        paths+=" $p"
+    done
     rm -rf "$dest"
     mkdir -p "$dest"
-    # shellcheck disable=SC2086  # keep is a list of pathspecs
-    if ! git --git-dir="$gitdir" archive "$rev" $keep | tar -x -C "$dest"; then
-        echo "fetch-peers: $name: exporting $rev ($keep) failed; skipped" >&2
+    # shellcheck disable=SC2086  # paths is a list of pathspecs
+    if ! git --git-dir="$gitdir" archive "$rev" $paths | tar -x -C "$dest"; then
+        echo "fetch-peers: $name: exporting $rev ($paths) failed; skipped" >&2
         if [ -n "$tmp" ]; then rm -rf "$tmp"; fi
         rm -rf "$dest"
         return 1
