@@ -12,9 +12,12 @@
 #      inputs (tests/fuzz/regressions, tests/fuzz/corpus) replayed on the CUDA backend by
 #      build/nsa_fuzz_replay, plain and under memcheck: a failing call leaves every device
 #      buffer untouched, a successful one writes only its outputs, no guard byte changes;
-#   5. CUDA-event timings of the whole forward / backward and of each branch (paper config,
+#   5. fla's own NSA tests (peers/fla/tests/ops/test_nsa.py) with parallel_nsa bound to
+#      nsa.parallel_nsa: tests/python/test_fla_suite.py, when peers/ (or $NSA_PEERS) is carried
+#      and holds that file (scripts/fetch-peers.sh fla); per-case table in $OUT/fla-suite.txt;
+#   6. CUDA-event timings of the whole forward / backward and of each branch (paper config,
 #      bf16) per length: `nsa bench --branches`;
-#   6. with EXTRA="tables cli 1m options peers" (FULL=1 = the first three): the benchmark
+#   7. with EXTRA="tables cli 1m options peers" (FULL=1 = the first three): the benchmark
 #      tables of every config, the CLI's TFLOP/s tables, the 1M-token run, the cost of each
 #      attention option (bench/attn_options_gpu.py), and bench/peers.py beside mdy666 / fla
 #      (carry peers/; see below; several minutes each).
@@ -168,6 +171,26 @@ if [ -x "$BIN/nsa_fuzz_replay" ]; then
     note "fuzz replay memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/fuzz-memcheck.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/fuzz-memcheck.log" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s)"
 else
     note "fuzz replay: $BIN/nsa_fuzz_replay missing, not run"
+fi
+
+# fla's test file judges nsa the way it judges fla: its naive references and assert_close, every
+# case that calls parallel_nsa; the known gaps are strict xfails (tests/python/fla_swap/).
+FLA_TESTS="${NSA_PEERS:-peers}/fla/tests/ops/test_nsa.py"
+if [ -f "$FLA_TESTS" ]; then
+    say "fla's NSA tests against nsa.parallel_nsa"
+    lib="$BIN/libnsa.so"
+    [ -e "$lib" ] || lib=build/libnsa.so
+    t0=$(date +%s)
+    rm -f "$OUT/fla-suite.txt"
+    NSA_LIBRARY="$(cd "$(dirname "$lib")" && pwd)/libnsa.so" NSA_FLA_SUMMARY="$OUT/fla-suite.txt" timeout 900 \
+        python3 -m pytest -q -rs tests/python/test_fla_suite.py > "$OUT/fla-suite.log" 2>&1
+    rc=$?
+    note "fla suite: $(grep -E '^fla cases: ' "$OUT/fla-suite.txt" 2>/dev/null | tail -1 | sed 's/^fla cases: //')" \
+        "(pytest rc $rc: $(tail -1 "$OUT/fla-suite.log" | tr -d '='), $(( $(date +%s) - t0 )) s)"
+    grep -E '^(FAIL |fla: )' "$OUT/fla-suite.txt" 2>/dev/null | cut -c1-300 | tee -a "$SUMMARY"
+    grep -E '^SKIPPED' "$OUT/fla-suite.log" | cut -c1-200 | tee -a "$SUMMARY"
+else
+    note "fla suite: no $FLA_TESTS, not run (bash scripts/fetch-peers.sh fla, and carry peers/)"
 fi
 
 if [ -n "${RACE:-}" ]; then # RACE=1: compute-sanitizer racecheck on small cases (a multi-chunk one included)
