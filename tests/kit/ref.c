@@ -988,7 +988,7 @@ void ref_attention_ext_bwd(const ref_attn_opts *opt, ref_dims d, int64_t Tk, con
                 dS[j] = e.vis[x] ? rnd(dot(dO, v + (j * d.H + hq / G) * d.DV, d.DV)) * e.keep[x] : 0.0;
                 D += e.P[x] * dS[j];
             }
-            if (o_buf) D = dot(dO, o_buf + (i * d.HQ + hq) * d.DV, d.DV);
+            if (o_buf) D = dot(dO, (opt->o_given ? opt->o_given : o_buf) + (i * d.HQ + hq) * d.DV, d.DV);
             if (dsinks && opt->sinks) dsinks[hq] -= exp(opt->sinks[hq] - e.lse[hq * Tq + i]) * D;
             for (int64_t j = 0; j < Tk; j++) {
                 const int64_t x = ext_at(&e, hq, i, j);

@@ -76,6 +76,10 @@ typedef struct ref_attn_opts {
     double dropout_p;
     uint64_t seed, offset;
     int64_t b, q_row0, k_row0;
+    /* the forward output a backward is given, [Tq, HQ, DV] (NULL: the reference's own): with
+     * ref_store_round the naive backward takes D = dout . o from it, as a kernel reads the
+     * stored o it is handed, so both round the same o */
+    const double *o_given;
 } ref_attn_opts;
 
 /* Philox4x32-10 written from Salmon et al. 2011 (independent of src/philox.h), and the keep
