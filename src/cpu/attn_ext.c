@@ -585,13 +585,14 @@ static void ext_dsinks(const nsa_context *ctx, const ext_opts *o, const nsa_atte
                 for (int64_t i = 0; i < p->T; i++) {
                     const float l = io_get(lse, io_off(lse, b, i, hq));
                     float D = 0.0f;
+                    int seen = 0; /* o is exactly 0 for a row that saw no key: no gradient, even from inf dout */
                     for (int64_t d0 = 0; d0 < p->DV; d0 += 256) {
                         const int64_t n = p->DV - d0 < 256 ? p->DV - d0 : 256;
                         io_load(dout, io_off(dout, b, i, hq) + d0, n, dO);
                         io_load(out, io_off(out, b, i, hq) + d0, n, ov);
-                        for (int64_t e = 0; e < n; e++) D += dO[e] * ov[e];
+                        for (int64_t e = 0; e < n; e++) D += dO[e] * ov[e], seen |= ov[e] != 0.0f;
                     }
-                    acc += (double)expf(sk - l) * D;
+                    if (seen) acc += (double)expf(sk - l) * D;
                 }
             io_set(&a->dsinks, hq * a->dsinks.stride[0], (float)-acc);
         }

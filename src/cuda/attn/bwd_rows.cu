@@ -13,11 +13,17 @@ __global__ void dprep_kernel(dview dout, dview o, dview gate, float *Dw, float *
     split_row(row, HQ, T, rows, &b, &t, &hq);
     const int64_t db = b * dout.s0 + t * dout.s1 + hq * dout.s2, obase = b * o.s0 + t * o.s1 + hq * o.s2;
     float acc = 0.0f;
-    for (int64_t d = lane; d < DV; d += 32) acc += ld_any(dout.p, dout.dt, db + d) * ld_any(o.p, o.dt, obase + d);
+    int seen = 0; /* o is exactly 0 for a row that saw no key: its D is 0, even from inf dout */
+    for (int64_t d = lane; d < DV; d += 32) {
+        const float ov = ld_any(o.p, o.dt, obase + d);
+        acc += ld_any(dout.p, dout.dt, db + d) * ov;
+        seen |= ov != 0.0f;
+    }
     acc = warp_sum(acc);
+    seen = __any_sync(0xffffffffu, seen);
     if (lane == 0) {
         const float gv = gate.p ? ld_any(gate.p, gate.dt, b * gate.s0 + t * gate.s1 + hq * gate.s2) : 1.0f;
-        Dw[row] = gv * acc;
+        Dw[row] = seen ? gv * acc : 0.0f;
         if (gw) gw[row] = gv;
     }
 }
