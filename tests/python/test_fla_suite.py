@@ -28,6 +28,17 @@ sys.path.insert(0, PLUGIN_DIR)
 import nsa_fla_swap as swap  # noqa: E402
 
 FLA_TEST = os.path.join("tests", "ops", "test_nsa.py")
+# fla's reference computes its window branch with flash-attn; where that is not installed, a
+# transcription of its two calls in torch (fla_swap/flash_attn_sdpa) stands in, said in the summary
+STAND_IN_DIR = os.path.join(PLUGIN_DIR, "flash_attn_sdpa")
+
+
+def window_judge():
+    """(extra PYTHONPATH entries, the summary's words) for fla's window reference."""
+    spec = importlib.util.find_spec("flash_attn")
+    if spec is not None:
+        return [], "flash-attn (%s)" % os.path.dirname(spec.origin or "")
+    return [STAND_IN_DIR], "the torch stand-in for flash-attn (tests/python/fla_swap/flash_attn_sdpa): flash-attn is not installed"
 
 
 def fla_root():
@@ -68,7 +79,8 @@ def run_fla(root, timeout=1500, log=None):
         with open(ini, "w") as f:  # neither nsa's nor any other pytest configuration applies
             f.write("[pytest]\n")
         env = dict(os.environ, NSA_FLA_REPORT=report, PYTHONPATH=os.pathsep.join(
-            [PLUGIN_DIR, root, os.path.join(ROOT, "python")] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+            [PLUGIN_DIR, root, os.path.join(ROOT, "python")] + window_judge()[0] +
+            [p for p in [os.environ.get("PYTHONPATH")] if p]))
         cmd = [sys.executable, "-m", "pytest", "-v", "-rfEsxX", "-p", "nsa_fla_swap", "-p", "no:cacheprovider",
                "-c", ini, "--rootdir", root, "--confcutdir", root, os.path.join(root, FLA_TEST)]
         log = log or os.path.join(tmp, "out.log")
@@ -145,6 +157,7 @@ def test_fla_nsa_suite(fla_report):
     assert report is not None, "fla's pytest run left no report:\n" + out[-6000:]
     lines, counts = table(report)
     lines.insert(0, "fla: %s" % (commit or fla_root()))
+    lines.insert(1, "window reference: %s" % window_judge()[1])
     text = "\n".join(lines)
     print(text)
     if os.environ.get("NSA_FLA_SUMMARY"):
@@ -282,3 +295,39 @@ def test_judge_rules():
     assert judge(case(dec, "xfailed", [tup], "decode_varlen"))[0] == "FAIL"    # the full half never ran
     assert judge(case(dec, "xfailed", [ok, nsf], "decode_varlen"))[0] == "FAIL"  # another error
     assert judge(case(f32, "xfailed", [ok], "float32", "AssertionError"))[0] == "FAIL"  # nothing raised
+
+
+@pytest.mark.skipif(TORCH is None, reason="torch is not installed")
+def test_flash_attn_stand_in():
+    """The stand-in against torch's scaled_dot_product_attention given the mask written out from
+    flash-attn's documentation: a causal window aligned bottom-right with fewer queries than
+    keys, grouped heads, the default scale, a packed batch, and a row that sees no key."""
+    torch = TORCH
+    sys.path.insert(0, STAND_IN_DIR)
+    try:
+        import flash_attn as stand_in
+    finally:
+        sys.path.remove(STAND_IN_DIR)
+    if getattr(stand_in, "__version__", "") != "0+sdpa-stand-in":
+        pytest.skip("a real flash-attn is installed; the stand-in is not used")
+    g = torch.Generator().manual_seed(3)
+    B, Tq, Tk, HQ, H, D, left = 2, 5, 9, 4, 2, 16, 3
+    q, k, v = (torch.randn(B, t, h, D, generator=g, dtype=torch.float64) for t, h in ((Tq, HQ), (Tk, H), (Tk, H)))
+    got = stand_in.flash_attn_func(q, k, v, causal=True, window_size=(left, 0))
+    i = torch.arange(Tq)[:, None] + (Tk - Tq)
+    j = torch.arange(Tk)[None, :]
+    mask = (j <= i) & (j >= i - left)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2),
+        attn_mask=mask).transpose(1, 2)
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    # packed: two sequences of 3 and 4 queries (and keys), the second with a window of 0 keys left
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    qp, kp, vp = (torch.randn(7, h, D, generator=g, dtype=torch.float64) for h in (HQ, H, H))
+    out = stand_in.flash_attn_varlen_func(qp, kp, vp, cu, cu, 4, 4, causal=True, window_size=(1, 0))
+    for a, b in ((0, 3), (3, 7)):
+        one = stand_in.flash_attn_func(qp[None, a:b], kp[None, a:b], vp[None, a:b], causal=True, window_size=(1, 0))
+        assert torch.equal(out[a:b], one[0])
+    # Tq > Tk aligned bottom-right: the first query's diagonal key is -1, so it sees nothing
+    none = stand_in.flash_attn_func(q[:, :3], k[:, :2], v[:, :2], causal=True)
+    assert torch.equal(none[:, 0], torch.zeros_like(none[:, 0]))
