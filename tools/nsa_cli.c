@@ -690,6 +690,16 @@ static int64_t parse_int(const char *s, const char *name, int64_t lo, int64_t hi
     return v;
 }
 
+/* A seed: any 64-bit value, so that a case seed the sweep prints can be given back. */
+static uint64_t parse_seed(const char *s)
+{
+    char *end = NULL;
+    errno = 0;
+    const unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || *end != '\0' || *s == '-') usage_error("--seed: expected an integer in [0, 2^64), got '%s'", s);
+    return (uint64_t)v;
+}
+
 static double parse_double(const char *s, const char *name, double lo, double hi)
 {
     char *end = NULL;
@@ -832,7 +842,7 @@ static int cmd_demo(int argc, char **argv)
         else if (arg_opt(&a, "--rows")) nrows = parse_int(a.value, "--rows", 1, 1 << 20);
         else if (arg_is(&a, "--no-dense")) o.with_dense = 0;
         else if (arg_opt(&a, "--threads")) o.threads = (int)parse_int(a.value, "--threads", 0, 4096);
-        else if (arg_opt(&a, "--seed")) o.seed = (uint64_t)parse_int(a.value, "--seed", 0, INT64_MAX);
+        else if (arg_opt(&a, "--seed")) o.seed = parse_seed(a.value);
         else usage_error("demo: unknown option '%s'", argv[a.i]);
     }
     if (named_backend) require_backend(o.backend);
@@ -900,7 +910,7 @@ static int cmd_check(int argc, char **argv)
     const char *hash_out = NULL, *hash_cmp = NULL;
     args a = {argc, 2, argv, NULL};
     for (; a.i < argc; a.i++) {
-        if (arg_opt(&a, "--seed")) o.seed = (uint64_t)parse_int(a.value, "--seed", 0, INT64_MAX);
+        if (arg_opt(&a, "--seed")) o.seed = parse_seed(a.value);
         else if (arg_opt(&a, "--op")) {
             if (sweep_set_op(a.value) != 0) {
                 char names[400] = "";
@@ -1055,7 +1065,7 @@ static void parse_bench(bench_opts *o, int argc, char **argv)
         else if (arg_opt(&a, "--backend")) o->prob.backend = parse_backend(a.value), named_backend = 1;
         else if (arg_opt(&a, "--reps")) o->reps = (int)parse_int(a.value, "--reps", 1, 64), o->reps_given = 1;
         else if (arg_opt(&a, "--json")) o->json = a.value;
-        else if (arg_opt(&a, "--seed")) o->prob.seed = (uint64_t)parse_int(a.value, "--seed", 0, INT64_MAX);
+        else if (arg_opt(&a, "--seed")) o->prob.seed = parse_seed(a.value);
         else if (arg_is(&a, "--no-dense")) o->prob.with_dense = 0;
         else if (arg_is(&a, "--bwd")) o->prob.with_bwd = 1;
         else if (arg_opt(&a, "--op")) o->ops |= parse_ops(a.value);
