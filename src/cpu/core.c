@@ -267,18 +267,20 @@ static void mk_accum_t_visible(float *Acc, const float *W, const float *M, int64
     }
 }
 
-/* The products as the tiles call them: X (n rows) or Y (R rows) scanned first. */
+/* The products as the tiles call them. Only a block with hidden pairs (`hidden`: some row sees
+ * less than all of it) can carry a non-finite operand to a row that does not see it, so only
+ * then is X (n rows) or Y (R rows) scanned; blocks every row sees whole skip the scan. */
 static void accum_checked(float *Acc, const float *W, const float *M, int64_t ldW, int R, const float *X, int D,
-                          int64_t n)
+                          int64_t n, int hidden)
 {
-    if (core_all_finite(X, n * D)) mk_accum(Acc, W, ldW, R, X, D, n);
+    if (!hidden || core_all_finite(X, n * D)) mk_accum(Acc, W, ldW, R, X, D, n);
     else mk_accum_visible(Acc, W, M, ldW, R, X, D, n);
 }
 
 static void accum_t_checked(float *Acc, const float *W, const float *M, int64_t ldW, int R, const float *Y, int D,
-                            int64_t n)
+                            int64_t n, int hidden)
 {
-    if (core_all_finite(Y, (int64_t)R * D)) mk_accum_t(Acc, W, ldW, R, Y, D, n);
+    if (!hidden || core_all_finite(Y, (int64_t)R * D)) mk_accum_t(Acc, W, ldW, R, Y, D, n);
     else mk_accum_t_visible(Acc, W, M, ldW, R, Y, D, n);
 }
 
@@ -313,10 +315,12 @@ void core_fwd_block(core_tile *t, const float *K, const float *V, int64_t c0, in
         return;
     }
     mk_scores(t->Q, t->R, t->DK, K, ua, ub, t->S + (ua - c0), t->S_cap, t->xt);
+    int hidden = 0; /* some row sees less than [ua, ub) */
     for (int r = 0; r < t->R; r++) {
         float *s = t->S + (size_t)r * t->S_cap;
         int64_t a, b;
         row_span(t, r, c0, c1, &a, &b);
+        hidden |= a != ua || b != ub;
         if (a >= b) {
             core_fill_hidden(s, n);
             continue;
@@ -336,7 +340,8 @@ void core_fwd_block(core_tile *t, const float *K, const float *V, int64_t c0, in
             for (int d = 0; d < t->DV; d++) o[d] *= alpha;
         }
     }
-    if (V) accum_checked(t->O, t->S + (ua - c0), t->S + (ua - c0), t->S_cap, t->R, V + ua * t->DV, t->DV, ub - ua);
+    if (V)
+        accum_checked(t->O, t->S + (ua - c0), t->S + (ua - c0), t->S_cap, t->R, V + ua * t->DV, t->DV, ub - ua, hidden);
 }
 
 void core_fwd_end(core_tile *t, float *lse_out)
@@ -367,10 +372,12 @@ void core_bwd_block(core_tile *t, const float *K, const float *V, int64_t c0, in
     float *P = t->S, *dS = t->S + half;
     mk_scores(t->Q, t->R, t->DK, K, ua, ub, P, t->S_cap, t->xt);
     mk_scores(t->dO, t->R, t->DV, V, ua, ub, dS, t->S_cap, t->xt);
+    int hidden = 0; /* some row sees less than [ua, ub) */
     for (int r = 0; r < t->R; r++) {
         float *p = P + (size_t)r * t->S_cap, *ds = dS + (size_t)r * t->S_cap;
         int64_t a, b;
         row_span(t, r, ua, ub, &a, &b);
+        hidden |= a != ua || b != ub || t->lse[r] == -INFINITY;
         if (t->lse[r] == -INFINITY || a >= b) { /* row saw no key here: no gradient */
             core_fill_hidden(p, n);
             memset(ds, 0, (size_t)n * sizeof(float));
@@ -382,9 +389,9 @@ void core_bwd_block(core_tile *t, const float *K, const float *V, int64_t c0, in
         memset(ds + (b - ua), 0, (size_t)(ub - b) * sizeof(float));
         grad_row(p + (a - ua), ds + (a - ua), b - a, t->lse[r], t->Drow[r]);
     }
-    if (t->dQ) accum_checked(t->dQ, dS, P, t->S_cap, t->R, K + ua * t->DK, t->DK, n);
-    if (dK) accum_t_checked(dK + (ua - c0) * t->DK, dS, P, t->S_cap, t->R, t->Q, t->DK, n);
-    if (dV) accum_t_checked(dV + (ua - c0) * t->DV, P, P, t->S_cap, t->R, t->dO, t->DV, n);
+    if (t->dQ) accum_checked(t->dQ, dS, P, t->S_cap, t->R, K + ua * t->DK, t->DK, n, hidden);
+    if (dK) accum_t_checked(dK + (ua - c0) * t->DK, dS, P, t->S_cap, t->R, t->Q, t->DK, n, hidden);
+    if (dV) accum_t_checked(dV + (ua - c0) * t->DV, P, P, t->S_cap, t->R, t->dO, t->DV, n, hidden);
 }
 
 /* The micro-kernels for the attention op's general path (attn_ext.c). */
@@ -396,12 +403,12 @@ void core_scores(const float *A, int R, int D, const float *X, int64_t c0, int64
 
 void core_accum(float *Acc, const float *W, const float *M, int64_t ldW, int R, const float *X, int D, int64_t n)
 {
-    accum_checked(Acc, W, M, ldW, R, X, D, n);
+    accum_checked(Acc, W, M, ldW, R, X, D, n, 1); /* general masks: hidden pairs anywhere */
 }
 
 void core_accum_t(float *Acc, const float *W, const float *M, int64_t ldW, int R, const float *Y, int D, int64_t n)
 {
-    accum_t_checked(Acc, W, M, ldW, R, Y, D, n);
+    accum_t_checked(Acc, W, M, ldW, R, Y, D, n, 1);
 }
 
 /* ---- rows of attn_ext.c's general path: vis[i] == 0 marks a hidden pair (mask, window,

@@ -55,7 +55,7 @@ void hashlog_begin_case(hashlog *log, long index, uint64_t seed, const sweep_cas
 {
     log->index = index;
     log->seed = seed;
-    const char *dt = c->dtype == NSA_DTYPE_F32 ? "f32" : c->dtype == NSA_DTYPE_BF16 ? "bf16" : "f16";
+    const char *dt = nsa_dtype_name(c->dtype);
     int len = snprintf(log->shape, sizeof log->shape, "B%lld,T%lld,HQ%lld,H%lld,DK%lld,DV%lld,%s", (long long)c->B,
                        (long long)c->T, (long long)c->HQ, (long long)c->H, (long long)c->DK, (long long)c->DV, dt);
     if (c->varlen && len > 0 && (size_t)len < sizeof log->shape)

@@ -1624,7 +1624,7 @@ void sweep_case_describe(const sweep_case *c, char *buf, size_t n)
     int len = snprintf(buf, n, "B=%lld T=%lld HQ=%lld H=%lld DK=%lld DV=%lld %s l=%lld d=%lld l'=%lld n=%lld init=%lld local=%lld w=%lld "
                        "layout=%d gates=%d own_cmp=%d own_idx=%d sep=%d/%d zero_q=%d",
                        (long long)c->B, (long long)c->T, (long long)c->HQ, (long long)c->H, (long long)c->DK, (long long)c->DV,
-                       c->dtype == NSA_DTYPE_F32 ? "f32" : c->dtype == NSA_DTYPE_BF16 ? "bf16" : "f16", (long long)c->cfg.cmp_len,
+                       nsa_dtype_name(c->dtype), (long long)c->cfg.cmp_len,
                        (long long)c->cfg.cmp_stride, (long long)c->cfg.slc_block, (long long)c->cfg.slc_topk,
                        (long long)c->cfg.n_init, (long long)c->cfg.n_local, (long long)c->cfg.window, c->strided, c->gates,
                        c->own_cmp, c->own_idx, c->sep_slc, c->sep_swa, c->zero_q);

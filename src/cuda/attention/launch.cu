@@ -74,7 +74,7 @@ int cu_xattn_supported(grun *g, nsa_dtype dt)
 {
     const nsa_problem *p = g->p;
     if (dt != NSA_DTYPE_F16 && dt != NSA_DTYPE_BF16) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: dtype %s, the CUDA attention takes f16 or bf16", dt == NSA_DTYPE_F32 ? "f32" : "other");
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: dtype %s, the CUDA attention takes f16 or bf16", nsa_dtype_name(dt));
         return 0;
     }
     if (!x_class(p->DK, p->DV)) {

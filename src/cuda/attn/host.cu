@@ -13,7 +13,7 @@ int cu_attn_supported(grun *g, nsa_dtype dt)
 {
     const nsa_problem *p = g->p;
     if (dt != NSA_DTYPE_F16 && dt != NSA_DTYPE_BF16) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: dtype %s, the CUDA kernels take f16 or bf16", dt == NSA_DTYPE_F32 ? "f32" : "other");
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: dtype %s, the CUDA kernels take f16 or bf16", nsa_dtype_name(dt));
         return 0;
     }
     if (!cu_dims_class(p->DK, p->DV)) {
