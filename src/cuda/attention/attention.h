@@ -41,6 +41,7 @@ typedef struct xparams {
     uint64_t seed, offset;
     int loop_b, loop_h;            /* XK_DQ with a broadcast dbias: batch / heads looped in a CTA */
     int which;                     /* XK_DKV: XW_DV | XW_DK */
+    const int *nf;                 /* the call's non-finite flag (run.h; NULL: never set) */
 } xparams;
 
 #define XQ_BM 64 /* query rows per forward / dQ CTA; keys per dK / dV CTA */

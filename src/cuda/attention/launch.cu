@@ -186,6 +186,8 @@ void cu_xattn_fwd(grun *g, const nsa_attention_args *a)
     int64_t nqt, nkt;
     const int64_t *qf, *kf;
     x_fill(g, a, &P, &nqt, &nkt, &qf, &kf);
+    cu_scan_nonfinite(g, &P.v, p->B, p->Tk, p->H, p->DV); /* the forward's one B operand */
+    P.nf = g_nf_tiles(g);
     P.first = qf;
     const int64_t grid[3] = {nqt, p->HQ, qf ? 1 : p->B};
     x_launch(g, &P, XK_FWD, grid, a->q.dtype);
@@ -202,7 +204,17 @@ void cu_xattn_bwd(grun *g, const nsa_attention_bwd_args *ba)
     P.dout = dv_of(&ba->dout), P.dq = dv_of(&ba->dq), P.dk = dv_of(&ba->dk), P.dv = dv_of(&ba->dv);
     float *Dw = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->HQ, 1), 0);
     /* with sinks the dQ kernel computes D from its products (and writes it for the others) */
-    if (!P.sinks) nsa_cu_dprep(g, &P.dout, &P.o, NULL, Dw, NULL, p->B, p->T, p->HQ, p->DV);
+    if (!P.sinks) {
+        nsa_cu_dprep(g, &P.dout, &P.o, NULL, Dw, NULL, p->B, p->T, p->HQ, p->DV);
+    } else { /* (no D pass to see dout and o) */
+        cu_scan_nonfinite(g, &P.dout, p->B, p->T, p->HQ, p->DV);
+        cu_scan_nonfinite(g, &P.o, p->B, p->T, p->HQ, p->DV);
+    }
+    cu_scan_nonfinite(g, &P.q, p->B, p->T, p->HQ, p->DK);
+    cu_scan_nonfinite(g, &P.k, p->B, p->Tk, p->H, p->DK);
+    cu_scan_nonfinite(g, &P.v, p->B, p->Tk, p->H, p->DV);
+    cu_scan_lse(g, &P.lse, p->B, p->T, p->HQ);
+    P.nf = g_nf_tiles(g);
     P.Dw = Dw;
     const int want_db = ba->dbias.data != NULL;
     if (want_db) {

@@ -4,7 +4,7 @@
 #include "../prim/rowwise.cuh"
 
 __global__ void dprep_kernel(dview dout, dview o, dview gate, float *Dw, float *gw, int64_t T, int64_t HQ, int64_t DV,
-                             int64_t rows)
+                             int64_t rows, int *nf)
 {
     const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
@@ -25,6 +25,9 @@ __global__ void dprep_kernel(dview dout, dview o, dview gate, float *Dw, float *
         const float gv = gate.p ? ld_any(gate.p, gate.dt, b * gate.s0 + t * gate.s1 + hq * gate.s2) : 1.0f;
         Dw[row] = seen ? gv * acc : 0.0f;
         if (gw) gw[row] = gv;
+        /* a non-finite element of the row's dout or o (or its gate) makes the sum non-finite
+         * (inf * 0 is NaN): the call's non-finite flag (run.h) */
+        if (!isfinite(gv * acc)) atomicOr(nf, 1);
     }
 }
 
@@ -32,11 +35,12 @@ void nsa_cu_dprep(grun *g, const dview *dout, const dview *o, const dview *gate,
                   int64_t T, int64_t HQ, int64_t DV)
 {
     const int64_t rows = B * T * HQ;
+    int *nf = g_nf(g);
     if (!g_live(g) || rows == 0) return;
     dview none;
     memset(&none, 0, sizeof none);
     dprep_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(*dout, *o, gate ? *gate : none, Dw, gw, T,
-                                                                           HQ, DV, rows);
+                                                                           HQ, DV, rows, nf);
     g_launched(g);
 }
 

@@ -34,6 +34,7 @@ typedef struct qparams {
     dview dqo;             /* qwg dQ: .p set = write dq here (q's dtype or f32) instead of adding into dq */
     int *ctr;              /* qwg forward: zeroed task counter of a persistent walk (NULL: none) */
     int dyn;               /* (set by the launcher: the walk is persistent) */
+    const int *nf;         /* the call's non-finite flag (run.h; NULL: never set) */
 } qparams;
 
 /* ktile: dK, dV of one branch into flat fp32 [B, KR, H, D] buffers (added to). */
@@ -62,6 +63,7 @@ typedef struct kparams {
     int nseg;
     int bk;                               /* keys per task: 64 (ktile), KWG_BK (kwg_kernel) */
     seqmap sm;
+    const int *nf; /* the call's non-finite flag (run.h; NULL: never set) */
 } kparams;
 
 /* Launchers, one per head-dim class (64 = DK, DV <= 64; 128 = DK, DV <= 128; 192 = DK <= 192,
@@ -103,6 +105,10 @@ typedef struct bwd_io {
      * usual (returns 0; the caller stores it). NULL: dq32 is zeroed and shared (returns 0). */
     const dview *dq_out;
 } bwd_io;
+
+/* The backward's inputs read by its tiles (q, k, v, lse) scanned into the call's non-finite
+ * flag (run.h; dout, o and the gate set it from the row-term kernels). */
+void cu_bwd_scan(grun *g, const bwd_io *io);
 
 /* The parameter blocks of a branch's forward / dQ and dK / dV from the problem. */
 void cu_qparams_base(qparams *P, const nsa_problem *p, const dview *q);

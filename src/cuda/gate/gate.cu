@@ -91,7 +91,8 @@ __device__ __forceinline__ float group_sum(float x, int lpr)
 
 /* lpr lanes per (b, t, hq) row: per present gate, dg = rowsum(dout * o_x) (also the branch's
  * D = g * dg and g for its backward), do_x = g * dout */
-__global__ void gate_bwd_kernel(gate3 a, dview dout, int64_t T, int64_t HQ, int64_t DV, int64_t rows, int vec, int lpr)
+__global__ void gate_bwd_kernel(gate3 a, dview dout, int64_t T, int64_t HQ, int64_t DV, int64_t rows, int vec, int lpr,
+                                int *nf)
 {
     const int64_t gt = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int64_t row = gt / lpr;
@@ -135,13 +136,16 @@ __global__ void gate_bwd_kernel(gate3 a, dview dout, int64_t T, int64_t HQ, int6
         if (live && sub == 0) {
             if (a.dg[x].p) st_any(a.dg[x].p, a.dg[x].dt, b * a.dg[x].s0 + t * a.dg[x].s1 + hq * a.dg[x].s2, dg);
             if (a.Dw[x]) a.Dw[x][row] = gv * dg, a.gw[x][row] = gv;
+            /* a non-finite element of the row's dout or o_x (or its gate) makes the sum
+             * non-finite (inf * 0 is NaN): the call's non-finite flag (run.h) */
+            if (nf && !isfinite(gv * dg)) atomicOr(nf, 1);
         }
     }
 }
 
 void nsa_cu_gate_bwd(grun *g, const dview *dout, const dview os[3], const dview gs[3], const dview dos[3],
                      const dview dgs[3], float *const Dw[3], float *const gw[3], int64_t B, int64_t T, int64_t HQ,
-                     int64_t DV)
+                     int64_t DV, int *nf)
 {
     const int64_t rows = B * T * HQ;
     if (!g_live(g) || rows == 0) return;
@@ -156,7 +160,7 @@ void nsa_cu_gate_bwd(grun *g, const dview *dout, const dview os[3], const dview 
         if (gs[x].p) v[1 + x] = os[x], v[4 + x] = a.d[x];
     }
     const int vec = vec8_ok(v, 7, DV), lpr = gate_lanes(vec, DV);
-    gate_bwd_kernel<<<grid1(rows * lpr, PREP_THREADS), PREP_THREADS, 0, g->st>>>(a, *dout, T, HQ, DV, rows, vec, lpr);
+    gate_bwd_kernel<<<grid1(rows * lpr, PREP_THREADS), PREP_THREADS, 0, g->st>>>(a, *dout, T, HQ, DV, rows, vec, lpr, nf);
     g_launched(g);
 }
 
@@ -190,7 +194,7 @@ static void run_gate_bwd(grun *g, const nsa_gate_bwd_args *a)
     const dview dos[3] = {dv_of(&a->do_cmp), dv_of(&a->do_slc), dv_of(&a->do_swa)};
     const dview dgs[3] = {dv_of(&a->dg_cmp), dv_of(&a->dg_slc), dv_of(&a->dg_swa)};
     const dview dout = dv_of(&a->dout);
-    nsa_cu_gate_bwd(g, &dout, os, gs, dos, dgs, NULL, NULL, p->B, p->T, p->HQ, p->DV);
+    nsa_cu_gate_bwd(g, &dout, os, gs, dos, dgs, NULL, NULL, p->B, p->T, p->HQ, p->DV, NULL);
 }
 
 size_t nsa_cuda_gate_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_gate_bwd_args *a)

@@ -162,7 +162,7 @@ static void run_backward(grun *g, const nsa_backward_args *ba)
         const dview os[3] = {dv_of(&sv->o_cmp), dv_of(&sv->o_slc), dv_of(&sv->o_swa)};
         const dview gs[3] = {dv_of(&a->g_cmp), dv_of(&a->g_slc), dv_of(&a->g_swa)};
         const dview dgs[3] = {dv_of(&ba->dg_cmp), dv_of(&ba->dg_slc), dv_of(&ba->dg_swa)};
-        nsa_cu_gate_bwd(g, &dout, os, gs, NULL, dgs, Dw, gw, B, T, HQ, DV);
+        nsa_cu_gate_bwd(g, &dout, os, gs, NULL, dgs, Dw, gw, B, T, HQ, DV, g_nf(g));
     }
     bwd_io io;
     memset(&io, 0, sizeof io);

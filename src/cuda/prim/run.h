@@ -36,6 +36,11 @@ typedef struct grun {
     int64_t *cmp0;  /* device prefix of compressed rows per sequence (varlen), else NULL */
     cu_device dev;            /* the device's limits (live pass; all zero in the sizing pass) */
     const cu_overrides *ovr;  /* the context's planner overrides */
+    /* The call's non-finite flag (one device int, zeroed where first taken: g_nf) and the
+     * tensors already scanned into it (cu_scan_nonfinite: each once per call). */
+    int *nf;
+    int nf_taken, nf_nseen;
+    const void *nf_seen[8];
 } grun;
 
 static inline void *g_take(grun *g, size_t bytes)
@@ -137,6 +142,21 @@ int nsa_cu_sm90_ready_192(void);
 /* fp32 scratch of n floats from the workspace (zeroed when asked); n from size.h's
  * arithmetic (e.g. nsa_size_elems). */
 float *cu_take_f32(grun *g, size_t n, int zero);
+
+/* Non-finite inputs (prim/nonfinite.cuh): the attention tiles take their careful path -- masked
+ * pairs exactly 0, operand rows a mask hides checked before a tensor-core product -- only when
+ * the call's flag is set, so finite calls run the plain tiles unchanged. g_nf: the flag (taken
+ * and zeroed on first use, in both passes: the workspace layout). cu_scan_nonfinite: sets it
+ * when view t, [n0, n1, n2, D] elements of its dtype, holds a NaN or an infinity (a tensor
+ * already scanned in this call is skipped). The row-term kernels (dprep, the gate backward)
+ * set it themselves for dout, o and the gates, whose every element they read anyway. */
+int *g_nf(grun *g);
+/* The flag as the tiles' parameter blocks take it: NULL (never careful) under NSA_CUDA_NONFINITE=0. */
+const int *g_nf_tiles(grun *g);
+void cu_scan_nonfinite(grun *g, const dview *t, int64_t n0, int64_t n1, int64_t n2, int64_t D);
+/* The same for a saved lse [B, T, HQ] (f32), where -inf marks a row that saw no key (it gives
+ * P = 0) and only a NaN is a non-finite input to the tiles. */
+void cu_scan_lse(grun *g, const dview *lse, int64_t B, int64_t T, int64_t HQ);
 
 /* The two entry points of every op around its run function: the workspace size (the dry
  * pass's bytes plus alignment slack) and the live call (its first error, or SUCCESS). */

@@ -125,10 +125,12 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     if (o) P.o = *o;
     if (lse) P.lse = *lse;
     P.rule = *rule;
+    const int64_t KR = rule->kind == RULE_CMP ? p->cmp_rows : p->Tk; /* key rows (Tk == T but for attention) */
+    if (v) cu_scan_nonfinite(g, v, p->B, KR, p->H, p->DV); /* the forward's one B operand */
+    P.nf = g_nf_tiles(g);
     /* the workspace does not depend on the tile height, so the sizing pass (which plans the
      * portable tile) sizes the sm_90a path too */
     qwg_maps maps;
-    const int64_t KR = rule->kind == RULE_CMP ? p->cmp_rows : p->Tk; /* key rows (Tk == T but for attention) */
     const cu_range_plan pl = plan_range(g, &P, dt, MODE_FWD, KR, &maps);
     const int wg = pl.kernel == CU_FWD_QWG;
     P.ctr = (int *)g_take(g, sizeof(int)); /* (both passes: the workspace layout) */
@@ -147,9 +149,11 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
 {
     const nsa_problem *p = g->p;
     if (!io->D_ready) nsa_cu_dprep(g, io->dout, io->o, io->gate, io->Dw, io->gate ? io->gw : NULL, p->B, p->T, p->HQ, p->DV);
+    cu_bwd_scan(g, io);
     qparams Q;
     cu_dq_params(&Q, p, io);
     Q.rule = *rule;
+    Q.nf = g_nf_tiles(g);
     qwg_maps maps;
     const cu_range_plan pl = plan_range(g, &Q, io->dt, MODE_DQ, io->KR, &maps);
     const int wg = pl.kernel == CU_FWD_QWG;
@@ -173,6 +177,7 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     kparams K;
     cu_dkdv_params(&K, p, io);
     K.rule = *rule;
+    K.nf = g_nf_tiles(g);
     const cu_views kv = cu_views_of(&K.q, &K.k, &K.v, NULL, &K.dout);
     cu_dkdv_plan kp = cu_plan_dkdv(p, &g->dev, g->ovr, &kv, 0, wg, 0);
     K.bk = kp.bk;

@@ -110,6 +110,8 @@ void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvi
     P.lse = *lse;
     P.rule = cu_rule_slc(p);
     P.U = U, P.ucnt = ucnt, P.m = (int)m;
+    cu_scan_nonfinite(g, v, p->B, p->Tk, p->H, p->DV); /* the forward's one B operand */
+    P.nf = g_nf_tiles(g);
     run_slc_q(g, &P, MODE_FWD, dt);
 }
 
@@ -126,9 +128,11 @@ void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt
     const nsa_problem *p = g->p;
     const int64_t lp = p->cfg.slc_block;
     if (!io->D_ready) nsa_cu_dprep(g, io->dout, io->o, io->gate, io->Dw, io->gate ? io->gw : NULL, p->B, p->T, p->HQ, p->DV);
+    cu_bwd_scan(g, io);
     qparams Q;
     cu_dq_params(&Q, p, io);
     Q.rule = cu_rule_slc(p);
+    Q.nf = g_nf_tiles(g);
     Q.U = U, Q.ucnt = ucnt, Q.m = (int)m;
     run_slc_q(g, &Q, MODE_DQ, io->dt);
 
@@ -138,6 +142,7 @@ void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt
     kparams K;
     cu_dkdv_params(&K, p, io);
     K.rule = cu_rule_slc(p);
+    K.nf = g_nf_tiles(g);
     K.offs = ix.offs, K.list = ix.list, K.offs_pref = ix.offs_pref, K.list_pref = ix.list_pref;
     K.m = (int)m;
     K.nsub = (int)((lp + 63) / 64);
