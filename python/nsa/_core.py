@@ -281,6 +281,8 @@ class NumpyCall(Call):
             raise NsaError(_lib.STATUS_BAD_DTYPE, "%s has dtype %s (float32, float16, bfloat16 or int32 only)"
                            % (name, a.dtype.name))
         isz = a.itemsize
+        if a.size == 0:  # no element to address: numpy reports zero strides, any valid ones do
+            return self._empty_view(a, code, name)
         ok = all(s >= 0 and s % isz == 0 for s in a.strides) and a.ndim >= 1 and (
             a.shape[-1] <= 1 or a.strides[-1] == isz)
         if output and not a.flags.writeable:
@@ -292,6 +294,15 @@ class NumpyCall(Call):
             a = np.ascontiguousarray(a)
         self.keep.append(a)
         return _make_view(a.ctypes.data, code, a.shape, [s // isz for s in a.strides], name)
+
+    def _empty_view(self, a, code, name):
+        """An empty array as a view: row-major element strides (an empty dim counted as 1)."""
+        strides, step = [], 1
+        for n in reversed(a.shape):
+            strides.append(step)
+            step *= max(int(n), 1)
+        self.keep.append(a)
+        return _make_view(a.ctypes.data, code, a.shape, list(reversed(strides)), name)
 
     def empty(self, shape, dtype):
         np = self.np

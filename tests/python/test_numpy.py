@@ -393,3 +393,22 @@ def test_reference_backward_finite_differences():
                 a[name][i] -= 2e-6
                 num[i] = (up - loss(a)) / 2e-6
             np.testing.assert_allclose(g, num, rtol=1e-5, atol=1e-7, err_msg="d" + name)
+
+
+@pytest.mark.parametrize("B,T", [(1, 0), (0, 9), (0, 0)])
+def test_empty_batch_or_length(B, T):
+    """An empty batch or sequence is a successful call with empty outputs (numpy reports zero
+    strides for empty arrays; the call must not take them for bad ones)."""
+    q = np.zeros((B, T, 4, 16), np.float32)
+    k = np.zeros((B, T, 2, 16), np.float32)
+    g = np.zeros((B, T, 4), np.float32)
+    cfg = nsa.Config(8, 4, 8, 2, 1, 1, 8)
+    res = nsa.forward(q, k, k, g, g, g, config=cfg)
+    assert res.o.shape == (B, T, 4, 16)
+    grads = res.backward(np.zeros_like(res.o))
+    assert grads.q.shape == q.shape and grads.k.shape == k.shape and grads.g_cmp.shape == g.shape
+    att = nsa.attention(q, k, k, causal=True)
+    assert att.o.shape == (B, T, 4, 16) and att.lse.shape == (B, T, 4)
+    agrads = att.backward(np.zeros_like(att.o))
+    assert agrads.dq.shape == q.shape and agrads.dv.shape == k.shape
+    assert nsa.compress(k, config=cfg).shape[:2] == (B, 0 if T < 8 else (T - 8) // 4 + 1)
