@@ -601,25 +601,27 @@ static int32_t *download_indices(const problem *p)
 
 /* ==== command-line parsing ============================================================ */
 
-static const char *USAGE =
-    "usage: nsa <command> [options]\n"
-    "\n"
+/* The help of each command (`nsa <command> --help` prints its own; `nsa --help` all of them). */
+static const char *HELP_DEMO =
     "  nsa demo  [--backend cpu|cuda] [--T N] [--threads N] [--seed N] [--rows N] [--no-dense]\n"
     "      NSA forward + backward on random input (paper config, B=1 HQ=16 H=1 D=128,\n"
     "      T=8192): time per branch, dense causal attention for comparison, keys read\n"
-    "      per query, and sampled rows against the float64 reference.\n"
+    "      per query, and sampled rows against the float64 reference.\n";
+static const char *HELP_CHECK =
     "  nsa check [--seed N] [--minutes M] [--cases N] [--backend cpu|cuda] [--threads N] [-v]\n"
     "            [--op NAME] [--hash-out FILE] [--hash-cmp FILE] [--variant KEY=VALUE]...\n"
     "            [--nonfinite]\n"
     "      random correctness sweep against the float64 reference (default 1 minute);\n"
     "      the last line is \"N passed, N failed\"; exit code 0 iff nothing failed.\n"
+    "      --cases N (>= 1): exactly N cases (with --minutes too: whichever ends first).\n"
     "      --op: only that op's checks (nsa_forward, nsa_backward, nsa_attention,\n"
     "      nsa_slc_attn_bwd, ...: the names in the checks' messages). --hash-out: a hash of\n"
     "      every checked output per case, to FILE; --hash-cmp: the first cases whose hashes\n"
     "      differ from FILE's, then \"N identical, M differ\" (not a failure). --variant:\n"
     "      set in the environment before the context exists (e.g. NSA_CUDA_WGMMA=0).\n"
     "      --nonfinite: NaN / inf planted in each op's inputs; the non-finite outputs must\n"
-    "      be exactly the reference's.\n"
+    "      be exactly the reference's.\n";
+static const char *HELP_BENCH =
     "  nsa bench [--T 8192,16384,32768] [--config paper|fla] [--HQ 16] [--H 1]\n"
     "            [--D 128 | --DK 128 --DV 128] [--dtype f32|bf16|f16] [--threads N]\n"
     "            [--backend cpu|cuda] [--reps N] [--no-dense] [--bwd] [--json FILE]\n"
@@ -629,16 +631,30 @@ static const char *USAGE =
     "      ops (names as in the table, or the groups attention = window, dense and their\n"
     "      backwards, nsa = NSA's ops); what they read runs first, untimed.\n"
     "  nsa bench --branches [--T 8192,16384,32768,65536] [--config paper|fla] [--HQ 64]\n"
-    "            [--H 4] [--D 128 | --DK 128 --DV 128] [--dtype bf16|f16] [--reps 10]\n"
+    "            [--H 4] [--D 128 | --DK 128 --DV 128] [--dtype bf16|f16 | --f16] [--reps 10]\n"
     "            [--profile] [--backend cuda|cpu] [--threads N]\n"
     "      the whole NSA forward and backward, and each branch alone (the other gates\n"
     "      absent), every gate on: median ms of --reps calls after 2 warm-ups, by CUDA\n"
     "      events (the CPU: wall clock), one row per length. --profile runs one forward +\n"
-    "      backward at the first length and stops (for ncu). The former nsa_gpu_bench.\n"
-    "  nsa version      library version and the backends present\n"
-    "  nsa --help       this text\n"
-    "\n"
-    "Sizes accept a k suffix (16k = 16384). Exit codes: 0 success, 1 failure, 2 bad usage.\n";
+    "      backward at the first length and stops (for ncu). The former nsa_gpu_bench.\n";
+static const char *HELP_VERSION =
+    "  nsa version      library version and the backends present\n";
+static const char *HELP_FOOT =
+    "\nSizes accept a k suffix (16k = 16384). Exit codes: 0 success, 1 failure, 2 bad usage.\n";
+
+/* The whole help, or one command's (cmd: its name; NULL or unknown: every command). */
+static void print_help(FILE *f, const char *cmd)
+{
+    static const struct { const char *name, **text; } cmds[] = {
+        {"demo", &HELP_DEMO}, {"check", &HELP_CHECK}, {"bench", &HELP_BENCH}, {"version", &HELP_VERSION}};
+    for (size_t c = 0; cmd && c < sizeof cmds / sizeof cmds[0]; c++)
+        if (!strcmp(cmd, cmds[c].name)) {
+            fprintf(f, "usage: nsa %s [options]\n\n%s%s", cmd, *cmds[c].text, HELP_FOOT);
+            return;
+        }
+    fprintf(f, "usage: nsa <command> [options]\n\n%s%s%s%s  nsa --help       this text; nsa <command> --help: that command's\n%s",
+            HELP_DEMO, HELP_CHECK, HELP_BENCH, HELP_VERSION, HELP_FOOT);
+}
 
 static void usage_error(const char *fmt, ...)
 {
@@ -646,7 +662,8 @@ static void usage_error(const char *fmt, ...)
     va_start(ap, fmt);
     fprintf(stderr, "nsa: ");
     vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n\n%s", USAGE);
+    fprintf(stderr, "\n\n");
+    print_help(stderr, NULL);
     va_end(ap);
     exit(2);
 }
@@ -926,7 +943,7 @@ static int cmd_check(int argc, char **argv)
         }
         else if (arg_is(&a, "--nonfinite")) o.nonfinite = 1;
         else if (arg_opt(&a, "--minutes")) o.minutes = parse_double(a.value, "--minutes", 0.0, 1e6), named_minutes = 1;
-        else if (arg_opt(&a, "--cases")) o.max_cases = (long)parse_int(a.value, "--cases", 0, INT32_MAX);
+        else if (arg_opt(&a, "--cases")) o.max_cases = (long)parse_int(a.value, "--cases", 1, INT32_MAX);
         else if (arg_opt(&a, "--backend")) o.backend = parse_backend(a.value), named_backend = 1;
         else if (arg_opt(&a, "--threads")) o.threads = (int)parse_int(a.value, "--threads", 0, 4096);
         else if (arg_is(&a, "-v")) o.verbose = 2;
@@ -1482,12 +1499,12 @@ int main(int argc, char **argv)
     if (argc < 2) usage_error("no command given");
     const char *cmd = argv[1];
     if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h") || !strcmp(cmd, "help")) {
-        fputs(USAGE, stdout);
+        print_help(stdout, argc > 2 ? argv[2] : NULL); /* nsa help <command>: that command's */
         return 0;
     }
     for (int i = 2; i < argc; i++)
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            fputs(USAGE, stdout);
+            print_help(stdout, cmd);
             return 0;
         }
     if (!strcmp(cmd, "demo")) return cmd_demo(argc, argv);

@@ -21,6 +21,9 @@ def _candidates():
 
 
 def _load():
+    env = os.environ.get("NSA_LIBRARY")
+    if env and not os.path.exists(env):  # a named library is the one wanted: no silent fallback
+        raise ImportError("nsa: NSA_LIBRARY names %s, which does not exist" % os.path.abspath(env))
     tried = []
     for path in _candidates():
         path = os.path.abspath(path)

@@ -120,6 +120,15 @@ def test_nsa_library_env(tmp_path):
     assert r.stdout.split()[0] == str(lib)
 
 
+def test_nsa_library_missing_file(tmp_path):
+    """NSA_LIBRARY naming a file that is not there is an error, not a silent fallback."""
+    missing = tmp_path / "no_such_libnsa.so"
+    r = _run("import nsa", env={"PYTHONPATH": os.path.join(ROOT, "python"), "NSA_LIBRARY": str(missing),
+                                "NSA_NO_TORCH": "1"})
+    assert r.returncode != 0
+    assert "NSA_LIBRARY names %s, which does not exist" % missing in r.stderr
+
+
 def test_missing_library_message(tmp_path):
     pkg = tmp_path / "nsa"
     shutil.copytree(os.path.join(ROOT, "python", "nsa"), pkg, ignore=shutil.ignore_patterns("*.so", "__pycache__"))

@@ -3,6 +3,7 @@ the JSON, what they read runs first untimed, unknown names are a usage error (ex
 table of bench --branches."""
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -81,3 +82,35 @@ def test_library_failure_prints_its_detail():
     r = subprocess.run([CLI, "demo", "--backend", "cuda"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert "cuda: desc.backend: " in r.stderr and "status 16" in r.stderr, r.stderr
+
+
+def _cli(*args):
+    if not os.path.exists(CLI):
+        pytest.skip("build/nsa not built")
+    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("cmd,flags", [
+    ("demo", ["--backend", "--T", "--threads", "--seed", "--rows", "--no-dense"]),
+    ("check", ["--seed", "--minutes", "--cases", "--backend", "--threads", "-v", "--op", "--hash-out", "--hash-cmp",
+               "--variant", "--nonfinite"]),
+    ("bench", ["--T", "--config", "--HQ", "--H", "--D", "--DK", "--DV", "--dtype", "--threads", "--backend", "--reps",
+               "--no-dense", "--bwd", "--json", "--op", "--branches", "--profile", "--f16"]),
+])
+def test_command_help_is_its_own(cmd, flags):
+    """`nsa <command> --help` prints that command's help (every flag it takes), not the others'."""
+    r = _cli(cmd, "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: nsa %s [options]" % cmd)
+    listed = set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", r.stdout))
+    assert set(flags) <= listed, set(flags) - listed
+    others = {"demo", "check", "bench", "version"} - {cmd}
+    assert not any("  nsa %s " % o in r.stdout for o in others)
+    assert _cli("help", cmd).stdout == r.stdout
+
+
+def test_check_cases_zero_is_a_usage_error():
+    """`check --cases 0` is refused at once (it used to run the default minute)."""
+    r = _cli("check", "--cases", "0")
+    assert r.returncode == 2
+    assert "--cases: expected an integer in [1," in r.stderr
