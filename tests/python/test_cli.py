@@ -114,3 +114,16 @@ def test_check_cases_zero_is_a_usage_error():
     r = _cli("check", "--cases", "0")
     assert r.returncode == 2
     assert "--cases: expected an integer in [1," in r.stderr
+
+
+def test_demo_small_cpu():
+    """demo on a small CPU shape: the branch table, the whole passes, the speed-up line, and the
+    accuracy check (exit code 0)."""
+    r = _cli("demo", "--backend", "cpu", "--T", "300", "--HQ", "4", "--H", "2", "--threads", "1", "--reps", "3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "shape   B=1 T=300 HQ=4 H=2" in out and "times: median of 3 calls" in out
+    for line in ("compressed attention", "NSA forward", "NSA backward", "dense causal forward"):
+        assert line in out, line
+    assert re.search(r"speed-up of the NSA forward over dense causal attention at T = 300: [0-9.]+x", out)
+    assert re.search(r"accuracy: .*\n.*: ok", out)
