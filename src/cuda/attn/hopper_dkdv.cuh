@@ -34,15 +34,6 @@ __device__ __forceinline__ void kw_products(float (*S)[4], float (*dP)[4], const
     wg_commit();
 }
 
-/* Whether the Q or dO rows in `rows` of a chunk's swizzled tiles hold a non-finite value. */
-template <typename T, int DP, int BQ>
-__device__ __forceinline__ bool kw_rows_nonfinite(const unsigned char *Qp, const unsigned char *Dp, uint64_t rows, int lane)
-{
-    if (!rows) return false;
-    const nf_tile qt = {Qp, BQ, 0}, dt = {Dp, BQ, 0};
-    return nf_mask_any<T, DP>(qt, rows, lane, dt);
-}
-
 /* The dK / dV tiles' epilogue (as ktile's): this thread's two keys' fp32 sums added into
  * dk / dv, or, for a further row segment, its partial of BK keys written whole (scale folded
  * into dK). */
@@ -173,8 +164,8 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
         kw_products<T, DP, BK, BQ, false>(S, dP, Ks, Vs, Qp, Dp, wg * 64 * 128);
         wg_wait<0>();
 
-        /* P^T (masked), dS^T = P^T (g dP^T - D); S becomes g P^T for dV (as ktile). A hidden
-         * pair is exactly 0 in both (its dP, D, gate or lse may be non-finite). */
+        /* P^T (masked), dS^T = P^T (g dP^T - D); S becomes g P^T for dV (as ktile). The careful
+         * variant makes a hidden pair exactly 0 in both (its dP, D, gate or lse may be non-finite). */
         const bool whole = k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1];
         auto vis = [&](int x, int n, float) {
             const int key = kr[x];
@@ -211,8 +202,8 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
         /* the Q / dO rows some of this warpgroup's keys do not see, checked for non-finite
          * values: then the products sum the visible pairs only (nonfinite.cuh) */
         const int klo = k0 + wg * 64, khi = k1 - 1 < klo + 63 ? k1 - 1 : klo + 63;
-        if (careful && !whole && kw_rows_nonfinite<T, DP, BQ>(Qp, Dp, kt_hidden_rows(lo, hi, klo, khi, lane), lane)) {
-            const nf_tile qt = {Qp, BQ, 0}, dt = {Dp, BQ, 0};
+        const nf_tile qt = {Qp, BQ, 0}, dt = {Dp, BQ, 0};
+        if (careful && !whole && nf_mask_any<T, DP>(qt, kt_hidden_rows(lo, hi, klo, khi, lane), lane, dt)) {
             nf_product<T, NT>(dV, S, dt, lane, vis);
             nf_product<T, NT>(dK, dP, qt, lane, vis);
             continue;
@@ -418,8 +409,8 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         kw_products<T, DP, BK, BQ, true>(S, dP, Ks, Vs, Qp, Dp, aoff);
         wg_wait<1>(); /* S^T ready, dP^T still on the tensor cores */
 
-        /* P^T (masked) in S; (g P)^T as the A fragments of dV. A hidden pair is exactly 0 in
-         * both and in dS^T (its dP, D, gate or lse may be non-finite). */
+        /* P^T (masked) in S; (g P)^T as the A fragments of dV. The careful variant makes a hidden
+         * pair exactly 0 in both and in dS^T (its dP, D, gate or lse may be non-finite). */
         const bool whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
         auto vis = [&](int x, int n, float) {
             const int key = kr[x];
@@ -428,7 +419,8 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         /* the Q / dO rows some of this warpgroup's keys do not see, checked for non-finite
          * values: then the products sum the visible pairs only (nonfinite.cuh) */
         const int klo = k0 + (SLC ? 0 : cw * 64), khi = k1 - 1 < klo + 63 ? k1 - 1 : klo + 63;
-        const bool nf = careful && !whole && kw_rows_nonfinite<T, DP, BQ>(Qp, Dp, kt_hidden_rows(lo, hi, klo, khi, lane), lane);
+        const nf_tile qt = {Qp, BQ, 0}, dt = {Dp, BQ, 0};
+        const bool nf = careful && !whole && nf_mask_any<T, DP>(qt, kt_hidden_rows(lo, hi, klo, khi, lane), lane, dt);
         uint32_t pa[BQ / 16][4], da[BQ / 16][4];
         if (whole) {
 #pragma unroll
@@ -459,7 +451,6 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
                     dP[nt][e] = v ? S[nt][e] * (dP[nt][e] * gr[n] - Dr[n]) : 0.0f;
                     S[nt][e] = v ? S[nt][e] * gr[n] : 0.0f;
                 }
-            const nf_tile qt = {Qp, BQ, 0}, dt = {Dp, BQ, 0};
             nf_product<T, NT>(dV, S, dt, lane, vis);
             nf_product<T, NT>(dK, dP, qt, lane, vis);
             mb_arrive(&empty[s]);
@@ -476,7 +467,7 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
                 }
                 sc_frag_a<T>(pa[k2], a, b);
             }
-        } else { /* a hidden pair exactly 0 (its gate may be non-finite) */
+        } else { /* careful: a hidden pair exactly 0 (its gate may be non-finite) */
 #pragma unroll
             for (int k2 = 0; k2 < BQ / 16; k2++) {
                 float a[4], b[4];
@@ -496,7 +487,8 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         wg_commit();
         wg_wait<1>(); /* dP^T ready, dV on the tensor cores */
 
-        /* dS^T = P^T (g dP^T - D); a hidden pair exactly 0 (its dP, D or gate may be non-finite) */
+        /* dS^T = P^T (g dP^T - D); careful: a hidden pair exactly 0 (its dP, D or gate may be
+         * non-finite) */
         if (whole || !careful) {
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)

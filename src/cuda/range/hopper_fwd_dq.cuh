@@ -532,25 +532,21 @@ static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles, const void *m
      * heaviest first) in the forward with Q by TMA into two buffers */
     int64_t grid = Pl.tasks;
     Pl.dyn = MODE == MODE_FWD && QWG_NQ(MODE, DKP) == 2 && P->qbox && P->ctr;
-    if (Pl.dyn) {
-        int dev = 0, sms = 0;
+    int sms = 0; /* (the persistent walk's grid, and the careful variant's below) */
+    if (Pl.dyn || P->nf) {
+        int dev = 0;
         g_check(g, cudaGetDevice(&dev));
         g_check(g, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-        if (sms > 0 && grid > sms) grid = sms;
     }
+    if (Pl.dyn && sms > 0 && grid > sms) grid = sms;
     if (g->err != NSA_STATUS_SUCCESS || grid > INT32_MAX) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: %lld tasks exceed the CUDA grid limit", (long long)grid);
         return;
     }
     launch_qwg_v<DKP, DVP, T, MODE, false>(g, Pl, (unsigned)grid, smem, m);
-    if (P->nf) {
-        /* the careful variant on one CTA per SM, each walking every gridDim-th task: standing
-         * aside then costs one wave of CTAs instead of the whole grid (dQ: ~30 us at 16k) */
-        int dev = 0, sms = 0;
-        g_check(g, cudaGetDevice(&dev));
-        g_check(g, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-        launch_qwg_v<DKP, DVP, T, MODE, true>(g, Pl, (unsigned)(sms > 0 && grid > sms ? sms : grid), smem, m);
-    }
+    /* the careful variant on one CTA per SM, each walking every gridDim-th task: standing aside
+     * then costs one wave of CTAs instead of the whole grid (dQ: ~30 us at 16k) */
+    if (P->nf) launch_qwg_v<DKP, DVP, T, MODE, true>(g, Pl, (unsigned)(sms > 0 && grid > sms ? sms : grid), smem, m);
 }
 
 /* Whether this binary carries the sm_90a body of qwg_kernel<DP> for the current device (not
