@@ -111,7 +111,7 @@ NSA_API const char *nsa_version_string(void);
 /* Tensors                                                                               */
 /* ------------------------------------------------------------------------------------ */
 typedef enum nsa_dtype {
-    NSA_DTYPE_F32 = 0,   /* IEEE float; CPU backend only for attention inputs */
+    NSA_DTYPE_F32 = 0,   /* IEEE float (on CUDA: nsa_attention without options, nsa_cmp_attn, nsa_slc_attn) */
     NSA_DTYPE_F16 = 1,   /* IEEE half */
     NSA_DTYPE_BF16 = 2,  /* bfloat16 */
     NSA_DTYPE_I32 = 3,   /* int32: block_indices, block_counts, segment ids */

@@ -86,7 +86,8 @@ static void run_one(const sweep_case *c, long index, uint64_t seed, int verbose,
     *failed = g_tests_failed;
 }
 
-/* fp32 attention inputs: a valid request the GPU declines. */
+/* fp32 attention with a softcap: a valid request the GPU declines (its f32 path is the
+ * scalar kernels, which take no options yet). */
 static void check_f32_declined(void)
 {
     const int64_t T = 8, H = 1, D = 16;
@@ -106,6 +107,7 @@ static void check_f32_declined(void)
     a.lse = nsa_tensor_3d(lse, NSA_DTYPE_F32, 1, T, H);
     a.causal = 1;
     a.window_left = -1, a.window_right = -1;
+    a.softcap = 30.0f;
     size_t need = 0;
     CHECK_STATUS(nsa_attention_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
     void *ws = devmem_alloc(be, need, "the workspace");

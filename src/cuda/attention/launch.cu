@@ -18,7 +18,8 @@ static void run_attention(grun *g, const nsa_attention_args *a)
         if (cu_xattn_supported(g, a->q.dtype)) cu_xattn_fwd(g, a);
         return;
     }
-    if (!cu_attn_supported(g, a->q.dtype)) return;
+    /* f32: the scalar kernels, without softcap or sinks (whose backward is the options kernels') */
+    if (!cu_attn_supported(g, a->q.dtype, a->softcap == 0.0f && !a->sinks.data)) return;
     g_seq_setup(g, 0);
     const dview q = dv_of(&a->q), k = dv_of(&a->k), v = dv_of(&a->v), o = dv_of(&a->o), lse = dv_of(&a->lse);
     rule_t r = cu_rule_window(a->window_left, a->window_right, a->causal);
@@ -45,7 +46,7 @@ static void run_attention_bwd(grun *g, const nsa_attention_bwd_args *a)
         if (cu_xattn_supported(g, f->q.dtype)) cu_xattn_bwd(g, a);
         return;
     }
-    if (!cu_attn_supported(g, f->q.dtype)) return;
+    if (!cu_attn_supported(g, f->q.dtype, 1)) return;
     g_seq_setup(g, 0);
     const rule_t r = cu_rule_window(f->window_left, f->window_right, f->causal);
     cu_range_bwd_op(g, &r, &f->q, &f->k, &f->v, &f->o, &f->lse, &a->dout, g->p->T, &a->dq, &a->dk, &a->dv);

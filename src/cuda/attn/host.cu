@@ -9,11 +9,13 @@
 
 static int class_dv(int cls) { return cls == 192 ? 128 : cls; }
 
-int cu_attn_supported(grun *g, nsa_dtype dt)
+int cu_attn_supported(grun *g, nsa_dtype dt, int f32)
 {
     const nsa_problem *p = g->p;
-    if (dt != NSA_DTYPE_F16 && dt != NSA_DTYPE_BF16) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: dtype %s, the CUDA kernels take f16 or bf16", nsa_dtype_name(dt));
+    if (dt != NSA_DTYPE_F16 && dt != NSA_DTYPE_BF16 && !(f32 && dt == NSA_DTYPE_F32)) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: dtype %s, this op's CUDA kernels take %s", nsa_dtype_name(dt),
+               f32 ? "f16, bf16 or f32" : "f16 or bf16 (f32 runs on the GPU in nsa_attention without options, "
+                                          "nsa_cmp_attn and nsa_slc_attn so far)");
         return 0;
     }
     if (!cu_dims_class(p->DK, p->DV)) {
@@ -73,6 +75,27 @@ void cu_dkdv_params(kparams *P, const nsa_problem *p, const bwd_io *io)
     P->DK = (int)p->DK, P->DV = (int)p->DV;
     P->scale = p->scale;
     P->sl2 = p->scale * NSA_LOG2E;
+}
+
+void cu_bwd_simt(grun *g, const rule_t *r, const bwd_io *io, const cu_slc_lists *lists)
+{
+    const nsa_problem *p = g->p;
+    qparams Q;
+    cu_dq_params(&Q, p, io);
+    Q.rule = *r;
+    Q.sm = g_plain_map(g);
+    kparams K;
+    cu_dkdv_params(&K, p, io);
+    K.rule = *r;
+    K.sm = Q.sm;
+    if (lists) {
+        Q.U = lists->U, Q.ucnt = lists->ucnt, Q.m = lists->m;
+        K.offs = lists->offs, K.list = lists->list, K.offs_pref = lists->offs_pref, K.list_pref = lists->list_pref;
+        K.m = lists->m;
+    }
+    if (io->dq_out) g_zero(g, io->dq32, nsa_size_mul(nsa_size_elems(p->B, p->T, p->HQ, p->DK), sizeof(float)));
+    nsa_cu_simt_q(g, &Q, MODE_DQ, p->B, NULL);
+    nsa_cu_simt_k(g, &K, p->B, NULL);
 }
 
 void cu_run_qtile(grun *g, const qparams *P, int mode, int bn, int64_t tiles, nsa_dtype dt)

@@ -85,11 +85,25 @@ void nsa_cu_kwg_128(grun *g, const kparams *P, int bf16, int64_t tiles);
 void nsa_cu_kwp_64(grun *g, const kparams *P, int bf16, int slc, int64_t tiles, const void *maps);
 void nsa_cu_kwp_128(grun *g, const kparams *P, int bf16, int slc, int64_t tiles, const void *maps);
 
+/* The scalar kernels (simt.cu): the same parameter blocks over B batch entries, fp32 products
+ * over the visible pairs only, any storage dtype. only_if: NULL runs them; else they stand
+ * aside unless *only_if (a device int) is set. */
+void nsa_cu_simt_q(grun *g, const qparams *P, int mode, int64_t B, const int *only_if);
+void nsa_cu_simt_k(grun *g, const kparams *P, int64_t B, const int *only_if);
+/* The selected rule's lists as the scalar backward takes them: per row the usable blocks
+ * (selected/lists.cu), per block the queries that selected it. */
+typedef struct cu_slc_lists {
+    const int32_t *U, *ucnt;
+    int m;
+    const int32_t *offs, *list;
+    const int64_t *offs_pref, *list_pref;
+} cu_slc_lists;
+
 /* ---- host side shared by the range and selected branches (attn/host.cu) ---------------- */
 
-/* The attention tiles need f16/bf16 storage, supported dims, int32 positions. Marks
- * NOT_SUPPORTED on g and returns 0 otherwise. */
-int cu_attn_supported(grun *g, nsa_dtype dt);
+/* The attention tiles need f16/bf16 storage (f32: the scalar kernels, where the op has them:
+ * f32 set), supported dims, int32 positions. Marks NOT_SUPPORTED on g and returns 0 otherwise. */
+int cu_attn_supported(grun *g, nsa_dtype dt, int f32);
 
 /* Backward of one branch: dq added to dq32 [B*T*HQ*DK], dK/dV added to flat fp32 [B, KR, H, D]
  * buffers. Dw, gw: per-row scratch [B*T*HQ]: filled by the branch (nsa_cu_dprep) unless
@@ -109,6 +123,11 @@ typedef struct bwd_io {
 /* The backward's inputs read by its tiles (q, k, v, lse) scanned into the call's non-finite
  * flag (run.h; dout, o and the gate set it from the row-term kernels). */
 void cu_bwd_scan(grun *g, const bwd_io *io);
+
+/* The backward of rule r on the scalar kernels (float32 storage): dq added into io->dq32
+ * (zeroed first when io->dq_out says it is dq's only term), dk / dv into io->dk32 / dv32; the
+ * selected rule takes its lists (NULL for the range rules). Dw / gw filled by the caller. */
+void cu_bwd_simt(grun *g, const rule_t *r, const bwd_io *io, const cu_slc_lists *lists);
 
 /* The parameter blocks of a branch's forward / dQ and dK / dV from the problem. */
 void cu_qparams_base(qparams *P, const nsa_problem *p, const dview *q);

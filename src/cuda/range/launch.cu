@@ -12,7 +12,7 @@
 
 static void run_cmp_attn(grun *g, const nsa_cmp_attn_args *a)
 {
-    if (!cu_attn_supported(g, a->q.dtype)) return;
+    if (!cu_attn_supported(g, a->q.dtype, 1)) return;
     g_seq_setup(g, 1);
     const dview q = dv_of(&a->q), kc = dv_of(&a->k_cmp), vc = dv_of(&a->v_cmp), o = dv_of(&a->o), lse = dv_of(&a->lse);
     const rule_t r = cu_rule_cmp(g->p);
@@ -32,7 +32,7 @@ nsa_status nsa_cuda_cmp_attn(const nsa_context *ctx, const nsa_problem *p, const
 static void run_cmp_attn_bwd(grun *g, const nsa_cmp_attn_bwd_args *a)
 {
     const nsa_cmp_attn_args *f = &a->fwd;
-    if (!cu_attn_supported(g, f->q.dtype)) return;
+    if (!cu_attn_supported(g, f->q.dtype, 1)) return;
     g_seq_setup(g, 1);
     const rule_t r = cu_rule_cmp(g->p);
     cu_range_bwd_op(g, &r, &f->q, &f->k_cmp, &f->v_cmp, &f->o, &f->lse, &a->dout, g->p->cmp_rows, &a->dq, &a->dk_cmp,
@@ -126,6 +126,11 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     if (lse) P.lse = *lse;
     P.rule = *rule;
     const int64_t KR = rule->kind == RULE_CMP ? p->cmp_rows : p->Tk; /* key rows (Tk == T but for attention) */
+    if (dt == NSA_DTYPE_F32) { /* float32 storage: the scalar kernels (attn/simt.cu) */
+        P.sm = g_plain_map(g);
+        nsa_cu_simt_q(g, &P, MODE_FWD, p->B, NULL);
+        return;
+    }
     if (v) cu_scan_nonfinite(g, v, p->B, KR, p->H, p->DV); /* the forward's one B operand */
     P.nf = g_nf_tiles(g);
     /* the workspace does not depend on the tile height, so the sizing pass (which plans the
@@ -149,6 +154,10 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
 {
     const nsa_problem *p = g->p;
     if (!io->D_ready) nsa_cu_dprep(g, io->dout, io->o, io->gate, io->Dw, io->gate ? io->gw : NULL, p->B, p->T, p->HQ, p->DV);
+    if (io->dt == NSA_DTYPE_F32) { /* float32 storage: the scalar kernels (attn/simt.cu) */
+        cu_bwd_simt(g, rule, io, NULL);
+        return 0;
+    }
     cu_bwd_scan(g, io);
     qparams Q;
     cu_dq_params(&Q, p, io);

@@ -10,7 +10,7 @@
 
 static void run_slc_attn(grun *g, const nsa_slc_attn_args *a)
 {
-    if (!cu_attn_supported(g, a->q.dtype)) return;
+    if (!cu_attn_supported(g, a->q.dtype, 1)) return;
     g_seq_setup(g, 0);
     int32_t *U, *ucnt;
     cu_take_usable(g, &a->block_indices, &a->block_counts, &U, &ucnt);
@@ -32,7 +32,7 @@ static void run_slc_attn_bwd(grun *g, const nsa_slc_attn_bwd_args *a)
 {
     const nsa_problem *p = g->p;
     const nsa_slc_attn_args *f = &a->fwd;
-    if (!cu_attn_supported(g, f->q.dtype)) return;
+    if (!cu_attn_supported(g, f->q.dtype, 1)) return;
     g_seq_setup(g, 0);
     int32_t *U, *ucnt;
     cu_take_usable(g, &f->block_indices, &f->block_counts, &U, &ucnt);
@@ -110,6 +110,11 @@ void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvi
     P.lse = *lse;
     P.rule = cu_rule_slc(p);
     P.U = U, P.ucnt = ucnt, P.m = (int)m;
+    if (dt == NSA_DTYPE_F32) { /* float32 storage: the scalar kernels (attn/simt.cu) */
+        P.sm = g_plain_map(g);
+        nsa_cu_simt_q(g, &P, MODE_FWD, p->B, NULL);
+        return;
+    }
     cu_scan_nonfinite(g, v, p->B, p->Tk, p->H, p->DV); /* the forward's one B operand */
     P.nf = g_nf_tiles(g);
     run_slc_q(g, &P, MODE_FWD, dt);
@@ -128,10 +133,19 @@ void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt
     const nsa_problem *p = g->p;
     const int64_t lp = p->cfg.slc_block;
     if (!io->D_ready) nsa_cu_dprep(g, io->dout, io->o, io->gate, io->Dw, io->gate ? io->gw : NULL, p->B, p->T, p->HQ, p->DV);
+    const rule_t rule = cu_rule_slc(p);
+    if (io->dt == NSA_DTYPE_F32) { /* float32 storage: the scalar kernels (attn/simt.cu) */
+        inv_index ix;
+        memset(&ix, 0, sizeof ix);
+        nsa_cu_invert(g, U, ucnt, m, lp, &ix);
+        const cu_slc_lists lists = {U, ucnt, (int)m, ix.offs, ix.list, ix.offs_pref, ix.list_pref};
+        cu_bwd_simt(g, &rule, io, &lists);
+        return;
+    }
     cu_bwd_scan(g, io);
     qparams Q;
     cu_dq_params(&Q, p, io);
-    Q.rule = cu_rule_slc(p);
+    Q.rule = rule;
     Q.nf = g_nf_tiles(g);
     Q.U = U, Q.ucnt = ucnt, Q.m = (int)m;
     run_slc_q(g, &Q, MODE_DQ, io->dt);

@@ -12,7 +12,7 @@
 static void run_select(grun *g, const nsa_select_args *a)
 {
     const nsa_problem *p = g->p;
-    if (!cu_attn_supported(g, a->q.dtype)) return;
+    if (!cu_attn_supported(g, a->q.dtype, 0)) return;
     g_seq_setup(g, 1);
     const dview q = dv_of(&a->q), kc = dv_of(&a->k_cmp), idx = dv_of(&a->block_indices);
     const dview cnt = dv_of(&a->block_counts);
