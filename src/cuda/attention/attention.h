@@ -62,6 +62,10 @@ static inline constexpr size_t xattn_smem(int DP, int kind, int side)
 void nsa_cu_xattn_64(grun *g, const xparams *P, int kind, int bf16, const int64_t grid[3]);
 void nsa_cu_xattn_128(grun *g, const xparams *P, int kind, int bf16, const int64_t grid[3]);
 void nsa_cu_xattn_256(grun *g, const xparams *P, int kind, int bf16, const int64_t grid[3]);
+/* The same launch on the scalar kernels (simt.cu): for calls whose inputs may hold a
+ * non-finite value, launched beside the tiles with only_if = the call's flag (they run only
+ * when it is set, when the tiles stand aside). */
+void nsa_cu_xattn_simt(grun *g, const xparams *P, int kind, const int *only_if);
 /* dsinks[hq] = -sum over rows of exp(sink - lse) * Dw (deterministic order). */
 void nsa_cu_xsinks(grun *g, const xparams *P, float *dsinks, int64_t ds_stride);
 /* the fp32 dbias accumulator [dbB, dbH, Tq, Tk] -> the caller's dbias (any float dtype) */

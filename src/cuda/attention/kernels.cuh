@@ -325,11 +325,10 @@ template <int DP> struct xdkv_layout {
 
 /* ==== forward ================================================================================ */
 
-template <int DP, typename T, bool NF = false>
+template <int DP, typename T>
 __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xparams P)
 {
-    if (nf_stand_aside<NF>(P.nf)) return; /* the other variant runs (nonfinite.cuh) */
-    constexpr bool careful = NF;
+    if (nf_set(P.nf)) return; /* a non-finite input: the scalar kernels run this call (simt.cu) */
     constexpr int LD = DP + 8, BN = XQ_BN(DP), NT = BN / 8;
     extern __shared__ __align__(16) unsigned char smem[];
     using L = xfwd_layout<DP>;
@@ -383,8 +382,6 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xpara
         const int side = x_side_begin(P, b, hq, sq.q0 + i0, nrows, sq.k0 + c0, kmax, c0, BN, sb, kp, tid);
         float S[NT][4];
         x_abt<T, DP, NT>(S, Qs + warp * 16 * LD, Ks + st * BN * LD, lane);
-        uint32_t hbits = 0; /* this lane's hidden elements (bit 4 nt + e) */
-        uint64_t hid = 0;   /* the chunk's keys some row of the warp does not see */
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -396,12 +393,7 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xpara
                 const float mb = side ? sb[r * 64 + jl] : 0.0f;
                 const float sc = x_pair(P, S[nt][e], vis, mb, &dc);
                 S[nt][e] = sc * NSA_LOG2E; /* -inf stays -inf */
-                const bool shown = vis && mb != -INFINITY; /* a -inf bias or a mask hides; a -inf score does not */
-                seen[x] |= shown;
-                if (careful && !shown) {
-                    hbits |= 1u << (nt * 4 + e);
-                    if (row[x] >= 0) hid |= 1ull << jl;
-                }
+                seen[x] |= vis && mb != -INFINITY; /* a -inf bias or a mask hides; a -inf score does not */
             }
         sc_softmax<NT, DP / 8>(S, m_, l_, acc);
         if (P.dropout) /* l keeps the undropped sum: lse is the undropped softmax's */
@@ -411,20 +403,7 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xpara
                 for (int e = 0; e < 4; e++) {
                     S[nt][e] *= x_keep_at(P, kp, warp * 16 + (lane >> 2) + 8 * (e >> 1), nt * 8 + 2 * (lane & 3) + (e & 1));
                 }
-        /* the V rows of keys some row does not see, checked for non-finite values: then the
-         * product sums the visible pairs only, marked in place (nonfinite.cuh) */
-        const nf_tile vt = {(const unsigned char *)(Vs + st * BN * LD), 0, LD * 2};
-        if (careful) hid = nf_warp_or(hid);
-        if (hid && nf_mask_any<T, DP>(vt, hid, lane)) {
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    if (hbits >> (nt * 4 + e) & 1) S[nt][e] = nf_hide();
-            nf_product<T, NT>(acc, S, vt, lane, [](int, int, float a) { return !nf_hidden(a); });
-        } else {
-            x_pb<T, DP, NT>(acc, S, Vs + st * BN * LD, lane);
-        }
+        x_pb<T, DP, NT>(acc, S, Vs + st * BN * LD, lane);
     }
     cp_wait<0>();
 
@@ -445,16 +424,14 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xpara
 }
 
 /* xdq_kernel's chunk [c0, min(c0 + BN, kmax + 1)) of keys, after its side table (rows
- * [qrow0, qrow0 + nq) of (b, hq), keys from krow0) is filled: P (S, nf_hide() at a hidden
- * pair), the softcap derivative (C), dP~ = dO V^T (dP) and the keys some row of the warp
- * does not see (hid); Qw / Ow the warp's 16 rows, Kst / Vst / ksg the chunk's stage. */
+ * [qrow0, qrow0 + nq) of (b, hq), keys from krow0) is filled: P (S), the softcap derivative
+ * (C) and dP~ = dO V^T (dP); Qw / Ow the warp's 16 rows, Kst / Vst / ksg the chunk's stage. */
 template <typename T, int DP, int NT>
 __device__ __forceinline__ void xdq_products(const xparams &P, const T *Qw, const T *Ow, const T *Kst, const T *Vst,
                                              const int *ksg, float *sb, unsigned char *kp, int64_t b, int64_t hq,
                                              int64_t qrow0, int nq, int64_t krow0, int c0, int kmax, const int lo[2],
                                              const int hi[2], const int seg[2], const float l2[2], int tid,
-                                             float (&S)[NT][4], float (&C)[NT][4], float (&dP)[NT][4], bool careful,
-                                             uint64_t &hid)
+                                             float (&S)[NT][4], float (&C)[NT][4], float (&dP)[NT][4])
 {
     const int lane = tid & 31, warp = tid >> 5;
     const int side = x_side_begin(P, b, hq, qrow0, nq, krow0, kmax, c0, NT * 8, sb, kp, tid);
@@ -467,23 +444,18 @@ __device__ __forceinline__ void xdq_products(const xparams &P, const T *Qw, cons
         for (int e = 0; e < 4; e++) {
             const int x = e >> 1, jl = nt * 8 + 2 * (lane & 3) + (e & 1), j = c0 + jl;
             const int vis = j < c1 && j >= lo[x] && j <= hi[x] && (!P.kseg.p || ksg[jl] == seg[x]);
-            const float mb = sbw ? sbw[((lane >> 2) + 8 * x) * 64 + jl] : 0.0f;
-            const float sc = x_pair(P, S[nt][e], vis, mb, &C[nt][e]);
-            const bool shown = vis && mb != -INFINITY;
-            S[nt][e] = careful && !shown ? nf_hide() : sc == -INFINITY ? 0.0f : ex2(sc * NSA_LOG2E - l2[x]);
-            if (careful && !shown && warp * 16 + (lane >> 2) + 8 * x < nq) hid |= 1ull << jl;
+            const float sc = x_pair(P, S[nt][e], vis, sbw ? sbw[((lane >> 2) + 8 * x) * 64 + jl] : 0.0f, &C[nt][e]);
+            S[nt][e] = sc == -INFINITY ? 0.0f : ex2(sc * NSA_LOG2E - l2[x]);
         }
-    if (careful) hid = nf_warp_or(hid);
     x_abt<T, DP, NT>(dP, Ow, Vst, lane);
 }
 
 /* ==== dQ (and dbias) ========================================================================== */
 
-template <int DP, typename T, bool NF = false>
+template <int DP, typename T>
 __global__ void __launch_bounds__(128) xdq_kernel(const __grid_constant__ xparams P)
 {
-    if (nf_stand_aside<NF>(P.nf)) return; /* the other variant runs (nonfinite.cuh) */
-    constexpr bool careful = NF;
+    if (nf_set(P.nf)) return; /* a non-finite input: the scalar kernels run this call (simt.cu) */
     constexpr int LD = DP + 8, BN = XQ_BN(DP), NT = BN / 8;
     extern __shared__ __align__(16) unsigned char smem[];
     using L = xdq_layout<DP>;
@@ -553,17 +525,15 @@ __global__ void __launch_bounds__(128) xdq_kernel(const __grid_constant__ xparam
                 for (int c0 = kmin, i = 0; c0 <= kmax; c0 += BN, i++) {
                     const int st = x_pipe_next(c0, BN, kmax, i, issue);
                     float S[NT][4], dP[NT][4], C[NT][4];
-                    uint64_t hid = 0;
                     xdq_products<T, DP, NT>(P, Qs + warp * 16 * LD, Os + warp * 16 * LD, Ks + st * BN * LD,
                                             Vs + st * BN * LD, kseg + st * BN, sb, kp, b, hq, sq.q0 + i0, nrows,
-                                            sq.k0 + c0, c0, kmax, lo, hi, seg, l2, tid, S, C, dP, careful, hid);
+                                            sq.k0 + c0, c0, kmax, lo, hi, seg, l2, tid, S, C, dP);
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                         for (int e = 0; e < 4; e++) {
                             const int x = e >> 1, jl = nt * 8 + 2 * (lane & 3) + (e & 1);
-                            if (!careful || !nf_hidden(S[nt][e]))
-                                Dacc[x] += S[nt][e] * x_keep_at(P, kp, warp * 16 + (lane >> 2) + 8 * x, jl) * dP[nt][e];
+                            Dacc[x] += S[nt][e] * x_keep_at(P, kp, warp * 16 + (lane >> 2) + 8 * x, jl) * dP[nt][e];
                         }
                 }
                 for (int x = 0; x < 2; x++) {
@@ -579,31 +549,20 @@ __global__ void __launch_bounds__(128) xdq_kernel(const __grid_constant__ xparam
                 const int st = x_pipe_next(c0, BN, kmax, i, issue);
                 const int c1 = c0 + BN < kmax + 1 ? c0 + BN : kmax + 1;
                 float S[NT][4], dP[NT][4], C[NT][4];
-                uint64_t hid = 0;
                 xdq_products<T, DP, NT>(P, Qs + warp * 16 * LD, Os + warp * 16 * LD, Ks + st * BN * LD,
                                         Vs + st * BN * LD, kseg + st * BN, sb, kp, b, hq, sq.q0 + i0, nrows, sq.k0 + c0,
-                                        c0, kmax, lo, hi, seg, l2, tid, S, C, dP, careful, hid);
+                                        c0, kmax, lo, hi, seg, l2, tid, S, C, dP);
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const int x = e >> 1, jl = nt * 8 + 2 * (lane & 3) + (e & 1), j = c0 + jl;
                         const float z = x_keep_at(P, kp, warp * 16 + (lane >> 2) + 8 * x, jl);
-                        /* d loss / d score; careful: a hidden pair stays marked (its dP or D may be
-                         * non-finite), a visible one's weight is never -0 (+ 0.0f after the softcap
-                         * derivative C, whose 0 would turn a negative into -0) */
-                        const bool hidden = careful && nf_hidden(S[nt][e]);
-                        const float ds = hidden ? 0.0f : S[nt][e] * (z * dP[nt][e] - Dr[x]);
+                        const float ds = S[nt][e] * (z * dP[nt][e] - Dr[x]); /* d loss / d score */
                         if (db && row[x] >= 0 && j < c1) db[row[x] * P.Tk + sq.k0 + j] += ds;
-                        dP[nt][e] = hidden ? nf_hide() : careful ? ds * C[nt][e] + 0.0f : ds * C[nt][e];
+                        dP[nt][e] = ds * C[nt][e];
                     }
-                /* the K rows of keys some row does not see, checked for non-finite values: then the
-                 * product sums the visible pairs only (nonfinite.cuh) */
-                const nf_tile kt = {(const unsigned char *)(Ks + st * BN * LD), 0, LD * 2};
-                if (hid && nf_mask_any<T, DP>(kt, hid, lane))
-                    nf_product<T, NT>(acc, dP, kt, lane, [](int, int, float a) { return !nf_hidden(a); });
-                else
-                    x_pb<T, DP, NT>(acc, dP, Ks + st * BN * LD, lane);
+                x_pb<T, DP, NT>(acc, dP, Ks + st * BN * LD, lane);
             }
             cp_wait<0>();
             int64_t qoff[2];
@@ -614,11 +573,10 @@ __global__ void __launch_bounds__(128) xdq_kernel(const __grid_constant__ xparam
 
 /* ==== dK and dV ================================================================================ */
 
-template <int DP, typename T, bool NF = false>
+template <int DP, typename T>
 __global__ void __launch_bounds__(128) xdkv_kernel(const __grid_constant__ xparams P)
 {
-    if (nf_stand_aside<NF>(P.nf)) return; /* the other variant runs (nonfinite.cuh) */
-    constexpr bool careful = NF;
+    if (nf_set(P.nf)) return; /* a non-finite input: the scalar kernels run this call (simt.cu) */
     constexpr int LD = DP + 8, BQ = XQ_BQ(DP), NQ = BQ / 8;
     extern __shared__ __align__(16) unsigned char smem[];
     /* K, V of the CTA's keys; Q, dO chunks and their rows' values in two stages */
@@ -693,7 +651,6 @@ __global__ void __launch_bounds__(128) xdkv_kernel(const __grid_constant__ xpara
             const int side = x_side_begin(P, b, hq, prow0, nq, sq.k0 + j0, nkeys - 1, 0, XQ_BM, sb, kp, tid);
             /* S^T: this warp's 16 keys x BQ queries */
             float S[NQ][4], C[NQ][4];
-            uint64_t hid = 0; /* the chunk's queries some key of the warp does not see */
             x_abt<T, DP, NQ>(S, Ks + warp * 16 * LD, Qp, lane);
 #pragma unroll
             for (int nt = 0; nt < NQ; nt++)
@@ -704,18 +661,9 @@ __global__ void __launch_bounds__(128) xdkv_kernel(const __grid_constant__ xpara
                     const int vis = j >= 0 && r < nq && j >= rlo[rb + r] && j <= rhi[rb + r] &&
                                     (!P.kseg.p || rseg[rb + r] == kseg[x]);
                     const int kl = warp * 16 + (lane >> 2) + 8 * x;
-                    const float mb = side ? sb[r * 64 + kl] : 0.0f;
-                    const float sc = x_pair(P, S[nt][e], vis, mb, &C[nt][e]);
-                    const bool shown = vis && mb != -INFINITY;
-                    S[nt][e] = careful && !shown ? nf_hide() : sc == -INFINITY ? 0.0f : ex2(sc * NSA_LOG2E - rl2[rb + r]);
-                    if (careful && !shown && j >= 0) hid |= 1ull << r;
+                    const float sc = x_pair(P, S[nt][e], vis, side ? sb[r * 64 + kl] : 0.0f, &C[nt][e]);
+                    S[nt][e] = sc == -INFINITY ? 0.0f : ex2(sc * NSA_LOG2E - rl2[rb + r]);
                 }
-            /* the Q / dO rows of queries some key does not see, checked for non-finite values:
-             * then the products sum the visible pairs only, marked in place (nonfinite.cuh) */
-            if (careful) hid = nf_warp_or(hid);
-            const nf_tile qt = {(const unsigned char *)Qp, 0, LD * 2}, ot = {(const unsigned char *)Op, 0, LD * 2};
-            const bool nf = hid && nf_mask_any<T, DP>(qt, hid, lane, ot);
-            auto shown = [](int, int, float a) { return !nf_hidden(a); };
             if (P.which & XW_DK) {
                 float dS[NQ][4];
                 x_abt<T, DP, NQ>(dS, Vs + warp * 16 * LD, Op, lane); /* dP^T */
@@ -725,21 +673,11 @@ __global__ void __launch_bounds__(128) xdkv_kernel(const __grid_constant__ xpara
                     for (int e = 0; e < 4; e++) {
                         const int x = e >> 1, r = nt * 8 + 2 * (lane & 3) + (e & 1);
                         const float z = x_keep_at(P, kp, r, warp * 16 + (lane >> 2) + 8 * x);
-                        /* careful: a hidden pair stays marked (its dP or D may be non-finite); a
-                         * visible one's weight is never -0 (+ 0.0f after the softcap derivative) */
-                        if constexpr (careful)
-                            dS[nt][e] = nf_hidden(S[nt][e]) ? nf_hide() : S[nt][e] * (z * dS[nt][e] - rD[rb + r]) * C[nt][e] + 0.0f;
-                        else
-                            dS[nt][e] = S[nt][e] * (z * dS[nt][e] - rD[rb + r]) * C[nt][e];
-                        S[nt][e] *= z; /* the dropped weight that multiplies dO for dV (-0 stays -0) */
+                        dS[nt][e] = S[nt][e] * (z * dS[nt][e] - rD[rb + r]) * C[nt][e];
+                        S[nt][e] *= z; /* the dropped weight that multiplies dO for dV */
                     }
-                if constexpr (BOTH) {
-                    if (nf) nf_product<T, NQ>(dK, dS, qt, lane, shown);
-                    else x_pb<T, DP, NQ>(dK, dS, Qp, lane);
-                } else {
-                    if (nf) nf_product<T, NQ>(dV, dS, qt, lane, shown);
-                    else x_pb<T, DP, NQ>(dV, dS, Qp, lane);
-                }
+                if constexpr (BOTH) x_pb<T, DP, NQ>(dK, dS, Qp, lane);
+                else x_pb<T, DP, NQ>(dV, dS, Qp, lane);
             } else {
 #pragma unroll
                 for (int nt = 0; nt < NQ; nt++)
@@ -749,10 +687,7 @@ __global__ void __launch_bounds__(128) xdkv_kernel(const __grid_constant__ xpara
                         S[nt][e] *= x_keep_at(P, kp, r, warp * 16 + (lane >> 2) + 8 * x);
                     }
             }
-            if (P.which & XW_DV) {
-                if (nf) nf_product<T, NQ>(dV, S, ot, lane, shown);
-                else x_pb<T, DP, NQ>(dV, S, Op, lane);
-            }
+            if (P.which & XW_DV) x_pb<T, DP, NQ>(dV, S, Op, lane);
         }
     }
     cp_wait<0>();
@@ -768,10 +703,10 @@ __global__ void __launch_bounds__(128) xdkv_kernel(const __grid_constant__ xpara
     }
 }
 
-/* One variant of a head-dim class's kernels (nonfinite.cuh). */
-template <int DP, typename T, bool NF> static void xattn_launch_v(grun *g, const xparams *P, int kind, const int64_t grid[3])
+/* Launcher of one head-dim class (instantiated in the generated src/cuda/inst files). */
+template <int DP, typename T> static void xattn_launch(grun *g, const xparams *P, int kind, const int64_t grid[3])
 {
-    void (*fn)(const xparams) = kind == XK_FWD ? xfwd_kernel<DP, T, NF> : kind == XK_DQ ? xdq_kernel<DP, T, NF> : xdkv_kernel<DP, T, NF>;
+    void (*fn)(const xparams) = kind == XK_FWD ? xfwd_kernel<DP, T> : kind == XK_DQ ? xdq_kernel<DP, T> : xdkv_kernel<DP, T>;
     const bool side = P->mask.p || P->bias.p || P->dropout;
     const size_t smem = kind == XK_FWD ? xfwd_layout<DP>::bytes(side) : kind == XK_DQ ? xdq_layout<DP>::bytes(side)
                                                                                   : xdkv_layout<DP>::bytes(side);
@@ -779,14 +714,6 @@ template <int DP, typename T, bool NF> static void xattn_launch_v(grun *g, const
     if (!g_live(g)) return;
     fn<<<dim3((unsigned)grid[0], (unsigned)grid[1], (unsigned)grid[2]), 128, smem, g->st>>>(*P);
     g_launched(g);
-}
-
-/* Launcher of one head-dim class (instantiated in the generated src/cuda/inst files): the plain
- * variant, and the careful one where the call has a non-finite flag (nonfinite.cuh). */
-template <int DP, typename T> static void xattn_launch(grun *g, const xparams *P, int kind, const int64_t grid[3])
-{
-    xattn_launch_v<DP, T, false>(g, P, kind, grid);
-    if (P->nf) xattn_launch_v<DP, T, true>(g, P, kind, grid);
 }
 
 #endif

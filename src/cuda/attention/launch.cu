@@ -178,6 +178,7 @@ static void x_launch(grun *g, const xparams *P, int kind, const int64_t grid[3],
     case 128: nsa_cu_xattn_128(g, P, kind, bf16, grid); break;
     default: nsa_cu_xattn_256(g, P, kind, bf16, grid); break;
     }
+    if (P->nf) nsa_cu_xattn_simt(g, P, kind, P->nf); /* runs instead when an input is non-finite */
 }
 
 void cu_xattn_fwd(grun *g, const nsa_attention_args *a)

@@ -26,11 +26,10 @@ template <int DKP, int DVP> struct ktile_layout {
     static_assert(bytes == ktile_smem(DKP, DVP), "ktile_smem reserves exactly this layout");
 };
 
-template <int DKP, int DVP, typename T, bool NF = false>
+template <int DKP, int DVP, typename T>
 __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
 {
-    if (nf_stand_aside<NF>(P.nf)) return; /* the other variant runs (nonfinite.cuh) */
-    constexpr bool careful = NF;
+    if (nf_set(P.nf)) return; /* a non-finite input: the scalar kernels run this call (nonfinite.cuh) */
     constexpr int LDK = DKP + 8, LDV = DVP + 8, BK = QT_BN, BQ = 64, NT = BQ / 8, KT = DKP / 16, VT = DVP / 16;
     extern __shared__ __align__(16) unsigned char smem[];
     const int nthr = 128, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -131,12 +130,7 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
          * range rule are whole (every row sees all BK keys: the compressed branch's rows past
          * the first ~BK * d positions, the window's interior): those skip the per-element
          * bounds (two shared loads and compares each) for the same values. */
-        const bool whole = k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1];
-        auto vis = [&](int x, int n, float) {
-            const int key = kr[x];
-            return key < k1 && key >= lo[n] && key <= hi[n];
-        };
-        if (whole) {
+        if (k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1]) {
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -152,29 +146,11 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
-                    const int v = key < k1 && key >= lo[n] && key <= hi[n];
-                    if constexpr (careful) { /* exactly 0 when hidden: dP, D, gate, lse may be non-finite */
-                        const float p = ex2(S[nt][e] * P.sl2 - kt_l2(l2[n]));
-                        dP[nt][e] = v ? p * (dP[nt][e] * gr[n] - Dr[n]) : 0.0f;
-                        S[nt][e] = v ? p * gr[n] : 0.0f;
-                    } else {
-                        const float p = v ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
-                        dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
-                        S[nt][e] = p * gr[n];
-                    }
+                    const int vis = key < k1 && key >= lo[n] && key <= hi[n];
+                    const float p = vis ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
+                    dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
+                    S[nt][e] = p * gr[n];
                 }
-        }
-        /* the Q / dO rows some of this warp's keys do not see, checked for non-finite values:
-         * then the products sum the visible pairs only (nonfinite.cuh) */
-        if (careful && !whole) {
-            const int klo = k0 + warp * 16, khi = k1 - 1 < klo + 15 ? k1 - 1 : klo + 15;
-            const uint64_t hid = kt_hidden_rows(lo, hi, klo, khi, lane);
-            const nf_tile qt = {(const unsigned char *)Qp, 0, LDK * 2}, dt = {(const unsigned char *)Dp, 0, LDV * 2};
-            if (hid && nf_mask_any<T, DKP, DVP>(qt, hid, lane, dt)) {
-                nf_product<T, NT>(dV, S, dt, lane, vis);
-                nf_product<T, NT>(dK, dP, qt, lane, vis);
-                continue;
-            }
         }
         /* dV += (g P)^T dO, dK += dS^T Q */
 #pragma unroll
@@ -245,21 +221,14 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
 
 /* ---- launcher ---- */
 
-template <int DKP, int DVP, typename T, bool NF>
-static void launch_ktile_v(grun *g, const kparams *P, int64_t tiles)
-{
-    const size_t smem = ktile_layout<DKP, DVP>::bytes;
-    g_check(g, cudaFuncSetAttribute(ktile_kernel<DKP, DVP, T, NF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    if (g->err != NSA_STATUS_SUCCESS) return;
-    ktile_kernel<DKP, DVP, T, NF><<<dim3((unsigned)tiles, P->extra ? 1u : (unsigned)P->H), 128, smem, g->st>>>(*P);
-    g_launched(g);
-}
-
 template <int DKP, int DVP, typename T>
 static void launch_ktile_t(grun *g, const kparams *P, int64_t tiles)
 {
-    launch_ktile_v<DKP, DVP, T, false>(g, P, tiles);
-    if (P->nf) launch_ktile_v<DKP, DVP, T, true>(g, P, tiles);
+    const size_t smem = ktile_layout<DKP, DVP>::bytes;
+    g_check(g, cudaFuncSetAttribute(ktile_kernel<DKP, DVP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (g->err != NSA_STATUS_SUCCESS) return;
+    ktile_kernel<DKP, DVP, T><<<dim3((unsigned)tiles, P->extra ? 1u : (unsigned)P->H), 128, smem, g->st>>>(*P);
+    g_launched(g);
 }
 
 #endif /* __CUDACC__ */

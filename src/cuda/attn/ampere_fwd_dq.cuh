@@ -69,11 +69,10 @@ template <int DKP, int DVP, int MODE, int BN> struct qtile_layout {
 
 /* BN: keys per chunk, 64; 32 for the one-warp selected tiles, whose K/V buffers then take
  * half the shared memory, so more of these latency-bound CTAs fit an SM. */
-template <int DKP, int DVP, typename T, int MODE, int BN, bool NF = false>
+template <int DKP, int DVP, typename T, int MODE, int BN>
 __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 {
-    if (nf_stand_aside<NF>(P.nf)) return; /* the other variant runs (nonfinite.cuh) */
-    constexpr bool careful = NF;
+    if (nf_set(P.nf)) return; /* a non-finite input: the scalar kernels run this call (nonfinite.cuh) */
     constexpr int LDK = DKP + 8, LDV = DVP + 8, NT = BN / 8, KT = DKP / 16, VT = DVP / 16;
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int nw = QTILE_NW(BN), BM = nw * 16, nthr = nw * 32;
@@ -304,24 +303,8 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
             if (is_slc && !fl[rposl[x]]) mlo[x] = INT_MAX;
             rseen[x] |= mlo[x] <= mhi[x] && mlo[x] < c1 && mhi[x] >= c0;
         }
-        const int whole = sc_chunk_whole(c0, c1, BN, mlo, mhi);
-        sc_mask_scale<NT>(S, whole, c0, c1, mlo, mhi, lane,
+        sc_mask_scale<NT>(S, sc_chunk_whole(c0, c1, BN, mlo, mhi), c0, c1, mlo, mhi, lane,
                           MODE == MODE_FWD ? sc_softcap<NT>(S, P.rule, P.scale, P.sl2) : P.sl2);
-        auto vis = [&](int x, int j, float) {
-            const int key = c0 + j;
-            return key < c1 && key >= mlo[x] && key <= mhi[x];
-        };
-        /* the largest first and smallest last visible key of the warp's rows: the keys outside
-         * them are the ones some row does not see, whose V (K) rows are checked for non-finite
-         * values (nonfinite.cuh) */
-        int hlo = 0, hhi = INT_MAX - 1;
-        if (careful && !whole) {
-            const bool v0 = warp * 16 + (lane >> 2) < nrows, v1 = warp * 16 + (lane >> 2) + 8 < nrows;
-            const int l0 = v0 ? mlo[0] : 0, l1 = v1 ? mlo[1] : 0;
-            const int h0 = v0 ? mhi[0] : INT_MAX - 1, h1 = v1 ? mhi[1] : INT_MAX - 1;
-            hlo = __reduce_max_sync(0xffffffffu, l0 > l1 ? l0 : l1);
-            hhi = __reduce_min_sync(0xffffffffu, h0 < h1 ? h0 : h1);
-        }
 
         if constexpr (MODE == MODE_FWD) {
             sc_softmax<NT, DVP / 8>(S, m_, l_, acc);
@@ -329,11 +312,8 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
                 cp_wait<1>();
                 __syncthreads();
             }
-            const T *Vp = Vs + st * BN * LDV;
-            const nf_tile vt = {(const unsigned char *)Vp, 0, (int)LDV * 2};
-            if (has_v && careful && !whole && nf_edges_any<T, DVP>(vt, hlo - c0, min(hhi + 1, c1) - c0, BN, lane)) {
-                nf_product<T, NT>(acc, S, vt, lane, vis);
-            } else if (has_v) {
+            if (has_v) {
+                const T *Vp = Vs + st * BN * LDV;
 #pragma unroll
                 for (int k2 = 0; k2 < NT / 2; k2++) {
                     uint32_t a[4];
@@ -369,36 +349,21 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
                     dtraits<T>::mma(dP[2 * np + 1], a, b[2], b[3]);
                 }
             }
-            if (careful && !whole) { /* exactly 0 at a hidden pair (its dP, D, gate or lse may be non-finite) */
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++)
+            for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const float ds = S[nt][e] * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
-                        dP[nt][e] = vis(e >> 1, nt * 8 + 2 * (lane & 3) + (e & 1), 0.0f) ? ds : 0.0f;
-                    }
-            } else {
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) dP[nt][e] = S[nt][e] * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
-            }
+                for (int e = 0; e < 4; e++) dP[nt][e] = S[nt][e] * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
             const T *Kp = Ks + st * BN * LDK;
-            const nf_tile kt = {(const unsigned char *)Kp, 0, (int)LDK * 2};
-            if (careful && !whole && nf_edges_any<T, DKP>(kt, hlo - c0, min(hhi + 1, c1) - c0, BN, lane)) {
-                nf_product<T, NT>(acc, dP, kt, lane, vis);
-            } else {
 #pragma unroll
-                for (int k2 = 0; k2 < NT / 2; k2++) {
-                    uint32_t a[4];
-                    sc_frag_a<T>(a, dP[2 * k2], dP[2 * k2 + 1]);
+            for (int k2 = 0; k2 < NT / 2; k2++) {
+                uint32_t a[4];
+                sc_frag_a<T>(a, dP[2 * k2], dP[2 * k2 + 1]);
 #pragma unroll
-                    for (int dp = 0; dp < KT; dp++) {
-                        uint32_t b[4];
-                        ldsm4t(b, Kp + k2 * 16 * LDK + dp * 16 + frag_bk_off(lane, LDK));
-                        dtraits<T>::mma(acc[2 * dp], a, b[0], b[1]);
-                        dtraits<T>::mma(acc[2 * dp + 1], a, b[2], b[3]);
-                    }
+                for (int dp = 0; dp < KT; dp++) {
+                    uint32_t b[4];
+                    ldsm4t(b, Kp + k2 * 16 * LDK + dp * 16 + frag_bk_off(lane, LDK));
+                    dtraits<T>::mma(acc[2 * dp], a, b[0], b[1]);
+                    dtraits<T>::mma(acc[2 * dp + 1], a, b[2], b[3]);
                 }
             }
         }
@@ -460,21 +425,14 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 
 /* ---- launcher ---- */
 
-template <int DKP, int DVP, typename T, int MODE, int BN, bool NF>
-static void launch_qtile_v(grun *g, const qparams *P, int64_t tiles)
-{
-    const size_t smem = qtile_layout<DKP, DVP, MODE, BN>::bytes;
-    g_check(g, cudaFuncSetAttribute(qtile_kernel<DKP, DVP, T, MODE, BN, NF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    if (g->err != NSA_STATUS_SUCCESS) return;
-    qtile_kernel<DKP, DVP, T, MODE, BN, NF><<<dim3((unsigned)tiles, (unsigned)P->H), QTILE_NW(BN) * 32, smem, g->st>>>(*P);
-    g_launched(g);
-}
-
 template <int DKP, int DVP, typename T, int MODE, int BN>
 static void launch_qtile_bn(grun *g, const qparams *P, int64_t tiles)
 {
-    launch_qtile_v<DKP, DVP, T, MODE, BN, false>(g, P, tiles);
-    if (P->nf) launch_qtile_v<DKP, DVP, T, MODE, BN, true>(g, P, tiles);
+    const size_t smem = qtile_layout<DKP, DVP, MODE, BN>::bytes;
+    g_check(g, cudaFuncSetAttribute(qtile_kernel<DKP, DVP, T, MODE, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (g->err != NSA_STATUS_SUCCESS) return;
+    qtile_kernel<DKP, DVP, T, MODE, BN><<<dim3((unsigned)tiles, (unsigned)P->H), QTILE_NW(BN) * 32, smem, g->st>>>(*P);
+    g_launched(g);
 }
 
 template <int DKP, int DVP, typename T, int MODE>

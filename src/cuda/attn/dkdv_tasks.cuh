@@ -211,17 +211,6 @@ __device__ __forceinline__ void kt_fill(const kparams &P, const kt_task &t, cons
     kt_fill_at<BQ, OFFS>(P, t, R, stage, chunk, tid, -1);
 }
 
-/* The query rows of a 64-row chunk (visible key ranges lo / hi) that some of the keys
- * [klo, khi] (a warp's or warpgroup's keys below the task end) do not see: the Q / dO rows its
- * masked pairs meet (nonfinite.cuh). The same for every lane. */
-__device__ __forceinline__ uint64_t kt_hidden_rows(const int *lo, const int *hi, int klo, int khi, int lane)
-{
-    if (klo > khi) return 0;
-    const unsigned a = __ballot_sync(0xffffffffu, !(lo[lane] <= klo && hi[lane] >= khi));
-    const unsigned b = __ballot_sync(0xffffffffu, !(lo[lane + 32] <= klo && hi[lane + 32] >= khi));
-    return a | (uint64_t)b << 32;
-}
-
 /* The log2-domain softmax offset of a slot's raw lse: p = 2^(s sl2 - l2) (a row that sees no
  * key, lse -inf, gets +inf: p = 0; rows past the task end were filled with +inf). */
 __device__ __forceinline__ float kt_l2(float lse) { return lse == -INFINITY ? INFINITY : __fmul_rn(lse, NSA_LOG2E); }

@@ -89,12 +89,11 @@ template <int DP> struct kwg_layout {
     static_assert(bytes + 1024 == kwg_smem(DP), "kwg_smem reserves exactly this layout");
 };
 
-template <int DP, typename T, bool NF = false>
+template <int DP, typename T>
 __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if (nf_stand_aside<NF>(P.nf)) return; /* the other variant runs (nonfinite.cuh) */
-    constexpr bool careful = NF;
+    if (nf_set(P.nf)) return; /* a non-finite input: the scalar kernels run this call (nonfinite.cuh) */
     constexpr int BK = KWG_BK, BQ = 64, NT = BQ / 8, NTHR = 256;
     constexpr int TB = BQ * DP * 2; /* row chunk */
     using L = kwg_layout<DP>;
@@ -164,14 +163,8 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
         kw_products<T, DP, BK, BQ, false>(S, dP, Ks, Vs, Qp, Dp, wg * 64 * 128);
         wg_wait<0>();
 
-        /* P^T (masked), dS^T = P^T (g dP^T - D); S becomes g P^T for dV (as ktile). The careful
-         * variant makes a hidden pair exactly 0 in both (its dP, D, gate or lse may be non-finite). */
-        const bool whole = k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1];
-        auto vis = [&](int x, int n, float) {
-            const int key = kr[x];
-            return key < k1 && key >= lo[n] && key <= hi[n];
-        };
-        if (whole) {
+        /* P^T (masked), dS^T = P^T (g dP^T - D); S becomes g P^T for dV (as ktile) */
+        if (k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1]) {
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -187,26 +180,11 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
-                    const int v = key < k1 && key >= lo[n] && key <= hi[n];
-                    if constexpr (careful) {
-                        const float p = ex2(S[nt][e] * P.sl2 - kt_l2(l2[n]));
-                        dP[nt][e] = v ? p * (dP[nt][e] * gr[n] - Dr[n]) : 0.0f;
-                        S[nt][e] = v ? p * gr[n] : 0.0f;
-                    } else {
-                        const float p = v ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
-                        dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
-                        S[nt][e] = p * gr[n];
-                    }
+                    const int vis = key < k1 && key >= lo[n] && key <= hi[n];
+                    const float p = vis ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
+                    dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
+                    S[nt][e] = p * gr[n];
                 }
-        }
-        /* the Q / dO rows some of this warpgroup's keys do not see, checked for non-finite
-         * values: then the products sum the visible pairs only (nonfinite.cuh) */
-        const int klo = k0 + wg * 64, khi = k1 - 1 < klo + 63 ? k1 - 1 : klo + 63;
-        const nf_tile qt = {Qp, BQ, 0}, dt = {Dp, BQ, 0};
-        if (careful && !whole && nf_mask_any<T, DP>(qt, kt_hidden_rows(lo, hi, klo, khi, lane), lane, dt)) {
-            nf_product<T, NT>(dV, S, dt, lane, vis);
-            nf_product<T, NT>(dK, dP, qt, lane, vis);
-            continue;
         }
         /* dV += (g P)^T dO, dK += dS^T Q: 16 rows per step, B MN-major (8-row groups 1024
          * bytes apart, 64-column blocks BQ * 128 bytes apart) */
@@ -270,15 +248,14 @@ template <int DP, bool SLC> struct kwp_layout {
     static_assert(bytes + 1024 == kwp_smem(DP, SLC), "kwp_smem reserves exactly this layout");
 };
 
-template <int DP, typename T, bool SLC, bool NF = false>
+template <int DP, typename T, bool SLC>
 __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __grid_constant__ CUtensorMap tq,
                                                      const __grid_constant__ CUtensorMap tdo,
                                                      const __grid_constant__ CUtensorMap tk,
                                                      const __grid_constant__ CUtensorMap tv)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if (nf_stand_aside<NF>(P.nf)) return; /* the other variant runs (nonfinite.cuh) */
-    constexpr bool careful = NF;
+    if (nf_set(P.nf)) return; /* a non-finite input: the scalar kernels run this call (nonfinite.cuh) */
     constexpr int BK = SLC ? 64 : KWG_BK, BQ = 64, NT = BQ / 8, NS = SLC ? KWP_NS_SLC : KWP_NS;
     constexpr int KB = BK * DP * 2, TB = BQ * DP * 2; /* key tile, row chunk */
     using L = kwp_layout<DP, SLC>;
@@ -409,18 +386,8 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         kw_products<T, DP, BK, BQ, true>(S, dP, Ks, Vs, Qp, Dp, aoff);
         wg_wait<1>(); /* S^T ready, dP^T still on the tensor cores */
 
-        /* P^T (masked) in S; (g P)^T as the A fragments of dV. The careful variant makes a hidden
-         * pair exactly 0 in both and in dS^T (its dP, D, gate or lse may be non-finite). */
+        /* P^T (masked) in S; (g P)^T as the A fragments of dV */
         const bool whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
-        auto vis = [&](int x, int n, float) {
-            const int key = kr[x];
-            return key < k1 && key >= lo[n] && key <= hi[n];
-        };
-        /* the Q / dO rows some of this warpgroup's keys do not see, checked for non-finite
-         * values: then the products sum the visible pairs only (nonfinite.cuh) */
-        const int klo = k0 + (SLC ? 0 : cw * 64), khi = k1 - 1 < klo + 63 ? k1 - 1 : klo + 63;
-        const nf_tile qt = {Qp, BQ, 0}, dt = {Dp, BQ, 0};
-        const bool nf = careful && !whole && nf_mask_any<T, DP>(qt, kt_hidden_rows(lo, hi, klo, khi, lane), lane, dt);
         uint32_t pa[BQ / 16][4], da[BQ / 16][4];
         if (whole) {
 #pragma unroll
@@ -436,49 +403,19 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
-                    const int v = key < k1 && key >= lo[n] && key <= hi[n];
-                    S[nt][e] = v ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
+                    const int vis = key < k1 && key >= lo[n] && key <= hi[n];
+                    S[nt][e] = vis ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
                 }
         }
-        if (nf) { /* both products as sums over the visible pairs */
-            wg_wait<0>(); /* dP^T ready */
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++)
+        for (int k2 = 0; k2 < BQ / 16; k2++) {
+            float a[4], b[4];
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
-                    const bool v = vis(e >> 1, n, 0.0f);
-                    dP[nt][e] = v ? S[nt][e] * (dP[nt][e] * gr[n] - Dr[n]) : 0.0f;
-                    S[nt][e] = v ? S[nt][e] * gr[n] : 0.0f;
-                }
-            nf_product<T, NT>(dV, S, dt, lane, vis);
-            nf_product<T, NT>(dK, dP, qt, lane, vis);
-            mb_arrive(&empty[s]);
-            continue;
-        }
-        if (whole || !careful) {
-#pragma unroll
-            for (int k2 = 0; k2 < BQ / 16; k2++) {
-                float a[4], b[4];
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    a[e] = S[2 * k2][e] * gr[2 * k2 * 8 + 2 * (lane & 3) + (e & 1)];
-                    b[e] = S[2 * k2 + 1][e] * gr[(2 * k2 + 1) * 8 + 2 * (lane & 3) + (e & 1)];
-                }
-                sc_frag_a<T>(pa[k2], a, b);
+            for (int e = 0; e < 4; e++) {
+                a[e] = S[2 * k2][e] * gr[2 * k2 * 8 + 2 * (lane & 3) + (e & 1)];
+                b[e] = S[2 * k2 + 1][e] * gr[(2 * k2 + 1) * 8 + 2 * (lane & 3) + (e & 1)];
             }
-        } else { /* careful: a hidden pair exactly 0 (its gate may be non-finite) */
-#pragma unroll
-            for (int k2 = 0; k2 < BQ / 16; k2++) {
-                float a[4], b[4];
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int na = 2 * k2 * 8 + 2 * (lane & 3) + (e & 1), nb = na + 8;
-                    a[e] = vis(e >> 1, na, 0.0f) ? S[2 * k2][e] * gr[na] : 0.0f;
-                    b[e] = vis(e >> 1, nb, 0.0f) ? S[2 * k2 + 1][e] * gr[nb] : 0.0f;
-                }
-                sc_frag_a<T>(pa[k2], a, b);
-            }
+            sc_frag_a<T>(pa[k2], a, b);
         }
         wg_fence();
 #pragma unroll
@@ -487,26 +424,14 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         wg_commit();
         wg_wait<1>(); /* dP^T ready, dV on the tensor cores */
 
-        /* dS^T = P^T (g dP^T - D); careful: a hidden pair exactly 0 (its dP, D or gate may be
-         * non-finite) */
-        if (whole || !careful) {
+        /* dS^T = P^T (g dP^T - D) */
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++)
+        for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
-                    dP[nt][e] = S[nt][e] * (dP[nt][e] * gr[n] - Dr[n]);
-                }
-        } else {
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
-                    const float ds = S[nt][e] * (dP[nt][e] * gr[n] - Dr[n]);
-                    dP[nt][e] = vis(e >> 1, n, 0.0f) ? ds : 0.0f;
-                }
-        }
+            for (int e = 0; e < 4; e++) {
+                const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
+                dP[nt][e] = S[nt][e] * (dP[nt][e] * gr[n] - Dr[n]);
+            }
 #pragma unroll
         for (int k2 = 0; k2 < BQ / 16; k2++) sc_frag_a<T>(da[k2], dP[2 * k2], dP[2 * k2 + 1]);
         wg_fence();
@@ -543,41 +468,27 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
 
 /* ---- launchers ---- */
 
-template <int DP, typename T, bool NF>
-static void launch_kwg_v(grun *g, const kparams *P, int64_t tiles)
-{
-    const size_t smem = kwg_layout<DP>::bytes + 1024;
-    g_check(g, cudaFuncSetAttribute(kwg_kernel<DP, T, NF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    if (g->err != NSA_STATUS_SUCCESS) return;
-    kwg_kernel<DP, T, NF><<<dim3((unsigned)tiles, (unsigned)P->H), 256, smem, g->st>>>(*P);
-    g_launched(g);
-}
-
 template <int DP, typename T>
 static void launch_kwg_t(grun *g, const kparams *P, int64_t tiles)
 {
-    launch_kwg_v<DP, T, false>(g, P, tiles);
-    if (P->nf) launch_kwg_v<DP, T, true>(g, P, tiles);
-}
-
-template <int DP, typename T, bool SLC, bool NF>
-static void launch_kwp_v(grun *g, const kparams *P, int64_t tiles, const void *maps)
-{
-    const size_t smem = kwp_layout<DP, SLC>::bytes + 1024;
-    g_check(g, cudaFuncSetAttribute(kwp_kernel<DP, T, SLC, NF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const size_t smem = kwg_layout<DP>::bytes + 1024;
+    g_check(g, cudaFuncSetAttribute(kwg_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
-    const CUtensorMap *m = (const CUtensorMap *)maps; /* q, dout, k, v */
-    /* a further-segments launch finds each task's head from its segment (as ktile) */
-    kwp_kernel<DP, T, SLC, NF><<<dim3((unsigned)tiles, P->extra ? 1u : (unsigned)P->H), 384, smem, g->st>>>(*P, m[0], m[1],
-                                                                                                           m[2], m[3]);
+    kwg_kernel<DP, T><<<dim3((unsigned)tiles, (unsigned)P->H), 256, smem, g->st>>>(*P);
     g_launched(g);
 }
 
 template <int DP, typename T, bool SLC>
 static void launch_kwp_t(grun *g, const kparams *P, int64_t tiles, const void *maps)
 {
-    launch_kwp_v<DP, T, SLC, false>(g, P, tiles, maps);
-    if (P->nf) launch_kwp_v<DP, T, SLC, true>(g, P, tiles, maps);
+    const size_t smem = kwp_layout<DP, SLC>::bytes + 1024;
+    g_check(g, cudaFuncSetAttribute(kwp_kernel<DP, T, SLC>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (g->err != NSA_STATUS_SUCCESS) return;
+    const CUtensorMap *m = (const CUtensorMap *)maps; /* q, dout, k, v */
+    /* a further-segments launch finds each task's head from its segment (as ktile) */
+    kwp_kernel<DP, T, SLC><<<dim3((unsigned)tiles, P->extra ? 1u : (unsigned)P->H), 384, smem, g->st>>>(*P, m[0], m[1], m[2],
+                                                                                                       m[3]);
+    g_launched(g);
 }
 
 #endif /* __CUDACC__ */

@@ -98,6 +98,22 @@ void cu_bwd_simt(grun *g, const rule_t *r, const bwd_io *io, const cu_slc_lists 
     nsa_cu_simt_k(g, &K, p->B, NULL);
 }
 
+void cu_simt_standby_q(grun *g, const qparams *P, int mode)
+{
+    if (!P->nf) return;
+    qparams S = *P;
+    S.sm = g_plain_map(g);
+    nsa_cu_simt_q(g, &S, mode, g->p->B, P->nf);
+}
+
+void cu_simt_standby_k(grun *g, const kparams *P)
+{
+    if (!P->nf) return;
+    kparams S = *P;
+    S.sm = g_plain_map(g);
+    nsa_cu_simt_k(g, &S, g->p->B, P->nf);
+}
+
 void cu_run_qtile(grun *g, const qparams *P, int mode, int bn, int64_t tiles, nsa_dtype dt)
 {
     const int cls = cu_dims_class(g->p->DK, g->p->DV);

@@ -4,8 +4,10 @@
  * the tiles' parameter blocks (tiles.h) and write what the tiles' whole pipeline writes: o and
  * lse; dq added into the fp32 buffer (or stored into dqo); dk / dv added into the fp32
  * buffers. They are the float32 path of these rules (IEEE fp32 products, no tensor cores),
- * which the tiles cannot take. A pair a row does not see is never multiplied, so a
- * non-finite value reaches exactly the rows dense attention would send it to.
+ * which the tiles cannot take, and the path of calls whose inputs hold a NaN or an infinity
+ * (launched beside the tiles, which stand aside then: prim/nonfinite.cuh): a pair a row does
+ * not see is never multiplied, so a non-finite value reaches exactly the rows dense attention
+ * would send it to.
  *
  * Each warp walks work items (rows or keys) gridDim.x * warps apart; a row's sums run in one
  * fixed order (lanes own columns lane, lane + 32, ...; a warp's partial dot products meet by
@@ -14,48 +16,18 @@
  * keys never decrease with its position), found by binary search; the selected rule's are
  * the inverted lists (selected/lists.cu). */
 #include "tiles.h"
+#include "../prim/simt.cuh"
 #include "../prim/rowwise.cuh"
 #include <limits.h>
-
-#define SIMT_COLS 8         /* columns per lane: head dims up to 256 */
-#define SIMT_WARPS 8        /* warps per block */
-#define SIMT_BLOCKS_PER_SM 8
-
-/* lane's columns lane + 32 i of row `off` of t (0 past D) */
-__device__ __forceinline__ void simt_load(float (&x)[SIMT_COLS], const dview &t, int64_t off, int D, int lane)
-{
-#pragma unroll
-    for (int i = 0; i < SIMT_COLS; i++) {
-        const int d = lane + 32 * i;
-        x[i] = d < D ? ld_any(t.p, t.dt, off + d) : 0.0f;
-    }
-}
-
-/* the warp's dot product of two rows held as above (a fixed butterfly: deterministic) */
-__device__ __forceinline__ float simt_dot(const float (&a)[SIMT_COLS], const float (&b)[SIMT_COLS], int D, int lane)
-{
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < SIMT_COLS; i++)
-        if (lane + 32 * i < D) s = fmaf(a[i], b[i], s);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    return s;
-}
-
-__device__ __forceinline__ bool simt_stand_aside(const int *only_if)
-{
-    return only_if != nullptr && *(const volatile int *)only_if == 0;
-}
 
 /* Forward (o, lse) or dQ of query rows [B, T, HQ], one warp per row. */
 __global__ void __launch_bounds__(32 * SIMT_WARPS) simt_q_kernel(const qparams P, int mode, int64_t B, const int *only_if)
 {
     if (simt_stand_aside(only_if)) return;
     const int lane = threadIdx.x & 31;
-    const int64_t nwarps = (int64_t)gridDim.x * SIMT_WARPS, rows = B * P.T * P.HQ;
+    const int64_t nwarps = simt_nwarps(), rows = B * P.T * P.HQ;
     const bool slc = P.rule.kind == RULE_SLC, has_v = mode == MODE_DQ || P.o.p != nullptr;
-    for (int64_t w = (int64_t)blockIdx.x * SIMT_WARPS + (threadIdx.x >> 5); w < rows; w += nwarps) {
+    for (int64_t w = simt_warp0(); w < rows; w += nwarps) {
         const int64_t hq = w % P.HQ, t = (w / P.HQ) % P.T, b = w / (P.HQ * P.T);
         const seqinfo sq = seq_get(P.sm, seq_of_row(P.sm, b, t));
         if (t < sq.row0 || t >= sq.row0 + sq.len) continue; /* a packed batch's padding row */
@@ -189,9 +161,9 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) simt_k_kernel(const kparams P
 {
     if (simt_stand_aside(only_if)) return;
     const int lane = threadIdx.x & 31;
-    const int64_t nwarps = (int64_t)gridDim.x * SIMT_WARPS, items = B * P.KR * P.H;
+    const int64_t nwarps = simt_nwarps(), items = B * P.KR * P.H;
     const bool cmp = P.rule.kind == RULE_CMP, slc = P.rule.kind == RULE_SLC;
-    for (int64_t w = (int64_t)blockIdx.x * SIMT_WARPS + (threadIdx.x >> 5); w < items; w += nwarps) {
+    for (int64_t w = simt_warp0(); w < items; w += nwarps) {
         const int64_t h = w % P.H, kr = (w / P.H) % P.KR, b = w / (P.H * P.KR);
         int64_t s = b;
         if (cmp && P.sm.cu) { /* the sequence whose compressed rows hold kr */
@@ -254,16 +226,6 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) simt_k_kernel(const kparams P
             if (d < P.DV) P.dv[ob * P.DV + d] += dV[i];
         }
     }
-}
-
-static unsigned simt_grid(int64_t items)
-{
-    int dev = 0, sms = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        sms <= 0)
-        sms = 132;
-    const int64_t want = (items + SIMT_WARPS - 1) / SIMT_WARPS, cap = (int64_t)sms * SIMT_BLOCKS_PER_SM;
-    return (unsigned)(want < cap ? (want > 0 ? want : 1) : cap);
 }
 
 void nsa_cu_simt_q(grun *g, const qparams *P, int mode, int64_t B, const int *only_if)

@@ -90,6 +90,11 @@ void nsa_cu_kwp_128(grun *g, const kparams *P, int bf16, int slc, int64_t tiles,
  * aside unless *only_if (a device int) is set. */
 void nsa_cu_simt_q(grun *g, const qparams *P, int mode, int64_t B, const int *only_if);
 void nsa_cu_simt_k(grun *g, const kparams *P, int64_t B, const int *only_if);
+/* The same launched beside a tile launch of P for calls whose inputs may hold a non-finite
+ * value (P->nf set): they run only when the flag is set, when the tiles stand aside
+ * (prim/nonfinite.cuh). No-ops when P->nf is NULL. */
+void cu_simt_standby_q(grun *g, const qparams *P, int mode);
+void cu_simt_standby_k(grun *g, const kparams *P);
 /* The selected rule's lists as the scalar backward takes them: per row the usable blocks
  * (selected/lists.cu), per block the queries that selected it. */
 typedef struct cu_slc_lists {

@@ -40,7 +40,7 @@ int *g_nf(grun *g)
     if (!g->nf_taken) {
         g->nf_taken = 1;
         g->nf = (int *)g_take(g, sizeof(int));
-        if (g->ovr->nonfinite == 1) { /* always careful */
+        if (g->ovr->nonfinite == 1) { /* always the scalar kernels */
             if (g_live(g)) g_check(g, cudaMemsetAsync(g->nf, 1, sizeof(int), g->st));
         } else {
             g_zero(g, g->nf, sizeof(int));

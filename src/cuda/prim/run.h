@@ -143,15 +143,16 @@ int nsa_cu_sm90_ready_192(void);
  * arithmetic (e.g. nsa_size_elems). */
 float *cu_take_f32(grun *g, size_t n, int zero);
 
-/* Non-finite inputs (prim/nonfinite.cuh): the attention tiles take their careful path -- masked
- * pairs exactly 0, operand rows a mask hides checked before a tensor-core product -- only when
- * the call's flag is set, so finite calls run the plain tiles unchanged. g_nf: the flag (taken
+/* Non-finite inputs (prim/nonfinite.cuh): when the call's flag is set the attention tiles stand
+ * aside and the scalar kernels, which multiply only the pairs a row sees, compute the call;
+ * finite calls run the tiles unchanged. g_nf: the flag (taken
  * and zeroed on first use, in both passes: the workspace layout). cu_scan_nonfinite: sets it
  * when view t, [n0, n1, n2, D] elements of its dtype, holds a NaN or an infinity (a tensor
  * already scanned in this call is skipped). The row-term kernels (dprep, the gate backward)
  * set it themselves for dout, o and the gates, whose every element they read anyway. */
 int *g_nf(grun *g);
-/* The flag as the tiles' parameter blocks take it: NULL (never careful) under NSA_CUDA_NONFINITE=0. */
+/* The flag as the tiles' parameter blocks take it: NULL (never set: no scalar kernels launched)
+ * under NSA_CUDA_NONFINITE=0. */
 const int *g_nf_tiles(grun *g);
 void cu_scan_nonfinite(grun *g, const dview *t, int64_t n0, int64_t n1, int64_t n2, int64_t D);
 /* The same for a saved lse [B, T, HQ] (f32), where -inf marks a row that saw no key (it gives

@@ -14,7 +14,6 @@
 #include "../prim/softmax.cuh"
 #include "../prim/wgmma.cuh"
 #include "../prim/nonfinite.cuh"
-#include <limits.h>
 
 #if defined(__CUDACC__)
 
@@ -35,15 +34,12 @@ __device__ __forceinline__ void pp_after_b(int wg) { if (wg == 0) nb_arrive(NB_P
 
 /* One forward chunk of qwg_kernel on NW keys (the BN-key stage's first NW rows): S = Q K^T by
  * wgmma SS, masked / scaled, online softmax, O += P V by wgmma RS (P from registers, V
- * MN-major), the warpgroups' products ping-ponged (pp_*). Qw: the warpgroup's 64 rows of Q.
- * careful (the call's non-finite flag): the V rows outside [hlo, hhi], the largest first and
- * smallest last visible key of the warpgroup's rows, are checked for non-finite values first
- * (nonfinite.cuh). */
+ * MN-major), the warpgroups' products ping-ponged (pp_*). Qw: the warpgroup's 64 rows of Q. */
 template <typename T, int BN, int NW, int KT, int DA, int BM>
 __device__ __forceinline__ void qwg_fwd_chunk(const qparams &P, const unsigned char *Qw, const unsigned char *Kp,
                                               const unsigned char *Vp, int wg, int has_v, int c0, int c1,
-                                              const int rlo[2], const int rhi[2], bool careful, int hlo, int hhi,
-                                              int lane, float m_[2], float l_[2], float (&acc)[DA / 8][4])
+                                              const int rlo[2], const int rhi[2], int lane, float m_[2], float l_[2],
+                                              float (&acc)[DA / 8][4])
 {
     constexpr int NT = NW / 8;
     float S[NT][4];
@@ -58,25 +54,15 @@ __device__ __forceinline__ void qwg_fwd_chunk(const qparams &P, const unsigned c
                       sc_softcap<NT>(S, P.rule, P.scale, P.sl2));
     sc_softmax<NT, DA / 8>(S, m_, l_, acc);
     if (has_v) {
-        const nf_tile vt = {Vp, BN, 0};
-        const bool nf = careful && nf_edges_any<T, DA>(vt, hlo - c0, min(hhi + 1, c1) - c0, NW, lane);
         uint32_t pa[NW / 16][4];
 #pragma unroll
         for (int k2 = 0; k2 < NW / 16; k2++) sc_frag_a<T>(pa[k2], S[2 * k2], S[2 * k2 + 1]);
         pp_before_b(wg);
-        if (nf) {
-            nf_product<T, NT>(acc, S, vt, lane, [&](int x, int j, float) {
-                const int key = c0 + j;
-                return key < c1 && key >= rlo[x] && key <= rhi[x];
-            });
-            pp_after_b(wg);
-        } else {
-            wg_fence();
-            wg_rs_mn<T, DA, NW, BN>(&acc[0][0], pa, Vp);
-            wg_commit();
-            pp_after_b(wg);
-            wg_wait<0>();
-        }
+        wg_fence();
+        wg_rs_mn<T, DA, NW, BN>(&acc[0][0], pa, Vp);
+        wg_commit();
+        pp_after_b(wg);
+        wg_wait<0>();
     }
 }
 
@@ -118,21 +104,6 @@ __device__ __forceinline__ qwg_task qwg_task_of(const qparams &P, int64_t task)
     return t;
 }
 
-/* The largest first and smallest last visible key of warpgroup wg's rows of task t: its rows
- * are in position order and the range rules' bounds grow with the position, so its first and
- * last rows hold them (uniform over the warpgroup, as its wgmma products must be). No rows:
- * bounds that check nothing. */
-__device__ __forceinline__ void qwg_wg_bounds(const qparams &P, const qwg_task &t, int wg, int G32, int *hlo, int *hhi)
-{
-    *hlo = 0, *hhi = INT_MAX - 1;
-    if (wg * 64 >= t.nrows) return;
-    const int ra = wg * 64, rb = t.nrows - 1 < ra + 63 ? t.nrows - 1 : ra + 63;
-    int lo_a, hi_a, lo_b, hi_b;
-    rule_bounds(P.rule, (int)t.pos0 + (t.g0 + ra) / G32, t.nkeys, &lo_a, &hi_a);
-    rule_bounds(P.rule, (int)t.pos0 + (t.g0 + rb) / G32, t.nkeys, &lo_b, &hi_b);
-    *hlo = lo_b, *hhi = hi_a;
-}
-
 /* Shared memory of qwg_kernel<DKP, DVP, MODE>: byte offsets from the 1024-aligned base in carving
  * order; the host reserves bytes + 1024 of alignment slack (qwg_smem, checked below). */
 template <int DKP, int DVP, int MODE> struct qwg_layout {
@@ -153,15 +124,14 @@ template <int DKP, int DVP, int MODE> struct qwg_layout {
     static_assert(bytes + 1024 == qwg_smem(DKP, DVP, MODE), "qwg_smem reserves exactly this layout");
 };
 
-template <int DKP, int DVP, typename T, int MODE, bool NF = false>
+template <int DKP, int DVP, typename T, int MODE>
 __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
                                                      const __grid_constant__ CUtensorMap tv,
                                                      const __grid_constant__ CUtensorMap tq,
                                                      const __grid_constant__ CUtensorMap to) /* dQ: dO's */
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if (nf_stand_aside<NF>(P.nf)) return; /* the other variant runs (nonfinite.cuh) */
-    constexpr bool careful = NF;
+    if (nf_set(P.nf)) return; /* a non-finite input: the scalar kernels run this call (nonfinite.cuh) */
     constexpr int BM = QWG_BM, BN = QWG_BN(MODE), NT = BN / 8, KT = DKP / 16, VT = DVP / 16, NTHR = 256, NS = QWG_NS(MODE);
     constexpr int NQ = QWG_NQ(MODE, DKP); /* Q buffers: the next task's Q lands during this one */
     /* the accumulator: O [64 x DV] (forward) or dQ [64 x DK] per warpgroup */
@@ -342,23 +312,18 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             mb_wait(&full[st], (ci / NS) & 1); /* the chunk landed */
             const unsigned char *Kp = Ks + st * KB;
             const unsigned char *Vp = Vs + st * VB;
-            int hlo = 0, hhi = INT_MAX - 1;
-            if (careful) qwg_wg_bounds(P, t, wg, G32, &hlo, &hhi);
             if constexpr (!DQ) {
                 /* a short chunk takes products of its width: a window tile of p positions sees
                  * 511 + p keys, four chunks and p - 1 (16 positions at G = 8 .. 64 at G = 2) */
                 const int w = c1 - c0;
                 if (w <= 16)
-                    qwg_fwd_chunk<T, BN, 16, KT, DA, BM>(P, Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, careful, hlo, hhi, lane, m_, l_, acc);
+                    qwg_fwd_chunk<T, BN, 16, KT, DA, BM>(P, Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, lane, m_, l_, acc);
                 else if (w <= 32)
-                    qwg_fwd_chunk<T, BN, 32, KT, DA, BM>(P, Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, careful, hlo, hhi, lane, m_,
-                                                         l_, acc);
+                    qwg_fwd_chunk<T, BN, 32, KT, DA, BM>(P, Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, lane, m_, l_, acc);
                 else if (w <= 64)
-                    qwg_fwd_chunk<T, BN, 64, KT, DA, BM>(P, Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, careful, hlo, hhi, lane, m_,
-                                                         l_, acc);
+                    qwg_fwd_chunk<T, BN, 64, KT, DA, BM>(P, Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, lane, m_, l_, acc);
                 else
-                    qwg_fwd_chunk<T, BN, BN, KT, DA, BM>(P, Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, careful, hlo, hhi, lane, m_,
-                                                         l_, acc);
+                    qwg_fwd_chunk<T, BN, BN, KT, DA, BM>(P, Qw, Kp, Vp, wg, has_v, c0, c1, rlo, rhi, lane, m_, l_, acc);
             } else {
                 /* S = Q K^T and dP = dO V^T */
                 float S[NT][4];
@@ -369,43 +334,20 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                 wg_commit();
                 wg_wait<0>();
 
-                const int whole = sc_chunk_whole(c0, c1, BN, rlo, rhi);
-                sc_mask_scale<NT>(S, whole, c0, c1, rlo, rhi, lane, P.sl2);
+                sc_mask_scale<NT>(S, sc_chunk_whole(c0, c1, BN, rlo, rhi), c0, c1, rlo, rhi, lane, P.sl2);
                 /* P from the saved lse; dS = P (g dP - D) */
-                auto vis = [&](int x, int j, float) {
-                    const int key = c0 + j;
-                    return key < c1 && key >= rlo[x] && key <= rhi[x];
-                };
-                if (careful && !whole) { /* exactly 0 at a hidden pair (its dP, D, gate or lse may be non-finite) */
 #pragma unroll
-                    for (int nt = 0; nt < NT; nt++)
+                for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            const float ds = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
-                            S[nt][e] = vis(e >> 1, nt * 8 + 2 * (lane & 3) + (e & 1), 0.0f) ? ds : 0.0f;
-                        }
-                } else {
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++)
-                            S[nt][e] = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
-                }
-                /* careful: the K rows some row of the warpgroup does not see checked first (a
-                 * warpgroup-uniform choice: its bounds, not the warp's whole flag) */
-                const nf_tile kt = {Kp, BN, 0};
-                const bool nf = careful && nf_edges_any<T, DA>(kt, hlo - c0, min(hhi + 1, c1) - c0, BN, lane);
-                if (nf) nf_product<T, NT>(acc, S, kt, lane, vis);
+                    for (int e = 0; e < 4; e++) S[nt][e] = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
                 /* dQ += dS K: the A fragments from S (its accumulator layout is the A-fragment layout) */
-                if (!nf) {
-                    uint32_t pa[BN / 16][4];
+                uint32_t pa[BN / 16][4];
 #pragma unroll
-                    for (int k2 = 0; k2 < BN / 16; k2++) sc_frag_a<T>(pa[k2], S[2 * k2], S[2 * k2 + 1]);
-                    wg_fence();
-                    wg_rs_mn<T, DA, BN, BN>(&acc[0][0], pa, Kp);
-                    wg_commit();
-                    wg_wait<0>();
-                }
+                for (int k2 = 0; k2 < BN / 16; k2++) sc_frag_a<T>(pa[k2], S[2 * k2], S[2 * k2 + 1]);
+                wg_fence();
+                wg_rs_mn<T, DA, BN, BN>(&acc[0][0], pa, Kp);
+                wg_commit();
+                wg_wait<0>();
             }
             mb_arrive(&empty[st]); /* this thread's reads of the stage are done */
             if (store_qb >= 0) { /* the previous task's O stores */
@@ -511,19 +453,12 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
 
 /* ---- launcher ---- */
 
-template <int DKP, int DVP, typename T, int MODE, bool NF>
-static void launch_qwg_v(grun *g, const qparams &Pl, unsigned grid, size_t smem, const CUtensorMap *m)
-{
-    g_check(g, cudaFuncSetAttribute(qwg_kernel<DKP, DVP, T, MODE, NF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    if (g->err != NSA_STATUS_SUCCESS) return;
-    qwg_kernel<DKP, DVP, T, MODE, NF><<<grid, 384, smem, g->st>>>(Pl, m[QWG_MAP_K], m[QWG_MAP_V], m[QWG_MAP_Q], m[QWG_MAP_O]);
-    g_launched(g);
-}
-
 template <int DKP, int DVP, typename T, int MODE>
 static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles, const void *maps)
 {
     const size_t smem = qwg_layout<DKP, DVP, MODE>::bytes + 1024;
+    g_check(g, cudaFuncSetAttribute(qwg_kernel<DKP, DVP, T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (g->err != NSA_STATUS_SUCCESS) return;
     const CUtensorMap *m = (const CUtensorMap *)maps;
     qparams Pl = *P;
     Pl.tiles = tiles;
@@ -532,21 +467,19 @@ static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles, const void *m
      * heaviest first) in the forward with Q by TMA into two buffers */
     int64_t grid = Pl.tasks;
     Pl.dyn = MODE == MODE_FWD && QWG_NQ(MODE, DKP) == 2 && P->qbox && P->ctr;
-    int sms = 0; /* (the persistent walk's grid, and the careful variant's below) */
-    if (Pl.dyn || P->nf) {
-        int dev = 0;
+    if (Pl.dyn) {
+        int dev = 0, sms = 0;
         g_check(g, cudaGetDevice(&dev));
         g_check(g, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+        if (sms > 0 && grid > sms) grid = sms;
     }
-    if (Pl.dyn && sms > 0 && grid > sms) grid = sms;
     if (g->err != NSA_STATUS_SUCCESS || grid > INT32_MAX) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: %lld tasks exceed the CUDA grid limit", (long long)grid);
         return;
     }
-    launch_qwg_v<DKP, DVP, T, MODE, false>(g, Pl, (unsigned)grid, smem, m);
-    /* the careful variant on one CTA per SM, each walking every gridDim-th task: standing aside
-     * then costs one wave of CTAs instead of the whole grid (dQ: ~30 us at 16k) */
-    if (P->nf) launch_qwg_v<DKP, DVP, T, MODE, true>(g, Pl, (unsigned)(sms > 0 && grid > sms ? sms : grid), smem, m);
+    qwg_kernel<DKP, DVP, T, MODE><<<(unsigned)grid, 384, smem, g->st>>>(Pl, m[QWG_MAP_K], m[QWG_MAP_V], m[QWG_MAP_Q],
+                                                                        m[QWG_MAP_O]);
+    g_launched(g);
 }
 
 /* Whether this binary carries the sm_90a body of qwg_kernel<DP> for the current device (not

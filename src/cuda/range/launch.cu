@@ -143,11 +143,9 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     unitspec u = {UK_ROWS, p->G, pl.rows, 0, 0};
     int64_t tiles;
     P.sm = g_seqmap(g, u, &tiles);
-    if (wg) {
-        run_qwg(g, &P, MODE_FWD, tiles, dt, &maps);
-        return;
-    }
-    cu_run_qtile(g, &P, MODE_FWD, pl.bn, tiles, dt);
+    if (wg) run_qwg(g, &P, MODE_FWD, tiles, dt, &maps);
+    else cu_run_qtile(g, &P, MODE_FWD, pl.bn, tiles, dt);
+    cu_simt_standby_q(g, &P, MODE_FWD);
 }
 
 int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
@@ -182,6 +180,7 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     } else {
         cu_run_qtile(g, &Q, MODE_DQ, pl.bn, qtiles, io->dt);
     }
+    cu_simt_standby_q(g, &Q, MODE_DQ);
 
     kparams K;
     cu_dkdv_params(&K, p, io);
@@ -221,6 +220,7 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
             else nsa_cu_kwg_128(g, &K, bf16, ktiles);
         }
     }
+    cu_simt_standby_k(g, &K);
     if (K.nseg > 1) {
         unitspec ut = {UK_CMP_TILES, 0, K.bk, p->cfg.cmp_len, p->cfg.cmp_stride};
         int64_t ntiles;

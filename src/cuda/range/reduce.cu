@@ -1,9 +1,11 @@
 /* range/reduce.cu -- the ordered reduction of the compressed dK / dV row segments' partials. */
 #include "range.h"
+#include "../prim/nonfinite.cuh"
 
 /* per compressed key tile (sequence, tile, head): += the partials of row segments 1.., in order */
 __global__ void seg_reduce_kernel(kparams P, seqmap tm)
 {
+    if (nf_set(P.nf)) return; /* the scalar kernels added dk / dv whole (nonfinite.cuh) */
     int64_t s, kt;
     seq_decode(tm, blockIdx.x, &s, &kt);
     const seqinfo sq = seq_get(tm, s);

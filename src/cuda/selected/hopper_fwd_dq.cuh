@@ -88,13 +88,12 @@ template <int DP, int BN, int NS> struct sfw_layout {
     static_assert(bytes + 1024 == sfw_smem(DP, BN, NS), "sfw_smem reserves exactly this layout");
 };
 
-template <int DP, typename T, int MODE, int BN, int NS, int NP, int RP, int KS, bool NF = false>
+template <int DP, typename T, int MODE, int BN, int NS, int NP, int RP, int KS>
 __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
                                                       const __grid_constant__ CUtensorMap tv)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if (nf_stand_aside<NF>(P.nf)) return; /* the other variant runs (nonfinite.cuh) */
-    constexpr bool careful = NF;
+    if (nf_set(P.nf)) return; /* a non-finite input: the scalar kernels run this call (nonfinite.cuh) */
     constexpr int NT = BN / 8, KT = DP / 16, TB = BN * DP * 2; /* tile bytes (K or V of a chunk) */
     constexpr bool DQ = MODE == MODE_DQ;
     constexpr int W = NP / RP, GR = 16 / RP; /* warps; rows per position in a warp's 16 */
@@ -258,44 +257,18 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
         const int hi2[2] = {wm >> rpx[0] & 1 ? rt[0] : -1, wm >> rpx[1] & 1 ? rt[1] : -1};
         const int full = c1 - c0 == BN && wm == (1 << RP) - 1 && c1 - 1 <= t;
         sc_mask_scale<NT>(S, full, c0, c1, lo2, hi2, lane, P.sl2);
-        auto vis = [&](int x, int j, float) { return c0 + j < c1 && c0 + j <= hi2[x]; };
-        /* the keys past the smallest last visible key of the warp's real rows, and those past the
-         * block (the stage holds BN rows), are the ones some row does not see: their V (K) rows
-         * checked for non-finite values (nonfinite.cuh) */
-        int hmin = INT_MAX - 1;
-        if (careful && !full) {
-            const int h0 = rreal[0] ? hi2[0] : INT_MAX - 1, h1 = rreal[1] ? hi2[1] : INT_MAX - 1;
-            hmin = __reduce_min_sync(0xffffffffu, h0 < h1 ? h0 : h1);
-        }
         if constexpr (!DQ) {
             sc_softmax<NT, DP / 8>(S, m_, l_, acc);
-            const nf_tile vt = {Vp, BN, 0};
-            if (careful && !full && nf_edges_any<T, DP>(vt, 0, min(hmin + 1, c1) - c0, BN, lane))
-                nf_product<T, NT>(acc, S, vt, lane, vis);
-            else sfw_pb<T, NT, KT, BN>(acc, S, Vp, lane);
+            sfw_pb<T, NT, KT, BN>(acc, S, Vp, lane);
         } else {
-            /* P from the saved lse; dP = dO V^T; dS = P (g dP - D), exactly 0 at a hidden pair
-             * (its dP, D, gate or lse may be non-finite); dQ += dS K */
+            /* P from the saved lse; dP = dO V^T; dS = P (g dP - D); dQ += dS K */
             float dP[NT][4];
             sfw_abt<T, NT, KT, BN>(dP, of, Vp, lane);
-            if (careful && !full) {
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++)
+            for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const float ds = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
-                        dP[nt][e] = vis(e >> 1, nt * 8 + 2 * (lane & 3) + (e & 1), 0.0f) ? ds : 0.0f;
-                    }
-            } else {
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        dP[nt][e] = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
-            }
-            const nf_tile kt = {Kp, BN, 0};
-            if (careful && !full && nf_edges_any<T, DP>(kt, 0, min(hmin + 1, c1) - c0, BN, lane)) nf_product<T, NT>(acc, dP, kt, lane, vis);
-            else sfw_pb<T, NT, KT, BN>(acc, dP, Kp, lane);
+                for (int e = 0; e < 4; e++) dP[nt][e] = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
+            sfw_pb<T, NT, KT, BN>(acc, dP, Kp, lane);
         }
         fence_async_smem(); /* this thread's ldmatrix reads before the stage's next TMA write */
         mb_arrive(&empty[st]);
@@ -375,23 +348,16 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
 
 /* ---- launchers ---- */
 
-template <int DP, typename T, int MODE, int BN, int NS, int NP, int RP, int KS, bool NF>
-static void launch_sfw_v(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
+template <int DP, typename T, int MODE, int BN, int NS, int NP, int RP = 1, int KS = 1>
+static void launch_sfw_t(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
 {
     const size_t smem = sfw_layout<DP, BN, NS>::bytes + 1024;
-    auto kern = sfw_kernel<DP, T, MODE, BN, NS, NP, RP, KS, NF>;
+    auto kern = sfw_kernel<DP, T, MODE, BN, NS, NP, RP, KS>;
     g_check(g, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
     kern<<<dim3((unsigned)tiles, (unsigned)P->H), 32 * (NP / RP) * KS, smem, g->st>>>(*P, *(const CUtensorMap *)tk,
                                                                          *(const CUtensorMap *)tv);
     g_launched(g);
-}
-
-template <int DP, typename T, int MODE, int BN, int NS, int NP, int RP = 1, int KS = 1>
-static void launch_sfw_t(grun *g, const qparams *P, int64_t tiles, const void *tk, const void *tv)
-{
-    launch_sfw_v<DP, T, MODE, BN, NS, NP, RP, KS, false>(g, P, tiles, tk, tv);
-    if (P->nf) launch_sfw_v<DP, T, MODE, BN, NS, NP, RP, KS, true>(g, P, tiles, tk, tv);
 }
 
 template <int DP, typename T, int MODE>

@@ -118,6 +118,7 @@ void cu_fwd_slc(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvi
     cu_scan_nonfinite(g, v, p->B, p->Tk, p->H, p->DV); /* the forward's one B operand */
     P.nf = g_nf_tiles(g);
     run_slc_q(g, &P, MODE_FWD, dt);
+    cu_simt_standby_q(g, &P, MODE_FWD);
 }
 
 /* the selected rule's dK / dV on kwp_kernel (the plan chose it and its maps were made) */
@@ -149,6 +150,7 @@ void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt
     Q.nf = g_nf_tiles(g);
     Q.U = U, Q.ucnt = ucnt, Q.m = (int)m;
     run_slc_q(g, &Q, MODE_DQ, io->dt);
+    cu_simt_standby_q(g, &Q, MODE_DQ);
 
     inv_index ix;
     memset(&ix, 0, sizeof ix);
@@ -191,6 +193,7 @@ void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt
     const int kwp = kp.kernel == CU_DKDV_KWP && cu_kwp_maps(g, &K, io->dt, 1, maps);
     if (kwp) run_kwp(g, &K, io->dt, ktiles, maps);
     else cu_run_ktile(g, &K, ktiles, io->dt);
+    cu_simt_standby_k(g, &K);
     if (ebound > 0 && g_live(g)) { /* (live only: the launch counts below fit once the workspace did) */
         kparams X = K;
         X.extra = 1;

@@ -4,6 +4,7 @@
  * partials. */
 #include "selected.h"
 #include "../prim/rowwise.cuh"
+#include "../prim/nonfinite.cuh"
 
 __global__ void usable_kernel(dview idx, dview cnt, int64_t m, int64_t lp, int32_t *U, int32_t *ucnt, seqmap sm,
                               int64_t T, int64_t H, int64_t rows)
@@ -236,6 +237,7 @@ void nsa_cu_slc_segments(grun *g, const inv_index *ix, int64_t nflat, int64_t se
  * segments, summed in segment order */
 __global__ void slc_reduce_kernel(kparams P)
 {
+    if (nf_set(P.nf)) return; /* the scalar kernels added dk / dv whole (nonfinite.cuh) */
     int64_t s, local;
     seq_decode(P.sm, blockIdx.x, &s, &local);
     const seqinfo sq = seq_get(P.sm, s);
