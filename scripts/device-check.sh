@@ -8,7 +8,7 @@
 #      to $OUT/hashes.txt; then a short pass (CASES/4) on the mma.sync tiles, the fallback of
 #      the wgmma paths (NSA_CUDA_WGMMA=0; AB=1 sweeps all CASES there instead), and one on each
 #      other fallback a planner override selects (NSA_CUDA_KWP=0, _SLC_RP=1, _SLC_NP=1), and
-#      one on the careful kernels of non-finite inputs (NSA_CUDA_NONFINITE=1);
+#      one on the scalar kernels of non-finite inputs (NSA_CUDA_NONFINITE=1);
 #   4. compute-sanitizer memcheck on a few small cases (RACE=1: racecheck too), and the fuzz
 #      inputs (tests/fuzz/regressions, tests/fuzz/corpus) replayed on the CUDA backend by
 #      build/nsa_fuzz_replay, plain and under memcheck: a failing call leaves every device
@@ -122,8 +122,8 @@ grep -E "^FAIL" "$OUT/sweep-mma.log" | head -10
 note "sweep with NSA_CUDA_WGMMA=0: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/sweep-mma.log" | tail -1) ($MMA_CASES cases, rc $rc, $(( $(date +%s) - t0 )) s)"
 # The other fallbacks a planner override selects (src/cuda/plan.h): kwg instead of kwp for the
 # range dK / dV, and the selected tile without union rows or without position pairs; and the
-# careful kernel variants (prim/nonfinite.cuh) on finite inputs; a short pass each on the same
-# first cases.
+# scalar kernels of non-finite inputs (prim/nonfinite.cuh) on finite inputs; a short pass each
+# on the same first cases.
 for v in NSA_CUDA_KWP=0 NSA_CUDA_SLC_RP=1 NSA_CUDA_SLC_NP=1 NSA_CUDA_NONFINITE=1; do
     vlog="$OUT/sweep-${v#NSA_CUDA_}.log"
     NSA_TEST_ATTENTION_QUICK=1 timeout 240 "$BIN/nsa_gpu_tests" --seed "$SEED" --cases "$MMA_CASES" --max-T "$MAXT" \
@@ -134,9 +134,9 @@ done
 
 # The non-finite mode (docs/spec.md 0.4): NaN / inf planted in each op's inputs, the outputs'
 # non-finite elements compared with the float64 reference's, element for element; on the
-# default path (the careful kernels of prim/nonfinite.cuh), the mma.sync tiles and the cp.async
-# dK / dV tile. The failures are grouped by op and output. (NSA_CUDA_NONFINITE=1 above runs the
-# careful kernels on the finite sweep.)
+# default path (the scalar kernels of prim/nonfinite.cuh take such calls) and with the mma.sync
+# tiles and the cp.async dK / dV tile as the finite path. The failures are grouped by op and
+# output. (NSA_CUDA_NONFINITE=1 above runs the scalar kernels on the finite sweep.)
 for nfv in "" NSA_CUDA_WGMMA=0 NSA_CUDA_KWP=0; do
     nflog="$OUT/nonfinite${nfv:+-${nfv#NSA_CUDA_}}.log"
     say "gpu non-finite sweep${nfv:+ with $nfv} ($(( CASES / 2 )) cases)"
@@ -152,7 +152,7 @@ say "memcheck"
 t0=$(date +%s)
 timeout 120 compute-sanitizer --tool memcheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --seed 7 --cases 4 --max-T 200 --no-attention > "$OUT/memcheck.log" 2>&1
 note "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/memcheck.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
-# the careful kernels' checks and scalar products on non-finite inputs, under memcheck
+# the scalar kernels on non-finite inputs, under memcheck
 t0=$(date +%s)
 timeout 120 compute-sanitizer --tool memcheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --nonfinite --seed 7 --cases 4 --max-T 200 --no-attention > "$OUT/memcheck-nonfinite.log" 2>&1
 note "memcheck (non-finite): $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-nonfinite.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/memcheck-nonfinite.log" | tail -1) ($(( $(date +%s) - t0 )) s)"

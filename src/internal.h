@@ -76,10 +76,11 @@ typedef struct nsa_cuda_overrides {
     int slc_stages; /* ... stages, 2 or 3 (NSA_CUDA_SLC_BN=32x3) */
     int slc_pair;   /* ... two neighbouring positions per CTA (0: NSA_CUDA_SLC_NP=1) */
     int slc_union;  /* ... union tiles at G = 4 / 8 (0: NSA_CUDA_SLC_RP=1) */
-    int nonfinite;  /* the tiles' careful path for non-finite inputs: -1 when the call's inputs hold
-                       one (the default), 1 always (NSA_CUDA_NONFINITE=1: its cost and its finite
-                       results), 0 never (NSA_CUDA_NONFINITE=0: the scans skipped, masked pairs
-                       may then carry a non-finite value to rows the mask hides) */
+    int nonfinite;  /* the scalar kernels instead of the tiles: -1 when the call's inputs hold a
+                       non-finite value (the default), 1 always (NSA_CUDA_NONFINITE=1: their cost
+                       and their finite results), 0 never (NSA_CUDA_NONFINITE=0: the scans
+                       skipped, masked pairs may then carry a non-finite value to rows the mask
+                       hides) */
 } nsa_cuda_overrides;
 
 /* Context, shared by all backends. */
