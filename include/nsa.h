@@ -111,7 +111,7 @@ NSA_API const char *nsa_version_string(void);
 /* Tensors                                                                               */
 /* ------------------------------------------------------------------------------------ */
 typedef enum nsa_dtype {
-    NSA_DTYPE_F32 = 0,   /* IEEE float (on CUDA: nsa_attention without options, nsa_cmp_attn, nsa_slc_attn) */
+    NSA_DTYPE_F32 = 0,   /* IEEE float (on CUDA: scalar kernels, exact but 300-450x slower than bf16) */
     NSA_DTYPE_F16 = 1,   /* IEEE half */
     NSA_DTYPE_BF16 = 2,  /* bfloat16 */
     NSA_DTYPE_I32 = 3,   /* int32: block_indices, block_counts, segment ids */
@@ -337,7 +337,8 @@ NSA_API nsa_status nsa_slc_attn_bwd(nsa_context *ctx, const nsa_slc_attn_bwd_arg
  * Varlen: either varlen.cu_seqlens (int32, the same packing for q and k, Tq == Tk) or
  * varlen_qk (int64, separate packings of q and k); not both. Bias, mask and segment ids are
  * indexed by packed rows then (B == 1).
- * CUDA backend: every option, f16 / bf16 q, k, v (and o, dq, dk, dv), head dims up to 256;
+ * CUDA backend: every option, f16 / bf16 / f32 q, k, v (and o, dq, dk, dv; f32 on scalar
+ * kernels, 300-450x slower), head dims up to 256;
  * deterministic (no atomics). Calls with none of softcap, sinks, segment ids, bias, mask,
  * dropout, varlen_qk, Tq != Tk run the tuned tiles (so does the forward with only softcap,
  * sinks and / or Tq != Tk in a dense batch); the others general kernels (src/cuda/attention). */

@@ -20,8 +20,8 @@ void test_attention_on(nsa_backend backend, const sweep_memory *mem);
 
 /* Device runs (test_attention_on with memory hooks): every tensor of a call is mirrored into
  * device memory, sentinels included, and the outputs' bytes come back, so the same checks
- * (values, bytes outside the elements, determinism) read host memory. f32 storage, which the
- * GPU does not take for attention inputs, runs as bf16 there. */
+ * (values, bytes outside the elements, determinism) read host memory. f32 storage runs on the
+ * GPU's scalar kernels. */
 static const sweep_memory *g_mem;
 
 /* ---- host tensors: storage in any dtype plus the stored values as doubles ------------ */
@@ -232,7 +232,6 @@ static void world_build(world *w, const acase *c, uint64_t seed)
         w->Tq = w->cq[c->nseq], w->Tk = w->ck[c->nseq];
     }
     const int64_t B = w->B, Tq = w->Tq, Tk = w->Tk, HQ = c->HQ, H = c->H;
-    if (g_mem && w->c.dt == NSA_DTYPE_F32) w->c.dt = NSA_DTYPE_BF16;
     const nsa_dtype dt = w->c.dt;
     g_pad = c->pad;
     w->q = buf_make(dt, 4, B, Tq, HQ, c->DK);

@@ -761,7 +761,7 @@ static void require_backend(nsa_backend be)
     need(st != NSA_STATUS_SUCCESS ? st : NSA_STATUS_BACKEND_UNAVAILABLE, backend_name(be));
 }
 
-/* The CPU takes f32 attention inputs; CUDA takes f16/bf16 only. */
+/* The CPU's own precision is f32; the GPU's fast path is bf16 (its f32 path is the slow scalar kernels). */
 static nsa_dtype default_dtype(nsa_backend be) { return be == NSA_BACKEND_CUDA ? NSA_DTYPE_BF16 : NSA_DTYPE_F32; }
 
 static int threads_used(int requested)

@@ -169,7 +169,7 @@ def attention(q, k, v, *, causal=False, window=(-1, -1), scale=None, softcap=0.0
     mask [.., Tq, Tk] bool/uint8 (nonzero keeps); dropout_p with seed/offset (Philox, the
     backward regenerates the mask; advance offset by >= B * HQ between calls); cu_seqlens
     (int32, one packing) or cu_seqlens_q / cu_seqlens_k (separate packings, B == 1).
-    Every option runs on CUDA too (f16 / bf16 tensors, head dims up to 256). Returns an
+    Every option runs on CUDA too (f16 / bf16 tensors, f32 slowly; head dims up to 256). Returns an
     AttentionResult."""
     opts = dict(causal=causal, window=tuple(window), scale=scale, softcap=softcap, sinks=sinks, bias=bias, mask=mask,
                 q_segment_ids=None if q_segment_ids is None else _as_int32(q_segment_ids),
@@ -264,7 +264,8 @@ def parallel_nsa(q, k, v, g_cmp=None, g_slc=None, g_swa=None, block_indices=None
     selection); ties in the selection go to the lower block index (fla: unspecified); caller
     indices that repeat a block count it once (fla: once per occurrence); cu_seqlens must be
     one tensor (fla's (cu_q, cu_k) tuple for cached decoding is not supported); with g_cmp
-    and block_indices both None fla fails, nsa computes the selection anyway. With a tensor
+    and block_indices both None fla fails, nsa computes the selection anyway; float32 on CUDA
+    runs on scalar kernels, exact but 300-450x slower than bf16 (fla's on Triton). With a tensor
     block_counts and no block_indices, row (b, t, h) attends to the top-c blocks, c its count
     (c < 3: the first c of the 3 forced ones, ascending); that path is eager only."""
     if block_counts is None:

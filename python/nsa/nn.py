@@ -7,8 +7,8 @@
     -> nsa.native_sparse_attention(q, k, v, g_cmp, g_slc, g_swa, config, k_cmp, v_cmp)
     -> output projection [B, T, C]
 
-Works in float32 (CPU), bfloat16/float16 (CPU and CUDA; the CUDA backend needs half
-precision: use bf16 parameters or torch.autocast), under torch.compile(fullgraph=True)
+Works in float32, bfloat16 and float16 on the CPU and CUDA (float32 on CUDA runs on scalar
+kernels, 300-450x slower: use bf16 parameters or torch.autocast to train), under torch.compile(fullgraph=True)
 without cu_seqlens. With cu_seqlens (packed sequences, B == 1) positions restart at 0 in
 every sequence and compression blocks never straddle two sequences.
 """

@@ -211,19 +211,7 @@ static long nf_check_close(const char *what, const tens *got, const double *ref,
 
 /* --op: the one op whose checks run (NULL: every op), see sweep_set_op. */
 static const char *g_op;
-/* A float32 case on the CUDA backend: the GPU takes f32 in the attention ops without options
- * (nsa_attention, nsa_cmp_attn, nsa_slc_attn and their backwards) only. The pipeline must
- * decline it (NOT_SUPPORTED, naming q: checked); the other ops are not run. */
-static int g_f32_ops;
-static int f32_gpu_op(const char *op)
-{
-    static const char *const ok[] = {"nsa_cmp_attn", "nsa_cmp_attn_bwd", "nsa_slc_attn", "nsa_slc_attn_bwd",
-                                     "nsa_attention", "nsa_attention_bwd", NULL};
-    for (int i = 0; ok[i]; i++)
-        if (!strcmp(op, ok[i])) return 1;
-    return 0;
-}
-static int op_on(const char *op) { return (!g_f32_ops || f32_gpu_op(op)) && (!g_op || !strcmp(g_op, op)); }
+static int op_on(const char *op) { return !g_op || !strcmp(g_op, op); }
 
 const char *const sweep_op_names[] = {"nsa_forward", "nsa_backward", "nsa_compress", "nsa_compress_bwd",
                                       "nsa_cmp_attn", "nsa_cmp_attn_bwd", "nsa_select", "nsa_slc_attn",
@@ -1567,7 +1555,7 @@ static long check_ops(nsa_context *ctx, problem *p)
             }
         }
         nf_restore();
-        if (g_nf && !g_f32_ops && (op_on("nsa_attention") || op_on("nsa_attention_bwd")))
+        if (g_nf && (op_on("nsa_attention") || op_on("nsa_attention_bwd")))
             fails += check_attention_opts(ctx, p, &q, &k, &v, &o, &lse, &dout, &dq, &dk, &dv);
     }
     /* 6. gating: the spec's formula written out here, and its gradients */
@@ -1756,18 +1744,7 @@ long sweep_run_case(nsa_context *ctx, const sweep_case *c, uint64_t seed, int ve
      * below read the same data in any --op run. A failing nsa_forward call ends the case. */
     const int fwd = op_on("nsa_forward"), bwd = op_on("nsa_backward");
     long call_fails = 0;
-    if (c->dtype == NSA_DTYPE_F32 && nsa_context_backend(ctx) == NSA_BACKEND_CUDA) {
-        size_t need = 0;
-        nsa_status st = nsa_forward_workspace_size(ctx, &x.fa, &need);
-        if (st == NSA_STATUS_SUCCESS) st = nsa_forward(ctx, &x.fa, workspace(need), need);
-        const char *why = nsa_last_error_detail();
-        char msg[2048];
-        snprintf(msg, sizeof msg, "status %d (%.300s); case %.1500s", (int)st, why, g_desc);
-        harness_record(st == NSA_STATUS_NOT_SUPPORTED && !strncmp(why, "q:", 2), __FILE__, __LINE__,
-                       "CUDA nsa_forward declines f32, naming q", msg);
-        call_fails = 1; /* the pipeline does not run */
-        g_f32_ops = 1;
-    } else if (fwd || bwd) {
+    if (fwd || bwd) {
         size_t need = 0;
         call_fails = check_status("nsa_forward_workspace_size", nsa_forward_workspace_size(ctx, &x.fa, &need));
         if (!call_fails) call_fails = check_status("nsa_forward", nsa_forward(ctx, &x.fa, workspace(need), need));
@@ -1781,8 +1758,7 @@ long sweep_run_case(nsa_context *ctx, const sweep_case *c, uint64_t seed, int ve
         }
     }
     nf_restore();
-    if (!call_fails || g_f32_ops) check_ops(ctx, &p);
-    g_f32_ops = 0;
+    if (!call_fails) check_ops(ctx, &p);
     pipe_free(&x);
     g_prob = NULL;
     g_large = 0;
@@ -1796,8 +1772,8 @@ void sweep_case_next(sweep_case *c, uint64_t *state, long index, nsa_backend bac
     nsa_dtype gpu_dt = NSA_DTYPE_BF16;
     if (backend == NSA_BACKEND_CUDA) {
         test_rng r = {*state ^ 0x5DEECE66Dull};
-        /* f32 in one case in three but the first two (on the GPU f32 runs in the single
-         * attention ops only: g_f32_ops); set after the draw, which would redraw f32 (0) */
+        /* f32 (the scalar kernels) in one case in three but the first two (the tiles' shapes);
+         * set after the draw, which would redraw f32 (0) */
         const int64_t d = rng_int(&r, 0, 2);
         gpu_dt = d == 0 && index > 1 ? NSA_DTYPE_F32 : d == 1 ? NSA_DTYPE_F16 : NSA_DTYPE_BF16;
         /* the first two cases fix the shapes of the selected attention's union tiles (Hopper:

@@ -14,12 +14,12 @@
 
 static void run_attention(grun *g, const nsa_attention_args *a)
 {
-    if (cu_plan_attention_fwd(g->p, a) == CU_ATTN_GENERAL) {
+    /* float32 storage: every call on the options' scalar kernels (simt.cu) */
+    if (a->q.dtype == NSA_DTYPE_F32 || cu_plan_attention_fwd(g->p, a) == CU_ATTN_GENERAL) {
         if (cu_xattn_supported(g, a->q.dtype)) cu_xattn_fwd(g, a);
         return;
     }
-    /* f32: the scalar kernels, without softcap or sinks (whose backward is the options kernels') */
-    if (!cu_attn_supported(g, a->q.dtype, a->softcap == 0.0f && !a->sinks.data)) return;
+    if (!cu_attn_supported(g, a->q.dtype)) return;
     g_seq_setup(g, 0);
     const dview q = dv_of(&a->q), k = dv_of(&a->k), v = dv_of(&a->v), o = dv_of(&a->o), lse = dv_of(&a->lse);
     rule_t r = cu_rule_window(a->window_left, a->window_right, a->causal);
@@ -42,11 +42,11 @@ nsa_status nsa_cuda_attention(const nsa_context *ctx, const nsa_problem *p, cons
 static void run_attention_bwd(grun *g, const nsa_attention_bwd_args *a)
 {
     const nsa_attention_args *f = &a->fwd;
-    if (cu_plan_attention_bwd(g->p) == CU_ATTN_GENERAL) {
+    if (f->q.dtype == NSA_DTYPE_F32 || cu_plan_attention_bwd(g->p) == CU_ATTN_GENERAL) {
         if (cu_xattn_supported(g, f->q.dtype)) cu_xattn_bwd(g, a);
         return;
     }
-    if (!cu_attn_supported(g, f->q.dtype, 1)) return;
+    if (!cu_attn_supported(g, f->q.dtype)) return;
     g_seq_setup(g, 0);
     const rule_t r = cu_rule_window(f->window_left, f->window_right, f->causal);
     cu_range_bwd_op(g, &r, &f->q, &f->k, &f->v, &f->o, &f->lse, &a->dout, g->p->T, &a->dq, &a->dk, &a->dv);
@@ -74,8 +74,8 @@ static int x_class(int64_t DK, int64_t DV)
 int cu_xattn_supported(grun *g, nsa_dtype dt)
 {
     const nsa_problem *p = g->p;
-    if (dt != NSA_DTYPE_F16 && dt != NSA_DTYPE_BF16) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: dtype %s, the CUDA attention takes f16 or bf16", nsa_dtype_name(dt));
+    if (dt != NSA_DTYPE_F16 && dt != NSA_DTYPE_BF16 && dt != NSA_DTYPE_F32) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: dtype %s, the CUDA attention takes f16, bf16 or f32", nsa_dtype_name(dt));
         return 0;
     }
     if (!x_class(p->DK, p->DV)) {
@@ -168,6 +168,10 @@ static void x_launch(grun *g, const xparams *P, int kind, const int64_t grid[3],
 {
     const int cls = x_class(P->DK, P->DV), bf16 = dt == NSA_DTYPE_BF16;
     if (!g_live(g)) return;
+    if (dt == NSA_DTYPE_F32) { /* the tiles take 16-bit storage */
+        nsa_cu_xattn_simt(g, P, kind, NULL);
+        return;
+    }
     if (xattn_smem(cls, kind, P->mask.p || P->bias.p || P->dropout) > (size_t)g->dev.smem_max) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED, "device: the attention tile for head dim %d needs %zu bytes of shared memory, "
                "the device has %d", cls, xattn_smem(cls, kind, P->mask.p || P->bias.p || P->dropout), g->dev.smem_max);

@@ -113,7 +113,8 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) xs_fwd_kernel(const xparams P
                 for (int c = 0; c < SIMT_COLS; c++) acc[c] *= alpha;
                 m = s;
             }
-            const float p = m == -INFINITY ? 0.0f : expf(s - m);
+            /* no maximum yet: a -inf score weighs 0, a NaN one stays NaN (dense softmax) */
+            const float p = m == -INFINITY ? (s != s ? s : 0.0f) : expf(s - m);
             l += p; /* the undropped sum: lse is the undropped softmax's */
             simt_load(x, P.v, b * P.v.s0 + kr * P.v.s1 + h * P.v.s2, P.DV, lane);
 #pragma unroll

@@ -9,13 +9,11 @@
 
 static int class_dv(int cls) { return cls == 192 ? 128 : cls; }
 
-int cu_attn_supported(grun *g, nsa_dtype dt, int f32)
+int cu_attn_supported(grun *g, nsa_dtype dt)
 {
     const nsa_problem *p = g->p;
-    if (dt != NSA_DTYPE_F16 && dt != NSA_DTYPE_BF16 && !(f32 && dt == NSA_DTYPE_F32)) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: dtype %s, this op's CUDA kernels take %s", nsa_dtype_name(dt),
-               f32 ? "f16, bf16 or f32" : "f16 or bf16 (f32 runs on the GPU in nsa_attention without options, "
-                                          "nsa_cmp_attn and nsa_slc_attn so far)");
+    if (dt != NSA_DTYPE_F16 && dt != NSA_DTYPE_BF16 && dt != NSA_DTYPE_F32) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: dtype %s, the CUDA kernels take f16, bf16 or f32", nsa_dtype_name(dt));
         return 0;
     }
     if (!cu_dims_class(p->DK, p->DV)) {

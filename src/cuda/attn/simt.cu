@@ -75,7 +75,8 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) simt_q_kernel(const qparams P
                     for (int i = 0; i < SIMT_COLS; i++) acc[i] *= alpha;
                     m = s;
                 }
-                const float p = m == -INFINITY ? 0.0f : expf(s - m);
+                /* no maximum yet: a -inf score weighs 0, a NaN one stays NaN (dense softmax) */
+                const float p = m == -INFINITY ? (s != s ? s : 0.0f) : expf(s - m);
                 l += p;
                 if (has_v) {
                     simt_load(x, P.v, vb + (kr0 + j) * P.v.s1, P.DV, lane);

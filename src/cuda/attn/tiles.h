@@ -106,9 +106,9 @@ typedef struct cu_slc_lists {
 
 /* ---- host side shared by the range and selected branches (attn/host.cu) ---------------- */
 
-/* The attention tiles need f16/bf16 storage (f32: the scalar kernels, where the op has them:
- * f32 set), supported dims, int32 positions. Marks NOT_SUPPORTED on g and returns 0 otherwise. */
-int cu_attn_supported(grun *g, nsa_dtype dt, int f32);
+/* The NSA ops take f16 / bf16 storage (the tiles) or f32 (the scalar kernels), supported dims,
+ * int32 positions. Marks NOT_SUPPORTED on g and returns 0 otherwise. */
+int cu_attn_supported(grun *g, nsa_dtype dt);
 
 /* Backward of one branch: dq added to dq32 [B*T*HQ*DK], dK/dV added to flat fp32 [B, KR, H, D]
  * buffers. Dw, gw: per-row scratch [B*T*HQ]: filled by the branch (nsa_cu_dprep) unless

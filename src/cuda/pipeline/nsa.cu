@@ -57,7 +57,7 @@ static void run_forward(grun *g, const nsa_forward_args *a)
     const nsa_problem *p = g->p;
     const nsa_saved *sv = &a->saved;
     const nsa_dtype dt = a->q.dtype;
-    if (!cu_attn_supported(g, dt, 0)) return;
+    if (!cu_attn_supported(g, dt)) return;
     plan pl;
     plan_make(&pl, a, 0);
     g_seq_setup(g, 1);
@@ -136,7 +136,7 @@ static void run_backward(grun *g, const nsa_backward_args *ba)
     const nsa_forward_args *a = &ba->fwd;
     const nsa_saved *sv = &a->saved;
     const nsa_dtype dt = a->q.dtype;
-    if (!cu_attn_supported(g, dt, 0)) return;
+    if (!cu_attn_supported(g, dt)) return;
     plan pl;
     plan_make(&pl, a, 1);
     g_seq_setup(g, 1);

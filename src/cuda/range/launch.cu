@@ -12,7 +12,7 @@
 
 static void run_cmp_attn(grun *g, const nsa_cmp_attn_args *a)
 {
-    if (!cu_attn_supported(g, a->q.dtype, 1)) return;
+    if (!cu_attn_supported(g, a->q.dtype)) return;
     g_seq_setup(g, 1);
     const dview q = dv_of(&a->q), kc = dv_of(&a->k_cmp), vc = dv_of(&a->v_cmp), o = dv_of(&a->o), lse = dv_of(&a->lse);
     const rule_t r = cu_rule_cmp(g->p);
@@ -32,7 +32,7 @@ nsa_status nsa_cuda_cmp_attn(const nsa_context *ctx, const nsa_problem *p, const
 static void run_cmp_attn_bwd(grun *g, const nsa_cmp_attn_bwd_args *a)
 {
     const nsa_cmp_attn_args *f = &a->fwd;
-    if (!cu_attn_supported(g, f->q.dtype, 1)) return;
+    if (!cu_attn_supported(g, f->q.dtype)) return;
     g_seq_setup(g, 1);
     const rule_t r = cu_rule_cmp(g->p);
     cu_range_bwd_op(g, &r, &f->q, &f->k_cmp, &f->v_cmp, &f->o, &f->lse, &a->dout, g->p->cmp_rows, &a->dq, &a->dk_cmp,

@@ -10,7 +10,7 @@
 
 static void run_slc_attn(grun *g, const nsa_slc_attn_args *a)
 {
-    if (!cu_attn_supported(g, a->q.dtype, 1)) return;
+    if (!cu_attn_supported(g, a->q.dtype)) return;
     g_seq_setup(g, 0);
     int32_t *U, *ucnt;
     cu_take_usable(g, &a->block_indices, &a->block_counts, &U, &ucnt);
@@ -32,7 +32,7 @@ static void run_slc_attn_bwd(grun *g, const nsa_slc_attn_bwd_args *a)
 {
     const nsa_problem *p = g->p;
     const nsa_slc_attn_args *f = &a->fwd;
-    if (!cu_attn_supported(g, f->q.dtype, 1)) return;
+    if (!cu_attn_supported(g, f->q.dtype)) return;
     g_seq_setup(g, 0);
     int32_t *U, *ucnt;
     cu_take_usable(g, &f->block_indices, &f->block_counts, &U, &ucnt);

@@ -12,7 +12,7 @@
 static void run_select(grun *g, const nsa_select_args *a)
 {
     const nsa_problem *p = g->p;
-    if (!cu_attn_supported(g, a->q.dtype, 0)) return;
+    if (!cu_attn_supported(g, a->q.dtype)) return;
     g_seq_setup(g, 1);
     const dview q = dv_of(&a->q), kc = dv_of(&a->k_cmp), idx = dv_of(&a->block_indices);
     const dview cnt = dv_of(&a->block_counts);
@@ -53,6 +53,11 @@ void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvie
     P.cl = (int)c->cmp_len, P.cd = (int)c->cmp_stride, P.lp = (int)c->slc_block;
     P.n = (int)c->slc_topk, P.n_init = (int)(c->n_init < INT_MAX ? c->n_init : INT_MAX);
     P.n_local = (int)(c->n_local < INT_MAX ? c->n_local : INT_MAX);
+    if (dt == NSA_DTYPE_F32) { /* float32 storage: the scalar kernel */
+        P.sm = g_plain_map(g);
+        nsa_cu_select_simt(g, &P, p->B);
+        return;
+    }
     const cu_views v = cu_views_of(&P.q, &P.k, NULL, NULL, NULL);
     cu_select_plan pl = cu_plan_select(p, &g->dev, g->ovr, &v, 0);
     if (pl.kernel == CU_SEL_UNSUPPORTED) {

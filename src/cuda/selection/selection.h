@@ -30,6 +30,10 @@ void nsa_cu_swg_64(grun *g, const sparams *P, int bf16, int nr, int ms, int64_t 
 void nsa_cu_swg_128(grun *g, const sparams *P, int bf16, int nr, int ms, int64_t tiles, const void *maps);
 void nsa_cu_swg_192(grun *g, const sparams *P, int bf16, int nr, int ms, int64_t tiles, const void *maps);
 
+/* The float32 selection on a scalar kernel (simt.cu), B batch entries; NOT_SUPPORTED when its
+ * list of n kept blocks per warp does not fit the device's shared memory. */
+void nsa_cu_select_simt(grun *g, const sparams *P, int64_t B);
+
 /* Importance + top-n into idx (and cnt when cnt->p). */
 void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dview *lse, const dview *idx,
                const dview *cnt);

@@ -22,11 +22,6 @@ import pytest
 # index of the nsa call that must raise: every call before it returned, and since fla asserts
 # the full-length half before it starts the decode half, reaching call 1 means those passed.
 GAPS = {
-    "float32": {
-        "reason": "float32 inputs on CUDA: nsa's CUDA kernels take float16 / bfloat16 only "
-                  "(NSA_STATUS_NOT_SUPPORTED)",
-        "exc": "NsaError", "match": r"f32.*\(NSA_STATUS_NOT_SUPPORTED\)", "call": 0,
-    },
     "decode": {
         "reason": "decode half (q[:, -Tq:] against all T keys): nsa needs as many queries as keys "
                   "(NSA_STATUS_BAD_SHAPE)",
@@ -44,10 +39,10 @@ GAPS = {
 # flash_attn for fla's naive window branch and skip (fla's own importorskip) where it is absent.
 KNOWN_GAPS = {
     "test_parallel_decode[B3-T111-Tq15-H1-HQ32-D100-S16-block_size32-scale1.0-W128-torch.float16]": "decode",
-    "test_parallel_decode[B3-T1024-Tq280-H1-HQ32-D100-S16-block_size32-scale1.0-W0-torch.float32]": "float32",
+    "test_parallel_decode[B3-T1024-Tq280-H1-HQ32-D100-S16-block_size32-scale1.0-W0-torch.float32]": "decode",
     "test_parallel_decode[B4-T1024-Tq256-H1-HQ32-D100-S16-block_size32-scale1.0-W16-torch.float16]": "decode",
     "test_parallel_decode[B3-T1024-Tq3-H2-HQ32-D60-S16-block_size32-scale0.1-W128-torch.float16]": "decode",
-    "test_parallel_decode[B3-T1024-Tq33-H2-HQ32-D128-S16-block_size32-scale0.1-W0-torch.float32]": "float32",
+    "test_parallel_decode[B3-T1024-Tq33-H2-HQ32-D128-S16-block_size32-scale0.1-W0-torch.float32]": "decode",
     "test_parallel_decode[B4-T2048-Tq25-H2-HQ32-D64-S16-block_size32-scale0.1-W512-torch.float16]": "decode",
     "test_parallel_varlen_decode[H1-HQ16-D64-S16-block_size32-scale0.1-W128-cu_seqlens[0, 15]-q_lens[1]"
     "-torch.float16]": "decode_varlen",
@@ -56,7 +51,7 @@ KNOWN_GAPS = {
     "test_parallel_varlen_decode[H2-HQ32-D64-S16-block_size32-scale0.1-W64-cu_seqlens[0, 256, 500, 1000]"
     "-q_lens[1, 15, 4]-torch.float16]": "decode_varlen",
     "test_parallel_varlen_decode[H2-HQ32-D100-S16-block_size32-scale1.0-W0-cu_seqlens[0, 15, 100, 300, 1200, 2000]"
-    "-q_lens[5, 3, 1, 1, 128]-torch.float32]": "float32",
+    "-q_lens[5, 3, 1, 1, 128]-torch.float32]": "decode_varlen",
     "test_parallel_varlen_decode[H2-HQ32-D100-S16-block_size32-scale1.0-W64-cu_seqlens[0, 15, 100, 300, 1200, 2000]"
     "-q_lens[5, 3, 1, 1, 128]-torch.float16]": "decode_varlen",
 }
