@@ -456,6 +456,53 @@ NSA_API nsa_status nsa_forward(nsa_context *ctx, const nsa_forward_args *args, v
 NSA_API nsa_status nsa_backward_workspace_size(nsa_context *ctx, const nsa_backward_args *args, size_t *bytes);
 NSA_API nsa_status nsa_backward(nsa_context *ctx, const nsa_backward_args *args, void *workspace, size_t workspace_bytes);
 
+/* ---- 8. Inference: one step of new queries against KV caches (spec 12) ------------- */
+/* A cache of K / V rows per sequence, in the context's memory (host for the CPU):
+ *   contiguous: k [B, cap, H, DK], v [B, cap, H, DV], block_table absent: row r of sequence b
+ *               is k[b, r] (capacity cap rows);
+ *   paged:      k [num_pages, page_size, H, DK], v alike, block_table [B, max_pages] I32 in the
+ *               context's memory: row r of sequence b is k[block_table[b, r / page_size],
+ *               r % page_size] (capacity max_pages * page_size rows; pages in any order, any
+ *               page_size >= 1). */
+typedef struct nsa_kv_cache {
+    nsa_tensor k, v;
+    nsa_tensor block_table;    /* optional [B, max_pages] I32: present = paged */
+} nsa_kv_cache;
+
+/* One step of NSA over cached sequences: decode (one new query per sequence), a multi-token
+ * step (speculative verification) or a chunk of a chunked prefill. Sequence b has n_b =
+ * q_lens[b] new queries (rows 0 .. n_b - 1 of q; absent q_lens: Tq each) and L0_b =
+ * seqlens[b] cached tokens before the step. With k_new / v_new the step first appends their
+ * rows 0 .. n_b - 1 at cache rows L0_b .. L0_b + n_b - 1 and the sequence has L_b = L0_b + n_b
+ * tokens (flash_attn_with_kvcache's convention); without them the cache already holds the
+ * step's tokens and L_b = L0_b (then n_b <= L0_b). Either way query i of sequence b is the token
+ * at position L_b - n_b + i, and its output is row L_b - n_b + i of nsa_forward over the L_b
+ * cached tokens (same config, gates, selection rule and ties). cmp_cache holds Nc(L) compressed
+ * rows per sequence: with cmp_by_caller 0 the step writes the rows that its tokens complete
+ * (those ending at positions L_b - n_b .. L_b - 1) by mean pooling of the token cache; with 1
+ * the caller keeps them (a learnable phi) and the step only reads them. The selection and
+ * window branches read the token cache. Lengths past a cache's capacity, a page index outside
+ * [0, num_pages) in a row the step reads or writes, or n_b outside [0, Tq] are refused before
+ * any write (CPU: NSA_STATUS_BAD_ARGUMENT naming the element). Sequences must not share pages
+ * the step writes. CPU backend; the CUDA backend answers NSA_STATUS_NOT_SUPPORTED so far. */
+typedef struct nsa_step_args {
+    nsa_tensor q;                /* in  [B, Tq, HQ, DK] */
+    nsa_tensor q_lens;           /* in, optional [B] I32: new queries per sequence (absent: Tq) */
+    nsa_tensor seqlens;          /* in  [B] I32: cached tokens per sequence before the step */
+    nsa_tensor k_new, v_new;     /* in, optional [B, Tq, H, DK/DV]: the step's tokens to append (both or none) */
+    nsa_kv_cache cache;          /* in/out: token K / V */
+    nsa_kv_cache cmp_cache;      /* in/out: compressed K / V (needed when g_cmp or g_slc is given) */
+    int32_t cmp_by_caller;       /* 0: the step mean-pools the compressed rows its tokens complete;
+                                    1: cmp_cache is kept by the caller */
+    nsa_tensor g_cmp, g_slc, g_swa;  /* in, optional [B, Tq, HQ]: branch gates; absent = branch off */
+    nsa_tensor o;                /* out [B, Tq, HQ, DV]: rows 0 .. n_b - 1 of each sequence */
+    nsa_tensor block_indices;    /* out, optional [B, Tq, H, n] I32: the selection of each query */
+    nsa_config config;
+} nsa_step_args;
+
+NSA_API nsa_status nsa_step_workspace_size(nsa_context *ctx, const nsa_step_args *args, size_t *bytes);
+NSA_API nsa_status nsa_step(nsa_context *ctx, const nsa_step_args *args, void *workspace, size_t workspace_bytes);
+
 #ifdef __cplusplus
 }
 #endif

@@ -278,6 +278,7 @@ typedef enum op_id {
     OP_GATE_BWD,
     OP_FORWARD,
     OP_BACKWARD,
+    OP_STEP,
 } op_id;
 
 /* One call: the op and its args (a pointer to that op's own args struct). */
@@ -302,6 +303,7 @@ static nsa_status op_validate(op_call c, nsa_problem *p)
     case OP_GATE_BWD: return nsa_validate_gate_bwd((const nsa_gate_bwd_args *)c.args, p);
     case OP_FORWARD: return nsa_validate_forward((const nsa_forward_args *)c.args, p);
     case OP_BACKWARD: return nsa_validate_backward((const nsa_backward_args *)c.args, p);
+    case OP_STEP: return nsa_validate_step((const nsa_step_args *)c.args, p);
     }
     return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "op: unknown operation %d", (int)c.op);
 }
@@ -325,6 +327,7 @@ static size_t op_workspace(const nsa_context *ctx, const nsa_problem *p, op_call
         case OP_GATE_BWD: return nsa_cuda_gate_bwd_workspace(ctx, p, (const nsa_gate_bwd_args *)c.args);
         case OP_FORWARD: return nsa_cuda_forward_workspace(ctx, p, (const nsa_forward_args *)c.args);
         case OP_BACKWARD: return nsa_cuda_backward_workspace(ctx, p, (const nsa_backward_args *)c.args);
+        case OP_STEP: return 0; /* (not supported yet: op_backend says so) */
         }
         return 0;
     }
@@ -343,6 +346,7 @@ static size_t op_workspace(const nsa_context *ctx, const nsa_problem *p, op_call
     case OP_GATE_BWD: return nsa_cpu_gate_bwd_workspace(ctx, p, (const nsa_gate_bwd_args *)c.args);
     case OP_FORWARD: return nsa_cpu_forward_workspace(ctx, p, (const nsa_forward_args *)c.args);
     case OP_BACKWARD: return nsa_cpu_backward_workspace(ctx, p, (const nsa_backward_args *)c.args);
+    case OP_STEP: return nsa_cpu_step_workspace(ctx, p, (const nsa_step_args *)c.args);
     }
     return 0;
 }
@@ -366,6 +370,9 @@ static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_ca
         case OP_GATE_BWD: return nsa_cuda_gate_bwd(ctx, p, (const nsa_gate_bwd_args *)c.args, ws);
         case OP_FORWARD: return nsa_cuda_forward(ctx, p, (const nsa_forward_args *)c.args, ws);
         case OP_BACKWARD: return nsa_cuda_backward(ctx, p, (const nsa_backward_args *)c.args, ws);
+        case OP_STEP:
+            return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "ctx: the inference step runs on the CPU backend only so far "
+                                                      "(no CUDA step kernels yet)");
         }
         return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "op: unknown operation %d", (int)c.op);
     }
@@ -384,6 +391,7 @@ static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_ca
     case OP_GATE_BWD: return nsa_cpu_gate_bwd(ctx, p, (const nsa_gate_bwd_args *)c.args, ws);
     case OP_FORWARD: return nsa_cpu_forward(ctx, p, (const nsa_forward_args *)c.args, ws);
     case OP_BACKWARD: return nsa_cpu_backward(ctx, p, (const nsa_backward_args *)c.args, ws);
+    case OP_STEP: return nsa_cpu_step(ctx, p, (const nsa_step_args *)c.args, ws);
     }
     return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "op: unknown operation %d", (int)c.op);
 }
@@ -555,4 +563,14 @@ nsa_status nsa_backward_workspace_size(nsa_context *ctx, const nsa_backward_args
 nsa_status nsa_backward(nsa_context *ctx, const nsa_backward_args *args, void *workspace, size_t workspace_bytes)
 {
     return op_dispatch(ctx, (op_call){OP_BACKWARD, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_step_workspace_size(nsa_context *ctx, const nsa_step_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_STEP, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_step(nsa_context *ctx, const nsa_step_args *args, void *workspace, size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_STEP, args}, OP_RUN, NULL, workspace, workspace_bytes);
 }

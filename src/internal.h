@@ -22,6 +22,8 @@ typedef struct nsa_problem {
     const int64_t *cu_seqlens_q, *cu_seqlens_k; /* host, varlen_qk only; else NULL */
     int extended;              /* the attention call uses an option beyond causal / windows / scale
                                   (CUDA: the general kernels of src/cuda/attention instead of the tuned tiles) */
+    /* the step op's: rows per sequence its token cache and its compressed cache can hold */
+    int64_t cache_cap, cmp_cap;
 } nsa_problem;
 
 /* The detail of the last failure on this thread (nsa_last_error_detail): every public call that
@@ -65,6 +67,7 @@ nsa_status nsa_validate_gate(const nsa_gate_args *a, nsa_problem *p);
 nsa_status nsa_validate_gate_bwd(const nsa_gate_bwd_args *a, nsa_problem *p);
 nsa_status nsa_validate_forward(const nsa_forward_args *a, nsa_problem *p);
 nsa_status nsa_validate_backward(const nsa_backward_args *a, nsa_problem *p);
+nsa_status nsa_validate_step(const nsa_step_args *a, nsa_problem *p);
 
 /* Explicit overrides of the CUDA planners (src/cuda/plan.h), parsed once when a CUDA context
  * is created. The defaults are the tuned choices; the others compare kernels on the same

@@ -31,6 +31,9 @@ enum dim_sym {
     Z_M,        /* block_indices width chosen by the caller, >= 1 */
     Z_N,        /* block_indices width fixed to config.slc_topk */
     Z_TK,       /* attention's key rows (Tq may differ from Tk there) */
+    Z_C0, Z_CR, /* a step's token cache: dim 0 (B, or pages when paged) and rows per entry */
+    Z_C0C, Z_CRC, /* ... its compressed cache */
+    Z_MP, Z_MPC,  /* ... their block tables' widths (pages per sequence) */
     Z_COUNT,
     /* broadcast dims, checked after the others (stage c): 1 or the full size */
     Z_B1,       /* 1 or B */
@@ -40,11 +43,13 @@ enum dim_sym {
 /* The symbols as the details print them. */
 static const char *const DIM_NAME[] = {
     [Z_NONE] = "?", [Z_B] = "B", [Z_T] = "T", [Z_HQ] = "HQ", [Z_H] = "H", [Z_DK] = "DK", [Z_DV] = "DV",
-    [Z_NC] = "Nc", [Z_M] = "m", [Z_N] = "n", [Z_TK] = "Tk", [Z_COUNT] = "?", [Z_B1] = "B or 1", [Z_HQ1] = "HQ or 1",
+    [Z_NC] = "Nc", [Z_M] = "m", [Z_N] = "n", [Z_TK] = "Tk", [Z_C0] = "B or pages", [Z_CR] = "capacity or page size",
+    [Z_C0C] = "B or pages", [Z_CRC] = "capacity or page size", [Z_MP] = "max pages", [Z_MPC] = "max pages",
+    [Z_COUNT] = "?", [Z_B1] = "B or 1", [Z_HQ1] = "HQ or 1",
 };
 
 enum shape_id { S_Q, S_K, S_V, S_O, S_ROW, S_KC, S_VC, S_IDX_M, S_IDX_N, S_CNT, S_AK, S_AV, S_HEAD, S_SEGQ, S_SEGK,
-                S_PAIR };
+                S_PAIR, S_CK, S_CV, S_CCK, S_CCV, S_BT, S_BTC, S_LEN };
 
 static const unsigned char SHAPES[][NSA_MAX_RANK] = {
     [S_Q] = {Z_B, Z_T, Z_HQ, Z_DK},    /* q, dq */
@@ -63,6 +68,13 @@ static const unsigned char SHAPES[][NSA_MAX_RANK] = {
     [S_SEGQ] = {Z_B, Z_T},             /* q_segment_ids */
     [S_SEGK] = {Z_B, Z_TK},            /* k_segment_ids */
     [S_PAIR] = {Z_B1, Z_HQ1, Z_T, Z_TK}, /* bias, dbias, mask */
+    [S_CK] = {Z_C0, Z_CR, Z_H, Z_DK},    /* step: cache.k */
+    [S_CV] = {Z_C0, Z_CR, Z_H, Z_DV},    /* cache.v */
+    [S_CCK] = {Z_C0C, Z_CRC, Z_H, Z_DK}, /* cmp_cache.k */
+    [S_CCV] = {Z_C0C, Z_CRC, Z_H, Z_DV}, /* cmp_cache.v */
+    [S_BT] = {Z_B, Z_MP},                /* cache.block_table */
+    [S_BTC] = {Z_B, Z_MPC},              /* cmp_cache.block_table */
+    [S_LEN] = {Z_B},                     /* seqlens, q_lens */
 };
 
 typedef enum tensor_role {
@@ -874,3 +886,65 @@ nsa_status nsa_validate_backward(const nsa_backward_args *a, nsa_problem *p)
     const engine_in e = {f->q.dtype, "fwd.q", &f->varlen, &f->config, f->config.scale, "fwd."};
     return finish_forward(check_tensors(s, n, &e, p), f, p);
 }
+
+/* ---- 8. Inference step. The caches' own dims are free (capacity, pages); a contiguous
+ * cache's dim 0 is B, a paged one's page size is >= 1. Lengths, counts and page indices are
+ * data, checked by the backend before it writes (they live in the context's memory). ----- */
+static nsa_status cache_dims(const nsa_kv_cache *c, const char *name, int64_t B, int64_t *cap)
+{
+    const int64_t d0 = c->k.shape[0], rows = c->k.shape[1];
+    if (!nsa_present(&c->block_table)) {
+        if (d0 != B)
+            return nsa_fail(NSA_STATUS_BAD_SHAPE, "%s.k: dim 0 (B) is %" PRId64 ", q has B = %" PRId64
+                            " (a contiguous cache holds one sequence per entry; give %s.block_table for pages)",
+                            name, d0, B, name);
+        *cap = rows;
+        return NSA_STATUS_SUCCESS;
+    }
+    if (rows < 1)
+        return nsa_fail(NSA_STATUS_BAD_SHAPE, "%s.k: dim 1 (page size) is %" PRId64 ", must be >= 1", name, rows);
+    const size_t c64 = nsa_size_mul(nsa_size_of(c->block_table.shape[1]), nsa_size_of(rows));
+    if (!fits_int64(c64))
+        return nsa_fail(NSA_STATUS_SIZE_OVERFLOW, "%s.block_table: %" PRId64 " pages of %" PRId64 " rows overflow int64", name,
+                        c->block_table.shape[1], rows);
+    *cap = (int64_t)c64;
+    return NSA_STATUS_SUCCESS;
+}
+
+nsa_status nsa_validate_step(const nsa_step_args *a, nsa_problem *p)
+{
+    nsa_status st = nsa_config_check(&a->config, "config");
+    if (st != NSA_STATUS_SUCCESS) return st;
+    if (a->cmp_by_caller != 0 && a->cmp_by_caller != 1)
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "cmp_by_caller: %d, must be 0 (the step pools) or 1 (the caller keeps "
+                        "cmp_cache)", (int)a->cmp_by_caller);
+    if ((st = pair_check(&a->k_new, &a->v_new, "", "k_new", "v_new")) != NSA_STATUS_SUCCESS) return st;
+    if ((st = need_gate(&a->g_cmp, &a->g_slc, &a->g_swa, 0)) != NSA_STATUS_SUCCESS) return st;
+    /* the compressed rows feed the compressed branch and the selection's importance */
+    const tensor_role cmp = nsa_present(&a->g_cmp) || nsa_present(&a->g_slc) ? R_IN : R_SKIP;
+    const tspec s[] = {
+        {&a->q, R_IN, K_REF, S_Q, "q"},
+        {&a->q_lens, R_OPT_IN, K_I32, S_LEN, "q_lens"},
+        {&a->seqlens, R_IN, K_I32, S_LEN, "seqlens"},
+        {&a->k_new, R_OPT_IN, K_REF, S_K, "k_new"},
+        {&a->v_new, R_OPT_IN, K_REF, S_V, "v_new"},
+        {&a->cache.k, R_IN, K_REF, S_CK, "cache.k"},
+        {&a->cache.v, R_IN, K_REF, S_CV, "cache.v"},
+        {&a->cache.block_table, R_OPT_IN, K_I32, S_BT, "cache.block_table"},
+        {&a->cmp_cache.k, cmp, K_REF, S_CCK, "cmp_cache.k"},
+        {&a->cmp_cache.v, cmp, K_REF, S_CCV, "cmp_cache.v"},
+        {&a->cmp_cache.block_table, cmp == R_IN ? R_OPT_IN : R_SKIP, K_I32, S_BTC, "cmp_cache.block_table"},
+        {&a->g_cmp, R_OPT_IN, K_REF, S_ROW, "g_cmp"},
+        {&a->g_slc, R_OPT_IN, K_REF, S_ROW, "g_slc"},
+        {&a->g_swa, R_OPT_IN, K_REF, S_ROW, "g_swa"},
+        {&a->o, R_OUT, K_REF, S_O, "o"},
+        {&a->block_indices, nsa_present(&a->g_slc) ? R_OPT_OUT : R_SKIP, K_I32, S_IDX_N, "block_indices"},
+    };
+    const engine_in e = {a->q.dtype, "q", NULL, &a->config, a->config.scale, ""};
+    if ((st = check_tensors(s, COUNT(s), &e, p)) != NSA_STATUS_SUCCESS) return st;
+    if ((st = cache_dims(&a->cache, "cache", p->B, &p->cache_cap)) != NSA_STATUS_SUCCESS) return st;
+    if (cmp == R_IN && (st = cache_dims(&a->cmp_cache, "cmp_cache", p->B, &p->cmp_cap)) != NSA_STATUS_SUCCESS) return st;
+    p->m = a->config.slc_topk;
+    return NSA_STATUS_SUCCESS;
+}
+

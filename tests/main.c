@@ -17,6 +17,7 @@ void test_attention_all(void);
 void test_rules_all(void);
 void test_plan_all(void);
 void test_safety_all(void);
+void test_step_all(void);
 
 static void test_readme_example(void)
 {
@@ -39,6 +40,7 @@ static const struct group {
     {"rules", test_rules_all},
     {"plan", test_plan_all},
     {"safety", test_safety_all},
+    {"step", test_step_all},
     {"readme", test_readme_example},
 };
 enum { NGROUPS = sizeof GROUPS / sizeof GROUPS[0] };

@@ -32,5 +32,7 @@ size_t nsa_cpu_forward_workspace(const nsa_context *ctx, const nsa_problem *p, c
 nsa_status nsa_cpu_forward(const nsa_context *ctx, const nsa_problem *p, const nsa_forward_args *a, void *ws);
 size_t nsa_cpu_backward_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_backward_args *a);
 nsa_status nsa_cpu_backward(const nsa_context *ctx, const nsa_problem *p, const nsa_backward_args *a, void *ws);
+size_t nsa_cpu_step_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_step_args *a);
+nsa_status nsa_cpu_step(const nsa_context *ctx, const nsa_problem *p, const nsa_step_args *a, void *ws);
 
 #endif

@@ -414,6 +414,7 @@ typedef union args {
     nsa_attention_bwd_args attn;
     nsa_gate_bwd_args gate;
     nsa_backward_args nsa;
+    nsa_step_args step;
 } args;
 
 #define IN ((tspec){0, 4, 0})
@@ -606,6 +607,36 @@ static void build_nsa(reader *r, dims *D, nsa_backward_args *a, int bwd, uint8_t
     a->dg_swa = opt(r, gsw && !(p2 == 251), OUT, D->dt, 3, D->B, D->T, D->HQ, 0);
 }
 
+/* The inference step: caches contiguous or paged (pres bit 0), lengths and page indices drawn
+ * around their bounds by fill (0 .. hi + 1, -1, extremes), the optional tensors by pres bits. */
+static void build_step(reader *r, dims *D, nsa_step_args *a, uint8_t pres)
+{
+    a->config = mk_config(r);
+    mk_dims(r, D, &a->config);
+    const int64_t Tq = D->T % 6, cap = D->Tk, page = 1 + upto(r, 7), pool = 1 + upto(r, 12);
+    const int paged = pres & 1, mp = (int)((cap + page - 1) / page);
+    const int64_t ncap = clampd(num_cmp(&a->config, cap));
+    const int64_t n = a->config.slc_topk >= 1 && a->config.slc_topk <= 8 ? a->config.slc_topk : 2;
+    tspec len = {0, (int)(cap + 1), 0}, ql = {0, (int)Tq, 0}, tab = {0, (int)pool, 0};
+    a->q = mk(r, IN, D->dt, 4, D->B, Tq, D->HQ, D->DK);
+    a->q_lens = opt(r, pres & 2, ql, I32, 1, D->B, 0, 0, 0);
+    a->seqlens = mk(r, len, I32, 1, D->B, 0, 0, 0);
+    a->k_new = opt(r, pres & 4, IN, D->dt, 4, D->B, Tq, D->H, D->DK);
+    a->v_new = opt(r, (pres & 4) && u8(r) != 255, IN, D->dt, 4, D->B, Tq, D->H, D->DV);
+    a->cache.k = mk(r, OUT, D->dt, 4, paged ? pool : D->B, paged ? page : cap, D->H, D->DK);
+    a->cache.v = mk(r, OUT, D->dt, 4, paged ? pool : D->B, paged ? page : cap, D->H, D->DV);
+    a->cache.block_table = opt(r, paged, tab, I32, 2, D->B, mp, 0, 0);
+    a->cmp_cache.k = mk(r, OUT, D->dt, 4, paged ? pool : D->B, paged ? page : ncap, D->H, D->DK);
+    a->cmp_cache.v = mk(r, OUT, D->dt, 4, paged ? pool : D->B, paged ? page : ncap, D->H, D->DV);
+    a->cmp_cache.block_table = opt(r, paged, tab, I32, 2, D->B, (ncap + page - 1) / page, 0, 0);
+    a->cmp_by_caller = (int32_t)(upto(r, 3) == 3 ? -1 : (pres >> 3) & 1);
+    a->g_cmp = opt(r, pres & 16, IN, D->dt, 3, D->B, Tq, D->HQ, 0);
+    a->g_slc = opt(r, pres & 32, IN, D->dt, 3, D->B, Tq, D->HQ, 0);
+    a->g_swa = opt(r, (pres & 64) || !(pres & 48), IN, D->dt, 3, D->B, Tq, D->HQ, 0);
+    a->o = mk(r, OUT, D->dt, 4, D->B, Tq, D->HQ, D->DV);
+    a->block_indices = opt(r, pres & 128, OUT, I32, 4, D->B, Tq, D->H, n);
+}
+
 /* Marks the bytes an output view may write; returns 0 when the view is unknown (write anywhere). */
 static int mark_view(const buffer *b, unsigned char *ok)
 {
@@ -703,17 +734,18 @@ static void run_op(reader *r, nsa_context *ctx, const void *a, op_ws_fn qs, op_r
     free(wsb);
 }
 
-static const char *const op_names[N_OPS] = {"compress", "compress_bwd", "cmp_attn", "cmp_attn_bwd", "select",
-                                            "slc_attn", "slc_attn_bwd", "attention", "attention_bwd", "gate",
-                                            "gate_bwd", "forward", "backward", "config_validate"};
+static const char *const op_names[N_OPS_ALL] = {"compress", "compress_bwd", "cmp_attn", "cmp_attn_bwd", "select",
+                                                "slc_attn", "slc_attn_bwd", "attention", "attention_bwd", "gate",
+                                                "gate_bwd", "forward", "backward", "config_validate", "step"};
 
-const char *fuzz_op_name(int op) { return op >= 0 && op < N_OPS ? op_names[op] : "?"; }
+const char *fuzz_op_name(int op) { return op >= 0 && op < N_OPS_ALL ? op_names[op] : "?"; }
 
 fuzz_result fuzz_run(const uint8_t *data, size_t size, nsa_context *ctx, const fuzz_memory *memory)
 {
     reader r = {data, size, 0};
     fuzz_result res = {0, 0, 0, 0, 0};
-    int op = u8(&r) % N_OPS;
+    const uint8_t first = u8(&r);
+    int op = first == 0xFF ? OP_STEP : first % N_OPS;
     res.op = op;
     uint8_t pres = u8(&r);
     rng_state = u64(&r);
@@ -751,6 +783,7 @@ fuzz_result fuzz_run(const uint8_t *data, size_t size, nsa_context *ctx, const f
     case OP_GATE_BWD: build_gate(&r, &D, &a.gate, 1, pres); RUN(gate_bwd); break;
     case OP_FORWARD: build_nsa(&r, &D, &a.nsa, 0, pres); RUN(forward); break;
     case OP_BACKWARD: build_nsa(&r, &D, &a.nsa, 1, pres); RUN(backward); break;
+    case OP_STEP: build_step(&r, &D, &a.step, pres); RUN(step); break;
     default: break;
     }
 #undef RUN
