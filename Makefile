@@ -43,7 +43,7 @@ CUDA_OBJ := $(CUDA_SRC:%.cu=build/obj/%.o)
 CUDA_CFLAGS := -DNSA_WITH_CUDA -I$(CUDA_HOME)/include
 LIB_OBJ += $(CUDA_OBJ)
 LDLIBS += -L$(CUDA_HOME)/lib64 -lcudart_static -lstdc++ -ldl -lrt -lpthread
-GPU_TEST_SRC := tests/gpu_main.c tests/test_attention.c
+GPU_TEST_SRC := tests/gpu_main.c tests/test_attention.c tests/test_step.c
 all: build/nsa_gpu_tests build/nsa_wgmma_test
 
 build/obj/src/cuda/%.o: src/cuda/%.cu $(CUDA_HDR)

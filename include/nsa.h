@@ -482,9 +482,22 @@ typedef struct nsa_kv_cache {
  * (those ending at positions L_b - n_b .. L_b - 1) by mean pooling of the token cache; with 1
  * the caller keeps them (a learnable phi) and the step only reads them. The selection and
  * window branches read the token cache. Lengths past a cache's capacity, a page index outside
- * [0, num_pages) in a row the step reads or writes, or n_b outside [0, Tq] are refused before
- * any write (CPU: NSA_STATUS_BAD_ARGUMENT naming the element). Sequences must not share pages
- * the step writes. CPU backend; the CUDA backend answers NSA_STATUS_NOT_SUPPORTED so far. */
+ * [0, num_pages) in a row the step reads or writes, or n_b outside [0, Tq] are caught before
+ * any write: the CPU checks them on the host and returns NSA_STATUS_BAD_ARGUMENT naming the
+ * element (nothing written); the CUDA backend reads them on the device only (no host
+ * synchronisation: a captured CUDA graph replays for any lengths), skips such a sequence
+ * (nothing of it written) and reports it in `errors`. Sequences must not share the pages a
+ * step writes. */
+typedef enum nsa_step_error {
+    NSA_STEP_OK = 0,
+    NSA_STEP_BAD_QLEN = 1,           /* q_lens[b] outside [0, Tq] */
+    NSA_STEP_BAD_SEQLEN = 2,         /* seqlens[b] < 0 */
+    NSA_STEP_NO_TOKENS = 3,          /* without k_new: q_lens[b] > seqlens[b] */
+    NSA_STEP_OVER_CAPACITY = 4,      /* the sequence's tokens exceed the token cache */
+    NSA_STEP_OVER_CMP_CAPACITY = 5,  /* its compressed rows exceed the compressed cache */
+    NSA_STEP_BAD_PAGE = 6,           /* a token-cache page outside [0, num_pages) */
+    NSA_STEP_BAD_CMP_PAGE = 7        /* a compressed-cache page outside [0, num_pages) */
+} nsa_step_error;
 typedef struct nsa_step_args {
     nsa_tensor q;                /* in  [B, Tq, HQ, DK] */
     nsa_tensor q_lens;           /* in, optional [B] I32: new queries per sequence (absent: Tq) */
@@ -497,6 +510,8 @@ typedef struct nsa_step_args {
     nsa_tensor g_cmp, g_slc, g_swa;  /* in, optional [B, Tq, HQ]: branch gates; absent = branch off */
     nsa_tensor o;                /* out [B, Tq, HQ, DV]: rows 0 .. n_b - 1 of each sequence */
     nsa_tensor block_indices;    /* out, optional [B, Tq, H, n] I32: the selection of each query */
+    nsa_tensor errors;           /* out, optional [B] I32: per sequence NSA_STEP_OK or the nsa_step_error
+                                    of the first problem found (CUDA: that sequence skipped) */
     nsa_config config;
 } nsa_step_args;
 

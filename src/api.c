@@ -327,7 +327,7 @@ static size_t op_workspace(const nsa_context *ctx, const nsa_problem *p, op_call
         case OP_GATE_BWD: return nsa_cuda_gate_bwd_workspace(ctx, p, (const nsa_gate_bwd_args *)c.args);
         case OP_FORWARD: return nsa_cuda_forward_workspace(ctx, p, (const nsa_forward_args *)c.args);
         case OP_BACKWARD: return nsa_cuda_backward_workspace(ctx, p, (const nsa_backward_args *)c.args);
-        case OP_STEP: return 0; /* (not supported yet: op_backend says so) */
+        case OP_STEP: return nsa_cuda_step_workspace(ctx, p, (const nsa_step_args *)c.args);
         }
         return 0;
     }
@@ -370,9 +370,7 @@ static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_ca
         case OP_GATE_BWD: return nsa_cuda_gate_bwd(ctx, p, (const nsa_gate_bwd_args *)c.args, ws);
         case OP_FORWARD: return nsa_cuda_forward(ctx, p, (const nsa_forward_args *)c.args, ws);
         case OP_BACKWARD: return nsa_cuda_backward(ctx, p, (const nsa_backward_args *)c.args, ws);
-        case OP_STEP:
-            return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "ctx: the inference step runs on the CPU backend only so far "
-                                                      "(no CUDA step kernels yet)");
+        case OP_STEP: return nsa_cuda_step(ctx, p, (const nsa_step_args *)c.args, ws);
         }
         return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "op: unknown operation %d", (int)c.op);
     }

@@ -939,6 +939,7 @@ nsa_status nsa_validate_step(const nsa_step_args *a, nsa_problem *p)
         {&a->g_swa, R_OPT_IN, K_REF, S_ROW, "g_swa"},
         {&a->o, R_OUT, K_REF, S_O, "o"},
         {&a->block_indices, nsa_present(&a->g_slc) ? R_OPT_OUT : R_SKIP, K_I32, S_IDX_N, "block_indices"},
+        {&a->errors, R_OPT_OUT, K_I32, S_LEN, "errors"},
     };
     const engine_in e = {a->q.dtype, "q", NULL, &a->config, a->config.scale, ""};
     if ((st = check_tensors(s, COUNT(s), &e, p)) != NSA_STATUS_SUCCESS) return st;

@@ -87,6 +87,14 @@ static void run_one(const sweep_case *c, long index, uint64_t seed, int verbose,
 }
 
 void test_attention_on(nsa_backend backend, const sweep_memory *mem);
+void test_step_on(nsa_backend backend, const sweep_memory *mem);
+
+/* The fixed cases of tests/test_attention.c and tests/test_step.c on the device. */
+static void fixed_cases(void)
+{
+    test_attention_on(NSA_BACKEND_CUDA, devmem_sweep_memory());
+    test_step_on(NSA_BACKEND_CUDA, devmem_sweep_memory());
+}
 
 /* The attention op's options (tests/test_attention.c) on the CUDA backend, in a child
  * process like every sweep case (a kernel fault fails this part alone), or in this process
@@ -95,8 +103,8 @@ static void run_attention_tests(int fork_it, long *passed, long *failed)
 {
     if (!fork_it) {
         const long p0 = g_tests_passed, f0 = g_tests_failed;
-        test_attention_on(NSA_BACKEND_CUDA, devmem_sweep_memory());
-        printf("attention options: %5ld passed, %3ld failed\n", g_tests_passed - p0, g_tests_failed - f0);
+        fixed_cases();
+        printf("attention options and the step: %5ld passed, %3ld failed\n", g_tests_passed - p0, g_tests_failed - f0);
         *passed += g_tests_passed - p0;
         *failed += g_tests_failed - f0;
         return;
@@ -111,7 +119,7 @@ static void run_attention_tests(int fork_it, long *passed, long *failed)
     if (pid == 0) {
         close(fd[0]);
         const long p0 = g_tests_passed, f0 = g_tests_failed;
-        test_attention_on(NSA_BACKEND_CUDA, devmem_sweep_memory());
+        fixed_cases();
         long res[2] = {g_tests_passed - p0, g_tests_failed - f0};
         fflush(stdout), fflush(stderr);
         if (write(fd[1], res, sizeof res) != (ssize_t)sizeof res) _exit(4);
@@ -124,7 +132,7 @@ static void run_attention_tests(int fork_it, long *passed, long *failed)
     int status = 0;
     waitpid(pid, &status, 0);
     const int ok = got == (ssize_t)sizeof res && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    printf("attention options: %5ld passed, %3ld failed%s\n", res[0], res[1] + !ok, ok ? "" : " (crashed)");
+    printf("attention options and the step: %5ld passed, %3ld failed%s\n", res[0], res[1] + !ok, ok ? "" : " (crashed)");
     *passed += res[0];
     *failed += res[1] + !ok;
 }

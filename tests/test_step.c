@@ -12,8 +12,13 @@
 
 #include "harness.h"
 #include "nsa.h"
+#include "sweep.h" /* sweep_memory: the device's memory hooks */
 
 enum { ST_B = 3, ST_HQ = 4, ST_H = 2, ST_DK = 16, ST_DV = 12 };
+
+/* Device runs (test_step_on with memory hooks): every buffer a step reads or writes is mirrored
+ * into device memory and its outputs come back, so the checks read host memory. */
+static const sweep_memory *g_mem;
 
 typedef struct seqdata {
     int64_t T;
@@ -169,6 +174,73 @@ static void caller_pool(caches *c, const nsa_config *cfg, const seqdata *s, int6
         }
 }
 
+/* One buffer of a mirrored call: host copy, device copy, bytes, written by the step. */
+typedef struct mirror_t {
+    void *host, *dev;
+    size_t bytes;
+    int out;
+} mirror_t;
+
+static void mirror(mirror_t *m, int *nm, nsa_tensor *t, size_t bytes, int out)
+{
+    if (!t->data) return;
+    for (int i = 0; i < *nm; i++)
+        if (m[i].host == t->data) { /* one buffer behind two views (gates) */
+            t->data = m[i].dev;
+            return;
+        }
+    m[*nm].host = t->data, m[*nm].bytes = bytes, m[*nm].out = out;
+    m[*nm].dev = g_mem->alloc(bytes ? bytes : 1);
+    g_mem->upload(m[*nm].dev, t->data, bytes);
+    t->data = m[(*nm)++].dev;
+}
+
+static size_t dense_bytes(const nsa_tensor *t)
+{
+    size_t n = 4; /* every dtype here has 4 bytes */
+    for (int d = 0; d < t->rank; d++) n *= (size_t)t->shape[d];
+    return n;
+}
+
+/* nsa_step on ctx, the buffers mirrored to the device when g_mem is set (the caches' arrays
+ * whole: c holds their sizes). */
+static nsa_status step_call(nsa_context *ctx, const nsa_step_args *a, const caches *c)
+{
+    size_t need = 0;
+    nsa_status st = nsa_step_workspace_size(ctx, a, &need);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    if (!g_mem) {
+        void *ws = malloc(need ? need : 1);
+        st = nsa_step(ctx, a, ws, need);
+        free(ws);
+        return st;
+    }
+    nsa_step_args d = *a;
+    mirror_t m[20];
+    int nm = 0;
+    const int64_t rows = c->paged ? c->pool * c->page : ST_B * c->cap, crows = c->paged ? c->cpool * c->page : ST_B * c->ccap;
+    mirror(m, &nm, &d.q, dense_bytes(&a->q), 0), mirror(m, &nm, &d.q_lens, dense_bytes(&a->q_lens), 0);
+    mirror(m, &nm, &d.seqlens, dense_bytes(&a->seqlens), 0);
+    mirror(m, &nm, &d.k_new, dense_bytes(&a->k_new), 0), mirror(m, &nm, &d.v_new, dense_bytes(&a->v_new), 0);
+    mirror(m, &nm, &d.cache.k, (size_t)(rows * ST_H * ST_DK) * 4, 1), mirror(m, &nm, &d.cache.v, (size_t)(rows * ST_H * ST_DV) * 4, 1);
+    mirror(m, &nm, &d.cmp_cache.k, (size_t)(crows * ST_H * ST_DK) * 4, 1);
+    mirror(m, &nm, &d.cmp_cache.v, (size_t)(crows * ST_H * ST_DV) * 4, 1);
+    mirror(m, &nm, &d.cache.block_table, (size_t)(ST_B * c->pps) * 4, 0);
+    mirror(m, &nm, &d.cmp_cache.block_table, (size_t)(ST_B * c->cpps) * 4, 0);
+    mirror(m, &nm, &d.g_cmp, dense_bytes(&a->g_cmp), 0), mirror(m, &nm, &d.g_slc, dense_bytes(&a->g_slc), 0);
+    mirror(m, &nm, &d.g_swa, dense_bytes(&a->g_swa), 0);
+    mirror(m, &nm, &d.o, dense_bytes(&a->o), 1), mirror(m, &nm, &d.block_indices, dense_bytes(&a->block_indices), 1);
+    mirror(m, &nm, &d.errors, dense_bytes(&a->errors), 1);
+    void *ws = g_mem->alloc(need ? need : 1);
+    st = nsa_step(ctx, &d, ws, need);
+    for (int i = 0; i < nm; i++) { /* (the download waits for the step) */
+        if (m[i].out) g_mem->download(m[i].host, m[i].dev, m[i].bytes);
+        g_mem->release(m[i].dev);
+    }
+    g_mem->release(ws);
+    return st;
+}
+
 /* Feeds the sequences to nsa_step in random steps of at most `chunk` tokens (first a prefill
  * of up to `prefill`) and compares every step with the reference rows. append: the step
  * appends k_new / v_new; else the test writes the tokens into the cache itself first. */
@@ -192,6 +264,7 @@ static void run_steps(nsa_context *ctx, const nsa_config *cfg, seqdata *s, int g
         float *q = rnd(r, ST_B * Tq * ST_HQ * ST_DK, 0, 0), *kn = rnd(r, ST_B * Tq * ST_H * ST_DK, 0, 0);
         float *vn = rnd(r, ST_B * Tq * ST_H * ST_DV, 0, 0), *g[3], *o = rnd(r, ST_B * Tq * ST_HQ * ST_DV, 0, 0);
         int32_t *idx = (int32_t *)malloc((size_t)(ST_B * Tq * ST_H * n) * sizeof(int32_t)), qlens[ST_B], seqlens[ST_B];
+        int32_t errors[ST_B] = {-1, -1, -1};
         for (int x = 0; x < 3; x++) g[x] = rnd(r, ST_B * Tq * ST_HQ, 0, 0);
         for (int64_t b = 0; b < ST_B; b++) {
             for (int64_t i = 0; i < cnt[b]; i++) {
@@ -226,12 +299,10 @@ static void run_steps(nsa_context *ctx, const nsa_config *cfg, seqdata *s, int g
             if (gates >> x & 1) *gt[x] = nsa_tensor_3d(g[x], NSA_DTYPE_F32, ST_B, Tq, ST_HQ);
         a.o = nsa_tensor_4d(o, NSA_DTYPE_F32, ST_B, Tq, ST_HQ, ST_DV);
         if (gates & 2) a.block_indices = nsa_tensor_4d(idx, NSA_DTYPE_I32, ST_B, Tq, ST_H, n);
+        a.errors = nsa_tensor_make(errors, NSA_DTYPE_I32, 1, (int64_t[]){ST_B});
         a.config = *cfg;
-        size_t need = 0;
-        CHECK_STATUS(nsa_step_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
-        void *ws = malloc(need ? need : 1);
-        CHECK_STATUS(nsa_step(ctx, &a, ws, need), NSA_STATUS_SUCCESS);
-        free(ws);
+        CHECK_STATUS(step_call(ctx, &a, c), NSA_STATUS_SUCCESS);
+        CHECK(errors[0] == NSA_STEP_OK && errors[1] == NSA_STEP_OK && errors[2] == NSA_STEP_OK);
         for (int64_t b = 0; b < ST_B; b++)
             for (int64_t i = 0; i < cnt[b]; i++) {
                 const int64_t t = L[b] + i;
@@ -250,7 +321,7 @@ static void run_steps(nsa_context *ctx, const nsa_config *cfg, seqdata *s, int g
     char msg[200];
     snprintf(msg, sizeof msg, "%s: %ld steps, worst |o - nsa_forward| %.3g, %ld selection entries differ", what, steps, worst,
              idx_bad);
-    CHECK_MSG(worst <= 2e-5 && idx_bad == 0, msg);
+    CHECK_MSG(worst <= 2e-5 && idx_bad == 0, msg); /* f32 both ways: only the order of fp32 sums differs */
     if (g_tests_verbose) printf("  %s\n", msg);
 }
 
@@ -273,7 +344,7 @@ static void seqs_free(seqdata *s)
     }
 }
 
-static void test_step_equals_forward(nsa_context *ctx)
+static void test_step_equals_forward(nsa_context *ctx, nsa_context *cpu)
 {
     const nsa_config cfg = step_config();
     test_rng r = {20261126};
@@ -282,7 +353,7 @@ static void test_step_equals_forward(nsa_context *ctx)
     for (int gi = 0; gi < 4; gi++) {
         const int gates = gate_sets[gi];
         seqdata s[ST_B];
-        seqs_make(s, &r, ctx, &cfg, gates, T);
+        seqs_make(s, &r, cpu, &cfg, gates, T);
         static const int64_t pages[] = {0, 1, 16, 5};
         for (int pv = 0; pv < 4; pv++) {
             caches c;
@@ -352,11 +423,7 @@ static void expect_refused(nsa_context *ctx, bad_case *x, caches *c, nsa_status 
     int32_t idx0[ST_B * ST_H * 4];
     memcpy(k0, c->k, kb), memcpy(v0, c->v, vb), memcpy(kc0, c->kc, kcb), memcpy(vc0, c->vc, vcb);
     memcpy(o0, x->o, sizeof o0), memcpy(idx0, x->idx, sizeof idx0);
-    size_t need = 0;
-    nsa_status st = nsa_step_workspace_size(ctx, &x->a, &need);
-    void *ws = malloc(need ? need : 1);
-    if (st == NSA_STATUS_SUCCESS) st = nsa_step(ctx, &x->a, ws, need);
-    free(ws);
+    const nsa_status st = step_call(ctx, &x->a, c);
     CHECK_STATUS(st, want);
     CHECK_DETAIL(arg);
     CHECK(!memcmp(k0, c->k, kb) && !memcmp(v0, c->v, vb) && !memcmp(kc0, c->kc, kcb) && !memcmp(vc0, c->vc, vcb));
@@ -420,11 +487,54 @@ static void test_step_refuses(nsa_context *ctx)
     }
 }
 
-void test_step_all(void)
+/* The device reads lengths and pages itself: a sequence with a problem is skipped (nothing of
+ * it written) and its code lands in errors; the others run. */
+static void test_step_device_errors(nsa_context *ctx)
 {
-    nsa_context *ctx = cpu_ctx();
-    if (!ctx) return;
-    test_step_equals_forward(ctx);
-    test_step_refuses(ctx);
-    nsa_context_destroy(ctx);
+    const nsa_config cfg = step_config();
+    test_rng r = {8};
+    caches c;
+    bad_case x;
+    for (int paged = 0; paged < 2; paged++) {
+        caches_make(&c, &r, &cfg, 32, paged, 8);
+        bad_case_make(&x, &c, &cfg, &r);
+        int32_t errors[ST_B] = {-1, -1, -1};
+        x.a.errors = nsa_tensor_make(errors, NSA_DTYPE_I32, 1, (int64_t[]){ST_B});
+        const int32_t want = paged ? NSA_STEP_BAD_PAGE : NSA_STEP_OVER_CAPACITY;
+        if (paged) c.bt[2 * c.pps + 3] = (int32_t)c.pool;
+        else x.seqlens[2] = 32;
+        const size_t row = ST_HQ * ST_DV;
+        CHECK_STATUS(step_call(ctx, &x.a, &c), NSA_STATUS_SUCCESS);
+        CHECK(errors[0] == NSA_STEP_OK && errors[1] == NSA_STEP_OK && errors[2] == want);
+        int zero2 = 1, some0 = 0;
+        for (size_t e = 0; e < row; e++) zero2 &= x.o[2 * row + e] == 0.0f, some0 |= x.o[e] != 0.0f;
+        CHECK(zero2 && some0); /* sequence 2 skipped, sequence 0 computed */
+        caches_free(&c);
+    }
 }
+
+void test_step_on(nsa_backend be, const sweep_memory *mem)
+{
+    nsa_context *cpu = cpu_ctx(), *ctx = cpu;
+    if (!cpu) return;
+    if (be != NSA_BACKEND_CPU) {
+        nsa_context_desc d;
+        memset(&d, 0, sizeof d);
+        d.backend = be;
+        ctx = NULL;
+        CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_SUCCESS);
+        if (!ctx) {
+            nsa_context_destroy(cpu);
+            return;
+        }
+    }
+    g_mem = mem;
+    test_step_equals_forward(ctx, cpu);
+    if (be == NSA_BACKEND_CPU) test_step_refuses(ctx);
+    else test_step_device_errors(ctx);
+    g_mem = NULL;
+    if (ctx != cpu) nsa_context_destroy(ctx);
+    nsa_context_destroy(cpu);
+}
+
+void test_step_all(void) { test_step_on(NSA_BACKEND_CPU, NULL); }

@@ -294,6 +294,8 @@ nsa_status nsa_cpu_step(const nsa_context *ctx, const nsa_problem *p, const nsa_
     float *row = (float *)ws_take_n(&all, nsa_size_of(p->DK > p->DV ? p->DK : p->DV), sizeof(float));
     char *regions = ws_take_threads(&all, ctx, region);
 
+    if (nsa_present(&a->errors)) /* every sequence passed the checks above */
+        for (int64_t b = 0; b < p->B; b++) ((int32_t *)a->errors.data)[b * a->errors.stride[0]] = NSA_STEP_OK;
     if (nsa_present(&a->k_new)) step_append(a, p);
     if (cmp && !a->cmp_by_caller) step_pool(a, p, row);
     /* tasks: (b, query slot, kv head); a slot past the sequence's n queries does nothing */

@@ -1,0 +1,385 @@
+/* step/step.cu -- the inference step (nsa.h section 8, spec 12) on the GPU, on scalar kernels:
+ *   step_check_kernel   per sequence: lengths, counts and the pages it will touch, read on the
+ *                       device (no host synchronisation: a captured graph replays for any
+ *                       lengths); a sequence with a problem is skipped and its code written
+ *   step_append_kernel  the step's tokens into the token cache
+ *   step_pool_kernel    the compressed rows those tokens complete (mean pooling)
+ *   step_query_kernel   one warp per (sequence, new query, kv head): the compressed branch of
+ *                       the G heads, their summed probabilities into the warp's slice of the
+ *                       workspace, the selection (importance streamed block by block into a
+ *                       ranked list in shared memory), then per head the three branches and
+ *                       the gates -- the CPU step's arithmetic (src/cpu/step.c), fp32, any dtype.
+ * The workspace depends on the shapes only (capacities, not lengths), so a graph keeps it. */
+#include "../prim/run.h"
+#include "../prim/simt.cuh"
+#include "../cuda_backend.h"
+
+#define STEP_WARPS 4
+#define STEP_MAX_WARPS 2048 /* query warps in flight: each owns a compressed-capacity slice of workspace */
+
+static int cu_step_supported(grun *g, const nsa_step_args *a);
+
+/* A cache as the kernels read it: k, v views and the block table (bt NULL: contiguous). */
+typedef struct step_cache_t {
+    dview k, v;
+    const int32_t *bt;
+    int64_t bt0, bt1, page, pool, cap;
+} step_cache_t;
+
+typedef struct step_params {
+    dview q, kn, vn, o, gc, gs, gw, idx;
+    step_cache_t kv, ckv;
+    const int32_t *qlens, *seqlens;
+    int64_t qlens_s, seqlens_s;
+    int32_t *errors;
+    int64_t errors_s;
+    int32_t *ok; /* [B] workspace: 1 = the sequence passed the checks */
+    float *psum; /* [STEP_MAX_WARPS][ckv.cap] workspace */
+    int64_t B, Tq, HQ, H, G;
+    int DK, DV;
+    int64_t l, d, lp, n, n_init, n_local, w;
+    float scale, swa_scale;
+    int append, pool, use_cmp, use_slc, use_swa;
+} step_params;
+
+__device__ __forceinline__ int64_t step_row(const step_cache_t &c, const dview &x, int64_t b, int64_t r, int64_t h)
+{
+    if (!c.bt) return b * x.s0 + r * x.s1 + h * x.s2;
+    const int64_t pg = c.bt[b * c.bt0 + (r / c.page) * c.bt1];
+    return pg * x.s0 + (r % c.page) * x.s1 + h * x.s2;
+}
+
+struct step_seq_t {
+    int64_t n, L0, L;
+};
+__device__ __forceinline__ step_seq_t step_seq(const step_params &P, int64_t b)
+{
+    step_seq_t s;
+    s.n = P.qlens ? P.qlens[b * P.qlens_s] : P.Tq;
+    s.L0 = P.seqlens[b * P.seqlens_s];
+    s.L = P.append ? s.L0 + s.n : s.L0;
+    return s;
+}
+
+/* The first problem of sequence b (nsa_step_error), or 0. */
+__device__ int step_problem(const step_params &P, int64_t b)
+{
+    const step_seq_t s = step_seq(P, b);
+    if (s.n < 0 || s.n > P.Tq) return NSA_STEP_BAD_QLEN;
+    if (s.L0 < 0) return NSA_STEP_BAD_SEQLEN;
+    if (!P.append && s.n > s.L0) return NSA_STEP_NO_TOKENS;
+    if (s.L > P.kv.cap) return NSA_STEP_OVER_CAPACITY;
+    if (P.kv.bt)
+        for (int64_t j = 0; j * P.kv.page < s.L; j++) {
+            const int32_t pg = P.kv.bt[b * P.kv.bt0 + j * P.kv.bt1];
+            if (pg < 0 || pg >= P.kv.pool) return NSA_STEP_BAD_PAGE;
+        }
+    if (!(P.use_cmp || P.use_slc)) return NSA_STEP_OK;
+    const int64_t nc = nsa_rule_num_cmp(s.L, P.l, P.d);
+    if (nc > P.ckv.cap) return NSA_STEP_OVER_CMP_CAPACITY;
+    if (P.ckv.bt)
+        for (int64_t j = 0; j * P.ckv.page < nc; j++) {
+            const int32_t pg = P.ckv.bt[b * P.ckv.bt0 + j * P.ckv.bt1];
+            if (pg < 0 || pg >= P.ckv.pool) return NSA_STEP_BAD_CMP_PAGE;
+        }
+    return NSA_STEP_OK;
+}
+
+__global__ void step_check_kernel(const step_params P)
+{
+    const int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= P.B) return;
+    const int e = step_problem(P, b);
+    P.ok[b] = e == NSA_STEP_OK;
+    if (P.errors) P.errors[b * P.errors_s] = e;
+}
+
+/* one warp per (b, new token, kv head): its K and V rows into the cache */
+__global__ void step_append_kernel(const step_params P)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t items = P.B * P.Tq * P.H;
+    for (int64_t w = simt_warp0(); w < items; w += simt_nwarps()) {
+        const int64_t h = w % P.H, i = (w / P.H) % P.Tq, b = w / (P.H * P.Tq);
+        if (!P.ok[b]) continue;
+        const step_seq_t s = step_seq(P, b);
+        if (i >= s.n) continue;
+        const int64_t r = s.L0 + i;
+        for (int e = lane; e < P.DK; e += 32)
+            st_any(P.kv.k.p, P.kv.k.dt, step_row(P.kv, P.kv.k, b, r, h) + e, ld_any(P.kn.p, P.kn.dt, b * P.kn.s0 + i * P.kn.s1 + h * P.kn.s2 + e));
+        for (int e = lane; e < P.DV; e += 32)
+            st_any(P.kv.v.p, P.kv.v.dt, step_row(P.kv, P.kv.v, b, r, h) + e, ld_any(P.vn.p, P.vn.dt, b * P.vn.s0 + i * P.vn.s1 + h * P.vn.s2 + e));
+    }
+}
+
+/* one warp per (b, compressed row slot, kv head): the rows the step's tokens complete, Nc(L - n)
+ * .. Nc(L) - 1, as the mean of their l token rows (summed in order, then times 1 / l) */
+__global__ void step_pool_kernel(const step_params P)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t items = P.B * P.ckv.cap * P.H;
+    const float inv_l = 1.0f / (float)P.l;
+    for (int64_t w = simt_warp0(); w < items; w += simt_nwarps()) {
+        const int64_t h = w % P.H, c = (w / P.H) % P.ckv.cap, b = w / (P.H * P.ckv.cap);
+        if (!P.ok[b]) continue;
+        const step_seq_t s = step_seq(P, b);
+        if (c < nsa_rule_num_cmp(s.L - s.n, P.l, P.d) || c >= nsa_rule_num_cmp(s.L, P.l, P.d)) continue;
+        for (int x = 0; x < 2; x++) {
+            const dview &src = x ? P.kv.v : P.kv.k, &dst = x ? P.ckv.v : P.ckv.k;
+            const int D = x ? P.DV : P.DK;
+            for (int e = lane; e < D; e += 32) {
+                float sum = 0.0f;
+                for (int64_t r = c * P.d; r < c * P.d + P.l; r++) sum += ld_any(src.p, src.dt, step_row(P.kv, src, b, r, h) + e);
+                st_any(dst.p, dst.dt, step_row(P.ckv, dst, b, c, h) + e, sum * inv_l);
+            }
+        }
+    }
+}
+
+/* Online softmax over one key for a lane's columns (the CPU step's soft_add). */
+__device__ __forceinline__ void step_soft_add(float sc, const float (&v)[SIMT_COLS], float &m, float &l, float (&acc)[SIMT_COLS])
+{
+    if (sc > m) {
+        const float alpha = m == -INFINITY ? 0.0f : expf(m - sc);
+        l *= alpha;
+#pragma unroll
+        for (int c = 0; c < SIMT_COLS; c++) acc[c] *= alpha;
+        m = sc;
+    }
+    const float p = m == -INFINITY ? (sc != sc ? sc : 0.0f) : expf(sc - m);
+    l += p;
+#pragma unroll
+    for (int c = 0; c < SIMT_COLS; c++) acc[c] = fmaf(p, v[c], acc[c]);
+}
+
+__global__ void __launch_bounds__(32 * STEP_WARPS) step_query_kernel(const step_params P)
+{
+    extern __shared__ unsigned char step_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int32_t *kidx = (int32_t *)step_smem + warp * P.n;                         /* ranked list: blocks */
+    float *kimp = (float *)(step_smem + STEP_WARPS * P.n * 4) + warp * P.n;    /* ... their importance */
+    const int64_t gw = (int64_t)blockIdx.x * STEP_WARPS + warp, nw = (int64_t)gridDim.x * STEP_WARPS;
+    float *psum = P.psum ? P.psum + gw * P.ckv.cap : nullptr;
+    const int64_t items = P.B * P.Tq * P.H;
+    float q[SIMT_COLS], x[SIMT_COLS], y[SIMT_COLS], oc[SIMT_COLS], os[SIMT_COLS], ow[SIMT_COLS];
+    for (int64_t w = gw; w < items; w += nw) {
+        const int64_t h = w % P.H, i = (w / P.H) % P.Tq, b = w / (P.H * P.Tq);
+        if (!P.ok[b]) continue;
+        const step_seq_t s = step_seq(P, b);
+        if (i >= s.n) continue;
+        const int64_t pos = s.L - s.n + i, cur = pos / P.lp;
+        const int64_t nc = P.use_cmp || P.use_slc ? nsa_rule_num_cmp(s.L, P.l, P.d) : 0;
+        const int64_t nv = nc ? nsa_rule_cmp_visible_cap(pos, P.l, P.d, nc) : 0;
+        /* the G heads' compressed probabilities, summed (max, then sum, then p: the CPU's passes) */
+        if (P.use_slc) {
+            for (int64_t r = lane; r < nv; r += 32) psum[r] = 0.0f;
+            __syncwarp();
+            for (int64_t g = 0; g < P.G && nv > 0; g++) {
+                const int64_t hq = h * P.G + g;
+                simt_load(q, P.q, b * P.q.s0 + i * P.q.s1 + hq * P.q.s2, P.DK, lane);
+                float m = -INFINITY, l = 0.0f;
+                for (int64_t r = 0; r < nv; r++) {
+                    simt_load(x, P.ckv.k, step_row(P.ckv, P.ckv.k, b, r, h), P.DK, lane);
+                    const float sc = simt_dot(q, x, P.DK, lane) * P.scale;
+                    m = sc > m ? sc : m;
+                }
+                for (int64_t r = 0; r < nv; r++) {
+                    simt_load(x, P.ckv.k, step_row(P.ckv, P.ckv.k, b, r, h), P.DK, lane);
+                    l += expf(simt_dot(q, x, P.DK, lane) * P.scale - m);
+                }
+                for (int64_t r = 0; r < nv; r++) {
+                    simt_load(x, P.ckv.k, step_row(P.ckv, P.ckv.k, b, r, h), P.DK, lane);
+                    const float pr = expf(simt_dot(q, x, P.DK, lane) * P.scale - m) / l;
+                    if (lane == 0) psum[r] += pr;
+                }
+                __syncwarp();
+            }
+            /* importance of blocks 0 .. cur, streamed into the ranked list (select_top_n's order) */
+            int kept = 0;
+            for (int64_t j = 0; j <= cur; j++) {
+                const int64_t r0 = nsa_rule_slc_first_cmp(j, P.l, P.d, P.lp);
+                int64_t r1 = nsa_rule_slc_last_cmp(j, P.d, P.lp);
+                r1 = r1 < nv - 1 ? r1 : nv - 1;
+                float acc = 0.0f;
+                for (int64_t r = r0; r <= r1; r++) acc += psum[r] * (float)nsa_rule_overlap(r, j, P.l, P.d, P.lp);
+                const float imp = acc * (1.0f / (float)P.d);
+                if (lane == 0) {
+                    const int fj = nsa_rule_forced(j, cur, P.n_init, P.n_local);
+                    int at;
+                    if (kept < P.n) {
+                        at = kept++;
+                    } else {
+                        const int wj = kidx[P.n - 1];
+                        at = nsa_rule_ranks_above(fj, imp, j, nsa_rule_forced(wj, cur, P.n_init, P.n_local), kimp[P.n - 1], wj)
+                                 ? (int)P.n - 1
+                                 : -1;
+                    }
+                    while (at > 0) {
+                        const int a = kidx[at - 1];
+                        if (!nsa_rule_ranks_above(fj, imp, j, nsa_rule_forced(a, cur, P.n_init, P.n_local), kimp[at - 1], a)) break;
+                        kidx[at] = kidx[at - 1], kimp[at] = kimp[at - 1];
+                        at--;
+                    }
+                    if (at >= 0) kidx[at] = (int32_t)j, kimp[at] = imp;
+                }
+            }
+            if (lane == 0) { /* ascending, then -1 */
+                for (int a = 1; a < kept; a++) {
+                    const int32_t v = kidx[a];
+                    int k = a;
+                    while (k > 0 && kidx[k - 1] > v) kidx[k] = kidx[k - 1], k--;
+                    kidx[k] = v;
+                }
+                for (int a = kept; a < P.n; a++) kidx[a] = -1;
+                if (P.idx.p)
+                    for (int a = 0; a < P.n; a++)
+                        ((int32_t *)P.idx.p)[b * P.idx.s0 + i * P.idx.s1 + h * P.idx.s2 + a] = kidx[a];
+            }
+            __syncwarp();
+        }
+        for (int64_t g = 0; g < P.G; g++) {
+            const int64_t hq = h * P.G + g;
+            simt_load(q, P.q, b * P.q.s0 + i * P.q.s1 + hq * P.q.s2, P.DK, lane);
+#pragma unroll
+            for (int c = 0; c < SIMT_COLS; c++) oc[c] = os[c] = ow[c] = 0.0f;
+            if (P.use_cmp && nv > 0) {
+                float m = -INFINITY, l = 0.0f;
+                for (int64_t r = 0; r < nv; r++) {
+                    simt_load(x, P.ckv.k, step_row(P.ckv, P.ckv.k, b, r, h), P.DK, lane);
+                    const float sc = simt_dot(q, x, P.DK, lane) * P.scale;
+                    simt_load(y, P.ckv.v, step_row(P.ckv, P.ckv.v, b, r, h), P.DV, lane);
+                    step_soft_add(sc, y, m, l, oc);
+                }
+#pragma unroll
+                for (int c = 0; c < SIMT_COLS; c++) oc[c] /= l;
+            }
+            if (P.use_slc) {
+                float m = -INFINITY, l = 0.0f;
+                bool seen = false;
+                for (int a = 0; a < P.n; a++) {
+                    const int64_t j = kidx[a];
+                    if (j < 0) continue;
+                    const int64_t hi = nsa_rule_slc_hi(j, pos, P.lp, s.L);
+                    for (int64_t r = j * P.lp; r <= hi; r++, seen = true) {
+                        simt_load(x, P.kv.k, step_row(P.kv, P.kv.k, b, r, h), P.DK, lane);
+                        const float sc = simt_dot(q, x, P.DK, lane) * P.scale;
+                        simt_load(y, P.kv.v, step_row(P.kv, P.kv.v, b, r, h), P.DV, lane);
+                        step_soft_add(sc, y, m, l, os);
+                    }
+                }
+                if (seen)
+#pragma unroll
+                    for (int c = 0; c < SIMT_COLS; c++) os[c] /= l;
+            }
+            if (P.use_swa) {
+                float m = -INFINITY, l = 0.0f;
+                const int64_t lo = pos - P.w + 1 > 0 ? pos - P.w + 1 : 0;
+                for (int64_t r = lo; r <= pos; r++) {
+                    simt_load(x, P.kv.k, step_row(P.kv, P.kv.k, b, r, h), P.DK, lane);
+                    const float sc = simt_dot(q, x, P.DK, lane) * P.swa_scale;
+                    simt_load(y, P.kv.v, step_row(P.kv, P.kv.v, b, r, h), P.DV, lane);
+                    step_soft_add(sc, y, m, l, ow);
+                }
+#pragma unroll
+                for (int c = 0; c < SIMT_COLS; c++) ow[c] /= l;
+            }
+            const int64_t gr = b * P.gc.s0 + i * P.gc.s1 + hq * P.gc.s2;
+            const float gc = P.use_cmp ? ld_any(P.gc.p, P.gc.dt, gr) : 0.0f;
+            const float gs = P.use_slc ? ld_any(P.gs.p, P.gs.dt, b * P.gs.s0 + i * P.gs.s1 + hq * P.gs.s2) : 0.0f;
+            const float gwv = P.use_swa ? ld_any(P.gw.p, P.gw.dt, b * P.gw.s0 + i * P.gw.s1 + hq * P.gw.s2) : 0.0f;
+#pragma unroll
+            for (int c = 0; c < SIMT_COLS; c++) {
+                float v = 0.0f;
+                if (P.use_cmp) v += gc * oc[c];
+                if (P.use_slc) v += gs * os[c];
+                if (P.use_swa) v += gwv * ow[c];
+                x[c] = v;
+            }
+            simt_store(P.o, b * P.o.s0 + i * P.o.s1 + hq * P.o.s2, P.DV, x, 1.0f, lane);
+        }
+    }
+}
+
+static step_cache_t cache_view(const nsa_kv_cache *c, int64_t cap)
+{
+    step_cache_t s;
+    memset(&s, 0, sizeof s);
+    s.k = dv_of(&c->k), s.v = dv_of(&c->v);
+    s.page = c->k.shape[1], s.pool = c->k.shape[0], s.cap = cap;
+    if (nsa_present(&c->block_table))
+        s.bt = (const int32_t *)c->block_table.data, s.bt0 = c->block_table.stride[0], s.bt1 = c->block_table.stride[1];
+    return s;
+}
+
+static void run_step(grun *g, const nsa_step_args *a)
+{
+    const nsa_problem *p = g->p;
+    if (!cu_step_supported(g, a)) return;
+    step_params P;
+    memset(&P, 0, sizeof P);
+    P.q = dv_of(&a->q), P.kn = dv_of(&a->k_new), P.vn = dv_of(&a->v_new), P.o = dv_of(&a->o);
+    P.gc = dv_of(&a->g_cmp), P.gs = dv_of(&a->g_slc), P.gw = dv_of(&a->g_swa), P.idx = dv_of(&a->block_indices);
+    P.kv = cache_view(&a->cache, p->cache_cap);
+    P.use_cmp = nsa_present(&a->g_cmp), P.use_slc = nsa_present(&a->g_slc), P.use_swa = nsa_present(&a->g_swa);
+    if (P.use_cmp || P.use_slc) P.ckv = cache_view(&a->cmp_cache, p->cmp_cap);
+    P.qlens = nsa_present(&a->q_lens) ? (const int32_t *)a->q_lens.data : NULL, P.qlens_s = a->q_lens.stride[0];
+    P.seqlens = (const int32_t *)a->seqlens.data, P.seqlens_s = a->seqlens.stride[0];
+    P.errors = nsa_present(&a->errors) ? (int32_t *)a->errors.data : NULL, P.errors_s = a->errors.stride[0];
+    P.B = p->B, P.Tq = p->T, P.HQ = p->HQ, P.H = p->H, P.G = p->G, P.DK = (int)p->DK, P.DV = (int)p->DV;
+    const nsa_config *c = &p->cfg;
+    P.l = c->cmp_len, P.d = c->cmp_stride, P.lp = c->slc_block, P.n = c->slc_topk, P.n_init = c->n_init, P.n_local = c->n_local;
+    P.w = c->window, P.scale = p->scale, P.swa_scale = p->swa_scale;
+    P.append = nsa_present(&a->k_new);
+    P.pool = (P.use_cmp || P.use_slc) && !a->cmp_by_caller;
+    P.ok = (int32_t *)g_take_n(g, nsa_size_of(p->B), sizeof(int32_t));
+    const int64_t items = p->B * p->T * p->H;
+    const int64_t blocks = ((items < STEP_MAX_WARPS ? items : STEP_MAX_WARPS) + STEP_WARPS - 1) / STEP_WARPS;
+    P.psum = P.use_slc ? cu_take_f32(g, nsa_size_mul(nsa_size_of(blocks * STEP_WARPS), nsa_size_of(P.ckv.cap)), 0) : NULL;
+    if (!g_live(g) || p->B == 0) return;
+    step_check_kernel<<<(unsigned)((p->B + 127) / 128), 128, 0, g->st>>>(P);
+    g_launched(g);
+    if (P.append && items > 0) {
+        step_append_kernel<<<simt_grid(items), 32 * SIMT_WARPS, 0, g->st>>>(P);
+        g_launched(g);
+    }
+    const int64_t pool_items = p->B * P.ckv.cap * p->H;
+    if (P.pool && pool_items > 0) {
+        step_pool_kernel<<<simt_grid(pool_items), 32 * SIMT_WARPS, 0, g->st>>>(P);
+        g_launched(g);
+    }
+    if (items == 0) return;
+    const size_t smem = (size_t)STEP_WARPS * (size_t)P.n * 8;
+    g_check(g, cudaFuncSetAttribute(step_query_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (!g_live(g)) return;
+    step_query_kernel<<<(unsigned)blocks, 32 * STEP_WARPS, smem, g->st>>>(P);
+    g_launched(g);
+}
+
+/* Head dims the scalar kernels hold (lanes x SIMT_COLS columns) and a ranked list that fits
+ * shared memory. Marks NOT_SUPPORTED on g and returns 0 otherwise. */
+static int cu_step_supported(grun *g, const nsa_step_args *a)
+{
+    const nsa_problem *p = g->p;
+    if (p->DK > 32 * SIMT_COLS || p->DV > 32 * SIMT_COLS) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: DK %lld and DV %lld, the CUDA step takes head dims up to %d",
+               (long long)p->DK, (long long)p->DV, 32 * SIMT_COLS);
+        return 0;
+    }
+    const size_t smem = (size_t)STEP_WARPS * (size_t)p->cfg.slc_topk * 8;
+    if (nsa_present(&a->g_slc) && !g->dry && smem > (size_t)g->dev.smem_max) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "config.slc_topk: %lld, the CUDA step keeps at most %d selected blocks",
+               (long long)p->cfg.slc_topk, g->dev.smem_max / (STEP_WARPS * 8));
+        return 0;
+    }
+    return 1;
+}
+
+size_t nsa_cuda_step_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_step_args *a)
+{
+    return cu_op_workspace(ctx, p, run_step, a);
+}
+
+nsa_status nsa_cuda_step(const nsa_context *ctx, const nsa_problem *p, const nsa_step_args *a, void *ws)
+{
+    return cu_op_run(ctx, p, run_step, a, ws);
+}
