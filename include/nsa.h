@@ -477,7 +477,8 @@ typedef struct nsa_kv_cache {
  * tokens (flash_attn_with_kvcache's convention); without them the cache already holds the
  * step's tokens and L_b = L0_b (then n_b <= L0_b). Either way query i of sequence b is the token
  * at position L_b - n_b + i, and its output is row L_b - n_b + i of nsa_forward over the L_b
- * cached tokens (same config, gates, selection rule and ties). cmp_cache holds Nc(L) compressed
+ * cached tokens (same config, gates, selection rule and ties, or the caller's block_indices as
+ * nsa_forward takes them). cmp_cache holds Nc(L) compressed
  * rows per sequence: with cmp_by_caller 0 the step writes the rows that its tokens complete
  * (those ending at positions L_b - n_b .. L_b - 1) by mean pooling of the token cache; with 1
  * the caller keeps them (a learnable phi) and the step only reads them. The selection and
@@ -508,8 +509,11 @@ typedef struct nsa_step_args {
     int32_t cmp_by_caller;       /* 0: the step mean-pools the compressed rows its tokens complete;
                                     1: cmp_cache is kept by the caller */
     nsa_tensor g_cmp, g_slc, g_swa;  /* in, optional [B, Tq, HQ]: branch gates; absent = branch off */
+    nsa_tensor block_indices;    /* in, optional [B, Tq, H, m] I32: the caller's selection (as nsa_forward's) */
+    nsa_tensor block_counts;     /* in, optional [B, Tq, H] I32 (with block_indices only) */
     nsa_tensor o;                /* out [B, Tq, HQ, DV]: rows 0 .. n_b - 1 of each sequence */
-    nsa_tensor block_indices;    /* out, optional [B, Tq, H, n] I32: the selection of each query */
+    nsa_tensor selected;         /* out, optional [B, Tq, H, n] I32: the selection the step made
+                                    (selection branch on and no caller indices) */
     nsa_tensor errors;           /* out, optional [B] I32: per sequence NSA_STEP_OK or the nsa_step_error
                                     of the first problem found (CUDA: that sequence skipped) */
     nsa_config config;

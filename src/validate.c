@@ -920,8 +920,11 @@ nsa_status nsa_validate_step(const nsa_step_args *a, nsa_problem *p)
                         "cmp_cache)", (int)a->cmp_by_caller);
     if ((st = pair_check(&a->k_new, &a->v_new, "", "k_new", "v_new")) != NSA_STATUS_SUCCESS) return st;
     if ((st = need_gate(&a->g_cmp, &a->g_slc, &a->g_swa, 0)) != NSA_STATUS_SUCCESS) return st;
+    if (nsa_present(&a->block_counts) && !nsa_present(&a->block_indices))
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "block_counts: given without block_indices");
     /* the compressed rows feed the compressed branch and the selection's importance */
-    const tensor_role cmp = nsa_present(&a->g_cmp) || nsa_present(&a->g_slc) ? R_IN : R_SKIP;
+    const int selects = nsa_present(&a->g_slc) && !nsa_present(&a->block_indices);
+    const tensor_role cmp = nsa_present(&a->g_cmp) || selects ? R_IN : R_SKIP;
     const tspec s[] = {
         {&a->q, R_IN, K_REF, S_Q, "q"},
         {&a->q_lens, R_OPT_IN, K_I32, S_LEN, "q_lens"},
@@ -937,15 +940,17 @@ nsa_status nsa_validate_step(const nsa_step_args *a, nsa_problem *p)
         {&a->g_cmp, R_OPT_IN, K_REF, S_ROW, "g_cmp"},
         {&a->g_slc, R_OPT_IN, K_REF, S_ROW, "g_slc"},
         {&a->g_swa, R_OPT_IN, K_REF, S_ROW, "g_swa"},
+        {&a->block_indices, nsa_present(&a->g_slc) ? R_OPT_IN : R_SKIP, K_I32, S_IDX_M, "block_indices"},
+        {&a->block_counts, nsa_present(&a->g_slc) ? R_OPT_IN : R_SKIP, K_I32, S_CNT, "block_counts"},
         {&a->o, R_OUT, K_REF, S_O, "o"},
-        {&a->block_indices, nsa_present(&a->g_slc) ? R_OPT_OUT : R_SKIP, K_I32, S_IDX_N, "block_indices"},
+        {&a->selected, selects ? R_OPT_OUT : R_SKIP, K_I32, S_IDX_N, "selected"},
         {&a->errors, R_OPT_OUT, K_I32, S_LEN, "errors"},
     };
     const engine_in e = {a->q.dtype, "q", NULL, &a->config, a->config.scale, ""};
     if ((st = check_tensors(s, COUNT(s), &e, p)) != NSA_STATUS_SUCCESS) return st;
     if ((st = cache_dims(&a->cache, "cache", p->B, &p->cache_cap)) != NSA_STATUS_SUCCESS) return st;
     if (cmp == R_IN && (st = cache_dims(&a->cmp_cache, "cmp_cache", p->B, &p->cmp_cap)) != NSA_STATUS_SUCCESS) return st;
-    p->m = a->config.slc_topk;
+    if (p->m == 0) p->m = a->config.slc_topk; /* (caller indices: their width) */
     return NSA_STATUS_SUCCESS;
 }
 

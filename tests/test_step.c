@@ -3,7 +3,8 @@
  * different count per sequence, some sequences idle) over contiguous and paged caches with
  * shuffled pages; every step's outputs and selections must equal nsa_forward's rows over the
  * whole sequences (f32: the same function, only the order of fp32 sums differs). Also: the
- * caller's compressed cache, a step whose tokens the caller appended, and bad lengths, counts,
+ * caller's compressed cache, a step whose tokens the caller appended, the caller's selection
+ * (block_indices), and bad lengths, counts,
  * pages and shapes, each refused with a detail naming the argument and no byte written. */
 #include <inttypes.h>
 #include <math.h>
@@ -229,7 +230,9 @@ static nsa_status step_call(nsa_context *ctx, const nsa_step_args *a, const cach
     mirror(m, &nm, &d.cmp_cache.block_table, (size_t)(ST_B * c->cpps) * 4, 0);
     mirror(m, &nm, &d.g_cmp, dense_bytes(&a->g_cmp), 0), mirror(m, &nm, &d.g_slc, dense_bytes(&a->g_slc), 0);
     mirror(m, &nm, &d.g_swa, dense_bytes(&a->g_swa), 0);
-    mirror(m, &nm, &d.o, dense_bytes(&a->o), 1), mirror(m, &nm, &d.block_indices, dense_bytes(&a->block_indices), 1);
+    mirror(m, &nm, &d.o, dense_bytes(&a->o), 1), mirror(m, &nm, &d.selected, dense_bytes(&a->selected), 1);
+    mirror(m, &nm, &d.block_indices, dense_bytes(&a->block_indices), 0);
+    mirror(m, &nm, &d.block_counts, dense_bytes(&a->block_counts), 0);
     mirror(m, &nm, &d.errors, dense_bytes(&a->errors), 1);
     void *ws = g_mem->alloc(need ? need : 1);
     st = nsa_step(ctx, &d, ws, need);
@@ -245,7 +248,7 @@ static nsa_status step_call(nsa_context *ctx, const nsa_step_args *a, const cach
  * of up to `prefill`) and compares every step with the reference rows. append: the step
  * appends k_new / v_new; else the test writes the tokens into the cache itself first. */
 static void run_steps(nsa_context *ctx, const nsa_config *cfg, seqdata *s, int gates, caches *c, test_rng *r, int64_t prefill,
-                      int64_t chunk, int append, int by_caller, const char *what)
+                      int64_t chunk, int append, int by_caller, int caller_idx, const char *what)
 {
     int64_t L[ST_B] = {0, 0, 0};
     const int64_t n = cfg->slc_topk;
@@ -298,7 +301,14 @@ static void run_steps(nsa_context *ctx, const nsa_config *cfg, seqdata *s, int g
         for (int x = 0; x < 3; x++)
             if (gates >> x & 1) *gt[x] = nsa_tensor_3d(g[x], NSA_DTYPE_F32, ST_B, Tq, ST_HQ);
         a.o = nsa_tensor_4d(o, NSA_DTYPE_F32, ST_B, Tq, ST_HQ, ST_DV);
-        if (gates & 2) a.block_indices = nsa_tensor_4d(idx, NSA_DTYPE_I32, ST_B, Tq, ST_H, n);
+        if ((gates & 2) && caller_idx) { /* the reference's own selection, given as the caller's */
+            for (int64_t b = 0; b < ST_B; b++)
+                for (int64_t i = 0; i < cnt[b]; i++)
+                    memcpy(idx + (b * Tq + i) * ST_H * n, s[b].idx_ref + (L[b] + i) * ST_H * n, (size_t)(ST_H * n) * sizeof(int32_t));
+            a.block_indices = nsa_tensor_4d(idx, NSA_DTYPE_I32, ST_B, Tq, ST_H, n);
+        } else if (gates & 2) {
+            a.selected = nsa_tensor_4d(idx, NSA_DTYPE_I32, ST_B, Tq, ST_H, n);
+        }
         a.errors = nsa_tensor_make(errors, NSA_DTYPE_I32, 1, (int64_t[]){ST_B});
         a.config = *cfg;
         CHECK_STATUS(step_call(ctx, &a, c), NSA_STATUS_SUCCESS);
@@ -361,20 +371,23 @@ static void test_step_equals_forward(nsa_context *ctx, nsa_context *cpu)
             char what[120];
             snprintf(what, sizeof what, "gates %d, %s page %" PRId64 ", prefill + decode", gates, c.paged ? "paged" : "contiguous",
                      c.page);
-            run_steps(ctx, &cfg, s, gates, &c, &r, 40, 1, 1, 0, what);
+            run_steps(ctx, &cfg, s, gates, &c, &r, 40, 1, 1, 0, 0, what);
             caches_free(&c);
             caches_make(&c, &r, &cfg, 96, pages[pv] > 0, pages[pv] > 0 ? pages[pv] : 1);
             snprintf(what, sizeof what, "gates %d, %s page %" PRId64 ", multi-token steps", gates, c.paged ? "paged" : "contiguous",
                      c.page);
-            run_steps(ctx, &cfg, s, gates, &c, &r, 0, 7, 1, 0, what);
+            run_steps(ctx, &cfg, s, gates, &c, &r, 0, 7, 1, 0, 0, what);
             caches_free(&c);
         }
         caches c;
         caches_make(&c, &r, &cfg, 90, 1, 8);
-        run_steps(ctx, &cfg, s, gates, &c, &r, 20, 5, 0, 0, "tokens appended by the caller");
+        run_steps(ctx, &cfg, s, gates, &c, &r, 20, 5, 0, 0, 0, "tokens appended by the caller");
         caches_free(&c);
         caches_make(&c, &r, &cfg, 90, 0, 1);
-        run_steps(ctx, &cfg, s, gates, &c, &r, 20, 5, 1, 1, "compressed rows kept by the caller");
+        run_steps(ctx, &cfg, s, gates, &c, &r, 20, 5, 1, 1, 0, "compressed rows kept by the caller");
+        caches_free(&c);
+        caches_make(&c, &r, &cfg, 90, 1, 3);
+        run_steps(ctx, &cfg, s, gates, &c, &r, 20, 5, 1, 0, 1, "the caller's block_indices");
         caches_free(&c);
         seqs_free(s);
     }
@@ -408,7 +421,7 @@ static void bad_case_make(bad_case *x, caches *c, const nsa_config *cfg, test_rn
     a->g_cmp = nsa_tensor_3d(x->g, NSA_DTYPE_F32, ST_B, 1, ST_HQ);
     a->g_slc = a->g_cmp, a->g_swa = a->g_cmp;
     a->o = nsa_tensor_4d(x->o, NSA_DTYPE_F32, ST_B, 1, ST_HQ, ST_DV);
-    a->block_indices = nsa_tensor_4d(x->idx, NSA_DTYPE_I32, ST_B, 1, ST_H, 4);
+    a->selected = nsa_tensor_4d(x->idx, NSA_DTYPE_I32, ST_B, 1, ST_H, 4);
     a->config = *cfg;
 }
 
@@ -481,8 +494,11 @@ static void test_step_refuses(nsa_context *ctx)
         x.a.cache.v.dtype = NSA_DTYPE_F16;
         expect_refused(ctx, &x, &c, NSA_STATUS_BAD_DTYPE, "cache.v");
         bad_case_make(&x, &c, &cfg, &r);
-        x.a.block_indices.shape[3] = 3; /* n is 4 */
-        expect_refused(ctx, &x, &c, NSA_STATUS_BAD_SHAPE, "block_indices");
+        x.a.selected.shape[3] = 3; /* n is 4 */
+        expect_refused(ctx, &x, &c, NSA_STATUS_BAD_SHAPE, "selected");
+        bad_case_make(&x, &c, &cfg, &r);
+        x.a.block_counts = nsa_tensor_make(x.qlens, NSA_DTYPE_I32, 3, (int64_t[]){ST_B, 1, 1});
+        expect_refused(ctx, &x, &c, NSA_STATUS_BAD_ARGUMENT, "block_counts"); /* without block_indices */
         caches_free(&c);
     }
 }

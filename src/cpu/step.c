@@ -146,7 +146,7 @@ static void scratch_take(ws_arena *w, const nsa_problem *p, step_scratch *s)
     s->sc = (float *)ws_take_n(w, nc, sizeof(float));
     s->psum = (float *)ws_take_n(w, nc, sizeof(float));
     s->imp = (float *)ws_take_n(w, nb, sizeof(float));
-    s->sel = (int32_t *)ws_take_n(w, nsa_size_of(p->cfg.slc_topk), sizeof(int32_t));
+    s->sel = (int32_t *)ws_take_n(w, nsa_size_of(p->m > p->cfg.slc_topk ? p->m : p->cfg.slc_topk), sizeof(int32_t));
 }
 
 size_t nsa_cpu_step_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_step_args *a)
@@ -189,14 +189,15 @@ static void step_query(const nsa_step_args *a, const nsa_problem *p, int64_t b, 
     const step_seq s = seq_of(a, p, b);
     const int64_t pos = s.L - s.n + i, G = p->G, DK = p->DK, DV = p->DV;
     const int use_cmp = nsa_present(&a->g_cmp), use_slc = nsa_present(&a->g_slc), use_swa = nsa_present(&a->g_swa);
-    const int64_t nc = use_cmp || use_slc ? nsa_rule_num_cmp(s.L, c->cmp_len, c->cmp_stride) : 0;
-    const int64_t nv = use_cmp || use_slc ? nsa_rule_cmp_visible_cap(pos, c->cmp_len, c->cmp_stride, nc) : 0;
+    const int caller = nsa_present(&a->block_indices), selects = use_slc && !caller;
+    const int64_t nc = use_cmp || selects ? nsa_rule_num_cmp(s.L, c->cmp_len, c->cmp_stride) : 0;
+    const int64_t nv = use_cmp || selects ? nsa_rule_cmp_visible_cap(pos, c->cmp_len, c->cmp_stride, nc) : 0;
     const int64_t lp = c->slc_block, cur = nsa_rule_slc_of(pos, lp);
     float *o_cmp = t->acc, *o_slc = t->acc + DV, *o_swa = t->acc + 2 * DV, *o = t->acc + 3 * DV;
 
     /* compressed attention of every head first: the selection sums its probabilities */
     for (int64_t r = 0; r < nv; r++) t->psum[r] = 0.0f;
-    for (int64_t g = 0; g < G && nv > 0; g++) {
+    for (int64_t g = 0; g < G && nv > 0 && selects; g++) {
         const int64_t hq = h * G + g;
         io_load(&a->q, io_off(&a->q, b, i, hq), DK, t->q);
         float m = -INFINITY;
@@ -210,7 +211,20 @@ static void step_query(const nsa_step_args *a, const nsa_problem *p, int64_t b, 
         for (int64_t r = 0; r < nv; r++) t->psum[r] += expf(t->sc[r] - m) / l;
     }
     int64_t kept = 0;
-    if (use_slc) {
+    if (caller) { /* the caller's blocks a query can use (nsa_forward's rule): in [0, cur], each once, ascending */
+        const int64_t m = p->m, cnt = nsa_present(&a->block_counts) ? *io_i32(&a->block_counts, io_off(&a->block_counts, b, i, h)) : m;
+        const int32_t *ix = io_i32(&a->block_indices, io_off(&a->block_indices, b, i, h));
+        for (int64_t e = 0; e < (cnt < 0 ? 0 : cnt > m ? m : cnt); e++) {
+            const int32_t j = ix[e];
+            if (j < 0 || j > cur) continue;
+            int64_t at = kept;
+            while (at > 0 && t->sel[at - 1] > j) at--;
+            if (at > 0 && t->sel[at - 1] == j) continue;
+            for (int64_t q2 = kept; q2 > at; q2--) t->sel[q2] = t->sel[q2 - 1];
+            t->sel[at] = j;
+            kept++;
+        }
+    } else if (use_slc) {
         const int64_t l = c->cmp_len, d = c->cmp_stride;
         for (int64_t j = 0; j <= cur; j++) { /* importance as nsa_forward's selection (spec 3) */
             const int64_t r0 = nsa_rule_slc_first_cmp(j, l, d, lp);
@@ -221,8 +235,8 @@ static void step_query(const nsa_step_args *a, const nsa_problem *p, int64_t b, 
             t->imp[j] = acc * (1.0f / (float)d);
         }
         kept = select_top_n(t->imp, cur, c, t->sel);
-        if (nsa_present(&a->block_indices)) {
-            int32_t *out = (int32_t *)a->block_indices.data + io_off(&a->block_indices, b, i, h);
+        if (nsa_present(&a->selected)) {
+            int32_t *out = (int32_t *)a->selected.data + io_off(&a->selected, b, i, h);
             for (int64_t e = 0; e < c->slc_topk; e++) out[e] = t->sel[e];
         }
     }
@@ -284,7 +298,7 @@ static void step_query(const nsa_step_args *a, const nsa_problem *p, int64_t b, 
 
 nsa_status nsa_cpu_step(const nsa_context *ctx, const nsa_problem *p, const nsa_step_args *a, void *ws)
 {
-    const int cmp = nsa_present(&a->g_cmp) || nsa_present(&a->g_slc);
+    const int cmp = nsa_present(&a->g_cmp) || (nsa_present(&a->g_slc) && !nsa_present(&a->block_indices));
     nsa_status st = step_check(a, p, cmp);
     if (st != NSA_STATUS_SUCCESS) return st;
     ws_arena one = {NULL, 0}, all = {(char *)ws, 0};

@@ -634,8 +634,12 @@ static void build_step(reader *r, dims *D, nsa_step_args *a, uint8_t pres)
     a->g_slc = opt(r, pres & 32, IN, D->dt, 3, D->B, Tq, D->HQ, 0);
     a->g_swa = opt(r, (pres & 64) || !(pres & 48), IN, D->dt, 3, D->B, Tq, D->HQ, 0);
     a->o = mk(r, OUT, D->dt, 4, D->B, Tq, D->HQ, D->DV);
-    a->block_indices = opt(r, pres & 128, OUT, I32, 4, D->B, Tq, D->H, n);
+    a->selected = opt(r, pres & 128, OUT, I32, 4, D->B, Tq, D->H, n);
     a->errors = opt(r, u8(r) & 1, OUT, I32, 1, D->B, 0, 0, 0);
+    const uint8_t ci = u8(r); /* the caller's selection, sometimes with counts */
+    tspec idx = {0, (int)D->nb, 0}, cnt = {0, (int)D->M, 0};
+    a->block_indices = opt(r, ci & 1, idx, I32, 4, D->B, Tq, D->H, D->M);
+    a->block_counts = opt(r, (ci & 1) && (ci & 2), cnt, I32, 3, D->B, Tq, D->H, 0);
 }
 
 /* Marks the bytes an output view may write; returns 0 when the view is unknown (write anywhere). */

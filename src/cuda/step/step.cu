@@ -27,7 +27,7 @@ typedef struct step_cache_t {
 } step_cache_t;
 
 typedef struct step_params {
-    dview q, kn, vn, o, gc, gs, gw, idx;
+    dview q, kn, vn, o, gc, gs, gw, idx, bi, bc; /* idx: the selection made (selected); bi, bc: the caller's */
     step_cache_t kv, ckv;
     const int32_t *qlens, *seqlens;
     int64_t qlens_s, seqlens_s;
@@ -37,9 +37,9 @@ typedef struct step_params {
     float *psum; /* [STEP_MAX_WARPS][ckv.cap] workspace */
     int64_t B, Tq, HQ, H, G;
     int DK, DV;
-    int64_t l, d, lp, n, n_init, n_local, w;
+    int64_t l, d, lp, n, m, n_init, n_local, w; /* m: the caller's index width (else n) */
     float scale, swa_scale;
-    int append, pool, use_cmp, use_slc, use_swa;
+    int append, pool, use_cmp, use_slc, use_swa, selects; /* selects: slc on without caller indices */
 } step_params;
 
 __device__ __forceinline__ int64_t step_row(const step_cache_t &c, const dview &x, int64_t b, int64_t r, int64_t h)
@@ -74,7 +74,7 @@ __device__ int step_problem(const step_params &P, int64_t b)
             const int32_t pg = P.kv.bt[b * P.kv.bt0 + j * P.kv.bt1];
             if (pg < 0 || pg >= P.kv.pool) return NSA_STEP_BAD_PAGE;
         }
-    if (!(P.use_cmp || P.use_slc)) return NSA_STEP_OK;
+    if (!(P.use_cmp || P.selects)) return NSA_STEP_OK;
     const int64_t nc = nsa_rule_num_cmp(s.L, P.l, P.d);
     if (nc > P.ckv.cap) return NSA_STEP_OVER_CMP_CAPACITY;
     if (P.ckv.bt)
@@ -156,8 +156,9 @@ __global__ void __launch_bounds__(32 * STEP_WARPS) step_query_kernel(const step_
 {
     extern __shared__ unsigned char step_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int32_t *kidx = (int32_t *)step_smem + warp * P.n;                         /* ranked list: blocks */
-    float *kimp = (float *)(step_smem + STEP_WARPS * P.n * 4) + warp * P.n;    /* ... their importance */
+    const int64_t width = P.m > P.n ? P.m : P.n;
+    int32_t *kidx = (int32_t *)step_smem + warp * width;                      /* ranked list: blocks */
+    float *kimp = (float *)(step_smem + STEP_WARPS * width * 4) + warp * width; /* ... their importance */
     const int64_t gw = (int64_t)blockIdx.x * STEP_WARPS + warp, nw = (int64_t)gridDim.x * STEP_WARPS;
     float *psum = P.psum ? P.psum + gw * P.ckv.cap : nullptr;
     const int64_t items = P.B * P.Tq * P.H;
@@ -168,10 +169,29 @@ __global__ void __launch_bounds__(32 * STEP_WARPS) step_query_kernel(const step_
         const step_seq_t s = step_seq(P, b);
         if (i >= s.n) continue;
         const int64_t pos = s.L - s.n + i, cur = pos / P.lp;
-        const int64_t nc = P.use_cmp || P.use_slc ? nsa_rule_num_cmp(s.L, P.l, P.d) : 0;
+        const int64_t nc = P.use_cmp || P.selects ? nsa_rule_num_cmp(s.L, P.l, P.d) : 0;
         const int64_t nv = nc ? nsa_rule_cmp_visible_cap(pos, P.l, P.d, nc) : 0;
+        int kept = 0;
+        if (P.use_slc && !P.selects) { /* the caller's blocks the query can use: in [0, cur], once, ascending */
+            if (lane == 0) {
+                const int64_t cnt = P.bc.p ? ((const int32_t *)P.bc.p)[b * P.bc.s0 + i * P.bc.s1 + h * P.bc.s2] : P.m;
+                const int32_t *ix = (const int32_t *)P.bi.p + b * P.bi.s0 + i * P.bi.s1 + h * P.bi.s2;
+                for (int64_t e = 0; e < (cnt < 0 ? 0 : cnt > P.m ? P.m : cnt); e++) {
+                    const int32_t j = ix[e];
+                    if (j < 0 || j > cur) continue;
+                    int at = kept;
+                    while (at > 0 && kidx[at - 1] > j) at--;
+                    if (at > 0 && kidx[at - 1] == j) continue;
+                    for (int q2 = kept; q2 > at; q2--) kidx[q2] = kidx[q2 - 1];
+                    kidx[at] = j;
+                    kept++;
+                }
+                for (int a = kept; a < width; a++) kidx[a] = -1;
+            }
+            __syncwarp();
+        }
         /* the G heads' compressed probabilities, summed (max, then sum, then p: the CPU's passes) */
-        if (P.use_slc) {
+        if (P.selects) {
             for (int64_t r = lane; r < nv; r += 32) psum[r] = 0.0f;
             __syncwarp();
             for (int64_t g = 0; g < P.G && nv > 0; g++) {
@@ -195,7 +215,6 @@ __global__ void __launch_bounds__(32 * STEP_WARPS) step_query_kernel(const step_
                 __syncwarp();
             }
             /* importance of blocks 0 .. cur, streamed into the ranked list (select_top_n's order) */
-            int kept = 0;
             for (int64_t j = 0; j <= cur; j++) {
                 const int64_t r0 = nsa_rule_slc_first_cmp(j, P.l, P.d, P.lp);
                 int64_t r1 = nsa_rule_slc_last_cmp(j, P.d, P.lp);
@@ -256,7 +275,7 @@ __global__ void __launch_bounds__(32 * STEP_WARPS) step_query_kernel(const step_
             if (P.use_slc) {
                 float m = -INFINITY, l = 0.0f;
                 bool seen = false;
-                for (int a = 0; a < P.n; a++) {
+                for (int a = 0; a < width; a++) {
                     const int64_t j = kidx[a];
                     if (j < 0) continue;
                     const int64_t hi = nsa_rule_slc_hi(j, pos, P.lp, s.L);
@@ -318,23 +337,26 @@ static void run_step(grun *g, const nsa_step_args *a)
     step_params P;
     memset(&P, 0, sizeof P);
     P.q = dv_of(&a->q), P.kn = dv_of(&a->k_new), P.vn = dv_of(&a->v_new), P.o = dv_of(&a->o);
-    P.gc = dv_of(&a->g_cmp), P.gs = dv_of(&a->g_slc), P.gw = dv_of(&a->g_swa), P.idx = dv_of(&a->block_indices);
+    P.gc = dv_of(&a->g_cmp), P.gs = dv_of(&a->g_slc), P.gw = dv_of(&a->g_swa), P.idx = dv_of(&a->selected);
+    P.bi = dv_of(&a->block_indices), P.bc = dv_of(&a->block_counts);
     P.kv = cache_view(&a->cache, p->cache_cap);
     P.use_cmp = nsa_present(&a->g_cmp), P.use_slc = nsa_present(&a->g_slc), P.use_swa = nsa_present(&a->g_swa);
-    if (P.use_cmp || P.use_slc) P.ckv = cache_view(&a->cmp_cache, p->cmp_cap);
+    P.selects = P.use_slc && !nsa_present(&a->block_indices);
+    if (P.use_cmp || P.selects) P.ckv = cache_view(&a->cmp_cache, p->cmp_cap);
     P.qlens = nsa_present(&a->q_lens) ? (const int32_t *)a->q_lens.data : NULL, P.qlens_s = a->q_lens.stride[0];
     P.seqlens = (const int32_t *)a->seqlens.data, P.seqlens_s = a->seqlens.stride[0];
     P.errors = nsa_present(&a->errors) ? (int32_t *)a->errors.data : NULL, P.errors_s = a->errors.stride[0];
     P.B = p->B, P.Tq = p->T, P.HQ = p->HQ, P.H = p->H, P.G = p->G, P.DK = (int)p->DK, P.DV = (int)p->DV;
     const nsa_config *c = &p->cfg;
     P.l = c->cmp_len, P.d = c->cmp_stride, P.lp = c->slc_block, P.n = c->slc_topk, P.n_init = c->n_init, P.n_local = c->n_local;
+    P.m = p->m;
     P.w = c->window, P.scale = p->scale, P.swa_scale = p->swa_scale;
     P.append = nsa_present(&a->k_new);
-    P.pool = (P.use_cmp || P.use_slc) && !a->cmp_by_caller;
+    P.pool = (P.use_cmp || P.selects) && !a->cmp_by_caller;
     P.ok = (int32_t *)g_take_n(g, nsa_size_of(p->B), sizeof(int32_t));
     const int64_t items = p->B * p->T * p->H;
     const int64_t blocks = ((items < STEP_MAX_WARPS ? items : STEP_MAX_WARPS) + STEP_WARPS - 1) / STEP_WARPS;
-    P.psum = P.use_slc ? cu_take_f32(g, nsa_size_mul(nsa_size_of(blocks * STEP_WARPS), nsa_size_of(P.ckv.cap)), 0) : NULL;
+    P.psum = P.selects ? cu_take_f32(g, nsa_size_mul(nsa_size_of(blocks * STEP_WARPS), nsa_size_of(P.ckv.cap)), 0) : NULL;
     if (!g_live(g) || p->B == 0) return;
     step_check_kernel<<<(unsigned)((p->B + 127) / 128), 128, 0, g->st>>>(P);
     g_launched(g);
@@ -348,7 +370,7 @@ static void run_step(grun *g, const nsa_step_args *a)
         g_launched(g);
     }
     if (items == 0) return;
-    const size_t smem = (size_t)STEP_WARPS * (size_t)P.n * 8;
+    const size_t smem = (size_t)STEP_WARPS * (size_t)(P.m > P.n ? P.m : P.n) * 8;
     g_check(g, cudaFuncSetAttribute(step_query_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (!g_live(g)) return;
     step_query_kernel<<<(unsigned)blocks, 32 * STEP_WARPS, smem, g->st>>>(P);
@@ -365,7 +387,8 @@ static int cu_step_supported(grun *g, const nsa_step_args *a)
                (long long)p->DK, (long long)p->DV, 32 * SIMT_COLS);
         return 0;
     }
-    const size_t smem = (size_t)STEP_WARPS * (size_t)p->cfg.slc_topk * 8;
+    const int64_t width = p->m > p->cfg.slc_topk ? p->m : p->cfg.slc_topk;
+    const size_t smem = (size_t)STEP_WARPS * (size_t)width * 8;
     if (nsa_present(&a->g_slc) && !g->dry && smem > (size_t)g->dev.smem_max) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED, "config.slc_topk: %lld, the CUDA step keeps at most %d selected blocks",
                (long long)p->cfg.slc_topk, g->dev.smem_max / (STEP_WARPS * 8));
