@@ -189,7 +189,8 @@ static void step_query(const nsa_step_args *a, const nsa_problem *p, int64_t b, 
     const step_seq s = seq_of(a, p, b);
     const int64_t pos = s.L - s.n + i, G = p->G, DK = p->DK, DV = p->DV;
     const int use_cmp = nsa_present(&a->g_cmp), use_slc = nsa_present(&a->g_slc), use_swa = nsa_present(&a->g_swa);
-    const int caller = nsa_present(&a->block_indices), selects = use_slc && !caller;
+    /* (block_indices is read, and validated, only with the selection branch on) */
+    const int caller = use_slc && nsa_present(&a->block_indices), selects = use_slc && !caller;
     const int64_t nc = use_cmp || selects ? nsa_rule_num_cmp(s.L, c->cmp_len, c->cmp_stride) : 0;
     const int64_t nv = use_cmp || selects ? nsa_rule_cmp_visible_cap(pos, c->cmp_len, c->cmp_stride, nc) : 0;
     const int64_t lp = c->slc_block, cur = nsa_rule_slc_of(pos, lp);
