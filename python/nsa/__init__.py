@@ -21,7 +21,7 @@ from ._lib import library
 
 __all__ = ["library", "version", "status_string", "status_name", "backend_available", "NsaError", "Config",
            "Aux", "Grads", "Result", "native_sparse_attention", "parallel_nsa", "forward", "compress", "select",
-           "cmp_offsets", "torch_available", "attention", "AttentionResult", "AttentionGrads"]
+           "cmp_offsets", "torch_available", "attention", "AttentionResult", "AttentionGrads", "step"]
 
 # With PyTorch installed the custom ops are registered at import, before any torch.compile
 # traces a call (NSA_NO_TORCH=1 skips that, e.g. for a numpy-only process).
@@ -124,6 +124,42 @@ def forward(q, k, v, g_cmp=None, g_slc=None, g_swa=None, config=None, k_cmp=None
             tensors[name] = _as_int32(tensors[name])
     o, saved = _core.forward(_call_for(q), tensors, config, cu_seqlens, out=out)
     return Result(q, tensors, config, cu_seqlens, o, saved)
+
+
+def step(q, cache, seqlens, config=None, *, q_lens=None, k_new=None, v_new=None, cmp_cache=None, cmp_by_caller=False,
+         g_cmp=None, g_slc=None, g_swa=None, block_indices=None, block_counts=None, return_selected=False,
+         return_errors=False):
+    """One inference step of NSA against KV caches (nsa_step, spec 12): decode, a multi-token
+    step or a chunk of a chunked prefill, numpy arrays (CPU) or torch tensors (CPU or CUDA,
+    the current stream; no autograd).
+
+    q [B, Tq, HQ, DK]: the step's queries; q_lens [B] int32: how many of them sequence b has
+    (default Tq each). seqlens [B] int32: tokens cached before the step. cache: (k, v) with
+    k [B, cap, H, DK] (contiguous) or (k, v, block_table) with k [num_pages, page_size, H, DK]
+    and block_table [B, max_pages] int32 (paged). k_new, v_new [B, Tq, H, DK/DV]: the step's
+    tokens, appended in place at rows seqlens[b] ..; without them the caches already hold the
+    step's tokens (its queries are the last q_lens[b] of seqlens[b]). cmp_cache: the compressed
+    K/V in the same two forms (needed with g_cmp or a computed selection): the step pools the
+    rows its tokens complete into it, or, with cmp_by_caller, only reads it. Gates, config,
+    block_indices / block_counts as native_sparse_attention. Query i of sequence b gets row
+    seqlens-after - q_lens[b] + i of nsa_forward over the whole cached sequence.
+
+    Returns o [B, Tq, HQ, DV] (rows past q_lens[b] are 0), and (o, selected, errors) when
+    return_selected / return_errors ask for the selection [B, Tq, H, n] and the per-sequence
+    codes (nsa.h nsa_step_error; the CUDA backend reports a bad length or page there and skips
+    that sequence, the CPU raises NsaError before writing anything)."""
+    config = _core._as_config(config)
+    call = _call_for(q)
+    ints = [None if x is None else _as_int32(x) for x in (seqlens, q_lens, block_indices, block_counts)]
+    if cache is not None and len(cache) == 3 and cache[2] is not None:
+        cache = (cache[0], cache[1], _as_int32(cache[2]))
+    if cmp_cache is not None and len(cmp_cache) == 3 and cmp_cache[2] is not None:
+        cmp_cache = (cmp_cache[0], cmp_cache[1], _as_int32(cmp_cache[2]))
+    o, selected, errors = _core.step(call, q, cache, ints[0], config, ints[1], k_new, v_new, cmp_cache, cmp_by_caller,
+                                     (g_cmp, g_slc, g_swa), ints[2], ints[3], return_selected, return_errors)
+    if return_selected or return_errors:
+        return o, selected, errors
+    return o
 
 
 def compress(x, config=None, cu_seqlens=None):
@@ -263,15 +299,21 @@ def parallel_nsa(q, k, v, g_cmp=None, g_slc=None, g_swa=None, block_indices=None
     an int block_counts is used as is (fla rounds it up to a power of 2 when it computes the
     selection); ties in the selection go to the lower block index (fla: unspecified); caller
     indices that repeat a block count it once (fla: once per occurrence); cu_seqlens must be
-    one tensor (fla's (cu_q, cu_k) tuple for cached decoding is not supported); with g_cmp
+    one tensor or fla's (cu_q, cu_k) decoding tuple; with g_cmp
     and block_indices both None fla fails, nsa computes the selection anyway; float32 on CUDA
     runs on scalar kernels, exact but 300-450x slower than bf16 (fla's on Triton). With a tensor
     block_counts and no block_indices, row (b, t, h) attends to the top-c blocks, c its count
-    (c < 3: the first c of the 3 forced ones, ascending); that path is eager only."""
+    (c < 3: the first c of the 3 forced ones, ascending); that path is eager only.
+
+    Decoding, as fla: q shorter than k (queries are the last q.shape[1] positions of every
+    sequence) or cu_seqlens=(cu_seqlens_q, cu_seqlens_k) (packed; each sequence's queries are
+    its last tokens) run nsa_step against k, v as the cache (torch tensors; no gradient, and
+    a tensor block_counts needs block_indices there)."""
     if block_counts is None:
         raise ValueError("block_counts must be provided for selection (an int or a [B, T, H] tensor)")
-    if isinstance(cu_seqlens, tuple):
-        raise NotImplementedError("nsa: separate (cu_seqlens_q, cu_seqlens_k) for cached decoding are not supported")
+    if isinstance(cu_seqlens, tuple) or (cu_seqlens is None and q.shape[1] != k.shape[1]):
+        return _parallel_nsa_decode(q, k, v, g_cmp, g_slc, g_swa, block_indices, block_counts, block_size,
+                                    window_size, scale, cu_seqlens)
     if window_size > 0 and g_swa is None:
         raise ValueError("window_size > 0 needs g_swa (the window branch's gate)")
     torch_path = _is_torch(q)
@@ -305,3 +347,66 @@ def _full(shape, value, dtype, like, torch_path):
         return torch.full(shape, value, dtype=torch.int32 if dtype == "int32" else dtype, device=like.device)
     import numpy as np
     return np.full(shape, value, dtype=dtype)
+
+
+def _parallel_nsa_decode(q, k, v, g_cmp, g_slc, g_swa, block_indices, block_counts, block_size, window_size, scale,
+                         cu_seqlens):
+    """parallel_nsa's decoding forms on nsa_step: k, v are the cache (contiguous for a dense
+    batch; for packed sequences a paged view with one token per page, so nothing is copied),
+    their mean-pooled compression the caller-kept compressed cache."""
+    if not _is_torch(q):
+        raise NotImplementedError("nsa.parallel_nsa: the decoding forms take torch tensors (numpy: nsa.step)")
+    torch = _torch.torch
+    if window_size > 0 and g_swa is None:
+        raise ValueError("window_size > 0 needs g_swa (the window branch's gate)")
+    counts_int = isinstance(block_counts, int) and not isinstance(block_counts, bool)
+    if block_indices is None and not counts_int:
+        raise NotImplementedError("nsa.parallel_nsa: decoding with a tensor block_counts needs block_indices")
+    n = max(int(block_counts), 3) if counts_int else 3
+    cfg = Config(block_size, block_size, block_size, n, 1, 2, window_size if window_size > 0 else 1,
+                 0.0 if scale is None else float(scale), float(q.shape[-1]) ** -0.5)
+    dev = q.device
+    if g_slc is None:  # fla: o = o_slc when there is no selection gate
+        g_slc = torch.ones(q.shape[:3], dtype=q.dtype, device=dev)
+    g_swa = g_swa if window_size > 0 else None
+    idx = None if block_indices is None else block_indices.to(torch.int32)
+    cnt = None if block_indices is None or counts_int else block_counts.to(torch.int32)
+    with torch.no_grad():
+        if not isinstance(cu_seqlens, tuple):  # dense: queries are the last Tq of T tokens
+            B, T = k.shape[0], k.shape[1]
+            k_cmp, v_cmp = compress(k, cfg), compress(v, cfg)
+            seqlens = torch.full((B,), T, dtype=torch.int32, device=dev)
+            return step(q, (k, v), seqlens, cfg, cmp_cache=(k_cmp, v_cmp), cmp_by_caller=True, g_cmp=g_cmp, g_slc=g_slc,
+                        g_swa=g_swa, block_indices=idx, block_counts=cnt)
+        cu_q, cu_k = (list(int(x) for x in (c.tolist() if hasattr(c, "tolist") else c)) for c in cu_seqlens)
+        if len(cu_q) != len(cu_k) or q.shape[0] != 1 or k.shape[0] != 1:
+            raise ValueError("cu_seqlens=(cu_q, cu_k): one entry per sequence in both, and B == 1 (packed)")
+        N = len(cu_k) - 1
+        nq = [cu_q[b + 1] - cu_q[b] for b in range(N)]
+        nk = [cu_k[b + 1] - cu_k[b] for b in range(N)]
+        Tq, Lmax = max(nq + [1]), max(nk + [1])
+        cmp0 = cmp_offsets(cfg, cu_k)
+        ncmp = [cmp0[b + 1] - cmp0[b] for b in range(N)]
+        Cmax = max(ncmp + [1])
+        last = max(q.shape[1] - 1, 0)
+        rows = torch.tensor([[min(cu_q[b] + min(i, max(nq[b] - 1, 0)), last) for i in range(Tq)] for b in range(N)],
+                            dtype=torch.long, device=dev).reshape(N, Tq)
+        if q.shape[1] == 0 or N == 0:
+            return q.new_zeros((1, q.shape[1], q.shape[2], v.shape[-1]))
+
+        def pad(x):  # packed [1, total_q, ...] -> [N, Tq, ...] (rows past a sequence repeat its last)
+            return None if x is None else x[0][rows]
+        table = torch.tensor([[cu_k[b] + min(r, max(nk[b] - 1, 0)) for r in range(Lmax)] for b in range(N)],
+                             dtype=torch.int32, device=dev)
+        ctable = torch.tensor([[cmp0[b] + min(c, max(ncmp[b] - 1, 0)) for c in range(Cmax)] for b in range(N)],
+                              dtype=torch.int32, device=dev)
+        cu_k_t = torch.tensor(cu_k, dtype=torch.int32)
+        k_cmp, v_cmp = compress(k, cfg, cu_k_t), compress(v, cfg, cu_k_t)
+        pages = (k[0].unsqueeze(1), v[0].unsqueeze(1), table)  # one token per page: the packed rows in place
+        cpages = (k_cmp[0].unsqueeze(1), v_cmp[0].unsqueeze(1), ctable)
+        o = step(pad(q), pages, torch.tensor(nk, dtype=torch.int32, device=dev), cfg,
+                 q_lens=torch.tensor(nq, dtype=torch.int32, device=dev), cmp_cache=cpages, cmp_by_caller=True,
+                 g_cmp=pad(g_cmp), g_slc=pad(g_slc), g_swa=pad(g_swa), block_indices=pad(idx), block_counts=pad(cnt))
+        keep = torch.cat([torch.arange(nq[b], device=dev) + b * Tq for b in range(N)]) if N else rows.new_zeros(0)
+        return o.reshape(N * Tq, *o.shape[2:])[keep].unsqueeze(0)
+

@@ -517,3 +517,67 @@ def attention_backward(call, q, k, v, o, lse, dout, opts, dbias=False):
         a.dbias = call.view(db, "dbias", output=True)
     call.run("attention_bwd", a)
     return AttentionGrads(dq, dk, dv, ds, db)
+
+
+def _zero(x):
+    """Fills a numpy array or torch tensor with zeros (rows a step leaves unwritten)."""
+    if hasattr(x, "zero_"):
+        x.zero_()
+    else:
+        x.fill(0)
+    return x
+
+
+def _cache(call, a, cache, name, out):
+    """(k, v) or (k, v, block_table) into an nsa_kv_cache."""
+    if cache is None:
+        return
+    if not isinstance(cache, (tuple, list)) or len(cache) not in (2, 3):
+        raise TypeError("%s must be (k, v) or (k, v, block_table)" % name)
+    a.k = call.view(cache[0], name + ".k", output=out)
+    a.v = call.view(cache[1], name + ".v", output=out)
+    if len(cache) == 3 and cache[2] is not None:
+        a.block_table = call.view(cache[2], name + ".block_table")
+
+
+def step(call, q, cache, seqlens, config, q_lens=None, k_new=None, v_new=None, cmp_cache=None, cmp_by_caller=False,
+         gates=(None, None, None), block_indices=None, block_counts=None, want_selected=False, want_errors=False):
+    """nsa_step (spec 12): q [B, Tq, HQ, DK] against the caches (appended to when k_new / v_new
+    are given, compressed rows pooled unless cmp_by_caller). Returns (o, selected, errors):
+    o [B, Tq, HQ, DV] (rows past q_lens[b] are 0), the selection made [B, Tq, H, n] and the
+    per-sequence error codes [B] when asked, else None."""
+    B, Tq, HQ, _ = _dims(q, "q", 4)
+    H = _dims(cache[0], "cache.k", 4)[2]
+    DV = _dims(cache[1], "cache.v", 4)[3]
+    a = _lib.StepArgs()
+    a.q = call.view(q, "q")
+    a.seqlens = call.view(seqlens, "seqlens")
+    if q_lens is not None:
+        a.q_lens = call.view(q_lens, "q_lens")
+    if k_new is not None:
+        a.k_new = call.view(k_new, "k_new")
+    if v_new is not None:
+        a.v_new = call.view(v_new, "v_new")
+    appends = k_new is not None
+    _cache(call, a.cache, cache, "cache", appends)
+    _cache(call, a.cmp_cache, cmp_cache, "cmp_cache", not cmp_by_caller)
+    a.cmp_by_caller = 1 if cmp_by_caller else 0
+    for name, g in zip(("g_cmp", "g_slc", "g_swa"), gates):
+        if g is not None:
+            setattr(a, name, call.view(g, name))
+    if block_indices is not None:
+        a.block_indices = call.view(block_indices, "block_indices")
+    if block_counts is not None:
+        a.block_counts = call.view(block_counts, "block_counts")
+    o = _zero(call.empty((B, Tq, HQ, DV), call.dtype(q)))
+    a.o = call.view(o, "o", output=True)
+    selected = errors = None
+    if want_selected and gates[1] is not None and block_indices is None:
+        selected = call.empty((B, Tq, H, max(config.slc_topk, 0)), "i32")
+        a.selected = call.view(_zero(selected), "selected", output=True)
+    if want_errors:
+        errors = call.empty((B,), "i32")
+        a.errors = call.view(errors, "errors", output=True)
+    a.config = config.to_c()
+    call.run("step", a)
+    return o, selected, errors

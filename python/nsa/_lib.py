@@ -203,6 +203,29 @@ class BackwardArgs(Structure):
     ]
 
 
+class KvCache(Structure):
+    _fields_ = [("k", Tensor), ("v", Tensor), ("block_table", Tensor)]
+
+
+class StepArgs(Structure):
+    _fields_ = [
+        ("q", Tensor),
+        ("q_lens", Tensor),
+        ("seqlens", Tensor),
+        ("k_new", Tensor), ("v_new", Tensor),
+        ("cache", KvCache),
+        ("cmp_cache", KvCache),
+        ("cmp_by_caller", c_int32),
+        ("g_cmp", Tensor), ("g_slc", Tensor), ("g_swa", Tensor),
+        ("block_indices", Tensor),
+        ("block_counts", Tensor),
+        ("o", Tensor),
+        ("selected", Tensor),
+        ("errors", Tensor),
+        ("config", Config),
+    ]
+
+
 # Every struct of nsa.h, by its C name (the ABI test walks this table).
 STRUCTS = {
     "nsa_tensor": Tensor,
@@ -224,6 +247,8 @@ STRUCTS = {
     "nsa_saved": Saved,
     "nsa_forward_args": ForwardArgs,
     "nsa_backward_args": BackwardArgs,
+    "nsa_kv_cache": KvCache,
+    "nsa_step_args": StepArgs,
 }
 
 # op name -> its args struct; each has nsa_<op>_workspace_size and nsa_<op>.
@@ -241,6 +266,7 @@ OPS = {
     "gate_bwd": GateBwdArgs,
     "forward": ForwardArgs,
     "backward": BackwardArgs,
+    "step": StepArgs,
 }
 
 

@@ -21,40 +21,16 @@ import pytest
 # The known gaps of nsa.parallel_nsa against fla's tests, and how each shows. `call` is the
 # index of the nsa call that must raise: every call before it returned, and since fla asserts
 # the full-length half before it starts the decode half, reaching call 1 means those passed.
-GAPS = {
-    "decode": {
-        "reason": "decode half (q[:, -Tq:] against all T keys): nsa needs as many queries as keys "
-                  "(NSA_STATUS_BAD_SHAPE)",
-        "exc": "NsaError", "match": r"\(NSA_STATUS_BAD_SHAPE\)", "call": 1,
-    },
-    "decode_varlen": {
-        "reason": "decode half (cu_seqlens=(cu_seqlens_q, cu_seqlens_k)): nsa.parallel_nsa raises "
-                  "NotImplementedError for the tuple",
-        "exc": "NotImplementedError", "match": r"cu_seqlens_q, cu_seqlens_k", "call": 1,
-    },
-}
+# The known gaps of nsa.parallel_nsa against fla's tests, and how each shows: gap name ->
+# {"reason", "exc" (the exception's type name), "match" (a regex on its message), "call" (the
+# index of the nsa call that must raise: every call before it returned)}. None today: the
+# decoding halves (q shorter than k, cu_seqlens=(cu_q, cu_k)) run on nsa_step.
+GAPS = {}
 
 # fla's case ids (fla-org/flash-linear-attention bc3b101dcb71, tests/ops/test_nsa.py) -> gap.
-# Every other case that calls parallel_nsa must pass. The decode cases with W > 0 need
-# flash_attn for fla's naive window branch and skip (fla's own importorskip) where it is absent.
-KNOWN_GAPS = {
-    "test_parallel_decode[B3-T111-Tq15-H1-HQ32-D100-S16-block_size32-scale1.0-W128-torch.float16]": "decode",
-    "test_parallel_decode[B3-T1024-Tq280-H1-HQ32-D100-S16-block_size32-scale1.0-W0-torch.float32]": "decode",
-    "test_parallel_decode[B4-T1024-Tq256-H1-HQ32-D100-S16-block_size32-scale1.0-W16-torch.float16]": "decode",
-    "test_parallel_decode[B3-T1024-Tq3-H2-HQ32-D60-S16-block_size32-scale0.1-W128-torch.float16]": "decode",
-    "test_parallel_decode[B3-T1024-Tq33-H2-HQ32-D128-S16-block_size32-scale0.1-W0-torch.float32]": "decode",
-    "test_parallel_decode[B4-T2048-Tq25-H2-HQ32-D64-S16-block_size32-scale0.1-W512-torch.float16]": "decode",
-    "test_parallel_varlen_decode[H1-HQ16-D64-S16-block_size32-scale0.1-W128-cu_seqlens[0, 15]-q_lens[1]"
-    "-torch.float16]": "decode_varlen",
-    "test_parallel_varlen_decode[H1-HQ16-D64-S8-block_size16-scale1.0-W32-cu_seqlens[0, 15, 205, 550, 800]"
-    "-q_lens[3, 15, 30, 8]-torch.float16]": "decode_varlen",
-    "test_parallel_varlen_decode[H2-HQ32-D64-S16-block_size32-scale0.1-W64-cu_seqlens[0, 256, 500, 1000]"
-    "-q_lens[1, 15, 4]-torch.float16]": "decode_varlen",
-    "test_parallel_varlen_decode[H2-HQ32-D100-S16-block_size32-scale1.0-W0-cu_seqlens[0, 15, 100, 300, 1200, 2000]"
-    "-q_lens[5, 3, 1, 1, 128]-torch.float32]": "decode_varlen",
-    "test_parallel_varlen_decode[H2-HQ32-D100-S16-block_size32-scale1.0-W64-cu_seqlens[0, 15, 100, 300, 1200, 2000]"
-    "-q_lens[5, 3, 1, 1, 128]-torch.float16]": "decode_varlen",
-}
+# Every case that calls parallel_nsa must pass. The decode cases with W > 0 need flash_attn
+# for fla's naive window branch and skip (fla's own importorskip) where it is absent.
+KNOWN_GAPS = {}
 
 _calls = []      # the nsa calls of the running case
 _cases = {}      # nodeid -> record

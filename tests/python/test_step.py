@@ -1,0 +1,119 @@
+"""nsa.step (the inference step, spec 12) and parallel_nsa's decoding forms: a prefill and
+decode steps over contiguous and paged caches give nsa.forward's rows; a decode against a
+caller-kept cache; refusals name the argument; torch on the CPU and CUDA (when present), and
+fla's call forms (q shorter than k; cu_seqlens=(cu_q, cu_k)) against parallel_nsa on the
+whole sequences."""
+import numpy as np
+import pytest
+
+import nsa
+from conftest import TORCH
+
+CFG = nsa.Config(8, 4, 16, 4, 1, 1, 20, 0.3, 0.0)
+B, T, HQ, H, D = 2, 70, 4, 2, 16
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, HQ, D)).astype(np.float32)
+    k = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    v = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    g = [rng.random((B, T, HQ)).astype(np.float32) for _ in range(3)]
+    return q, k, v, g
+
+
+def test_step_prefill_and_decode_equal_forward():
+    q, k, v, g = _data()
+    ref = nsa.forward(q, k, v, *g, config=CFG)
+    cap, ncap = 80, 19
+    K, V = np.zeros((B, cap, H, D), np.float32), np.zeros((B, cap, H, D), np.float32)
+    KC, VC = np.zeros((B, ncap, H, D), np.float32), np.zeros((B, ncap, H, D), np.float32)
+    L, outs, sels = 0, [], []
+    for n in (40, 1, 1, 7, 21):
+        o, sel, err = nsa.step(q[:, L:L + n], (K, V), np.full(B, L, np.int32), CFG, k_new=k[:, L:L + n],
+                               v_new=v[:, L:L + n], cmp_cache=(KC, VC), g_cmp=g[0][:, L:L + n], g_slc=g[1][:, L:L + n],
+                               g_swa=g[2][:, L:L + n], return_selected=True, return_errors=True)
+        assert (err == 0).all()
+        outs.append(o), sels.append(sel)
+        L += n
+    np.testing.assert_allclose(np.concatenate(outs, 1), ref.o, atol=2e-5)
+    assert (np.concatenate(sels, 1) == ref.aux.block_indices).all()
+    np.testing.assert_array_equal(K[:, :T], k)  # the appends landed
+    np.testing.assert_allclose(KC[:, :nsa.cmp_offsets(CFG, [0, T])[1]], nsa.compress(k, CFG), atol=1e-6)
+
+
+def test_step_paged_decode_with_caller_cache():
+    q, k, v, g = _data(1)
+    ref = nsa.forward(q, k, v, *g, config=CFG).o
+    page, pages = 8, 9
+    rng = np.random.default_rng(3)
+    perm = rng.permutation(B * pages + 2).astype(np.int32)
+    table = perm[:B * pages].reshape(B, pages)
+    K = np.zeros((B * pages + 2, page, H, D), np.float32)
+    V = np.zeros_like(K)
+    for b in range(B):
+        for r in range(T):
+            K[table[b, r // page], r % page] = k[b, r]
+            V[table[b, r // page], r % page] = v[b, r]
+    kc, vc = nsa.compress(k, CFG), nsa.compress(v, CFG)
+    # sequence 0 asks for its last 3 tokens, sequence 1 for its last 2 (its row 2 is padding)
+    last = lambda x: np.stack([x[0, -3:], np.concatenate([x[1, -2:], x[1, -1:]])])  # noqa: E731
+    o = nsa.step(last(q), (K, V, table), np.full(B, T, np.int32), CFG, q_lens=np.array([3, 2], np.int32),
+                 cmp_cache=(kc, vc), cmp_by_caller=True, g_cmp=last(g[0]), g_slc=last(g[1]), g_swa=last(g[2]))
+    np.testing.assert_allclose(o[0], ref[0, -3:], atol=2e-5)
+    np.testing.assert_allclose(o[1, :2], ref[1, -2:], atol=2e-5)
+    assert (o[1, 2] == 0).all()  # past q_lens: not written
+
+
+def test_step_refusals_name_the_argument():
+    q, k, v, g = _data()
+    K = np.zeros((B, 8, H, D), np.float32)
+    with pytest.raises(nsa.NsaError, match=r"seqlens\[0\].*capacity") as e:
+        nsa.step(q[:, :1], (K, K.copy()), np.full(B, 8, np.int32), CFG, k_new=k[:, :1], v_new=v[:, :1], g_swa=g[2][:, :1])
+    assert e.value.name == "BAD_ARGUMENT"
+    with pytest.raises(nsa.NsaError, match=r"cmp_cache\.k") as e:
+        nsa.step(q[:, :1], (K, K.copy()), np.zeros(B, np.int32), CFG, k_new=k[:, :1], v_new=v[:, :1], g_cmp=g[0][:, :1])
+    assert e.value.name == "NULL_POINTER"
+
+
+def _torch_devices():
+    if TORCH is None:
+        return []
+    devs = ["cpu"]
+    if TORCH.cuda.is_available() and nsa.backend_available("cuda"):
+        devs.append("cuda")
+    return devs
+
+
+@pytest.mark.skipif(TORCH is None, reason="torch is not installed")
+@pytest.mark.parametrize("device", _torch_devices())
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_parallel_nsa_decoding_forms(device, dtype):
+    torch = TORCH
+    dt = getattr(torch, dtype)
+    g_ = torch.Generator().manual_seed(0)
+    Bq, Tk, Tq, HQq, Hk, K, S, bs, W = 2, 150, 5, 16, 1, 32, 4, 16, 24
+    q = torch.rand((Bq, Tk, HQq, K), generator=g_).mul(3).sub(2).to(dt).to(device)
+    k = torch.rand((Bq, Tk, Hk, K), generator=g_).mul(3).sub(2).to(dt).to(device)
+    v = torch.rand((Bq, Tk, Hk, K), generator=g_).mul(3).sub(2).to(dt).to(device)
+    gc, gs, gw = torch.rand((3, Bq, Tk, HQq), generator=g_).to(dt).to(device).unbind(0)
+    full = nsa.parallel_nsa(q, k, v, gc, gs, gw, block_counts=S, block_size=bs, window_size=W, scale=0.1)
+    tol = 2e-5 if dtype == "float32" else 2e-2
+    # q shorter than k: the last Tq positions, the selection computed
+    dec = nsa.parallel_nsa(q[:, -Tq:], k, v, gc[:, -Tq:], gs[:, -Tq:], gw[:, -Tq:], block_counts=S, block_size=bs,
+                           window_size=W, scale=0.1)
+    assert dec.shape == (Bq, Tq, HQq, K) and dec.dtype == dt
+    assert (dec.float() - full[:, -Tq:].float()).abs().max().item() < tol
+    # packed sequences, (cu_q, cu_k): each sequence's last q_lens tokens
+    lens, q_lens = [60, 1, 89], [3, 1, 5]
+    cu_k = torch.tensor([0, 60, 61, 150], dtype=torch.int32, device=device)
+    cu_q = torch.tensor([0, 3, 4, 9], dtype=torch.int32, device=device)
+    full_p = nsa.parallel_nsa(q[:1], k[:1], v[:1], gc[:1], gs[:1], gw[:1], block_counts=S, block_size=bs, window_size=W,
+                              scale=0.1, cu_seqlens=cu_k)
+    starts = [0, 60, 61]
+    rows = torch.tensor([s + L - n + i for s, L, n in zip(starts, lens, q_lens) for i in range(n)])
+    pick = lambda x: x[:, rows.to(x.device)]  # noqa: E731
+    dec_p = nsa.parallel_nsa(pick(q[:1]), k[:1], v[:1], pick(gc[:1]), pick(gs[:1]), pick(gw[:1]), block_counts=S,
+                             block_size=bs, window_size=W, scale=0.1, cu_seqlens=(cu_q, cu_k))
+    assert dec_p.shape == (1, 9, HQq, K)
+    assert (dec_p.float() - pick(full_p).float()).abs().max().item() < tol
