@@ -6,16 +6,18 @@
 # Exit code non-zero on any failure.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+B="${B:-build}" # the build folder (make's B); the Python suite loads its libnsa.so
+[ "$B" = build ] || export NSA_LIBRARY="${NSA_LIBRARY:-$PWD/$B/libnsa.so}"
 
 c_log="$(mktemp)"; py_log="$(mktemp)"
 trap 'rm -f "$c_log" "$py_log"' EXIT
 
 c_pass=0; c_fail=0
-groups="$(./build/nsa_tests --list)" || { echo "build/nsa_tests --list failed"; groups=""; c_fail=1; }
+groups="$("$B"/nsa_tests --list)" || { echo "build/nsa_tests --list failed"; groups=""; c_fail=1; }
 for g in $groups; do
     echo "== C: $g"
     # the group's own total line is left out: the only totals printed are the ones below
-    ./build/nsa_tests --group "$g" 2>&1 | tee "$c_log" | grep --line-buffered -vE '^[0-9]+ passed, [0-9]+ failed$'
+    "$B"/nsa_tests --group "$g" 2>&1 | tee "$c_log" | grep --line-buffered -vE '^[0-9]+ passed, [0-9]+ failed$'
     rc=${PIPESTATUS[0]}
     read -r p f < <(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$c_log" | tail -n 1 | sed -E 's/([0-9]+) passed, ([0-9]+) failed/\1 \2/')
     p=${p:-0}; f=${f:-1}

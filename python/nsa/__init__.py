@@ -19,7 +19,7 @@ from . import _core, _lib
 from ._core import AttentionGrads, Aux, Config, Grads, NsaError, cmp_offsets, status_name, status_string
 from ._lib import library
 
-__all__ = ["library", "version", "status_string", "status_name", "backend_available", "NsaError", "Config",
+__all__ = ["__version__", "library", "version", "status_string", "status_name", "backend_available", "NsaError", "Config",
            "Aux", "Grads", "Result", "native_sparse_attention", "parallel_nsa", "forward", "compress", "select",
            "cmp_offsets", "torch_available", "attention", "AttentionResult", "AttentionGrads", "step"]
 
@@ -40,9 +40,12 @@ else:
     _torch = None
 
 
-def version():
+def version() -> str:
     """The linked C library's version, "MAJOR.MINOR.PATCH"."""
     return library.nsa_version_string().decode()
+
+
+__version__ = version()  # the package and the C library share one version (include/nsa.h)
 
 
 def backend_available(name):

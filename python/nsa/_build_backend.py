@@ -1,12 +1,14 @@
 """PEP 517 / 660 build backend of the nsa package, standard library only.
 
 `pip install .` works offline: the backend needs no download (pyproject.toml lists no build
-requirement), runs `make build/libnsa.so` (the C library, with the CUDA backend when nvcc is
-on PATH: the Makefile's NSA_CUDA=auto) and packs python/nsa/*.py plus libnsa.so into a wheel.
-Extra make arguments: the NSA_MAKE_ARGS environment variable or the config setting
-"make-args", e.g. `pip install . --config-settings make-args="NATIVE=0 NSA_CUDA=0"` for a
-portable CPU-only build. `pip install -e .` installs a path to python/ instead, using
-build/libnsa.so in place. Not part of the installed package.
+requirement), runs `make B=build/wheel NATIVE=0 build/wheel/libnsa.so` (the C library for any
+x86-64 CPU, not just this one, in its own build folder; with the CUDA backend when nvcc is on
+PATH: the Makefile's NSA_CUDA=auto) and packs python/nsa/*.py, py.typed, libnsa.so and the
+license into a wheel. Extra make arguments: the NSA_MAKE_ARGS environment variable or the
+config setting "make-args", e.g. `pip install . --config-settings make-args="NSA_CUDA=0"` for
+a CPU-only build, "NATIVE=1" for this CPU's instructions. `pip install -e .` installs a path
+to python/ instead, using build/libnsa.so (the development build) in place. Not part of the
+installed package.
 """
 import base64
 import hashlib
@@ -37,19 +39,42 @@ def _tag():
     return "py3-none-" + plat
 
 
-def _make(config_settings):
-    args = shlex.split(os.environ.get("NSA_MAKE_ARGS", ""))
+def _make(config_settings, portable=True):
+    """make's libnsa.so: for a wheel a portable build in build/wheel, for an editable install
+    the development build in build/ (the caller's arguments win either way)."""
+    args = ["B=build/wheel", "NATIVE=0"] if portable else []
+    args += shlex.split(os.environ.get("NSA_MAKE_ARGS", ""))
     if config_settings and config_settings.get("make-args"):
         args += shlex.split(config_settings["make-args"])
+    build = "build"
+    for a in args:
+        if a.startswith("B="):
+            build = a[2:]
     jobs = "-j%d" % (os.cpu_count() or 1)
-    subprocess.run(["make", "-C", ROOT, jobs] + args + ["build/libnsa.so"], check=True)
-    return os.path.join(ROOT, "build", "libnsa.so")
+    print("nsa: building the C library%s in %s (make %s) -- with CUDA this takes minutes"
+          % ("" if not portable else " for any x86-64 CPU", build, " ".join(args)), flush=True)
+    subprocess.run(["make", "-C", ROOT, jobs] + args + [build + "/libnsa.so"], check=True)
+    return os.path.join(ROOT, build, "libnsa.so")
+
+
+LICENSE = "MIT"
+URL = "https://github.com/nsa-authors/nsa"
+REQUIRES_PYTHON = ">=3.8"
+DEPENDENCIES = ("numpy",)
+OPTIONAL = {"torch": ("torch>=2.4",)}
 
 
 def _metadata(version):
-    return ("Metadata-Version: 2.1\nName: %s\nVersion: %s\nSummary: %s\nRequires-Python: >=3.8\n"
-            "Provides-Extra: numpy\nRequires-Dist: numpy; extra == \"numpy\"\n"
-            "Provides-Extra: torch\nRequires-Dist: torch>=2.4; extra == \"torch\"\n" % (NAME, version, SUMMARY))
+    """Core metadata 2.1, the fields of pyproject.toml's [project] table (a test keeps the two
+    equal): name, version (nsa.h), summary, license, URL, Python, numpy, the torch extra."""
+    lines = ["Metadata-Version: 2.1", "Name: " + NAME, "Version: " + version, "Summary: " + SUMMARY,
+             "License: " + LICENSE, "Home-page: " + URL, "Project-URL: Source, " + URL,
+             "Requires-Python: " + REQUIRES_PYTHON]
+    lines += ["Requires-Dist: " + d for d in DEPENDENCIES]
+    for extra, reqs in OPTIONAL.items():
+        lines.append("Provides-Extra: " + extra)
+        lines += ['Requires-Dist: %s; extra == "%s"' % (r, extra) for r in reqs]
+    return "\n".join(lines) + "\n"
 
 
 class _Wheel:
@@ -75,6 +100,8 @@ class _Wheel:
         self.add(self.dist_info + "/WHEEL", ("Wheel-Version: 1.0\nGenerator: nsa-build-backend\nRoot-Is-Purelib: false\n"
                                              "Tag: %s\n" % self.tag).encode())
         self.add(self.dist_info + "/top_level.txt", b"nsa\n")
+        with open(os.path.join(ROOT, "LICENSE"), "rb") as f:
+            self.add(self.dist_info + "/LICENSE", f.read())
         record = self.dist_info + "/RECORD"
         self.zf.writestr(zipfile.ZipInfo(record, date_time=(2025, 1, 1, 0, 0, 0)),
                          "\n".join(self.records + [record + ",,"]) + "\n")
@@ -84,7 +111,7 @@ class _Wheel:
 
 def _package_files():
     for name in sorted(os.listdir(PKG)):
-        if name.endswith(".py") and name != "_build_backend.py":
+        if (name.endswith(".py") and name != "_build_backend.py") or name == "py.typed":
             yield name
 
 
@@ -112,7 +139,7 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
-    _make(config_settings)
+    _make(config_settings, portable=False)
     w = _Wheel(wheel_directory, _tag())
     w.add("nsa_editable.pth", (os.path.join(ROOT, "python") + "\n").encode())
     return w.close()
@@ -122,7 +149,7 @@ def build_sdist(sdist_directory, config_settings=None):
     version = _version()
     base = "%s-%s" % (NAME, version)
     name = base + ".tar.gz"
-    keep = ("Makefile", "pyproject.toml", "README.md", "include", "src", "python", "examples")
+    keep = ("Makefile", "pyproject.toml", "README.md", "LICENSE", "include", "src", "python", "examples")
     with tarfile.open(os.path.join(sdist_directory, name), "w:gz") as tar:
         for top in keep:
             path = os.path.join(ROOT, top)
