@@ -12,8 +12,11 @@ fake implementations for torch.compile, and autocast support).
 Shapes: q [B, T, HQ, DK], k [B, T, H, DK], v [B, T, H, DV], gates [B, T, HQ], o [B, T, HQ, DV];
 what is computed is spec/nsa.md, the conventions those of include/nsa.h.
 """
+from __future__ import annotations  # (the annotations below stay strings: no cost, Python 3.8)
+
 import importlib.util
 import os
+from typing import Any, Optional, Sequence, Tuple, Union
 
 from . import _core, _lib
 from ._core import AttentionGrads, Aux, Config, Grads, NsaError, cmp_offsets, status_name, status_string
@@ -22,6 +25,11 @@ from ._lib import library
 __all__ = ["__version__", "library", "version", "status_string", "status_name", "backend_available", "NsaError", "Config",
            "Aux", "Grads", "Result", "native_sparse_attention", "parallel_nsa", "forward", "compress", "select",
            "cmp_offsets", "torch_available", "attention", "AttentionResult", "AttentionGrads", "step"]
+
+# An array: a numpy.ndarray (CPU backend) or a torch.Tensor (its device's backend).
+Array = Any
+# cu_seqlens: a list, array or tensor of num_seqs + 1 ints.
+Offsets = Union[Sequence[int], Array]
 
 # With PyTorch installed the custom ops are registered at import, before any torch.compile
 # traces a call (NSA_NO_TORCH=1 skips that, e.g. for a numpy-only process).
@@ -48,7 +56,7 @@ def version() -> str:
 __version__ = version()  # the package and the C library share one version (include/nsa.h)
 
 
-def backend_available(name):
+def backend_available(name: str) -> bool:
     """True when backend "cpu" or "cuda" is compiled in and usable here."""
     codes = {"cpu": _lib.BACKEND_CPU, "cuda": _lib.BACKEND_CUDA}
     if name not in codes:
@@ -56,7 +64,7 @@ def backend_available(name):
     return bool(library.nsa_backend_available(codes[name]))
 
 
-def torch_available():
+def torch_available() -> bool:
     """True when the PyTorch integration (torch.ops.nsa.*) is loaded."""
     return _torch is not None
 
@@ -111,8 +119,11 @@ class Result:
         return Grads(*(grads.get(name) for name in _core.GRADS))
 
 
-def forward(q, k, v, g_cmp=None, g_slc=None, g_swa=None, config=None, k_cmp=None, v_cmp=None, block_indices=None,
-            block_counts=None, cu_seqlens=None, k_slc=None, v_slc=None, k_swa=None, v_swa=None, out=None):
+def forward(q: Array, k: Array, v: Array, g_cmp: Optional[Array] = None, g_slc: Optional[Array] = None,
+            g_swa: Optional[Array] = None, config: Optional[Config] = None, k_cmp: Optional[Array] = None,
+            v_cmp: Optional[Array] = None, block_indices: Optional[Array] = None, block_counts: Optional[Array] = None,
+            cu_seqlens: Optional[Offsets] = None, k_slc: Optional[Array] = None, v_slc: Optional[Array] = None,
+            k_swa: Optional[Array] = None, v_swa: Optional[Array] = None, out: Optional[Array] = None) -> Result:
     """nsa_forward on numpy arrays (CPU backend) or torch tensors (no autograd: use
     native_sparse_attention for that). Returns a Result; Result.backward(dout) runs
     nsa_backward. `out` (optional) receives o; on any error it is left untouched.
@@ -129,9 +140,12 @@ def forward(q, k, v, g_cmp=None, g_slc=None, g_swa=None, config=None, k_cmp=None
     return Result(q, tensors, config, cu_seqlens, o, saved)
 
 
-def step(q, cache, seqlens, config=None, *, q_lens=None, k_new=None, v_new=None, cmp_cache=None, cmp_by_caller=False,
-         g_cmp=None, g_slc=None, g_swa=None, block_indices=None, block_counts=None, return_selected=False,
-         return_errors=False):
+def step(q: Array, cache: Sequence[Array], seqlens: Array, config: Optional[Config] = None, *,
+         q_lens: Optional[Array] = None, k_new: Optional[Array] = None, v_new: Optional[Array] = None,
+         cmp_cache: Optional[Sequence[Array]] = None, cmp_by_caller: bool = False, g_cmp: Optional[Array] = None,
+         g_slc: Optional[Array] = None, g_swa: Optional[Array] = None, block_indices: Optional[Array] = None,
+         block_counts: Optional[Array] = None, return_selected: bool = False,
+         return_errors: bool = False) -> Union[Array, Tuple[Array, Optional[Array], Optional[Array]]]:
     """One inference step of NSA against KV caches (nsa_step, spec 12): decode, a multi-token
     step or a chunk of a chunked prefill, numpy arrays (CPU) or torch tensors (CPU or CUDA,
     the current stream; no autograd).
@@ -165,13 +179,14 @@ def step(q, cache, seqlens, config=None, *, q_lens=None, k_new=None, v_new=None,
     return o
 
 
-def compress(x, config=None, cu_seqlens=None):
+def compress(x: Array, config: Optional[Config] = None, cu_seqlens: Optional[Offsets] = None) -> Array:
     """nsa_compress (the default phi, mean over overlapping blocks): x [B, T, H, D] ->
     [B, Nc, H, D] (packed rows under cu_seqlens). No autograd."""
     return _core.compress(_call_for(x), x, _core._as_config(config), cu_seqlens)
 
 
-def select(q, k_cmp, config=None, lse_cmp=None, cu_seqlens=None, return_counts=False):
+def select(q: Array, k_cmp: Array, config: Optional[Config] = None, lse_cmp: Optional[Array] = None,
+           cu_seqlens: Optional[Offsets] = None, return_counts: bool = False) -> Union[Array, Tuple[Array, Array]]:
     """nsa_select: block_indices [B, T, H, n] int32, ascending, -1 padded (and block_counts
     [B, T, H] with return_counts). No gradient."""
     return _core.select(_call_for(q), q, k_cmp, _core._as_config(config), lse_cmp, cu_seqlens, return_counts)
@@ -192,9 +207,12 @@ class AttentionResult:
                                         self._opts, dbias)
 
 
-def attention(q, k, v, *, causal=False, window=(-1, -1), scale=None, softcap=0.0, sinks=None, q_segment_ids=None,
-              k_segment_ids=None, bias=None, mask=None, dropout_p=0.0, seed=0, offset=0, cu_seqlens=None,
-              cu_seqlens_q=None, cu_seqlens_k=None, out=None):
+def attention(q: Array, k: Array, v: Array, *, causal: bool = False, window: Tuple[int, int] = (-1, -1),
+              scale: Optional[float] = None, softcap: float = 0.0, sinks: Optional[Array] = None,
+              q_segment_ids: Optional[Array] = None, k_segment_ids: Optional[Array] = None, bias: Optional[Array] = None,
+              mask: Optional[Array] = None, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
+              cu_seqlens: Optional[Offsets] = None, cu_seqlens_q: Optional[Offsets] = None,
+              cu_seqlens_k: Optional[Offsets] = None, out: Optional[Array] = None) -> AttentionResult:
     """nsa_attention, the library's flash-attention core (nsa.h section 5), on numpy arrays
     (CPU backend) or torch tensors (CPU or CUDA; with autograd when grad mode is on and q, k,
     v, sinks or bias requires a gradient: .o then carries grad_fn, and loss.backward() fills
@@ -227,9 +245,13 @@ def attention(q, k, v, *, causal=False, window=(-1, -1), scale=None, softcap=0.0
 # ---- attention with autograd -------------------------------------------------------------------
 
 
-def native_sparse_attention(q, k, v, g_cmp, g_slc, g_swa, config=None, k_cmp=None, v_cmp=None, block_indices=None,
-                            cu_seqlens=None, return_aux=False, *, block_counts=None, k_slc=None, v_slc=None,
-                            k_swa=None, v_swa=None, out=None):
+def native_sparse_attention(q: Array, k: Array, v: Array, g_cmp: Optional[Array], g_slc: Optional[Array],
+                            g_swa: Optional[Array], config: Optional[Config] = None, k_cmp: Optional[Array] = None,
+                            v_cmp: Optional[Array] = None, block_indices: Optional[Array] = None,
+                            cu_seqlens: Optional[Offsets] = None, return_aux: bool = False, *,
+                            block_counts: Optional[Array] = None, k_slc: Optional[Array] = None,
+                            v_slc: Optional[Array] = None, k_swa: Optional[Array] = None, v_swa: Optional[Array] = None,
+                            out: Optional[Array] = None) -> Union[Array, Tuple[Array, Aux]]:
     """NSA with the full configuration of the spec: o = g_cmp*o_cmp + g_slc*o_slc + g_swa*o_swa.
 
     q [B, T, HQ, DK]; k [B, T, H, DK]; v [B, T, H, DV]; g_* [B, T, HQ] or None (a missing
@@ -282,8 +304,10 @@ def _numpy_fla_selection(q, k, config, counts, cu_seqlens):
     return merged, counts
 
 
-def parallel_nsa(q, k, v, g_cmp=None, g_slc=None, g_swa=None, block_indices=None, block_counts=16, block_size=64,
-                 window_size=0, scale=None, cu_seqlens=None):
+def parallel_nsa(q: Array, k: Array, v: Array, g_cmp: Optional[Array] = None, g_slc: Optional[Array] = None,
+                 g_swa: Optional[Array] = None, block_indices: Optional[Array] = None,
+                 block_counts: Union[int, Array] = 16, block_size: int = 64, window_size: int = 0,
+                 scale: Optional[float] = None, cu_seqlens: Union[None, Offsets, Tuple[Offsets, Offsets]] = None) -> Array:
     """Drop-in for fla.ops.nsa.parallel_nsa: the same arguments and meaning, NSA with
     l = d = l' = block_size (mean-pooled compression), n = block_counts, forced blocks
     0, cur-1, cur, and a sliding window of window_size.

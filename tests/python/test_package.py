@@ -158,3 +158,16 @@ def test_wheel_in_a_fresh_venv(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     version, lib = r.stdout.split()
     assert version == be._version() and lib.startswith(str(env_dir))
+
+
+def test_public_functions_have_type_hints():
+    """Every public function of nsa carries annotations that resolve (py.typed promises them)."""
+    import inspect
+    import typing
+
+    import nsa
+    for name in nsa.__all__:
+        obj = getattr(nsa, name)
+        if inspect.isfunction(obj) and name not in ("status_string", "status_name", "cmp_offsets"):
+            hints = typing.get_type_hints(obj)
+            assert "return" in hints, name
