@@ -21,10 +21,12 @@ from typing import Any, Optional, Sequence, Tuple, Union
 from . import _core, _lib
 from ._core import AttentionGrads, Aux, Config, Grads, NsaError, cmp_offsets, status_name, status_string
 from ._lib import library
+from .cache import KVCache
 
 __all__ = ["__version__", "library", "version", "status_string", "status_name", "backend_available", "NsaError", "Config",
            "Aux", "Grads", "Result", "native_sparse_attention", "parallel_nsa", "forward", "compress", "select",
-           "cmp_offsets", "torch_available", "attention", "AttentionResult", "AttentionGrads", "step"]
+           "cmp_offsets", "torch_available", "attention", "AttentionResult", "AttentionGrads", "step",
+           "KVCache"]
 
 # An array: a numpy.ndarray (CPU backend) or a torch.Tensor (its device's backend).
 Array = Any

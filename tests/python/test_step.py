@@ -117,3 +117,53 @@ def test_parallel_nsa_decoding_forms(device, dtype):
                              block_size=bs, window_size=W, scale=0.1, cu_seqlens=(cu_q, cu_k))
     assert dec_p.shape == (1, 9, HQq, K)
     assert (dec_p.float() - pick(full_p).float()).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_kv_cache_object(page_size):
+    """nsa.KVCache: a prefill and decode steps (different counts per sequence) give
+    nsa.forward's rows; freeing a sequence returns its pages and it starts over; a step the
+    pool cannot hold raises before anything changes."""
+    q, k, v, g = _data(2)
+    ref = nsa.forward(q, k, v, *g, config=CFG).o
+    cache = nsa.KVCache(B, H, D, D, 72, CFG, page_size=page_size)
+    L = [0, 0]
+    for counts in ([30, 12], [1, 1], [5, 0], [1, 20], [33, 37]):
+        Tq = max(counts)
+        take = lambda x: np.stack([np.concatenate([x[b, L[b]:L[b] + counts[b]],  # noqa: E731
+                                                   np.zeros((Tq - counts[b],) + x.shape[2:], x.dtype)]) for b in range(B)])
+        o = cache.step(take(q), take(k), take(v), q_lens=counts, g_cmp=take(g[0]), g_slc=take(g[1]), g_swa=take(g[2]))
+        for b in range(B):
+            np.testing.assert_allclose(o[b, :counts[b]], ref[b, L[b]:L[b] + counts[b]], atol=2e-5)
+            L[b] += counts[b]
+    assert cache.lengths == [T, T]
+    cache.free(1)
+    assert cache.lengths == [T, 0]
+    o = cache.step(q[:, :4], k[:, :4], v[:, :4], q_lens=[0, 4], g_cmp=g[0][:, :4], g_slc=g[1][:, :4], g_swa=g[2][:, :4])
+    np.testing.assert_allclose(o[1], ref[1, :4], atol=2e-5)
+    with pytest.raises((ValueError, MemoryError)):
+        cache.step(q[:, :4], k[:, :4], v[:, :4], q_lens=[4, 0], g_swa=g[2][:, :4])  # 70 + 4 > 72
+    assert cache.lengths == [T, 4]
+    if page_size:
+        small = nsa.KVCache(B, H, D, D, 72, CFG, page_size=8, num_pages=5)  # 40 tokens in all
+        small.step(q[:, :24], k[:, :24], v[:, :24], g_swa=g[2][:, :24], q_lens=[24, 0])
+        with pytest.raises(MemoryError):
+            small.step(q[:, :24], k[:, :24], v[:, :24], g_swa=g[2][:, :24], q_lens=[0, 24])
+        assert small.lengths == [24, 0]
+
+
+@pytest.mark.skipif(TORCH is None, reason="torch is not installed")
+@pytest.mark.parametrize("device", _torch_devices())
+def test_kv_cache_object_torch(device):
+    """nsa.KVCache with torch storage on the tensor's device: prefill + decode equal nsa.forward."""
+    torch = TORCH
+    qn, kn, vn, gn = _data(4)
+    q, k, v = (torch.from_numpy(x).to(device) for x in (qn, kn, vn))
+    g = [torch.from_numpy(x).to(device) for x in gn]
+    ref = nsa.forward(q, k, v, *g, config=CFG).o
+    cache = nsa.KVCache(B, H, D, D, 80, CFG, page_size=16, like=q)
+    outs = [cache.step(q[:, :40], k[:, :40], v[:, :40], g_cmp=g[0][:, :40], g_slc=g[1][:, :40], g_swa=g[2][:, :40])]
+    for t in range(40, T):
+        outs.append(cache.step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g_cmp=g[0][:, t:t + 1],
+                               g_slc=g[1][:, t:t + 1], g_swa=g[2][:, t:t + 1]))
+    assert (torch.cat(outs, 1) - ref).abs().max().item() < 2e-5
