@@ -178,6 +178,7 @@ typedef struct problem {
     /* backend tensors; shapes in the comments of nsa.h */
     tbuf q, k, v, kc, vc, g[NBRANCH], o, ob[NBRANCH], lse[NBRANCH], idx, od, lsed;
     tbuf dout, dq, dk, dv, dkc, dvc, dg[NBRANCH];
+    tbuf seqlens; /* [B] I32: the decode step's cached tokens (T each) */
     void *ws;
     size_t ws_bytes;
     /* the calls */
@@ -192,6 +193,7 @@ typedef struct problem {
     nsa_slc_attn_bwd_args slc_b;
     nsa_attention_bwd_args swa_b, dense_b;
     nsa_backward_args bwd;
+    nsa_step_args step;
 } problem;
 
 typedef struct problem_opts {
@@ -252,6 +254,13 @@ static void alloc_buffers(problem *p)
         tbuf_alloc(&p->lse[b], be, NSA_DTYPE_F32, nrow, "branch lse");
     }
     tbuf_alloc(&p->idx, be, NSA_DTYPE_I32, mul3(rows, p->H, p->n), "block_indices");
+    tbuf_alloc(&p->seqlens, be, NSA_DTYPE_I32, p->B, "seqlens");
+    {
+        int32_t *lens = (int32_t *)host_alloc(tbuf_bytes(NSA_DTYPE_I32, p->B), "seqlens (host)");
+        for (int64_t b = 0; b < p->B; b++) lens[b] = (int32_t)p->T;
+        devmem_upload(be, p->seqlens.mem, lens, tbuf_bytes(NSA_DTYPE_I32, p->B));
+        free(lens);
+    }
     if (p->with_dense) {
         tbuf_alloc(&p->od, be, dt, no, "dense o");
         tbuf_alloc(&p->lsed, be, NSA_DTYPE_F32, nrow, "dense lse");
@@ -320,6 +329,36 @@ static void build_forward_calls(problem *p)
                                         .scale = p->cfg.scale, .causal = 1, .window_left = -1, .window_right = 0};
 }
 
+/* Row T - 1 of a [B, T, X, D] (or [B, T, X]) tensor as a [B, 1, X, D] view: the decode step's
+ * query and gates, the last token of each sequence. */
+static nsa_tensor last_row(nsa_tensor t)
+{
+    const int64_t step = t.stride[1];
+    t.data = (char *)t.data + (size_t)((t.shape[1] - 1) * step) * nsa_dtype_size(t.dtype);
+    t.shape[1] = 1;
+    return t;
+}
+
+/* One decode step: the last token of every sequence against its whole prefix, the problem's
+ * k, v as contiguous caches and the compressed k, v (OP_COMPRESS) as the caller-kept
+ * compressed cache; no append. */
+static void build_decode_call(problem *p)
+{
+    const int64_t B = p->B, T = p->T, HQ = p->HQ, H = p->H, DK = p->DK, DV = p->DV, Nc = p->Nc;
+    nsa_step_args *s = &p->step;
+    memset(s, 0, sizeof *s);
+    if (T < 1) return;
+    s->q = last_row(t4(&p->q, B, T, HQ, DK));
+    s->seqlens = nsa_tensor_make(p->seqlens.mem, NSA_DTYPE_I32, 1, (int64_t[]){B});
+    s->cache.k = t4(&p->k, B, T, H, DK), s->cache.v = t4(&p->v, B, T, H, DV);
+    s->cmp_cache.k = t4(&p->kc, B, Nc, H, DK), s->cmp_cache.v = t4(&p->vc, B, Nc, H, DV);
+    s->cmp_by_caller = 1;
+    s->g_cmp = last_row(t3(&p->g[BR_CMP], B, T, HQ)), s->g_slc = last_row(t3(&p->g[BR_SLC], B, T, HQ));
+    s->g_swa = last_row(t3(&p->g[BR_SWA], B, T, HQ));
+    s->o = t4(&p->o, B, 1, HQ, DV);
+    s->config = p->cfg;
+}
+
 static void build_backward_calls(problem *p)
 {
     const int64_t B = p->B, T = p->T, HQ = p->HQ, H = p->H, DK = p->DK, DV = p->DV, Nc = p->Nc;
@@ -339,7 +378,7 @@ static void build_backward_calls(problem *p)
 
 typedef enum op_id {
     OP_COMPRESS, OP_CMP_ATTN, OP_SELECT, OP_SLC_ATTN, OP_SWA, OP_GATE, OP_FORWARD, OP_DENSE,
-    OP_CMP_ATTN_BWD, OP_SLC_ATTN_BWD, OP_SWA_BWD, OP_BACKWARD, OP_DENSE_BWD, OP_COUNT
+    OP_CMP_ATTN_BWD, OP_SLC_ATTN_BWD, OP_SWA_BWD, OP_BACKWARD, OP_DENSE_BWD, OP_DECODE, OP_COUNT
 } op_id;
 
 static const struct op_info {
@@ -360,6 +399,7 @@ static const struct op_info {
     [OP_SWA_BWD] = {"window_bwd", "nsa_attention_bwd (causal, window w)", 1, 0},
     [OP_BACKWARD] = {"backward", "nsa_backward", 1, 0},
     [OP_DENSE_BWD] = {"dense_bwd", "nsa_attention_bwd (causal, no window)", 1, 1},
+    [OP_DECODE] = {"decode", "nsa_step (one new token per sequence against T cached ones)", 0, 0},
 };
 
 #define OPBIT(id) (1u << (id))
@@ -374,6 +414,7 @@ static const unsigned OP_NEEDS[OP_COUNT] = {
     [OP_SWA_BWD] = OPBIT(OP_SWA),
     [OP_BACKWARD] = OPBIT(OP_FORWARD),
     [OP_DENSE_BWD] = OPBIT(OP_DENSE),
+    [OP_DECODE] = OPBIT(OP_COMPRESS),
 };
 /* --op groups: the flash-attention core alone (nsa_attention, dense and windowed), and NSA's own ops */
 #define OPS_ATTENTION (OPBIT(OP_SWA) | OPBIT(OP_DENSE) | OPBIT(OP_SWA_BWD) | OPBIT(OP_DENSE_BWD))
@@ -406,6 +447,7 @@ static nsa_status op_workspace(problem *p, op_id id, size_t *bytes)
     case OP_SWA_BWD: return nsa_attention_bwd_workspace_size(c, &p->swa_b, bytes);
     case OP_BACKWARD: return nsa_backward_workspace_size(c, &p->bwd, bytes);
     case OP_DENSE_BWD: return nsa_attention_bwd_workspace_size(c, &p->dense_b, bytes);
+    case OP_DECODE: return nsa_step_workspace_size(c, &p->step, bytes);
     case OP_COUNT: break;
     }
     return NSA_STATUS_BAD_ARGUMENT;
@@ -433,6 +475,7 @@ static nsa_status op_call(problem *p, op_id id)
     case OP_SWA_BWD: return nsa_attention_bwd(c, &p->swa_b, w, n);
     case OP_BACKWARD: return nsa_backward(c, &p->bwd, w, n);
     case OP_DENSE_BWD: return nsa_attention_bwd(c, &p->dense_b, w, n);
+    case OP_DECODE: return nsa_step(c, &p->step, w, n);
     case OP_COUNT: break;
     }
     return NSA_STATUS_BAD_ARGUMENT;
@@ -478,6 +521,7 @@ static void problem_init(problem *p, const problem_opts *o)
     fill_inputs(p, o->seed);
     alloc_buffers(p);
     build_forward_calls(p);
+    build_decode_call(p);
     if (p->with_bwd) build_backward_calls(p);
     alloc_workspace(p);
 }
@@ -486,7 +530,7 @@ static void problem_free(problem *p)
 {
     const nsa_backend be = p->backend;
     tbuf *all[] = {&p->q, &p->k, &p->v, &p->kc, &p->vc, &p->o, &p->idx, &p->od, &p->lsed, &p->dout, &p->dq,
-                   &p->dk, &p->dv, &p->dkc, &p->dvc};
+                   &p->dk, &p->dv, &p->dkc, &p->dvc, &p->seqlens};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tbuf_free(all[i], be);
     for (int b = 0; b < NBRANCH; b++) {
         tbuf_free(&p->g[b], be), tbuf_free(&p->ob[b], be), tbuf_free(&p->lse[b], be), tbuf_free(&p->dg[b], be);
@@ -573,6 +617,11 @@ static double op_flops(const problem *p, const work *w, op_id id)
     case OP_SWA_BWD: return 2.5 * w->swa * fa;
     case OP_BACKWARD: return compress + 2.5 * (w->cmp + w->slc + w->swa) * fa + 2.0 * gate;
     case OP_DENSE_BWD: return 2.5 * w->dense * fa;
+    case OP_DECODE: { /* the last query's keys: visible compressed rows, n selected blocks, the window */
+        const int64_t t = p->T - 1, nv = cmp_visible(&p->cfg, t, p->Nc);
+        const double keys = (double)(nv + min64(p->n * p->cfg.slc_block, p->T) + min64(p->cfg.window, p->T));
+        return (double)(p->B * p->HQ) * keys * fa;
+    }
     case OP_COUNT: break;
     }
     return 0.0;
@@ -632,7 +681,8 @@ static const char *HELP_BENCH =
     "      per-op and whole-NSA times (median of --reps runs after a warm-up, default 5),\n"
     "      GFLOP/s, and dense causal attention / NSA forward. --op times only the listed\n"
     "      ops (names as in the table, or the groups attention = window, dense and their\n"
-    "      backwards, nsa = NSA's ops); what they read runs first, untimed.\n"
+    "      backwards, nsa = NSA's ops); what they read runs first, untimed. decode: one\n"
+    "      inference step (nsa_step) of the last token against the T cached ones.\n"
     "  nsa bench --branches [--T 8192,16384,32768,65536] [--config paper|fla] [--HQ 64]\n"
     "            [--H 4] [--D 128 | --DK 128 --DV 128] [--dtype bf16|f16 | --f16] [--reps 10]\n"
     "            [--profile] [--backend cuda|cpu] [--threads N]\n"

@@ -37,6 +37,12 @@ def test_op_runs_its_inputs_untimed(tmp_path):
     assert "nsa_select (input of a timed op, untimed)" in r.stderr
 
 
+def test_op_decode_times_one_inference_step(tmp_path):
+    rows, r = bench(tmp_path, "--op", "decode")
+    assert [x["op"] for x in rows] == ["decode"] and rows[0]["ms"] > 0 and rows[0]["gflops"] > 0
+    assert "nsa_compress (k and v) (input of a timed op, untimed)" in r.stderr
+
+
 def test_unknown_op_is_a_usage_error(tmp_path):
     if not os.path.exists(CLI):
         pytest.skip("build/nsa not built")
