@@ -522,6 +522,37 @@ typedef struct nsa_step_args {
 NSA_API nsa_status nsa_step_workspace_size(nsa_context *ctx, const nsa_step_args *args, size_t *bytes);
 NSA_API nsa_status nsa_step(nsa_context *ctx, const nsa_step_args *args, void *workspace, size_t workspace_bytes);
 
+/* Dense attention of one step's queries against a token cache (spec 12.1): the caches, lengths,
+ * append, checks and `errors` of nsa_step, nsa_attention's function. Query i of sequence b (the
+ * token at position p = L_b - n_b + i) sees cached key j < L_b iff
+ *   (window_left < 0 || j >= p - window_left) and
+ *   (causal ? j <= p : (window_right < 0 || j <= p + window_right)),
+ * which is row i of nsa_attention with q = the step's n_b queries and k, v = the L_b cached rows
+ * (Tq != Tk: bottom-right aligned), the same scale, softcap and sinks; o and lse as nsa_attention
+ * writes them (a row that sees no key: o = 0, lse = -inf, or the sink's logit with sinks). For a
+ * causal model this is row p of nsa_attention over the whole sequence. Rows n_b .. Tq - 1 of o
+ * and lse are not written. */
+typedef struct nsa_attention_step_args {
+    nsa_tensor q;                /* in  [B, Tq, HQ, DK] */
+    nsa_tensor q_lens;           /* in, optional [B] I32: new queries per sequence (absent: Tq) */
+    nsa_tensor seqlens;          /* in  [B] I32: cached tokens per sequence before the step */
+    nsa_tensor k_new, v_new;     /* in, optional [B, Tq, H, DK/DV]: the step's tokens to append (both or none) */
+    nsa_kv_cache cache;          /* in/out: token K / V */
+    nsa_tensor o;                /* out [B, Tq, HQ, DV] */
+    nsa_tensor lse;              /* out, optional [B, Tq, HQ] F32 */
+    nsa_tensor errors;           /* out, optional [B] I32: as nsa_step's */
+    float scale;                 /* 0 = 1 / sqrt(DK) */
+    int32_t causal;              /* != 0: window_right = 0 */
+    int64_t window_left;         /* -1 = unbounded */
+    int64_t window_right;        /* -1 = unbounded (ignored when causal) */
+    float softcap;               /* > 0: logit softcap on the scaled score; 0 = off */
+    nsa_tensor sinks;            /* in, optional [HQ] F32: one sink logit per query head */
+} nsa_attention_step_args;
+
+NSA_API nsa_status nsa_attention_step_workspace_size(nsa_context *ctx, const nsa_attention_step_args *args, size_t *bytes);
+NSA_API nsa_status nsa_attention_step(nsa_context *ctx, const nsa_attention_step_args *args, void *workspace,
+                                      size_t workspace_bytes);
+
 #ifdef __cplusplus
 }
 #endif

@@ -279,6 +279,7 @@ typedef enum op_id {
     OP_FORWARD,
     OP_BACKWARD,
     OP_STEP,
+    OP_ATTENTION_STEP,
 } op_id;
 
 /* One call: the op and its args (a pointer to that op's own args struct). */
@@ -304,6 +305,7 @@ static nsa_status op_validate(op_call c, nsa_problem *p)
     case OP_FORWARD: return nsa_validate_forward((const nsa_forward_args *)c.args, p);
     case OP_BACKWARD: return nsa_validate_backward((const nsa_backward_args *)c.args, p);
     case OP_STEP: return nsa_validate_step((const nsa_step_args *)c.args, p);
+    case OP_ATTENTION_STEP: return nsa_validate_attention_step((const nsa_attention_step_args *)c.args, p);
     }
     return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "op: unknown operation %d", (int)c.op);
 }
@@ -328,6 +330,7 @@ static size_t op_workspace(const nsa_context *ctx, const nsa_problem *p, op_call
         case OP_FORWARD: return nsa_cuda_forward_workspace(ctx, p, (const nsa_forward_args *)c.args);
         case OP_BACKWARD: return nsa_cuda_backward_workspace(ctx, p, (const nsa_backward_args *)c.args);
         case OP_STEP: return nsa_cuda_step_workspace(ctx, p, (const nsa_step_args *)c.args);
+        case OP_ATTENTION_STEP: return nsa_cuda_attention_step_workspace(ctx, p, (const nsa_attention_step_args *)c.args);
         }
         return 0;
     }
@@ -347,6 +350,7 @@ static size_t op_workspace(const nsa_context *ctx, const nsa_problem *p, op_call
     case OP_FORWARD: return nsa_cpu_forward_workspace(ctx, p, (const nsa_forward_args *)c.args);
     case OP_BACKWARD: return nsa_cpu_backward_workspace(ctx, p, (const nsa_backward_args *)c.args);
     case OP_STEP: return nsa_cpu_step_workspace(ctx, p, (const nsa_step_args *)c.args);
+    case OP_ATTENTION_STEP: return nsa_cpu_attention_step_workspace(ctx, p, (const nsa_attention_step_args *)c.args);
     }
     return 0;
 }
@@ -371,6 +375,7 @@ static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_ca
         case OP_FORWARD: return nsa_cuda_forward(ctx, p, (const nsa_forward_args *)c.args, ws);
         case OP_BACKWARD: return nsa_cuda_backward(ctx, p, (const nsa_backward_args *)c.args, ws);
         case OP_STEP: return nsa_cuda_step(ctx, p, (const nsa_step_args *)c.args, ws);
+        case OP_ATTENTION_STEP: return nsa_cuda_attention_step(ctx, p, (const nsa_attention_step_args *)c.args, ws);
         }
         return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "op: unknown operation %d", (int)c.op);
     }
@@ -390,6 +395,7 @@ static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_ca
     case OP_FORWARD: return nsa_cpu_forward(ctx, p, (const nsa_forward_args *)c.args, ws);
     case OP_BACKWARD: return nsa_cpu_backward(ctx, p, (const nsa_backward_args *)c.args, ws);
     case OP_STEP: return nsa_cpu_step(ctx, p, (const nsa_step_args *)c.args, ws);
+    case OP_ATTENTION_STEP: return nsa_cpu_attention_step(ctx, p, (const nsa_attention_step_args *)c.args, ws);
     }
     return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "op: unknown operation %d", (int)c.op);
 }
@@ -571,4 +577,14 @@ nsa_status nsa_step_workspace_size(nsa_context *ctx, const nsa_step_args *args, 
 nsa_status nsa_step(nsa_context *ctx, const nsa_step_args *args, void *workspace, size_t workspace_bytes)
 {
     return op_dispatch(ctx, (op_call){OP_STEP, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_attention_step_workspace_size(nsa_context *ctx, const nsa_attention_step_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_ATTENTION_STEP, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_attention_step(nsa_context *ctx, const nsa_attention_step_args *args, void *workspace, size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_ATTENTION_STEP, args}, OP_RUN, NULL, workspace, workspace_bytes);
 }

@@ -954,3 +954,41 @@ nsa_status nsa_validate_step(const nsa_step_args *a, nsa_problem *p)
     return NSA_STATUS_SUCCESS;
 }
 
+
+nsa_step_args nsa_step_common(const nsa_attention_step_args *a)
+{
+    nsa_step_args s;
+    memset(&s, 0, sizeof s);
+    s.q = a->q, s.q_lens = a->q_lens, s.seqlens = a->seqlens, s.k_new = a->k_new, s.v_new = a->v_new;
+    s.cache = a->cache, s.o = a->o, s.errors = a->errors;
+    s.config = nsa_config_default(); /* (no compressed rows: only the token cache is read) */
+    return s;
+}
+
+nsa_status nsa_validate_attention_step(const nsa_attention_step_args *a, nsa_problem *p)
+{
+    nsa_attention_args opt; /* the scalar rules are nsa_attention's */
+    memset(&opt, 0, sizeof opt);
+    opt.scale = a->scale, opt.causal = a->causal, opt.window_left = a->window_left, opt.window_right = a->window_right;
+    opt.softcap = a->softcap;
+    nsa_status st = attention_scalars(&opt, 0);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    if ((st = pair_check(&a->k_new, &a->v_new, "", "k_new", "v_new")) != NSA_STATUS_SUCCESS) return st;
+    const tspec s[] = {
+        {&a->q, R_IN, K_REF, S_Q, "q"},
+        {&a->q_lens, R_OPT_IN, K_I32, S_LEN, "q_lens"},
+        {&a->seqlens, R_IN, K_I32, S_LEN, "seqlens"},
+        {&a->k_new, R_OPT_IN, K_REF, S_K, "k_new"},
+        {&a->v_new, R_OPT_IN, K_REF, S_V, "v_new"},
+        {&a->cache.k, R_IN, K_REF, S_CK, "cache.k"},
+        {&a->cache.v, R_IN, K_REF, S_CV, "cache.v"},
+        {&a->cache.block_table, R_OPT_IN, K_I32, S_BT, "cache.block_table"},
+        {&a->o, R_OUT, K_REF, S_O, "o"},
+        {&a->lse, R_OPT_OUT, K_F32, S_ROW, "lse"},
+        {&a->errors, R_OPT_OUT, K_I32, S_LEN, "errors"},
+        {&a->sinks, R_OPT_IN, K_F32, S_HEAD, "sinks"},
+    };
+    const engine_in e = {a->q.dtype, "q", NULL, NULL, a->scale, ""};
+    if ((st = check_tensors(s, COUNT(s), &e, p)) != NSA_STATUS_SUCCESS) return st;
+    return cache_dims(&a->cache, "cache", p->B, &p->cache_cap);
+}

@@ -529,6 +529,272 @@ static void test_step_device_errors(nsa_context *ctx)
     }
 }
 
+/* ---- the dense step (nsa_attention_step) ------------------------------------------------- */
+
+/* One set of attention options. */
+typedef struct dense_opts {
+    int causal;
+    int64_t wl, wr;
+    float softcap;
+    int sinks;
+    const char *name;
+} dense_opts;
+
+static const float g_sinks[ST_HQ] = {0.5f, -1.0f, 2.0f, 0.0f};
+
+/* nsa_attention on the CPU: the step's n queries of a sequence against its first L tokens. */
+static void dense_ref(nsa_context *cpu, const seqdata *s, int64_t L, int64_t n, const dense_opts *op, float *o, float *lse)
+{
+    nsa_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.q = nsa_tensor_4d(s->q + (L - n) * ST_HQ * ST_DK, NSA_DTYPE_F32, 1, n, ST_HQ, ST_DK);
+    a.k = nsa_tensor_4d(s->k, NSA_DTYPE_F32, 1, L, ST_H, ST_DK);
+    a.v = nsa_tensor_4d(s->v, NSA_DTYPE_F32, 1, L, ST_H, ST_DV);
+    a.o = nsa_tensor_4d(o, NSA_DTYPE_F32, 1, n, ST_HQ, ST_DV);
+    a.lse = nsa_tensor_3d(lse, NSA_DTYPE_F32, 1, n, ST_HQ);
+    a.scale = 0.3f, a.causal = op->causal, a.window_left = op->wl, a.window_right = op->wr, a.softcap = op->softcap;
+    if (op->sinks) a.sinks = nsa_tensor_make((void *)g_sinks, NSA_DTYPE_F32, 1, (int64_t[]){ST_HQ});
+    size_t need = 0;
+    CHECK_STATUS(nsa_attention_workspace_size(cpu, &a, &need), NSA_STATUS_SUCCESS);
+    void *ws = malloc(need ? need : 1);
+    CHECK_STATUS(nsa_attention(cpu, &a, ws, need), NSA_STATUS_SUCCESS);
+    free(ws);
+}
+
+/* nsa_attention_step on ctx, mirrored to the device when g_mem is set. */
+static nsa_status dense_call(nsa_context *ctx, const nsa_attention_step_args *a, const caches *c)
+{
+    size_t need = 0;
+    nsa_status st = nsa_attention_step_workspace_size(ctx, a, &need);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    if (!g_mem) {
+        void *ws = malloc(need ? need : 1);
+        st = nsa_attention_step(ctx, a, ws, need);
+        free(ws);
+        return st;
+    }
+    nsa_attention_step_args d = *a;
+    mirror_t m[16];
+    int nm = 0;
+    const int64_t rows = c->paged ? c->pool * c->page : ST_B * c->cap;
+    mirror(m, &nm, &d.q, dense_bytes(&a->q), 0), mirror(m, &nm, &d.q_lens, dense_bytes(&a->q_lens), 0);
+    mirror(m, &nm, &d.seqlens, dense_bytes(&a->seqlens), 0);
+    mirror(m, &nm, &d.k_new, dense_bytes(&a->k_new), 0), mirror(m, &nm, &d.v_new, dense_bytes(&a->v_new), 0);
+    mirror(m, &nm, &d.cache.k, (size_t)(rows * ST_H * ST_DK) * 4, 1), mirror(m, &nm, &d.cache.v, (size_t)(rows * ST_H * ST_DV) * 4, 1);
+    mirror(m, &nm, &d.cache.block_table, (size_t)(ST_B * c->pps) * 4, 0);
+    mirror(m, &nm, &d.sinks, dense_bytes(&a->sinks), 0);
+    mirror(m, &nm, &d.o, dense_bytes(&a->o), 1), mirror(m, &nm, &d.lse, dense_bytes(&a->lse), 1);
+    mirror(m, &nm, &d.errors, dense_bytes(&a->errors), 1);
+    void *ws = g_mem->alloc(need ? need : 1);
+    st = nsa_attention_step(ctx, &d, ws, need);
+    for (int i = 0; i < nm; i++) {
+        if (m[i].out) g_mem->download(m[i].host, m[i].dev, m[i].bytes);
+        g_mem->release(m[i].dev);
+    }
+    g_mem->release(ws);
+    return st;
+}
+
+/* As run_steps for the dense step: every step's o and lse against nsa_attention of the step's
+ * queries over the tokens cached so far. */
+static void run_dense_steps(nsa_context *ctx, nsa_context *cpu, seqdata *s, const dense_opts *op, caches *c, test_rng *r,
+                            int64_t prefill, int64_t chunk, int append, const char *what)
+{
+    int64_t L[ST_B] = {0, 0, 0};
+    double worst = 0.0;
+    long steps = 0;
+    for (int first = 1;; first = 0) {
+        int64_t cnt[ST_B], Tq = 0, left = 0;
+        for (int64_t b = 0; b < ST_B; b++) {
+            const int64_t rest = s[b].T - L[b], want = first ? rng_int(r, 0, prefill) : rng_int(r, 0, chunk);
+            cnt[b] = want < rest ? want : rest;
+            Tq = cnt[b] > Tq ? cnt[b] : Tq;
+            left += rest;
+        }
+        if (left == 0) break;
+        if (Tq == 0) continue;
+        float *q = rnd(r, ST_B * Tq * ST_HQ * ST_DK, 0, 0), *kn = rnd(r, ST_B * Tq * ST_H * ST_DK, 0, 0);
+        float *vn = rnd(r, ST_B * Tq * ST_H * ST_DV, 0, 0), *o = rnd(r, ST_B * Tq * ST_HQ * ST_DV, 0, 0);
+        float *lse = rnd(r, ST_B * Tq * ST_HQ, 0, 0), *o_ref = rnd(r, Tq * ST_HQ * ST_DV, 0, 0), *lse_ref = rnd(r, Tq * ST_HQ, 0, 0);
+        int32_t qlens[ST_B], seqlens[ST_B], errors[ST_B] = {-1, -1, -1};
+        for (int64_t b = 0; b < ST_B; b++) {
+            for (int64_t i = 0; i < cnt[b]; i++) {
+                const int64_t t = L[b] + i;
+                memcpy(q + ((b * Tq + i) * ST_HQ) * ST_DK, s[b].q + t * ST_HQ * ST_DK, ST_HQ * ST_DK * sizeof(float));
+                memcpy(kn + ((b * Tq + i) * ST_H) * ST_DK, s[b].k + t * ST_H * ST_DK, ST_H * ST_DK * sizeof(float));
+                memcpy(vn + ((b * Tq + i) * ST_H) * ST_DV, s[b].v + t * ST_H * ST_DV, ST_H * ST_DV * sizeof(float));
+                if (!append) {
+                    memcpy(c->k + host_row(c, 0, b, t, ST_DK), s[b].k + t * ST_H * ST_DK, ST_H * ST_DK * sizeof(float));
+                    memcpy(c->v + host_row(c, 0, b, t, ST_DV), s[b].v + t * ST_H * ST_DV, ST_H * ST_DV * sizeof(float));
+                }
+            }
+            qlens[b] = (int32_t)cnt[b];
+            seqlens[b] = (int32_t)(append ? L[b] : L[b] + cnt[b]);
+        }
+        nsa_attention_step_args a;
+        memset(&a, 0, sizeof a);
+        a.q = nsa_tensor_4d(q, NSA_DTYPE_F32, ST_B, Tq, ST_HQ, ST_DK);
+        a.q_lens = nsa_tensor_make(qlens, NSA_DTYPE_I32, 1, (int64_t[]){ST_B});
+        a.seqlens = nsa_tensor_make(seqlens, NSA_DTYPE_I32, 1, (int64_t[]){ST_B});
+        if (append) {
+            a.k_new = nsa_tensor_4d(kn, NSA_DTYPE_F32, ST_B, Tq, ST_H, ST_DK);
+            a.v_new = nsa_tensor_4d(vn, NSA_DTYPE_F32, ST_B, Tq, ST_H, ST_DV);
+        }
+        a.cache = token_cache(c);
+        a.o = nsa_tensor_4d(o, NSA_DTYPE_F32, ST_B, Tq, ST_HQ, ST_DV);
+        a.lse = nsa_tensor_3d(lse, NSA_DTYPE_F32, ST_B, Tq, ST_HQ);
+        a.errors = nsa_tensor_make(errors, NSA_DTYPE_I32, 1, (int64_t[]){ST_B});
+        a.scale = 0.3f, a.causal = op->causal, a.window_left = op->wl, a.window_right = op->wr, a.softcap = op->softcap;
+        if (op->sinks) a.sinks = nsa_tensor_make((void *)g_sinks, NSA_DTYPE_F32, 1, (int64_t[]){ST_HQ});
+        CHECK_STATUS(dense_call(ctx, &a, c), NSA_STATUS_SUCCESS);
+        CHECK(errors[0] == NSA_STEP_OK && errors[1] == NSA_STEP_OK && errors[2] == NSA_STEP_OK);
+        for (int64_t b = 0; b < ST_B; b++) {
+            if (cnt[b] == 0) continue;
+            dense_ref(cpu, &s[b], L[b] + cnt[b], cnt[b], op, o_ref, lse_ref);
+            for (int64_t i = 0; i < cnt[b]; i++) {
+                for (int64_t e = 0; e < ST_HQ * ST_DV; e++) {
+                    const double d = fabs((double)o[(b * Tq + i) * ST_HQ * ST_DV + e] - o_ref[i * ST_HQ * ST_DV + e]);
+                    worst = d > worst || d != d ? d : worst;
+                }
+                for (int64_t e = 0; e < ST_HQ; e++) {
+                    const float x = lse[(b * Tq + i) * ST_HQ + e], y = lse_ref[i * ST_HQ + e];
+                    const double d = x == y ? 0.0 : fabs((double)x - y); /* (-inf == -inf: an empty row) */
+                    worst = d > worst || d != d ? d : worst;
+                }
+            }
+        }
+        for (int64_t b = 0; b < ST_B; b++) L[b] += cnt[b];
+        steps++;
+        free(q), free(kn), free(vn), free(o), free(lse), free(o_ref), free(lse_ref);
+    }
+    char msg[400];
+    snprintf(msg, sizeof msg, "dense step, %s: %ld steps, worst |o, lse - nsa_attention| %.3g", what, steps, worst);
+    CHECK_MSG(worst <= 2e-5, msg);
+    if (g_tests_verbose) printf("  %s\n", msg);
+}
+
+static void test_dense_step_equals_attention(nsa_context *ctx, nsa_context *cpu)
+{
+    const nsa_config cfg = step_config();
+    test_rng r = {20261127};
+    const int64_t T[ST_B] = {71, 1, 40};
+    static const dense_opts opts[] = {
+        {1, -1, -1, 0.0f, 0, "causal"},
+        {1, 9, -1, 2.5f, 1, "causal, window 9, softcap, sinks"},
+        {0, 5, 3, 0.0f, 0, "window (5, 3)"},
+        {0, -1, -1, 0.0f, 1, "no mask, sinks"},
+        {0, 0, 0, 1.5f, 0, "window (0, 0), softcap"},
+    };
+    seqdata s[ST_B];
+    seqs_make(s, &r, cpu, &cfg, 4, T);
+    for (size_t oi = 0; oi < sizeof opts / sizeof opts[0]; oi++) {
+        static const int64_t pages[] = {0, 1, 16, 5};
+        for (int pv = 0; pv < 4; pv++) {
+            caches c;
+            caches_make(&c, &r, &cfg, 80, pages[pv] > 0, pages[pv] > 0 ? pages[pv] : 1);
+            char what[160];
+            snprintf(what, sizeof what, "%s, %s page %" PRId64 ", prefill + decode", opts[oi].name,
+                     c.paged ? "paged" : "contiguous", c.page);
+            run_dense_steps(ctx, cpu, s, &opts[oi], &c, &r, 30, 1, 1, what);
+            caches_free(&c);
+            caches_make(&c, &r, &cfg, 80, pages[pv] > 0, pages[pv] > 0 ? pages[pv] : 1);
+            snprintf(what, sizeof what, "%s, %s page %" PRId64 ", multi-token steps, tokens appended by the caller",
+                     opts[oi].name, c.paged ? "paged" : "contiguous", c.page);
+            run_dense_steps(ctx, cpu, s, &opts[oi], &c, &r, 0, 6, 0, what);
+            caches_free(&c);
+        }
+    }
+    seqs_free(s);
+}
+
+/* Bad lengths, pages and options of the dense step: refused, named, nothing written. */
+static void test_dense_step_refuses(nsa_context *ctx)
+{
+    const nsa_config cfg = step_config();
+    test_rng r = {9};
+    for (int paged = 0; paged < 2; paged++) {
+        caches c;
+        caches_make(&c, &r, &cfg, 32, paged, 8);
+        bad_case x;
+        bad_case_make(&x, &c, &cfg, &r);
+        float lse[ST_B * ST_HQ] = {0};
+        nsa_attention_step_args a;
+        memset(&a, 0, sizeof a);
+        a.q = x.a.q, a.q_lens = x.a.q_lens, a.seqlens = x.a.seqlens, a.k_new = x.a.k_new, a.v_new = x.a.v_new;
+        a.cache = x.a.cache, a.o = x.a.o, a.causal = 1, a.window_left = -1, a.window_right = -1;
+        a.lse = nsa_tensor_3d(lse, NSA_DTYPE_F32, ST_B, 1, ST_HQ);
+        const nsa_attention_step_args base = a;
+        size_t need = 0;
+        CHECK_STATUS(nsa_attention_step_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
+        struct {
+            int what;
+            nsa_status want;
+            const char *arg;
+        } cases[] = {
+            {0, NSA_STATUS_BAD_ARGUMENT, "seqlens"}, {1, NSA_STATUS_BAD_ARGUMENT, "q_lens"},
+            {2, NSA_STATUS_BAD_SOFTCAP, "softcap"},  {3, NSA_STATUS_BAD_WINDOW, "window_left"},
+            {4, NSA_STATUS_BAD_DTYPE, "lse"},        {5, NSA_STATUS_BAD_SHAPE, "sinks"},
+            {6, NSA_STATUS_BAD_ARGUMENT, "cache.block_table"}, {7, NSA_STATUS_BAD_SCALE, "scale"},
+        };
+        for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+            if (cases[ci].what == 6 && !paged) continue;
+            a = base;
+            const float sinks[ST_HQ + 1] = {0};
+            switch (cases[ci].what) {
+            case 0: x.seqlens[2] = 32; break;
+            case 1: x.qlens[0] = 2; break;
+            case 2: a.softcap = -1.0f; break;
+            case 3: a.window_left = -2; break;
+            case 4: a.lse.dtype = NSA_DTYPE_F16; break;
+            case 5: a.sinks = nsa_tensor_make((void *)sinks, NSA_DTYPE_F32, 1, (int64_t[]){ST_HQ + 1}); break;
+            case 6: c.bt[2 * c.pps + 3] = (int32_t)c.pool; break;
+            case 7: a.scale = NAN; break;
+            }
+            const int64_t rows = paged ? c.pool * c.page : ST_B * c.cap;
+            const size_t kb = (size_t)(rows * ST_H * ST_DK) * 4;
+            void *k0 = malloc(kb);
+            float o0[ST_B * ST_HQ * ST_DV], l0[ST_B * ST_HQ];
+            memcpy(k0, c.k, kb), memcpy(o0, x.o, sizeof o0), memcpy(l0, lse, sizeof l0);
+            CHECK_STATUS(dense_call(ctx, &a, &c), cases[ci].want);
+            CHECK_DETAIL(cases[ci].arg);
+            CHECK(!memcmp(k0, c.k, kb) && !memcmp(o0, x.o, sizeof o0) && !memcmp(l0, lse, sizeof l0));
+            free(k0);
+            x.seqlens[2] = 30, x.qlens[0] = 1;
+            if (paged) c.bt[2 * c.pps + 3] = 0;
+        }
+        caches_free(&c);
+    }
+}
+
+/* The device skips a dense step's bad sequence and reports it, as nsa_step's. */
+static void test_dense_step_device_errors(nsa_context *ctx)
+{
+    const nsa_config cfg = step_config();
+    test_rng r = {10};
+    for (int paged = 0; paged < 2; paged++) {
+        caches c;
+        caches_make(&c, &r, &cfg, 32, paged, 8);
+        bad_case x;
+        bad_case_make(&x, &c, &cfg, &r);
+        int32_t errors[ST_B] = {-1, -1, -1};
+        nsa_attention_step_args a;
+        memset(&a, 0, sizeof a);
+        a.q = x.a.q, a.q_lens = x.a.q_lens, a.seqlens = x.a.seqlens, a.k_new = x.a.k_new, a.v_new = x.a.v_new;
+        a.cache = x.a.cache, a.o = x.a.o, a.causal = 1, a.window_left = -1, a.window_right = -1;
+        a.errors = nsa_tensor_make(errors, NSA_DTYPE_I32, 1, (int64_t[]){ST_B});
+        const int32_t want = paged ? NSA_STEP_BAD_PAGE : NSA_STEP_OVER_CAPACITY;
+        if (paged) c.bt[2 * c.pps + 3] = (int32_t)c.pool;
+        else x.seqlens[2] = 32;
+        const size_t row = ST_HQ * ST_DV;
+        CHECK_STATUS(dense_call(ctx, &a, &c), NSA_STATUS_SUCCESS);
+        CHECK(errors[0] == NSA_STEP_OK && errors[1] == NSA_STEP_OK && errors[2] == want);
+        int zero2 = 1, some0 = 0;
+        for (size_t e = 0; e < row; e++) zero2 &= x.o[2 * row + e] == 0.0f, some0 |= x.o[e] != 0.0f;
+        CHECK(zero2 && some0);
+        caches_free(&c);
+    }
+}
+
 void test_step_on(nsa_backend be, const sweep_memory *mem)
 {
     nsa_context *cpu = cpu_ctx(), *ctx = cpu;
@@ -546,8 +812,9 @@ void test_step_on(nsa_backend be, const sweep_memory *mem)
     }
     g_mem = mem;
     test_step_equals_forward(ctx, cpu);
-    if (be == NSA_BACKEND_CPU) test_step_refuses(ctx);
-    else test_step_device_errors(ctx);
+    test_dense_step_equals_attention(ctx, cpu);
+    if (be == NSA_BACKEND_CPU) test_step_refuses(ctx), test_dense_step_refuses(ctx);
+    else test_step_device_errors(ctx), test_dense_step_device_errors(ctx);
     g_mem = NULL;
     if (ctx != cpu) nsa_context_destroy(ctx);
     nsa_context_destroy(cpu);

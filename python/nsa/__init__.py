@@ -25,7 +25,7 @@ from .cache import KVCache
 
 __all__ = ["__version__", "library", "version", "status_string", "status_name", "backend_available", "NsaError", "Config",
            "Aux", "Grads", "Result", "native_sparse_attention", "parallel_nsa", "forward", "compress", "select",
-           "cmp_offsets", "torch_available", "attention", "AttentionResult", "AttentionGrads", "step",
+           "cmp_offsets", "torch_available", "attention", "AttentionResult", "AttentionGrads", "step", "attention_step",
            "KVCache"]
 
 # An array: a numpy.ndarray (CPU backend) or a torch.Tensor (its device's backend).
@@ -178,6 +178,29 @@ def step(q: Array, cache: Sequence[Array], seqlens: Array, config: Optional[Conf
                                      (g_cmp, g_slc, g_swa), ints[2], ints[3], return_selected, return_errors)
     if return_selected or return_errors:
         return o, selected, errors
+    return o
+
+
+def attention_step(q: Array, cache: Sequence[Array], seqlens: Array, *, q_lens: Optional[Array] = None,
+                   k_new: Optional[Array] = None, v_new: Optional[Array] = None, causal: bool = True,
+                   window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks: Optional[Array] = None,
+                   scale: Optional[float] = None, return_lse: bool = False,
+                   return_errors: bool = False) -> Union[Array, Tuple[Array, Optional[Array], Optional[Array]]]:
+    """One inference step of dense attention against a KV cache (nsa_attention_step, spec 12.1):
+    the caches, lengths and append of nsa.step, the function of nsa.attention. Query i of
+    sequence b is the token at position p = L_b - q_lens[b] + i (L_b its tokens after the
+    append) and sees cached key j < L_b iff window[0] < 0 or j >= p - window[0], and j <= p when
+    causal, else window[1] < 0 or j <= p + window[1]. softcap, sinks [HQ] float32 and scale as
+    nsa.attention. Returns o [B, Tq, HQ, DV] (rows past q_lens[b] are 0), and (o, lse, errors)
+    when return_lse / return_errors ask for lse [B, Tq, HQ] float32 and the per-sequence codes."""
+    call = _call_for(q)
+    ints = [None if x is None else _as_int32(x) for x in (seqlens, q_lens)]
+    if cache is not None and len(cache) == 3 and cache[2] is not None:
+        cache = (cache[0], cache[1], _as_int32(cache[2]))
+    o, lse, errors = _core.attention_step(call, q, cache, ints[0], ints[1], k_new, v_new, scale or 0.0, causal, window,
+                                          softcap, sinks, return_lse, return_errors)
+    if return_lse or return_errors:
+        return o, lse, errors
     return o
 
 

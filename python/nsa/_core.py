@@ -581,3 +581,40 @@ def step(call, q, cache, seqlens, config, q_lens=None, k_new=None, v_new=None, c
     a.config = config.to_c()
     call.run("step", a)
     return o, selected, errors
+
+
+def attention_step(call, q, cache, seqlens, q_lens=None, k_new=None, v_new=None, scale=0.0, causal=True, window=(-1, -1),
+                   softcap=0.0, sinks=None, want_lse=False, want_errors=False):
+    """nsa_attention_step (spec 12.1): dense attention of q [B, Tq, HQ, DK] against the token
+    cache (appended to when k_new / v_new are given). Returns (o, lse, errors): o [B, Tq, HQ, DV]
+    (rows past q_lens[b] are 0), lse [B, Tq, HQ] float32 and the per-sequence error codes [B]
+    when asked, else None."""
+    B, Tq, HQ, _ = _dims(q, "q", 4)
+    DV = _dims(cache[1], "cache.v", 4)[3]
+    a = _lib.AttentionStepArgs()
+    a.q = call.view(q, "q")
+    a.seqlens = call.view(seqlens, "seqlens")
+    if q_lens is not None:
+        a.q_lens = call.view(q_lens, "q_lens")
+    if k_new is not None:
+        a.k_new = call.view(k_new, "k_new")
+    if v_new is not None:
+        a.v_new = call.view(v_new, "v_new")
+    _cache(call, a.cache, cache, "cache", k_new is not None)
+    if sinks is not None:
+        a.sinks = call.view(sinks, "sinks")
+    a.scale = float(scale or 0.0)
+    a.causal = 1 if causal else 0
+    a.window_left, a.window_right = (int(window[0]), int(window[1]))
+    a.softcap = float(softcap or 0.0)
+    o = _zero(call.empty((B, Tq, HQ, DV), call.dtype(q)))
+    a.o = call.view(o, "o", output=True)
+    lse = errors = None
+    if want_lse:
+        lse = call.empty((B, Tq, HQ), "f32")
+        a.lse = call.view(_zero(lse), "lse", output=True)
+    if want_errors:
+        errors = call.empty((B,), "i32")
+        a.errors = call.view(errors, "errors", output=True)
+    call.run("attention_step", a)
+    return o, lse, errors

@@ -226,6 +226,25 @@ class StepArgs(Structure):
     ]
 
 
+class AttentionStepArgs(Structure):
+    _fields_ = [
+        ("q", Tensor),
+        ("q_lens", Tensor),
+        ("seqlens", Tensor),
+        ("k_new", Tensor), ("v_new", Tensor),
+        ("cache", KvCache),
+        ("o", Tensor),
+        ("lse", Tensor),
+        ("errors", Tensor),
+        ("scale", c_float),
+        ("causal", c_int32),
+        ("window_left", c_int64),
+        ("window_right", c_int64),
+        ("softcap", c_float),
+        ("sinks", Tensor),
+    ]
+
+
 # Every struct of nsa.h, by its C name (the ABI test walks this table).
 STRUCTS = {
     "nsa_tensor": Tensor,
@@ -249,6 +268,7 @@ STRUCTS = {
     "nsa_backward_args": BackwardArgs,
     "nsa_kv_cache": KvCache,
     "nsa_step_args": StepArgs,
+    "nsa_attention_step_args": AttentionStepArgs,
 }
 
 # op name -> its args struct; each has nsa_<op>_workspace_size and nsa_<op>.
@@ -267,6 +287,7 @@ OPS = {
     "forward": ForwardArgs,
     "backward": BackwardArgs,
     "step": StepArgs,
+    "attention_step": AttentionStepArgs,
 }
 
 

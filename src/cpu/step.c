@@ -328,3 +328,103 @@ nsa_status nsa_cpu_step(const nsa_context *ctx, const nsa_problem *p, const nsa_
     }
     return NSA_STATUS_SUCCESS;
 }
+
+/* ---- the dense step (spec 12.1): nsa_attention's function against the token cache ------- */
+
+/* One thread's scratch: a query row, a K or V row, the output row and the row's scores. */
+static void dense_scratch(ws_arena *w, const nsa_problem *p, float **q, float **x, float **acc, float **sc)
+{
+    *q = (float *)ws_take_n(w, nsa_size_of(p->DK), sizeof(float));
+    *x = (float *)ws_take_n(w, nsa_size_of(p->DK > p->DV ? p->DK : p->DV), sizeof(float));
+    *acc = (float *)ws_take_n(w, nsa_size_of(p->DV), sizeof(float));
+    *sc = (float *)ws_take_n(w, nsa_size_of(p->cache_cap), sizeof(float));
+}
+
+size_t nsa_cpu_attention_step_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_step_args *a)
+{
+    (void)a;
+    ws_arena one = {NULL, 0}, all = {NULL, 0};
+    float *q, *x, *acc, *sc;
+    dense_scratch(&one, p, &q, &x, &acc, &sc);
+    ws_take_threads(&all, ctx, ws_region_bytes(&one));
+    return nsa_size_add(all.used, 64);
+}
+
+/* The keys query position pos of a sequence of L tokens sees: [*lo, *hi] (empty: lo > hi). */
+static void dense_range(const nsa_attention_step_args *a, int64_t pos, int64_t L, int64_t *lo, int64_t *hi)
+{
+    *lo = a->window_left < 0 || a->window_left >= pos ? 0 : pos - a->window_left;
+    if (a->causal) *hi = pos;
+    else *hi = a->window_right < 0 || a->window_right >= L - 1 - pos ? L - 1 : pos + a->window_right; /* (no overflow) */
+}
+
+/* Query i of sequence b, head hq: dense softmax over its visible cached keys in two passes (the
+ * scores, then the weights), so a NaN score or an all -inf row is NaN as in dense attention. */
+static void dense_query(const nsa_attention_step_args *a, const nsa_step_args *sa, const nsa_problem *p, int64_t b, int64_t i,
+                        int64_t hq, float *q, float *x, float *acc, float *sc)
+{
+    const step_cache kv = cache_of(&a->cache);
+    const step_seq s = seq_of(sa, p, b);
+    const int64_t pos = s.L - s.n + i, h = hq / p->G, DK = p->DK, DV = p->DV;
+    int64_t lo, hi;
+    dense_range(a, pos, s.L, &lo, &hi);
+    io_load(&a->q, io_off(&a->q, b, i, hq), DK, q);
+    float m = -INFINITY;
+    for (int64_t r = lo; r <= hi; r++) {
+        io_load(kv.k, cache_off(&kv, kv.k, b, r, h), DK, x);
+        float v = dot(q, x, DK) * p->scale;
+        if (a->softcap > 0.0f) v = a->softcap * tanhf(v / a->softcap);
+        sc[r - lo] = v;
+        m = v > m || v != v || m != m ? (m != m ? m : v) : m; /* NaN wins */
+    }
+    const int seen = hi >= lo, sink = nsa_present(&a->sinks);
+    const float sk = sink ? io_get(&a->sinks, hq * a->sinks.stride[0]) : -INFINITY;
+    if (sink && (sk > m)) m = sk;
+    for (int64_t e = 0; e < DV; e++) acc[e] = 0.0f;
+    float l = 0.0f, lse;
+    if (m == -INFINITY) { /* no key and no (finite) sink: o = 0; keys all at -inf: 0 / 0 as dense softmax */
+        lse = seen ? NAN : sink ? sk : -INFINITY;
+        if (seen)
+            for (int64_t e = 0; e < DV; e++) acc[e] = NAN;
+    } else {
+        for (int64_t r = lo; r <= hi; r++) {
+            const float w = expf(sc[r - lo] - m);
+            l += w;
+            io_load(kv.v, cache_off(&kv, kv.v, b, r, h), DV, x);
+            for (int64_t e = 0; e < DV; e++) acc[e] += w * x[e];
+        }
+        if (sink) l += expf(sk - m);
+        for (int64_t e = 0; e < DV; e++) acc[e] /= l;
+        lse = m + logf(l);
+    }
+    io_store(&a->o, io_off(&a->o, b, i, hq), DV, acc);
+    if (nsa_present(&a->lse)) io_set(&a->lse, io_off(&a->lse, b, i, hq), lse);
+}
+
+nsa_status nsa_cpu_attention_step(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_step_args *a, void *ws)
+{
+    const nsa_step_args sa = nsa_step_common(a);
+    nsa_status st = step_check(&sa, p, 0);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    ws_arena one = {NULL, 0}, all = {(char *)ws, 0};
+    float *q, *x, *acc, *sc;
+    dense_scratch(&one, p, &q, &x, &acc, &sc);
+    const size_t region = ws_region_bytes(&one);
+    char *regions = ws_take_threads(&all, ctx, region);
+    if (nsa_present(&a->errors))
+        for (int64_t b = 0; b < p->B; b++) ((int32_t *)a->errors.data)[b * a->errors.stride[0]] = NSA_STEP_OK;
+    if (nsa_present(&a->k_new)) step_append(&sa, p);
+    const int64_t tasks = p->B * p->T * p->HQ;
+#pragma omp parallel num_threads(cpu_threads(ctx))
+    {
+        ws_arena mine = {regions + (size_t)omp_get_thread_num() * region, 0};
+        float *tq, *tx, *tacc, *tsc;
+        dense_scratch(&mine, p, &tq, &tx, &tacc, &tsc);
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t hq = task % p->HQ, i = (task / p->HQ) % p->T, b = task / (p->HQ * p->T);
+            if (i < seq_of(&sa, p, b).n) dense_query(a, &sa, p, b, i, hq, tq, tx, tacc, tsc);
+        }
+    }
+    return NSA_STATUS_SUCCESS;
+}

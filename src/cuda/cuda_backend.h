@@ -50,6 +50,8 @@ size_t nsa_cuda_backward_workspace(const nsa_context *ctx, const nsa_problem *p,
 nsa_status nsa_cuda_backward(const nsa_context *ctx, const nsa_problem *p, const nsa_backward_args *a, void *ws);
 size_t nsa_cuda_step_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_step_args *a);
 nsa_status nsa_cuda_step(const nsa_context *ctx, const nsa_problem *p, const nsa_step_args *a, void *ws);
+size_t nsa_cuda_attention_step_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_step_args *a);
+nsa_status nsa_cuda_attention_step(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_step_args *a, void *ws);
 
 #ifdef __cplusplus
 }

@@ -415,6 +415,7 @@ typedef union args {
     nsa_gate_bwd_args gate;
     nsa_backward_args nsa;
     nsa_step_args step;
+    nsa_attention_step_args astep;
 } args;
 
 #define IN ((tspec){0, 4, 0})
@@ -642,6 +643,35 @@ static void build_step(reader *r, dims *D, nsa_step_args *a, uint8_t pres)
     a->block_counts = opt(r, (ci & 1) && (ci & 2), cnt, I32, 3, D->B, Tq, D->H, 0);
 }
 
+/* The dense step: nsa_step's caches and lengths (build_step's draws), the attention options
+ * around their bounds (build_attn's windows, scales and softcaps). */
+static void build_attention_step(reader *r, dims *D, nsa_attention_step_args *a, uint8_t pres)
+{
+    nsa_config cfg = nsa_config_default();
+    mk_dims(r, D, &cfg);
+    const int64_t Tq = D->T % 6, cap = D->Tk, page = 1 + upto(r, 7), pool = 1 + upto(r, 12);
+    const int paged = pres & 1, mp = (int)((cap + page - 1) / page);
+    tspec len = {0, (int)(cap + 1), 0}, ql = {0, (int)Tq, 0}, tab = {0, (int)pool, 0};
+    const uint8_t o1 = u8(r), o2 = u8(r), sc = u8(r);
+    a->causal = o1 & 1;
+    a->window_left = windows[(o1 >> 1) % 16];
+    a->window_right = windows[(o1 >> 5) % 8];
+    a->scale = sc < 200 ? 0.0f : sc < 250 ? (float)(sc - 199) / 8.0f : sc == 250 ? NAN : -1.0f;
+    a->softcap = (o2 & 3) == 0 ? 0.0f : (o2 & 3) == 1 ? 5.0f : (o2 & 3) == 2 ? 0.5f : (o2 & 4 ? -1.0f : INFINITY);
+    a->q = mk(r, IN, D->dt, 4, D->B, Tq, D->HQ, D->DK);
+    a->q_lens = opt(r, pres & 2, ql, I32, 1, D->B, 0, 0, 0);
+    a->seqlens = mk(r, len, I32, 1, D->B, 0, 0, 0);
+    a->k_new = opt(r, pres & 4, IN, D->dt, 4, D->B, Tq, D->H, D->DK);
+    a->v_new = opt(r, (pres & 4) && u8(r) != 255, IN, D->dt, 4, D->B, Tq, D->H, D->DV);
+    a->cache.k = mk(r, OUT, D->dt, 4, paged ? pool : D->B, paged ? page : cap, D->H, D->DK);
+    a->cache.v = mk(r, OUT, D->dt, 4, paged ? pool : D->B, paged ? page : cap, D->H, D->DV);
+    a->cache.block_table = opt(r, paged, tab, I32, 2, D->B, mp, 0, 0);
+    a->o = mk(r, OUT, D->dt, 4, D->B, Tq, D->HQ, D->DV);
+    a->lse = opt(r, pres & 8, OUT, F32, 3, D->B, Tq, D->HQ, 0);
+    a->errors = opt(r, pres & 16, OUT, I32, 1, D->B, 0, 0, 0);
+    a->sinks = opt(r, pres & 32, IN, F32, 1, D->HQ, 0, 0, 0);
+}
+
 /* Marks the bytes an output view may write; returns 0 when the view is unknown (write anywhere). */
 static int mark_view(const buffer *b, unsigned char *ok)
 {
@@ -741,7 +771,8 @@ static void run_op(reader *r, nsa_context *ctx, const void *a, op_ws_fn qs, op_r
 
 static const char *const op_names[N_OPS_ALL] = {"compress", "compress_bwd", "cmp_attn", "cmp_attn_bwd", "select",
                                                 "slc_attn", "slc_attn_bwd", "attention", "attention_bwd", "gate",
-                                                "gate_bwd", "forward", "backward", "config_validate", "step"};
+                                                "gate_bwd", "forward", "backward", "config_validate", "step",
+                                                "attention_step"};
 
 const char *fuzz_op_name(int op) { return op >= 0 && op < N_OPS_ALL ? op_names[op] : "?"; }
 
@@ -750,7 +781,7 @@ fuzz_result fuzz_run(const uint8_t *data, size_t size, nsa_context *ctx, const f
     reader r = {data, size, 0};
     fuzz_result res = {0, 0, 0, 0, 0};
     const uint8_t first = u8(&r);
-    int op = first == 0xFF ? OP_STEP : first % N_OPS;
+    int op = first == 0xFF ? OP_STEP : first == 0xFE ? OP_ATTENTION_STEP : first % N_OPS;
     res.op = op;
     uint8_t pres = u8(&r);
     rng_state = u64(&r);
@@ -789,6 +820,7 @@ fuzz_result fuzz_run(const uint8_t *data, size_t size, nsa_context *ctx, const f
     case OP_FORWARD: build_nsa(&r, &D, &a.nsa, 0, pres); RUN(forward); break;
     case OP_BACKWARD: build_nsa(&r, &D, &a.nsa, 1, pres); RUN(backward); break;
     case OP_STEP: build_step(&r, &D, &a.step, pres); RUN(step); break;
+    case OP_ATTENTION_STEP: build_attention_step(&r, &D, &a.astep, pres); RUN(attention_step); break;
     default: break;
     }
 #undef RUN

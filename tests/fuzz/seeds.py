@@ -9,7 +9,7 @@ import sys
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
 rng = random.Random(1)
-for op in list(range(14)) + [0xFF]:  # 0xFF: the inference step
+for op in list(range(14)) + [0xFF, 0xFE]:  # 0xFF: the inference step, 0xFE: the dense step
     for k in range(4):
         head = bytes([op, rng.randrange(256)]) + bytes(rng.randrange(256) for _ in range(8))
         # bytes below 170 keep a tensor plain; about half the rest perturb something

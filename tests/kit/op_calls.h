@@ -34,6 +34,7 @@ OP_CALLS(gate_bwd, nsa_gate_bwd_args)
 OP_CALLS(forward, nsa_forward_args)
 OP_CALLS(backward, nsa_backward_args)
 OP_CALLS(step, nsa_step_args)
+OP_CALLS(attention_step, nsa_attention_step_args)
 #undef OP_CALLS
 
 #endif

@@ -167,3 +167,42 @@ def test_kv_cache_object_torch(device):
         outs.append(cache.step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g_cmp=g[0][:, t:t + 1],
                                g_slc=g[1][:, t:t + 1], g_swa=g[2][:, t:t + 1]))
     assert (torch.cat(outs, 1) - ref).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(causal=True, window=(9, -1), softcap=2.5, sinks=True),
+                                  dict(causal=False, window=(5, 3))])
+@pytest.mark.parametrize("page", [None, 8])
+def test_attention_step_equals_attention(opts, page):
+    """Prefill then decode / multi-token steps through nsa.attention_step: each step's o and lse
+    are nsa.attention of its queries over the tokens cached so far (bottom-right aligned)."""
+    q, k, v, _ = _data(4)
+    opts = dict(opts)
+    sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32) if opts.pop("sinks", False) else None
+    cap = 72
+    if page is None:
+        cache = (np.zeros((B, cap, H, D), np.float32), np.zeros((B, cap, H, D), np.float32))
+    else:
+        pages = cap // page
+        table = np.random.default_rng(5).permutation(B * pages).astype(np.int32).reshape(B, pages)
+        cache = (np.zeros((B * pages, page, H, D), np.float32), np.zeros((B * pages, page, H, D), np.float32), table)
+    L = 0
+    for n in (30, 1, 1, 5, 33):
+        o, lse, err = nsa.attention_step(q[:, L:L + n], cache, np.full(B, L, np.int32), k_new=k[:, L:L + n],
+                                         v_new=v[:, L:L + n], scale=0.3, sinks=sinks, return_lse=True, return_errors=True,
+                                         **opts)
+        assert (err == 0).all()
+        ref = nsa.attention(q[:, L:L + n], k[:, :L + n], v[:, :L + n], scale=0.3, sinks=sinks, **opts)
+        np.testing.assert_allclose(o, ref.o, atol=2e-5)
+        np.testing.assert_allclose(lse, ref.lse, atol=2e-5)
+        L += n
+
+
+def test_attention_step_refusals_name_the_argument():
+    q, k, v, _ = _data(5)
+    cache = (np.zeros((B, 8, H, D), np.float32), np.zeros((B, 8, H, D), np.float32))
+    before = cache[0].copy()
+    with pytest.raises(nsa.NsaError, match=r"seqlens\[0\].*capacity"):
+        nsa.attention_step(q[:, :2], cache, np.full(B, 7, np.int32), k_new=k[:, :2], v_new=v[:, :2])
+    with pytest.raises(nsa.NsaError, match=r"softcap"):
+        nsa.attention_step(q[:, :2], cache, np.zeros(B, np.int32), k_new=k[:, :2], v_new=v[:, :2], softcap=-1.0)
+    np.testing.assert_array_equal(cache[0], before)  # nothing written

@@ -9,6 +9,9 @@
  *                       workspace, the selection (importance streamed block by block into a
  *                       ranked list in shared memory), then per head the three branches and
  *                       the gates -- the CPU step's arithmetic (src/cpu/step.c), fp32, any dtype.
+ *   step_dense_kernel   the dense step (nsa_attention_step): one warp per (sequence, new query,
+ *                       query head), two passes over its visible cached keys (max, then weights)
+ *                       after the same check and append kernels.
  * The workspace depends on the shapes only (capacities, not lengths), so a graph keeps it. */
 #include "../prim/run.h"
 #include "../prim/simt.cuh"
@@ -40,6 +43,12 @@ typedef struct step_params {
     int64_t l, d, lp, n, m, n_init, n_local, w; /* m: the caller's index width (else n) */
     float scale, swa_scale;
     int append, pool, use_cmp, use_slc, use_swa, selects; /* selects: slc on without caller indices */
+    /* the dense step's (nsa_attention_step) */
+    dview lse;
+    const float *sinks;
+    int64_t sinks_s, wl, wr;
+    float softcap;
+    int causal;
 } step_params;
 
 __device__ __forceinline__ int64_t step_row(const step_cache_t &c, const dview &x, int64_t b, int64_t r, int64_t h)
@@ -319,6 +328,64 @@ __global__ void __launch_bounds__(32 * STEP_WARPS) step_query_kernel(const step_
     }
 }
 
+/* The dense step's score of a visible pair: the scaled dot product, softcapped when asked. */
+__device__ __forceinline__ float dense_score(const step_params &P, float dot)
+{
+    const float v = dot * P.scale;
+    return P.softcap > 0.0f ? P.softcap * tanhf(v / P.softcap) : v;
+}
+
+/* one warp per (b, new query, query head): the CPU's dense_query (src/cpu/step.c) */
+__global__ void step_dense_kernel(const step_params P)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t items = P.B * P.Tq * P.HQ;
+    float q[SIMT_COLS], x[SIMT_COLS], acc[SIMT_COLS];
+    for (int64_t w = simt_warp0(); w < items; w += simt_nwarps()) {
+        const int64_t hq = w % P.HQ, i = (w / P.HQ) % P.Tq, b = w / (P.HQ * P.Tq);
+        if (!P.ok[b]) continue;
+        const step_seq_t s = step_seq(P, b);
+        if (i >= s.n) continue;
+        const int64_t pos = s.L - s.n + i, h = hq / P.G;
+        const int64_t lo = P.wl < 0 || P.wl >= pos ? 0 : pos - P.wl;
+        const int64_t hi = P.causal ? pos : (P.wr < 0 || P.wr >= s.L - 1 - pos ? s.L - 1 : pos + P.wr);
+        simt_load(q, P.q, b * P.q.s0 + i * P.q.s1 + hq * P.q.s2, P.DK, lane);
+        float m = -INFINITY;
+        for (int64_t r = lo; r <= hi; r++) {
+            simt_load(x, P.kv.k, step_row(P.kv, P.kv.k, b, r, h), P.DK, lane);
+            const float v = dense_score(P, simt_dot(q, x, P.DK, lane));
+            m = v > m || v != v || m != m ? (m != m ? m : v) : m; /* NaN wins */
+        }
+        const bool seen = hi >= lo, sink = P.sinks != nullptr;
+        const float sk = sink ? P.sinks[hq * P.sinks_s] : -INFINITY;
+        if (sink && sk > m) m = sk;
+        float l = 0.0f, lse;
+#pragma unroll
+        for (int c = 0; c < SIMT_COLS; c++) acc[c] = 0.0f;
+        if (m == -INFINITY) { /* no key and no finite sink: o = 0; keys all at -inf: 0 / 0 as dense softmax */
+            lse = seen ? NAN : sink ? sk : -INFINITY;
+            if (seen)
+#pragma unroll
+                for (int c = 0; c < SIMT_COLS; c++) acc[c] = NAN;
+        } else {
+            for (int64_t r = lo; r <= hi; r++) {
+                simt_load(x, P.kv.k, step_row(P.kv, P.kv.k, b, r, h), P.DK, lane);
+                const float wgt = expf(dense_score(P, simt_dot(q, x, P.DK, lane)) - m);
+                l += wgt;
+                simt_load(x, P.kv.v, step_row(P.kv, P.kv.v, b, r, h), P.DV, lane);
+#pragma unroll
+                for (int c = 0; c < SIMT_COLS; c++) acc[c] = fmaf(wgt, x[c], acc[c]);
+            }
+            if (sink) l += expf(sk - m);
+#pragma unroll
+            for (int c = 0; c < SIMT_COLS; c++) acc[c] /= l;
+            lse = m + logf(l);
+        }
+        simt_store(P.o, b * P.o.s0 + i * P.o.s1 + hq * P.o.s2, P.DV, acc, 1.0f, lane);
+        if (P.lse.p && lane == 0) ((float *)P.lse.p)[b * P.lse.s0 + i * P.lse.s1 + hq * P.lse.s2] = lse;
+    }
+}
+
 static step_cache_t cache_view(const nsa_kv_cache *c, int64_t cap)
 {
     step_cache_t s;
@@ -330,40 +397,55 @@ static step_cache_t cache_view(const nsa_kv_cache *c, int64_t cap)
     return s;
 }
 
+/* The fields both steps share: q, the token cache, lengths, append, o and errors. */
+static void params_common(step_params *P, const nsa_problem *p, const nsa_step_args *a)
+{
+    memset(P, 0, sizeof *P);
+    P->q = dv_of(&a->q), P->kn = dv_of(&a->k_new), P->vn = dv_of(&a->v_new), P->o = dv_of(&a->o);
+    P->kv = cache_view(&a->cache, p->cache_cap);
+    P->qlens = nsa_present(&a->q_lens) ? (const int32_t *)a->q_lens.data : NULL, P->qlens_s = a->q_lens.stride[0];
+    P->seqlens = (const int32_t *)a->seqlens.data, P->seqlens_s = a->seqlens.stride[0];
+    P->errors = nsa_present(&a->errors) ? (int32_t *)a->errors.data : NULL, P->errors_s = a->errors.stride[0];
+    P->B = p->B, P->Tq = p->T, P->HQ = p->HQ, P->H = p->H, P->G = p->G, P->DK = (int)p->DK, P->DV = (int)p->DV;
+    P->scale = p->scale;
+    P->append = nsa_present(&a->k_new);
+}
+
+/* The check of every sequence, then the append of the step's tokens. */
+static void launch_check_append(grun *g, const step_params &P)
+{
+    const nsa_problem *p = g->p;
+    step_check_kernel<<<(unsigned)((p->B + 127) / 128), 128, 0, g->st>>>(P);
+    g_launched(g);
+    const int64_t items = p->B * p->T * p->H;
+    if (P.append && items > 0) {
+        step_append_kernel<<<simt_grid(items), 32 * SIMT_WARPS, 0, g->st>>>(P);
+        g_launched(g);
+    }
+}
+
 static void run_step(grun *g, const nsa_step_args *a)
 {
     const nsa_problem *p = g->p;
     if (!cu_step_supported(g, a)) return;
     step_params P;
-    memset(&P, 0, sizeof P);
-    P.q = dv_of(&a->q), P.kn = dv_of(&a->k_new), P.vn = dv_of(&a->v_new), P.o = dv_of(&a->o);
+    params_common(&P, p, a);
     P.gc = dv_of(&a->g_cmp), P.gs = dv_of(&a->g_slc), P.gw = dv_of(&a->g_swa), P.idx = dv_of(&a->selected);
     P.bi = dv_of(&a->block_indices), P.bc = dv_of(&a->block_counts);
-    P.kv = cache_view(&a->cache, p->cache_cap);
     P.use_cmp = nsa_present(&a->g_cmp), P.use_slc = nsa_present(&a->g_slc), P.use_swa = nsa_present(&a->g_swa);
     P.selects = P.use_slc && !nsa_present(&a->block_indices);
     if (P.use_cmp || P.selects) P.ckv = cache_view(&a->cmp_cache, p->cmp_cap);
-    P.qlens = nsa_present(&a->q_lens) ? (const int32_t *)a->q_lens.data : NULL, P.qlens_s = a->q_lens.stride[0];
-    P.seqlens = (const int32_t *)a->seqlens.data, P.seqlens_s = a->seqlens.stride[0];
-    P.errors = nsa_present(&a->errors) ? (int32_t *)a->errors.data : NULL, P.errors_s = a->errors.stride[0];
-    P.B = p->B, P.Tq = p->T, P.HQ = p->HQ, P.H = p->H, P.G = p->G, P.DK = (int)p->DK, P.DV = (int)p->DV;
     const nsa_config *c = &p->cfg;
     P.l = c->cmp_len, P.d = c->cmp_stride, P.lp = c->slc_block, P.n = c->slc_topk, P.n_init = c->n_init, P.n_local = c->n_local;
     P.m = p->m;
-    P.w = c->window, P.scale = p->scale, P.swa_scale = p->swa_scale;
-    P.append = nsa_present(&a->k_new);
+    P.w = c->window, P.swa_scale = p->swa_scale;
     P.pool = (P.use_cmp || P.selects) && !a->cmp_by_caller;
     P.ok = (int32_t *)g_take_n(g, nsa_size_of(p->B), sizeof(int32_t));
     const int64_t items = p->B * p->T * p->H;
     const int64_t blocks = ((items < STEP_MAX_WARPS ? items : STEP_MAX_WARPS) + STEP_WARPS - 1) / STEP_WARPS;
     P.psum = P.selects ? cu_take_f32(g, nsa_size_mul(nsa_size_of(blocks * STEP_WARPS), nsa_size_of(P.ckv.cap)), 0) : NULL;
     if (!g_live(g) || p->B == 0) return;
-    step_check_kernel<<<(unsigned)((p->B + 127) / 128), 128, 0, g->st>>>(P);
-    g_launched(g);
-    if (P.append && items > 0) {
-        step_append_kernel<<<simt_grid(items), 32 * SIMT_WARPS, 0, g->st>>>(P);
-        g_launched(g);
-    }
+    launch_check_append(g, P);
     const int64_t pool_items = p->B * P.ckv.cap * p->H;
     if (P.pool && pool_items > 0) {
         step_pool_kernel<<<simt_grid(pool_items), 32 * SIMT_WARPS, 0, g->st>>>(P);
@@ -405,4 +487,37 @@ size_t nsa_cuda_step_workspace(const nsa_context *ctx, const nsa_problem *p, con
 nsa_status nsa_cuda_step(const nsa_context *ctx, const nsa_problem *p, const nsa_step_args *a, void *ws)
 {
     return cu_op_run(ctx, p, run_step, a, ws);
+}
+
+static void run_attention_step(grun *g, const nsa_attention_step_args *a)
+{
+    const nsa_problem *p = g->p;
+    if (p->DK > 32 * SIMT_COLS || p->DV > 32 * SIMT_COLS) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: DK %lld and DV %lld, the CUDA step takes head dims up to %d", (long long)p->DK,
+               (long long)p->DV, 32 * SIMT_COLS);
+        return;
+    }
+    const nsa_step_args common = nsa_step_common(a);
+    step_params P;
+    params_common(&P, p, &common);
+    P.lse = dv_of(&a->lse);
+    P.sinks = nsa_present(&a->sinks) ? (const float *)a->sinks.data : NULL, P.sinks_s = a->sinks.stride[0];
+    P.wl = a->window_left, P.wr = a->window_right, P.causal = a->causal != 0, P.softcap = a->softcap;
+    P.ok = (int32_t *)g_take_n(g, nsa_size_of(p->B), sizeof(int32_t));
+    if (!g_live(g) || p->B == 0) return;
+    launch_check_append(g, P);
+    const int64_t items = p->B * p->T * p->HQ;
+    if (items == 0) return;
+    step_dense_kernel<<<simt_grid(items), 32 * SIMT_WARPS, 0, g->st>>>(P);
+    g_launched(g);
+}
+
+size_t nsa_cuda_attention_step_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_step_args *a)
+{
+    return cu_op_workspace(ctx, p, run_attention_step, a);
+}
+
+nsa_status nsa_cuda_attention_step(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_step_args *a, void *ws)
+{
+    return cu_op_run(ctx, p, run_attention_step, a, ws);
 }
