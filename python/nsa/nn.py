@@ -44,11 +44,14 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.theta = head_dim, theta
 
     def forward(self, x, pos):
+        """pos: [T] (every sequence alike) or [B, T] (per sequence: a cached step's positions)."""
         # frequencies made here in float32 (a buffer would follow module.to(bfloat16))
         d = self.head_dim
         inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=pos.device) / d))
-        ang = pos.to(torch.float32)[:, None] * inv[None, :]  # [T, D/2]
-        cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+        ang = pos.to(torch.float32)[..., None] * inv  # [T, D/2] or [B, T, D/2]
+        if ang.dim() == 2:
+            ang = ang[None]
+        cos, sin = ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -86,7 +89,10 @@ class Compression(nn.Module):
         return x[:, idx].permute(0, 1, 3, 2, 4)  # [B, Nc, l, H, D] -> [B, Nc, H, l, D]
 
     def forward(self, x, cu_seqlens=None):
-        blk = self.blocks(x, cu_seqlens)
+        return self.compress_blocks(self.blocks(x, cu_seqlens))
+
+    def compress_blocks(self, blk):
+        """phi of blocks [..., l, D] -> [..., D]."""
         h = F.silu(self.fc1((blk + self.pos.to(blk.dtype)).flatten(-2)))
         y = self.fc2(h)
         if self.residual:
@@ -103,7 +109,14 @@ class NativeSparseAttention(nn.Module):
     uses the library's mean pooling instead of phi.
 
     forward(hidden [B, T, C], cu_seqlens=None, return_aux=False) -> [B, T, C]
-    (and nsa.Aux with return_aux)."""
+    (and nsa.Aux with return_aux).
+
+    Inference: cache = layer.new_cache(batch, capacity, page_size=...) (an nsa.KVCache), then
+    forward(hidden [B, Tq, C], cache=cache, q_lens=None) for a prefill chunk and for every
+    decode step: sequence b's q_lens[b] (default Tq) new tokens continue it at the positions
+    after its cached ones; their K/V (and the compressed rows they complete, through phi) go
+    into the cache, and the output rows are those of forward() over the whole sequence (rows
+    past q_lens[b] are 0). No autograd on this path."""
 
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, head_dim=None, config=None, rope_theta=10000.0,
                  bias=False, separate_kv=False, gate_hidden=None, phi_hidden=None, learnable_compression=True):
@@ -134,7 +147,50 @@ class NativeSparseAttention(nn.Module):
         self.o_proj = nn.Linear(HQ * D, hidden_size, bias=bias)
         nn.init.normal_(self.o_proj.weight, std=0.02 / math.sqrt(2))
 
-    def forward(self, hidden, cu_seqlens=None, return_aux=False):
+    def new_cache(self, batch, capacity, *, page_size=None, num_pages=None, like=None):
+        """An nsa.KVCache for this layer: `batch` sequences of up to `capacity` tokens, contiguous
+        or paged, on the device and in the dtype of `like` (default: the layer's parameters)."""
+        if like is None:
+            w = self.q_proj.weight
+            like = torch.empty(0, dtype=w.dtype, device=w.device)
+        return nsa.KVCache(batch, self.num_kv_heads, self.head_dim, self.head_dim, capacity, self.config,
+                           page_size=page_size, num_pages=num_pages, like=like, separate_kv=self.separate_kv)
+
+    @torch.no_grad()
+    def _cached(self, hidden, cache, q_lens):
+        B, Tq, _ = hidden.shape
+        HQ, H, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if cache.batch != B:
+            raise ValueError("cache holds %d sequences, hidden has B = %d" % (cache.batch, B))
+        counts = [int(n) for n in q_lens] if q_lens is not None else [Tq] * B
+        # positions after each sequence's cached tokens (rows past its count: any valid position)
+        pos = torch.tensor(cache.lengths, device=hidden.device)[:, None] + torch.arange(Tq, device=hidden.device)
+        q = self.rope(self.q_proj(hidden).view(B, Tq, HQ, D), pos)
+        k = self.rope(self.k_proj(hidden).view(B, Tq, H, D), pos)
+        v = self.v_proj(hidden).view(B, Tq, H, D)
+        kw = {}
+        if self.separate_kv:
+            ks, vs = self.kv_slc_proj(hidden).view(B, Tq, 2, H, D).unbind(2)
+            kw_, vw = self.kv_swa_proj(hidden).view(B, Tq, 2, H, D).unbind(2)
+            kw.update(k_slc=self.rope(ks, pos), v_slc=vs, k_swa=self.rope(kw_, pos), v_swa=vw)
+        cache.append(k, v, q_lens=counts, **kw)
+        if self.learnable_compression:  # phi of the blocks the new tokens complete
+            l, d = self.config.cmp_len, self.config.cmp_stride
+            for b, first, stop in cache.completed(counts):
+                kt, vt = cache.tokens(b, first * d, (stop - 1) * d + l)
+                blocks = [x.unfold(0, l, d).permute(0, 1, 3, 2) for x in (kt, vt)]  # [n, H, l, D]
+                cache.write_cmp(b, first, self.k_phi.compress_blocks(blocks[0]).to(kt.dtype),
+                                self.v_phi.compress_blocks(blocks[1]).to(vt.dtype))
+        g_cmp, g_slc, g_swa = torch.sigmoid(self.gate(hidden)).view(B, Tq, 3, HQ).unbind(2)
+        o = cache.attend(q, q_lens=counts, g_cmp=g_cmp.contiguous(), g_slc=g_slc.contiguous(), g_swa=g_swa.contiguous(),
+                         cmp_by_caller=self.learnable_compression)
+        return self.o_proj(o.reshape(B, Tq, HQ * o.shape[-1]))
+
+    def forward(self, hidden, cu_seqlens=None, return_aux=False, cache=None, q_lens=None):
+        if cache is not None:
+            if cu_seqlens is not None or return_aux:
+                raise ValueError("a cached step takes neither cu_seqlens nor return_aux")
+            return self._cached(hidden, cache, q_lens)
         B, T, _ = hidden.shape
         HQ, H, D = self.num_heads, self.num_kv_heads, self.head_dim
         pos = positions(T, cu_seqlens, hidden.device)

@@ -123,3 +123,43 @@ def test_train_tiny_smoke(tmp_path):
     png = tmp_path / "loss.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "loss.csv").exists()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("separate_kv,learnable", [(False, True), (True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_cached_steps_equal_forward(device, separate_kv, learnable, page_size):
+    """forward(cache=...) over a prefill chunk, decode steps and multi-token steps, with a
+    different count per sequence (some idle), gives forward()'s rows over the whole sequences:
+    RoPE at the cached positions, phi of the blocks the new tokens complete, the three branches."""
+    dtype = dtype_for(device)
+    torch.manual_seed(0)
+    m = nsa.nn.NativeSparseAttention(64, num_heads=4, num_kv_heads=2, head_dim=16, config=CFG, separate_kv=separate_kv,
+                                     learnable_compression=learnable).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        for p in m.parameters():  # away from the zero-initialised phi output, so phi matters
+            p.normal_(0.0, 0.2)
+    h = torch.randn(2, 90, 64, device=device, dtype=dtype)
+    with torch.no_grad():
+        full = m(h)
+    cache = m.new_cache(2, 96, page_size=page_size)
+    L, worst = [0, 0], 0.0
+    for counts in ([30, 12], [1, 1], [5, 0], [1, 20], [53, 57]):
+        Tq = max(counts)
+        x = torch.stack([torch.cat([h[b, L[b]:L[b] + counts[b]], h.new_zeros(Tq - counts[b], 64)]) for b in range(2)])
+        y = m(x, cache=cache, q_lens=counts)
+        for b in range(2):
+            if counts[b]:
+                worst = max(worst, (y[b, :counts[b]] - full[b, L[b]:L[b] + counts[b]]).abs().max().item())
+            L[b] += counts[b]
+    assert cache.lengths == [90, 90]
+    assert worst < (5e-5 if dtype == torch.float32 else 5e-2), worst
+
+
+def test_cached_step_refuses_a_full_cache():
+    m = layer("cpu", torch.float32)
+    cache = m.new_cache(1, 40)
+    h = torch.randn(1, 41, 128)
+    with pytest.raises(ValueError, match="capacity"):
+        m(h, cache=cache)
+    assert cache.lengths == [0]
