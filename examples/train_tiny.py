@@ -94,8 +94,10 @@ class Block(nn.Module):
         self.down = nn.Linear(4 * d, d, bias=False)
         nn.init.normal_(self.down.weight, std=0.02 / math.sqrt(2))
 
-    def forward(self, x):
-        x = x + self.attn(self.n1(x))
+    def forward(self, x, cache=None, q_lens=None):
+        # cache: the NSA layer's KV cache (examples/generate.py): x holds only the new tokens
+        a = self.attn(self.n1(x)) if cache is None else self.attn(self.n1(x), cache=cache, q_lens=q_lens)
+        x = x + a
         return x + self.down(F.gelu(self.up(self.n2(x))))
 
 
@@ -120,10 +122,12 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.norm = RMSNorm(d)
 
-    def forward(self, idx):
+    def forward(self, idx, caches=None, q_lens=None):
+        """Logits [B, T, 256]. caches: one KV cache per block (NSA layers' new_cache): idx holds
+        the new tokens of each sequence (q_lens[b] of them) after those already cached."""
         x = self.emb(idx)
-        for b in self.blocks:
-            x = b(x)
+        for i, b in enumerate(self.blocks):
+            x = b(x) if caches is None else b(x, caches[i], q_lens)
         return self.norm(x) @ self.emb.weight.t().to(x.dtype)  # tied output layer
 
 
@@ -174,7 +178,7 @@ def train(kind, args, train_data, val_batches, config):
                   flush=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return curve, time.time() - t0, params
+    return curve, time.time() - t0, params, model
 
 
 # ---- the plot (matplotlib when present, else a small built-in PNG writer) -------------------------
@@ -272,7 +276,17 @@ def write_png_plot(curves, path, w=800, h=500):
                 + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
-def main():
+def config_for(args):
+    """The NSA config of a run. At the default scale: 16-token compressed blocks every 8, top 8 of
+    32-token blocks, a 128 window (at T = 2048 each query reads at most 8*32 + 128 + 255 keys
+    instead of up to 2048)."""
+    if args.tiny:
+        return nsa.Config(cmp_len=16, cmp_stride=8, slc_block=16, slc_topk=3, n_init=1, n_local=2, window=32)
+    return nsa.Config(cmp_len=16, cmp_stride=8, slc_block=32, slc_topk=8, n_init=1, n_local=2,
+                      window=min(128, args.seq_len))
+
+
+def parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--device", default="cuda")
@@ -293,22 +307,27 @@ def main():
                     help="autocast dtype (default: bf16 on CUDA, whose NSA backend needs it; f32 on the CPU)")
     ap.add_argument("--compile", action="store_true", help="torch.compile both models")
     ap.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (small model and sequences)")
-    args = ap.parse_args()
+    ap.add_argument("--save", default=None, help="write the trained NSA model here (examples/generate.py --checkpoint)")
+    return ap
+
+
+def finish(args):
+    """The sizes --tiny stands for and the default dtype of the device."""
     if args.tiny:
         args.seq_len, args.batch, args.d_model, args.layers = 128, 2, 64, 1
         args.heads, args.kv_heads, args.head_dim, args.data_mb, args.val_batches = 2, 1, 32, 0.5, 1
     if args.dtype is None:
         args.dtype = "bf16" if args.device.startswith("cuda") else "f32"
+    return args
+
+
+def main():
+    args = finish(parser().parse_args())
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("train_tiny: --device %s but torch sees no GPU (try --device cpu)" % args.device)
     os.makedirs(args.out, exist_ok=True)
 
-    # NSA at this scale: 16-token compressed blocks every 8, top 8 of 32-token blocks, a 128 window
-    # (at T = 2048 each query reads at most 8*32 + 128 + 255 keys instead of up to 2048).
-    config = nsa.Config(cmp_len=16, cmp_stride=8, slc_block=32, slc_topk=8, n_init=1, n_local=2,
-                        window=min(128, args.seq_len))
-    if args.tiny:
-        config = nsa.Config(cmp_len=16, cmp_stride=8, slc_block=16, slc_topk=3, n_init=1, n_local=2, window=32)
+    config = config_for(args)
     text = load_text(int(args.data_mb * 2**20))
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     split = int(len(data) * 0.95)
@@ -323,8 +342,11 @@ def main():
     curves, info = {}, {}
     for kind in ("nsa", "full"):
         print("training %s attention" % kind, flush=True)
-        curves[kind], secs, params = train(kind, args, train_data, val, config)
+        curves[kind], secs, params, model = train(kind, args, train_data, val, config)
         info[kind] = (secs, params)
+        if kind == "nsa" and args.save:
+            torch.save({"args": vars(args), "state": model.state_dict()}, args.save)
+            print("wrote %s" % args.save)
 
     print("\nloss curves (train = mean since the last row, val = held-out mean; nats per byte)")
     print("%6s  %10s %10s  %10s %10s" % ("step", "nsa train", "nsa val", "full train", "full val"))

@@ -71,7 +71,8 @@ class KVCache:
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.max_pages = -(-capacity // page_size)
-        self.max_cmp_pages = -(-self.cmp_capacity // page_size)
+        # (at least one compressed page and table column: an empty table would read as absent)
+        self.max_cmp_pages = max(1, -(-self.cmp_capacity // page_size))
         self.num_pages = num_pages if num_pages is not None else batch * self.max_pages
         self.num_cmp_pages = batch * self.max_cmp_pages  # (about 1/d of the tokens: every sequence at capacity)
         self.k = self._zeros((self.num_pages, page_size, heads, dk))
