@@ -13,3 +13,27 @@ def test_peers_harness_self_test():
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert " 0 failed" in r.stdout, r.stdout
+
+
+def test_decode_bench_self_test():
+    """bench/decode.py's byte floors (the decode issue's figures), rows, table and JSON."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "decode.py"), "--self-test"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert " 0 failed" in r.stdout, r.stdout
+
+
+def test_decode_bench_runs_on_the_cpu(tmp_path):
+    """The timed path end to end on the CPU backend (nsa rows; the GPU peers skip with a reason)."""
+    import pytest
+    pytest.importorskip("torch", reason="torch is not installed")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "decode.py"), "--device", "cpu", "--batch", "2",
+                        "--ctx", "300", "--impl", "nsa,mdy666", "--reps", "2", "--warmup", "1", "--out", str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+    rows = json.load(open(next(tmp_path.glob("*-decode.json"))))
+    assert {(x["impl"], x["op"]) for x in rows} == {("nsa", "nsa"), ("nsa", "dense")}
+    assert all(x["us"] > 0 and x["floor_us"] > 0 and x["B"] == 2 and x["ctx"] == 300 for x in rows)
+    assert "mdy666 nsa B=2 ctx=300: mdy666 runs on CUDA only" in r.stdout
