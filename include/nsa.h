@@ -60,7 +60,8 @@ typedef enum nsa_status {
     NSA_STATUS_BAD_SHAPE = 3,             /* a dimension disagrees with another argument */
     NSA_STATUS_BAD_STRIDE = 4,            /* last-dim stride != 1, or a negative stride */
     NSA_STATUS_BAD_DTYPE = 5,             /* dtype not allowed here or not the same as q's */
-    NSA_STATUS_BAD_GQA = 6,               /* HQ is not a multiple of H */
+    NSA_STATUS_BAD_GQA = 6,               /* HQ is not a multiple of H, or one of them is 0 and not the other
+                                             (a call without heads, HQ = H = 0, is empty and succeeds) */
     NSA_STATUS_BAD_CMP_STRIDE = 7,        /* cmp_stride d < 1 or > INT32_MAX, or d does not divide cmp_len l */
     NSA_STATUS_BAD_CMP_LEN = 8,           /* cmp_len l < 1 or > INT32_MAX, or l > slc_block l' */
     NSA_STATUS_BAD_SLC_BLOCK = 9,         /* slc_block l' > INT32_MAX, or d does not divide l' */

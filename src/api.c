@@ -406,6 +406,36 @@ static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_ca
  * need that overflowed. */
 typedef enum op_mode { OP_QUERY, OP_RUN } op_mode;
 
+/* A call without heads (HQ = H = 0, e.g. a shard that holds none) has nothing to compute: its
+ * outputs are empty, except a step's per-sequence errors (the steps run: their checks of
+ * lengths and pages still apply) and a dbias broadcast over the heads (Hb = 1), the sum over no
+ * heads: zeros. */
+static int no_heads(op_call c, const nsa_problem *p)
+{
+    return p->HQ == 0 && p->H == 0 && c.op != OP_STEP && c.op != OP_ATTENTION_STEP;
+}
+
+static nsa_status run_no_heads(const nsa_context *ctx, op_call c)
+{
+    if (c.op != OP_ATTENTION_BWD) return NSA_STATUS_SUCCESS;
+    const nsa_tensor *db = &((const nsa_attention_bwd_args *)c.args)->dbias;
+    int64_t n = 1;
+    for (int d = 0; d < 4; d++) n *= db->shape[d] > 0 ? db->shape[d] : 0;
+    if (!nsa_present(db) || n == 0) return NSA_STATUS_SUCCESS;
+    if (ctx->backend != NSA_BACKEND_CPU)
+        return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "dbias: a call without heads (HQ = 0) with a broadcast bias: the "
+                                                  "CUDA backend does not write its zeros; give no dbias");
+    const size_t es = nsa_dtype_size(db->dtype);
+    for (int64_t i0 = 0; i0 < db->shape[0]; i0++) /* 0 is all-zero bits in every float dtype */
+        for (int64_t i1 = 0; i1 < db->shape[1]; i1++)
+            for (int64_t i2 = 0; i2 < db->shape[2]; i2++)
+                for (int64_t i3 = 0; i3 < db->shape[3]; i3++)
+                    memset((char *)db->data +
+                               (i0 * db->stride[0] + i1 * db->stride[1] + i2 * db->stride[2] + i3 * db->stride[3]) * (int64_t)es,
+                           0, es);
+    return NSA_STATUS_SUCCESS;
+}
+
 static nsa_status op_dispatch(nsa_context *ctx, op_call c, op_mode mode, size_t *bytes, void *workspace,
                               size_t workspace_bytes)
 {
@@ -416,7 +446,8 @@ static nsa_status op_dispatch(nsa_context *ctx, op_call c, op_mode mode, size_t 
     nsa_problem p;
     nsa_status st = op_validate(c, &p);
     if (st != NSA_STATUS_SUCCESS) return st;
-    const size_t need = op_workspace(ctx, &p, c);
+    const int empty = no_heads(c, &p);
+    const size_t need = empty ? 0 : op_workspace(ctx, &p, c);
     /* the backends size with size.h's saturating arithmetic: SIZE_MAX is a need that
      * overflowed somewhere on the way, refused here for every op and both backends */
     if (need == SIZE_MAX)
@@ -430,7 +461,7 @@ static nsa_status op_dispatch(nsa_context *ctx, op_call c, op_mode mode, size_t 
         return nsa_fail(NSA_STATUS_WORKSPACE_TOO_SMALL, "workspace_bytes: %zu < %zu needed", workspace_bytes, need);
     if (need > 0 && !workspace)
         return nsa_fail(NSA_STATUS_NULL_POINTER, "workspace: NULL but %zu bytes are needed", need);
-    return done(op_backend(ctx, &p, c, workspace));
+    return done(empty ? run_no_heads(ctx, c) : op_backend(ctx, &p, c, workspace));
 }
 
 /* ---- the public ops: each a query and a call through op_dispatch ----------------------- */

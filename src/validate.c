@@ -357,9 +357,18 @@ static nsa_status check_tensors(const tspec *s, int n, const engine_in *e, nsa_p
             }
         }
     }
-    /* Zero heads leave G undefined; a zero head dim makes the default scale infinite. */
+    /* A call without heads (HQ = H = 0, a shard that holds none) is empty: it succeeds and
+     * writes nothing. One count 0 and not the other leaves G undefined. */
+    if (dim[Z_HQ] == 0 && dim[Z_H] > 0)
+        return nsa_fail(NSA_STATUS_BAD_GQA, "%s: dim %d (HQ) is 0 with H = %" PRId64 " (%s dim %d): G = HQ / H must be >= 1 "
+                        "(a call without heads has H = 0 too)", s[who[Z_HQ]].name, at[Z_HQ], dim[Z_H], s[who[Z_H]].name, at[Z_H]);
+    if (dim[Z_H] == 0 && dim[Z_HQ] > 0)
+        return nsa_fail(NSA_STATUS_BAD_GQA, "%s: dim %d (H) is 0 with HQ = %" PRId64 " (%s dim %d): G = HQ / H must be >= 1 "
+                        "(a call without heads has HQ = 0 too)", s[who[Z_H]].name, at[Z_H], dim[Z_HQ], s[who[Z_HQ]].name,
+                        at[Z_HQ]);
+    /* a zero head dim makes the default scale infinite */
     {
-        static const int positive[] = {Z_HQ, Z_H, Z_DK, Z_DV, Z_M};
+        static const int positive[] = {Z_DK, Z_DV, Z_M};
         for (i = 0; i < COUNT(positive); i++) {
             z = positive[i];
             if (dim[z] == 0)

@@ -878,7 +878,8 @@ static void head_cases(const op_case *op)
         mode_dense();
         M.hq = 0;
         build(op, &a, &l);
-        EXPECT(op, &a, NSA_STATUS_BAD_SHAPE, "HQ", "HQ = 0");
+        if (op->flags & F_GQA) EXPECT(op, &a, NSA_STATUS_BAD_GQA, "HQ", "HQ = 0 with H = 3 (no heads: both 0)");
+        else EXPECT_OK(op, &a, &l, "HQ = 0: no heads, nothing to write");
     }
     mode_dense();
 }

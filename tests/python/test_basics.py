@@ -158,3 +158,35 @@ def test_context_cache():
     handle = ctypes.c_void_p()
     bad = _lib.ContextDesc(backend=_lib.BACKEND_CPU, num_threads=-1)
     assert nsa.library.nsa_context_create(ctypes.byref(handle), ctypes.byref(bad)) == _lib.STATUS_BAD_ARGUMENT
+
+
+def test_calls_without_heads_are_empty():
+    """HQ = H = 0 (a shard that holds no heads): every op succeeds with empty outputs; a dbias
+    broadcast over the heads is the sum over none (zeros); the steps still report per sequence;
+    one head count 0 and not the other is refused (BAD_GQA). Needs numpy."""
+    np = pytest.importorskip("numpy")
+    cfg = nsa.Config(8, 4, 16, 4, 1, 1, 20, 0.3, 0.0)
+    B, T, D = 2, 40, 16
+    z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+    q = k = v = z(B, T, 0, D)
+    g = z(B, T, 0)
+    r = nsa.forward(q, k, v, g, g, g, config=cfg)
+    assert r.o.shape == (B, T, 0, D)
+    grads = r.backward(z(B, T, 0, D))
+    assert grads.q.shape == (B, T, 0, D) and grads.k.shape == (B, T, 0, D)
+    bias = np.ones((B, 1, T, T), np.float32)
+    a = nsa.attention(q, k, v, causal=True, bias=bias)
+    assert a.o.shape == (B, T, 0, D) and a.lse.shape == (B, T, 0)
+    ag = a.backward(z(B, T, 0, D), dbias=True)
+    assert ag.dbias.shape == bias.shape and (ag.dbias == 0).all()
+    assert nsa.compress(k, cfg).shape == (B, 9, 0, D)
+    o, _, err = nsa.step(q[:, :1], (z(B, 50, 0, D), z(B, 50, 0, D)), np.array([10, 49], np.int32), cfg,
+                         k_new=k[:, :1], v_new=v[:, :1], cmp_cache=(z(B, 11, 0, D), z(B, 11, 0, D)), g_cmp=g[:, :1],
+                         g_slc=g[:, :1], g_swa=g[:, :1], return_errors=True)
+    assert o.shape == (B, 1, 0, D) and (err == 0).all()
+    with pytest.raises(nsa.NsaError, match=r"capacity"):  # the step's checks still apply without heads
+        nsa.attention_step(q[:, :1], (z(B, 50, 0, D), z(B, 50, 0, D)), np.array([10, 50], np.int32), k_new=k[:, :1],
+                           v_new=v[:, :1])
+    with pytest.raises(nsa.NsaError, match=r"HQ\) is 0 with H = 2") as e:
+        nsa.forward(q, z(B, T, 2, D), z(B, T, 2, D), g, g, g, config=cfg)
+    assert e.value.name == "BAD_GQA"
