@@ -655,7 +655,7 @@ static const char *HELP_DEMO =
     "  nsa demo  [--backend cpu|cuda] [--T N] [--HQ N] [--H N] [--reps N] [--threads N] [--seed N]\n"
     "            [--rows N] [--no-dense]\n"
     "      NSA forward + backward on random input, paper config, B=1, D=128 (CUDA: bf16, HQ=64,\n"
-    "      H=4, T=65536, the median of 3 calls after a warm-up; CPU: f32, HQ=16, H=1, T=8192,\n"
+    "      H=4, T=65536, the median of 3 calls after a warm-up; CPU: f32, HQ=16, H=1, T=4096,\n"
     "      one call): time per branch, the whole forward and backward, dense causal attention\n"
     "      on the same input (CPU: its forward only) and NSA's speed-up over it, keys read per\n"
     "      query, and sampled rows against the float64 reference.\n";
@@ -937,10 +937,11 @@ static int cmd_demo(int argc, char **argv)
     if (named_backend) require_backend(o.backend);
     o.dtype = default_dtype(o.backend);
     /* The first impression: on a GPU the paper's heads at a length where NSA pays (64k tokens:
-     * ~15 GB), timed after a warm-up; on the CPU 16 heads at 8k, one timed call each (no
-     * first-call costs to speak of), about half a minute on 2 cores. */
+     * ~15 GB), timed after a warm-up; on the CPU 16 heads at 4k, one timed call each (no
+     * first-call costs to speak of): 44 s on 2 cores (8k took 112 s; 4 heads at 8k show less of
+     * NSA's advantage, as the selected branch shares its blocks among fewer heads). */
     const int gpu = o.backend == NSA_BACKEND_CUDA;
-    if (!o.T) o.T = gpu ? 65536 : 8192;
+    if (!o.T) o.T = gpu ? 65536 : 4096;
     if (!o.HQ) o.HQ = gpu ? 64 : 16;
     if (!o.H) o.H = o.HQ % 4 == 0 && gpu ? 4 : 1;
     if (o.HQ % o.H) usage_error("demo: --HQ %lld is not a multiple of --H %lld", (long long)o.HQ, (long long)o.H);
