@@ -174,8 +174,15 @@ def step(q: Array, cache: Sequence[Array], seqlens: Array, config: Optional[Conf
         cache = (cache[0], cache[1], _as_int32(cache[2]))
     if cmp_cache is not None and len(cmp_cache) == 3 and cmp_cache[2] is not None:
         cmp_cache = (cmp_cache[0], cmp_cache[1], _as_int32(cmp_cache[2]))
-    o, selected, errors = _core.step(call, q, cache, ints[0], config, ints[1], k_new, v_new, cmp_cache, cmp_by_caller,
-                                     (g_cmp, g_slc, g_swa), ints[2], ints[3], return_selected, return_errors)
+    if _is_torch(q) and _torch.call_step is not None:  # the custom op: torch.compile traces it, graphs capture it
+        o, selected, errors = _torch.call_step(q, cache, ints[0], config, ints[1], k_new, v_new, cmp_cache, cmp_by_caller,
+                                               (g_cmp, g_slc, g_swa), ints[2], ints[3], return_selected)
+        selected = selected if selected.dim() == 4 else None
+        errors = errors if return_errors else None
+    else:
+        o, selected, errors = _core.step(call, q, cache, ints[0], config, ints[1], k_new, v_new, cmp_cache,
+                                         cmp_by_caller, (g_cmp, g_slc, g_swa), ints[2], ints[3], return_selected,
+                                         return_errors)
     if return_selected or return_errors:
         return o, selected, errors
     return o
@@ -197,8 +204,13 @@ def attention_step(q: Array, cache: Sequence[Array], seqlens: Array, *, q_lens: 
     ints = [None if x is None else _as_int32(x) for x in (seqlens, q_lens)]
     if cache is not None and len(cache) == 3 and cache[2] is not None:
         cache = (cache[0], cache[1], _as_int32(cache[2]))
-    o, lse, errors = _core.attention_step(call, q, cache, ints[0], ints[1], k_new, v_new, scale or 0.0, causal, window,
-                                          softcap, sinks, return_lse, return_errors)
+    if _is_torch(q) and _torch.call_attention_step is not None:
+        o, lse, errors = _torch.call_attention_step(q, cache, ints[0], ints[1], k_new, v_new, scale, causal, window,
+                                                    softcap, sinks)
+        lse, errors = (lse if return_lse else None), (errors if return_errors else None)
+    else:
+        o, lse, errors = _core.attention_step(call, q, cache, ints[0], ints[1], k_new, v_new, scale or 0.0, causal,
+                                              window, softcap, sinks, return_lse, return_errors)
     if return_lse or return_errors:
         return o, lse, errors
     return o

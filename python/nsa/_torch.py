@@ -542,3 +542,83 @@ def attention_needs_grad(q, k, v, opts):
     if not torch.is_grad_enabled():
         return False
     return any(x is not None and x.requires_grad for x in (q, k, v, opts.get("sinks"), opts.get("bias")))
+
+
+# ---- the inference steps as custom ops (torch.compile; CUDA graphs capture their kernels) ------
+
+def _step_impl(q, cache_k, cache_v, block_table, seqlens, q_lens, k_new, v_new, cmp_k, cmp_v, cmp_table, cmp_by_caller,
+               g_cmp, g_slc, g_swa, block_indices, block_counts, cfg, want_selected):
+    cache = (cache_k, cache_v, block_table)
+    cmp_cache = None if cmp_k is None else (cmp_k, cmp_v, cmp_table)
+    o, selected, errors = _core.step(TorchCall(q.device), q, cache, seqlens, _core.Config(*cfg), q_lens, k_new, v_new,
+                                     cmp_cache, cmp_by_caller, (g_cmp, g_slc, g_swa), block_indices, block_counts,
+                                     want_selected, True)
+    return o, selected if selected is not None else _empty(q, torch.int32), errors
+
+
+def _step_fake(q, cache_v, seqlens, g_slc, block_indices, cfg, want_selected):
+    B, Tq, HQ = q.shape[0], q.shape[1], q.shape[2]
+    H = cache_v.shape[2]
+    sel = (q.new_empty((B, Tq, H, cfg[3]), dtype=torch.int32) if want_selected and g_slc is not None and block_indices is None
+           else _empty(q, torch.int32))
+    return q.new_empty((B, Tq, HQ, cache_v.shape[3])), sel, seqlens.new_empty((B,), dtype=torch.int32)
+
+
+def _attention_step_impl(q, cache_k, cache_v, block_table, seqlens, q_lens, k_new, v_new, sinks, scale, causal,
+                         window_left, window_right, softcap):
+    o, lse, errors = _core.attention_step(TorchCall(q.device), q, (cache_k, cache_v, block_table), seqlens, q_lens,
+                                          k_new, v_new, scale, causal, (window_left, window_right), softcap, sinks,
+                                          True, True)
+    return o, lse, errors
+
+
+if HAS_CUSTOM_OP:
+    @torch.library.custom_op("nsa::step", mutates_args=("cache_k", "cache_v", "cmp_k", "cmp_v"))
+    def step_op(q: Tensor, cache_k: Tensor, cache_v: Tensor, block_table: Optional[Tensor], seqlens: Tensor,
+                q_lens: Optional[Tensor], k_new: Optional[Tensor], v_new: Optional[Tensor], cmp_k: Optional[Tensor],
+                cmp_v: Optional[Tensor], cmp_table: Optional[Tensor], cmp_by_caller: bool, g_cmp: Optional[Tensor],
+                g_slc: Optional[Tensor], g_swa: Optional[Tensor], block_indices: Optional[Tensor],
+                block_counts: Optional[Tensor], cmp_len: int, cmp_stride: int, slc_block: int, slc_topk: int,
+                n_init: int, n_local: int, window: int, scale: float, swa_scale: float,
+                want_selected: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        cfg = (cmp_len, cmp_stride, slc_block, slc_topk, n_init, n_local, window, scale, swa_scale)
+        return _step_impl(q, cache_k, cache_v, block_table, seqlens, q_lens, k_new, v_new, cmp_k, cmp_v, cmp_table,
+                          cmp_by_caller, g_cmp, g_slc, g_swa, block_indices, block_counts, cfg, want_selected)
+
+    @step_op.register_fake
+    def _(q, cache_k, cache_v, block_table, seqlens, q_lens, k_new, v_new, cmp_k, cmp_v, cmp_table, cmp_by_caller,
+          g_cmp, g_slc, g_swa, block_indices, block_counts, *rest):
+        return _step_fake(q, cache_v, seqlens, g_slc, block_indices, rest[:9], rest[9])
+
+    @torch.library.custom_op("nsa::attention_step", mutates_args=("cache_k", "cache_v"))
+    def attention_step_op(q: Tensor, cache_k: Tensor, cache_v: Tensor, block_table: Optional[Tensor], seqlens: Tensor,
+                          q_lens: Optional[Tensor], k_new: Optional[Tensor], v_new: Optional[Tensor],
+                          sinks: Optional[Tensor], scale: float, causal: bool, window_left: int, window_right: int,
+                          softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
+        return _attention_step_impl(q, cache_k, cache_v, block_table, seqlens, q_lens, k_new, v_new, sinks, scale, causal,
+                                    window_left, window_right, softcap)
+
+    @attention_step_op.register_fake
+    def _(q, cache_k, cache_v, block_table, seqlens, *rest):
+        B, Tq, HQ = q.shape[0], q.shape[1], q.shape[2]
+        return (q.new_empty((B, Tq, HQ, cache_v.shape[3])), q.new_empty((B, Tq, HQ), dtype=torch.float32),
+                seqlens.new_empty((B,), dtype=torch.int32))
+
+    def call_step(q, cache, seqlens, config, q_lens, k_new, v_new, cmp_cache, cmp_by_caller, gates, block_indices,
+                  block_counts, want_selected):
+        ints = lambda x, name: _index_tensor(x, q.device, name)  # noqa: E731  (lists, numpy: int32 on q's device)
+        bt = ints(cache[2], "cache.block_table") if len(cache) == 3 else None
+        ck, cv, ct = (None, None, None) if cmp_cache is None else (
+            cmp_cache[0], cmp_cache[1], ints(cmp_cache[2], "cmp_cache.block_table") if len(cmp_cache) == 3 else None)
+        return step_op(q, cache[0], cache[1], bt, ints(seqlens, "seqlens"), ints(q_lens, "q_lens"), k_new, v_new, ck, cv,
+                       ct, bool(cmp_by_caller), gates[0], gates[1], gates[2], ints(block_indices, "block_indices"),
+                       ints(block_counts, "block_counts"), *_core.config_tuple(config), bool(want_selected))
+
+    def call_attention_step(q, cache, seqlens, q_lens, k_new, v_new, scale, causal, window, softcap, sinks):
+        ints = lambda x, name: _index_tensor(x, q.device, name)  # noqa: E731
+        bt = ints(cache[2], "cache.block_table") if len(cache) == 3 else None
+        return attention_step_op(q, cache[0], cache[1], bt, ints(seqlens, "seqlens"), ints(q_lens, "q_lens"), k_new, v_new,
+                                 sinks, float(scale or 0.0),
+                                 bool(causal), int(window[0]), int(window[1]), float(softcap or 0.0))
+else:
+    call_step = call_attention_step = None

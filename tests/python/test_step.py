@@ -206,3 +206,69 @@ def test_attention_step_refusals_name_the_argument():
     with pytest.raises(nsa.NsaError, match=r"softcap"):
         nsa.attention_step(q[:, :2], cache, np.zeros(B, np.int32), k_new=k[:, :2], v_new=v[:, :2], softcap=-1.0)
     np.testing.assert_array_equal(cache[0], before)  # nothing written
+
+
+@pytest.mark.skipif(TORCH is None or not hasattr(TORCH.library, "custom_op"), reason="torch >= 2.4 is not installed")
+@pytest.mark.parametrize("device", _torch_devices())
+def test_steps_under_torch_compile(device):
+    """torch.ops.nsa.step / attention_step under torch.compile(fullgraph=True): the appends land in
+    the caches (mutated arguments) and the outputs equal the eager calls'; on CUDA the compiled
+    decode step also replays from a captured CUDA graph with new lengths."""
+    torch = TORCH
+    qn, kn, vn, gn = _data(6)
+    q, k, v = (torch.from_numpy(x).to(device) for x in (qn, kn, vn))
+    g = [torch.from_numpy(x).to(device) for x in gn]
+    cap, ncap = 80, 19
+
+    def fresh():
+        return ([torch.zeros(B, cap, H, D, device=device) for _ in range(2)],
+                [torch.zeros(B, ncap, H, D, device=device) for _ in range(2)])
+
+    def decode(q1, k1, v1, g1, kc, vc, kcc, vcc, lens):
+        o = nsa.step(q1, (kc, vc), lens, CFG, k_new=k1, v_new=v1, cmp_cache=(kcc, vcc), g_cmp=g1[0], g_slc=g1[1],
+                     g_swa=g1[2])
+        d = nsa.attention_step(q1, (kc, vc), lens + 1, causal=True, scale=0.3)  # the tokens just appended
+        return o, d
+
+    compiled = torch.compile(decode, fullgraph=True)
+    (ke, ve), (kce, vce) = fresh()
+    (kc, vc), (kcc, vcc) = fresh()
+    for L in range(0, 12):
+        lens = torch.full((B,), L, dtype=torch.int32, device=device)
+        args = (q[:, L:L + 1], k[:, L:L + 1], v[:, L:L + 1], [x[:, L:L + 1] for x in g])
+        o_e, d_e = decode(*args, ke, ve, kce, vce, lens)
+        o_c, d_c = compiled(*args, kc, vc, kcc, vcc, lens)
+        assert (o_e - o_c).abs().max().item() < 1e-6 and (d_e - d_c).abs().max().item() < 1e-6
+    assert torch.equal(kc, ke) and torch.equal(vcc, vce) and torch.equal(kc[:, :12], k[:, :12])
+    ref = nsa.attention(q[:, :12], k[:, :12], v[:, :12], causal=True, scale=0.3).o
+    assert (d_c - ref[:, 11:12]).abs().max().item() < 2e-5
+    if device != "cuda":
+        return
+    # a CUDA graph of one decode step, replayed for later positions (lengths read on the device)
+    lens = torch.full((B,), 12, dtype=torch.int32, device=device)
+    q1, k1, v1 = (torch.zeros(B, 1, *x.shape[2:], device=device) for x in (q, k, v))
+    g1 = [torch.zeros(B, 1, HQ, device=device) for _ in range(3)]
+
+    def load(L):
+        lens.fill_(L)
+        for dst, src in ((q1, q), (k1, k), (v1, v)):
+            dst.copy_(src[:, L:L + 1])
+        for dst, src in zip(g1, g):
+            dst.copy_(src[:, L:L + 1])
+
+    load(12)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        decode(q1, k1, v1, g1, kc, vc, kcc, vcc, lens)  # warm-up: position 12 written
+    torch.cuda.current_stream().wait_stream(s)
+    load(12)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, _ = decode(q1, k1, v1, g1, kc, vc, kcc, vcc, lens)
+    full = nsa.forward(q, k, v, *g, config=CFG).o
+    for L in range(12, 20):
+        load(L)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (o_g - full[:, L:L + 1]).abs().max().item() < 2e-5, L
