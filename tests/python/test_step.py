@@ -272,3 +272,66 @@ def test_steps_under_torch_compile(device):
         graph.replay()
         torch.cuda.synchronize()
         assert (o_g - full[:, L:L + 1]).abs().max().item() < 2e-5, L
+
+
+def _all_backends():
+    return ["numpy"] + ["torch-" + d for d in _torch_devices()]
+
+
+@pytest.mark.parametrize("backend", _all_backends())
+@pytest.mark.parametrize("G,page", [(1, 16), (2, 32), (4, 64), (6, 128), (16, 256), (16, None)])
+def test_step_group_sizes_and_page_sizes(backend, G, page):
+    """Prefill chunks, decode and multi-token steps over a varlen batch (an empty sequence, a
+    length-1 one, lengths crossing compression and selection blocks), dk != dv, shuffled pages of
+    every size: each step's rows equal nsa.forward's over the whole sequences, selections too."""
+    rng = np.random.default_rng(G * 7 + (page or 0))
+    cfg = nsa.Config(16, 8, 32, 4, 1, 1, 40, 0.0, 0.0)
+    lens, Hk, DK, DV = [300, 0, 1, 97], 2, 24, 16
+    Bn, HQn, Tm = len(lens), 2 * G, max(lens)
+    q = rng.standard_normal((Bn, Tm, HQn, DK)).astype(np.float32)
+    k = rng.standard_normal((Bn, Tm, Hk, DK)).astype(np.float32)
+    v = rng.standard_normal((Bn, Tm, Hk, DV)).astype(np.float32)
+    gs = [rng.random((Bn, Tm, HQn)).astype(np.float32) for _ in range(3)]
+    refs = [nsa.forward(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], *[x[b:b + 1, :n] for x in gs], config=cfg)
+            if n else None for b, n in enumerate(lens)]
+    cap = 320
+    ncap = nsa.cmp_offsets(cfg, [0, cap])[1]
+    if page is None:
+        cache = [np.zeros((Bn, cap, Hk, D), np.float32) for D in (DK, DV)]
+        cmp_cache = [np.zeros((Bn, ncap, Hk, D), np.float32) for D in (DK, DV)]
+    else:
+        pp, cpp = -(-cap // page), -(-ncap // page)
+        perm, cperm = rng.permutation(Bn * pp + 1), rng.permutation(Bn * cpp + 1)
+        cache = [np.zeros((Bn * pp + 1, page, Hk, D), np.float32) for D in (DK, DV)]
+        cache.append(perm[:Bn * pp].reshape(Bn, pp).astype(np.int32))
+        cmp_cache = [np.zeros((Bn * cpp + 1, page, Hk, D), np.float32) for D in (DK, DV)]
+        cmp_cache.append(cperm[:Bn * cpp].reshape(Bn, cpp).astype(np.int32))
+    if backend != "numpy":
+        torch = TORCH
+        dev = backend.split("-")[1]
+        conv = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(dev)  # noqa: E731
+        cache, cmp_cache = [conv(x) for x in cache], [conv(x) for x in cmp_cache]
+    else:
+        conv = np.ascontiguousarray
+    L = [0] * Bn
+    for step_i in range(400):
+        want = [rng.integers(40, 120) if step_i == 0 else rng.integers(0, 4) if step_i % 3 else rng.integers(0, 9)
+                for _ in lens]
+        cnt = [int(min(w, n - l)) for w, n, l in zip(want, lens, L)]
+        if sum(n - l for n, l in zip(lens, L)) == 0:
+            break
+        Tq = max(max(cnt), 1)
+        take = lambda x: np.stack([np.concatenate([x[b, L[b]:L[b] + cnt[b]],  # noqa: E731
+                                                   np.zeros((Tq - cnt[b],) + x.shape[2:], x.dtype)]) for b in range(Bn)])
+        o, sel, err = nsa.step(conv(take(q)), cache, conv(np.array(L, np.int32)), cfg,
+                               q_lens=conv(np.array(cnt, np.int32)), k_new=conv(take(k)), v_new=conv(take(v)),
+                               cmp_cache=cmp_cache, g_cmp=conv(take(gs[0])), g_slc=conv(take(gs[1])),
+                               g_swa=conv(take(gs[2])), return_selected=True, return_errors=True)
+        o, sel, err = [x.cpu().numpy() if hasattr(x, "cpu") else x for x in (o, sel, err)]
+        assert (err == 0).all()
+        for b in range(Bn):
+            if cnt[b]:
+                np.testing.assert_allclose(o[b, :cnt[b]], refs[b].o[0, L[b]:L[b] + cnt[b]], atol=3e-5)
+                assert (sel[b, :cnt[b]] == refs[b].aux.block_indices[0, L[b]:L[b] + cnt[b]]).all()
+            L[b] += cnt[b]
+    assert L == lens
