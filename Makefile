@@ -21,7 +21,7 @@ CFLAGS_BASE := -std=c11 -Wall -Wextra -Werror -fPIC -fopenmp -ffp-contract=fast 
 LDLIBS := -fopenmp -lm
 
 # The CUDA planners are plain C: built in every configuration, so the CPU suite tests them.
-LIB_SRC := src/api.c src/validate.c $(sort $(wildcard src/cpu/*.c)) src/cuda/plan.c $(sort $(wildcard src/cuda/*/plan.c))
+LIB_SRC := src/api.c src/validate.c $(sort $(wildcard src/mod/*.c)) $(sort $(wildcard src/cpu/*.c)) src/cuda/plan.c $(sort $(wildcard src/cuda/*/plan.c))
 LIB_OBJ := $(LIB_SRC:%.c=$(B)/obj/%.o)
 KIT_SRC := $(sort $(wildcard tests/kit/*.c))
 KIT_OBJ := $(KIT_SRC:%.c=$(B)/obj/%.o)
@@ -97,7 +97,7 @@ all: $(B)/libnsa.a $(B)/libnsa.so $(B)/nsa $(B)/nsa_tests $(B)/nsa_fuzz_replay
 
 lib: $(B)/libnsa.a $(B)/libnsa.so
 
-$(B)/obj/%.o: %.c $(wildcard include/*.h src/*.h src/cpu/*.h src/cuda/*.h src/cuda/*/plan.h) $(CONFIG_STAMP)
+$(B)/obj/%.o: %.c $(wildcard include/*.h src/*.h src/mod/*.h src/cpu/*.h src/cuda/*.h src/cuda/*/plan.h) $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(CFLAGS) -c $< -o $@
 
@@ -123,7 +123,7 @@ $(KIT_LIB): $(KIT_OBJ)
 	rm -f $@ && ar rcs $@ $^
 
 $(B)/nsa_tests: $(TEST_SRC) $(KIT_H) $(KIT_LIB) $(B)/libnsa.a
-	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests/kit -o $@ $(TEST_SRC) $(KIT_LIB) $(B)/libnsa.a $(LDLIBS)
+	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests/kit -o $@ $(TEST_SRC) $(KIT_LIB) $(B)/libnsa.a $(LDLIBS) -ldl
 
 # The fuzz inputs without libFuzzer, on the backend --backend names (tests/fuzz/replay.c): the
 # device memory check of scripts/device-check.sh, and the sanitized build's replay.
@@ -155,7 +155,7 @@ FUZZ_CI_SECONDS ?= 180
 FUZZ_FLAGS := -std=c11 -g -O1 -Wno-pass-failed -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -fopenmp -Iinclude -Isrc -Itests/kit
 FUZZ_OBJ := $(LIB_SRC:%.c=$(B)/fuzz/%.o)
 
-$(B)/fuzz/%.o: %.c $(wildcard include/*.h src/*.h src/cpu/*.h src/cuda/*.h src/cuda/*/plan.h)
+$(B)/fuzz/%.o: %.c $(wildcard include/*.h src/*.h src/mod/*.h src/cpu/*.h src/cuda/*.h src/cuda/*/plan.h)
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(subst fuzzer$(comma),fuzzer-no-link$(comma),$(FUZZ_FLAGS)) -c $< -o $@
 

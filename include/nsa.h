@@ -82,7 +82,9 @@ typedef enum nsa_status {
     NSA_STATUS_BAD_ARGUMENT = 20,         /* any other invalid scalar (e.g. num_threads < 0) */
     NSA_STATUS_MISSING_OUTPUT = 21,       /* an output that this call must write was not given */
     NSA_STATUS_BAD_SOFTCAP = 22,          /* attention softcap is negative, NaN or infinite */
-    NSA_STATUS_BAD_DROPOUT = 23           /* attention dropout_p is not in [0, 1) (or NaN) */
+    NSA_STATUS_BAD_DROPOUT = 23,          /* attention dropout_p is not in [0, 1) (or NaN) */
+    NSA_STATUS_BAD_EXPRESSION = 24        /* a mask_mod / score_mod expression does not parse or type-check, or
+                                             names an unknown variable, function or tensor */
 } nsa_status;
 
 /* A static, never-NULL English description of a status ("unknown status" if out of range). */

@@ -52,6 +52,7 @@ const char *nsa_status_string(nsa_status status)
     case NSA_STATUS_MISSING_OUTPUT: return "a required output tensor is absent";
     case NSA_STATUS_BAD_SOFTCAP: return "softcap must be finite and >= 0 (0 = off)";
     case NSA_STATUS_BAD_DROPOUT: return "dropout_p must be in [0, 1)";
+    case NSA_STATUS_BAD_EXPRESSION: return "a mask_mod / score_mod expression is not valid";
     }
     return "unknown status";
 }

@@ -18,6 +18,7 @@ void test_rules_all(void);
 void test_plan_all(void);
 void test_safety_all(void);
 void test_step_all(void);
+void test_expr_all(void);
 
 static void test_readme_example(void)
 {
@@ -41,6 +42,7 @@ static const struct group {
     {"plan", test_plan_all},
     {"safety", test_safety_all},
     {"step", test_step_all},
+    {"expr", test_expr_all},
     {"readme", test_readme_example},
 };
 enum { NGROUPS = sizeof GROUPS / sizeof GROUPS[0] };

@@ -910,7 +910,7 @@ static void generic_cases(const op_case *op)
 /* ---- op-specific rules -------------------------------------------------------------------- */
 static void status_and_config_tests(void)
 {
-    enum { LAST = NSA_STATUS_BAD_DROPOUT };
+    enum { LAST = NSA_STATUS_BAD_EXPRESSION };
     const char *s[LAST + 1];
     int i, j;
     nsa_config c = nsa_config_default();

@@ -1,0 +1,957 @@
+/* mod/expr.c -- mask_mod / score_mod expressions (spec 13): a recursive-descent parser that
+ * builds a typed tree (every node knows whether it is an int, a float or a bool, so that a type
+ * error is found once, with its position, and never at evaluation), then a post-order program
+ * for a small stack machine: the CPU evaluates it per (b, h, q_idx, kv_idx) without allocating.
+ *
+ * Grammar (C precedence, lowest first; Python's `//`, `%` floor semantics):
+ *   ternary := or ['?' ternary ':' ternary]
+ *   or      := and {'||' and}            and := bitor {'&&' bitor}
+ *   bitor   := bitxor {'|' bitxor}       bitxor := bitand {'^' bitand}
+ *   bitand  := cmp {'&' cmp}             cmp := add [('<'|'<='|'>'|'>='|'=='|'!=') add]
+ *   add     := mul {('+'|'-') mul}       mul := unary {('*'|'/'|'//'|'%') unary}
+ *   unary   := ('-'|'+'|'!'|'~') unary | primary
+ *   primary := number | 'true' | 'false' | name | name '(' args ')' | name '[' args ']' | '(' ternary ')'
+ */
+#include "expr.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../dtype.h"
+
+typedef enum vtype { T_BOOL, T_INT, T_FLOAT } vtype;
+static const char *const TYPE_NAME[] = {"bool", "int", "float"};
+
+/* Tree nodes and program instructions share one opcode list. */
+typedef enum opcode {
+    O_INT, O_FLOAT, O_VAR_B, O_VAR_H, O_VAR_Q, O_VAR_K, O_VAR_SCORE, O_READ, O_TO_FLOAT,
+    O_ADD, O_SUB, O_MUL, O_DIV, O_FLOORDIV, O_MOD, O_NEG,
+    O_LT, O_LE, O_GT, O_GE, O_EQ, O_NE,
+    O_AND, O_OR, O_NOT, O_BAND, O_BOR, O_BXOR, O_BNOT,
+    O_WHERE, O_MIN, O_MAX, O_ABS, O_EXP, O_LOG, O_TANH, O_SIGMOID, O_SQRT, O_FLOOR
+} opcode;
+
+enum { MAX_NODES = 4096, MAX_ARGS = 4, MAX_DEPTH = 64, MAX_TEXT = 65536 };
+
+typedef struct node {
+    opcode op;
+    vtype type;
+    int kid[MAX_ARGS], nkid;
+    int64_t i;   /* O_INT */
+    float f;     /* O_FLOAT */
+    int cap;     /* O_READ */
+    int pos;     /* 1-based column of the token that made it */
+} node;
+
+/* One instruction: an opcode working on the type it was checked for. */
+typedef struct insn {
+    unsigned char op, type, nargs, cap;
+    union {
+        int64_t i;
+        float f;
+    } imm;
+} insn;
+
+struct expr_program {
+    expr_kind kind;
+    int n;
+    unsigned uses;
+    expr_capture cap[EXPR_MAX_CAPTURES];
+    char names[EXPR_MAX_CAPTURES][EXPR_MAX_NAME];
+    int ncap;
+    node *tree;   /* kept for printing */
+    int root;
+    insn code[];  /* n instructions */
+};
+
+typedef struct parser {
+    const char *s;
+    size_t at;
+    const char *what;
+    expr_kind kind;
+    const expr_capture *caps;
+    int ncap;
+    node *nodes;
+    int nnodes;
+    int depth;
+    nsa_status err; /* first error (its detail written) */
+} parser;
+
+/* ---- errors ------------------------------------------------------------------------------ */
+#if defined(__GNUC__)
+__attribute__((format(printf, 3, 4)))
+#endif
+static int fail_at(parser *p, int pos, const char *fmt, ...)
+{
+    if (p->err != NSA_STATUS_SUCCESS) return -1;
+    char msg[200];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    p->err = nsa_fail(NSA_STATUS_BAD_EXPRESSION, "%s:%d: %s", p->what, pos, msg);
+    return -1;
+}
+
+/* ---- lexer ------------------------------------------------------------------------------- */
+static void skip_space(parser *p)
+{
+    while (p->s[p->at] == ' ' || p->s[p->at] == '\t' || p->s[p->at] == '\n' || p->s[p->at] == '\r') p->at++;
+}
+
+static int col(const parser *p) { return (int)p->at + 1; }
+
+/* Consumes `tok` when the text continues with it (and, for a one-char operator, not with a
+ * longer operator that starts with it). */
+static int accept(parser *p, const char *tok)
+{
+    skip_space(p);
+    const size_t n = strlen(tok);
+    if (strncmp(p->s + p->at, tok, n) != 0) return 0;
+    const char next = p->s[p->at + n];
+    if (n == 1) {
+        const char c = tok[0];
+        if ((c == '<' || c == '>' || c == '!' || c == '=') && next == '=') return 0;
+        if ((c == '&' && next == '&') || (c == '|' && next == '|') || (c == '/' && next == '/')) return 0;
+    }
+    p->at += n;
+    return 1;
+}
+
+static int is_alpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; }
+static int is_digit(char c) { return c >= '0' && c <= '9'; }
+
+/* ---- tree building with types ------------------------------------------------------------ */
+static int add_node(parser *p, opcode op, vtype type, int pos, const int *kids, int nkid)
+{
+    if (p->err != NSA_STATUS_SUCCESS) return -1;
+    if (p->nnodes >= MAX_NODES) return fail_at(p, pos, "the expression is too long (more than %d nodes)", MAX_NODES);
+    node *n = &p->nodes[p->nnodes];
+    memset(n, 0, sizeof *n);
+    n->op = op, n->type = type, n->pos = pos, n->nkid = nkid;
+    for (int i = 0; i < nkid; i++) n->kid[i] = kids[i];
+    return p->nnodes++;
+}
+
+static int to_float(parser *p, int k)
+{
+    if (k < 0) return -1;
+    if (p->nodes[k].type == T_FLOAT) return k;
+    if (p->nodes[k].op == O_INT) { /* fold a literal */
+        p->nodes[k].op = O_FLOAT, p->nodes[k].type = T_FLOAT, p->nodes[k].f = (float)p->nodes[k].i;
+        return k;
+    }
+    return add_node(p, O_TO_FLOAT, T_FLOAT, p->nodes[k].pos, &k, 1);
+}
+
+/* Numeric operands (bool counts as int): both int -> int, else both float. */
+static int numeric(parser *p, int *a, int *b, const char *op, int pos)
+{
+    if (p->err != NSA_STATUS_SUCCESS) return -1;
+    if (p->nodes[*a].type == T_FLOAT || p->nodes[*b].type == T_FLOAT) {
+        *a = to_float(p, *a), *b = to_float(p, *b);
+        return T_FLOAT;
+    }
+    (void)op, (void)pos;
+    return T_INT;
+}
+
+static int binary(parser *p, opcode op, int a, int b, int pos, const char *tok)
+{
+    if (a < 0 || b < 0) return -1;
+    const vtype ta = p->nodes[a].type, tb = p->nodes[b].type;
+    vtype t;
+    switch (op) {
+    case O_ADD: case O_SUB: case O_MUL: case O_FLOORDIV: case O_MOD: case O_MIN: case O_MAX:
+        t = (vtype)numeric(p, &a, &b, tok, pos);
+        break;
+    case O_DIV: /* true division, as Python's / */
+        a = to_float(p, a), b = to_float(p, b), t = T_FLOAT;
+        break;
+    case O_LT: case O_LE: case O_GT: case O_GE: case O_EQ: case O_NE:
+        if ((op == O_EQ || op == O_NE) && ta == T_BOOL && tb == T_BOOL) {
+            t = T_BOOL;
+            break;
+        }
+        numeric(p, &a, &b, tok, pos);
+        t = T_BOOL;
+        break;
+    case O_AND: case O_OR:
+        if (ta != T_BOOL || tb != T_BOOL)
+            return fail_at(p, pos, "'%s' needs two bools, got %s and %s", tok, TYPE_NAME[ta], TYPE_NAME[tb]);
+        t = T_BOOL;
+        break;
+    case O_BAND: case O_BOR: case O_BXOR: /* bools: logical; ints: bitwise (Python's &, |, ^) */
+        if (ta == T_BOOL && tb == T_BOOL) {
+            t = T_BOOL;
+        } else if (ta != T_FLOAT && tb != T_FLOAT && ta == tb) {
+            t = T_INT;
+        } else {
+            return fail_at(p, pos, "'%s' needs two bools or two ints, got %s and %s", tok, TYPE_NAME[ta], TYPE_NAME[tb]);
+        }
+        break;
+    default:
+        return fail_at(p, pos, "internal: binary operator %d", (int)op);
+    }
+    if (p->err != NSA_STATUS_SUCCESS) return -1;
+    const int kids[2] = {a, b};
+    return add_node(p, op, t, pos, kids, 2);
+}
+
+static int parse_ternary(parser *p);
+
+/* `where(c, a, b)` and `c ? a : b`: c a bool, a and b of one type (int and float: float). */
+static int select3(parser *p, int c, int a, int b, int pos)
+{
+    if (c < 0 || a < 0 || b < 0) return -1;
+    if (p->nodes[c].type != T_BOOL) return fail_at(p, pos, "the condition must be a bool, got %s", TYPE_NAME[p->nodes[c].type]);
+    vtype t = p->nodes[a].type;
+    if (p->nodes[a].type != p->nodes[b].type) {
+        if (p->nodes[a].type == T_BOOL || p->nodes[b].type == T_BOOL)
+            return fail_at(p, pos, "the two values must both be bools or both numbers, got %s and %s",
+                           TYPE_NAME[p->nodes[a].type], TYPE_NAME[p->nodes[b].type]);
+        t = (vtype)numeric(p, &a, &b, "where", pos);
+    }
+    const int kids[3] = {c, a, b};
+    return add_node(p, O_WHERE, t, pos, kids, 3);
+}
+
+static const struct {
+    const char *name;
+    opcode op;
+    int nargs;
+} FUNCS[] = {
+    {"where", O_WHERE, 3}, {"min", O_MIN, 2},         {"max", O_MAX, 2},   {"abs", O_ABS, 1},
+    {"exp", O_EXP, 1},     {"log", O_LOG, 1},         {"tanh", O_TANH, 1}, {"sigmoid", O_SIGMOID, 1},
+    {"sqrt", O_SQRT, 1},   {"floor", O_FLOOR, 1},
+};
+
+static int parse_args(parser *p, int *args, int max, char close)
+{
+    int n = 0;
+    char closing[2] = {close, 0};
+    if (accept(p, closing)) return 0;
+    for (;;) {
+        if (n == max) {
+            fail_at(p, col(p), "too many arguments (at most %d)", max);
+            return n;
+        }
+        args[n++] = parse_ternary(p);
+        if (p->err != NSA_STATUS_SUCCESS) return n;
+        if (accept(p, closing)) return n;
+        if (!accept(p, ",")) {
+            fail_at(p, col(p), "expected ',' or '%c'", close);
+            return n;
+        }
+    }
+}
+
+static int call_func(parser *p, const char *name, int pos)
+{
+    int args[MAX_ARGS];
+    const int n = parse_args(p, args, MAX_ARGS, ')');
+    if (p->err != NSA_STATUS_SUCCESS) return -1;
+    for (size_t f = 0; f < sizeof FUNCS / sizeof FUNCS[0]; f++) {
+        if (strcmp(FUNCS[f].name, name) != 0) continue;
+        if (n != FUNCS[f].nargs) return fail_at(p, pos, "%s takes %d argument%s, got %d", name, FUNCS[f].nargs, FUNCS[f].nargs > 1 ? "s" : "", n);
+        const opcode op = FUNCS[f].op;
+        if (op == O_WHERE) return select3(p, args[0], args[1], args[2], pos);
+        if (op == O_MIN || op == O_MAX) {
+            if (p->nodes[args[0]].type == T_BOOL || p->nodes[args[1]].type == T_BOOL)
+                return fail_at(p, pos, "%s needs numbers, got a bool", name);
+            return binary(p, op, args[0], args[1], pos, name);
+        }
+        const vtype t = p->nodes[args[0]].type;
+        if (t == T_BOOL) return fail_at(p, pos, "%s needs a number, got a bool", name);
+        if (op == O_ABS) return add_node(p, O_ABS, t, pos, args, 1);
+        int x = to_float(p, args[0]);
+        return add_node(p, op, T_FLOAT, pos, &x, 1);
+    }
+    return fail_at(p, pos, "unknown function '%s' (known: where, min, max, abs, exp, log, tanh, sigmoid, sqrt, floor)", name);
+}
+
+static int read_capture(parser *p, int cap, int pos)
+{
+    int args[MAX_ARGS];
+    const nsa_tensor *t = &p->caps[cap].tensor;
+    const int n = parse_args(p, args, MAX_ARGS, ']');
+    if (p->err != NSA_STATUS_SUCCESS) return -1;
+    if (n != t->rank)
+        return fail_at(p, pos, "'%s' has rank %d, indexed with %d index%s", p->caps[cap].name, (int)t->rank, n, n == 1 ? "" : "es");
+    for (int i = 0; i < n; i++)
+        if (p->nodes[args[i]].type != T_INT)
+            return fail_at(p, p->nodes[args[i]].pos, "index %d of '%s' must be an int, got %s", i, p->caps[cap].name,
+                           TYPE_NAME[p->nodes[args[i]].type]);
+    const vtype type = t->dtype == NSA_DTYPE_I32 ? T_INT : t->dtype == NSA_DTYPE_U8 ? T_BOOL : T_FLOAT;
+    const int k = add_node(p, O_READ, type, pos, args, n);
+    if (k >= 0) p->nodes[k].cap = cap;
+    return k;
+}
+
+static int parse_primary(parser *p)
+{
+    skip_space(p);
+    const int pos = col(p);
+    const char *s = p->s + p->at;
+    if (is_digit(*s) || (*s == '.' && is_digit(s[1]))) {
+        char *end = NULL;
+        size_t len = 0;
+        int is_float = 0;
+        while (is_digit(s[len])) len++;
+        if (s[len] == '.' || s[len] == 'e' || s[len] == 'E') is_float = 1;
+        if (is_float) {
+            const double v = strtod(s, &end);
+            if (is_alpha(*end) || is_digit(*end) || *end == '.') return fail_at(p, pos, "malformed number");
+            p->at += (size_t)(end - s);
+            const int k = add_node(p, O_FLOAT, T_FLOAT, pos, NULL, 0);
+            if (k >= 0) p->nodes[k].f = (float)v;
+            return k;
+        }
+        int64_t v = 0;
+        for (size_t i = 0; i < len; i++) {
+            if (v > (INT64_MAX - (s[i] - '0')) / 10) return fail_at(p, pos, "integer literal does not fit int64");
+            v = v * 10 + (s[i] - '0');
+        }
+        if (is_alpha(s[len])) return fail_at(p, pos, "malformed number");
+        p->at += len;
+        const int k = add_node(p, O_INT, T_INT, pos, NULL, 0);
+        if (k >= 0) p->nodes[k].i = v;
+        return k;
+    }
+    if (is_alpha(*s)) {
+        char name[EXPR_MAX_NAME + 1];
+        size_t len = 0;
+        while (is_alpha(s[len]) || is_digit(s[len])) len++;
+        if (len > EXPR_MAX_NAME) return fail_at(p, pos, "name longer than %d characters", EXPR_MAX_NAME);
+        memcpy(name, s, len);
+        name[len] = 0;
+        p->at += len;
+        if (accept(p, "(")) return call_func(p, name, pos);
+        if (accept(p, "[")) {
+            for (int c = 0; c < p->ncap; c++)
+                if (strcmp(p->caps[c].name, name) == 0) return read_capture(p, c, pos);
+            return fail_at(p, pos, "unknown tensor '%s' (indexing needs a captured tensor)", name);
+        }
+        static const struct {
+            const char *name;
+            opcode op;
+            vtype t;
+        } VARS[] = {{"b", O_VAR_B, T_INT}, {"h", O_VAR_H, T_INT}, {"q_idx", O_VAR_Q, T_INT}, {"kv_idx", O_VAR_K, T_INT},
+                    {"score", O_VAR_SCORE, T_FLOAT}};
+        for (size_t v = 0; v < sizeof VARS / sizeof VARS[0]; v++) {
+            if (strcmp(VARS[v].name, name) != 0) continue;
+            if (VARS[v].op == O_VAR_SCORE && p->kind == EXPR_MASK) return fail_at(p, pos, "'score' is not known in a mask_mod");
+            return add_node(p, VARS[v].op, VARS[v].t, pos, NULL, 0);
+        }
+        if (!strcmp(name, "true") || !strcmp(name, "false") || !strcmp(name, "True") || !strcmp(name, "False")) {
+            const int k = add_node(p, O_INT, T_BOOL, pos, NULL, 0);
+            if (k >= 0) p->nodes[k].i = name[0] == 't' || name[0] == 'T';
+            return k;
+        }
+        for (int c = 0; c < p->ncap; c++)
+            if (strcmp(p->caps[c].name, name) == 0)
+                return fail_at(p, pos, "'%s' is a tensor: read an element, e.g. %s[...]", name, name);
+        return fail_at(p, pos, "unknown name '%s' (variables: b, h, q_idx, kv_idx%s)", name, p->kind == EXPR_SCORE ? ", score" : "");
+    }
+    if (accept(p, "(")) {
+        const int k = parse_ternary(p);
+        if (p->err == NSA_STATUS_SUCCESS && !accept(p, ")")) return fail_at(p, col(p), "expected ')'");
+        return k;
+    }
+    if (!*s) return fail_at(p, pos, "unexpected end of the expression");
+    return fail_at(p, pos, "unexpected '%c'", *s);
+}
+
+static int parse_unary(parser *p)
+{
+    skip_space(p);
+    const int pos = col(p);
+    if (++p->depth > MAX_DEPTH) return fail_at(p, pos, "the expression nests deeper than %d", MAX_DEPTH);
+    int k;
+    if (accept(p, "-")) {
+        k = parse_unary(p);
+        if (k >= 0 && p->nodes[k].type == T_BOOL) k = fail_at(p, pos, "'-' needs a number, got a bool");
+        else if (k >= 0 && p->nodes[k].op == O_INT) p->nodes[k].i = -p->nodes[k].i, p->nodes[k].pos = pos;
+        else if (k >= 0 && p->nodes[k].op == O_FLOAT) p->nodes[k].f = -p->nodes[k].f, p->nodes[k].pos = pos;
+        else if (k >= 0) k = add_node(p, O_NEG, p->nodes[k].type, pos, &k, 1);
+    } else if (accept(p, "+")) {
+        k = parse_unary(p);
+        if (k >= 0 && p->nodes[k].type == T_BOOL) k = fail_at(p, pos, "'+' needs a number, got a bool");
+    } else if (accept(p, "!")) {
+        k = parse_unary(p);
+        if (k >= 0 && p->nodes[k].type != T_BOOL) k = fail_at(p, pos, "'!' needs a bool, got %s", TYPE_NAME[p->nodes[k].type]);
+        else if (k >= 0) k = add_node(p, O_NOT, T_BOOL, pos, &k, 1);
+    } else if (accept(p, "~")) { /* Python's ~: not of a bool, bitwise not of an int */
+        k = parse_unary(p);
+        if (k >= 0 && p->nodes[k].type == T_FLOAT) k = fail_at(p, pos, "'~' needs a bool or an int, got float");
+        else if (k >= 0) k = add_node(p, p->nodes[k].type == T_BOOL ? O_NOT : O_BNOT, p->nodes[k].type, pos, &k, 1);
+    } else {
+        k = parse_primary(p);
+    }
+    p->depth--;
+    return k;
+}
+
+static int parse_mul(parser *p)
+{
+    int a = parse_unary(p);
+    for (;;) {
+        skip_space(p);
+        const int pos = col(p);
+        opcode op;
+        const char *tok;
+        if (accept(p, "//")) op = O_FLOORDIV, tok = "//";
+        else if (accept(p, "*")) op = O_MUL, tok = "*";
+        else if (accept(p, "/")) op = O_DIV, tok = "/";
+        else if (accept(p, "%")) op = O_MOD, tok = "%";
+        else return a;
+        const int b = parse_unary(p);
+        if (a >= 0 && b >= 0 && (p->nodes[a].type == T_BOOL || p->nodes[b].type == T_BOOL))
+            return fail_at(p, pos, "'%s' needs numbers, got a bool", tok);
+        a = binary(p, op, a, b, pos, tok);
+    }
+}
+
+static int parse_add(parser *p)
+{
+    int a = parse_mul(p);
+    for (;;) {
+        skip_space(p);
+        const int pos = col(p);
+        opcode op;
+        if (accept(p, "+")) op = O_ADD;
+        else if (accept(p, "-")) op = O_SUB;
+        else return a;
+        const int b = parse_mul(p);
+        if (a >= 0 && b >= 0 && (p->nodes[a].type == T_BOOL || p->nodes[b].type == T_BOOL))
+            return fail_at(p, pos, "'%c' needs numbers, got a bool", op == O_ADD ? '+' : '-');
+        a = binary(p, op, a, b, pos, op == O_ADD ? "+" : "-");
+    }
+}
+
+static int parse_cmp(parser *p)
+{
+    int a = parse_add(p);
+    skip_space(p);
+    const int pos = col(p);
+    static const struct {
+        const char *tok;
+        opcode op;
+    } CMP[] = {{"<=", O_LE}, {">=", O_GE}, {"==", O_EQ}, {"!=", O_NE}, {"<", O_LT}, {">", O_GT}};
+    for (size_t i = 0; i < sizeof CMP / sizeof CMP[0]; i++) {
+        if (!accept(p, CMP[i].tok)) continue;
+        const int b = parse_add(p);
+        if (a >= 0 && b >= 0 && CMP[i].op != O_EQ && CMP[i].op != O_NE &&
+            (p->nodes[a].type == T_BOOL || p->nodes[b].type == T_BOOL))
+            return fail_at(p, pos, "'%s' needs numbers, got a bool", CMP[i].tok);
+        if (a >= 0 && b >= 0 && (p->nodes[a].type == T_BOOL) != (p->nodes[b].type == T_BOOL))
+            return fail_at(p, pos, "'%s' compares a bool with a number", CMP[i].tok);
+        a = binary(p, CMP[i].op, a, b, pos, CMP[i].tok);
+        skip_space(p);
+        for (size_t j = 0; j < sizeof CMP / sizeof CMP[0]; j++)
+            if (!strncmp(p->s + p->at, CMP[j].tok, strlen(CMP[j].tok)))
+                return fail_at(p, col(p), "chained comparison: write (a %s b) && (b %s c)", CMP[i].tok, CMP[j].tok);
+        return a;
+    }
+    return a;
+}
+
+/* One left-associative level of binary operators. */
+static int parse_level(parser *p, int (*next)(parser *), const char *tok, opcode op)
+{
+    int a = next(p);
+    for (;;) {
+        skip_space(p);
+        const int pos = col(p);
+        if (!accept(p, tok)) return a;
+        a = binary(p, op, a, next(p), pos, tok);
+    }
+}
+
+static int parse_bitand(parser *p) { return parse_level(p, parse_cmp, "&", O_BAND); }
+static int parse_bitxor(parser *p) { return parse_level(p, parse_bitand, "^", O_BXOR); }
+static int parse_bitor(parser *p) { return parse_level(p, parse_bitxor, "|", O_BOR); }
+static int parse_and(parser *p) { return parse_level(p, parse_bitor, "&&", O_AND); }
+static int parse_or(parser *p) { return parse_level(p, parse_and, "||", O_OR); }
+
+static int parse_ternary(parser *p)
+{
+    if (++p->depth > MAX_DEPTH) return fail_at(p, col(p), "the expression nests deeper than %d", MAX_DEPTH);
+    int c = parse_or(p);
+    skip_space(p);
+    const int pos = col(p);
+    if (accept(p, "?")) {
+        const int a = parse_ternary(p);
+        if (p->err == NSA_STATUS_SUCCESS && !accept(p, ":")) c = fail_at(p, col(p), "expected ':' of '?'");
+        else c = select3(p, c, a, parse_ternary(p), pos);
+    }
+    p->depth--;
+    return c;
+}
+
+/* ---- captures ------------------------------------------------------------------------------ */
+static nsa_status check_captures(parser *p)
+{
+    for (int c = 0; c < p->ncap; c++) {
+        const expr_capture *x = &p->caps[c];
+        const char *n = x->name;
+        if (!n) return nsa_fail(NSA_STATUS_NULL_POINTER, "%s: capture %d: name is NULL", p->what, c);
+        size_t len = strlen(n);
+        int ok = len >= 1 && len <= EXPR_MAX_NAME && is_alpha(n[0]);
+        for (size_t i = 1; ok && i < len; i++) ok = is_alpha(n[i]) || is_digit(n[i]);
+        static const char *const RESERVED[] = {"b", "h", "q_idx", "kv_idx", "score", "true", "false", "True", "False"};
+        for (size_t r = 0; ok && r < sizeof RESERVED / sizeof RESERVED[0]; r++) ok = strcmp(n, RESERVED[r]) != 0;
+        for (size_t f = 0; ok && f < sizeof FUNCS / sizeof FUNCS[0]; f++) ok = strcmp(n, FUNCS[f].name) != 0;
+        if (!ok)
+            return nsa_fail(NSA_STATUS_BAD_EXPRESSION, "%s: capture %d: '%.40s' is not a free name (letters, digits, _, at "
+                            "most %d; not a variable or function)", p->what, c, n, EXPR_MAX_NAME);
+        for (int d = 0; d < c; d++)
+            if (!strcmp(p->caps[d].name, n)) return nsa_fail(NSA_STATUS_BAD_EXPRESSION, "%s: capture '%s' given twice", p->what, n);
+        const nsa_tensor *t = &x->tensor;
+        if (t->rank < 1 || t->rank > NSA_MAX_RANK)
+            return nsa_fail(NSA_STATUS_BAD_RANK, "%s: capture '%s': rank %d, must be 1..%d", p->what, n, (int)t->rank, NSA_MAX_RANK);
+        if (t->dtype != NSA_DTYPE_I32 && t->dtype != NSA_DTYPE_U8 && t->dtype != NSA_DTYPE_F32 && t->dtype != NSA_DTYPE_F16 &&
+            t->dtype != NSA_DTYPE_BF16)
+            return nsa_fail(NSA_STATUS_BAD_DTYPE, "%s: capture '%s': dtype %d is not one of i32, u8, f32, f16, bf16", p->what, n,
+                            (int)t->dtype);
+        int64_t count = 1;
+        for (int d = 0; d < t->rank; d++) {
+            if (t->shape[d] < 1)
+                return nsa_fail(NSA_STATUS_BAD_SHAPE, "%s: capture '%s': dim %d is %" PRId64 ", must be >= 1 (a read "
+                                "needs an element)", p->what, n, d, t->shape[d]);
+            if (t->stride[d] < 0)
+                return nsa_fail(NSA_STATUS_BAD_STRIDE, "%s: capture '%s': stride[%d] is negative", p->what, n, d);
+            if (count > INT64_MAX / t->shape[d])
+                return nsa_fail(NSA_STATUS_SIZE_OVERFLOW, "%s: capture '%s': element count overflows int64", p->what, n);
+            count *= t->shape[d];
+        }
+        if (!t->data) return nsa_fail(NSA_STATUS_NULL_POINTER, "%s: capture '%s': data is NULL", p->what, n);
+    }
+    return NSA_STATUS_SUCCESS;
+}
+
+/* ---- the program ----------------------------------------------------------------------------- */
+/* Post-order emission; returns the stack depth the subtree needs. */
+static int emit(expr_program *prog, const node *nodes, int k)
+{
+    const node *n = &nodes[k];
+    int need = 0;
+    for (int i = 0; i < n->nkid; i++) {
+        const int d = emit(prog, nodes, n->kid[i]) + i;
+        need = d > need ? d : need;
+    }
+    insn *in = &prog->code[prog->n++];
+    memset(in, 0, sizeof *in);
+    in->op = (unsigned char)n->op;
+    /* the operand type for comparisons and arithmetic: that of the (unified) kids */
+    in->type = (unsigned char)(n->nkid > 0 && n->op != O_WHERE && n->op != O_READ ? nodes[n->kid[0]].type : n->type);
+    if (n->op == O_WHERE) in->type = (unsigned char)n->type;
+    in->nargs = (unsigned char)n->nkid;
+    in->cap = (unsigned char)n->cap;
+    if (n->op == O_INT) in->imm.i = n->i;
+    if (n->op == O_FLOAT) in->imm.f = n->f;
+    if (n->op == O_VAR_B) prog->uses |= 1;
+    if (n->op == O_VAR_H) prog->uses |= 2;
+    if (n->op == O_VAR_Q) prog->uses |= 4;
+    if (n->op == O_VAR_K) prog->uses |= 8;
+    if (n->op == O_VAR_SCORE) prog->uses |= 16;
+    return need > 1 ? need : 1;
+}
+
+nsa_status expr_compile(const char *text, expr_kind kind, const expr_capture *captures, int num_captures, const char *what,
+                        expr_program **out)
+{
+    if (!out) return nsa_fail(NSA_STATUS_NULL_POINTER, "%s: out is NULL", what ? what : "expression");
+    *out = NULL;
+    what = what ? what : kind == EXPR_MASK ? "mask_mod" : "score_mod";
+    if (!text) return nsa_fail(NSA_STATUS_NULL_POINTER, "%s: the expression text is NULL", what);
+    if (kind != EXPR_MASK && kind != EXPR_SCORE) return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%s: kind %d unknown", what, (int)kind);
+    if (num_captures < 0 || num_captures > EXPR_MAX_CAPTURES || (num_captures > 0 && !captures))
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%s: %d captures (at most %d, and a list when > 0)", what, num_captures,
+                        EXPR_MAX_CAPTURES);
+    size_t len = 0; /* (C11 has no strnlen) */
+    while (len <= MAX_TEXT && text[len]) len++;
+    if (len > MAX_TEXT)
+        return nsa_fail(NSA_STATUS_BAD_EXPRESSION, "%s: longer than %d characters", what, MAX_TEXT);
+    parser p = {text, 0, what, kind, captures, num_captures, NULL, 0, 0, NSA_STATUS_SUCCESS};
+    nsa_status st = check_captures(&p);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    p.nodes = (node *)malloc(MAX_NODES * sizeof(node));
+    if (!p.nodes) return nsa_fail(NSA_STATUS_OUT_OF_MEMORY, "%s: no memory for the parser", what);
+    int root = parse_ternary(&p);
+    skip_space(&p);
+    if (p.err == NSA_STATUS_SUCCESS && p.s[p.at]) fail_at(&p, col(&p), "unexpected '%c' after the expression", p.s[p.at]);
+    if (p.err == NSA_STATUS_SUCCESS) {
+        const vtype t = p.nodes[root].type;
+        if (kind == EXPR_MASK && t != T_BOOL)
+            fail_at(&p, 1, "a mask_mod must give a bool, this gives %s (compare it: ... != 0)", TYPE_NAME[t]);
+        if (kind == EXPR_SCORE && t == T_BOOL) fail_at(&p, 1, "a score_mod must give a number, this gives a bool");
+        if (kind == EXPR_SCORE && t == T_INT) root = to_float(&p, root);
+    }
+    if (p.err != NSA_STATUS_SUCCESS) {
+        free(p.nodes);
+        return p.err;
+    }
+    expr_program *prog = (expr_program *)calloc(1, sizeof *prog + (size_t)p.nnodes * sizeof(insn));
+    if (!prog) {
+        free(p.nodes);
+        return nsa_fail(NSA_STATUS_OUT_OF_MEMORY, "%s: no memory for the program", what);
+    }
+    prog->kind = kind;
+    prog->ncap = num_captures;
+    for (int c = 0; c < num_captures; c++) {
+        prog->cap[c] = captures[c];
+        snprintf(prog->names[c], sizeof prog->names[c], "%s", captures[c].name);
+        prog->cap[c].name = prog->names[c]; /* (the caller's string need not outlive the call) */
+    }
+    if (emit(prog, p.nodes, root) > MAX_DEPTH + MAX_ARGS) { /* (the parser's depth limit keeps it far below) */
+        free(p.nodes), free(prog);
+        return nsa_fail(NSA_STATUS_BAD_EXPRESSION, "%s: the expression needs too deep a stack", what);
+    }
+    prog->tree = p.nodes;
+    prog->root = root;
+    *out = prog;
+    return NSA_STATUS_SUCCESS;
+}
+
+void expr_free(expr_program *p)
+{
+    if (!p) return;
+    free(p->tree);
+    free(p);
+}
+
+unsigned expr_uses(const expr_program *p) { return p ? p->uses : 0; }
+
+/* ---- evaluation ------------------------------------------------------------------------------ */
+typedef union value {
+    int64_t i;
+    float f;
+} value;
+
+static int64_t floordiv_i(int64_t a, int64_t b)
+{
+    if (b == 0) return 0; /* defined, documented: x // 0 = 0 */
+    if (b == -1) return a == INT64_MIN ? INT64_MIN : -a; /* (wraps as two's complement would) */
+    int64_t q = a / b;
+    if ((a % b != 0) && ((a < 0) != (b < 0))) q--;
+    return q;
+}
+
+static int64_t mod_i(int64_t a, int64_t b)
+{
+    if (b == 0 || b == -1) return 0; /* x % 0 = 0 */
+    int64_t r = a % b;
+    if (r != 0 && ((r < 0) != (b < 0))) r += b;
+    return r;
+}
+
+/* Wrapping int64 arithmetic (no undefined behaviour on overflow). */
+static int64_t wrap_add(int64_t a, int64_t b) { return (int64_t)((uint64_t)a + (uint64_t)b); }
+static int64_t wrap_sub(int64_t a, int64_t b) { return (int64_t)((uint64_t)a - (uint64_t)b); }
+static int64_t wrap_mul(int64_t a, int64_t b) { return (int64_t)((uint64_t)a * (uint64_t)b); }
+
+static float read_capture_value(const expr_capture *c, const value *idx, int n)
+{
+    const nsa_tensor *t = &c->tensor;
+    int64_t off = 0;
+    for (int d = 0; d < n; d++) {
+        int64_t i = idx[d].i;
+        i = i < 0 ? 0 : i >= t->shape[d] ? t->shape[d] - 1 : i; /* clamped: never out of bounds */
+        off += i * t->stride[d];
+    }
+    switch (t->dtype) {
+    case NSA_DTYPE_F32: return ((const float *)t->data)[off];
+    case NSA_DTYPE_F16: return nsa_f16_to_f32(((const uint16_t *)t->data)[off]);
+    case NSA_DTYPE_BF16: return nsa_bf16_to_f32(((const uint16_t *)t->data)[off]);
+    default: return 0.0f;
+    }
+}
+
+static int64_t read_capture_int(const expr_capture *c, const value *idx, int n)
+{
+    const nsa_tensor *t = &c->tensor;
+    int64_t off = 0;
+    for (int d = 0; d < n; d++) {
+        int64_t i = idx[d].i;
+        i = i < 0 ? 0 : i >= t->shape[d] ? t->shape[d] - 1 : i;
+        off += i * t->stride[d];
+    }
+    return t->dtype == NSA_DTYPE_I32 ? ((const int32_t *)t->data)[off] : ((const uint8_t *)t->data)[off] != 0;
+}
+
+static float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+float expr_eval(const expr_program *p, int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx, float score)
+{
+    value st[MAX_DEPTH + 2 * MAX_ARGS + 8];
+    int sp = 0;
+    for (int pc = 0; pc < p->n; pc++) {
+        const insn *in = &p->code[pc];
+        const int fl = in->type == T_FLOAT;
+        value *x = &st[sp - 1], *y = &st[sp - 2];
+        switch ((opcode)in->op) {
+        case O_INT: st[sp++].i = in->imm.i; break;
+        case O_FLOAT: st[sp++].f = in->imm.f; break;
+        case O_VAR_B: st[sp++].i = b; break;
+        case O_VAR_H: st[sp++].i = h; break;
+        case O_VAR_Q: st[sp++].i = q_idx; break;
+        case O_VAR_K: st[sp++].i = kv_idx; break;
+        case O_VAR_SCORE: st[sp++].f = score; break;
+        case O_READ: {
+            const expr_capture *c = &p->cap[in->cap];
+            sp -= in->nargs;
+            if (in->type == T_FLOAT || c->tensor.dtype == NSA_DTYPE_F32 || c->tensor.dtype == NSA_DTYPE_F16 ||
+                c->tensor.dtype == NSA_DTYPE_BF16)
+                st[sp].f = read_capture_value(c, &st[sp], in->nargs);
+            else
+                st[sp].i = read_capture_int(c, &st[sp], in->nargs);
+            sp++;
+            break;
+        }
+        case O_TO_FLOAT: x->f = (float)x->i; break;
+        case O_NEG: if (fl) x->f = -x->f; else x->i = wrap_sub(0, x->i); break;
+        case O_ABS: if (fl) x->f = fabsf(x->f); else x->i = x->i < 0 ? wrap_sub(0, x->i) : x->i; break;
+        case O_NOT: x->i = !x->i; break;
+        case O_BNOT: x->i = ~x->i; break;
+        case O_EXP: x->f = expf(x->f); break;
+        case O_LOG: x->f = logf(x->f); break;
+        case O_TANH: x->f = tanhf(x->f); break;
+        case O_SIGMOID: x->f = sigmoid_f(x->f); break;
+        case O_SQRT: x->f = sqrtf(x->f); break;
+        case O_FLOOR: x->f = floorf(x->f); break;
+        case O_WHERE: {
+            value *c = &st[sp - 3];
+            *c = c->i ? st[sp - 2] : st[sp - 1];
+            sp -= 2;
+            break;
+        }
+        default: { /* binary */
+            value r;
+            switch ((opcode)in->op) {
+            case O_ADD: if (fl) r.f = y->f + x->f; else r.i = wrap_add(y->i, x->i); break;
+            case O_SUB: if (fl) r.f = y->f - x->f; else r.i = wrap_sub(y->i, x->i); break;
+            case O_MUL: if (fl) r.f = y->f * x->f; else r.i = wrap_mul(y->i, x->i); break;
+            case O_DIV: r.f = y->f / x->f; break;
+            case O_FLOORDIV: if (fl) r.f = floorf(y->f / x->f); else r.i = floordiv_i(y->i, x->i); break;
+            case O_MOD:
+                if (fl) r.f = y->f - floorf(y->f / x->f) * x->f; /* Python's float %: the sign of the divisor */
+                else r.i = mod_i(y->i, x->i);
+                break;
+            case O_MIN: if (fl) r.f = y->f < x->f || y->f != y->f ? y->f : x->f; else r.i = y->i < x->i ? y->i : x->i; break;
+            case O_MAX: if (fl) r.f = y->f > x->f || y->f != y->f ? y->f : x->f; else r.i = y->i > x->i ? y->i : x->i; break;
+            case O_LT: r.i = fl ? y->f < x->f : y->i < x->i; break;
+            case O_LE: r.i = fl ? y->f <= x->f : y->i <= x->i; break;
+            case O_GT: r.i = fl ? y->f > x->f : y->i > x->i; break;
+            case O_GE: r.i = fl ? y->f >= x->f : y->i >= x->i; break;
+            case O_EQ: r.i = fl ? y->f == x->f : y->i == x->i; break;
+            case O_NE: r.i = fl ? y->f != x->f : y->i != x->i; break;
+            case O_AND: case O_BAND: r.i = y->i & x->i; break;
+            case O_OR: case O_BOR: r.i = y->i | x->i; break;
+            case O_BXOR: r.i = y->i ^ x->i; break;
+            default: r.i = 0; break;
+            }
+            *y = r;
+            sp--;
+            break;
+        }
+        }
+    }
+    return p->kind == EXPR_MASK ? (st[0].i ? 1.0f : 0.0f) : st[0].f;
+}
+
+/* ---- C / CUDA source ------------------------------------------------------------------------- */
+/* Plain C that NVRTC compiles too: no headers (the includer provides expf, logf, tanhf, sqrtf,
+ * floorf, fabsf), long long for int64, unions for bit casts, wrapping integer arithmetic and
+ * Python's floor division as the evaluator computes them. */
+const char EXPR_C_PRELUDE[] =
+    "typedef struct nsa_mod_caps {\n"
+    "    const void *data[16];\n"
+    "    long long shape[16][4];\n"
+    "    long long stride[16][4];\n"
+    "    int dtype[16];\n"
+    "} nsa_mod_caps;\n"
+    "NSA_MOD_FN long long nsa_mod_add(long long a, long long b) { return (long long)((unsigned long long)a + (unsigned long long)b); }\n"
+    "NSA_MOD_FN long long nsa_mod_sub(long long a, long long b) { return (long long)((unsigned long long)a - (unsigned long long)b); }\n"
+    "NSA_MOD_FN long long nsa_mod_mul(long long a, long long b) { return (long long)((unsigned long long)a * (unsigned long long)b); }\n"
+    "NSA_MOD_FN long long nsa_mod_floordiv(long long a, long long b)\n"
+    "{\n"
+    "    if (b == 0) return 0;\n"
+    "    if (b == -1) return nsa_mod_sub(0, a);\n"
+    "    long long q = a / b;\n"
+    "    if (a % b != 0 && ((a < 0) != (b < 0))) q--;\n"
+    "    return q;\n"
+    "}\n"
+    "NSA_MOD_FN long long nsa_mod_mod(long long a, long long b)\n"
+    "{\n"
+    "    if (b == 0 || b == -1) return 0;\n"
+    "    long long r = a % b;\n"
+    "    if (r != 0 && ((r < 0) != (b < 0))) r += b;\n"
+    "    return r;\n"
+    "}\n"
+    "NSA_MOD_FN float nsa_mod_fmod(float a, float b) { return a - floorf(a / b) * b; }\n"
+    "NSA_MOD_FN long long nsa_mod_imin(long long a, long long b) { return a < b ? a : b; }\n"
+    "NSA_MOD_FN long long nsa_mod_imax(long long a, long long b) { return a > b ? a : b; }\n"
+    "NSA_MOD_FN long long nsa_mod_iabs(long long a) { return a < 0 ? nsa_mod_sub(0, a) : a; }\n"
+    "NSA_MOD_FN float nsa_mod_fmin(float a, float b) { return a < b || a != a ? a : b; }\n"
+    "NSA_MOD_FN float nsa_mod_fmax(float a, float b) { return a > b || a != a ? a : b; }\n"
+    "NSA_MOD_FN float nsa_mod_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }\n"
+    "NSA_MOD_FN float nsa_mod_fbits(unsigned int u) { union { unsigned int u; float f; } x; x.u = u; return x.f; }\n"
+    "NSA_MOD_FN float nsa_mod_f16(unsigned short h)\n"
+    "{\n"
+    "    const unsigned int s = (unsigned int)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;\n"
+    "    if (e == 0x1f) return nsa_mod_fbits(s | 0x7f800000u | (m << 13));\n"
+    "    if (e) return nsa_mod_fbits(s | ((e + 112u) << 23) | (m << 13));\n"
+    "    const float v = (float)m * 5.9604644775390625e-8f;\n"
+    "    return s ? -v : v;\n"
+    "}\n"
+    "NSA_MOD_FN long long nsa_mod_off(const nsa_mod_caps *c, int k, int n, long long i0, long long i1, long long i2,\n"
+    "                                 long long i3)\n"
+    "{\n"
+    "    const long long ix[4] = {i0, i1, i2, i3};\n"
+    "    long long off = 0;\n"
+    "    for (int d = 0; d < n; d++) {\n"
+    "        const long long i = ix[d] < 0 ? 0 : ix[d] >= c->shape[k][d] ? c->shape[k][d] - 1 : ix[d];\n"
+    "        off += i * c->stride[k][d];\n"
+    "    }\n"
+    "    return off;\n"
+    "}\n"
+    "NSA_MOD_FN float nsa_mod_readf(const nsa_mod_caps *c, int k, int n, long long i0, long long i1, long long i2,\n"
+    "                               long long i3)\n"
+    "{\n"
+    "    const long long o = nsa_mod_off(c, k, n, i0, i1, i2, i3);\n"
+    "    if (c->dtype[k] == 0) return ((const float *)c->data[k])[o];\n"
+    "    if (c->dtype[k] == 1) return nsa_mod_f16(((const unsigned short *)c->data[k])[o]);\n"
+    "    return nsa_mod_fbits((unsigned int)((const unsigned short *)c->data[k])[o] << 16);\n"
+    "}\n"
+    "NSA_MOD_FN long long nsa_mod_readi(const nsa_mod_caps *c, int k, int n, long long i0, long long i1, long long i2,\n"
+    "                                   long long i3)\n"
+    "{\n"
+    "    const long long o = nsa_mod_off(c, k, n, i0, i1, i2, i3);\n"
+    "    if (c->dtype[k] == 3) return ((const int *)c->data[k])[o];\n"
+    "    return ((const unsigned char *)c->data[k])[o] != 0;\n"
+    "}\n";
+
+void expr_caps(const expr_program *p, nsa_mod_caps *caps)
+{
+    memset(caps, 0, sizeof *caps);
+    for (int c = 0; c < p->ncap; c++) {
+        const nsa_tensor *t = &p->cap[c].tensor;
+        caps->data[c] = t->data;
+        caps->dtype[c] = (int32_t)t->dtype;
+        for (int d = 0; d < t->rank; d++) caps->shape[c][d] = t->shape[d], caps->stride[c][d] = t->stride[d];
+    }
+}
+
+typedef struct writer {
+    char *buf;
+    size_t size, len;
+} writer;
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+static void put(writer *w, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    const size_t room = w->len < w->size ? w->size - w->len : 0;
+    const int n = vsnprintf(room ? w->buf + w->len : NULL, room, fmt, ap);
+    va_end(ap);
+    if (n > 0) w->len += (size_t)n;
+}
+
+static void print_node(writer *w, const expr_program *p, int k)
+{
+    const node *n = &p->tree[k];
+    const int fl = n->nkid > 0 && p->tree[n->kid[0]].type == T_FLOAT;
+    static const char *const CMP_OP[] = {"<", "<=", ">", ">=", "==", "!="};
+    static const char *const LOGIC_OP[] = {"&&", "||"};
+    static const char *const BIT_OP[] = {"&", "|", "^"};
+    switch (n->op) {
+    case O_INT:
+        if (n->type == T_BOOL) put(w, "%d", n->i ? 1 : 0);
+        else put(w, "(%" PRId64 "LL)", n->i);
+        return;
+    case O_FLOAT: {
+        uint32_t bits;
+        memcpy(&bits, &n->f, 4);
+        put(w, "nsa_mod_fbits(0x%08xu)", (unsigned)bits); /* exact, inf and NaN included */
+        return;
+    }
+    case O_VAR_B: put(w, "b"); return;
+    case O_VAR_H: put(w, "h"); return;
+    case O_VAR_Q: put(w, "q_idx"); return;
+    case O_VAR_K: put(w, "kv_idx"); return;
+    case O_VAR_SCORE: put(w, "score"); return;
+    case O_READ:
+        put(w, "nsa_mod_read%c(caps, %d, %d", n->type == T_FLOAT ? 'f' : 'i', n->cap, n->nkid);
+        for (int i = 0; i < 4; i++) {
+            put(w, ", ");
+            if (i < n->nkid) print_node(w, p, n->kid[i]);
+            else put(w, "0LL");
+        }
+        put(w, ")");
+        return;
+    default: break;
+    }
+    const char *fn = NULL;
+    switch (n->op) { /* functions of the kids */
+    case O_TO_FLOAT: put(w, "((float)("); print_node(w, p, n->kid[0]); put(w, "))"); return;
+    case O_NEG:
+        if (fl) { put(w, "(-("); print_node(w, p, n->kid[0]); put(w, "))"); return; }
+        put(w, "nsa_mod_sub(0LL, "); print_node(w, p, n->kid[0]); put(w, ")");
+        return;
+    case O_NOT: put(w, "(!("); print_node(w, p, n->kid[0]); put(w, "))"); return;
+    case O_BNOT: put(w, "(~("); print_node(w, p, n->kid[0]); put(w, "))"); return;
+    case O_WHERE:
+        put(w, "(("); print_node(w, p, n->kid[0]); put(w, ") ? (");
+        print_node(w, p, n->kid[1]); put(w, ") : ("); print_node(w, p, n->kid[2]); put(w, "))");
+        return;
+    case O_ABS: fn = fl ? "fabsf" : "nsa_mod_iabs"; break;
+    case O_EXP: fn = "expf"; break;
+    case O_LOG: fn = "logf"; break;
+    case O_TANH: fn = "tanhf"; break;
+    case O_SIGMOID: fn = "nsa_mod_sigmoid"; break;
+    case O_SQRT: fn = "sqrtf"; break;
+    case O_FLOOR: fn = "floorf"; break;
+    case O_ADD: if (!fl) fn = "nsa_mod_add"; break;
+    case O_SUB: if (!fl) fn = "nsa_mod_sub"; break;
+    case O_MUL: if (!fl) fn = "nsa_mod_mul"; break;
+    case O_FLOORDIV: if (!fl) fn = "nsa_mod_floordiv"; break;
+    case O_MOD: fn = fl ? "nsa_mod_fmod" : "nsa_mod_mod"; break;
+    case O_MIN: fn = fl ? "nsa_mod_fmin" : "nsa_mod_imin"; break;
+    case O_MAX: fn = fl ? "nsa_mod_fmax" : "nsa_mod_imax"; break;
+    default: break;
+    }
+    if (fn) {
+        put(w, "%s(", fn);
+        for (int i = 0; i < n->nkid; i++) {
+            if (i) put(w, ", ");
+            print_node(w, p, n->kid[i]);
+        }
+        put(w, ")");
+        return;
+    }
+    const char *op = n->op == O_ADD ? "+" : n->op == O_SUB ? "-" : n->op == O_MUL ? "*" : n->op == O_DIV ? "/" : NULL;
+    if (n->op >= O_LT && n->op <= O_NE) op = CMP_OP[n->op - O_LT];
+    if (n->op == O_AND || n->op == O_OR) op = LOGIC_OP[n->op - O_AND];
+    if (n->op >= O_BAND && n->op <= O_BXOR) op = BIT_OP[n->op - O_BAND];
+    if (n->op == O_FLOORDIV) { /* float floor division */
+        put(w, "floorf(("); print_node(w, p, n->kid[0]); put(w, ") / ("); print_node(w, p, n->kid[1]); put(w, "))");
+        return;
+    }
+    put(w, "(("); print_node(w, p, n->kid[0]); put(w, ") %s (", op ? op : "?"); print_node(w, p, n->kid[1]); put(w, "))");
+}
+
+size_t expr_to_c(const expr_program *p, char *buf, size_t size)
+{
+    writer w = {buf, size, 0};
+    if (size) buf[0] = 0;
+    print_node(&w, p, p->root);
+    return w.len;
+}

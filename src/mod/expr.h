@@ -1,0 +1,64 @@
+/* mod/expr.h -- the expression language of mask_mod and score_mod (docs/spec.md section 13):
+ * parsed and type-checked once into a program that the CPU evaluates and that can be printed as
+ * C / CUDA source for a generated kernel. Backend-neutral; not installed. */
+#ifndef NSA_MOD_EXPR_H
+#define NSA_MOD_EXPR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../internal.h"
+
+typedef enum expr_kind {
+    EXPR_MASK = 0, /* mask_mod(b, h, q_idx, kv_idx) -> bool */
+    EXPR_SCORE = 1 /* score_mod(score, b, h, q_idx, kv_idx) -> float */
+} expr_kind;
+
+/* A tensor the expression reads by name (`doc[q_idx]`): a view in the memory the evaluator
+ * reads (host for the CPU). int32 reads as int, uint8 as bool, f32 / f16 / bf16 as float. */
+typedef struct expr_capture {
+    const char *name;
+    nsa_tensor tensor;
+} expr_capture;
+
+enum { EXPR_MAX_CAPTURES = 16, EXPR_MAX_NAME = 32 };
+
+typedef struct expr_program expr_program;
+
+/* Parses and checks `text` (NUL-terminated, at most 64 KiB); *out is NULL on failure.
+ * `what` names the expression in a failure's detail ("mask_mod:14: unknown name 'dco'").
+ * @return SUCCESS, NULL_POINTER, BAD_EXPRESSION (syntax, unknown name, wrong type or count of
+ * arguments, a capture's bad name, dtype, rank or stride) or OUT_OF_MEMORY. */
+nsa_status expr_compile(const char *text, expr_kind kind, const expr_capture *captures, int num_captures, const char *what,
+                        expr_program **out);
+void expr_free(expr_program *p);
+
+/* One evaluation at (b, h, q_idx, kv_idx) with `score` (score_mod only). A mask_mod returns 1.0f
+ * (keep) or 0.0f; a score_mod the modified score. Captured reads clamp every index into its
+ * dimension (documented: never out of bounds). Needs no allocation; thread-safe. */
+float expr_eval(const expr_program *p, int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx, float score);
+
+/* The expression as one C / CUDA expression over the variables b, h, q_idx, kv_idx (int64_t),
+ * score (float) and caps (const nsa_mod_caps *: the captured tensors' pointers, dtypes, shapes
+ * and strides, filled by expr_caps()), using the helpers of EXPR_C_PRELUDE (define NSA_MOD_FN
+ * first: "static inline" for C, "__device__ __forceinline__" for CUDA). A mask_mod's value is an
+ * int (0 / 1), a score_mod's a float. Writes at most `size` bytes (NUL included).
+ * @return the length it needs (without the NUL), as snprintf. */
+size_t expr_to_c(const expr_program *p, char *buf, size_t size);
+
+/* The captured tensors as generated code reads them (the layout EXPR_C_PRELUDE declares). */
+typedef struct nsa_mod_caps {
+    const void *data[EXPR_MAX_CAPTURES];
+    int64_t shape[EXPR_MAX_CAPTURES][4];
+    int64_t stride[EXPR_MAX_CAPTURES][4];
+    int32_t dtype[EXPR_MAX_CAPTURES];
+} nsa_mod_caps;
+void expr_caps(const expr_program *p, nsa_mod_caps *caps);
+
+/* Helper functions and the nsa_mod_caps type for generated code (C and CUDA alike). */
+extern const char EXPR_C_PRELUDE[];
+
+/* Which of the variables the expression reads (bits: 1 b, 2 h, 4 q_idx, 8 kv_idx, 16 score). */
+unsigned expr_uses(const expr_program *p);
+
+#endif /* NSA_MOD_EXPR_H */
