@@ -556,6 +556,66 @@ NSA_API nsa_status nsa_attention_step_workspace_size(nsa_context *ctx, const nsa
 NSA_API nsa_status nsa_attention_step(nsa_context *ctx, const nsa_attention_step_args *args, void *workspace,
                                       size_t workspace_bytes);
 
+/* ---- 9. Block-sparse attention with mods (FlexAttention's model; spec 13, 14) ------------ */
+/* A mask_mod or score_mod: one expression of the language of spec 13 over b, h (the query
+ * head), q_idx, kv_idx (and score), reading the tensors given here by name, e.g.
+ *   "q_idx >= kv_idx && doc[q_idx] == doc[kv_idx]"        (a mask_mod)
+ *   "score - slope[h] * abs(q_idx - kv_idx)"              (a score_mod: ALiBi)
+ * Parsed and type-checked once; a bad expression is NSA_STATUS_BAD_EXPRESSION with a detail
+ * giving the column ("mask_mod:10: unknown name 'kvidx'"). The tensors are referenced, not
+ * copied: they must stay valid while the mod is used, in the memory of the context of the
+ * call that uses it (host for the CPU). Reads clamp every index into its dimension. */
+typedef struct nsa_mod nsa_mod;
+typedef enum nsa_mod_kind {
+    NSA_MOD_MASK = 0,  /* mask_mod(b, h, q_idx, kv_idx) -> bool: the pair is visible */
+    NSA_MOD_SCORE = 1  /* score_mod(score, b, h, q_idx, kv_idx) -> float: the new score */
+} nsa_mod_kind;
+#define NSA_MOD_MAX_TENSORS 16
+typedef struct nsa_mod_tensor {
+    const char *name;      /* letters, digits and _, at most 32, not a variable or function name */
+    nsa_tensor tensor;     /* rank 1-4, dims >= 1: I32 reads as int, U8 as bool, F32 / F16 / BF16 as float */
+} nsa_mod_tensor;
+/* *mod is NULL on failure. @return SUCCESS, NULL_POINTER, BAD_ARGUMENT, BAD_EXPRESSION,
+ * BAD_RANK / BAD_SHAPE / BAD_STRIDE / BAD_DTYPE (a tensor) or OUT_OF_MEMORY. */
+NSA_API nsa_status nsa_mod_create(nsa_mod **mod, nsa_mod_kind kind, const char *text, const nsa_mod_tensor *tensors,
+                                  int32_t num_tensors);
+/* Frees mod; NULL is a no-op. */
+NSA_API void nsa_mod_destroy(nsa_mod *mod);
+
+/* FlexAttention's BlockMask: for query block i (rows i*q_block .. (i+1)*q_block - 1) of batch
+ * entry b and query head h, the key blocks it visits. Partial blocks (kv_indices) have the
+ * mask_mod applied to each pair; full blocks (full_kv_indices) are visible whole. Every index
+ * lies in [0, ceil(Tk / kv_block)) and a block is listed once per query block (partial and full
+ * together); counts lie in [0, list width]. Keys past Tk in a last, short block never exist. */
+typedef struct nsa_block_mask {
+    int64_t q_block, kv_block;        /* rows per query and key block, >= 1 (FlexAttention: 128) */
+    nsa_tensor kv_num_blocks;         /* [Bm, Hm, NQB] I32, Bm in {1, B}, Hm in {1, HQ}, NQB = ceil(Tq / q_block);
+                                         absent: every key block is partial (a dense mask_mod) */
+    nsa_tensor kv_indices;            /* [Bm, Hm, NQB, W] I32 (with kv_num_blocks) */
+    nsa_tensor full_kv_num_blocks;    /* optional [Bm, Hm, NQB] I32 */
+    nsa_tensor full_kv_indices;       /* [Bm, Hm, NQB, Wf] I32 (with full_kv_num_blocks) */
+} nsa_block_mask;
+
+/* o[b, i, hq] = softmax over the visible keys j of s_ij, s_ij = score_mod(scale * q_i . k_j, b, hq, i, j)
+ * (no score_mod: the scaled product), with v of kv head hq / G; a pair is visible when its key
+ * block is listed for i's query block and, in a partial block, mask_mod(b, hq, i, j) holds. A
+ * score of -inf hides its pair like the mask. Rows that see no key: o = 0, lse = -inf. */
+typedef struct nsa_flex_args {
+    nsa_tensor q;                 /* in  [B, Tq, HQ, DK] (a [B, HQ, Tq, DK] tensor passes as its transposed view) */
+    nsa_tensor k;                 /* in  [B, Tk, H, DK] */
+    nsa_tensor v;                 /* in  [B, Tk, H, DV] */
+    nsa_tensor o;                 /* out [B, Tq, HQ, DV] */
+    nsa_tensor lse;               /* out, optional [B, Tq, HQ] F32 */
+    nsa_block_mask block_mask;    /* kv_num_blocks absent: every key block partial (q_block, kv_block still >= 1) */
+    const nsa_mod *mask_mod;      /* NULL: every pair of a listed block is visible */
+    const nsa_mod *score_mod;     /* NULL: the scaled product */
+    float scale;                  /* 0 = 1 / sqrt(DK) */
+} nsa_flex_args;
+
+/* CPU backend: every form. CUDA backend: NOT_SUPPORTED (not yet). */
+NSA_API nsa_status nsa_flex_attention_workspace_size(nsa_context *ctx, const nsa_flex_args *args, size_t *bytes);
+NSA_API nsa_status nsa_flex_attention(nsa_context *ctx, const nsa_flex_args *args, void *workspace, size_t workspace_bytes);
+
 #ifdef __cplusplus
 }
 #endif

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "mod/expr.h"
 #include "rules.h"
 
 /* Symbolic dimensions. The first described tensor carrying a symbol fixes its value and every
@@ -34,6 +35,7 @@ enum dim_sym {
     Z_C0, Z_CR, /* a step's token cache: dim 0 (B, or pages when paged) and rows per entry */
     Z_C0C, Z_CRC, /* ... its compressed cache */
     Z_MP, Z_MPC,  /* ... their block tables' widths (pages per sequence) */
+    Z_NQB, Z_W, Z_WF, /* a block mask: query blocks, partial and full list widths */
     Z_COUNT,
     /* broadcast dims, checked after the others (stage c): 1 or the full size */
     Z_B1,       /* 1 or B */
@@ -45,11 +47,12 @@ static const char *const DIM_NAME[] = {
     [Z_NONE] = "?", [Z_B] = "B", [Z_T] = "T", [Z_HQ] = "HQ", [Z_H] = "H", [Z_DK] = "DK", [Z_DV] = "DV",
     [Z_NC] = "Nc", [Z_M] = "m", [Z_N] = "n", [Z_TK] = "Tk", [Z_C0] = "B or pages", [Z_CR] = "capacity or page size",
     [Z_C0C] = "B or pages", [Z_CRC] = "capacity or page size", [Z_MP] = "max pages", [Z_MPC] = "max pages",
+    [Z_NQB] = "query blocks", [Z_W] = "list width", [Z_WF] = "full list width",
     [Z_COUNT] = "?", [Z_B1] = "B or 1", [Z_HQ1] = "HQ or 1",
 };
 
 enum shape_id { S_Q, S_K, S_V, S_O, S_ROW, S_KC, S_VC, S_IDX_M, S_IDX_N, S_CNT, S_AK, S_AV, S_HEAD, S_SEGQ, S_SEGK,
-                S_PAIR, S_CK, S_CV, S_CCK, S_CCV, S_BT, S_BTC, S_LEN };
+                S_PAIR, S_CK, S_CV, S_CCK, S_CCV, S_BT, S_BTC, S_LEN, S_BMN, S_BMI, S_BMF };
 
 static const unsigned char SHAPES[][NSA_MAX_RANK] = {
     [S_Q] = {Z_B, Z_T, Z_HQ, Z_DK},    /* q, dq */
@@ -75,6 +78,9 @@ static const unsigned char SHAPES[][NSA_MAX_RANK] = {
     [S_BT] = {Z_B, Z_MP},                /* cache.block_table */
     [S_BTC] = {Z_B, Z_MPC},              /* cmp_cache.block_table */
     [S_LEN] = {Z_B},                     /* seqlens, q_lens */
+    [S_BMN] = {Z_B1, Z_HQ1, Z_NQB},      /* block_mask counts */
+    [S_BMI] = {Z_B1, Z_HQ1, Z_NQB, Z_W}, /* block_mask.kv_indices */
+    [S_BMF] = {Z_B1, Z_HQ1, Z_NQB, Z_WF}, /* block_mask.full_kv_indices */
 };
 
 typedef enum tensor_role {
@@ -1000,4 +1006,49 @@ nsa_status nsa_validate_attention_step(const nsa_attention_step_args *a, nsa_pro
     const engine_in e = {a->q.dtype, "q", NULL, NULL, a->scale, ""};
     if ((st = check_tensors(s, COUNT(s), &e, p)) != NSA_STATUS_SUCCESS) return st;
     return cache_dims(&a->cache, "cache", p->B, &p->cache_cap);
+}
+
+/* ---- 9. Block-sparse attention with mods. The block lists' contents are data, checked by the
+ * backend before it writes (as a step's lengths). ---------------------------------------- */
+nsa_status nsa_validate_flex(const nsa_flex_args *a, nsa_problem *p)
+{
+    const nsa_block_mask *m = &a->block_mask;
+    nsa_attention_args opt; /* the scale rule is nsa_attention's */
+    memset(&opt, 0, sizeof opt);
+    opt.scale = a->scale;
+    nsa_status st = attention_scalars(&opt, 0);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    if (a->mask_mod && expr_kind_of(a->mask_mod) != EXPR_MASK)
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "mask_mod: a score_mod (NSA_MOD_SCORE) given as the mask_mod");
+    if (a->score_mod && expr_kind_of(a->score_mod) != EXPR_SCORE)
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "score_mod: a mask_mod (NSA_MOD_MASK) given as the score_mod");
+    if (m->q_block < 1 || m->q_block > INT32_MAX || m->kv_block < 1 || m->kv_block > INT32_MAX)
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "block_mask.%s: %" PRId64 ", must be in [1, INT32_MAX]",
+                        m->q_block < 1 || m->q_block > INT32_MAX ? "q_block" : "kv_block",
+                        m->q_block < 1 || m->q_block > INT32_MAX ? m->q_block : m->kv_block);
+    if ((st = pair_check(&m->kv_num_blocks, &m->kv_indices, "block_mask.", "kv_num_blocks", "kv_indices")) != NSA_STATUS_SUCCESS ||
+        (st = pair_check(&m->full_kv_num_blocks, &m->full_kv_indices, "block_mask.", "full_kv_num_blocks", "full_kv_indices")) !=
+            NSA_STATUS_SUCCESS)
+        return st;
+    if (nsa_present(&m->full_kv_num_blocks) && !nsa_present(&m->kv_num_blocks))
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "block_mask.full_kv_num_blocks: given without kv_num_blocks (both lists or "
+                        "the partial one alone)");
+    const tspec s[] = {
+        {&a->q, R_IN, K_REF, S_Q, "q"},
+        {&a->k, R_IN, K_REF, S_AK, "k"},
+        {&a->v, R_IN, K_REF, S_AV, "v"},
+        {&a->o, R_OUT, K_REF, S_O, "o"},
+        {&a->lse, R_OPT_OUT, K_F32, S_ROW, "lse"},
+        {&m->kv_num_blocks, R_OPT_IN, K_I32, S_BMN, "block_mask.kv_num_blocks"},
+        {&m->kv_indices, R_OPT_IN, K_I32, S_BMI, "block_mask.kv_indices"},
+        {&m->full_kv_num_blocks, R_OPT_IN, K_I32, S_BMN, "block_mask.full_kv_num_blocks"},
+        {&m->full_kv_indices, R_OPT_IN, K_I32, S_BMF, "block_mask.full_kv_indices"},
+    };
+    const engine_in e = {a->q.dtype, "q", NULL, NULL, a->scale, ""};
+    if ((st = check_tensors(s, COUNT(s), &e, p)) != NSA_STATUS_SUCCESS) return st;
+    const int64_t nqb = p->T / m->q_block + (p->T % m->q_block != 0);
+    if (nsa_present(&m->kv_num_blocks) && m->kv_num_blocks.shape[2] != nqb)
+        return nsa_fail(NSA_STATUS_BAD_SHAPE, "block_mask.kv_num_blocks: dim 2 (query blocks) is %" PRId64 ", Tq = %" PRId64
+                        " rows in blocks of %" PRId64 " make %" PRId64, m->kv_num_blocks.shape[2], p->T, m->q_block, nqb);
+    return NSA_STATUS_SUCCESS;
 }

@@ -19,6 +19,7 @@ void test_plan_all(void);
 void test_safety_all(void);
 void test_step_all(void);
 void test_expr_all(void);
+void test_flex_all(void);
 
 static void test_readme_example(void)
 {
@@ -43,6 +44,7 @@ static const struct group {
     {"safety", test_safety_all},
     {"step", test_step_all},
     {"expr", test_expr_all},
+    {"flex", test_flex_all},
     {"readme", test_readme_example},
 };
 enum { NGROUPS = sizeof GROUPS / sizeof GROUPS[0] };

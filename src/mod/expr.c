@@ -56,7 +56,7 @@ typedef struct insn {
     } imm;
 } insn;
 
-struct expr_program {
+struct nsa_mod {
     expr_kind kind;
     int n;
     unsigned uses;
@@ -626,6 +626,23 @@ void expr_free(expr_program *p)
 }
 
 unsigned expr_uses(const expr_program *p) { return p ? p->uses : 0; }
+expr_kind expr_kind_of(const expr_program *p) { return p->kind; }
+
+/* ---- the public face: nsa_mod ---------------------------------------------------------------- */
+nsa_status nsa_mod_create(nsa_mod **mod, nsa_mod_kind kind, const char *text, const nsa_mod_tensor *tensors,
+                          int32_t num_tensors)
+{
+    nsa_detail_clear();
+    if (!mod) return nsa_fail(NSA_STATUS_NULL_POINTER, "mod is NULL");
+    *mod = NULL;
+    if (kind != NSA_MOD_MASK && kind != NSA_MOD_SCORE)
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "kind: %d, must be NSA_MOD_MASK (0) or NSA_MOD_SCORE (1)", (int)kind);
+    const nsa_status st = expr_compile(text, kind == NSA_MOD_MASK ? EXPR_MASK : EXPR_SCORE, tensors, num_tensors, NULL, mod);
+    if (st == NSA_STATUS_SUCCESS) nsa_detail_clear();
+    return st;
+}
+
+void nsa_mod_destroy(nsa_mod *mod) { expr_free(mod); }
 
 /* ---- evaluation ------------------------------------------------------------------------------ */
 typedef union value {
@@ -693,7 +710,8 @@ float expr_eval(const expr_program *p, int64_t b, int64_t h, int64_t q_idx, int6
     for (int pc = 0; pc < p->n; pc++) {
         const insn *in = &p->code[pc];
         const int fl = in->type == T_FLOAT;
-        value *x = &st[sp - 1], *y = &st[sp - 2];
+        /* the top two values (pointers formed only inside the stack: no out-of-range arithmetic) */
+        value *x = &st[sp > 0 ? sp - 1 : 0], *y = &st[sp > 1 ? sp - 2 : 0];
         switch ((opcode)in->op) {
         case O_INT: st[sp++].i = in->imm.i; break;
         case O_FLOAT: st[sp++].f = in->imm.f; break;

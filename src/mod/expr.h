@@ -15,15 +15,15 @@ typedef enum expr_kind {
 } expr_kind;
 
 /* A tensor the expression reads by name (`doc[q_idx]`): a view in the memory the evaluator
- * reads (host for the CPU). int32 reads as int, uint8 as bool, f32 / f16 / bf16 as float. */
-typedef struct expr_capture {
-    const char *name;
-    nsa_tensor tensor;
-} expr_capture;
+ * reads (host for the CPU). int32 reads as int, uint8 as bool, f32 / f16 / bf16 as float.
+ * The public nsa_mod_tensor; a program is the public nsa_mod. */
+typedef nsa_mod_tensor expr_capture;
+typedef struct nsa_mod expr_program;
 
-enum { EXPR_MAX_CAPTURES = 16, EXPR_MAX_NAME = 32 };
+enum { EXPR_MAX_CAPTURES = NSA_MOD_MAX_TENSORS, EXPR_MAX_NAME = 32 };
 
-typedef struct expr_program expr_program;
+/* The kind a program was compiled as. */
+expr_kind expr_kind_of(const expr_program *p);
 
 /* Parses and checks `text` (NUL-terminated, at most 64 KiB); *out is NULL on failure.
  * `what` names the expression in a failure's detail ("mask_mod:14: unknown name 'dco'").

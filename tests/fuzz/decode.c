@@ -15,6 +15,8 @@
 #include "nsa.h"
 #include "op_calls.h"
 #include "decode.h"
+#include "internal.h"
+#include "mod/expr.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -772,7 +774,7 @@ static void run_op(reader *r, nsa_context *ctx, const void *a, op_ws_fn qs, op_r
 static const char *const op_names[N_OPS_ALL] = {"compress", "compress_bwd", "cmp_attn", "cmp_attn_bwd", "select",
                                                 "slc_attn", "slc_attn_bwd", "attention", "attention_bwd", "gate",
                                                 "gate_bwd", "forward", "backward", "config_validate", "step",
-                                                "attention_step"};
+                                                "attention_step", "expr"};
 
 const char *fuzz_op_name(int op) { return op >= 0 && op < N_OPS_ALL ? op_names[op] : "?"; }
 
@@ -781,7 +783,7 @@ fuzz_result fuzz_run(const uint8_t *data, size_t size, nsa_context *ctx, const f
     reader r = {data, size, 0};
     fuzz_result res = {0, 0, 0, 0, 0};
     const uint8_t first = u8(&r);
-    int op = first == 0xFF ? OP_STEP : first == 0xFE ? OP_ATTENTION_STEP : first % N_OPS;
+    int op = first == 0xFF ? OP_STEP : first == 0xFE ? OP_ATTENTION_STEP : first == 0xFD ? OP_EXPR : first % N_OPS;
     res.op = op;
     uint8_t pres = u8(&r);
     rng_state = u64(&r);
@@ -793,6 +795,41 @@ fuzz_result fuzz_run(const uint8_t *data, size_t size, nsa_context *ctx, const f
     nviolations = 0;
     mem = memory;
     switch (op) {
+    case OP_EXPR: { /* the rest of the input as expression text over two captured tensors */
+        static int32_t doc[37];
+        static uint16_t bias[3 * 11];
+        for (int i = 0; i < 37; i++) doc[i] = i / 5;
+        for (int i = 0; i < 33; i++) bias[i] = (uint16_t)(0x3c00 + i * 16); /* f16 */
+        const int64_t nd = 37, nb[2] = {3, 11};
+        const expr_capture caps[2] = {{"doc", nsa_tensor_make(doc, NSA_DTYPE_I32, 1, &nd)},
+                                      {"bias", nsa_tensor_make(bias, NSA_DTYPE_F16, 2, nb)}};
+        const size_t n = r.n > r.i ? r.n - r.i : 0;
+        char *text = (char *)malloc(n + 1);
+        if (!text) abort();
+        memcpy(text, r.p + r.i, n);
+        text[n] = 0;
+        expr_program *prog = NULL;
+        nsa_detail_clear();
+        const nsa_status st = expr_compile(text, (pres & 1) ? EXPR_SCORE : EXPR_MASK, caps, 2, NULL, &prog);
+        check_detail(st);
+        if ((st == NSA_STATUS_SUCCESS) != (prog != NULL)) violation("expr_compile: status and program disagree", -1);
+        if (prog) { /* evaluate at extreme and ordinary points; generate its source */
+            static const int64_t pts[] = {0, 1, 36, -1, INT64_MAX, INT64_MIN, 1000000007};
+            for (int i = 0; i < 7; i++)
+                for (int j = 0; j < 7; j++) (void)expr_eval(prog, pts[j] & 3, pts[i] % 5, pts[i], pts[j], (float)i - 3.5f);
+            char buf[64];
+            const size_t need = expr_to_c(prog, buf, sizeof buf);
+            char *code = (char *)malloc(need + 1);
+            if (!code) abort();
+            if (expr_to_c(prog, code, need + 1) != need || strlen(code) != need) violation("expr_to_c: lengths disagree", -1);
+            free(code);
+            expr_free(prog);
+        }
+        free(text);
+        res.ran = 1;
+        res.status = st;
+        break;
+    }
     case OP_CONFIG: {
         nsa_config c = mk_config(&r);
         nsa_status st = nsa_config_validate(u8(&r) == 255 ? NULL : &c);

@@ -10,12 +10,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* The op an input's first byte picks: 0xFF the inference step, 0xFE the dense step, else the
- * byte modulo N_OPS (the steps came later; no stored input starts with 0xFE or 0xFF, so they all
- * keep their meaning). */
+/* The op an input's first byte picks: 0xFF the inference step, 0xFE the dense step, 0xFD a
+ * mod expression, else the byte modulo N_OPS (those came later; no stored input starts with
+ * 0xFD-0xFF, so they all keep their meaning). */
 enum { OP_COMPRESS, OP_COMPRESS_BWD, OP_CMP_ATTN, OP_CMP_ATTN_BWD, OP_SELECT, OP_SLC_ATTN, OP_SLC_ATTN_BWD,
        OP_ATTENTION, OP_ATTENTION_BWD, OP_GATE, OP_GATE_BWD, OP_FORWARD, OP_BACKWARD, OP_CONFIG, N_OPS,
-       OP_STEP = N_OPS, OP_ATTENTION_STEP, N_OPS_ALL };
+       OP_STEP = N_OPS, OP_ATTENTION_STEP, OP_EXPR, N_OPS_ALL };
 
 /* Backend memory for the tensors and the workspace; alloc never returns NULL (it exits
  * instead), upload / download copy whole buffers, sync waits for the backend's queued work. */

@@ -9,6 +9,11 @@ import sys
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
 rng = random.Random(1)
+EXPRS = ["q_idx >= kv_idx && doc[q_idx] == doc[kv_idx]", "score + bias[h, q_idx - kv_idx + 5] * 2",
+         "where(q_idx // 3 % 2 == 0, tanh(score), -score) - abs(kv_idx - q_idx) / 7", "(b & 1) == 0 | ~(h < 2)"]
+for k, e in enumerate(EXPRS):  # 0xFD: a mod expression (pres bit 0: a score_mod)
+    with open(os.path.join(out, f"seed_253_{k}"), "wb") as f:
+        f.write(bytes([0xFD, 1 if "score" in e else 0]) + bytes(8) + e.encode())
 for op in list(range(14)) + [0xFF, 0xFE]:  # 0xFF: the inference step, 0xFE: the dense step
     for k in range(4):
         head = bytes([op, rng.randrange(256)]) + bytes(rng.randrange(256) for _ in range(8))

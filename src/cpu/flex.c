@@ -1,0 +1,187 @@
+/* flex.c -- block-sparse attention with mods (spec 14) on the CPU: the block lists checked on
+ * the host before any write, then per (batch entry, query head, query block) the rows of that
+ * block over the key blocks it lists: the partial ones through the mask_mod (evaluated per
+ * pair), the full ones whole; every visible score through the score_mod; a two-pass softmax
+ * per row (the max, then the weights), so that NaN and all -inf rows behave as spec 14 says. */
+#include "common.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <omp.h>
+#include <string.h>
+
+#include "../mod/expr.h"
+
+/* A block-mask list entry as this call reads it (broadcast dims of size 1 read entry 0). */
+static const int32_t *list_at(const nsa_tensor *t, int64_t b, int64_t h, int64_t qb)
+{
+    const int64_t bb = t->shape[0] == 1 ? 0 : b, hh = t->shape[1] == 1 ? 0 : h;
+    return (const int32_t *)t->data + bb * t->stride[0] + hh * t->stride[1] + qb * t->stride[2];
+}
+
+static int32_t count_at(const nsa_tensor *t, int64_t b, int64_t h, int64_t qb) { return *list_at(t, b, h, qb); }
+
+/* Counts within their lists, indices within the key blocks, each block once per query block:
+ * checked before the first write, the first fault named (BAD_ARGUMENT). */
+static nsa_status flex_check(const nsa_flex_args *a, const nsa_problem *p, unsigned char *seen, int64_t nkb)
+{
+    const nsa_block_mask *m = &a->block_mask;
+    if (!nsa_present(&m->kv_num_blocks)) return NSA_STATUS_SUCCESS;
+    const int64_t nqb = m->kv_num_blocks.shape[2];
+    const int64_t Bm = m->kv_num_blocks.shape[0] > m->kv_indices.shape[0] ? m->kv_num_blocks.shape[0] : m->kv_indices.shape[0];
+    int64_t Hm = m->kv_num_blocks.shape[1] > m->kv_indices.shape[1] ? m->kv_num_blocks.shape[1] : m->kv_indices.shape[1];
+    int64_t Bx = Bm;
+    if (nsa_present(&m->full_kv_num_blocks)) {
+        for (int d = 0; d < 2; d++) {
+            const int64_t x = d ? m->full_kv_num_blocks.shape[1] : m->full_kv_num_blocks.shape[0];
+            const int64_t y = d ? m->full_kv_indices.shape[1] : m->full_kv_indices.shape[0];
+            int64_t *dst = d ? &Hm : &Bx;
+            *dst = x > *dst ? x : *dst;
+            *dst = y > *dst ? y : *dst;
+        }
+    }
+    (void)p;
+    for (int64_t b = 0; b < Bx; b++)
+        for (int64_t h = 0; h < Hm; h++)
+            for (int64_t qb = 0; qb < nqb; qb++) {
+                memset(seen, 0, (size_t)nkb);
+                for (int full = 0; full < 2; full++) {
+                    const nsa_tensor *nt = full ? &m->full_kv_num_blocks : &m->kv_num_blocks;
+                    const nsa_tensor *it = full ? &m->full_kv_indices : &m->kv_indices;
+                    if (!nsa_present(nt)) continue;
+                    const char *nn = full ? "full_kv_num_blocks" : "kv_num_blocks", *in = full ? "full_kv_indices" : "kv_indices";
+                    const int32_t cnt = count_at(nt, b, h, qb);
+                    const int64_t width = it->shape[3];
+                    if (cnt < 0 || cnt > width)
+                        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "block_mask.%s[%" PRId64 ", %" PRId64 ", %" PRId64 "]: %d, must be "
+                                        "in [0, %" PRId64 "] (the list width)", nn, b, h, qb, (int)cnt, width);
+                    const int32_t *ix = list_at(it, b, h, qb);
+                    for (int64_t e = 0; e < cnt; e++) {
+                        const int32_t j = ix[e * it->stride[3]];
+                        if (j < 0 || j >= nkb)
+                            return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "block_mask.%s[%" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64
+                                            "]: key block %d outside [0, %" PRId64 ")", in, b, h, qb, e, (int)j, nkb);
+                        if (seen[j])
+                            return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "block_mask.%s[%" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64
+                                            "]: key block %d listed twice for query block %" PRId64, in, b, h, qb, e, (int)j, qb);
+                        seen[j] = 1;
+                    }
+                }
+            }
+    return NSA_STATUS_SUCCESS;
+}
+
+/* One thread's scratch: a query row, a K / V row, the output row, the row's scores and the
+ * visible keys' indices (at most Tk each). */
+typedef struct flex_scratch {
+    float *q, *x, *acc, *sc;
+    int64_t *key;
+} flex_scratch;
+
+static void flex_take(ws_arena *w, const nsa_problem *p, flex_scratch *s)
+{
+    s->q = (float *)ws_take_n(w, nsa_size_of(p->DK), sizeof(float));
+    s->x = (float *)ws_take_n(w, nsa_size_of(p->DK > p->DV ? p->DK : p->DV), sizeof(float));
+    s->acc = (float *)ws_take_n(w, nsa_size_of(p->DV), sizeof(float));
+    s->sc = (float *)ws_take_n(w, nsa_size_of(p->Tk), sizeof(float));
+    s->key = (int64_t *)ws_take_n(w, nsa_size_of(p->Tk), sizeof(int64_t));
+}
+
+static int64_t key_blocks(const nsa_flex_args *a, const nsa_problem *p)
+{
+    return p->Tk / a->block_mask.kv_block + (p->Tk % a->block_mask.kv_block != 0);
+}
+
+size_t nsa_cpu_flex_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_args *a)
+{
+    ws_arena one = {NULL, 0}, all = {NULL, 0};
+    flex_scratch s;
+    flex_take(&one, p, &s);
+    ws_take_n(&all, nsa_size_of(key_blocks(a, p)), 1); /* the check's seen-set */
+    ws_take_threads(&all, ctx, ws_region_bytes(&one));
+    return nsa_size_add(all.used, 64);
+}
+
+/* The visible pairs of row i against key block j (partial: through the mask_mod), appended. */
+static int64_t flex_block(const nsa_flex_args *a, const nsa_problem *p, int64_t b, int64_t hq, int64_t i, int64_t j, int partial,
+                          int64_t *key, int64_t n)
+{
+    const int64_t k0 = j * a->block_mask.kv_block, k1 = k0 + a->block_mask.kv_block < p->Tk ? k0 + a->block_mask.kv_block : p->Tk;
+    for (int64_t kv = k0; kv < k1; kv++)
+        if (!partial || !a->mask_mod || expr_eval(a->mask_mod, b, hq, i, kv, 0.0f) != 0.0f) key[n++] = kv;
+    return n;
+}
+
+/* Row i of batch entry b, head hq: its visible keys, their (modified) scores, the softmax. */
+static void flex_row(const nsa_flex_args *a, const nsa_problem *p, int64_t b, int64_t hq, int64_t i, flex_scratch *t)
+{
+    const nsa_block_mask *m = &a->block_mask;
+    const int64_t h = hq / p->G, DK = p->DK, DV = p->DV, qb = i / m->q_block;
+    int64_t n = 0;
+    if (!nsa_present(&m->kv_num_blocks)) {
+        for (int64_t j = 0, nkb = key_blocks(a, p); j < nkb; j++) n = flex_block(a, p, b, hq, i, j, 1, t->key, n);
+    } else {
+        for (int full = 0; full < 2; full++) {
+            const nsa_tensor *nt = full ? &m->full_kv_num_blocks : &m->kv_num_blocks;
+            const nsa_tensor *it = full ? &m->full_kv_indices : &m->kv_indices;
+            if (!nsa_present(nt)) continue;
+            const int32_t cnt = count_at(nt, b, hq, qb);
+            const int32_t *ix = list_at(it, b, hq, qb);
+            for (int64_t e = 0; e < cnt; e++) n = flex_block(a, p, b, hq, i, ix[e * it->stride[3]], !full, t->key, n);
+        }
+    }
+    io_load(&a->q, io_off(&a->q, b, i, hq), DK, t->q);
+    float mx = -INFINITY;
+    for (int64_t e = 0; e < n; e++) {
+        io_load(&a->k, io_off(&a->k, b, t->key[e], h), DK, t->x);
+        float s = 0.0f;
+        for (int64_t d = 0; d < DK; d++) s += t->q[d] * t->x[d];
+        s *= p->scale;
+        if (a->score_mod) s = expr_eval(a->score_mod, b, hq, i, t->key[e], s);
+        t->sc[e] = s;
+        mx = s > mx || s != s || mx != mx ? (mx != mx ? mx : s) : mx; /* NaN wins */
+    }
+    for (int64_t d = 0; d < DV; d++) t->acc[d] = 0.0f;
+    float lse = -INFINITY;
+    if (mx != -INFINITY) { /* a row whose scores are all -inf (or that sees no key) is empty */
+        float l = 0.0f;
+        for (int64_t e = 0; e < n; e++) {
+            const float w = expf(t->sc[e] - mx); /* exp(-inf) = 0: a -inf score hides its pair */
+            if (w == 0.0f) continue;
+            l += w;
+            io_load(&a->v, io_off(&a->v, b, t->key[e], h), DV, t->x);
+            for (int64_t d = 0; d < DV; d++) t->acc[d] += w * t->x[d];
+        }
+        for (int64_t d = 0; d < DV; d++) t->acc[d] /= l;
+        lse = mx + logf(l);
+    }
+    io_store(&a->o, io_off(&a->o, b, i, hq), DV, t->acc);
+    if (nsa_present(&a->lse)) io_set(&a->lse, io_off(&a->lse, b, i, hq), lse);
+}
+
+nsa_status nsa_cpu_flex(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_args *a, void *ws)
+{
+    ws_arena one = {NULL, 0}, all = {(char *)ws, 0};
+    flex_scratch probe;
+    flex_take(&one, p, &probe);
+    const size_t region = ws_region_bytes(&one);
+    unsigned char *seen = (unsigned char *)ws_take_n(&all, nsa_size_of(key_blocks(a, p)), 1);
+    char *regions = ws_take_threads(&all, ctx, region);
+    const nsa_status st = flex_check(a, p, seen, key_blocks(a, p));
+    if (st != NSA_STATUS_SUCCESS) return st;
+    const int64_t nqb = p->T / a->block_mask.q_block + (p->T % a->block_mask.q_block != 0);
+    const int64_t tasks = p->B * p->HQ * nqb;
+#pragma omp parallel num_threads(cpu_threads(ctx))
+    {
+        ws_arena mine = {regions + (size_t)omp_get_thread_num() * region, 0};
+        flex_scratch t;
+        flex_take(&mine, p, &t);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t qb = task % nqb, hq = (task / nqb) % p->HQ, b = task / (nqb * p->HQ);
+            const int64_t i1 = (qb + 1) * a->block_mask.q_block < p->T ? (qb + 1) * a->block_mask.q_block : p->T;
+            for (int64_t i = qb * a->block_mask.q_block; i < i1; i++) flex_row(a, p, b, hq, i, &t);
+        }
+    }
+    return NSA_STATUS_SUCCESS;
+}

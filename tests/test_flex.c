@@ -1,0 +1,297 @@
+/* test_flex.c -- block-sparse attention with mods (spec 14) on the CPU against a float64
+ * reference that materialises the visible, modified score matrix from the block lists and C
+ * versions of the mods: FlexAttention's example mods (causal, sliding window, prefix-LM,
+ * document masking, ALiBi, softcap, a relative-position bias table, scores sent to -inf), random
+ * block masks with partial and full blocks and broadcast batch / head dims, Tq != Tk, odd
+ * lengths, GQA, dk != dv; then bad block masks and mods, refused by name with nothing written. */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "nsa.h"
+
+enum { FB = 2, FHQ = 4, FH = 2, FDK = 12, FDV = 10, QBLK = 8, KBLK = 16 };
+
+static int32_t g_doc[64];
+static float g_slope[FHQ], g_rel[FHQ][41];
+
+typedef int (*mask_ref)(int64_t b, int64_t h, int64_t q, int64_t k);
+typedef double (*score_ref)(double s, int64_t b, int64_t h, int64_t q, int64_t k);
+
+static int m_causal(int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void)h; return q >= k; }
+static int m_window(int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void)h; return q >= k && q - k < 10; }
+static int m_prefix(int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void)h; return k < 7 || q >= k; }
+static int m_doc(int64_t b, int64_t h, int64_t q, int64_t k) { (void)h; return g_doc[q + b] == g_doc[k + b]; }
+static double s_alibi(double s, int64_t b, int64_t h, int64_t q, int64_t k) { (void)b; return s - g_slope[h] * (double)llabs(q - k); }
+static double s_softcap(double s, int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void)h, (void)q, (void)k; return 3.0 * tanh(s / 3.0); }
+static double s_rel(double s, int64_t b, int64_t h, int64_t q, int64_t k)
+{
+    (void)b;
+    int64_t i = q - k + 20;
+    i = i < 0 ? 0 : i > 40 ? 40 : i;
+    return s + g_rel[h][i];
+}
+static double s_hide(double s, int64_t b, int64_t h, int64_t q, int64_t k)
+{
+    (void)b, (void)h;
+    return (k % 3 == 0 || q == 5) ? -INFINITY : s * 2.0;
+}
+
+typedef struct flex_case {
+    const char *name;
+    const char *mask_text, *score_text;
+    mask_ref mask;
+    score_ref score;
+    int blocks;      /* 0: no block mask; 1: random partial / full lists */
+    int64_t Tq, Tk;
+    int bm, hm;      /* block-mask batch and head dims: 1 or full */
+} flex_case;
+
+static double rnd_u(test_rng *r) { return rng_uniform(r) * 2.0 - 1.0; }
+
+/* A random block mask: each (b, h, query block) lists each key block as partial, full or not. */
+typedef struct bmask {
+    int32_t *num, *idx, *fnum, *fidx;
+    int64_t nqb, nkb, Bm, Hm;
+} bmask;
+
+static void bmask_make(bmask *m, test_rng *r, int64_t Bm, int64_t Hm, int64_t nqb, int64_t nkb)
+{
+    m->Bm = Bm, m->Hm = Hm, m->nqb = nqb, m->nkb = nkb;
+    const size_t rows = (size_t)(Bm * Hm * nqb);
+    m->num = (int32_t *)calloc(rows, 4), m->fnum = (int32_t *)calloc(rows, 4);
+    m->idx = (int32_t *)calloc(rows * (size_t)nkb + 1, 4), m->fidx = (int32_t *)calloc(rows * (size_t)nkb + 1, 4);
+    for (size_t row = 0; row < rows; row++) {
+        int32_t order[64];
+        for (int64_t j = 0; j < nkb; j++) order[j] = (int32_t)j;
+        for (int64_t j = nkb - 1; j > 0; j--) { /* listed in a shuffled order */
+            const int64_t x = rng_int(r, 0, j);
+            const int32_t t = order[j];
+            order[j] = order[x], order[x] = t;
+        }
+        for (int64_t e = 0; e < nkb; e++) {
+            const int kind = (int)rng_int(r, 0, 2); /* 0 absent, 1 partial, 2 full */
+            if (kind == 1) m->idx[row * (size_t)nkb + (size_t)m->num[row]++] = order[e];
+            if (kind == 2) m->fidx[row * (size_t)nkb + (size_t)m->fnum[row]++] = order[e];
+        }
+        for (int64_t e = m->num[row]; e < nkb; e++) m->idx[row * (size_t)nkb + (size_t)e] = 777; /* past the count: never read */
+    }
+}
+
+static void bmask_free(bmask *m) { free(m->num), free(m->idx), free(m->fnum), free(m->fidx); }
+
+/* Is key block j of (b, h, query block qb) listed: 0 no, 1 partial, 2 full. */
+static int listed(const bmask *m, int64_t b, int64_t h, int64_t qb, int64_t j)
+{
+    const size_t row = (size_t)((((m->Bm == 1 ? 0 : b) * m->Hm) + (m->Hm == 1 ? 0 : h)) * m->nqb + qb);
+    for (int32_t e = 0; e < m->num[row]; e++)
+        if (m->idx[row * (size_t)m->nkb + (size_t)e] == j) return 1;
+    for (int32_t e = 0; e < m->fnum[row]; e++)
+        if (m->fidx[row * (size_t)m->nkb + (size_t)e] == j) return 2;
+    return 0;
+}
+
+static void run_case(nsa_context *ctx, const flex_case *c, test_rng *r)
+{
+    const int64_t Tq = c->Tq, Tk = c->Tk, G = FHQ / FH, nqb = (Tq + QBLK - 1) / QBLK, nkb = (Tk + KBLK - 1) / KBLK;
+    float *q = (float *)malloc(sizeof(float) * (size_t)(FB * Tq * FHQ * FDK + 1));
+    float *k = (float *)malloc(sizeof(float) * (size_t)(FB * Tk * FH * FDK + 1));
+    float *v = (float *)malloc(sizeof(float) * (size_t)(FB * Tk * FH * FDV + 1));
+    float *o = (float *)malloc(sizeof(float) * (size_t)(FB * Tq * FHQ * FDV + 1));
+    float *lse = (float *)malloc(sizeof(float) * (size_t)(FB * Tq * FHQ + 1));
+    for (int64_t i = 0; i < FB * Tq * FHQ * FDK; i++) q[i] = (float)rnd_u(r);
+    for (int64_t i = 0; i < FB * Tk * FH * FDK; i++) k[i] = (float)rnd_u(r);
+    for (int64_t i = 0; i < FB * Tk * FH * FDV; i++) v[i] = (float)rnd_u(r);
+    bmask m;
+    bmask_make(&m, r, c->bm, c->hm, nqb, nkb);
+    const int64_t dsl = 64;
+    const nsa_mod_tensor tens[] = {
+        {"doc", nsa_tensor_make(g_doc, NSA_DTYPE_I32, 1, &dsl)},
+        {"slope", nsa_tensor_make(g_slope, NSA_DTYPE_F32, 1, (int64_t[]){FHQ})},
+        {"rel", nsa_tensor_make(g_rel, NSA_DTYPE_F32, 2, (int64_t[]){FHQ, 41})},
+    };
+    nsa_mod *mm = NULL, *sm = NULL;
+    if (c->mask_text) CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, c->mask_text, tens, 3), NSA_STATUS_SUCCESS);
+    if (c->score_text) CHECK_STATUS(nsa_mod_create(&sm, NSA_MOD_SCORE, c->score_text, tens, 3), NSA_STATUS_SUCCESS);
+    nsa_flex_args a;
+    memset(&a, 0, sizeof a);
+    a.q = nsa_tensor_4d(q, NSA_DTYPE_F32, FB, Tq, FHQ, FDK);
+    a.k = nsa_tensor_4d(k, NSA_DTYPE_F32, FB, Tk, FH, FDK);
+    a.v = nsa_tensor_4d(v, NSA_DTYPE_F32, FB, Tk, FH, FDV);
+    a.o = nsa_tensor_4d(o, NSA_DTYPE_F32, FB, Tq, FHQ, FDV);
+    a.lse = nsa_tensor_3d(lse, NSA_DTYPE_F32, FB, Tq, FHQ);
+    a.block_mask.q_block = QBLK, a.block_mask.kv_block = KBLK;
+    if (c->blocks) {
+        a.block_mask.kv_num_blocks = nsa_tensor_3d(m.num, NSA_DTYPE_I32, c->bm, c->hm, nqb);
+        a.block_mask.kv_indices = nsa_tensor_4d(m.idx, NSA_DTYPE_I32, c->bm, c->hm, nqb, nkb);
+        a.block_mask.full_kv_num_blocks = nsa_tensor_3d(m.fnum, NSA_DTYPE_I32, c->bm, c->hm, nqb);
+        a.block_mask.full_kv_indices = nsa_tensor_4d(m.fidx, NSA_DTYPE_I32, c->bm, c->hm, nqb, nkb);
+    }
+    a.mask_mod = mm, a.score_mod = sm, a.scale = 0.4f;
+    size_t need = 0;
+    CHECK_STATUS(nsa_flex_attention_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
+    void *ws = malloc(need ? need : 1);
+    CHECK_STATUS(nsa_flex_attention(ctx, &a, ws, need), NSA_STATUS_SUCCESS);
+    free(ws);
+    double worst = 0.0;
+    long empty = 0, lse_bad = 0;
+    double *s = (double *)malloc(sizeof(double) * (size_t)Tk);
+    for (int64_t b = 0; b < FB; b++)
+        for (int64_t hq = 0; hq < FHQ; hq++)
+            for (int64_t i = 0; i < Tq; i++) {
+                double mx = -INFINITY;
+                for (int64_t j = 0; j < Tk; j++) {
+                    const int l = c->blocks ? listed(&m, b, hq, i / QBLK, j / KBLK) : 1;
+                    s[j] = -INFINITY;
+                    if (!l || (l == 1 && c->mask && !c->mask(b, hq, i, j))) continue;
+                    double d = 0.0;
+                    for (int64_t e = 0; e < FDK; e++)
+                        d += (double)q[((b * Tq + i) * FHQ + hq) * FDK + e] * (double)k[((b * Tk + j) * FH + hq / G) * FDK + e];
+                    d *= 0.4;
+                    s[j] = c->score ? c->score(d, b, hq, i, j) : d;
+                    mx = s[j] > mx ? s[j] : mx;
+                }
+                double den = 0.0, acc[FDV] = {0};
+                if (mx > -INFINITY)
+                    for (int64_t j = 0; j < Tk; j++) {
+                        const double w = exp(s[j] - mx);
+                        den += w;
+                        for (int64_t e = 0; e < FDV; e++) acc[e] += w * (double)v[((b * Tk + j) * FH + hq / G) * FDV + e];
+                    }
+                const float *orow = o + ((b * Tq + i) * FHQ + hq) * FDV;
+                for (int64_t e = 0; e < FDV; e++) {
+                    const double want = den > 0.0 ? acc[e] / den : 0.0, d = fabs((double)orow[e] - want);
+                    worst = d > worst || d != d ? d : worst;
+                }
+                const float got_lse = lse[(b * Tq + i) * FHQ + hq];
+                if (den > 0.0) {
+                    const double d = fabs((double)got_lse - (mx + log(den)));
+                    worst = d > worst || d != d ? d : worst;
+                } else {
+                    empty++;
+                    lse_bad += got_lse != -INFINITY;
+                }
+            }
+    char msg[300];
+    snprintf(msg, sizeof msg, "flex, %s: worst |o, lse - float64| %.3g, %ld empty rows, %ld empty rows without lse -inf", c->name,
+             worst, empty, lse_bad);
+    CHECK_MSG(worst <= 2e-5 && lse_bad == 0, msg);
+    if (g_tests_verbose) printf("  %s\n", msg);
+    nsa_mod_destroy(mm), nsa_mod_destroy(sm);
+    bmask_free(&m);
+    free(s), free(q), free(k), free(v), free(o), free(lse);
+}
+
+static void test_flex_equals_reference(nsa_context *ctx)
+{
+    test_rng r = {20261128};
+    for (int i = 0; i < 64; i++) g_doc[i] = (i * 7 / 23) % 4;
+    for (int h = 0; h < FHQ; h++) {
+        g_slope[h] = 1.0f / (float)(1 << (h + 1));
+        for (int j = 0; j < 41; j++) g_rel[h][j] = (float)((j * 5 + h) % 11 - 5) * 0.1f;
+    }
+    const flex_case cases[] = {
+        {"causal mask_mod, no block mask", "q_idx >= kv_idx", NULL, m_causal, NULL, 0, 37, 37, 1, 1},
+        {"sliding window 10", "q_idx >= kv_idx && q_idx - kv_idx < 10", NULL, m_window, NULL, 0, 45, 45, 1, 1},
+        {"prefix-LM, Tq != Tk", "kv_idx < 7 || q_idx >= kv_idx", NULL, m_prefix, NULL, 0, 29, 45, 1, 1},
+        {"documents + ALiBi, random blocks", "doc[q_idx + b] == doc[kv_idx + b]", "score - slope[h] * abs(q_idx - kv_idx)",
+         m_doc, s_alibi, 1, 37, 45, FB, FHQ},
+        {"softcap, random blocks broadcast over b", NULL, "3.0 * tanh(score / 3.0)", NULL, s_softcap, 1, 40, 33, 1, FHQ},
+        {"relative bias table (clamped), blocks broadcast over h", "q_idx >= kv_idx", "score + rel[h, q_idx - kv_idx + 20]",
+         m_causal, s_rel, 1, 45, 45, FB, 1},
+        {"scores sent to -inf, empty rows", NULL, "where(kv_idx % 3 == 0 || q_idx == 5, -exp(1000.0), score * 2)", NULL, s_hide, 1,
+         23, 30, 1, 1},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(ctx, &cases[i], &r);
+}
+
+/* Bad block masks and mods: the status, the detail naming the argument, o untouched. */
+static void test_flex_refuses(nsa_context *ctx)
+{
+    float q[FB * 9 * FHQ * FDK] = {0}, k[FB * 20 * FH * FDK] = {0}, v[FB * 20 * FH * FDV] = {0}, o[FB * 9 * FHQ * FDV];
+    int32_t num[2] = {1, 1}, idx[2 * 2] = {0, 1, 1, 0}, fnum[2] = {1, 0}, fidx[2 * 2] = {1, 0, 0, 0};
+    nsa_mod *sm = NULL, *mm = NULL;
+    CHECK_STATUS(nsa_mod_create(&sm, NSA_MOD_SCORE, "score * 2", NULL, 0), NSA_STATUS_SUCCESS);
+    CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, "q_idx >= kv_idx", NULL, 0), NSA_STATUS_SUCCESS);
+    nsa_flex_args base;
+    memset(&base, 0, sizeof base);
+    base.q = nsa_tensor_4d(q, NSA_DTYPE_F32, FB, 9, FHQ, FDK);
+    base.k = nsa_tensor_4d(k, NSA_DTYPE_F32, FB, 20, FH, FDK);
+    base.v = nsa_tensor_4d(v, NSA_DTYPE_F32, FB, 20, FH, FDV);
+    base.o = nsa_tensor_4d(o, NSA_DTYPE_F32, FB, 9, FHQ, FDV);
+    base.block_mask.q_block = QBLK, base.block_mask.kv_block = KBLK; /* 2 query blocks, 2 key blocks */
+    base.block_mask.kv_num_blocks = nsa_tensor_3d(num, NSA_DTYPE_I32, 1, 1, 2);
+    base.block_mask.kv_indices = nsa_tensor_4d(idx, NSA_DTYPE_I32, 1, 1, 2, 2);
+    base.block_mask.full_kv_num_blocks = nsa_tensor_3d(fnum, NSA_DTYPE_I32, 1, 1, 2);
+    base.block_mask.full_kv_indices = nsa_tensor_4d(fidx, NSA_DTYPE_I32, 1, 1, 2, 2);
+    size_t need = 0;
+    CHECK_STATUS(nsa_flex_attention_workspace_size(ctx, &base, &need), NSA_STATUS_SUCCESS);
+    void *ws = malloc(need + 4096);
+    CHECK_STATUS(nsa_flex_attention(ctx, &base, ws, need), NSA_STATUS_SUCCESS); /* the base case is valid */
+    struct {
+        int what;
+        nsa_status want;
+        const char *arg;
+    } cases[] = {
+        {0, NSA_STATUS_BAD_ARGUMENT, "block_mask.kv_num_blocks[0, 0, 1]: 3"},
+        {1, NSA_STATUS_BAD_ARGUMENT, "block_mask.kv_num_blocks[0, 0, 0]: -1"},
+        {2, NSA_STATUS_BAD_ARGUMENT, "block_mask.kv_indices[0, 0, 0, 0]: key block 2 outside [0, 2)"},
+        {3, NSA_STATUS_BAD_ARGUMENT, "block_mask.full_kv_indices[0, 0, 0, 0]: key block 0 listed twice"},
+        {4, NSA_STATUS_BAD_SHAPE, "block_mask.kv_num_blocks: dim 2 (query blocks) is 2"},
+        {5, NSA_STATUS_BAD_ARGUMENT, "mask_mod: a score_mod"},
+        {6, NSA_STATUS_BAD_ARGUMENT, "block_mask.kv_num_blocks: given without block_mask.kv_indices"},
+        {7, NSA_STATUS_BAD_ARGUMENT, "block_mask.q_block: 0"},
+        {8, NSA_STATUS_BAD_DTYPE, "block_mask.kv_indices"},
+        {9, NSA_STATUS_BAD_SHAPE, "block_mask.kv_num_blocks: dim 0 (B or 1) is 3"},
+        {10, NSA_STATUS_BAD_ARGUMENT, "score_mod: a mask_mod"},
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        nsa_flex_args a = base;
+        int32_t save_num[2], save_idx[4], save_fidx[4];
+        memcpy(save_num, num, sizeof num), memcpy(save_idx, idx, sizeof idx), memcpy(save_fidx, fidx, sizeof fidx);
+        switch (cases[ci].what) {
+        case 0: num[1] = 3; break;
+        case 1: num[0] = -1; break;
+        case 2: idx[0] = 2; break;
+        case 3: fidx[0] = 0; break; /* block 0 partial and full for query block 0 */
+        case 4: a.q.shape[1] = a.o.shape[1] = 17; break;
+        case 5: a.mask_mod = sm; break;
+        case 6: memset(&a.block_mask.kv_indices, 0, sizeof a.block_mask.kv_indices); break;
+        case 7: a.block_mask.q_block = 0; break;
+        case 8: a.block_mask.kv_indices.dtype = NSA_DTYPE_F32; break;
+        case 9: a.block_mask.kv_num_blocks.shape[0] = 3; break;
+        case 10: a.score_mod = mm; break;
+        }
+        for (size_t e = 0; e < sizeof o / sizeof o[0]; e++) o[e] = 7.0f;
+        CHECK_STATUS(nsa_flex_attention(ctx, &a, ws, need + 4096), cases[ci].want);
+        CHECK_DETAIL(cases[ci].arg);
+        int kept = 1;
+        for (size_t e = 0; e < sizeof o / sizeof o[0]; e++) kept &= o[e] == 7.0f;
+        CHECK_MSG(kept, "a refused flex call wrote o");
+        memcpy(num, save_num, sizeof num), memcpy(idx, save_idx, sizeof idx), memcpy(fidx, save_fidx, sizeof fidx);
+    }
+    free(ws);
+    nsa_mod_destroy(sm), nsa_mod_destroy(mm);
+    nsa_mod *bad = (nsa_mod *)1;
+    CHECK_STATUS(nsa_mod_create(&bad, NSA_MOD_MASK, "q_idx >= kvidx", NULL, 0), NSA_STATUS_BAD_EXPRESSION);
+    CHECK_DETAIL("mask_mod:10: unknown name 'kvidx'");
+    CHECK(bad == NULL);
+    CHECK_STATUS(nsa_mod_create(&bad, (nsa_mod_kind)5, "q_idx >= kv_idx", NULL, 0), NSA_STATUS_BAD_ARGUMENT);
+    CHECK_DETAIL("kind");
+}
+
+void test_flex_all(void)
+{
+    nsa_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.backend = NSA_BACKEND_CPU;
+    nsa_context *ctx = NULL;
+    CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_SUCCESS);
+    if (!ctx) return;
+    test_flex_equals_reference(ctx);
+    test_flex_refuses(ctx);
+    nsa_context_destroy(ctx);
+}
