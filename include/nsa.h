@@ -612,9 +612,25 @@ typedef struct nsa_flex_args {
     float scale;                  /* 0 = 1 / sqrt(DK) */
 } nsa_flex_args;
 
+/* The backward: dq, dk, dv and, for each float tensor t the score_mod reads whose gradient is
+ * wanted, dscore_tensors[t] (F32, the tensor's shape: the sum over every visible pair of
+ * dL/ds * ds/d(element), through the expression's arithmetic; an index the read clamped feeds
+ * the element it read). Sums in a fixed order: deterministic for a given thread count. */
+typedef struct nsa_flex_bwd_args {
+    nsa_flex_args fwd;            /* o and lse: the forward's outputs (lse required here) */
+    nsa_tensor dout;              /* in  [B, Tq, HQ, DV] */
+    nsa_tensor dq;                /* out [B, Tq, HQ, DK] */
+    nsa_tensor dk;                /* out [B, Tk, H, DK] */
+    nsa_tensor dv;                /* out [B, Tk, H, DV] */
+    nsa_tensor dscore_tensors[NSA_MOD_MAX_TENSORS]; /* out, optional, in the order the score_mod was given its tensors */
+} nsa_flex_bwd_args;
+
 /* CPU backend: every form. CUDA backend: NOT_SUPPORTED (not yet). */
 NSA_API nsa_status nsa_flex_attention_workspace_size(nsa_context *ctx, const nsa_flex_args *args, size_t *bytes);
 NSA_API nsa_status nsa_flex_attention(nsa_context *ctx, const nsa_flex_args *args, void *workspace, size_t workspace_bytes);
+NSA_API nsa_status nsa_flex_attention_bwd_workspace_size(nsa_context *ctx, const nsa_flex_bwd_args *args, size_t *bytes);
+NSA_API nsa_status nsa_flex_attention_bwd(nsa_context *ctx, const nsa_flex_bwd_args *args, void *workspace,
+                                          size_t workspace_bytes);
 
 #ifdef __cplusplus
 }

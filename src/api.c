@@ -282,6 +282,7 @@ typedef enum op_id {
     OP_STEP,
     OP_ATTENTION_STEP,
     OP_FLEX,
+    OP_FLEX_BWD,
 } op_id;
 
 /* One call: the op and its args (a pointer to that op's own args struct). */
@@ -309,6 +310,7 @@ static nsa_status op_validate(op_call c, nsa_problem *p)
     case OP_STEP: return nsa_validate_step((const nsa_step_args *)c.args, p);
     case OP_ATTENTION_STEP: return nsa_validate_attention_step((const nsa_attention_step_args *)c.args, p);
     case OP_FLEX: return nsa_validate_flex((const nsa_flex_args *)c.args, p);
+    case OP_FLEX_BWD: return nsa_validate_flex_bwd((const nsa_flex_bwd_args *)c.args, p);
     }
     return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "op: unknown operation %d", (int)c.op);
 }
@@ -334,7 +336,7 @@ static size_t op_workspace(const nsa_context *ctx, const nsa_problem *p, op_call
         case OP_BACKWARD: return nsa_cuda_backward_workspace(ctx, p, (const nsa_backward_args *)c.args);
         case OP_STEP: return nsa_cuda_step_workspace(ctx, p, (const nsa_step_args *)c.args);
         case OP_ATTENTION_STEP: return nsa_cuda_attention_step_workspace(ctx, p, (const nsa_attention_step_args *)c.args);
-        case OP_FLEX: return 0; /* (not on CUDA yet: the call says so) */
+        case OP_FLEX: case OP_FLEX_BWD: return 0; /* (not on CUDA yet: the call says so) */
         }
         return 0;
     }
@@ -356,6 +358,7 @@ static size_t op_workspace(const nsa_context *ctx, const nsa_problem *p, op_call
     case OP_STEP: return nsa_cpu_step_workspace(ctx, p, (const nsa_step_args *)c.args);
     case OP_ATTENTION_STEP: return nsa_cpu_attention_step_workspace(ctx, p, (const nsa_attention_step_args *)c.args);
     case OP_FLEX: return nsa_cpu_flex_workspace(ctx, p, (const nsa_flex_args *)c.args);
+    case OP_FLEX_BWD: return nsa_cpu_flex_bwd_workspace(ctx, p, (const nsa_flex_bwd_args *)c.args);
     }
     return 0;
 }
@@ -381,7 +384,7 @@ static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_ca
         case OP_BACKWARD: return nsa_cuda_backward(ctx, p, (const nsa_backward_args *)c.args, ws);
         case OP_STEP: return nsa_cuda_step(ctx, p, (const nsa_step_args *)c.args, ws);
         case OP_ATTENTION_STEP: return nsa_cuda_attention_step(ctx, p, (const nsa_attention_step_args *)c.args, ws);
-        case OP_FLEX:
+        case OP_FLEX: case OP_FLEX_BWD:
             return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "ctx: block-sparse attention with mods runs on the CPU backend only "
                                                       "so far");
         }
@@ -405,6 +408,7 @@ static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_ca
     case OP_STEP: return nsa_cpu_step(ctx, p, (const nsa_step_args *)c.args, ws);
     case OP_ATTENTION_STEP: return nsa_cpu_attention_step(ctx, p, (const nsa_attention_step_args *)c.args, ws);
     case OP_FLEX: return nsa_cpu_flex(ctx, p, (const nsa_flex_args *)c.args, ws);
+    case OP_FLEX_BWD: return nsa_cpu_flex_bwd(ctx, p, (const nsa_flex_bwd_args *)c.args, ws);
     }
     return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "op: unknown operation %d", (int)c.op);
 }
@@ -637,4 +641,14 @@ nsa_status nsa_flex_attention_workspace_size(nsa_context *ctx, const nsa_flex_ar
 nsa_status nsa_flex_attention(nsa_context *ctx, const nsa_flex_args *args, void *workspace, size_t workspace_bytes)
 {
     return op_dispatch(ctx, (op_call){OP_FLEX, args}, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_flex_attention_bwd_workspace_size(nsa_context *ctx, const nsa_flex_bwd_args *args, size_t *bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_FLEX_BWD, args}, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_flex_attention_bwd(nsa_context *ctx, const nsa_flex_bwd_args *args, void *workspace, size_t workspace_bytes)
+{
+    return op_dispatch(ctx, (op_call){OP_FLEX_BWD, args}, OP_RUN, NULL, workspace, workspace_bytes);
 }

@@ -70,6 +70,7 @@ nsa_status nsa_validate_backward(const nsa_backward_args *a, nsa_problem *p);
 nsa_status nsa_validate_step(const nsa_step_args *a, nsa_problem *p);
 nsa_status nsa_validate_attention_step(const nsa_attention_step_args *a, nsa_problem *p);
 nsa_status nsa_validate_flex(const nsa_flex_args *a, nsa_problem *p);
+nsa_status nsa_validate_flex_bwd(const nsa_flex_bwd_args *a, nsa_problem *p);
 /* The part of nsa_step's args that the dense step shares (token cache, lengths, append, o,
  * errors): the backends check and append through nsa_step's code with it. */
 nsa_step_args nsa_step_common(const nsa_attention_step_args *a);

@@ -1010,45 +1010,117 @@ nsa_status nsa_validate_attention_step(const nsa_attention_step_args *a, nsa_pro
 
 /* ---- 9. Block-sparse attention with mods. The block lists' contents are data, checked by the
  * backend before it writes (as a step's lengths). ---------------------------------------- */
-nsa_status nsa_validate_flex(const nsa_flex_args *a, nsa_problem *p)
+/* Shared by the forward and the backward (bwd: names under "fwd.", o and lse inputs). */
+static nsa_status flex_scalars(const nsa_flex_args *a, int bwd)
 {
     const nsa_block_mask *m = &a->block_mask;
+    const char *pre = PRE(bwd);
     nsa_attention_args opt; /* the scale rule is nsa_attention's */
     memset(&opt, 0, sizeof opt);
     opt.scale = a->scale;
-    nsa_status st = attention_scalars(&opt, 0);
+    nsa_status st = attention_scalars(&opt, bwd);
     if (st != NSA_STATUS_SUCCESS) return st;
     if (a->mask_mod && expr_kind_of(a->mask_mod) != EXPR_MASK)
-        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "mask_mod: a score_mod (NSA_MOD_SCORE) given as the mask_mod");
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%smask_mod: a score_mod (NSA_MOD_SCORE) given as the mask_mod", pre);
     if (a->score_mod && expr_kind_of(a->score_mod) != EXPR_SCORE)
-        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "score_mod: a mask_mod (NSA_MOD_MASK) given as the score_mod");
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%sscore_mod: a mask_mod (NSA_MOD_MASK) given as the score_mod", pre);
     if (m->q_block < 1 || m->q_block > INT32_MAX || m->kv_block < 1 || m->kv_block > INT32_MAX)
-        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "block_mask.%s: %" PRId64 ", must be in [1, INT32_MAX]",
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%sblock_mask.%s: %" PRId64 ", must be in [1, INT32_MAX]", pre,
                         m->q_block < 1 || m->q_block > INT32_MAX ? "q_block" : "kv_block",
                         m->q_block < 1 || m->q_block > INT32_MAX ? m->q_block : m->kv_block);
-    if ((st = pair_check(&m->kv_num_blocks, &m->kv_indices, "block_mask.", "kv_num_blocks", "kv_indices")) != NSA_STATUS_SUCCESS ||
-        (st = pair_check(&m->full_kv_num_blocks, &m->full_kv_indices, "block_mask.", "full_kv_num_blocks", "full_kv_indices")) !=
+    const char *bm = bwd ? "fwd.block_mask." : "block_mask.";
+    if ((st = pair_check(&m->kv_num_blocks, &m->kv_indices, bm, "kv_num_blocks", "kv_indices")) != NSA_STATUS_SUCCESS ||
+        (st = pair_check(&m->full_kv_num_blocks, &m->full_kv_indices, bm, "full_kv_num_blocks", "full_kv_indices")) !=
             NSA_STATUS_SUCCESS)
         return st;
     if (nsa_present(&m->full_kv_num_blocks) && !nsa_present(&m->kv_num_blocks))
-        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "block_mask.full_kv_num_blocks: given without kv_num_blocks (both lists or "
-                        "the partial one alone)");
-    const tspec s[] = {
-        {&a->q, R_IN, K_REF, S_Q, "q"},
-        {&a->k, R_IN, K_REF, S_AK, "k"},
-        {&a->v, R_IN, K_REF, S_AV, "v"},
-        {&a->o, R_OUT, K_REF, S_O, "o"},
-        {&a->lse, R_OPT_OUT, K_F32, S_ROW, "lse"},
-        {&m->kv_num_blocks, R_OPT_IN, K_I32, S_BMN, "block_mask.kv_num_blocks"},
-        {&m->kv_indices, R_OPT_IN, K_I32, S_BMI, "block_mask.kv_indices"},
-        {&m->full_kv_num_blocks, R_OPT_IN, K_I32, S_BMN, "block_mask.full_kv_num_blocks"},
-        {&m->full_kv_indices, R_OPT_IN, K_I32, S_BMF, "block_mask.full_kv_indices"},
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%sfull_kv_num_blocks: given without kv_num_blocks (both lists or the "
+                        "partial one alone)", bm);
+    return NSA_STATUS_SUCCESS;
+}
+
+static int flex_specs(const nsa_flex_args *a, int bwd, tspec *s)
+{
+    const nsa_block_mask *m = &a->block_mask;
+    const tspec t[] = {
+        {&a->q, R_IN, K_REF, S_Q, NM(bwd, "q")},
+        {&a->k, R_IN, K_REF, S_AK, NM(bwd, "k")},
+        {&a->v, R_IN, K_REF, S_AV, NM(bwd, "v")},
+        {&a->o, bwd ? R_IN : R_OUT, K_REF, S_O, NM(bwd, "o")},
+        {&a->lse, bwd ? R_IN : R_OPT_OUT, K_F32, S_ROW, NM(bwd, "lse")},
+        {&m->kv_num_blocks, R_OPT_IN, K_I32, S_BMN, NM(bwd, "block_mask.kv_num_blocks")},
+        {&m->kv_indices, R_OPT_IN, K_I32, S_BMI, NM(bwd, "block_mask.kv_indices")},
+        {&m->full_kv_num_blocks, R_OPT_IN, K_I32, S_BMN, NM(bwd, "block_mask.full_kv_num_blocks")},
+        {&m->full_kv_indices, R_OPT_IN, K_I32, S_BMF, NM(bwd, "block_mask.full_kv_indices")},
     };
-    const engine_in e = {a->q.dtype, "q", NULL, NULL, a->scale, ""};
-    if ((st = check_tensors(s, COUNT(s), &e, p)) != NSA_STATUS_SUCCESS) return st;
+    return append(s, 0, t, COUNT(t));
+}
+
+static nsa_status flex_finish(const nsa_flex_args *a, int bwd, const nsa_problem *p)
+{
+    const nsa_block_mask *m = &a->block_mask;
     const int64_t nqb = p->T / m->q_block + (p->T % m->q_block != 0);
     if (nsa_present(&m->kv_num_blocks) && m->kv_num_blocks.shape[2] != nqb)
-        return nsa_fail(NSA_STATUS_BAD_SHAPE, "block_mask.kv_num_blocks: dim 2 (query blocks) is %" PRId64 ", Tq = %" PRId64
-                        " rows in blocks of %" PRId64 " make %" PRId64, m->kv_num_blocks.shape[2], p->T, m->q_block, nqb);
+        return nsa_fail(NSA_STATUS_BAD_SHAPE, "%sblock_mask.kv_num_blocks: dim 2 (query blocks) is %" PRId64 ", Tq = %" PRId64
+                        " rows in blocks of %" PRId64 " make %" PRId64, PRE(bwd), m->kv_num_blocks.shape[2], p->T, m->q_block, nqb);
+    return NSA_STATUS_SUCCESS;
+}
+
+nsa_status nsa_validate_flex(const nsa_flex_args *a, nsa_problem *p)
+{
+    nsa_status st = flex_scalars(a, 0);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    tspec s[MAX_SPECS];
+    const int n = flex_specs(a, 0, s);
+    const engine_in e = {a->q.dtype, "q", NULL, NULL, a->scale, ""};
+    if ((st = check_tensors(s, n, &e, p)) != NSA_STATUS_SUCCESS) return st;
+    return flex_finish(a, 0, p);
+}
+
+nsa_status nsa_validate_flex_bwd(const nsa_flex_bwd_args *a, nsa_problem *p)
+{
+    const nsa_flex_args *f = &a->fwd;
+    nsa_status st = flex_scalars(f, 1);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    tspec s[MAX_SPECS];
+    const tspec g[] = {
+        {&a->dout, R_IN, K_REF, S_O, "dout"},
+        {&a->dq, R_OUT, K_REF, S_Q, "dq"},
+        {&a->dk, R_OUT, K_REF, S_AK, "dk"},
+        {&a->dv, R_OUT, K_REF, S_AV, "dv"},
+    };
+    const int n = append(s, flex_specs(f, 1, s), g, COUNT(g));
+    const engine_in e = {f->q.dtype, "fwd.q", NULL, NULL, f->scale, "fwd."};
+    if ((st = check_tensors(s, n, &e, p)) != NSA_STATUS_SUCCESS) return st;
+    if ((st = flex_finish(f, 1, p)) != NSA_STATUS_SUCCESS) return st;
+    /* the score_mod's tensor gradients: float tensors of the mod, same shape, F32, every element once */
+    const int ncap = f->score_mod ? expr_num_captures(f->score_mod) : 0;
+    for (int t = 0; t < NSA_MOD_MAX_TENSORS; t++) {
+        const nsa_tensor *d = &a->dscore_tensors[t];
+        if (!nsa_present(d)) continue;
+        if (t >= ncap)
+            return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "dscore_tensors[%d]: given, but the score_mod has %d tensor%s", t, ncap,
+                            ncap == 1 ? "" : "s");
+        const nsa_tensor *c = expr_capture_tensor(f->score_mod, t);
+        if (c->dtype != NSA_DTYPE_F32 && c->dtype != NSA_DTYPE_F16 && c->dtype != NSA_DTYPE_BF16)
+            return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "dscore_tensors[%d]: the score_mod's tensor '%s' is %s (no gradient: not a "
+                            "float)", t, expr_capture_name(f->score_mod, t), nsa_dtype_name(c->dtype));
+        if (d->dtype != NSA_DTYPE_F32)
+            return nsa_fail(NSA_STATUS_BAD_DTYPE, "dscore_tensors[%d]: %s, must be f32", t, nsa_dtype_name(d->dtype));
+        if (d->rank != c->rank)
+            return nsa_fail(NSA_STATUS_BAD_RANK, "dscore_tensors[%d]: rank %d, the tensor '%s' has %d", t, (int)d->rank,
+                            expr_capture_name(f->score_mod, t), (int)c->rank);
+        for (int j = 0; j < c->rank; j++) {
+            if (d->shape[j] != c->shape[j])
+                return nsa_fail(NSA_STATUS_BAD_SHAPE, "dscore_tensors[%d]: dim %d is %" PRId64 ", the tensor '%s' has %" PRId64, t, j,
+                                d->shape[j], expr_capture_name(f->score_mod, t), c->shape[j]);
+            if (d->stride[j] < 0 || (d->shape[j] > 1 && d->stride[j] == 0))
+                return nsa_fail(NSA_STATUS_BAD_STRIDE, "dscore_tensors[%d]: stride[%d] is %" PRId64 " (an element would be written "
+                                "twice, or backwards)", t, j, d->stride[j]);
+        }
+        if (d->stride[d->rank - 1] != 1 && d->shape[d->rank - 1] > 1)
+            return nsa_fail(NSA_STATUS_BAD_STRIDE, "dscore_tensors[%d]: last-dim stride %" PRId64 ", must be 1", t,
+                            d->stride[d->rank - 1]);
+    }
     return NSA_STATUS_SUCCESS;
 }

@@ -40,6 +40,34 @@ static double s_hide(double s, int64_t b, int64_t h, int64_t q, int64_t k)
     return (k % 3 == 0 || q == 5) ? -INFINITY : s * 2.0;
 }
 
+/* The score_mod's derivative in the product u, and its one tensor read (capture index, element,
+ * derivative; capture -1: none) at a pair. */
+typedef double (*dscore_ref)(double u, int64_t b, int64_t h, int64_t q, int64_t k);
+typedef int (*dcap_ref)(int64_t b, int64_t h, int64_t q, int64_t k, int64_t *elem, double *deriv);
+
+static double d_one(double u, int64_t b, int64_t h, int64_t q, int64_t k) { (void)u, (void)b, (void)h, (void)q, (void)k; return 1.0; }
+static double d_two(double u, int64_t b, int64_t h, int64_t q, int64_t k) { (void)u, (void)b, (void)h, (void)q, (void)k; return 2.0; }
+static double d_softcap(double u, int64_t b, int64_t h, int64_t q, int64_t k)
+{
+    (void)b, (void)h, (void)q, (void)k;
+    const double t = tanh(u / 3.0);
+    return 1.0 - t * t;
+}
+static int c_alibi(int64_t b, int64_t h, int64_t q, int64_t k, int64_t *elem, double *deriv)
+{
+    (void)b;
+    *elem = h, *deriv = -(double)llabs(q - k);
+    return 1; /* slope */
+}
+static int c_rel(int64_t b, int64_t h, int64_t q, int64_t k, int64_t *elem, double *deriv)
+{
+    (void)b;
+    int64_t i = q - k + 20;
+    i = i < 0 ? 0 : i > 40 ? 40 : i;
+    *elem = h * 41 + i, *deriv = 1.0;
+    return 2; /* rel */
+}
+
 typedef struct flex_case {
     const char *name;
     const char *mask_text, *score_text;
@@ -48,6 +76,8 @@ typedef struct flex_case {
     int blocks;      /* 0: no block mask; 1: random partial / full lists */
     int64_t Tq, Tk;
     int bm, hm;      /* block-mask batch and head dims: 1 or full */
+    dscore_ref dscore; /* NULL: the identity */
+    dcap_ref dcap;     /* NULL: no tensor gradient */
 } flex_case;
 
 static double rnd_u(test_rng *r) { return rng_uniform(r) * 2.0 - 1.0; }
@@ -180,6 +210,114 @@ static void run_case(nsa_context *ctx, const flex_case *c, test_rng *r)
              worst, empty, lse_bad);
     CHECK_MSG(worst <= 2e-5 && lse_bad == 0, msg);
     if (g_tests_verbose) printf("  %s\n", msg);
+
+    /* the backward: dq, dk, dv and the score_mod's tensor gradients against the float64 chain rule */
+    const size_t nq = (size_t)(FB * Tq * FHQ), nk = (size_t)(FB * Tk * FH);
+    float *dout = (float *)malloc(sizeof(float) * (nq * FDV + 1)), *dq = (float *)malloc(sizeof(float) * (nq * FDK + 1));
+    float *dk = (float *)malloc(sizeof(float) * (nk * FDK + 1)), *dv = (float *)malloc(sizeof(float) * (nk * FDV + 1));
+    double *rq = (double *)calloc(nq * FDK + 1, sizeof(double)), *rk = (double *)calloc(nk * FDK + 1, sizeof(double));
+    double *rv = (double *)calloc(nk * FDV + 1, sizeof(double)), rcap[3][FHQ * 41];
+    float dslope[FHQ], drel[FHQ][41];
+    memset(rcap, 0, sizeof rcap);
+    for (size_t e = 0; e < nq * FDV; e++) dout[e] = (float)rnd_u(r);
+    nsa_flex_bwd_args g;
+    memset(&g, 0, sizeof g);
+    g.fwd = a;
+    g.dout = nsa_tensor_4d(dout, NSA_DTYPE_F32, FB, Tq, FHQ, FDV);
+    g.dq = nsa_tensor_4d(dq, NSA_DTYPE_F32, FB, Tq, FHQ, FDK);
+    g.dk = nsa_tensor_4d(dk, NSA_DTYPE_F32, FB, Tk, FH, FDK);
+    g.dv = nsa_tensor_4d(dv, NSA_DTYPE_F32, FB, Tk, FH, FDV);
+    if (sm) {
+        g.dscore_tensors[1] = nsa_tensor_make(dslope, NSA_DTYPE_F32, 1, (int64_t[]){FHQ});
+        g.dscore_tensors[2] = nsa_tensor_make(drel, NSA_DTYPE_F32, 2, (int64_t[]){FHQ, 41});
+    }
+    CHECK_STATUS(nsa_flex_attention_bwd_workspace_size(ctx, &g, &need), NSA_STATUS_SUCCESS);
+    ws = malloc(need ? need : 1);
+    CHECK_STATUS(nsa_flex_attention_bwd(ctx, &g, ws, need), NSA_STATUS_SUCCESS);
+    free(ws);
+    for (int64_t b = 0; b < FB; b++)
+        for (int64_t hq = 0; hq < FHQ; hq++)
+            for (int64_t i = 0; i < Tq; i++) {
+                double mx = -INFINITY, den = 0.0, u[64], P[64], o_row[FDV] = {0}, D = 0.0;
+                for (int64_t j = 0; j < Tk; j++) {
+                    const int l = c->blocks ? listed(&m, b, hq, i / QBLK, j / KBLK) : 1;
+                    s[j] = -INFINITY;
+                    if (!l || (l == 1 && c->mask && !c->mask(b, hq, i, j))) continue;
+                    double d = 0.0;
+                    for (int64_t e = 0; e < FDK; e++)
+                        d += (double)q[((b * Tq + i) * FHQ + hq) * FDK + e] * (double)k[((b * Tk + j) * FH + hq / G) * FDK + e];
+                    u[j] = d * 0.4;
+                    s[j] = c->score ? c->score(u[j], b, hq, i, j) : u[j];
+                    mx = s[j] > mx ? s[j] : mx;
+                }
+                if (mx == -INFINITY) continue;
+                for (int64_t j = 0; j < Tk; j++) den += (P[j] = exp(s[j] - mx));
+                for (int64_t j = 0; j < Tk; j++) {
+                    P[j] /= den;
+                    for (int64_t e = 0; e < FDV; e++) o_row[e] += P[j] * (double)v[((b * Tk + j) * FH + hq / G) * FDV + e];
+                }
+                const float *dor = dout + ((b * Tq + i) * FHQ + hq) * FDV;
+                for (int64_t e = 0; e < FDV; e++) D += (double)dor[e] * o_row[e];
+                for (int64_t j = 0; j < Tk; j++) {
+                    if (P[j] == 0.0) continue;
+                    const int64_t kv = (b * Tk + j) * FH + hq / G;
+                    double dP = 0.0;
+                    for (int64_t e = 0; e < FDV; e++) dP += (double)dor[e] * (double)v[kv * FDV + e], rv[kv * FDV + e] += P[j] * dor[e];
+                    const double dS = P[j] * (dP - D);
+                    const double dU = dS * (c->dscore ? c->dscore(u[j], b, hq, i, j) : 1.0);
+                    for (int64_t e = 0; e < FDK; e++) {
+                        rq[((b * Tq + i) * FHQ + hq) * FDK + e] += dU * 0.4 * (double)k[kv * FDK + e];
+                        rk[kv * FDK + e] += dU * 0.4 * (double)q[((b * Tq + i) * FHQ + hq) * FDK + e];
+                    }
+                    int64_t elem;
+                    double deriv;
+                    if (c->dcap) {
+                        const int ci = c->dcap(b, hq, i, j, &elem, &deriv);
+                        rcap[ci][elem] += dS * deriv;
+                    }
+                }
+            }
+    double gworst = 0.0, gmax = 1.0;
+    const struct { const float *x; const double *y; size_t n; } cmp[] = {{dq, rq, nq * FDK}, {dk, rk, nk * FDK}, {dv, rv, nk * FDV}};
+    for (int t = 0; t < 3; t++)
+        for (size_t e = 0; e < cmp[t].n; e++) {
+            const double d = fabs((double)cmp[t].x[e] - cmp[t].y[e]);
+            gworst = d > gworst || d != d ? d : gworst;
+            gmax = fabs(cmp[t].y[e]) > gmax ? fabs(cmp[t].y[e]) : gmax;
+        }
+    if (sm) {
+        for (int e = 0; e < FHQ; e++) {
+            const double d = fabs((double)dslope[e] - rcap[1][e]);
+            gworst = d > gworst || d != d ? d : gworst;
+        }
+        for (int e = 0; e < FHQ * 41; e++) {
+            const double d = fabs((double)(&drel[0][0])[e] - rcap[2][e]);
+            gworst = d > gworst || d != d ? d : gworst;
+        }
+    }
+    snprintf(msg, sizeof msg, "flex backward, %s: worst |dq, dk, dv, dtensors - float64| %.3g (largest gradient %.3g)", c->name,
+             gworst, gmax);
+    CHECK_MSG(gworst <= 2e-5 * gmax, msg);
+    if (g_tests_verbose) printf("  %s\n", msg);
+    if (c->dcap == c_alibi) { /* the slope gradient by central differences of the library's own forward */
+        double loss[2];
+        const float keep = g_slope[1], eps = 3e-3f;
+        for (int side = 0; side < 2; side++) {
+            g_slope[1] = keep + (side ? eps : -eps);
+            CHECK_STATUS(nsa_flex_attention_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
+            ws = malloc(need ? need : 1);
+            CHECK_STATUS(nsa_flex_attention(ctx, &a, ws, need), NSA_STATUS_SUCCESS);
+            free(ws);
+            loss[side] = 0.0;
+            for (size_t e = 0; e < nq * FDV; e++) loss[side] += (double)o[e] * (double)dout[e];
+        }
+        g_slope[1] = keep;
+        const double fd = (loss[1] - loss[0]) / (2.0 * eps);
+        snprintf(msg, sizeof msg, "flex, %s: dslope[1] %.6g, central differences %.6g", c->name, (double)dslope[1], fd);
+        CHECK_MSG(fabs(fd - dslope[1]) <= 2e-3 * (1.0 + fabs(fd)), msg);
+        if (g_tests_verbose) printf("  %s\n", msg);
+    }
+    free(dout), free(dq), free(dk), free(dv), free(rq), free(rk), free(rv);
     nsa_mod_destroy(mm), nsa_mod_destroy(sm);
     bmask_free(&m);
     free(s), free(q), free(k), free(v), free(o), free(lse);
@@ -194,16 +332,17 @@ static void test_flex_equals_reference(nsa_context *ctx)
         for (int j = 0; j < 41; j++) g_rel[h][j] = (float)((j * 5 + h) % 11 - 5) * 0.1f;
     }
     const flex_case cases[] = {
-        {"causal mask_mod, no block mask", "q_idx >= kv_idx", NULL, m_causal, NULL, 0, 37, 37, 1, 1},
-        {"sliding window 10", "q_idx >= kv_idx && q_idx - kv_idx < 10", NULL, m_window, NULL, 0, 45, 45, 1, 1},
-        {"prefix-LM, Tq != Tk", "kv_idx < 7 || q_idx >= kv_idx", NULL, m_prefix, NULL, 0, 29, 45, 1, 1},
+        {"causal mask_mod, no block mask", "q_idx >= kv_idx", NULL, m_causal, NULL, 0, 37, 37, 1, 1, NULL, NULL},
+        {"sliding window 10", "q_idx >= kv_idx && q_idx - kv_idx < 10", NULL, m_window, NULL, 0, 45, 45, 1, 1, NULL, NULL},
+        {"prefix-LM, Tq != Tk", "kv_idx < 7 || q_idx >= kv_idx", NULL, m_prefix, NULL, 0, 29, 45, 1, 1, NULL, NULL},
         {"documents + ALiBi, random blocks", "doc[q_idx + b] == doc[kv_idx + b]", "score - slope[h] * abs(q_idx - kv_idx)",
-         m_doc, s_alibi, 1, 37, 45, FB, FHQ},
-        {"softcap, random blocks broadcast over b", NULL, "3.0 * tanh(score / 3.0)", NULL, s_softcap, 1, 40, 33, 1, FHQ},
+         m_doc, s_alibi, 1, 37, 45, FB, FHQ, d_one, c_alibi},
+        {"softcap, random blocks broadcast over b", NULL, "3.0 * tanh(score / 3.0)", NULL, s_softcap, 1, 40, 33, 1, FHQ, d_softcap,
+         NULL},
         {"relative bias table (clamped), blocks broadcast over h", "q_idx >= kv_idx", "score + rel[h, q_idx - kv_idx + 20]",
-         m_causal, s_rel, 1, 45, 45, FB, 1},
+         m_causal, s_rel, 1, 45, 45, FB, 1, d_one, c_rel},
         {"scores sent to -inf, empty rows", NULL, "where(kv_idx % 3 == 0 || q_idx == 5, -exp(1000.0), score * 2)", NULL, s_hide, 1,
-         23, 30, 1, 1},
+         23, 30, 1, 1, d_two, NULL},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(ctx, &cases[i], &r);
 }
@@ -283,6 +422,56 @@ static void test_flex_refuses(nsa_context *ctx)
     CHECK_DETAIL("kind");
 }
 
+/* The backward's own refusals: tensor gradients of a score_mod's tensors only, of float ones,
+ * shaped like them, in f32; lse required. */
+static void test_flex_bwd_refuses(nsa_context *ctx)
+{
+    float q[1 * 8 * 2 * 4] = {0}, k[1 * 8 * 1 * 4] = {0}, v[1 * 8 * 1 * 4] = {0}, o[1 * 8 * 2 * 4] = {0}, lse[1 * 8 * 2] = {0};
+    float dq[64], dk[32], dv[32], dout[64] = {0}, slope[2] = {0.5f, 0.25f}, dsl[3];
+    int32_t doc[8] = {0};
+    const nsa_mod_tensor tens[] = {{"slope", nsa_tensor_make(slope, NSA_DTYPE_F32, 1, (int64_t[]){2})},
+                                   {"doc", nsa_tensor_make(doc, NSA_DTYPE_I32, 1, (int64_t[]){8})}};
+    nsa_mod *sm = NULL;
+    CHECK_STATUS(nsa_mod_create(&sm, NSA_MOD_SCORE, "score - slope[h] * doc[q_idx]", tens, 2), NSA_STATUS_SUCCESS);
+    nsa_flex_bwd_args g;
+    memset(&g, 0, sizeof g);
+    g.fwd.q = nsa_tensor_4d(q, NSA_DTYPE_F32, 1, 8, 2, 4);
+    g.fwd.k = nsa_tensor_4d(k, NSA_DTYPE_F32, 1, 8, 1, 4);
+    g.fwd.v = nsa_tensor_4d(v, NSA_DTYPE_F32, 1, 8, 1, 4);
+    g.fwd.o = nsa_tensor_4d(o, NSA_DTYPE_F32, 1, 8, 2, 4);
+    g.fwd.lse = nsa_tensor_3d(lse, NSA_DTYPE_F32, 1, 8, 2);
+    g.fwd.block_mask.q_block = g.fwd.block_mask.kv_block = 4;
+    g.fwd.score_mod = sm;
+    g.dout = nsa_tensor_4d(dout, NSA_DTYPE_F32, 1, 8, 2, 4);
+    g.dq = nsa_tensor_4d(dq, NSA_DTYPE_F32, 1, 8, 2, 4);
+    g.dk = nsa_tensor_4d(dk, NSA_DTYPE_F32, 1, 8, 1, 4);
+    g.dv = nsa_tensor_4d(dv, NSA_DTYPE_F32, 1, 8, 1, 4);
+    g.dscore_tensors[0] = nsa_tensor_make(dsl, NSA_DTYPE_F32, 1, (int64_t[]){2});
+    size_t need = 0;
+    CHECK_STATUS(nsa_flex_attention_bwd_workspace_size(ctx, &g, &need), NSA_STATUS_SUCCESS);
+    nsa_flex_bwd_args x = g;
+    x.dscore_tensors[0].shape[0] = 3;
+    CHECK_STATUS(nsa_flex_attention_bwd_workspace_size(ctx, &x, &need), NSA_STATUS_BAD_SHAPE);
+    CHECK_DETAIL("dscore_tensors[0]: dim 0 is 3, the tensor 'slope' has 2");
+    x = g;
+    x.dscore_tensors[1] = nsa_tensor_make(dsl, NSA_DTYPE_F32, 1, (int64_t[]){8});
+    CHECK_STATUS(nsa_flex_attention_bwd_workspace_size(ctx, &x, &need), NSA_STATUS_BAD_ARGUMENT);
+    CHECK_DETAIL("dscore_tensors[1]: the score_mod's tensor 'doc' is i32");
+    x = g;
+    x.dscore_tensors[2] = x.dscore_tensors[0];
+    CHECK_STATUS(nsa_flex_attention_bwd_workspace_size(ctx, &x, &need), NSA_STATUS_BAD_ARGUMENT);
+    CHECK_DETAIL("dscore_tensors[2]: given, but the score_mod has 2 tensors");
+    x = g;
+    x.dscore_tensors[0].dtype = NSA_DTYPE_BF16;
+    CHECK_STATUS(nsa_flex_attention_bwd_workspace_size(ctx, &x, &need), NSA_STATUS_BAD_DTYPE);
+    CHECK_DETAIL("dscore_tensors[0]: bf16, must be f32");
+    x = g;
+    memset(&x.fwd.lse, 0, sizeof x.fwd.lse);
+    CHECK_STATUS(nsa_flex_attention_bwd_workspace_size(ctx, &x, &need), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("fwd.lse");
+    nsa_mod_destroy(sm);
+}
+
 void test_flex_all(void)
 {
     nsa_context_desc d;
@@ -293,5 +482,6 @@ void test_flex_all(void)
     if (!ctx) return;
     test_flex_equals_reference(ctx);
     test_flex_refuses(ctx);
+    test_flex_bwd_refuses(ctx);
     nsa_context_destroy(ctx);
 }

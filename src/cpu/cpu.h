@@ -36,6 +36,8 @@ size_t nsa_cpu_step_workspace(const nsa_context *ctx, const nsa_problem *p, cons
 nsa_status nsa_cpu_step(const nsa_context *ctx, const nsa_problem *p, const nsa_step_args *a, void *ws);
 size_t nsa_cpu_flex_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_args *a);
 nsa_status nsa_cpu_flex(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_args *a, void *ws);
+size_t nsa_cpu_flex_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_bwd_args *a);
+nsa_status nsa_cpu_flex_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_bwd_args *a, void *ws);
 size_t nsa_cpu_attention_step_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_step_args *a);
 nsa_status nsa_cpu_attention_step(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_step_args *a, void *ws);
 

@@ -112,31 +112,45 @@ static int64_t flex_block(const nsa_flex_args *a, const nsa_problem *p, int64_t 
     return n;
 }
 
+/* The visible keys of row i of (b, hq), in list order, into key[]: @return their count. */
+static int64_t flex_visible(const nsa_flex_args *a, const nsa_problem *p, int64_t b, int64_t hq, int64_t i, int64_t *key)
+{
+    const nsa_block_mask *m = &a->block_mask;
+    const int64_t qb = i / m->q_block;
+    int64_t n = 0;
+    if (!nsa_present(&m->kv_num_blocks)) {
+        for (int64_t j = 0, nkb = key_blocks(a, p); j < nkb; j++) n = flex_block(a, p, b, hq, i, j, 1, key, n);
+        return n;
+    }
+    for (int full = 0; full < 2; full++) {
+        const nsa_tensor *nt = full ? &m->full_kv_num_blocks : &m->kv_num_blocks;
+        const nsa_tensor *it = full ? &m->full_kv_indices : &m->kv_indices;
+        if (!nsa_present(nt)) continue;
+        const int32_t cnt = count_at(nt, b, hq, qb);
+        const int32_t *ix = list_at(it, b, hq, qb);
+        for (int64_t e = 0; e < cnt; e++) n = flex_block(a, p, b, hq, i, ix[e * it->stride[3]], !full, key, n);
+    }
+    return n;
+}
+
+/* The scaled product of the loaded query row with key j (before the score_mod). */
+static float flex_product(const nsa_flex_args *a, const nsa_problem *p, int64_t b, int64_t j, int64_t h, const float *q, float *x)
+{
+    io_load(&a->k, io_off(&a->k, b, j, h), p->DK, x);
+    float s = 0.0f;
+    for (int64_t d = 0; d < p->DK; d++) s += q[d] * x[d];
+    return s * p->scale;
+}
+
 /* Row i of batch entry b, head hq: its visible keys, their (modified) scores, the softmax. */
 static void flex_row(const nsa_flex_args *a, const nsa_problem *p, int64_t b, int64_t hq, int64_t i, flex_scratch *t)
 {
-    const nsa_block_mask *m = &a->block_mask;
-    const int64_t h = hq / p->G, DK = p->DK, DV = p->DV, qb = i / m->q_block;
-    int64_t n = 0;
-    if (!nsa_present(&m->kv_num_blocks)) {
-        for (int64_t j = 0, nkb = key_blocks(a, p); j < nkb; j++) n = flex_block(a, p, b, hq, i, j, 1, t->key, n);
-    } else {
-        for (int full = 0; full < 2; full++) {
-            const nsa_tensor *nt = full ? &m->full_kv_num_blocks : &m->kv_num_blocks;
-            const nsa_tensor *it = full ? &m->full_kv_indices : &m->kv_indices;
-            if (!nsa_present(nt)) continue;
-            const int32_t cnt = count_at(nt, b, hq, qb);
-            const int32_t *ix = list_at(it, b, hq, qb);
-            for (int64_t e = 0; e < cnt; e++) n = flex_block(a, p, b, hq, i, ix[e * it->stride[3]], !full, t->key, n);
-        }
-    }
-    io_load(&a->q, io_off(&a->q, b, i, hq), DK, t->q);
+    const int64_t h = hq / p->G, DV = p->DV;
+    const int64_t n = flex_visible(a, p, b, hq, i, t->key);
+    io_load(&a->q, io_off(&a->q, b, i, hq), p->DK, t->q);
     float mx = -INFINITY;
     for (int64_t e = 0; e < n; e++) {
-        io_load(&a->k, io_off(&a->k, b, t->key[e], h), DK, t->x);
-        float s = 0.0f;
-        for (int64_t d = 0; d < DK; d++) s += t->q[d] * t->x[d];
-        s *= p->scale;
+        float s = flex_product(a, p, b, t->key[e], h, t->q, t->x);
         if (a->score_mod) s = expr_eval(a->score_mod, b, hq, i, t->key[e], s);
         t->sc[e] = s;
         mx = s > mx || s != s || mx != mx ? (mx != mx ? mx : s) : mx; /* NaN wins */
@@ -181,6 +195,154 @@ nsa_status nsa_cpu_flex(const nsa_context *ctx, const nsa_problem *p, const nsa_
             const int64_t qb = task % nqb, hq = (task / nqb) % p->HQ, b = task / (nqb * p->HQ);
             const int64_t i1 = (qb + 1) * a->block_mask.q_block < p->T ? (qb + 1) * a->block_mask.q_block : p->T;
             for (int64_t i = qb * a->block_mask.q_block; i < i1; i++) flex_row(a, p, b, hq, i, &t);
+        }
+    }
+    return NSA_STATUS_SUCCESS;
+}
+
+/* ---- the backward ---------------------------------------------------------------------------- */
+/* Elements of the score_mod's tensors whose gradients are wanted (per thread, row-major). */
+static int64_t grad_elems(const nsa_flex_bwd_args *a, int64_t *off)
+{
+    int64_t total = 0;
+    const int n = a->fwd.score_mod ? expr_num_captures(a->fwd.score_mod) : 0;
+    for (int c = 0; c < NSA_MOD_MAX_TENSORS; c++) {
+        off[c] = -1;
+        if (c >= n || !nsa_present(&a->dscore_tensors[c])) continue;
+        const nsa_tensor *t = expr_capture_tensor(a->fwd.score_mod, c);
+        int64_t cnt = 1;
+        for (int d = 0; d < t->rank; d++) cnt *= t->shape[d];
+        off[c] = total;
+        total += cnt;
+    }
+    return total;
+}
+
+typedef struct flex_bwd_scratch {
+    flex_scratch f;
+    float *dq, *dkv, *dout, *o; /* dkv: [Tk, DK + DV] of the task's kv head */
+    float *grads;                /* the thread's score_mod tensor gradients */
+    void *expr;                  /* expr_grad's scratch */
+} flex_bwd_scratch;
+
+static void flex_bwd_take(ws_arena *w, const nsa_problem *p, const nsa_flex_bwd_args *a, int64_t gelems, flex_bwd_scratch *s)
+{
+    flex_take(w, p, &s->f);
+    s->dq = (float *)ws_take_n(w, nsa_size_of(p->DK), sizeof(float));
+    s->dkv = (float *)ws_take_n(w, nsa_size_mul(nsa_size_of(p->Tk), nsa_size_of(p->DK + p->DV)), sizeof(float));
+    s->dout = (float *)ws_take_n(w, nsa_size_of(p->DV), sizeof(float));
+    s->o = (float *)ws_take_n(w, nsa_size_of(p->DV), sizeof(float));
+    s->grads = (float *)ws_take_n(w, nsa_size_of(gelems), sizeof(float));
+    s->expr = ws_take_n(w, a->fwd.score_mod ? expr_scratch_bytes(a->fwd.score_mod) : 0, 1);
+}
+
+size_t nsa_cpu_flex_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_bwd_args *a)
+{
+    int64_t off[NSA_MOD_MAX_TENSORS];
+    ws_arena one = {NULL, 0}, all = {NULL, 0};
+    flex_bwd_scratch s;
+    flex_bwd_take(&one, p, a, grad_elems(a, off), &s);
+    ws_take_n(&all, nsa_size_of(key_blocks(&a->fwd, p)), 1);
+    ws_take_threads(&all, ctx, ws_region_bytes(&one));
+    return nsa_size_add(all.used, 64);
+}
+
+/* Rows of query head hq of batch entry b: dq, and their share of dk, dv (t->dkv) and of the
+ * score_mod's tensor gradients (t->grads). The forward's lse gives P = exp(s - lse). */
+static void flex_bwd_head(const nsa_flex_bwd_args *a, const nsa_problem *p, int64_t b, int64_t hq, float *const *grads,
+                          flex_bwd_scratch *t)
+{
+    const nsa_flex_args *f = &a->fwd;
+    const int64_t h = hq / p->G, DK = p->DK, DV = p->DV;
+    for (int64_t i = 0; i < p->T; i++) {
+        const float lse = io_get(&f->lse, io_off(&f->lse, b, i, hq));
+        for (int64_t d = 0; d < DK; d++) t->dq[d] = 0.0f;
+        if (lse != -INFINITY) { /* (an empty row has no gradient) */
+            const int64_t n = flex_visible(f, p, b, hq, i, t->f.key);
+            io_load(&f->q, io_off(&f->q, b, i, hq), DK, t->f.q);
+            io_load(&a->dout, io_off(&a->dout, b, i, hq), DV, t->dout);
+            io_load(&f->o, io_off(&f->o, b, i, hq), DV, t->o);
+            float Drow = 0.0f;
+            for (int64_t d = 0; d < DV; d++) Drow += t->dout[d] * t->o[d];
+            for (int64_t e = 0; e < n; e++) {
+                const int64_t j = t->f.key[e];
+                const float u = flex_product(f, p, b, j, h, t->f.q, t->f.x);
+                const float s = f->score_mod ? expr_eval(f->score_mod, b, hq, i, j, u) : u;
+                const float P = expf(s - lse);
+                if (P == 0.0f) continue; /* (a -inf score: a hidden pair) */
+                float *dk = t->dkv + j * (DK + DV), *dv = dk + DK;
+                io_load(&f->v, io_off(&f->v, b, j, h), DV, t->f.x);
+                float dP = 0.0f;
+                for (int64_t d = 0; d < DV; d++) dP += t->dout[d] * t->f.x[d], dv[d] += P * t->dout[d];
+                const float dS = P * (dP - Drow);
+                float dU = dS;
+                if (f->score_mod) expr_grad(f->score_mod, b, hq, i, j, u, dS, &dU, grads, t->expr);
+                io_load(&f->k, io_off(&f->k, b, j, h), DK, t->f.x);
+                const float w = dU * p->scale;
+                for (int64_t d = 0; d < DK; d++) t->dq[d] += w * t->f.x[d], dk[d] += w * t->f.q[d];
+            }
+        }
+        io_store(&a->dq, io_off(&a->dq, b, i, hq), DK, t->dq);
+    }
+}
+
+nsa_status nsa_cpu_flex_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_bwd_args *a, void *ws)
+{
+    int64_t off[NSA_MOD_MAX_TENSORS];
+    const int64_t gelems = grad_elems(a, off);
+    ws_arena one = {NULL, 0}, all = {(char *)ws, 0};
+    flex_bwd_scratch probe;
+    flex_bwd_take(&one, p, a, gelems, &probe);
+    const size_t region = ws_region_bytes(&one);
+    unsigned char *seen = (unsigned char *)ws_take_n(&all, nsa_size_of(key_blocks(&a->fwd, p)), 1);
+    char *regions = ws_take_threads(&all, ctx, region);
+    const nsa_status st = flex_check(&a->fwd, p, seen, key_blocks(&a->fwd, p));
+    if (st != NSA_STATUS_SUCCESS) return st;
+    int team = 1; /* the threads that ran (each zeroed its own sums) */
+    const int64_t tasks = p->B * p->H, DK = p->DK, DV = p->DV;
+#pragma omp parallel num_threads(cpu_threads(ctx))
+    {
+#pragma omp single
+        team = omp_get_num_threads();
+        ws_arena mine = {regions + (size_t)omp_get_thread_num() * region, 0};
+        flex_bwd_scratch t;
+        flex_bwd_take(&mine, p, a, gelems, &t);
+        float *grads[NSA_MOD_MAX_TENSORS];
+        for (int c = 0; c < NSA_MOD_MAX_TENSORS; c++) grads[c] = off[c] >= 0 ? t.grads + off[c] : NULL;
+        for (int64_t e = 0; e < gelems; e++) t.grads[e] = 0.0f;
+        /* static: each thread's tasks and so its sums' order are fixed for a thread count */
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t h = task % p->H, b = task / p->H;
+            for (int64_t e = 0; e < p->Tk * (DK + DV); e++) t.dkv[e] = 0.0f;
+            for (int64_t g = 0; g < p->G; g++) flex_bwd_head(a, p, b, h * p->G + g, grads, &t);
+            for (int64_t j = 0; j < p->Tk; j++) {
+                io_store(&a->dk, io_off(&a->dk, b, j, h), DK, t.dkv + j * (DK + DV));
+                io_store(&a->dv, io_off(&a->dv, b, j, h), DV, t.dkv + j * (DK + DV) + DK);
+            }
+        }
+    }
+    /* the tensors' gradients: the threads' sums, added in thread order */
+    for (int c = 0; c < NSA_MOD_MAX_TENSORS; c++) {
+        if (off[c] < 0) continue;
+        const nsa_tensor *src = expr_capture_tensor(a->fwd.score_mod, c), *dst = &a->dscore_tensors[c];
+        int64_t cnt = 1, idx[NSA_MAX_RANK] = {0};
+        for (int d = 0; d < src->rank; d++) cnt *= src->shape[d];
+        for (int64_t e = 0; e < cnt; e++) {
+            double sum = 0.0;
+            for (int th = 0; th < team; th++) {
+                ws_arena mine = {regions + (size_t)th * region, 0};
+                flex_bwd_scratch t;
+                flex_bwd_take(&mine, p, a, gelems, &t);
+                sum += t.grads[off[c] + e];
+            }
+            int64_t o = 0; /* element e (row-major) in the output's strides */
+            for (int d = 0; d < dst->rank; d++) o += idx[d] * dst->stride[d];
+            ((float *)dst->data)[o] = (float)sum;
+            for (int d = dst->rank - 1; d >= 0; d--) { /* next multi-index */
+                if (++idx[d] < dst->shape[d]) break;
+                idx[d] = 0;
+            }
         }
     }
     return NSA_STATUS_SUCCESS;

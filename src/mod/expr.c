@@ -50,6 +50,7 @@ typedef struct node {
 /* One instruction: an opcode working on the type it was checked for. */
 typedef struct insn {
     unsigned char op, type, nargs, cap;
+    int16_t arg[MAX_ARGS]; /* the instructions that computed the operands (reverse mode) */
     union {
         int64_t i;
         float f;
@@ -539,13 +540,15 @@ static nsa_status check_captures(parser *p)
 static int emit(expr_program *prog, const node *nodes, int k)
 {
     const node *n = &nodes[k];
-    int need = 0;
+    int need = 0, kid_pc[MAX_ARGS] = {0};
     for (int i = 0; i < n->nkid; i++) {
         const int d = emit(prog, nodes, n->kid[i]) + i;
         need = d > need ? d : need;
+        kid_pc[i] = prog->n - 1;
     }
     insn *in = &prog->code[prog->n++];
     memset(in, 0, sizeof *in);
+    for (int i = 0; i < n->nkid; i++) in->arg[i] = (int16_t)kid_pc[i];
     in->op = (unsigned char)n->op;
     /* the operand type for comparisons and arithmetic: that of the (unified) kids */
     in->type = (unsigned char)(n->nkid > 0 && n->op != O_WHERE && n->op != O_READ ? nodes[n->kid[0]].type : n->type);
@@ -627,6 +630,9 @@ void expr_free(expr_program *p)
 
 unsigned expr_uses(const expr_program *p) { return p ? p->uses : 0; }
 expr_kind expr_kind_of(const expr_program *p) { return p->kind; }
+int expr_num_captures(const expr_program *p) { return p->ncap; }
+const nsa_tensor *expr_capture_tensor(const expr_program *p, int c) { return &p->cap[c].tensor; }
+const char *expr_capture_name(const expr_program *p, int c) { return p->names[c]; }
 
 /* ---- the public face: nsa_mod ---------------------------------------------------------------- */
 nsa_status nsa_mod_create(nsa_mod **mod, nsa_mod_kind kind, const char *text, const nsa_mod_tensor *tensors,
@@ -972,4 +978,116 @@ size_t expr_to_c(const expr_program *p, char *buf, size_t size)
     if (size) buf[0] = 0;
     print_node(&w, p, p->root);
     return w.len;
+}
+
+/* ---- reverse mode ---------------------------------------------------------------------------- */
+size_t expr_scratch_bytes(const expr_program *p) { return (size_t)p->n * (sizeof(value) + sizeof(float)); }
+
+float expr_grad(const expr_program *p, int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx, float score, float g,
+                float *dscore, float *const *grads, void *scratch)
+{
+    value *val = (value *)scratch; /* every instruction's result, by instruction */
+    float *adj = (float *)(val + p->n);
+    /* forward: the evaluator's arithmetic, each result kept */
+    for (int pc = 0; pc < p->n; pc++) {
+        const insn *in = &p->code[pc];
+        const int fl = in->type == T_FLOAT;
+        const value *x = in->nargs > 0 ? &val[in->arg[in->nargs - 1]] : NULL, *y = in->nargs > 1 ? &val[in->arg[0]] : NULL;
+        value r;
+        r.i = 0;
+        switch ((opcode)in->op) {
+        case O_INT: r.i = in->imm.i; break;
+        case O_FLOAT: r.f = in->imm.f; break;
+        case O_VAR_B: r.i = b; break;
+        case O_VAR_H: r.i = h; break;
+        case O_VAR_Q: r.i = q_idx; break;
+        case O_VAR_K: r.i = kv_idx; break;
+        case O_VAR_SCORE: r.f = score; break;
+        case O_READ: {
+            value idx[MAX_ARGS];
+            for (int i = 0; i < in->nargs; i++) idx[i] = val[in->arg[i]];
+            const expr_capture *c = &p->cap[in->cap];
+            if (c->tensor.dtype == NSA_DTYPE_F32 || c->tensor.dtype == NSA_DTYPE_F16 || c->tensor.dtype == NSA_DTYPE_BF16)
+                r.f = read_capture_value(c, idx, in->nargs);
+            else
+                r.i = read_capture_int(c, idx, in->nargs);
+            break;
+        }
+        case O_TO_FLOAT: r.f = (float)x->i; break;
+        case O_NEG: if (fl) r.f = -x->f; else r.i = wrap_sub(0, x->i); break;
+        case O_ABS: if (fl) r.f = fabsf(x->f); else r.i = x->i < 0 ? wrap_sub(0, x->i) : x->i; break;
+        case O_NOT: r.i = !x->i; break;
+        case O_BNOT: r.i = ~x->i; break;
+        case O_EXP: r.f = expf(x->f); break;
+        case O_LOG: r.f = logf(x->f); break;
+        case O_TANH: r.f = tanhf(x->f); break;
+        case O_SIGMOID: r.f = sigmoid_f(x->f); break;
+        case O_SQRT: r.f = sqrtf(x->f); break;
+        case O_FLOOR: r.f = floorf(x->f); break;
+        case O_WHERE: r = val[in->arg[0]].i ? val[in->arg[1]] : val[in->arg[2]]; break;
+        case O_ADD: if (fl) r.f = y->f + x->f; else r.i = wrap_add(y->i, x->i); break;
+        case O_SUB: if (fl) r.f = y->f - x->f; else r.i = wrap_sub(y->i, x->i); break;
+        case O_MUL: if (fl) r.f = y->f * x->f; else r.i = wrap_mul(y->i, x->i); break;
+        case O_DIV: r.f = y->f / x->f; break;
+        case O_FLOORDIV: if (fl) r.f = floorf(y->f / x->f); else r.i = floordiv_i(y->i, x->i); break;
+        case O_MOD: if (fl) r.f = y->f - floorf(y->f / x->f) * x->f; else r.i = mod_i(y->i, x->i); break;
+        case O_MIN: if (fl) r.f = y->f < x->f || y->f != y->f ? y->f : x->f; else r.i = y->i < x->i ? y->i : x->i; break;
+        case O_MAX: if (fl) r.f = y->f > x->f || y->f != y->f ? y->f : x->f; else r.i = y->i > x->i ? y->i : x->i; break;
+        case O_LT: r.i = fl ? y->f < x->f : y->i < x->i; break;
+        case O_LE: r.i = fl ? y->f <= x->f : y->i <= x->i; break;
+        case O_GT: r.i = fl ? y->f > x->f : y->i > x->i; break;
+        case O_GE: r.i = fl ? y->f >= x->f : y->i >= x->i; break;
+        case O_EQ: r.i = fl ? y->f == x->f : y->i == x->i; break;
+        case O_NE: r.i = fl ? y->f != x->f : y->i != x->i; break;
+        case O_AND: case O_BAND: r.i = y->i & x->i; break;
+        case O_OR: case O_BOR: r.i = y->i | x->i; break;
+        case O_BXOR: r.i = y->i ^ x->i; break;
+        }
+        val[pc] = r;
+        adj[pc] = 0.0f;
+    }
+    /* backward: adjoints of the float results, from the root down */
+    float ds = 0.0f;
+    adj[p->n - 1] = g;
+    for (int pc = p->n - 1; pc >= 0; pc--) {
+        const insn *in = &p->code[pc];
+        const float a = adj[pc];
+        if (a == 0.0f || in->type != T_FLOAT) continue; /* (bools and ints carry no gradient) */
+        const int A = in->nargs > 0 ? in->arg[0] : 0, Bx = in->nargs > 1 ? in->arg[1] : 0;
+        const float va = in->nargs > 0 ? val[A].f : 0.0f, vb = in->nargs > 1 ? val[Bx].f : 0.0f, v = val[pc].f;
+        switch ((opcode)in->op) {
+        case O_VAR_SCORE: ds += a; break;
+        case O_READ: {
+            const expr_capture *c = &p->cap[in->cap];
+            if (!grads || !grads[in->cap]) break;
+            if (c->tensor.dtype != NSA_DTYPE_F32 && c->tensor.dtype != NSA_DTYPE_F16 && c->tensor.dtype != NSA_DTYPE_BF16) break;
+            int64_t lin = 0;
+            for (int d = 0; d < in->nargs; d++) {
+                int64_t i = val[in->arg[d]].i;
+                i = i < 0 ? 0 : i >= c->tensor.shape[d] ? c->tensor.shape[d] - 1 : i;
+                lin = lin * c->tensor.shape[d] + i;
+            }
+            grads[in->cap][lin] += a;
+            break;
+        }
+        case O_ADD: adj[A] += a, adj[Bx] += a; break;
+        case O_SUB: adj[A] += a, adj[Bx] -= a; break;
+        case O_MUL: adj[A] += a * vb, adj[Bx] += a * va; break;
+        case O_DIV: adj[A] += a / vb, adj[Bx] -= a * va / (vb * vb); break;
+        case O_NEG: adj[A] -= a; break;
+        case O_MOD: adj[A] += a, adj[Bx] -= a * floorf(va / vb); break;
+        case O_MIN: adj[(va < vb || va != va) ? A : Bx] += a; break;
+        case O_MAX: adj[(va > vb || va != va) ? A : Bx] += a; break;
+        case O_ABS: adj[A] += va > 0.0f ? a : va < 0.0f ? -a : 0.0f; break;
+        case O_EXP: adj[A] += a * v; break;
+        case O_LOG: adj[A] += a / va; break;
+        case O_TANH: adj[A] += a * (1.0f - v * v); break;
+        case O_SIGMOID: adj[A] += a * v * (1.0f - v); break;
+        case O_SQRT: adj[A] += a * 0.5f / v; break;
+        case O_WHERE: adj[val[in->arg[0]].i ? in->arg[1] : in->arg[2]] += a; break;
+        default: break; /* floor, floor division, conversions of ints, comparisons: no gradient */
+        }
+    }
+    if (dscore) *dscore = ds;
+    return val[p->n - 1].f;
 }

@@ -22,8 +22,20 @@ typedef struct nsa_mod expr_program;
 
 enum { EXPR_MAX_CAPTURES = NSA_MOD_MAX_TENSORS, EXPR_MAX_NAME = 32 };
 
-/* The kind a program was compiled as. */
+/* The kind a program was compiled as; its captured tensors (count, view, name). */
 expr_kind expr_kind_of(const expr_program *p);
+int expr_num_captures(const expr_program *p);
+const nsa_tensor *expr_capture_tensor(const expr_program *p, int c);
+const char *expr_capture_name(const expr_program *p, int c);
+
+/* Reverse mode through a score_mod at one pair: returns the value of score_mod(score, ...) and,
+ * for an incoming gradient g = dL/d(value), sets *dscore = dL/d(score) and, for each float
+ * capture c with grads[c] non-NULL (one float per element of the tensor, row-major over its
+ * shape), adds g * d(value)/d(element) to grads[c][element] (the element the clamped read read).
+ * scratch: at least expr_scratch_bytes(p) bytes, aligned for int64. */
+float expr_grad(const expr_program *p, int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx, float score, float g,
+                float *dscore, float *const *grads, void *scratch);
+size_t expr_scratch_bytes(const expr_program *p);
 
 /* Parses and checks `text` (NUL-terminated, at most 64 KiB); *out is NULL on failure.
  * `what` names the expression in a failure's detail ("mask_mod:14: unknown name 'dco'").
