@@ -625,6 +625,17 @@ typedef struct nsa_flex_bwd_args {
     nsa_tensor dscore_tensors[NSA_MOD_MAX_TENSORS]; /* out, optional, in the order the score_mod was given its tensors */
 } nsa_flex_bwd_args;
 
+/* FlexAttention's create_block_mask, on the host: evaluates mask_mod on every pair (q_idx < Tq,
+ * kv_idx < Tk) of every (b, h) of the mask's own batch and head dims (mask->kv_num_blocks'
+ * dims 0 and 1: B or 1, HQ or 1; a dim of 1 evaluates b = 0 / h = 0) and writes the lists: a key
+ * block all of whose pairs with the query block are visible is full, one with some visible pairs
+ * partial, the others unlisted; ascending block order; entries past a count are -1. The caller
+ * gives q_block, kv_block and the four tensors (host memory, I32): counts [Bm, Hm, NQB], lists
+ * [Bm, Hm, NQB, NKB], NKB = ceil(Tk / kv_block). mask_mod NULL: every block full. The mod's
+ * tensors must be in host memory. @return SUCCESS, NULL_POINTER, BAD_ARGUMENT, BAD_RANK,
+ * BAD_SHAPE, BAD_STRIDE or BAD_DTYPE (nothing written). */
+NSA_API nsa_status nsa_create_block_mask(const nsa_mod *mask_mod, int64_t Tq, int64_t Tk, nsa_block_mask *mask);
+
 /* CPU backend: every form. CUDA backend: NOT_SUPPORTED (not yet). */
 NSA_API nsa_status nsa_flex_attention_workspace_size(nsa_context *ctx, const nsa_flex_args *args, size_t *bytes);
 NSA_API nsa_status nsa_flex_attention(nsa_context *ctx, const nsa_flex_args *args, void *workspace, size_t workspace_bytes);

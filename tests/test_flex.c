@@ -472,6 +472,77 @@ static void test_flex_bwd_refuses(nsa_context *ctx)
     nsa_mod_destroy(sm);
 }
 
+/* create_block_mask from a document + causal mask_mod: the lists as an independent count of
+ * the visible pairs of each block gives them, and attention through them equals attention with
+ * the mask_mod alone over every block (within rounding: full blocks are summed after partial). */
+static void test_create_block_mask(nsa_context *ctx)
+{
+    enum { TQ = 37, TK = 45, NQB = (TQ + QBLK - 1) / QBLK, NKB = (TK + KBLK - 1) / KBLK };
+    const int64_t dsl = 64;
+    const nsa_mod_tensor tens[] = {{"doc", nsa_tensor_make(g_doc, NSA_DTYPE_I32, 1, &dsl)}};
+    nsa_mod *mm = NULL;
+    CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, "q_idx >= kv_idx && doc[q_idx + b] == doc[kv_idx + b]", tens, 1),
+                 NSA_STATUS_SUCCESS);
+    int32_t num[FB][NQB], idx[FB][NQB][NKB], fnum[FB][NQB], fidx[FB][NQB][NKB];
+    nsa_block_mask bm;
+    memset(&bm, 0, sizeof bm);
+    bm.q_block = QBLK, bm.kv_block = KBLK;
+    bm.kv_num_blocks = nsa_tensor_3d(num, NSA_DTYPE_I32, FB, 1, NQB);
+    bm.kv_indices = nsa_tensor_4d(idx, NSA_DTYPE_I32, FB, 1, NQB, NKB);
+    bm.full_kv_num_blocks = nsa_tensor_3d(fnum, NSA_DTYPE_I32, FB, 1, NQB);
+    bm.full_kv_indices = nsa_tensor_4d(fidx, NSA_DTYPE_I32, FB, 1, NQB, NKB);
+    CHECK_STATUS(nsa_create_block_mask(mm, TQ, TK, &bm), NSA_STATUS_SUCCESS);
+    long bad = 0;
+    for (int b = 0; b < FB; b++)
+        for (int qb = 0; qb < NQB; qb++) {
+            int n = 0, nf = 0;
+            for (int j = 0; j < NKB; j++) {
+                int vis = 0, all = 0;
+                for (int i = qb * QBLK; i < (qb + 1) * QBLK && i < TQ; i++)
+                    for (int k = j * KBLK; k < (j + 1) * KBLK && k < TK; k++) vis += m_causal(b, 0, i, k) && m_doc(b, 0, i, k), all++;
+                if (vis == all) bad += fidx[b][qb][nf++] != j;
+                else if (vis) bad += idx[b][qb][n++] != j;
+            }
+            bad += num[b][qb] != n || fnum[b][qb] != nf;
+            for (int e = n; e < NKB; e++) bad += idx[b][qb][e] != -1;
+        }
+    CHECK_MSG(bad == 0, "create_block_mask: lists differ from the visible pairs' count");
+    /* attention through the lists equals attention with the mask_mod over every block */
+    test_rng r = {5};
+    static float q[FB * TQ * FHQ * FDK], k[FB * TK * FH * FDK], v[FB * TK * FH * FDV], o1[FB * TQ * FHQ * FDV], o2[FB * TQ * FHQ * FDV];
+    for (size_t e = 0; e < sizeof q / sizeof q[0]; e++) q[e] = (float)rnd_u(&r);
+    for (size_t e = 0; e < sizeof k / sizeof k[0]; e++) k[e] = (float)rnd_u(&r);
+    for (size_t e = 0; e < sizeof v / sizeof v[0]; e++) v[e] = (float)rnd_u(&r);
+    nsa_flex_args a;
+    memset(&a, 0, sizeof a);
+    a.q = nsa_tensor_4d(q, NSA_DTYPE_F32, FB, TQ, FHQ, FDK);
+    a.k = nsa_tensor_4d(k, NSA_DTYPE_F32, FB, TK, FH, FDK);
+    a.v = nsa_tensor_4d(v, NSA_DTYPE_F32, FB, TK, FH, FDV);
+    a.mask_mod = mm;
+    a.block_mask = bm;
+    double worst = 0.0;
+    for (int pass = 0; pass < 2; pass++) {
+        a.o = nsa_tensor_4d(pass ? o2 : o1, NSA_DTYPE_F32, FB, TQ, FHQ, FDV);
+        if (pass) { /* no lists: every block partial */
+            memset(&a.block_mask, 0, sizeof a.block_mask);
+            a.block_mask.q_block = QBLK, a.block_mask.kv_block = KBLK;
+        }
+        size_t need = 0;
+        CHECK_STATUS(nsa_flex_attention_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
+        void *ws = malloc(need ? need : 1);
+        CHECK_STATUS(nsa_flex_attention(ctx, &a, ws, need), NSA_STATUS_SUCCESS);
+        free(ws);
+    }
+    for (size_t e = 0; e < sizeof o1 / sizeof o1[0]; e++) worst = fabs((double)o1[e] - o2[e]) > worst ? fabs((double)o1[e] - o2[e]) : worst;
+    char msg[160];
+    snprintf(msg, sizeof msg, "create_block_mask: sparse vs dense-masked attention differ by %.3g", worst);
+    CHECK_MSG(worst <= 1e-6, msg);
+    bm.kv_indices.shape[3] = NKB + 1;
+    CHECK_STATUS(nsa_create_block_mask(mm, TQ, TK, &bm), NSA_STATUS_BAD_SHAPE);
+    CHECK_DETAIL("mask->kv_indices: dim 3 is 4, must be 3");
+    nsa_mod_destroy(mm);
+}
+
 void test_flex_all(void)
 {
     nsa_context_desc d;
@@ -483,5 +554,6 @@ void test_flex_all(void)
     test_flex_equals_reference(ctx);
     test_flex_refuses(ctx);
     test_flex_bwd_refuses(ctx);
+    test_create_block_mask(ctx);
     nsa_context_destroy(ctx);
 }

@@ -347,3 +347,65 @@ nsa_status nsa_cpu_flex_bwd(const nsa_context *ctx, const nsa_problem *p, const 
     }
     return NSA_STATUS_SUCCESS;
 }
+
+/* ---- create_block_mask ----------------------------------------------------------------------- */
+static nsa_status list_view_check(const nsa_tensor *t, const char *name, int rank, const int64_t *want)
+{
+    if (!t->data) return nsa_fail(NSA_STATUS_NULL_POINTER, "mask->%s: data is NULL", name);
+    if (t->rank != rank) return nsa_fail(NSA_STATUS_BAD_RANK, "mask->%s: rank %d, must be %d", name, (int)t->rank, rank);
+    if (t->dtype != NSA_DTYPE_I32) return nsa_fail(NSA_STATUS_BAD_DTYPE, "mask->%s: %s, must be i32", name, nsa_dtype_name(t->dtype));
+    for (int d = 0; d < rank; d++) {
+        if (want[d] >= 0 && t->shape[d] != want[d])
+            return nsa_fail(NSA_STATUS_BAD_SHAPE, "mask->%s: dim %d is %" PRId64 ", must be %" PRId64, name, d, t->shape[d], want[d]);
+        if (t->stride[d] < 0 || (t->shape[d] > 1 && t->stride[d] == 0) || (d == rank - 1 && t->stride[d] != 1 && t->shape[d] > 1))
+            return nsa_fail(NSA_STATUS_BAD_STRIDE, "mask->%s: stride[%d] is %" PRId64, name, d, t->stride[d]);
+    }
+    return NSA_STATUS_SUCCESS;
+}
+
+nsa_status nsa_create_block_mask(const nsa_mod *mask_mod, int64_t Tq, int64_t Tk, nsa_block_mask *mask)
+{
+    nsa_detail_clear();
+    if (!mask) return nsa_fail(NSA_STATUS_NULL_POINTER, "mask is NULL");
+    if (mask_mod && expr_kind_of(mask_mod) != EXPR_MASK)
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "mask_mod: a score_mod (NSA_MOD_SCORE) given as the mask_mod");
+    if (Tq < 0 || Tk < 0 || Tq > INT32_MAX || Tk > INT32_MAX)
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%s: %" PRId64 ", must be in [0, INT32_MAX]", Tq < 0 || Tq > INT32_MAX ? "Tq" : "Tk",
+                        Tq < 0 || Tq > INT32_MAX ? Tq : Tk);
+    if (mask->q_block < 1 || mask->q_block > INT32_MAX || mask->kv_block < 1 || mask->kv_block > INT32_MAX)
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "mask->%s: must be in [1, INT32_MAX]",
+                        mask->q_block < 1 || mask->q_block > INT32_MAX ? "q_block" : "kv_block");
+    const int64_t nqb = Tq / mask->q_block + (Tq % mask->q_block != 0), nkb = Tk / mask->kv_block + (Tk % mask->kv_block != 0);
+    const nsa_tensor *cnt = &mask->kv_num_blocks;
+    if (cnt->rank != 3) return nsa_fail(NSA_STATUS_BAD_RANK, "mask->kv_num_blocks: rank %d, must be 3", (int)cnt->rank);
+    const int64_t Bm = cnt->shape[0], Hm = cnt->shape[1];
+    if (Bm < 0 || Hm < 0 || (Bm && Hm && (nqb * nkb) > INT64_MAX / Bm / Hm))
+        return nsa_fail(NSA_STATUS_BAD_SHAPE, "mask->kv_num_blocks: dims 0, 1 are %" PRId64 ", %" PRId64, Bm, Hm);
+    const int64_t wc[3] = {Bm, Hm, nqb}, wl[4] = {Bm, Hm, nqb, nkb};
+    nsa_status st;
+    if ((st = list_view_check(&mask->kv_num_blocks, "kv_num_blocks", 3, wc)) != NSA_STATUS_SUCCESS ||
+        (st = list_view_check(&mask->kv_indices, "kv_indices", 4, wl)) != NSA_STATUS_SUCCESS ||
+        (st = list_view_check(&mask->full_kv_num_blocks, "full_kv_num_blocks", 3, wc)) != NSA_STATUS_SUCCESS ||
+        (st = list_view_check(&mask->full_kv_indices, "full_kv_indices", 4, wl)) != NSA_STATUS_SUCCESS)
+        return st;
+    for (int64_t b = 0; b < Bm; b++)
+        for (int64_t h = 0; h < Hm; h++)
+            for (int64_t qb = 0; qb < nqb; qb++) {
+                int32_t *np = (int32_t *)list_at(&mask->kv_num_blocks, b, h, qb), *fp = (int32_t *)list_at(&mask->full_kv_num_blocks, b, h, qb);
+                int32_t *ip = (int32_t *)list_at(&mask->kv_indices, b, h, qb), *fip = (int32_t *)list_at(&mask->full_kv_indices, b, h, qb);
+                int32_t n = 0, nf = 0;
+                const int64_t q0 = qb * mask->q_block, q1 = q0 + mask->q_block < Tq ? q0 + mask->q_block : Tq;
+                for (int64_t j = 0; j < nkb; j++) {
+                    const int64_t k0 = j * mask->kv_block, k1 = k0 + mask->kv_block < Tk ? k0 + mask->kv_block : Tk;
+                    int64_t seen = 0;
+                    for (int64_t i = q0; i < q1; i++)
+                        for (int64_t kv = k0; kv < k1; kv++) seen += !mask_mod || expr_eval(mask_mod, b, h, i, kv, 0.0f) != 0.0f;
+                    if (seen == (q1 - q0) * (k1 - k0)) fip[(nf++) * mask->full_kv_indices.stride[3]] = (int32_t)j;
+                    else if (seen > 0) ip[(n++) * mask->kv_indices.stride[3]] = (int32_t)j;
+                }
+                for (int32_t e = n; e < nkb; e++) ip[e * mask->kv_indices.stride[3]] = -1;
+                for (int32_t e = nf; e < nkb; e++) fip[e * mask->full_kv_indices.stride[3]] = -1;
+                *np = n, *fp = nf;
+            }
+    return NSA_STATUS_SUCCESS;
+}
