@@ -16,7 +16,7 @@ from __future__ import annotations  # (the annotations below stay strings: no co
 
 import importlib.util
 import os
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from . import _core, _lib
 from ._core import AttentionGrads, Aux, Config, Grads, NsaError, cmp_offsets, status_name, status_string
@@ -25,7 +25,7 @@ from .cache import KVCache
 
 __all__ = ["__version__", "library", "version", "status_string", "status_name", "backend_available", "NsaError", "Config",
            "Aux", "Grads", "Result", "native_sparse_attention", "parallel_nsa", "forward", "compress", "select",
-           "cmp_offsets", "torch_available", "attention", "AttentionResult", "AttentionGrads", "step", "attention_step",
+           "cmp_offsets", "torch_available", "attention", "AttentionResult", "AttentionGrads", "step", "attention_step", "flex_attention", "create_block_mask", "BlockMask",
            "KVCache"]
 
 # An array: a numpy.ndarray (CPU backend) or a torch.Tensor (its device's backend).
@@ -75,6 +75,9 @@ def __getattr__(name):  # `nsa.nn` imports torch, so it loads on first use
     if name == "nn":
         import importlib
         return importlib.import_module(".nn", __name__)
+    if name == "BlockMask":
+        from .flex import BlockMask
+        return BlockMask
     raise AttributeError("module 'nsa' has no attribute %r" % (name,))
 
 
@@ -474,3 +477,19 @@ def _parallel_nsa_decode(q, k, v, g_cmp, g_slc, g_swa, block_indices, block_coun
         keep = torch.cat([torch.arange(nq[b], device=dev) + b * Tq for b in range(N)]) if N else rows.new_zeros(0)
         return o.reshape(N * Tq, *o.shape[2:])[keep].unsqueeze(0)
 
+
+
+def flex_attention(query: Array, key: Array, value: Array, score_mod: Any = None, block_mask: Any = None,
+                   scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False,
+                   tensors: Optional[Dict[str, Array]] = None):
+    """FlexAttention's call on the library (nsa.flex.flex_attention: its docstring)."""
+    from . import flex
+    return flex.flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                               enable_gqa=enable_gqa, return_lse=return_lse, tensors=tensors)
+
+
+def create_block_mask(mask_mod: Any, B: Optional[int], H: Optional[int], Q_LEN: int, KV_LEN: int, device: Any = "cpu",
+                      BLOCK_SIZE: Any = 128, tensors: Optional[Dict[str, Array]] = None):
+    """FlexAttention's create_block_mask (nsa.flex.create_block_mask: its docstring)."""
+    from . import flex
+    return flex.create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=device, BLOCK_SIZE=BLOCK_SIZE, tensors=tensors)

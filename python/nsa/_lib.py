@@ -245,6 +245,39 @@ class AttentionStepArgs(Structure):
     ]
 
 
+class ModTensor(Structure):
+    _fields_ = [("name", c_char_p), ("tensor", Tensor)]
+
+
+MOD_MAX_TENSORS = 16
+
+
+class BlockMask(Structure):
+    _fields_ = [
+        ("q_block", c_int64), ("kv_block", c_int64),
+        ("kv_num_blocks", Tensor), ("kv_indices", Tensor),
+        ("full_kv_num_blocks", Tensor), ("full_kv_indices", Tensor),
+    ]
+
+
+class FlexArgs(Structure):
+    _fields_ = [
+        ("q", Tensor), ("k", Tensor), ("v", Tensor),
+        ("o", Tensor), ("lse", Tensor),
+        ("block_mask", BlockMask),
+        ("mask_mod", c_void_p), ("score_mod", c_void_p),
+        ("scale", c_float),
+    ]
+
+
+class FlexBwdArgs(Structure):
+    _fields_ = [
+        ("fwd", FlexArgs),
+        ("dout", Tensor), ("dq", Tensor), ("dk", Tensor), ("dv", Tensor),
+        ("dscore_tensors", Tensor * MOD_MAX_TENSORS),
+    ]
+
+
 # Every struct of nsa.h, by its C name (the ABI test walks this table).
 STRUCTS = {
     "nsa_tensor": Tensor,
@@ -269,6 +302,10 @@ STRUCTS = {
     "nsa_kv_cache": KvCache,
     "nsa_step_args": StepArgs,
     "nsa_attention_step_args": AttentionStepArgs,
+    "nsa_mod_tensor": ModTensor,
+    "nsa_block_mask": BlockMask,
+    "nsa_flex_args": FlexArgs,
+    "nsa_flex_bwd_args": FlexBwdArgs,
 }
 
 # op name -> its args struct; each has nsa_<op>_workspace_size and nsa_<op>.
@@ -288,6 +325,8 @@ OPS = {
     "backward": BackwardArgs,
     "step": StepArgs,
     "attention_step": AttentionStepArgs,
+    "flex_attention": FlexArgs,
+    "flex_attention_bwd": FlexBwdArgs,
 }
 
 
@@ -316,6 +355,9 @@ def _declare(lib):
     fn("nsa_context_set_stream", c_int, c_void_p, c_void_p)
     fn("nsa_context_backend", c_int, c_void_p)
     fn("nsa_context_destroy", None, c_void_p)
+    fn("nsa_mod_create", c_int, POINTER(c_void_p), c_int, c_char_p, POINTER(ModTensor), c_int32)
+    fn("nsa_mod_destroy", None, c_void_p)
+    fn("nsa_create_block_mask", c_int, c_void_p, c_int64, c_int64, POINTER(BlockMask))
     for op, args in OPS.items():
         fn("nsa_%s_workspace_size" % op, c_int, c_void_p, POINTER(args), POINTER(c_size_t))
         fn("nsa_" + op, c_int, c_void_p, POINTER(args), c_void_p, c_size_t)

@@ -1,0 +1,135 @@
+"""nsa.flex_attention / nsa.create_block_mask (spec 13, 14): FlexAttention's call form on the
+CPU backend. Mods as Python callables (traced into the expression language) or strings; numpy
+against a numpy reference; torch autograd (q, k, v and a captured tensor's gradient) against
+torch's own float64 dense attention; the trace's refusals name what it cannot express."""
+import numpy as np
+import pytest
+
+import nsa
+import nsa.flex as F
+from conftest import TORCH
+
+B, HQ, H, T, D = 2, 4, 2, 37, 16
+DOC = np.arange(64) // 9
+SLOPE = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+
+
+def _qkv(seed=0, Tk=T):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((B, HQ, T, D)).astype(np.float32), rng.standard_normal((B, H, Tk, D)).astype(np.float32),
+            rng.standard_normal((B, H, Tk, D)).astype(np.float32))
+
+
+def _reference(q, k, v, visible, score):
+    """Dense float64 attention over the visible pairs with the modified scores."""
+    G = HQ // H
+    Tq, Tk = q.shape[2], k.shape[2]
+    i, j = np.meshgrid(np.arange(Tq), np.arange(Tk), indexing="ij")
+    out = np.zeros(q.shape[:3] + (v.shape[3],))
+    for b in range(B):
+        for h in range(HQ):
+            s = score((q[b, h].astype(np.float64) @ k[b, h // G].T.astype(np.float64)) / np.sqrt(D), b, h, i, j)
+            s = np.where(visible(b, h, i, j), s, -np.inf)
+            m = s.max(1, keepdims=True)
+            p = np.where(np.isfinite(m), np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
+            den = p.sum(1, keepdims=True)
+            out[b, h] = np.where(den > 0, p / np.where(den > 0, den, 1), 0) @ v[b, h // G]
+    return out
+
+
+def doc_causal(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (DOC[q_idx] == DOC[kv_idx])
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score - SLOPE[h] * abs(q_idx - kv_idx)
+
+
+def test_trace_text_and_tensors():
+    text, tensors = F.trace(doc_causal, "mask_mod")
+    assert text == "((q_idx >= kv_idx) & (DOC[q_idx] == DOC[kv_idx]))" and set(tensors) == {"DOC"}
+    text, tensors = F.trace(alibi, "score_mod")
+    assert text == "(score - (SLOPE[h] * abs((q_idx - kv_idx))))" and set(tensors) == {"SLOPE"}
+    w = 16
+    assert F.trace(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx < w) & ~(kv_idx > q_idx), "mask_mod")[0] == \
+        "(((q_idx - kv_idx) < 16) & (~(kv_idx > q_idx)))"
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx if q_idx > 3 else False, "cannot branch on a value"),
+    (lambda b, h, q_idx, kv_idx: min(q_idx, kv_idx) > 2, "cannot branch on a value"),
+    (lambda b, h, q_idx, kv_idx: (q_idx ** 2) > kv_idx, "'\\*\\*' is not in the mod language"),
+    (lambda b, h, q_idx, kv_idx: [1, 2, 3][q_idx] > 0, "cannot index a Python list"),
+])
+def test_trace_refusals_name_the_operation(bad, needle):
+    with pytest.raises(TypeError, match=needle):
+        F.trace(bad, "mask_mod")
+
+
+def test_bad_expression_string_names_the_column():
+    with pytest.raises(nsa.NsaError, match=r"mask_mod:10: unknown name 'kvidx'") as e:
+        nsa.create_block_mask("q_idx >= kvidx", None, None, 16, 16, device=None, BLOCK_SIZE=8)
+    assert e.value.name == "BAD_EXPRESSION"
+
+
+@pytest.mark.parametrize("case", ["doc_causal+alibi", "softcap string, no block mask", "window, Tq != Tk"])
+def test_numpy_against_reference(case):
+    q, k, v = _qkv(1, Tk=45 if "Tq" in case else T)
+    if case == "doc_causal+alibi":
+        bm = nsa.create_block_mask(doc_causal, None, None, T, T, device=None, BLOCK_SIZE=8)
+        o, lse = nsa.flex_attention(q, k, v, score_mod=alibi, block_mask=bm, enable_gqa=True, return_lse=True)
+        ref = _reference(q, k, v, lambda b, h, i, j: (i >= j) & (DOC[i] == DOC[j]),
+                         lambda s, b, h, i, j: s - SLOPE[h] * np.abs(i - j))
+        assert lse.shape == (B, HQ, T)
+    elif case == "softcap string, no block mask":
+        o = nsa.flex_attention(q, k, v, score_mod="2.0 * tanh(score / 2.0)", enable_gqa=True)
+        ref = _reference(q, k, v, lambda b, h, i, j: np.ones_like(i, bool), lambda s, b, h, i, j: 2.0 * np.tanh(s / 2.0))
+    else:
+        bm = nsa.create_block_mask("q_idx >= kv_idx - 8 && q_idx - kv_idx < 12", B, HQ, T, 45, device=None,
+                                   BLOCK_SIZE=(8, 16))
+        o = nsa.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+        ref = _reference(q, k, v, lambda b, h, i, j: (i >= j - 8) & (i - j < 12), lambda s, b, h, i, j: s)
+    np.testing.assert_allclose(o, ref, atol=2e-5)
+
+
+def test_block_mask_lists():
+    bm = nsa.create_block_mask(doc_causal, None, None, T, T, device=None, BLOCK_SIZE=8)
+    nqb = nkb = -(-T // 8)
+    for qb in range(nqb):
+        full, part = [], []
+        for j in range(nkb):
+            i, kv = np.meshgrid(np.arange(qb * 8, min(T, qb * 8 + 8)), np.arange(j * 8, min(T, j * 8 + 8)), indexing="ij")
+            vis = (i >= kv) & (DOC[i] == DOC[kv])
+            (full if vis.all() else part if vis.any() else []).append(j)
+        assert list(bm.full_kv_indices[0, 0, qb, :bm.full_kv_num_blocks[0, 0, qb]]) == full
+        assert list(bm.kv_indices[0, 0, qb, :bm.kv_num_blocks[0, 0, qb]]) == part
+
+
+@pytest.mark.skipif(TORCH is None, reason="torch is not installed")
+def test_torch_autograd_with_a_learnable_bias():
+    torch = TORCH
+    q, k, v = (torch.tensor(x, requires_grad=True) for x in _qkv(2))
+    rel = torch.tensor(np.linspace(-1, 1, 2 * 64 + 1).astype(np.float32), requires_grad=True)
+    doc = torch.tensor(DOC)
+
+    def mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc[q_idx] == doc[kv_idx])
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + rel[q_idx - kv_idx + 64]
+
+    bm = nsa.create_block_mask(mask, None, None, T, T, BLOCK_SIZE=8)
+    o = nsa.flex_attention(q, k, v, score_mod=bias, block_mask=bm, enable_gqa=True)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(0))
+    (o * w).sum().backward()
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+    relr = rel.detach().double().requires_grad_()
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    s = qr @ kr.repeat_interleave(HQ // H, 1).transpose(-1, -2) / D ** 0.5 + relr[i - j + 64]
+    s = s.masked_fill(~((i >= j) & (doc[i] == doc[j])), float("-inf"))
+    ref = torch.softmax(s, -1) @ vr.repeat_interleave(HQ // H, 1)
+    (ref * w.double()).sum().backward()
+    assert (o.detach().double() - ref.detach()).abs().max() < 2e-5
+    for got, want in ((q, qr), (k, kr), (v, vr), (rel, relr)):
+        err = (got.grad.double() - want.grad).abs().max().item()
+        assert err < 2e-5 * max(1.0, want.grad.abs().max().item()), err
