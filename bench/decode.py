@@ -275,7 +275,7 @@ def run(args):
                         continue
                     rows.append(make_row(impl, op, B, ctx, graph, us, floor_us(op, B, ctx, bw), name))
                     print("  %-40s %10.1f us" % (what, us), flush=True)
-            del c
+            c = None  # (the caches freed before the next shape)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     print()

@@ -168,23 +168,13 @@ class KVCache:
             raise ValueError("q_lens: one count in [0, %d] per sequence" % Tq)
         return counts
 
-    def _where(self, b, start, stop):
-        """Index of rows [start, stop) of sequence b into a token pool (contiguous: (b, slice))."""
+    def _where(self, b, start, stop, which=0):
+        """Index of rows [start, stop) of sequence b into a pool (which 0: tokens, 1: compressed
+        rows; contiguous: (b, slice))."""
         if self.page_size is None:
             return (b, slice(start, stop))
         rows = list(range(start, stop))
-        pages = [self._tables[0][b][r // self.page_size] for r in rows]
-        offs = [r % self.page_size for r in rows]
-        if self.kind == "torch":
-            m = self._m
-            return (m.tensor(pages, dtype=m.long, device=self.device), m.tensor(offs, dtype=m.long, device=self.device))
-        return (self._m.asarray(pages, dtype=self._m.int64), self._m.asarray(offs, dtype=self._m.int64))
-
-    def _cmp_where(self, b, start, stop):
-        if self.page_size is None:
-            return (b, slice(start, stop))
-        rows = list(range(start, stop))
-        pages = [self._tables[1][b][r // self.page_size] for r in rows]
+        pages = [self._tables[which][b][r // self.page_size] for r in rows]
         offs = [r % self.page_size for r in rows]
         if self.kind == "torch":
             m = self._m
@@ -244,7 +234,7 @@ class KVCache:
         if first < 0 or first + n > _core.num_cmp_rows(self.config, self.lengths[b]):
             raise ValueError("sequence %d: compressed rows [%d, %d) beyond its %d" % (
                 b, first, first + n, _core.num_cmp_rows(self.config, self.lengths[b])))
-        at = self._cmp_where(b, first, first + n)
+        at = self._where(b, first, first + n, which=1)
         self.k_cmp[at] = k_rows
         self.v_cmp[at] = v_rows
 

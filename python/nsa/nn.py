@@ -159,20 +159,13 @@ class NativeSparseAttention(nn.Module):
     @torch.no_grad()
     def _cached(self, hidden, cache, q_lens):
         B, Tq, _ = hidden.shape
-        HQ, H, D = self.num_heads, self.num_kv_heads, self.head_dim
+        HQ = self.num_heads
         if cache.batch != B:
             raise ValueError("cache holds %d sequences, hidden has B = %d" % (cache.batch, B))
         counts = [int(n) for n in q_lens] if q_lens is not None else [Tq] * B
         # positions after each sequence's cached tokens (rows past its count: any valid position)
         pos = torch.tensor(cache.lengths, device=hidden.device)[:, None] + torch.arange(Tq, device=hidden.device)
-        q = self.rope(self.q_proj(hidden).view(B, Tq, HQ, D), pos)
-        k = self.rope(self.k_proj(hidden).view(B, Tq, H, D), pos)
-        v = self.v_proj(hidden).view(B, Tq, H, D)
-        kw = {}
-        if self.separate_kv:
-            ks, vs = self.kv_slc_proj(hidden).view(B, Tq, 2, H, D).unbind(2)
-            kw_, vw = self.kv_swa_proj(hidden).view(B, Tq, 2, H, D).unbind(2)
-            kw.update(k_slc=self.rope(ks, pos), v_slc=vs, k_swa=self.rope(kw_, pos), v_swa=vw)
+        q, k, v, kw = self._project(hidden, pos)
         cache.append(k, v, q_lens=counts, **kw)
         if self.learnable_compression:  # phi of the blocks the new tokens complete
             l, d = self.config.cmp_len, self.config.cmp_stride
@@ -186,14 +179,10 @@ class NativeSparseAttention(nn.Module):
                          cmp_by_caller=self.learnable_compression)
         return self.o_proj(o.reshape(B, Tq, HQ * o.shape[-1]))
 
-    def forward(self, hidden, cu_seqlens=None, return_aux=False, cache=None, q_lens=None):
-        if cache is not None:
-            if cu_seqlens is not None or return_aux:
-                raise ValueError("a cached step takes neither cu_seqlens nor return_aux")
-            return self._cached(hidden, cache, q_lens)
+    def _project(self, hidden, pos):
+        """q, k, v with RoPE at pos ([T] or [B, T]) and, with separate_kv, the branches' own K/V."""
         B, T, _ = hidden.shape
         HQ, H, D = self.num_heads, self.num_kv_heads, self.head_dim
-        pos = positions(T, cu_seqlens, hidden.device)
         q = self.rope(self.q_proj(hidden).view(B, T, HQ, D), pos)
         k = self.rope(self.k_proj(hidden).view(B, T, H, D), pos)
         v = self.v_proj(hidden).view(B, T, H, D)
@@ -202,6 +191,17 @@ class NativeSparseAttention(nn.Module):
             ks, vs = self.kv_slc_proj(hidden).view(B, T, 2, H, D).unbind(2)
             kw_, vw = self.kv_swa_proj(hidden).view(B, T, 2, H, D).unbind(2)
             kw.update(k_slc=self.rope(ks, pos), v_slc=vs, k_swa=self.rope(kw_, pos), v_swa=vw)
+        return q, k, v, kw
+
+    def forward(self, hidden, cu_seqlens=None, return_aux=False, cache=None, q_lens=None):
+        if cache is not None:
+            if cu_seqlens is not None or return_aux:
+                raise ValueError("a cached step takes neither cu_seqlens nor return_aux")
+            return self._cached(hidden, cache, q_lens)
+        B, T, _ = hidden.shape
+        HQ = self.num_heads
+        pos = positions(T, cu_seqlens, hidden.device)
+        q, k, v, kw = self._project(hidden, pos)
         k_cmp = v_cmp = None
         if self.learnable_compression:
             k_cmp, v_cmp = self.k_phi(k, cu_seqlens), self.v_phi(v, cu_seqlens)

@@ -709,81 +709,82 @@ static int64_t read_capture_int(const expr_capture *c, const value *idx, int n)
 
 static float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+/* The pair an expression is evaluated at. */
+typedef struct expr_at {
+    int64_t b, h, q, k;
+    float score;
+} expr_at;
+
+/* One instruction's result from its operands (opd[0] the first), the evaluator's arithmetic,
+ * shared by expr_eval and expr_grad. */
+static value expr_apply(const expr_program *p, const insn *in, const value *opd, const expr_at *at)
+{
+    const int fl = in->type == T_FLOAT;
+    const value *x = &opd[in->nargs > 0 ? in->nargs - 1 : 0], *y = &opd[0]; /* (x: the last operand, y: the first) */
+    value r;
+    r.i = 0;
+    switch ((opcode)in->op) {
+    case O_INT: r.i = in->imm.i; break;
+    case O_FLOAT: r.f = in->imm.f; break;
+    case O_VAR_B: r.i = at->b; break;
+    case O_VAR_H: r.i = at->h; break;
+    case O_VAR_Q: r.i = at->q; break;
+    case O_VAR_K: r.i = at->k; break;
+    case O_VAR_SCORE: r.f = at->score; break;
+    case O_READ: {
+        const expr_capture *c = &p->cap[in->cap];
+        if (c->tensor.dtype == NSA_DTYPE_F32 || c->tensor.dtype == NSA_DTYPE_F16 || c->tensor.dtype == NSA_DTYPE_BF16)
+            r.f = read_capture_value(c, opd, in->nargs);
+        else
+            r.i = read_capture_int(c, opd, in->nargs);
+        break;
+    }
+    case O_TO_FLOAT: r.f = (float)x->i; break;
+    case O_NEG: if (fl) r.f = -x->f; else r.i = wrap_sub(0, x->i); break;
+    case O_ABS: if (fl) r.f = fabsf(x->f); else r.i = x->i < 0 ? wrap_sub(0, x->i) : x->i; break;
+    case O_NOT: r.i = !x->i; break;
+    case O_BNOT: r.i = ~x->i; break;
+    case O_EXP: r.f = expf(x->f); break;
+    case O_LOG: r.f = logf(x->f); break;
+    case O_TANH: r.f = tanhf(x->f); break;
+    case O_SIGMOID: r.f = sigmoid_f(x->f); break;
+    case O_SQRT: r.f = sqrtf(x->f); break;
+    case O_FLOOR: r.f = floorf(x->f); break;
+    case O_WHERE: r = opd[0].i ? opd[1] : opd[2]; break;
+    case O_ADD: if (fl) r.f = y->f + x->f; else r.i = wrap_add(y->i, x->i); break;
+    case O_SUB: if (fl) r.f = y->f - x->f; else r.i = wrap_sub(y->i, x->i); break;
+    case O_MUL: if (fl) r.f = y->f * x->f; else r.i = wrap_mul(y->i, x->i); break;
+    case O_DIV: r.f = y->f / x->f; break;
+    case O_FLOORDIV: if (fl) r.f = floorf(y->f / x->f); else r.i = floordiv_i(y->i, x->i); break;
+    case O_MOD:
+        if (fl) r.f = y->f - floorf(y->f / x->f) * x->f; /* Python's float %: the sign of the divisor */
+        else r.i = mod_i(y->i, x->i);
+        break;
+    case O_MIN: if (fl) r.f = y->f < x->f || y->f != y->f ? y->f : x->f; else r.i = y->i < x->i ? y->i : x->i; break;
+    case O_MAX: if (fl) r.f = y->f > x->f || y->f != y->f ? y->f : x->f; else r.i = y->i > x->i ? y->i : x->i; break;
+    case O_LT: r.i = fl ? y->f < x->f : y->i < x->i; break;
+    case O_LE: r.i = fl ? y->f <= x->f : y->i <= x->i; break;
+    case O_GT: r.i = fl ? y->f > x->f : y->i > x->i; break;
+    case O_GE: r.i = fl ? y->f >= x->f : y->i >= x->i; break;
+    case O_EQ: r.i = fl ? y->f == x->f : y->i == x->i; break;
+    case O_NE: r.i = fl ? y->f != x->f : y->i != x->i; break;
+    case O_AND: case O_BAND: r.i = y->i & x->i; break;
+    case O_OR: case O_BOR: r.i = y->i | x->i; break;
+    case O_BXOR: r.i = y->i ^ x->i; break;
+    }
+    return r;
+}
+
 float expr_eval(const expr_program *p, int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx, float score)
 {
+    const expr_at at = {b, h, q_idx, kv_idx, score};
     value st[MAX_DEPTH + 2 * MAX_ARGS + 8];
     int sp = 0;
     for (int pc = 0; pc < p->n; pc++) {
         const insn *in = &p->code[pc];
-        const int fl = in->type == T_FLOAT;
-        /* the top two values (pointers formed only inside the stack: no out-of-range arithmetic) */
-        value *x = &st[sp > 0 ? sp - 1 : 0], *y = &st[sp > 1 ? sp - 2 : 0];
-        switch ((opcode)in->op) {
-        case O_INT: st[sp++].i = in->imm.i; break;
-        case O_FLOAT: st[sp++].f = in->imm.f; break;
-        case O_VAR_B: st[sp++].i = b; break;
-        case O_VAR_H: st[sp++].i = h; break;
-        case O_VAR_Q: st[sp++].i = q_idx; break;
-        case O_VAR_K: st[sp++].i = kv_idx; break;
-        case O_VAR_SCORE: st[sp++].f = score; break;
-        case O_READ: {
-            const expr_capture *c = &p->cap[in->cap];
-            sp -= in->nargs;
-            if (in->type == T_FLOAT || c->tensor.dtype == NSA_DTYPE_F32 || c->tensor.dtype == NSA_DTYPE_F16 ||
-                c->tensor.dtype == NSA_DTYPE_BF16)
-                st[sp].f = read_capture_value(c, &st[sp], in->nargs);
-            else
-                st[sp].i = read_capture_int(c, &st[sp], in->nargs);
-            sp++;
-            break;
-        }
-        case O_TO_FLOAT: x->f = (float)x->i; break;
-        case O_NEG: if (fl) x->f = -x->f; else x->i = wrap_sub(0, x->i); break;
-        case O_ABS: if (fl) x->f = fabsf(x->f); else x->i = x->i < 0 ? wrap_sub(0, x->i) : x->i; break;
-        case O_NOT: x->i = !x->i; break;
-        case O_BNOT: x->i = ~x->i; break;
-        case O_EXP: x->f = expf(x->f); break;
-        case O_LOG: x->f = logf(x->f); break;
-        case O_TANH: x->f = tanhf(x->f); break;
-        case O_SIGMOID: x->f = sigmoid_f(x->f); break;
-        case O_SQRT: x->f = sqrtf(x->f); break;
-        case O_FLOOR: x->f = floorf(x->f); break;
-        case O_WHERE: {
-            value *c = &st[sp - 3];
-            *c = c->i ? st[sp - 2] : st[sp - 1];
-            sp -= 2;
-            break;
-        }
-        default: { /* binary */
-            value r;
-            switch ((opcode)in->op) {
-            case O_ADD: if (fl) r.f = y->f + x->f; else r.i = wrap_add(y->i, x->i); break;
-            case O_SUB: if (fl) r.f = y->f - x->f; else r.i = wrap_sub(y->i, x->i); break;
-            case O_MUL: if (fl) r.f = y->f * x->f; else r.i = wrap_mul(y->i, x->i); break;
-            case O_DIV: r.f = y->f / x->f; break;
-            case O_FLOORDIV: if (fl) r.f = floorf(y->f / x->f); else r.i = floordiv_i(y->i, x->i); break;
-            case O_MOD:
-                if (fl) r.f = y->f - floorf(y->f / x->f) * x->f; /* Python's float %: the sign of the divisor */
-                else r.i = mod_i(y->i, x->i);
-                break;
-            case O_MIN: if (fl) r.f = y->f < x->f || y->f != y->f ? y->f : x->f; else r.i = y->i < x->i ? y->i : x->i; break;
-            case O_MAX: if (fl) r.f = y->f > x->f || y->f != y->f ? y->f : x->f; else r.i = y->i > x->i ? y->i : x->i; break;
-            case O_LT: r.i = fl ? y->f < x->f : y->i < x->i; break;
-            case O_LE: r.i = fl ? y->f <= x->f : y->i <= x->i; break;
-            case O_GT: r.i = fl ? y->f > x->f : y->i > x->i; break;
-            case O_GE: r.i = fl ? y->f >= x->f : y->i >= x->i; break;
-            case O_EQ: r.i = fl ? y->f == x->f : y->i == x->i; break;
-            case O_NE: r.i = fl ? y->f != x->f : y->i != x->i; break;
-            case O_AND: case O_BAND: r.i = y->i & x->i; break;
-            case O_OR: case O_BOR: r.i = y->i | x->i; break;
-            case O_BXOR: r.i = y->i ^ x->i; break;
-            default: r.i = 0; break;
-            }
-            *y = r;
-            sp--;
-            break;
-        }
-        }
+        sp -= in->nargs; /* the operands are the top nargs values, the first lowest */
+        st[sp] = expr_apply(p, in, &st[sp], &at);
+        sp++;
     }
     return p->kind == EXPR_MASK ? (st[0].i ? 1.0f : 0.0f) : st[0].f;
 }
@@ -989,61 +990,12 @@ float expr_grad(const expr_program *p, int64_t b, int64_t h, int64_t q_idx, int6
     value *val = (value *)scratch; /* every instruction's result, by instruction */
     float *adj = (float *)(val + p->n);
     /* forward: the evaluator's arithmetic, each result kept */
+    const expr_at at = {b, h, q_idx, kv_idx, score};
     for (int pc = 0; pc < p->n; pc++) {
         const insn *in = &p->code[pc];
-        const int fl = in->type == T_FLOAT;
-        const value *x = in->nargs > 0 ? &val[in->arg[in->nargs - 1]] : NULL, *y = in->nargs > 1 ? &val[in->arg[0]] : NULL;
-        value r;
-        r.i = 0;
-        switch ((opcode)in->op) {
-        case O_INT: r.i = in->imm.i; break;
-        case O_FLOAT: r.f = in->imm.f; break;
-        case O_VAR_B: r.i = b; break;
-        case O_VAR_H: r.i = h; break;
-        case O_VAR_Q: r.i = q_idx; break;
-        case O_VAR_K: r.i = kv_idx; break;
-        case O_VAR_SCORE: r.f = score; break;
-        case O_READ: {
-            value idx[MAX_ARGS];
-            for (int i = 0; i < in->nargs; i++) idx[i] = val[in->arg[i]];
-            const expr_capture *c = &p->cap[in->cap];
-            if (c->tensor.dtype == NSA_DTYPE_F32 || c->tensor.dtype == NSA_DTYPE_F16 || c->tensor.dtype == NSA_DTYPE_BF16)
-                r.f = read_capture_value(c, idx, in->nargs);
-            else
-                r.i = read_capture_int(c, idx, in->nargs);
-            break;
-        }
-        case O_TO_FLOAT: r.f = (float)x->i; break;
-        case O_NEG: if (fl) r.f = -x->f; else r.i = wrap_sub(0, x->i); break;
-        case O_ABS: if (fl) r.f = fabsf(x->f); else r.i = x->i < 0 ? wrap_sub(0, x->i) : x->i; break;
-        case O_NOT: r.i = !x->i; break;
-        case O_BNOT: r.i = ~x->i; break;
-        case O_EXP: r.f = expf(x->f); break;
-        case O_LOG: r.f = logf(x->f); break;
-        case O_TANH: r.f = tanhf(x->f); break;
-        case O_SIGMOID: r.f = sigmoid_f(x->f); break;
-        case O_SQRT: r.f = sqrtf(x->f); break;
-        case O_FLOOR: r.f = floorf(x->f); break;
-        case O_WHERE: r = val[in->arg[0]].i ? val[in->arg[1]] : val[in->arg[2]]; break;
-        case O_ADD: if (fl) r.f = y->f + x->f; else r.i = wrap_add(y->i, x->i); break;
-        case O_SUB: if (fl) r.f = y->f - x->f; else r.i = wrap_sub(y->i, x->i); break;
-        case O_MUL: if (fl) r.f = y->f * x->f; else r.i = wrap_mul(y->i, x->i); break;
-        case O_DIV: r.f = y->f / x->f; break;
-        case O_FLOORDIV: if (fl) r.f = floorf(y->f / x->f); else r.i = floordiv_i(y->i, x->i); break;
-        case O_MOD: if (fl) r.f = y->f - floorf(y->f / x->f) * x->f; else r.i = mod_i(y->i, x->i); break;
-        case O_MIN: if (fl) r.f = y->f < x->f || y->f != y->f ? y->f : x->f; else r.i = y->i < x->i ? y->i : x->i; break;
-        case O_MAX: if (fl) r.f = y->f > x->f || y->f != y->f ? y->f : x->f; else r.i = y->i > x->i ? y->i : x->i; break;
-        case O_LT: r.i = fl ? y->f < x->f : y->i < x->i; break;
-        case O_LE: r.i = fl ? y->f <= x->f : y->i <= x->i; break;
-        case O_GT: r.i = fl ? y->f > x->f : y->i > x->i; break;
-        case O_GE: r.i = fl ? y->f >= x->f : y->i >= x->i; break;
-        case O_EQ: r.i = fl ? y->f == x->f : y->i == x->i; break;
-        case O_NE: r.i = fl ? y->f != x->f : y->i != x->i; break;
-        case O_AND: case O_BAND: r.i = y->i & x->i; break;
-        case O_OR: case O_BOR: r.i = y->i | x->i; break;
-        case O_BXOR: r.i = y->i ^ x->i; break;
-        }
-        val[pc] = r;
+        value opd[MAX_ARGS];
+        for (int i = 0; i < in->nargs; i++) opd[i] = val[in->arg[i]];
+        val[pc] = expr_apply(p, in, opd, &at);
         adj[pc] = 0.0f;
     }
     /* backward: adjoints of the float results, from the root down */
