@@ -418,6 +418,7 @@ typedef union args {
     nsa_backward_args nsa;
     nsa_step_args step;
     nsa_attention_step_args astep;
+    nsa_flex_bwd_args flex;
 } args;
 
 #define IN ((tspec){0, 4, 0})
@@ -674,6 +675,60 @@ static void build_attention_step(reader *r, dims *D, nsa_attention_step_args *a,
     a->sinks = opt(r, pres & 32, IN, F32, 1, D->HQ, 0, 0, 0);
 }
 
+/* Block-sparse attention with mods: shapes as the attention op's, block sizes 1-8, the block
+ * lists' counts and indices drawn around their bounds (so out of range and repeated blocks are
+ * frequent), mods from a fixed set (sometimes of the wrong kind), a tensor gradient sometimes. */
+static int32_t g_flex_doc[16];
+static float g_flex_tab[8];
+static nsa_mod *g_flex_mods[2];
+
+static void build_flex(reader *r, dims *D, nsa_flex_bwd_args *a, int bwd, uint8_t pres)
+{
+    static const char *const MASKS[] = {"q_idx >= kv_idx", "doc[q_idx] == doc[kv_idx]", "kv_idx % 3 != 1 || h == 0",
+                                        "q_idx - kv_idx < 4 && q_idx >= kv_idx"};
+    static const char *const SCORES[] = {"score + tab[h]", "tanh(score) * 3.0", "where(kv_idx % 2 == 0, score, -exp(1000.0))",
+                                         "score - tab[q_idx - kv_idx] * abs(q_idx - kv_idx)"};
+    for (int i = 0; i < 16; i++) g_flex_doc[i] = i / 3;
+    for (int i = 0; i < 8; i++) g_flex_tab[i] = 0.25f * (float)(i - 3);
+    nsa_config cfg = nsa_config_default();
+    mk_dims(r, D, &cfg);
+    nsa_flex_args *f = &a->fwd;
+    nsa_block_mask *m = &f->block_mask;
+    m->q_block = 1 + upto(r, 7), m->kv_block = 1 + upto(r, 7);
+    const int64_t nqb = D->T / m->q_block + (D->T % m->q_block != 0), nkb = D->Tk / m->kv_block + (D->Tk % m->kv_block != 0);
+    if (u8(r) == 255) m->q_block = 0; /* (refused) */
+    const tspec o = bwd ? IN : OUT;
+    f->q = mk(r, IN, D->dt, 4, D->B, D->T, D->HQ, D->DK);
+    f->k = mk(r, IN, D->dt, 4, D->B, D->Tk, D->H, D->DK);
+    f->v = mk(r, IN, D->dt, 4, D->B, D->Tk, D->H, D->DV);
+    f->o = mk(r, o, D->dt, 4, D->B, D->T, D->HQ, D->DV);
+    f->lse = bwd ? mk(r, IN, F32, 3, D->B, D->T, D->HQ, 0) : opt(r, pres & 64, OUT, F32, 3, D->B, D->T, D->HQ, 0);
+    if (pres & 1) {
+        const int64_t Bm = u8(r) & 1 ? 1 : D->B, Hm = u8(r) & 1 ? 1 : D->HQ, W = upto(r, nkb), Wf = upto(r, nkb);
+        tspec cnt = {0, (int)W, 0}, ix = {0, (int)nkb, 0}, fcnt = {0, (int)Wf, 0};
+        m->kv_num_blocks = mk(r, cnt, I32, 3, Bm, Hm, nqb, 0);
+        m->kv_indices = mk(r, ix, I32, 4, Bm, Hm, nqb, W);
+        m->full_kv_num_blocks = opt(r, pres & 2, fcnt, I32, 3, Bm, Hm, nqb, 0);
+        m->full_kv_indices = opt(r, (pres & 2) && u8(r) != 255, ix, I32, 4, Bm, Hm, nqb, Wf);
+    }
+    const int64_t nd = 16, nt = 8;
+    const nsa_mod_tensor tens[2] = {{"doc", nsa_tensor_make(g_flex_doc, NSA_DTYPE_I32, 1, &nd)},
+                                    {"tab", nsa_tensor_make(g_flex_tab, NSA_DTYPE_F32, 1, &nt)}};
+    const uint8_t mods = u8(r);
+    const int swap = (pres & 32) && (mods & 0x80);
+    if (pres & 4) nsa_mod_create(&g_flex_mods[0], swap ? NSA_MOD_SCORE : NSA_MOD_MASK, swap ? SCORES[mods % 4] : MASKS[mods % 4], tens, 2);
+    if (pres & 8) nsa_mod_create(&g_flex_mods[1], NSA_MOD_SCORE, SCORES[(mods >> 2) % 4], tens, 2);
+    f->mask_mod = g_flex_mods[0], f->score_mod = g_flex_mods[1];
+    const uint8_t sc = u8(r);
+    f->scale = sc < 200 ? 0.0f : sc < 250 ? (float)(sc - 199) / 8.0f : sc == 250 ? NAN : -1.0f;
+    if (!bwd) return;
+    a->dout = mk(r, IN, D->dt, 4, D->B, D->T, D->HQ, D->DV);
+    a->dq = mk(r, OUT, D->dt, 4, D->B, D->T, D->HQ, D->DK);
+    a->dk = mk(r, OUT, D->dt, 4, D->B, D->Tk, D->H, D->DK);
+    a->dv = mk(r, OUT, D->dt, 4, D->B, D->Tk, D->H, D->DV);
+    a->dscore_tensors[1] = opt(r, pres & 16, OUT, F32, 1, 8, 0, 0, 0);
+}
+
 /* Marks the bytes an output view may write; returns 0 when the view is unknown (write anywhere). */
 static int mark_view(const buffer *b, unsigned char *ok)
 {
@@ -774,7 +829,7 @@ static void run_op(reader *r, nsa_context *ctx, const void *a, op_ws_fn qs, op_r
 static const char *const op_names[N_OPS_ALL] = {"compress", "compress_bwd", "cmp_attn", "cmp_attn_bwd", "select",
                                                 "slc_attn", "slc_attn_bwd", "attention", "attention_bwd", "gate",
                                                 "gate_bwd", "forward", "backward", "config_validate", "step",
-                                                "attention_step", "expr"};
+                                                "attention_step", "expr", "flex_attention", "flex_attention_bwd"};
 
 const char *fuzz_op_name(int op) { return op >= 0 && op < N_OPS_ALL ? op_names[op] : "?"; }
 
@@ -783,7 +838,8 @@ fuzz_result fuzz_run(const uint8_t *data, size_t size, nsa_context *ctx, const f
     reader r = {data, size, 0};
     fuzz_result res = {0, 0, 0, 0, 0};
     const uint8_t first = u8(&r);
-    int op = first == 0xFF ? OP_STEP : first == 0xFE ? OP_ATTENTION_STEP : first == 0xFD ? OP_EXPR : first % N_OPS;
+    int op = first == 0xFF ? OP_STEP : first == 0xFE ? OP_ATTENTION_STEP : first == 0xFD ? OP_EXPR : first == 0xFC ? OP_FLEX
+             : first == 0xFB ? OP_FLEX_BWD : first % N_OPS;
     res.op = op;
     uint8_t pres = u8(&r);
     rng_state = u64(&r);
@@ -858,9 +914,12 @@ fuzz_result fuzz_run(const uint8_t *data, size_t size, nsa_context *ctx, const f
     case OP_BACKWARD: build_nsa(&r, &D, &a.nsa, 1, pres); RUN(backward); break;
     case OP_STEP: build_step(&r, &D, &a.step, pres); RUN(step); break;
     case OP_ATTENTION_STEP: build_attention_step(&r, &D, &a.astep, pres); RUN(attention_step); break;
+    case OP_FLEX: build_flex(&r, &D, &a.flex, 0, pres); run_op(&r, ctx, &a.flex.fwd, op_ws_flex_attention, op_run_flex_attention, &res); break;
+    case OP_FLEX_BWD: build_flex(&r, &D, &a.flex, 1, pres); RUN(flex_attention_bwd); break;
     default: break;
     }
 #undef RUN
+    for (int i = 0; i < 2; i++) nsa_mod_destroy(g_flex_mods[i]), g_flex_mods[i] = NULL;
     free_all();
     res.violations = nviolations;
     return res;

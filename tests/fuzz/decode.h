@@ -11,11 +11,12 @@
 #include <stdint.h>
 
 /* The op an input's first byte picks: 0xFF the inference step, 0xFE the dense step, 0xFD a
- * mod expression, else the byte modulo N_OPS (those came later; no stored input starts with
- * 0xFD-0xFF, so they all keep their meaning). */
+ * mod expression, 0xFC / 0xFB block-sparse attention with mods (forward / backward), else the
+ * byte modulo N_OPS (those came later; no stored input starts with 0xFB-0xFF, so they all keep
+ * their meaning). */
 enum { OP_COMPRESS, OP_COMPRESS_BWD, OP_CMP_ATTN, OP_CMP_ATTN_BWD, OP_SELECT, OP_SLC_ATTN, OP_SLC_ATTN_BWD,
        OP_ATTENTION, OP_ATTENTION_BWD, OP_GATE, OP_GATE_BWD, OP_FORWARD, OP_BACKWARD, OP_CONFIG, N_OPS,
-       OP_STEP = N_OPS, OP_ATTENTION_STEP, OP_EXPR, N_OPS_ALL };
+       OP_STEP = N_OPS, OP_ATTENTION_STEP, OP_EXPR, OP_FLEX, OP_FLEX_BWD, N_OPS_ALL };
 
 /* Backend memory for the tensors and the workspace; alloc never returns NULL (it exits
  * instead), upload / download copy whole buffers, sync waits for the backend's queued work. */

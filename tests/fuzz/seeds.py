@@ -14,7 +14,7 @@ EXPRS = ["q_idx >= kv_idx && doc[q_idx] == doc[kv_idx]", "score + bias[h, q_idx 
 for k, e in enumerate(EXPRS):  # 0xFD: a mod expression (pres bit 0: a score_mod)
     with open(os.path.join(out, f"seed_253_{k}"), "wb") as f:
         f.write(bytes([0xFD, 1 if "score" in e else 0]) + bytes(8) + e.encode())
-for op in list(range(14)) + [0xFF, 0xFE]:  # 0xFF: the inference step, 0xFE: the dense step
+for op in list(range(14)) + [0xFF, 0xFE, 0xFC, 0xFB]:  # the steps, block-sparse attention fwd / bwd
     for k in range(4):
         head = bytes([op, rng.randrange(256)]) + bytes(rng.randrange(256) for _ in range(8))
         # bytes below 170 keep a tensor plain; about half the rest perturb something

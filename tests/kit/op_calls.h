@@ -35,6 +35,8 @@ OP_CALLS(forward, nsa_forward_args)
 OP_CALLS(backward, nsa_backward_args)
 OP_CALLS(step, nsa_step_args)
 OP_CALLS(attention_step, nsa_attention_step_args)
+OP_CALLS(flex_attention, nsa_flex_args)
+OP_CALLS(flex_attention_bwd, nsa_flex_bwd_args)
 #undef OP_CALLS
 
 #endif
