@@ -481,7 +481,7 @@ def _parallel_nsa_decode(q, k, v, g_cmp, g_slc, g_swa, block_indices, block_coun
 
 def flex_attention(query: Array, key: Array, value: Array, score_mod: Any = None, block_mask: Any = None,
                    scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False,
-                   tensors: Optional[Dict[str, Array]] = None):
+                   tensors: Optional[Dict[str, Array]] = None) -> Union[Array, Tuple[Array, Array]]:
     """FlexAttention's call on the library (nsa.flex.flex_attention: its docstring)."""
     from . import flex
     return flex.flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
@@ -489,7 +489,7 @@ def flex_attention(query: Array, key: Array, value: Array, score_mod: Any = None
 
 
 def create_block_mask(mask_mod: Any, B: Optional[int], H: Optional[int], Q_LEN: int, KV_LEN: int, device: Any = "cpu",
-                      BLOCK_SIZE: Any = 128, tensors: Optional[Dict[str, Array]] = None):
+                      BLOCK_SIZE: Any = 128, tensors: Optional[Dict[str, Array]] = None) -> Any:
     """FlexAttention's create_block_mask (nsa.flex.create_block_mask: its docstring)."""
     from . import flex
     return flex.create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=device, BLOCK_SIZE=BLOCK_SIZE, tensors=tensors)
