@@ -16,7 +16,7 @@ and as a captured CUDA graph replayed (--graph). Timing: CUDA events after warm-
 flushed before every run (256 MB zeroed), median of --reps runs. The byte floor of a step is the
 K / V bytes it must read at the GPU's HBM bandwidth (--bandwidth, default from the GPU's name):
 dense B * ctx * H * D * 2 (K and V) * 2 bytes; NSA per kv head the Nc compressed rows, the n
-selected blocks of l' tokens and the w window (K and V), as the decode issue counts them.
+selected blocks of l' tokens and the w window (K and V), as the decode targets count them (bench/PEERS.md).
 
 Peers from $NSA_PEERS (default <repo>/peers; scripts/fetch-peers.sh); an absent or failing
 peer is recorded as skipped, never fatal.
@@ -92,12 +92,12 @@ def self_test():
         print("%s %s" % ("ok  " if cond else "FAIL", what))
         fails += not cond
 
-    check(nsa_rows_read(65536) == 4095 + 1024 + 512, "64k: 4095 compressed rows + 16 x 64 + 512 (the issue's count)")
+    check(nsa_rows_read(65536) == 4095 + 1024 + 512, "64k: 4095 compressed rows + 16 x 64 + 512 (the targets' count)")
     check(nsa_rows_read(100) == 5 + 100 + 100, "a short context caps the blocks and the window")
     f = floor_us("dense", 32, 65536, 3.35e12)
-    check(abs(f - 1282.0) < 1.0, "dense floor B=32 64k on an H100: %.1f us (1282 in the issue)" % f)
+    check(abs(f - 1282.0) < 1.0, "dense floor B=32 64k on an H100: %.1f us (1282 in the targets)" % f)
     f = floor_us("nsa", 1, 65536, 3.35e12)
-    check(abs(f - 3.4) < 0.1, "nsa floor B=1 64k: %.2f us (3.4 in the issue)" % f)
+    check(abs(f - 3.4) < 0.1, "nsa floor B=1 64k: %.2f us (3.4 in the targets)" % f)
     r = make_row("nsa", "nsa", 8, 65536, True, 40.0, 27.5, "H100")
     check(set(r) == {"impl", "op", "B", "ctx", "graph", "us", "floor_us", "gpu"}, "row keys")
     t = format_table([r, make_row("mdy666", "nsa", 8, 65536, True, 94.8, 27.5, "H100")], ["fa2 B=1: no flash"])

@@ -16,7 +16,7 @@ def test_peers_harness_self_test():
 
 
 def test_decode_bench_self_test():
-    """bench/decode.py's byte floors (the decode issue's figures), rows, table and JSON."""
+    """bench/decode.py's byte floors (the decode targets' figures), rows, table and JSON."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "decode.py"), "--self-test"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
