@@ -253,6 +253,11 @@ class Mod:
             cs[i].tensor = call.view(a, "%s tensor '%s'" % (kind, n))
         st = _L.nsa_mod_create(ctypes.byref(self._ptr), 0 if kind == "mask_mod" else 1, text.encode(), cs, len(self.names))
         _core._check(st, "mod_create")
+        # plain attributes for torch.compile's tracing (no ctypes there): the handle, the float tensors
+        self.handle = int(self._ptr.value)
+        self.float_idx = [i for i, a in enumerate(self._arrays) if "float" in str(getattr(a, "dtype", ""))]
+        self.float_list = [self.tensors[self.names[i]] for i in self.float_idx]
+        _LIVE[self.handle] = self
 
     @staticmethod
     def _readable(a, name):
@@ -283,6 +288,20 @@ class Mod:
 
     def __repr__(self):
         return "nsa.flex.Mod(%s: %s; tensors %s)" % (self.kind, self.text, ", ".join(self.names) or "none")
+
+
+# handle -> Mod, while the Mod lives: the torch custom ops carry a mod as its handle (an int)
+import weakref  # noqa: E402
+_LIVE: "weakref.WeakValueDictionary[int, Mod]" = weakref.WeakValueDictionary()
+
+
+def _mod_of(handle):
+    if not handle:
+        return None
+    m = _LIVE.get(handle)
+    if m is None:
+        raise RuntimeError("nsa: a mod used by a compiled flex_attention call was freed (keep the Mod or BlockMask alive)")
+    return m
 
 
 def _is_torch_tensor(x):
@@ -447,37 +466,18 @@ def flex_attention(query: Array, key: Array, value: Array, score_mod: ModLike = 
     return (o, lse) if return_lse else o
 
 
-_FUNCTION = None
-
-
 def _flex_torch(q, k, v, score, block_mask, scale, return_lse):
-    """torch tensors: an autograd.Function over q, k, v and the score_mod's float tensors."""
-    import torch
-    global _FUNCTION
-    if _FUNCTION is None:
-        class FlexFunction(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, q, k, v, score, block_mask, scale, *float_tensors):
-                o, lse = _forward(q.detach(), k.detach(), v.detach(), block_mask, score, scale)
-                o, lse = o.contiguous(), lse.contiguous()
-                ctx.save_for_backward(q, k, v, o, lse)
-                ctx.extra = (score, block_mask, scale)
-                ctx.mark_non_differentiable(lse)
-                return o, lse
-
-            @staticmethod
-            def backward(ctx, do, dlse):
-                q, k, v, o, lse = ctx.saved_tensors
-                score, block_mask, scale = ctx.extra
-                floats = score.float_tensors() if score is not None else []
-                want = [i for i, (i2, _, t) in enumerate(floats) if ctx.needs_input_grad[6 + i]]
-                (dq, dk, dv), tens = _backward(q.detach(), k.detach(), v.detach(), o, lse, do.contiguous(), block_mask,
-                                               score, scale, [floats[i][0] for i in want])
-                dt = [None] * len(floats)
-                for i in want:
-                    dt[i] = tens[floats[i][0]].to(floats[i][2].dtype)
-                return (dq, dk, dv, None, None, None, *dt)
-        _FUNCTION = FlexFunction
-    floats = [t for _, _, t in score.float_tensors()] if score is not None else []
-    o, lse = _FUNCTION.apply(q, k, v, score, block_mask, scale, *floats)
+    """torch tensors: the custom op nsa::flex_fwd (autograd to q, k, v and the score_mod's float tensors)."""
+    from ._torch_flex import flex_op
+    op = flex_op()
+    lists = [None] * 4
+    mask_handle, qb, kb = 0, 128, 128
+    if block_mask is not None:
+        qb, kb = block_mask.BLOCK_SIZE
+        lists = [_int32_like(x, q) for x in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                                            block_mask.full_kv_indices)]
+        mask_handle = block_mask.mask_mod.handle if block_mask.mask_mod is not None else 0
+    floats = list(score.float_list) if score is not None else []
+    o, lse = op(q, k, v, *lists, floats, mask_handle, score.handle if score is not None else 0, int(qb), int(kb),
+                float(scale or 0.0))
     return (o, lse) if return_lse else o

@@ -133,3 +133,37 @@ def test_torch_autograd_with_a_learnable_bias():
     for got, want in ((q, qr), (k, kr), (v, vr), (rel, relr)):
         err = (got.grad.double() - want.grad).abs().max().item()
         assert err < 2e-5 * max(1.0, want.grad.abs().max().item()), err
+
+
+@pytest.mark.skipif(TORCH is None or not hasattr(TORCH.library, "custom_op"), reason="torch >= 2.4 is not installed")
+def test_torch_compile_fullgraph():
+    """nsa.flex_attention inside torch.compile(fullgraph=True), mods and block mask built
+    outside (as FlexAttention's create_block_mask is): outputs and gradients equal eager."""
+    torch = TORCH
+    q, k, v = (torch.tensor(x, requires_grad=True) for x in _qkv(3))
+    slope = torch.tensor(SLOPE, requires_grad=True)
+    doc = torch.tensor(DOC)
+
+    def mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc[q_idx] == doc[kv_idx])
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score - slope[h] * torch.abs(q_idx - kv_idx)
+
+    bm = nsa.create_block_mask(mask, None, None, T, T, BLOCK_SIZE=8)
+    score = F.Mod(bias, "score_mod")
+
+    def f(q, k, v):
+        return nsa.flex_attention(q, k, v, score_mod=score, block_mask=bm, enable_gqa=True)
+
+    outs, grads = [], []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        for x in (q, k, v, slope):
+            x.grad = None
+        o = fn(q, k, v)
+        o.square().sum().backward()
+        outs.append(o.detach())
+        grads.append([x.grad.clone() for x in (q, k, v, slope)])
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6)

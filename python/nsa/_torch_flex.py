@@ -1,0 +1,79 @@
+"""The torch custom ops of nsa.flex_attention: nsa::flex_fwd and nsa::flex_bwd (torch.compile
+traces them; autograd reaches q, k, v and the float tensors a score_mod reads). Apart from
+nsa/flex.py because torch.library reads the ops' annotations, which must be real types here
+(flex.py postpones its annotations)."""
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .flex import BlockMask, _backward, _forward, _mod_of
+
+_OPS = None
+
+
+def flex_op():
+    """nsa::flex_fwd / nsa::flex_bwd custom ops (torch.compile traces them; autograd through
+    q, k, v and the score_mod's float tensors). Mods travel as their handles."""
+    global _OPS
+    if _OPS is not None:
+        return _OPS
+
+    def block_mask_of(lists, mask_handle, q_block, kv_block):
+        if lists[0] is None and not mask_handle:
+            return None
+        return BlockMask(lists[0], lists[1], lists[2], lists[3], (q_block, kv_block), _mod_of(mask_handle))
+
+    @torch.library.custom_op("nsa::flex_fwd", mutates_args=())
+    def flex_fwd(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor],
+                 full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor], floats: List[Tensor],
+                 mask_handle: int, score_handle: int, q_block: int, kv_block: int, scale: float) -> Tuple[Tensor, Tensor]:
+        bm = block_mask_of((kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), mask_handle, q_block, kv_block)
+        o, lse = _forward(q, k, v, bm, _mod_of(score_handle), scale)
+        return o.contiguous(), lse.contiguous()
+
+    @flex_fwd.register_fake
+    def _(q, k, v, *rest):
+        return (q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3])),
+                q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32))
+
+    @torch.library.custom_op("nsa::flex_bwd", mutates_args=())
+    def flex_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, kv_num_blocks: Optional[Tensor],
+                 kv_indices: Optional[Tensor], full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor],
+                 floats: List[Tensor], mask_handle: int, score_handle: int, q_block: int, kv_block: int,
+                 scale: float) -> Tuple[Tensor, Tensor, Tensor, List[Tensor]]:
+        bm = block_mask_of((kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), mask_handle, q_block, kv_block)
+        score = _mod_of(score_handle)
+        (dq, dk, dv), tens = _backward(q, k, v, o, lse, dout, bm, score, scale, score.float_idx if score else [])
+        grads = [tens[i].to(t.dtype) for i, t in zip(score.float_idx, floats)] if score else []
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), grads
+
+    @flex_bwd.register_fake
+    def _(dout, q, k, v, o, lse, a, b, c, d, floats, *rest):
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), [torch.empty_like(t) for t in floats])
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, n, i, fn, fi, floats = inputs[:8]
+        ctx.save_for_backward(q, k, v, output[0], output[1], *[x for x in (n, i, fn, fi) if x is not None], *floats)
+        ctx.present = tuple(x is not None for x in (n, i, fn, fi))
+        ctx.nfloats = len(floats)
+        ctx.scalars = tuple(inputs[8:])
+        ctx.mods = (_mod_of(inputs[8]), _mod_of(inputs[9]))  # alive until the backward has run
+        ctx.mark_non_differentiable(output[1])
+
+    def backward(ctx, do, dlse):
+        saved = list(ctx.saved_tensors)
+        q, k, v, o, lse = saved[:5]
+        rest = saved[5:]
+        lists = []
+        for p in ctx.present:
+            lists.append(rest.pop(0) if p else None)
+        floats = rest[:ctx.nfloats]
+        dq, dk, dv, dts = flex_bwd(do.contiguous(), q, k, v, o, lse, *lists, floats, *ctx.scalars)
+        return (dq, dk, dv, None, None, None, None, list(dts) if floats else None) + (None,) * len(ctx.scalars)
+
+    flex_fwd.register_autograd(backward, setup_context=setup_context)
+    _OPS = flex_fwd
+    return _OPS
+
+
