@@ -367,11 +367,8 @@ def _wants_torch(device):
         return False
     if type(device).__module__.startswith("torch"):
         return True
-    try:
-        import torch  # noqa: F401
-        return True
-    except ImportError:
-        return False
+    import importlib.util
+    return importlib.util.find_spec("torch") is not None
 
 
 # ---- the call -------------------------------------------------------------------------------------
