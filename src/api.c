@@ -260,7 +260,13 @@ nsa_status nsa_context_set_stream(nsa_context *ctx, void *stream)
 
 nsa_backend nsa_context_backend(const nsa_context *ctx) { return ctx ? ctx->backend : NSA_BACKEND_CPU; }
 
-void nsa_context_destroy(nsa_context *ctx) { free(ctx); }
+void nsa_context_destroy(nsa_context *ctx)
+{
+#ifdef NSA_WITH_CUDA
+    if (ctx && ctx->flex_cache) nsa_cuda_flex_cache_free(ctx->flex_cache);
+#endif
+    free(ctx);
+}
 
 /* ---- the one dispatch place ---------------------------------------------------------- */
 
@@ -336,7 +342,8 @@ static size_t op_workspace(const nsa_context *ctx, const nsa_problem *p, op_call
         case OP_BACKWARD: return nsa_cuda_backward_workspace(ctx, p, (const nsa_backward_args *)c.args);
         case OP_STEP: return nsa_cuda_step_workspace(ctx, p, (const nsa_step_args *)c.args);
         case OP_ATTENTION_STEP: return nsa_cuda_attention_step_workspace(ctx, p, (const nsa_attention_step_args *)c.args);
-        case OP_FLEX: case OP_FLEX_BWD: return 0; /* (not on CUDA yet: the call says so) */
+        case OP_FLEX: return nsa_cuda_flex_workspace(ctx, p, (const nsa_flex_args *)c.args);
+        case OP_FLEX_BWD: return 0; /* (not on CUDA yet: the call says so) */
         }
         return 0;
     }
@@ -384,8 +391,9 @@ static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_ca
         case OP_BACKWARD: return nsa_cuda_backward(ctx, p, (const nsa_backward_args *)c.args, ws);
         case OP_STEP: return nsa_cuda_step(ctx, p, (const nsa_step_args *)c.args, ws);
         case OP_ATTENTION_STEP: return nsa_cuda_attention_step(ctx, p, (const nsa_attention_step_args *)c.args, ws);
-        case OP_FLEX: case OP_FLEX_BWD:
-            return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "ctx: block-sparse attention with mods runs on the CPU backend only "
+        case OP_FLEX: return nsa_cuda_flex(ctx, p, (const nsa_flex_args *)c.args, ws);
+        case OP_FLEX_BWD:
+            return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "ctx: the backward of block-sparse attention with mods runs on the CPU "
                                                       "so far");
         }
         return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "op: unknown operation %d", (int)c.op);

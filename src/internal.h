@@ -71,6 +71,9 @@ nsa_status nsa_validate_step(const nsa_step_args *a, nsa_problem *p);
 nsa_status nsa_validate_attention_step(const nsa_attention_step_args *a, nsa_problem *p);
 nsa_status nsa_validate_flex(const nsa_flex_args *a, nsa_problem *p);
 nsa_status nsa_validate_flex_bwd(const nsa_flex_bwd_args *a, nsa_problem *p);
+/* The block lists of a validated flex call, in host memory: counts, indices, each block once
+ * (cpu/flex.c; the CUDA backend checks its lists, copied back, with it). */
+nsa_status nsa_flex_lists_check(const nsa_flex_args *a, const nsa_problem *p);
 /* The part of nsa_step's args that the dense step shares (token cache, lengths, append, o,
  * errors): the backends check and append through nsa_step's code with it. */
 nsa_step_args nsa_step_common(const nsa_attention_step_args *a);
@@ -99,6 +102,7 @@ struct nsa_context {
     int32_t device;
     void *stream;
     nsa_cuda_overrides cuda; /* CUDA backend only */
+    void *flex_cache;        /* CUDA: the block-sparse kernels compiled for this context (flex/flex.cu) */
 };
 
 #endif

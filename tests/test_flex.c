@@ -543,6 +543,52 @@ static void test_create_block_mask(nsa_context *ctx)
     nsa_mod_destroy(mm);
 }
 
+/* The CUDA backend's generated kernels (src/cuda/flex/flex.cu) compile with NVRTC for sm_80 and
+ * sm_90a, for every element type, with and without mods -- no GPU needed; the compile times
+ * are what a new mod costs on first use. A weak reference: absent from a CPU-only build. */
+__attribute__((weak)) nsa_status nsa_cuda_flex_compile_check(const nsa_mod *mask, const nsa_mod *score, int elem, int major,
+                                                             int minor, size_t *cubin_bytes, double *seconds);
+
+static void test_cuda_kernels_compile(void)
+{
+    if (!nsa_cuda_flex_compile_check) {
+        printf("  flex: a CPU-only build: the CUDA kernel compile check is skipped\n");
+        return;
+    }
+    const int64_t dsl = 64;
+    const nsa_mod_tensor tens[] = {{"doc", nsa_tensor_make(g_doc, NSA_DTYPE_I32, 1, &dsl)},
+                                   {"rel", nsa_tensor_make(g_rel, NSA_DTYPE_F32, 2, (int64_t[]){FHQ, 41})}};
+    nsa_mod *mm = NULL, *sm = NULL;
+    CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, "q_idx >= kv_idx && doc[q_idx] == doc[kv_idx]", tens, 2), NSA_STATUS_SUCCESS);
+    CHECK_STATUS(nsa_mod_create(&sm, NSA_MOD_SCORE, "where(q_idx - kv_idx < 8, score + rel[h, q_idx - kv_idx + 20], "
+                                                    "3.0 * tanh(score / 3.0)) // 1.0 % 7.0", tens, 2),
+                 NSA_STATUS_SUCCESS);
+    double worst = 0.0;
+    int compiled = 0;
+    for (int arch = 0; arch < 2; arch++)
+        for (int elem = 0; elem < 3; elem++)
+            for (int mods = 0; mods < 2; mods++) {
+                size_t bytes = 0;
+                double secs = 0.0;
+                const nsa_status st = nsa_cuda_flex_compile_check(mods ? mm : NULL, mods ? sm : NULL, elem, arch ? 9 : 8, 0,
+                                                                  &bytes, &secs);
+                if (st == NSA_STATUS_NOT_SUPPORTED && strstr(nsa_last_error_detail(), "not found")) {
+                    printf("  flex: NVRTC is not installed here: the CUDA kernel compile check is skipped\n");
+                    goto done;
+                }
+                char msg[400];
+                snprintf(msg, sizeof msg, "flex kernel (sm_%d0, elem %d, mods %d): %s", arch ? 9 : 8, elem, mods,
+                         nsa_last_error_detail());
+                CHECK_MSG(st == NSA_STATUS_SUCCESS && bytes > 0, msg);
+                worst = secs > worst ? secs : worst;
+                compiled++;
+            }
+    if (g_tests_verbose) printf("  flex: %d kernels compiled by NVRTC, the slowest in %.2f s\n", compiled, worst);
+    CHECK_MSG(worst < 10.0, "flex: an NVRTC compile took over 10 s");
+done:
+    nsa_mod_destroy(mm), nsa_mod_destroy(sm);
+}
+
 void test_flex_all(void)
 {
     nsa_context_desc d;
@@ -555,5 +601,6 @@ void test_flex_all(void)
     test_flex_refuses(ctx);
     test_flex_bwd_refuses(ctx);
     test_create_block_mask(ctx);
+    test_cuda_kernels_compile();
     nsa_context_destroy(ctx);
 }

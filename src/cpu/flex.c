@@ -8,6 +8,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../mod/expr.h"
@@ -69,6 +70,16 @@ static nsa_status flex_check(const nsa_flex_args *a, const nsa_problem *p, unsig
                 }
             }
     return NSA_STATUS_SUCCESS;
+}
+
+nsa_status nsa_flex_lists_check(const nsa_flex_args *a, const nsa_problem *p)
+{
+    const int64_t nkb = p->Tk / a->block_mask.kv_block + (p->Tk % a->block_mask.kv_block != 0);
+    unsigned char *seen = (unsigned char *)malloc((size_t)(nkb > 0 ? nkb : 1));
+    if (!seen) return nsa_fail(NSA_STATUS_OUT_OF_MEMORY, "block_mask: no host memory to check the lists");
+    const nsa_status st = flex_check(a, p, seen, nkb);
+    free(seen);
+    return st;
 }
 
 /* One thread's scratch: a query row, a K / V row, the output row, the row's scores and the

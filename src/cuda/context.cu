@@ -28,5 +28,7 @@ nsa_status nsa_cuda_context_init(nsa_context *ctx)
         return nsa_fail(NSA_STATUS_DEVICE_ERROR, "desc.device: cudaSetDevice(%d) failed: %s (%s)", (int)ctx->device,
                         cudaGetErrorName(e), cudaGetErrorString(e));
     cu_overrides_from_env(&ctx->cuda); /* read once: the planners never look at the environment */
+    ctx->flex_cache = nsa_cuda_flex_cache_new();
+    if (!ctx->flex_cache) return nsa_fail(NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel cache");
     return NSA_STATUS_SUCCESS;
 }
