@@ -60,7 +60,7 @@ CUDA_OBJ := $(CUDA_SRC:%.cu=$(B)/obj/%.o)
 CUDA_CFLAGS := -DNSA_WITH_CUDA -I$(CUDA_HOME)/include
 LIB_OBJ += $(CUDA_OBJ)
 LDLIBS += -L$(CUDA_HOME)/lib64 -lcudart_static -lstdc++ -ldl -lrt -lpthread
-GPU_TEST_SRC := tests/gpu_main.c tests/test_attention.c tests/test_step.c
+GPU_TEST_SRC := tests/gpu_main.c tests/test_attention.c tests/test_step.c tests/test_flex.c
 all: $(B)/nsa_gpu_tests $(B)/nsa_wgmma_test
 
 $(B)/obj/src/cuda/%.o: src/cuda/%.cu $(CUDA_HDR) $(CONFIG_STAMP)

@@ -88,12 +88,14 @@ static void run_one(const sweep_case *c, long index, uint64_t seed, int verbose,
 
 void test_attention_on(nsa_backend backend, const sweep_memory *mem);
 void test_step_on(nsa_backend backend, const sweep_memory *mem);
+void test_flex_on(nsa_backend backend, const sweep_memory *mem);
 
-/* The fixed cases of tests/test_attention.c and tests/test_step.c on the device. */
+/* The fixed cases of tests/test_attention.c, tests/test_step.c and tests/test_flex.c on the device. */
 static void fixed_cases(void)
 {
     test_attention_on(NSA_BACKEND_CUDA, devmem_sweep_memory());
     test_step_on(NSA_BACKEND_CUDA, devmem_sweep_memory());
+    test_flex_on(NSA_BACKEND_CUDA, devmem_sweep_memory());
 }
 
 /* The attention op's options (tests/test_attention.c) on the CUDA backend, in a child

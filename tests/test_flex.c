@@ -4,6 +4,7 @@
  * document masking, ALiBi, softcap, a relative-position bias table, scores sent to -inf), random
  * block masks with partial and full blocks and broadcast batch / head dims, Tq != Tk, odd
  * lengths, GQA, dk != dv; then bad block masks and mods, refused by name with nothing written. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -12,6 +13,7 @@
 
 #include "harness.h"
 #include "nsa.h"
+#include "sweep.h" /* sweep_memory: the device's memory hooks (test_flex_on) */
 
 enum { FB = 2, FHQ = 4, FH = 2, FDK = 12, FDV = 10, QBLK = 8, KBLK = 16 };
 
@@ -603,4 +605,122 @@ void test_flex_all(void)
     test_create_block_mask(ctx);
     test_cuda_kernels_compile();
     nsa_context_destroy(ctx);
+}
+
+/* ---- on the device: the CUDA forward against the CPU's on the same inputs -------------------- */
+static void *dev_copy(const sweep_memory *mem, const void *host, size_t bytes)
+{
+    void *d = mem->alloc(bytes ? bytes : 1);
+    if (bytes) mem->upload(d, host, bytes);
+    return d;
+}
+
+/* One case on both backends (f32): CUDA o and lse equal the CPU's within fp32 rounding. */
+static void flex_device_case(nsa_context *cpu, nsa_context *gpu, const sweep_memory *mem, const flex_case *c, test_rng *r)
+{
+    const int64_t Tq = c->Tq, Tk = c->Tk, nqb = (Tq + QBLK - 1) / QBLK, nkb = (Tk + KBLK - 1) / KBLK;
+    const size_t nq = (size_t)(FB * Tq * FHQ), nk = (size_t)(FB * Tk * FH);
+    float *q = (float *)malloc(4 * (nq * FDK + 1)), *k = (float *)malloc(4 * (nk * FDK + 1)), *v = (float *)malloc(4 * (nk * FDV + 1));
+    float *o[2], *lse[2];
+    for (int x = 0; x < 2; x++) o[x] = (float *)malloc(4 * (nq * FDV + 1)), lse[x] = (float *)malloc(4 * (nq + 1));
+    for (size_t e = 0; e < nq * FDK; e++) q[e] = (float)rnd_u(r);
+    for (size_t e = 0; e < nk * FDK; e++) k[e] = (float)rnd_u(r);
+    for (size_t e = 0; e < nk * FDV; e++) v[e] = (float)rnd_u(r);
+    bmask m;
+    bmask_make(&m, r, c->bm, c->hm, nqb, nkb);
+    const size_t rows = (size_t)(c->bm * c->hm * nqb);
+    void *dev[16] = {0};
+    int nd = 0;
+    for (int side = 0; side < 2; side++) { /* 0: CPU, host memory; 1: CUDA, device copies */
+        const int on_dev = side == 1;
+#define PLACE(ptr, bytes) (on_dev ? (dev[nd++] = dev_copy(mem, (ptr), (bytes))) : (void *)(ptr))
+        const int64_t dsl = 64;
+        const nsa_mod_tensor tens[] = {
+            {"doc", nsa_tensor_make(PLACE(g_doc, sizeof g_doc), NSA_DTYPE_I32, 1, &dsl)},
+            {"slope", nsa_tensor_make(PLACE(g_slope, sizeof g_slope), NSA_DTYPE_F32, 1, (int64_t[]){FHQ})},
+            {"rel", nsa_tensor_make(PLACE(g_rel, sizeof g_rel), NSA_DTYPE_F32, 2, (int64_t[]){FHQ, 41})},
+        };
+        nsa_mod *mm = NULL, *sm = NULL;
+        if (c->mask_text) CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, c->mask_text, tens, 3), NSA_STATUS_SUCCESS);
+        if (c->score_text) CHECK_STATUS(nsa_mod_create(&sm, NSA_MOD_SCORE, c->score_text, tens, 3), NSA_STATUS_SUCCESS);
+        nsa_flex_args a;
+        memset(&a, 0, sizeof a);
+        a.q = nsa_tensor_4d(PLACE(q, 4 * nq * FDK), NSA_DTYPE_F32, FB, Tq, FHQ, FDK);
+        a.k = nsa_tensor_4d(PLACE(k, 4 * nk * FDK), NSA_DTYPE_F32, FB, Tk, FH, FDK);
+        a.v = nsa_tensor_4d(PLACE(v, 4 * nk * FDV), NSA_DTYPE_F32, FB, Tk, FH, FDV);
+        void *od = on_dev ? (dev[nd++] = mem->alloc(4 * nq * FDV)) : o[0], *ld = on_dev ? (dev[nd++] = mem->alloc(4 * nq)) : lse[0];
+        a.o = nsa_tensor_4d(od, NSA_DTYPE_F32, FB, Tq, FHQ, FDV);
+        a.lse = nsa_tensor_3d(ld, NSA_DTYPE_F32, FB, Tq, FHQ);
+        a.block_mask.q_block = QBLK, a.block_mask.kv_block = KBLK;
+        if (c->blocks) {
+            a.block_mask.kv_num_blocks = nsa_tensor_3d(PLACE(m.num, 4 * rows), NSA_DTYPE_I32, c->bm, c->hm, nqb);
+            a.block_mask.kv_indices = nsa_tensor_4d(PLACE(m.idx, 4 * rows * (size_t)nkb), NSA_DTYPE_I32, c->bm, c->hm, nqb, nkb);
+            a.block_mask.full_kv_num_blocks = nsa_tensor_3d(PLACE(m.fnum, 4 * rows), NSA_DTYPE_I32, c->bm, c->hm, nqb);
+            a.block_mask.full_kv_indices = nsa_tensor_4d(PLACE(m.fidx, 4 * rows * (size_t)nkb), NSA_DTYPE_I32, c->bm, c->hm, nqb, nkb);
+        }
+#undef PLACE
+        a.mask_mod = mm, a.score_mod = sm, a.scale = 0.4f;
+        nsa_context *ctx = on_dev ? gpu : cpu;
+        size_t need = 0;
+        CHECK_STATUS(nsa_flex_attention_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
+        void *ws = on_dev ? mem->alloc(need ? need : 1) : malloc(need ? need : 1);
+        const nsa_status st = nsa_flex_attention(ctx, &a, ws, need);
+        char msg[300];
+        snprintf(msg, sizeof msg, "flex on %s, %s: %s", on_dev ? "CUDA" : "CPU", c->name, nsa_last_error_detail());
+        CHECK_MSG(st == NSA_STATUS_SUCCESS, msg);
+        if (on_dev) {
+            mem->download(o[1], od, 4 * nq * FDV), mem->download(lse[1], ld, 4 * nq);
+            mem->release(ws);
+        } else {
+            free(ws);
+        }
+        nsa_mod_destroy(mm), nsa_mod_destroy(sm);
+    }
+    for (int i = 0; i < nd; i++) mem->release(dev[i]);
+    double worst = 0.0;
+    for (size_t e = 0; e < nq * FDV; e++) worst = fabs((double)o[0][e] - o[1][e]) > worst || o[1][e] != o[1][e] ? fabs((double)o[0][e] - o[1][e]) : worst;
+    for (size_t e = 0; e < nq; e++)
+        if (!(lse[0][e] == lse[1][e])) worst = fabs((double)lse[0][e] - lse[1][e]) > worst || lse[1][e] != lse[1][e] ? fabs((double)lse[0][e] - lse[1][e]) : worst;
+    char msg[300];
+    snprintf(msg, sizeof msg, "flex CUDA vs CPU, %s: worst |o, lse| difference %.3g", c->name, worst);
+    CHECK_MSG(worst <= 1e-5, msg);
+    if (g_tests_verbose) printf("  %s\n", msg);
+    bmask_free(&m);
+    free(q), free(k), free(v);
+    for (int x = 0; x < 2; x++) free(o[x]), free(lse[x]);
+}
+
+void test_flex_on(nsa_backend be, const sweep_memory *mem)
+{
+    if (be == NSA_BACKEND_CPU || !mem) {
+        test_flex_all();
+        return;
+    }
+    nsa_context_desc d;
+    memset(&d, 0, sizeof d);
+    nsa_context *cpu = NULL, *gpu = NULL;
+    CHECK_STATUS(nsa_context_create(&cpu, &d), NSA_STATUS_SUCCESS);
+    d.backend = be;
+    CHECK_STATUS(nsa_context_create(&gpu, &d), NSA_STATUS_SUCCESS);
+    if (cpu && gpu) {
+        setenv("NSA_CUDA_FLEX", "1", 1); /* (the forward is gated until this test has passed on a GPU) */
+        test_rng r = {20261129};
+        for (int i = 0; i < 64; i++) g_doc[i] = (i * 7 / 23) % 4;
+        for (int h = 0; h < FHQ; h++) {
+            g_slope[h] = 1.0f / (float)(1 << (h + 1));
+            for (int j = 0; j < 41; j++) g_rel[h][j] = (float)((j * 5 + h) % 11 - 5) * 0.1f;
+        }
+        const flex_case cases[] = {
+            {"causal, no block mask", "q_idx >= kv_idx", NULL, NULL, NULL, 0, 37, 37, 1, 1, NULL, NULL},
+            {"documents + ALiBi, random blocks", "doc[q_idx + b] == doc[kv_idx + b]", "score - slope[h] * abs(q_idx - kv_idx)",
+             NULL, NULL, 1, 37, 45, FB, FHQ, NULL, NULL},
+            {"relative bias, blocks broadcast over h", "q_idx >= kv_idx", "score + rel[h, q_idx - kv_idx + 20]", NULL, NULL, 1, 45,
+             45, FB, 1, NULL, NULL},
+            {"scores to -inf, empty rows", NULL, "where(kv_idx % 3 == 0 || q_idx == 5, -exp(1000.0), score * 2)", NULL, NULL, 1,
+             23, 30, 1, 1, NULL, NULL},
+        };
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) flex_device_case(cpu, gpu, mem, &cases[i], &r);
+    }
+    nsa_context_destroy(gpu);
+    nsa_context_destroy(cpu);
 }
