@@ -70,7 +70,7 @@ def flex_op():
             lists.append(rest.pop(0) if p else None)
         floats = rest[:ctx.nfloats]
         dq, dk, dv, dts = flex_bwd(do.contiguous(), q, k, v, o, lse, *lists, floats, *ctx.scalars)
-        return (dq, dk, dv, None, None, None, None, list(dts) if floats else None) + (None,) * len(ctx.scalars)
+        return (dq, dk, dv, None, None, None, None, list(dts)) + (None,) * len(ctx.scalars)
 
     flex_fwd.register_autograd(backward, setup_context=setup_context)
     _OPS = flex_fwd

@@ -167,3 +167,19 @@ def test_torch_compile_fullgraph():
     assert torch.equal(outs[0], outs[1])
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.skipif(TORCH is None, reason="torch is not installed")
+def test_torch_backward_without_a_score_mod():
+    """A mask_mod alone (no tensors to differentiate): q, k, v gradients against dense float64."""
+    torch = TORCH
+    q, k, v = (torch.tensor(x, requires_grad=True) for x in _qkv(4))
+    bm = nsa.create_block_mask("q_idx >= kv_idx", None, None, T, T, BLOCK_SIZE=8)
+    o = nsa.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    o.square().sum().backward()
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    s = (qr @ kr.repeat_interleave(HQ // H, 1).transpose(-1, -2) / D ** 0.5).masked_fill(~(i >= j), float("-inf"))
+    (torch.softmax(s, -1) @ vr.repeat_interleave(HQ // H, 1)).square().sum().backward()
+    for got, want in ((q, qr), (k, kr), (v, vr)):
+        assert (got.grad.double() - want.grad).abs().max().item() < 2e-5 * max(1.0, want.grad.abs().max().item())

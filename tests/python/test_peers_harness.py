@@ -37,3 +37,27 @@ def test_decode_bench_runs_on_the_cpu(tmp_path):
     assert {(x["impl"], x["op"]) for x in rows} == {("nsa", "nsa"), ("nsa", "dense")}
     assert all(x["us"] > 0 and x["floor_us"] > 0 and x["B"] == 2 and x["ctx"] == 300 for x in rows)
     assert "mdy666 nsa B=2 ctx=300: mdy666 runs on CUDA only" in r.stdout
+
+
+def test_flex_bench_self_test():
+    """bench/flex.py's visible-pair counts (against a brute force), rows, table and JSON."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "flex.py"), "--self-test"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert " 0 failed" in r.stdout, r.stdout
+
+
+def test_flex_bench_runs_on_the_cpu(tmp_path):
+    """The timed path end to end on the CPU backend (nsa rows, forward and backward)."""
+    import pytest
+    pytest.importorskip("torch", reason="torch is not installed")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "flex.py"), "--device", "cpu", "--T", "200",
+                        "--heads", "4/2", "--impl", "nsa", "--mods", "causal,alibi", "--reps", "1", "--warmup", "0",
+                        "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+    rows = json.load(open(next(tmp_path.glob("*-flex.json"))))
+    assert {(x["mod"], x["pass"]) for x in rows} == {("causal", "fwd"), ("causal", "fwd+bwd"), ("alibi", "fwd"),
+                                                     ("alibi", "fwd+bwd")}
+    assert all(x["ms"] > 0 and x["T"] == 200 for x in rows)
