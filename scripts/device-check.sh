@@ -21,7 +21,10 @@
 #   7. with EXTRA="tables cli 1m options peers" (FULL=1 = the first three): the benchmark
 #      tables of every config, the CLI's TFLOP/s tables, the 1M-token run, the cost of each
 #      attention option (bench/attn_options_gpu.py), and bench/peers.py beside mdy666 / fla
-#      (carry peers/; see below; several minutes each).
+#      (carry peers/; see below; several minutes each); "python" the Python binding's CUDA
+#      tests and examples/generate.py on the GPU, "decode" bench/decode.py (one decode step beside
+#      mdy666 and dense; DECODE_B, DECODE_CTX), "flex" bench/flex.py (beside torch's FlexAttention).
+# ONLY="stage ..." runs only those of sweep, variants, nonfinite, memcheck, fuzz, fla, bench.
 # AB=1 sweeps the mma.sync tiles (NSA_CUDA_WGMMA=0) on all CASES and times them for comparison;
 # ENVAB="NAME=value ..." times the bench once more under those switches.
 # HASH_BASE=dir compares this build's outputs bit for bit with an earlier build's: the sweep
@@ -48,6 +51,9 @@ JOBS="${JOBS:-8}"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 say() { echo "== $(date +%T) $*"; }
+# ONLY="sweep variants nonfinite memcheck fuzz fla bench": just those stages (default: all;
+# the build, the machine record and EXTRA always run).
+want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
 say "machine"
@@ -98,20 +104,24 @@ if [ -x "$BIN/nsa_wgmma_test" ]; then
     grep -E "^FAIL" "$OUT/wgmma.log" | tee -a "$SUMMARY"
 fi
 
+if want sweep; then
 say "gpu sweep ($CASES cases, seed $SEED, max T $MAXT, $JOBS jobs)"
 t0=$(date +%s)
 timeout 240 "$BIN/nsa_gpu_tests" --seed "$SEED" --cases "$CASES" --max-T "$MAXT" --jobs "$JOBS" ${HASHES[@]+"${HASHES[@]}"} > "$OUT/sweep.log" 2>&1
 rc=$?
 grep -E "^FAIL" "$OUT/sweep.log" | head -30
 note "sweep: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/sweep.log" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s; $(grep -c ' (crashed)' "$OUT/sweep.log") crashed)"
+note "fixed cases (attention options, step, block-sparse): $(grep -E '^attention options and the step:' "$OUT/sweep.log" | tail -1 | sed -E 's/^[^:]+: +//')"
 grep -E "^FAIL" "$OUT/sweep.log" | awk -F' -- ' '{print $1}' | sed -E 's/^FAIL [^ ]+ //' | sort | uniq -c | sort -rn | head -20 | tee -a "$SUMMARY"
 if [[ " ${HASHES[*]-} " == *" --hash-cmp "* ]]; then
     note "hashes vs $HASH_BASE: $(grep -E '^[0-9]+ identical, [0-9]+ differ$' "$OUT/sweep.log" | tail -1)"
     grep -E '^hash: ' "$OUT/sweep.log" | head -5 | cut -c1-300 | tee -a "$SUMMARY"
 fi
+fi # sweep
 
 # The mma.sync tiles, the fallback of every wgmma path (and the only path before Hopper): the
 # first CASES/4 of the same cases by default, all CASES under AB=1; the option tests' fixed cases.
+if want variants; then
 if [ -n "${AB:-}" ]; then MMA_CASES=$CASES; else MMA_CASES=$(( CASES / 4 > 0 ? CASES / 4 : 1 )); fi
 say "gpu sweep with NSA_CUDA_WGMMA=0 ($MMA_CASES cases)"
 t0=$(date +%s)
@@ -131,12 +141,14 @@ for v in NSA_CUDA_KWP=0 NSA_CUDA_SLC_RP=1 NSA_CUDA_SLC_NP=1 NSA_CUDA_NONFINITE=1
     vrc=$?
     note "sweep with $v: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$vlog" | tail -1) ($MMA_CASES cases, rc $vrc)"
 done
+fi # variants
 
 # The non-finite mode (docs/spec.md 0.4): NaN / inf planted in each op's inputs, the outputs'
 # non-finite elements compared with the float64 reference's, element for element; on the
 # default path (the scalar kernels of prim/nonfinite.cuh take such calls) and with the mma.sync
 # tiles and the cp.async dK / dV tile as the finite path. The failures are grouped by op and
 # output. (NSA_CUDA_NONFINITE=1 above runs the scalar kernels on the finite sweep.)
+if want nonfinite; then
 for nfv in "" NSA_CUDA_WGMMA=0 NSA_CUDA_KWP=0; do
     nflog="$OUT/nonfinite${nfv:+-${nfv#NSA_CUDA_}}.log"
     say "gpu non-finite sweep${nfv:+ with $nfv} ($(( CASES / 2 )) cases)"
@@ -147,7 +159,9 @@ for nfv in "" NSA_CUDA_WGMMA=0 NSA_CUDA_KWP=0; do
     note "non-finite sweep${nfv:+ with $nfv}: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$nflog" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s)"
     grep -E "^FAIL" "$nflog" | sed -E 's/^FAIL [^ ]+ //; s/ -- .*//' | sort | uniq -c | sort -rn | head -12 | tee -a "$SUMMARY"
 done
+fi # nonfinite
 
+if want memcheck; then
 say "memcheck"
 t0=$(date +%s)
 timeout 120 compute-sanitizer --tool memcheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --seed 7 --cases 4 --max-T 200 --no-attention > "$OUT/memcheck.log" 2>&1
@@ -160,9 +174,11 @@ note "memcheck (non-finite): $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-nonfinite.
 t0=$(date +%s)
 NSA_TEST_ATTENTION_QUICK=1 timeout 240 compute-sanitizer --tool memcheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --cases 0 > "$OUT/memcheck-attention.log" 2>&1
 note "memcheck (attention options): $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-attention.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/memcheck-attention.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
+fi # memcheck
 
 # The fuzz inputs on the device (tests/fuzz/replay.c): the same byte checks as the CPU fuzzing,
 # on device memory; the plain run first (fast, and it names a failing input), then memcheck.
+if want fuzz; then
 if [ -x "$BIN/nsa_fuzz_replay" ]; then
     say "fuzz replay on cuda"
     FUZZ_IN=(tests/fuzz/regressions tests/fuzz/corpus)
@@ -180,10 +196,12 @@ if [ -x "$BIN/nsa_fuzz_replay" ]; then
 else
     note "fuzz replay: $BIN/nsa_fuzz_replay missing, not run"
 fi
+fi # fuzz
 
 # fla's test file judges nsa the way it judges fla: its naive references and assert_close, every
 # case that calls parallel_nsa; the known gaps are strict xfails (tests/python/fla_swap/).
 FLA_TESTS="${NSA_PEERS:-peers}/fla/tests/ops/test_nsa.py"
+if want fla; then
 if [ -f "$FLA_TESTS" ]; then
     say "fla's NSA tests against nsa.parallel_nsa"
     lib="$BIN/libnsa.so"
@@ -200,6 +218,7 @@ if [ -f "$FLA_TESTS" ]; then
 else
     note "fla suite: no $FLA_TESTS, not run (bash scripts/fetch-peers.sh fla, and carry peers/)"
 fi
+fi # fla
 
 if [ -n "${RACE:-}" ]; then # RACE=1: compute-sanitizer racecheck on small cases (a multi-chunk one included)
     say "racecheck"
@@ -218,6 +237,7 @@ if [ -n "${PROFILE:-}" ]; then
     grep -E '^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall' "$OUT/ncu.txt" | head -120 > "$OUT/ncu-short.txt"
 fi
 
+if want bench; then
 say "bench"
 timeout 180 "${BENCH[@]}" --T "$BENCH_T" --reps "$REPS" > "$OUT/bench.log" 2>&1
 note "bench rc $?"
@@ -231,6 +251,7 @@ if [ -n "${ENVAB:-}" ]; then # ENVAB="NAME=value ...": the same bench under thos
     note "bench with $ENVAB rc $?:"
     tail -n +2 "$OUT/bench-envab.log" | tee -a "$SUMMARY"
 fi
+fi # bench
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader >> "$OUT/gpu.txt" 2>&1
 
 # EXTRA (or FULL=1 = all three): "tables" the benchmark tables (paper config
@@ -278,6 +299,29 @@ if [ -n "$EXTRA" ]; then
             note "peers rc $?: $(grep -cE '^(nsa|mdy666|fla) ' "$FULLDIR/peers.txt") rows"
             grep -E '^(nsa|mdy666) .* 64k ' "$FULLDIR/peers.txt" | tee -a "$SUMMARY"
             ;;
+        python) # the Python binding's CUDA tests (torch custom ops, KV caches and the step, CUDA
+                # graphs, nn module) and the cached generation example on the GPU (needs torch)
+            NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest -q -rs -k cuda \
+                tests/python/test_step.py tests/python/test_nn.py tests/python/test_torch.py tests/python/test_attention.py \
+                tests/python/test_basics.py tests/python/test_flex.py > "$FULLDIR/python-cuda.txt" 2>&1
+            note "python cuda tests rc $?: $(tail -1 "$FULLDIR/python-cuda.txt" | tr -d '=')"
+            grep -E '^(FAILED|ERROR)' "$FULLDIR/python-cuda.txt" | head -20 | cut -c1-300 | tee -a "$SUMMARY"
+            NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python PYTHONUNBUFFERED=1 timeout 240 python3 examples/generate.py \
+                --device cuda --tiny --train-steps 60 > "$FULLDIR/generate.txt" 2>&1
+            note "generate rc $?: $(grep -iE 'equal|tok/s|differ' "$FULLDIR/generate.txt" | tr '\n' ' ' | cut -c1-300)"
+            ;;
+        decode) # one decode step beside mdy666's and dense attention (needs torch; peers/ for mdy666)
+            NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python PYTHONUNBUFFERED=1 timeout 300 python3 bench/decode.py \
+                --batch "${DECODE_B:-1,8,32}" --ctx "${DECODE_CTX:-16k,64k}" --out "$FULLDIR" > "$FULLDIR/decode.txt" 2>&1
+            note "decode rc $?:"
+            grep -vE '^(#|$)' "$FULLDIR/decode.txt" | tail -30 | tee -a "$SUMMARY"
+            ;;
+        flex) # nsa.flex_attention beside torch's compiled FlexAttention (needs torch)
+            NSA_CUDA_FLEX=1 NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python PYTHONUNBUFFERED=1 timeout 300 python3 bench/flex.py \
+                --T "${FLEX_T:-4k,16k}" --heads "${FLEX_HEADS:-16/16}" --passes fwd --out "$FULLDIR" > "$FULLDIR/flex.txt" 2>&1
+            note "flex rc $?:"
+            grep -vE '^(#|$)' "$FULLDIR/flex.txt" | tail -30 | tee -a "$SUMMARY"
+            ;;
         esac
     done
     nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader >> "$OUT/gpu.txt" 2>&1
@@ -288,4 +332,4 @@ fi
 echo
 echo "================ summary ================"
 cat "$SUMMARY"
-cat "$OUT/bench.log"
+[ -f "$OUT/bench.log" ] && cat "$OUT/bench.log"
