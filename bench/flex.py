@@ -216,8 +216,6 @@ def run(args):
     info = harness.gpu_info() if device.type == "cuda" else {}
     name = info.get("name") or (torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu")
     gpu = harness.gpu_string(info, name)
-    if device.type == "cuda":
-        os.environ.setdefault("NSA_CUDA_FLEX", "1")  # (the CUDA forward, until its tests lift the gate)
     print("gpu: %s" % gpu, flush=True)
     bench = Bench(torch, args, device)
     rows, skipped = [], []

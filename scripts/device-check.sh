@@ -301,8 +301,8 @@ if [ -n "$EXTRA" ]; then
             ;;
         python) # the Python binding's CUDA tests (torch custom ops, KV caches and the step, CUDA
                 # graphs, nn module) and the cached generation example on the GPU (needs torch)
-            NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest -q -rs -k cuda \
-                tests/python/test_step.py tests/python/test_nn.py tests/python/test_torch.py tests/python/test_attention.py \
+            NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest -q -rs -k "cuda or tiled" \
+                tests/python/test_step_gpu.py tests/python/test_step.py tests/python/test_nn.py tests/python/test_torch.py tests/python/test_attention.py \
                 tests/python/test_basics.py tests/python/test_flex.py > "$FULLDIR/python-cuda.txt" 2>&1
             note "python cuda tests rc $?: $(tail -1 "$FULLDIR/python-cuda.txt" | tr -d '=')"
             grep -E '^(FAILED|ERROR)' "$FULLDIR/python-cuda.txt" | head -20 | cut -c1-300 | tee -a "$SUMMARY"
@@ -317,7 +317,7 @@ if [ -n "$EXTRA" ]; then
             grep -vE '^(#|$)' "$FULLDIR/decode.txt" | tail -30 | tee -a "$SUMMARY"
             ;;
         flex) # nsa.flex_attention beside torch's compiled FlexAttention (needs torch)
-            NSA_CUDA_FLEX=1 NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python PYTHONUNBUFFERED=1 timeout 300 python3 bench/flex.py \
+            NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python PYTHONUNBUFFERED=1 timeout 300 python3 bench/flex.py \
                 --T "${FLEX_T:-4k,16k}" --heads "${FLEX_HEADS:-16/16}" --passes fwd --out "$FULLDIR" > "$FULLDIR/flex.txt" 2>&1
             note "flex rc $?:"
             grep -vE '^(#|$)' "$FULLDIR/flex.txt" | tail -30 | tee -a "$SUMMARY"

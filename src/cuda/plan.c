@@ -14,6 +14,7 @@ void cu_overrides_default(cu_overrides *o)
     o->slc_pair = 1;
     o->slc_union = 1;
     o->nonfinite = -1;
+    o->step_tiled = 1;
 }
 
 void cu_overrides_from_env(cu_overrides *o)
@@ -36,6 +37,8 @@ void cu_overrides_from_env(cu_overrides *o)
     if (e && e[0] == '1') o->slc_union = 0;
     e = getenv("NSA_CUDA_NONFINITE");
     if (e && (e[0] == '0' || e[0] == '1')) o->nonfinite = e[0] - '0';
+    e = getenv("NSA_CUDA_STEP_TILED");
+    if (e && e[0] == '0') o->step_tiled = 0;
 }
 
 int cu_dims_class(int64_t DK, int64_t DV)

@@ -148,8 +148,11 @@ def test_generate_trains_when_no_checkpoint():
 def test_cached_steps_equal_forward(device, separate_kv, learnable, page_size):
     """forward(cache=...) over a prefill chunk, decode steps and multi-token steps, with a
     different count per sequence (some idle), gives forward()'s rows over the whole sequences:
-    RoPE at the cached positions, phi of the blocks the new tokens complete, the three branches."""
-    dtype = dtype_for(device)
+    RoPE at the cached positions, phi of the blocks the new tokens complete, the three branches.
+    A learnable phi runs in float32 on the GPU too: its bf16 matrix products round differently
+    for one block than for all blocks at once (torch picks other kernels), which can move the
+    top-n choice; that is torch's rounding, not the cache's."""
+    dtype = torch.float32 if learnable else dtype_for(device)
     torch.manual_seed(0)
     m = nsa.nn.NativeSparseAttention(64, num_heads=4, num_kv_heads=2, head_dim=16, config=CFG, separate_kv=separate_kv,
                                      learnable_compression=learnable).to(device=device, dtype=dtype)
@@ -170,7 +173,7 @@ def test_cached_steps_equal_forward(device, separate_kv, learnable, page_size):
                 worst = max(worst, (y[b, :counts[b]] - full[b, L[b]:L[b] + counts[b]]).abs().max().item())
             L[b] += counts[b]
     assert cache.lengths == [90, 90]
-    assert worst < (5e-5 if dtype == torch.float32 else 5e-2), worst
+    assert worst < ((5e-5 if device == "cpu" else 2e-4) if dtype == torch.float32 else 5e-2), worst
 
 
 def test_cached_step_refuses_a_full_cache():

@@ -7,8 +7,7 @@
  * The kernel (scalar, correctness first): one warp per (batch entry, query head, query row);
  * the visible keys walked twice (the max, then the weights) as the CPU's flex_row does; the
  * lists checked on the host first (copied back: the same check as the CPU's, so a bad list is
- * a status and nothing is written). Not yet run on a GPU: calls need NSA_CUDA_FLEX=1 until the
- * GPU tests have passed. */
+ * a status and nothing is written). */
 #include <dlfcn.h>
 #include <nvrtc.h>
 #include <pthread.h>
@@ -433,12 +432,6 @@ static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
     if (p->DK > 256 || p->DV > 256) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: DK %lld and DV %lld, the CUDA block-sparse kernel takes head dims up to 256",
                (long long)p->DK, (long long)p->DV);
-        return;
-    }
-    const char *on = getenv("NSA_CUDA_FLEX");
-    if (!on || strcmp(on, "1") != 0) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "ctx: the CUDA block-sparse kernel is not validated on a GPU yet (NSA_CUDA_FLEX=1 "
-                                            "runs it; the CPU backend runs every form)");
         return;
     }
     check_lists(g, a);

@@ -1,9 +1,9 @@
 /* step/step.cu -- the inference step (nsa.h section 8, spec 12) on the GPU, on scalar kernels:
- *   step_check_kernel   per sequence: lengths, counts and the pages it will touch, read on the
+ *   step_prep_kernel    per sequence: lengths, counts and the pages it will touch, read on the
  *                       device (no host synchronisation: a captured graph replays for any
- *                       lengths); a sequence with a problem is skipped and its code written
- *   step_append_kernel  the step's tokens into the token cache
- *   step_pool_kernel    the compressed rows those tokens complete (mean pooling)
+ *                       lengths; a sequence with a problem is skipped and its code written);
+ *                       the step's tokens into the token cache; the compressed rows those
+ *                       tokens complete (mean pooling)
  *   step_query_kernel   one warp per (sequence, new query, kv head): the compressed branch of
  *                       the G heads, their summed probabilities into the warp's slice of the
  *                       workspace, the selection (importance streamed block by block into a
@@ -12,134 +12,87 @@
  *   step_dense_kernel   the dense step (nsa_attention_step): one warp per (sequence, new query,
  *                       query head), two passes over its visible cached keys (max, then weights)
  *                       after the same check and append kernels.
- * The workspace depends on the shapes only (capacities, not lengths), so a graph keeps it. */
-#include "../prim/run.h"
-#include "../prim/simt.cuh"
-#include "../cuda_backend.h"
+ * The workspace depends on the shapes only (capacities, not lengths), so a graph keeps it.
+ * These kernels are the reference of the GPU step and take every shape; the common ones (bf16 /
+ * f16, DK = DV in {64, 128}, G <= 16) run on the tensor-core kernels of tiled.cu instead. */
+#include "step.h"
 
 #define STEP_WARPS 4
 #define STEP_MAX_WARPS 2048 /* query warps in flight: each owns a compressed-capacity slice of workspace */
 
 static int cu_step_supported(grun *g, const nsa_step_args *a);
 
-/* A cache as the kernels read it: k, v views and the block table (bt NULL: contiguous). */
-typedef struct step_cache_t {
-    dview k, v;
-    const int32_t *bt;
-    int64_t bt0, bt1, page, pool, cap;
-} step_cache_t;
-
-typedef struct step_params {
-    dview q, kn, vn, o, gc, gs, gw, idx, bi, bc; /* idx: the selection made (selected); bi, bc: the caller's */
-    step_cache_t kv, ckv;
-    const int32_t *qlens, *seqlens;
-    int64_t qlens_s, seqlens_s;
-    int32_t *errors;
-    int64_t errors_s;
-    int32_t *ok; /* [B] workspace: 1 = the sequence passed the checks */
-    float *psum; /* [STEP_MAX_WARPS][ckv.cap] workspace */
-    int64_t B, Tq, HQ, H, G;
-    int DK, DV;
-    int64_t l, d, lp, n, m, n_init, n_local, w; /* m: the caller's index width (else n) */
-    float scale, swa_scale;
-    int append, pool, use_cmp, use_slc, use_swa, selects; /* selects: slc on without caller indices */
-    /* the dense step's (nsa_attention_step) */
-    dview lse;
-    const float *sinks;
-    int64_t sinks_s, wl, wr;
-    float softcap;
-    int causal;
-} step_params;
-
-__device__ __forceinline__ int64_t step_row(const step_cache_t &c, const dview &x, int64_t b, int64_t r, int64_t h)
-{
-    if (!c.bt) return b * x.s0 + r * x.s1 + h * x.s2;
-    const int64_t pg = c.bt[b * c.bt0 + (r / c.page) * c.bt1];
-    return pg * x.s0 + (r % c.page) * x.s1 + h * x.s2;
-}
-
-struct step_seq_t {
-    int64_t n, L0, L;
-};
-__device__ __forceinline__ step_seq_t step_seq(const step_params &P, int64_t b)
-{
-    step_seq_t s;
-    s.n = P.qlens ? P.qlens[b * P.qlens_s] : P.Tq;
-    s.L0 = P.seqlens[b * P.seqlens_s];
-    s.L = P.append ? s.L0 + s.n : s.L0;
-    return s;
-}
-
-/* The first problem of sequence b (nsa_step_error), or 0. */
-__device__ int step_problem(const step_params &P, int64_t b)
+/* The first problem of sequence b (nsa_step_error), or 0, found by a warp (the pages checked
+ * 32 at a time): its queries, its lengths, its token pages, then its compressed rows. */
+__device__ int step_problem_warp(const step_params &P, int64_t b, int lane)
 {
     const step_seq_t s = step_seq(P, b);
     if (s.n < 0 || s.n > P.Tq) return NSA_STEP_BAD_QLEN;
     if (s.L0 < 0) return NSA_STEP_BAD_SEQLEN;
     if (!P.append && s.n > s.L0) return NSA_STEP_NO_TOKENS;
     if (s.L > P.kv.cap) return NSA_STEP_OVER_CAPACITY;
+    bool bad = false;
     if (P.kv.bt)
-        for (int64_t j = 0; j * P.kv.page < s.L; j++) {
+        for (int64_t j = lane; j * P.kv.page < s.L; j += 32) {
             const int32_t pg = P.kv.bt[b * P.kv.bt0 + j * P.kv.bt1];
-            if (pg < 0 || pg >= P.kv.pool) return NSA_STEP_BAD_PAGE;
+            bad |= pg < 0 || pg >= P.kv.pool;
         }
+    if (__any_sync(0xffffffffu, bad)) return NSA_STEP_BAD_PAGE;
     if (!(P.use_cmp || P.selects)) return NSA_STEP_OK;
     const int64_t nc = nsa_rule_num_cmp(s.L, P.l, P.d);
     if (nc > P.ckv.cap) return NSA_STEP_OVER_CMP_CAPACITY;
     if (P.ckv.bt)
-        for (int64_t j = 0; j * P.ckv.page < nc; j++) {
+        for (int64_t j = lane; j * P.ckv.page < nc; j += 32) {
             const int32_t pg = P.ckv.bt[b * P.ckv.bt0 + j * P.ckv.bt1];
-            if (pg < 0 || pg >= P.ckv.pool) return NSA_STEP_BAD_CMP_PAGE;
+            bad |= pg < 0 || pg >= P.ckv.pool;
         }
+    if (__any_sync(0xffffffffu, bad)) return NSA_STEP_BAD_CMP_PAGE;
     return NSA_STEP_OK;
 }
 
-__global__ void step_check_kernel(const step_params P)
-{
-    const int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= P.B) return;
-    const int e = step_problem(P, b);
-    P.ok[b] = e == NSA_STEP_OK;
-    if (P.errors) P.errors[b * P.errors_s] = e;
-}
+/* The compressed rows one step can complete: n new tokens complete at most n / d + 1. */
+static inline int64_t step_pool_rows(const nsa_problem *p, const step_params &P) { return P.pool ? p->T / p->cfg.cmp_stride + 1 : 0; }
 
-/* one warp per (b, new token, kv head): its K and V rows into the cache */
-__global__ void step_append_kernel(const step_params P)
+/* Everything before the queries, in one launch: per sequence b, (Tq + rows) * H warps, each
+ * checking b itself (the first writes its code and ok[b]); warp k < Tq * H appends token k / H
+ * of kv head k % H, the others pool the compressed rows the step completes, Nc(L - n) ..
+ * Nc(L) - 1, as the mean of their l token rows (summed in order, then times 1 / l), reading
+ * the step's own tokens from k_new / v_new so no warp waits for another. */
+__global__ void step_prep_kernel(const step_params P, int64_t rows)
 {
     const int lane = threadIdx.x & 31;
-    const int64_t items = P.B * P.Tq * P.H;
-    for (int64_t w = simt_warp0(); w < items; w += simt_nwarps()) {
-        const int64_t h = w % P.H, i = (w / P.H) % P.Tq, b = w / (P.H * P.Tq);
-        if (!P.ok[b]) continue;
-        const step_seq_t s = step_seq(P, b);
-        if (i >= s.n) continue;
-        const int64_t r = s.L0 + i;
-        for (int e = lane; e < P.DK; e += 32)
-            st_any(P.kv.k.p, P.kv.k.dt, step_row(P.kv, P.kv.k, b, r, h) + e, ld_any(P.kn.p, P.kn.dt, b * P.kn.s0 + i * P.kn.s1 + h * P.kn.s2 + e));
-        for (int e = lane; e < P.DV; e += 32)
-            st_any(P.kv.v.p, P.kv.v.dt, step_row(P.kv, P.kv.v, b, r, h) + e, ld_any(P.vn.p, P.vn.dt, b * P.vn.s0 + i * P.vn.s1 + h * P.vn.s2 + e));
-    }
-}
-
-/* one warp per (b, compressed row slot, kv head): the rows the step's tokens complete, Nc(L - n)
- * .. Nc(L) - 1, as the mean of their l token rows (summed in order, then times 1 / l) */
-__global__ void step_pool_kernel(const step_params P)
-{
-    const int lane = threadIdx.x & 31;
-    const int64_t items = P.B * P.ckv.cap * P.H;
+    const int64_t per_b = (P.Tq + rows) * P.H > 0 ? (P.Tq + rows) * P.H : 1, items = P.B * per_b;
     const float inv_l = 1.0f / (float)P.l;
     for (int64_t w = simt_warp0(); w < items; w += simt_nwarps()) {
-        const int64_t h = w % P.H, c = (w / P.H) % P.ckv.cap, b = w / (P.H * P.ckv.cap);
-        if (!P.ok[b]) continue;
+        const int64_t b = w / per_b, k = w % per_b;
+        const int e = step_problem_warp(P, b, lane);
+        if (k == 0 && lane == 0) {
+            P.ok[b] = e == NSA_STEP_OK;
+            if (P.errors) P.errors[b * P.errors_s] = e;
+        }
+        if (e != NSA_STEP_OK) continue;
         const step_seq_t s = step_seq(P, b);
-        if (c < nsa_rule_num_cmp(s.L - s.n, P.l, P.d) || c >= nsa_rule_num_cmp(s.L, P.l, P.d)) continue;
+        if (k < P.Tq * P.H) {
+            const int64_t h = k % P.H, i = k / P.H;
+            if (!P.append || i >= s.n) continue;
+            const int64_t r = s.L0 + i;
+            for (int c = lane; c < P.DK; c += 32)
+                st_any(P.kv.k.p, P.kv.k.dt, step_row(P.kv, P.kv.k, b, r, h) + c, ld_any(P.kn.p, P.kn.dt, b * P.kn.s0 + i * P.kn.s1 + h * P.kn.s2 + c));
+            for (int c = lane; c < P.DV; c += 32)
+                st_any(P.kv.v.p, P.kv.v.dt, step_row(P.kv, P.kv.v, b, r, h) + c, ld_any(P.vn.p, P.vn.dt, b * P.vn.s0 + i * P.vn.s1 + h * P.vn.s2 + c));
+            continue;
+        }
+        const int64_t h = (k - P.Tq * P.H) % P.H, c = nsa_rule_num_cmp(s.L - s.n, P.l, P.d) + (k - P.Tq * P.H) / P.H;
+        if (c >= nsa_rule_num_cmp(s.L, P.l, P.d)) continue;
         for (int x = 0; x < 2; x++) {
-            const dview &src = x ? P.kv.v : P.kv.k, &dst = x ? P.ckv.v : P.ckv.k;
+            const dview &src = x ? P.kv.v : P.kv.k, &dst = x ? P.ckv.v : P.ckv.k, &nw = x ? P.vn : P.kn;
             const int D = x ? P.DV : P.DK;
-            for (int e = lane; e < D; e += 32) {
+            for (int e2 = lane; e2 < D; e2 += 32) {
                 float sum = 0.0f;
-                for (int64_t r = c * P.d; r < c * P.d + P.l; r++) sum += ld_any(src.p, src.dt, step_row(P.kv, src, b, r, h) + e);
-                st_any(dst.p, dst.dt, step_row(P.ckv, dst, b, c, h) + e, sum * inv_l);
+                for (int64_t r = c * P.d; r < c * P.d + P.l; r++)
+                    sum += r >= s.L0 && P.append ? ld_any(nw.p, nw.dt, b * nw.s0 + (r - s.L0) * nw.s1 + h * nw.s2 + e2)
+                                                 : ld_any(src.p, src.dt, step_row(P.kv, src, b, r, h) + e2);
+                st_any(dst.p, dst.dt, step_row(P.ckv, dst, b, c, h) + e2, sum * inv_l);
             }
         }
     }
@@ -411,17 +364,14 @@ static void params_common(step_params *P, const nsa_problem *p, const nsa_step_a
     P->append = nsa_present(&a->k_new);
 }
 
-/* The check of every sequence, then the append of the step's tokens. */
-static void launch_check_append(grun *g, const step_params &P)
+/* The check of every sequence, the append of the step's tokens and the pooling (prep kernel). */
+static void launch_prep(grun *g, const step_params &P)
 {
     const nsa_problem *p = g->p;
-    step_check_kernel<<<(unsigned)((p->B + 127) / 128), 128, 0, g->st>>>(P);
+    const int64_t rows = step_pool_rows(p, P);
+    const int64_t per_b = (p->T + rows) * p->H > 0 ? (p->T + rows) * p->H : 1;
+    step_prep_kernel<<<simt_grid(p->B * per_b), 32 * SIMT_WARPS, 0, g->st>>>(P, rows);
     g_launched(g);
-    const int64_t items = p->B * p->T * p->H;
-    if (P.append && items > 0) {
-        step_append_kernel<<<simt_grid(items), 32 * SIMT_WARPS, 0, g->st>>>(P);
-        g_launched(g);
-    }
 }
 
 static void run_step(grun *g, const nsa_step_args *a)
@@ -443,15 +393,17 @@ static void run_step(grun *g, const nsa_step_args *a)
     P.ok = (int32_t *)g_take_n(g, nsa_size_of(p->B), sizeof(int32_t));
     const int64_t items = p->B * p->T * p->H;
     const int64_t blocks = ((items < STEP_MAX_WARPS ? items : STEP_MAX_WARPS) + STEP_WARPS - 1) / STEP_WARPS;
-    P.psum = P.selects ? cu_take_f32(g, nsa_size_mul(nsa_size_of(blocks * STEP_WARPS), nsa_size_of(P.ckv.cap)), 0) : NULL;
+    ts_plan plan;
+    const int tiled = step_tiled_fits(g, &P);
+    if (tiled) step_tiled_take(g, &P, &plan);
+    else P.psum = P.selects ? cu_take_f32(g, nsa_size_mul(nsa_size_of(blocks * STEP_WARPS), nsa_size_of(P.ckv.cap)), 0) : NULL;
     if (!g_live(g) || p->B == 0) return;
-    launch_check_append(g, P);
-    const int64_t pool_items = p->B * P.ckv.cap * p->H;
-    if (P.pool && pool_items > 0) {
-        step_pool_kernel<<<simt_grid(pool_items), 32 * SIMT_WARPS, 0, g->st>>>(P);
-        g_launched(g);
-    }
+    launch_prep(g, P);
     if (items == 0) return;
+    if (tiled) {
+        step_tiled_launch(g, &P, &plan);
+        return;
+    }
     const size_t smem = (size_t)STEP_WARPS * (size_t)(P.m > P.n ? P.m : P.n) * 8;
     g_check(g, cudaFuncSetAttribute(step_query_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (!g_live(g)) return;
@@ -504,10 +456,17 @@ static void run_attention_step(grun *g, const nsa_attention_step_args *a)
     P.sinks = nsa_present(&a->sinks) ? (const float *)a->sinks.data : NULL, P.sinks_s = a->sinks.stride[0];
     P.wl = a->window_left, P.wr = a->window_right, P.causal = a->causal != 0, P.softcap = a->softcap;
     P.ok = (int32_t *)g_take_n(g, nsa_size_of(p->B), sizeof(int32_t));
+    ts_plan plan;
+    const int tiled = attention_step_tiled_fits(g, &P);
+    if (tiled) attention_step_tiled_take(g, &P, &plan);
     if (!g_live(g) || p->B == 0) return;
-    launch_check_append(g, P);
+    launch_prep(g, P);
     const int64_t items = p->B * p->T * p->HQ;
     if (items == 0) return;
+    if (tiled) {
+        attention_step_tiled_launch(g, &P, &plan);
+        return;
+    }
     step_dense_kernel<<<simt_grid(items), 32 * SIMT_WARPS, 0, g->st>>>(P);
     g_launched(g);
 }

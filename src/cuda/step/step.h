@@ -1,0 +1,87 @@
+/* step/step.h -- what the inference step's kernels share (step.cu: the scalar kernels and the
+ * host code; tiled.cu: the tensor-core kernels of the common shapes): the parameter block, the
+ * cache views, a sequence's lengths and its checks, read on the device. */
+#ifndef NSA_CUDA_STEP_STEP_H
+#define NSA_CUDA_STEP_STEP_H
+
+#include "../prim/run.h"
+#include "../prim/simt.cuh"
+#include "../cuda_backend.h"
+
+/* A cache as the kernels read it: k, v views and the block table (bt NULL: contiguous). */
+typedef struct step_cache_t {
+    dview k, v;
+    const int32_t *bt;
+    int64_t bt0, bt1, page, pool, cap;
+} step_cache_t;
+
+typedef struct step_params {
+    dview q, kn, vn, o, gc, gs, gw, idx, bi, bc; /* idx: the selection made (selected); bi, bc: the caller's */
+    step_cache_t kv, ckv;
+    const int32_t *qlens, *seqlens;
+    int64_t qlens_s, seqlens_s;
+    int32_t *errors;
+    int64_t errors_s;
+    int32_t *ok; /* [B] workspace: 1 = the sequence passed the checks */
+    float *psum; /* [STEP_MAX_WARPS][ckv.cap] workspace */
+    int64_t B, Tq, HQ, H, G;
+    int DK, DV;
+    int64_t l, d, lp, n, m, n_init, n_local, w; /* m: the caller's index width (else n) */
+    float scale, swa_scale;
+    int append, pool, use_cmp, use_slc, use_swa, selects; /* selects: slc on without caller indices */
+    /* the dense step's (nsa_attention_step) */
+    dview lse;
+    const float *sinks;
+    int64_t sinks_s, wl, wr;
+    float softcap;
+    int causal;
+} step_params;
+
+__device__ __forceinline__ int64_t step_row(const step_cache_t &c, const dview &x, int64_t b, int64_t r, int64_t h)
+{
+    if (!c.bt) return b * x.s0 + r * x.s1 + h * x.s2;
+    const int64_t pg = c.bt[b * c.bt0 + (r / c.page) * c.bt1];
+    return pg * x.s0 + (r % c.page) * x.s1 + h * x.s2;
+}
+
+struct step_seq_t {
+    int64_t n, L0, L;
+};
+__device__ __forceinline__ step_seq_t step_seq(const step_params &P, int64_t b)
+{
+    step_seq_t s;
+    s.n = P.qlens ? P.qlens[b * P.qlens_s] : P.Tq;
+    s.L0 = P.seqlens[b * P.seqlens_s];
+    s.L = P.append ? s.L0 + s.n : s.L0;
+    return s;
+}
+
+/* The tiled step (tiled.cu): tensor-core kernels for bf16 / f16 caches with DK = DV in {64,
+ * 128} and at most 16 query heads per kv head. Each (sequence, new query, kv head) is an item
+ * whose G query rows share every key; its keys are split over CTAs (flash-decoding), each CTA
+ * writing a partial (row max, row sum, unnormalised output) that one combine kernel merges in a
+ * fixed order. The NSA step: the compressed branch with the selection's importance per block
+ * (ts_split over the compressed cache), the top-n (ts_select), the selected and window branches
+ * (ts_split over the chosen blocks and the window), the gates (ts_combine). The dense step: one
+ * ts_split over the visible range, then ts_combine. step_tiled_fits / attention_step_tiled_fits
+ * say whether a call has those shapes (the same answer in the sizing and the live pass);
+ * *_take carves the workspace (both passes), *_launch runs after the check and the append. */
+typedef struct ts_plan {
+    int D;
+    int64_t items, batch;      /* items = B * Tq * H, launched `batch` at a time */
+    int64_t tiles1, tpc1, nt1; /* compressed branch: tiles of 64 rows, tiles per task, tasks */
+    int64_t tpc_slc, nt_slc, tpc_swa, nt_swa, tpb; /* selected and window tasks; tiles per block */
+    int64_t width;             /* the selection list's length */
+    int JT;                    /* blocks one compressed tile touches */
+    float *part1, *part3, *bins;
+    int32_t *sel;
+} ts_plan;
+
+int step_tiled_fits(const grun *g, const step_params *P);
+void step_tiled_take(grun *g, const step_params *P, ts_plan *pl);
+void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl);
+int attention_step_tiled_fits(const grun *g, const step_params *P);
+void attention_step_tiled_take(grun *g, const step_params *P, ts_plan *pl);
+void attention_step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl);
+
+#endif
