@@ -292,6 +292,34 @@ def run(args):
     return 0
 
 
+def profile(args):
+    """Per-kernel CUDA time of nsa's NSA and dense steps (torch.profiler; no L2 flush): where a
+    step's microseconds go, by kernel, averaged over --reps calls after --warmup."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+    bench = Bench(torch, args, torch.device(args.device))
+    for B in args.batch:
+        for ctx in args.ctx:
+            c = bench.caches(B, ctx)
+            for name, fn in (("nsa", bench.nsa_fn(B, ctx, c)), ("dense", bench.nsa_dense_fn(B, ctx, c))):
+                for _ in range(args.warmup):
+                    fn()
+                torch.cuda.synchronize()
+                with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(args.reps):
+                        fn()
+                    torch.cuda.synchronize()
+                dev_us = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)  # noqa: E731
+                rows = [(e.key, dev_us(e) / args.reps) for e in prof.key_averages() if dev_us(e) > 0]
+                rows.sort(key=lambda r: -r[1])
+                print("%s step B=%d ctx=%s: %.1f us of kernels per call" % (name, B, harness.fmt_T(ctx), sum(r[1] for r in rows)))
+                for key, us in rows[:8]:
+                    print("  %8.1f us  %s" % (us, key[:90]))
+            del c
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", default="1,8,32", help="batch sizes, comma-separated")
@@ -303,6 +331,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--bandwidth", type=float, default=None, help="HBM bytes/s for the floor (default by GPU name)")
     ap.add_argument("--out", default=None, help="folder for <date>-<gpu>-decode.json")
+    ap.add_argument("--profile", action="store_true", help="nsa's steps only: CUDA time per kernel (torch.profiler)")
     ap.add_argument("--self-test", action="store_true", help="the pure parts only (no torch, no GPU)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -314,6 +343,8 @@ def main(argv=None):
     bad = [x for x in args.impl if x not in IMPLS]
     if bad:
         ap.error("--impl: unknown %s (known: %s)" % (", ".join(bad), ", ".join(IMPLS)))
+    if args.profile:
+        return profile(args)
     return run(args)
 
 

@@ -306,15 +306,25 @@ if [ -n "$EXTRA" ]; then
                 tests/python/test_basics.py tests/python/test_flex.py > "$FULLDIR/python-cuda.txt" 2>&1
             note "python cuda tests rc $?: $(tail -1 "$FULLDIR/python-cuda.txt" | tr -d '=')"
             grep -E '^(FAILED|ERROR)' "$FULLDIR/python-cuda.txt" | head -20 | cut -c1-300 | tee -a "$SUMMARY"
+            # the tiled steps' kernels under memcheck (a paged NSA step and a paged dense step)
+            NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 10 \
+                python3 -m pytest -q -x tests/python/test_step_gpu.py -k "bfloat16 and (128-4-64 or 128-16-64)" \
+                > "$FULLDIR/python-memcheck.txt" 2>&1
+            note "python step memcheck rc $?: $(grep -E 'ERROR SUMMARY' "$FULLDIR/python-memcheck.txt" | tail -1) / $(tail -1 "$FULLDIR/python-memcheck.txt" | tr -d '=')"
             NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python PYTHONUNBUFFERED=1 timeout 240 python3 examples/generate.py \
                 --device cuda --tiny --train-steps 60 > "$FULLDIR/generate.txt" 2>&1
-            note "generate rc $?: $(grep -iE 'equal|tok/s|differ' "$FULLDIR/generate.txt" | tr '\n' ' ' | cut -c1-300)"
+            note "generate rc $?: $(grep -iE 'equal|tokens/s|differ' "$FULLDIR/generate.txt" | tr '\n' ' ' | cut -c1-300)"
             ;;
         decode) # one decode step beside mdy666's and dense attention (needs torch; peers/ for mdy666)
             NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python PYTHONUNBUFFERED=1 timeout 300 python3 bench/decode.py \
                 --batch "${DECODE_B:-1,8,32}" --ctx "${DECODE_CTX:-16k,64k}" --out "$FULLDIR" > "$FULLDIR/decode.txt" 2>&1
             note "decode rc $?:"
-            grep -vE '^(#|$)' "$FULLDIR/decode.txt" | tail -30 | tee -a "$SUMMARY"
+            grep -E '^(nsa|mdy666|cudnn|fa2) ' "$FULLDIR/decode.txt" | tee -a "$SUMMARY"
+            cp "$FULLDIR"/*-decode*.json "$OUT"/ 2>/dev/null
+            NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python timeout 200 python3 bench/decode.py --profile --batch 1,32 \
+                --ctx 64k --reps 20 > "$FULLDIR/decode-profile.txt" 2>&1
+            note "decode profile rc $?:"
+            cat "$FULLDIR/decode-profile.txt" | tee -a "$SUMMARY"
             ;;
         flex) # nsa.flex_attention beside torch's compiled FlexAttention (needs torch)
             NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python PYTHONUNBUFFERED=1 timeout 300 python3 bench/flex.py \

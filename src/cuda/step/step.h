@@ -67,10 +67,10 @@ __device__ __forceinline__ step_seq_t step_seq(const step_params &P, int64_t b)
  * say whether a call has those shapes (the same answer in the sizing and the live pass);
  * *_take carves the workspace (both passes), *_launch runs after the check and the append. */
 typedef struct ts_plan {
-    int D;
+    int D, hc;                 /* head dim; kv heads per CTA */
     int64_t items, batch;      /* items = B * Tq * H, launched `batch` at a time */
-    int64_t tiles1, tpc1, nt1; /* compressed branch: tiles of 64 rows, tiles per task, tasks */
-    int64_t tpc_slc, nt_slc, tpc_swa, nt_swa, tpb; /* selected and window tasks; tiles per block */
+    int64_t tiles1, tpc1, nt1; /* compressed branch (or the dense range): stages, stages per task, tasks */
+    int64_t tpc_slc, nt_slc, tpc_swa, nt_swa, tpb; /* selected and window tasks; stages per block */
     int64_t width;             /* the selection list's length */
     int JT;                    /* blocks one compressed tile touches */
     float *part1, *part3, *bins;

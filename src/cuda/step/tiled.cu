@@ -8,11 +8,14 @@
 #include "step.h"
 
 #define TS_THREADS 128
-#define TS_TARGET_CTAS 528 /* CTAs a launch aims at: four per SM of a 132-SM part, fixed so the
+#define TS_COMBINE_THREADS 128 /* 4 groups of tasks x 32 four-column pieces of a head's row (D = 128) */
+#define TS_TARGET_CTAS 264 /* CTAs a launch aims at: one wave (two per SM) of a 132-SM part, fixed so the
                               sizing pass (no device query) plans the same workspace */
 #define TS_BATCH 4096      /* items per launch round: bounds the partials' workspace */
-#define TS_KEYS_MAX 12288  /* selection blocks the top-n keeps in shared memory (96 KiB) */
-#define TS_PS_LD 65
+#define TS_SELECT_SMEM (160 * 1024) /* the top-n's shared memory at most (contexts to ~400k tokens
+                                      in the paper's configuration; longer ones take the scalar step) */
+#define TS_JT_MAX 16 /* blocks a 16-row group of compressed rows may overlap: two n8 tiles (the host checks) */
+#define TS_STAGES 3 /* tiles in flight per CTA: two load while one is computed */
 
 enum { BR_CMP = 0, BR_SLC = 1, BR_SWA = 2, BR_RANGE = 3 };
 
@@ -23,10 +26,13 @@ typedef struct ts_launch {
     int kind[2];
     int64_t tasks[2], tpc[2];
     int64_t ntask; /* tasks[0] + tasks[1] */
+    int64_t n;     /* items in this round (a multiple of hc) */
+    int hc;        /* kv heads per CTA: 4, 2 or 1, dividing H */
     int64_t item0; /* the round's first item */
     float *part;   /* [batch][ntask][ts_part_floats(D)] */
-    float *bins;   /* IMP: [batch][tiles][16][JT + 1]: per block sums of p, then the reference max */
-    int64_t tiles; /* compressed tiles per item (the bins' stride) */
+    float *bins;   /* IMP: [batch][groups][16][JT + 1]: per 16-row group, head and block the sum of
+                      overlap * p, then the reference max */
+    int64_t tiles; /* 16-row groups of compressed rows per item (the bins' stride) */
     int JT;
     const int32_t *sel; /* BR_SLC: [batch][width] */
     int64_t width;
@@ -68,102 +74,159 @@ __device__ __forceinline__ void ts_range(const step_params &P, int kind, const t
 
 template <int D> struct ts_smem {
     static constexpr int LD = D + 8; /* padded rows: ldmatrix without bank conflicts */
-    static constexpr size_t q = 0, k = q + 16 * LD * 2, v = k + 2 * 64 * LD * 2, roff = v + 2 * 64 * LD * 2,
-                            red = roff + 256 * 8, qoff = red + 64 * 4, nrow = qoff + 16 * 8, mref = nrow + 16,
-                            ps = mref + 16 * 4, end = ps, end_imp = ps + 16 * TS_PS_LD * 4;
+    static constexpr size_t k = 0, v = k + TS_STAGES * 64 * LD * 2, ml = v + TS_STAGES * 64 * LD * 2, end = ml + 4 * 32 * 4;
 };
 
-/* One task: the tiles [t0, t1) of one branch of one item, as a partial. */
+/* What one warp reads: kv head h of item it (heads hg * Hc + w % Hc), the 16-key slice w / Hc
+ * of each stage of KS = 64 / Hc keys. */
+struct ts_warp {
+    ts_item x;
+    int64_t it, local; /* the head's item and its index in the round */
+    int slice, KS;
+};
+
+/* rows [row0, row0 + n) of the warp's slice of stage t (n = 0: nothing, e.g. an unused slot
+ * of the selection list) */
+__device__ __forceinline__ int ts_slice_rows(const step_params &P, const ts_launch &A, int kind, const ts_warp &W, int64_t lo,
+                                             int64_t hi, int64_t t, int64_t &row0)
+{
+    int64_t end;
+    if (kind == BR_SLC) {
+        const int64_t tpb = A.tpb, a = t / tpb, u = t % tpb;
+        const int32_t j = A.sel[W.local * A.width + a];
+        if (j < 0) return 0;
+        row0 = (int64_t)j * P.lp + W.KS * u + 16 * W.slice;
+        const int64_t end0 = (int64_t)j * P.lp + P.lp, end1 = nsa_rule_slc_hi(j, W.x.pos, P.lp, W.x.L) + 1;
+        end = end0 < end1 ? end0 : end1;
+    } else {
+        row0 = lo + W.KS * t + 16 * W.slice;
+        end = hi + 1;
+    }
+    const int64_t n = end - row0;
+    return n <= 0 ? 0 : n > 16 ? 16 : (int)n;
+}
+
+/* The warp's 16 keys of stage t (those past its rows zero-filled) into its 16-row slot of
+ * buffer Kb / Vb by cp.async, one commit group: lanes 0-15 find the K rows' addresses, lanes
+ * 16-31 the V rows', shuffled to the lanes that copy. Returns the slice's key count. */
+template <typename T, int D>
+__device__ __forceinline__ int ts_issue(const step_params &P, const ts_launch &A, const step_cache_t &C, int kind, const ts_warp &W,
+                                        int64_t lo, int64_t hi, int64_t t, T *Kb, T *Vb, bool pv, int lane)
+{
+    constexpr int LD = D + 8, CH = D / 8, RPP = 32 / CH;
+    int64_t row0 = 0;
+    const int n = ts_slice_rows(P, A, kind, W, lo, hi, t, row0);
+    const int r = lane & 15;
+    const int64_t off = r < n ? step_row(C, lane < 16 ? C.k : C.v, W.x.b, row0 + r, W.x.h) : -1;
+    const T *kp = (const T *)C.k.p, *vp = (const T *)C.v.p;
+#pragma unroll
+    for (int k = 0; k < 16 / RPP; k++) {
+        const int i = k * RPP + lane / CH, c = (lane % CH) * 8;
+        const int64_t ko = __shfl_sync(0xffffffffu, off, i), vo = __shfl_sync(0xffffffffu, off, 16 + i);
+        cp16(Kb + i * LD + c, ko >= 0 ? kp + ko + c : kp, ko >= 0 ? 16 : 0);
+        if (pv) cp16(Vb + i * LD + c, vo >= 0 ? vp + vo + c : vp, vo >= 0 ? 16 : 0);
+    }
+    cp_commit();
+    return n;
+}
+
+/* One task: the stages [t0, t1) of one branch of a group of Hc kv heads of one (sequence,
+ * query), as one partial per head. Each warp runs alone over its slice of every stage (its
+ * own cp.async pipeline and online softmax, no block barrier in the loop) and the warps of a
+ * head merge at the end. A stage is 64 (token, head) rows: with Hc = 4 the four heads of 16
+ * tokens, which sit side by side in the cache, so the CTA reads whole spans of it. IMP (the
+ * compressed branch of a selecting step): each warp also leaves, per 16-row group and query
+ * head, the sums over the blocks its rows overlap of overlap * exp(s - ref), and ref (its
+ * running max then). */
 template <typename T, int D, bool IMP>
 __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params P, const ts_launch A)
 {
     typedef ts_smem<D> S;
     constexpr int LD = S::LD, KT = D / 16, NT = D / 8;
     extern __shared__ __align__(16) unsigned char ts_sm[];
-    T *Qs = (T *)(ts_sm + S::q), *Ks = (T *)(ts_sm + S::k), *Vs = (T *)(ts_sm + S::v);
-    int64_t *roff = (int64_t *)(ts_sm + S::roff), *qoff = (int64_t *)(ts_sm + S::qoff);
-    float *red = (float *)(ts_sm + S::red), *mref = (float *)(ts_sm + S::mref), *Ps = (float *)(ts_sm + S::ps);
-    int *nrow = (int *)(ts_sm + S::nrow);
+    T *Ks = (T *)(ts_sm + S::k), *Vs = (T *)(ts_sm + S::v);
+    float *ml = (float *)(ts_sm + S::ml);
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int64_t local = blockIdx.x / A.ntask, task = blockIdx.x % A.ntask, it = A.item0 + local;
-    const ts_item x = ts_item_of(P, it);
-    if (!x.live) return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, Hc = A.hc;
+    /* consecutive CTAs take the same task of neighbouring head groups */
+    const int64_t ng = A.n / Hc, lg = blockIdx.x % ng, task = blockIdx.x / ng;
+    ts_warp W;
+    W.local = lg * Hc + warp % Hc, W.it = A.item0 + W.local, W.slice = warp / Hc, W.KS = 64 / Hc;
+    W.x = ts_item_of(P, W.it);
+    if (!W.x.live) return; /* the same for every head of a (sequence, query) */
     const int bs = task < A.tasks[0] ? 0 : 1, kind = A.kind[bs];
     const int64_t c = bs ? task - A.tasks[0] : task;
     int64_t lo = 0, hi = -1, ntiles;
     if (kind == BR_SLC) {
         ntiles = A.width * A.tpb;
     } else {
-        ts_range(P, kind, x, lo, hi);
-        ntiles = hi >= lo ? (hi - lo + 64) / 64 : 0;
+        ts_range(P, kind, W.x, lo, hi);
+        ntiles = hi >= lo ? (hi - lo + W.KS) / W.KS : 0;
     }
     const int64_t t0 = c * A.tpc[bs], t1 = t0 + A.tpc[bs] < ntiles ? t0 + A.tpc[bs] : ntiles;
-    float *out = A.part + (local * A.ntask + task) * ts_part_floats(D);
     if (t0 >= t1) {
-        if (tid < 16) out[tid] = -INFINITY, out[16 + tid] = 0.0f;
+        if (tid < 16 * Hc) {
+            float *out = A.part + ((lg * Hc + tid / 16) * A.ntask + task) * ts_part_floats(D);
+            out[tid % 16] = -INFINITY, out[16 + tid % 16] = 0.0f;
+        }
         return;
     }
-    const step_cache_t &C = kind == BR_CMP ? P.ckv : P.kv;
+    const step_cache_t C = kind == BR_CMP ? P.ckv : P.kv; /* by value: a reference into the parameters would put them in local memory */
     const float scale = kind == BR_SWA ? P.swa_scale : P.scale, softcap = kind == BR_RANGE ? P.softcap : 0.0f;
     const bool pv = kind != BR_CMP || P.use_cmp; /* the compressed output is not wanted when only the selection is */
+    const int r0 = lane >> 2;
 
-    /* rows [row0, row0 + n) of tile t (n = 0: an unused slot of the selection list) */
-    auto tile_rows = [&](int64_t t, int64_t &row0) -> int {
-        if (kind == BR_SLC) {
-            const int64_t a = t / A.tpb, u = t % A.tpb;
-            const int32_t j = A.sel[local * A.width + a];
-            if (j < 0) return 0;
-            row0 = (int64_t)j * P.lp + 64 * u;
-            const int64_t end0 = (int64_t)j * P.lp + P.lp, end1 = nsa_rule_slc_hi(j, x.pos, P.lp, x.L) + 1;
-            const int64_t n = (end0 < end1 ? end0 : end1) - row0;
-            return n <= 0 ? 0 : n > 64 ? 64 : (int)n;
-        }
-        row0 = lo + 64 * t;
-        const int64_t n = hi + 1 - row0;
-        return n > 64 ? 64 : (int)n;
-    };
-    auto issue = [&](int64_t t, int buf) {
-        if (tid < 64) {
-            int64_t row0 = 0;
-            const int n = tile_rows(t, row0);
-            roff[buf * 128 + tid] = tid < n ? step_row(C, C.k, x.b, row0 + tid, x.h) : -1;
-            roff[buf * 128 + 64 + tid] = tid < n ? step_row(C, C.v, x.b, row0 + tid, x.h) : -1;
-            if (tid == 0) nrow[buf] = n;
-        }
-        __syncthreads();
-        load_rows<T, D>(Ks + buf * 64 * LD, LD, (const T *)C.k.p, roff + buf * 128, 64, D, C.k.al, tid, TS_THREADS);
-        if (pv) load_rows<T, D>(Vs + buf * 64 * LD, LD, (const T *)C.v.p, roff + buf * 128 + 64, 64, D, C.v.al, tid, TS_THREADS);
-        cp_commit();
-    };
-
-    if (tid < 16) qoff[tid] = tid < P.G ? x.b * P.q.s0 + x.i * P.q.s1 + (x.h * P.G + tid) * P.q.s2 : -1;
-    __syncthreads();
-    load_rows<T, D>(Qs, LD, (const T *)P.q.p, qoff, 16, D, P.q.al, tid, TS_THREADS);
-    cp_commit();
-    issue(t0, 0);
-
+    /* the head's 16 query rows (G heads, the rest zero) as A fragments, straight from q */
     uint32_t qf[KT][4];
+    {
+        const int64_t qb = W.x.b * P.q.s0 + W.x.i * P.q.s1 + W.x.h * P.G * P.q.s2;
+        const T *qp = (const T *)P.q.p;
+#pragma unroll
+        for (int k = 0; k < KT; k++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int g = r0 + 8 * (e & 1), col = 16 * k + 2 * (lane & 3) + 8 * (e >> 1);
+                qf[k][e] = g < P.G ? *(const uint32_t *)(qp + qb + g * P.q.s2 + col) : 0u;
+            }
+    }
+
+    /* IMP: the B fragments of the overlap table W[k][jj] = overlap(row k, block jj) of a 16-row
+     * group (the same for every group: 16 d is a multiple of l', the host checks) */
+    uint32_t wb[2][2] = {{0u, 0u}, {0u, 0u}};
+    if (IMP) {
+        const int32_t l = (int32_t)P.l, d = (int32_t)P.d, lp = (int32_t)P.lp;
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int hlf = 0; hlf < 2; hlf++) {
+                const int k = 2 * (lane & 3) + 8 * hlf, jj = nt * 8 + (lane >> 2);
+                wb[nt][hlf] = dtraits<__half>::pack((float)nsa_rule_overlap32(k, jj, l, d, lp), (float)nsa_rule_overlap32(k + 1, jj, l, d, lp));
+            }
+    }
+    T *Kw = Ks + warp * 16 * LD, *Vw = Vs + warp * 16 * LD; /* the warp's 16-row slot of each buffer */
+    int nr0 = ts_issue<T, D>(P, A, C, kind, W, lo, hi, t0, Kw, Vw, pv, lane), nr1 = 0, nr2 = 0;
+    if (t0 + 1 < t1) nr1 = ts_issue<T, D>(P, A, C, kind, W, lo, hi, t0 + 1, Kw + 64 * LD, Vw + 64 * LD, pv, lane);
     float acc[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     float mrun[2] = {-INFINITY, -INFINITY}, lsum[2] = {0.0f, 0.0f};
-    const int r0 = lane >> 2;
+    int buf = 0;
     for (int64_t t = t0; t < t1; t++) {
-        const int buf = (int)((t - t0) & 1);
-        if (t + 1 < t1) {
-            issue(t + 1, buf ^ 1);
+        if (t + 2 < t1) {
+            const int nb = buf == 0 ? 2 : buf - 1; /* (buf + 2) % 3 */
+            const int nn = ts_issue<T, D>(P, A, C, kind, W, lo, hi, t + 2, Kw + nb * 64 * LD, Vw + nb * 64 * LD, pv, lane);
+            if (nb == 0) nr0 = nn;
+            else if (nb == 1) nr1 = nn;
+            else nr2 = nn;
+            cp_wait<2>();
+        } else if (t + 1 < t1) {
             cp_wait<1>();
         } else {
             cp_wait<0>();
         }
-        __syncthreads();
-        if (t == t0) {
-#pragma unroll
-            for (int k = 0; k < KT; k++) ldsm4(qf[k], Qs + frag_a_off(lane, LD) + k * 16);
-        }
-        const int nr = nrow[buf];
-        const T *Kb = Ks + buf * 64 * LD + warp * 16 * LD, *Vb = Vs + buf * 64 * LD + warp * 16 * LD;
+        __syncwarp();
+        const int n = buf == 0 ? nr0 : buf == 1 ? nr1 : nr2;
+        const T *Kb = Kw + buf * 64 * LD, *Vb = Vw + buf * 64 * LD;
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
         for (int k = 0; k < KT; k++) {
@@ -177,26 +240,19 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
         for (int nt = 0; nt < 2; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int key = warp * 16 + nt * 8 + 2 * (lane & 3) + (e & 1);
+                const int key = nt * 8 + 2 * (lane & 3) + (e & 1);
                 float v = s[nt][e] * scale;
                 if (softcap > 0.0f) v = softcap * tanhf(v / softcap);
-                if (key >= nr) v = -INFINITY;
+                if (key >= n) v = -INFINITY;
                 s[nt][e] = v;
                 mx[e >> 1] = ts_max(mx[e >> 1], v);
             }
+        float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             mx[r] = ts_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = ts_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        }
-        if ((lane & 3) == 0) red[warp * 16 + r0] = mx[0], red[warp * 16 + r0 + 8] = mx[1];
-        __syncthreads();
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int g = r0 + 8 * r;
-            const float tm = ts_max(ts_max(red[g], red[16 + g]), ts_max(red[32 + g], red[48 + g]));
-            const float mn = ts_max(mrun[r], tm);
+            const float mn = ts_max(mrun[r], mx[r]);
             alpha[r] = mrun[r] == -INFINITY ? 0.0f : expf(mrun[r] - mn);
             mrun[r] = mn;
         }
@@ -213,65 +269,95 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
         lsum[0] = lsum[0] * alpha[0] + ps[0], lsum[1] = lsum[1] * alpha[1] + ps[1];
         if (pv) {
 #pragma unroll
-            for (int n = 0; n < NT; n++) acc[n][0] *= alpha[0], acc[n][1] *= alpha[0], acc[n][2] *= alpha[1], acc[n][3] *= alpha[1];
+            for (int q = 0; q < NT; q++) acc[q][0] *= alpha[0], acc[q][1] *= alpha[0], acc[q][2] *= alpha[1], acc[q][3] *= alpha[1];
             uint32_t a[4];
             a[0] = dtraits<T>::pack(s[0][0], s[0][1]), a[1] = dtraits<T>::pack(s[0][2], s[0][3]);
             a[2] = dtraits<T>::pack(s[1][0], s[1][1]), a[3] = dtraits<T>::pack(s[1][2], s[1][3]);
 #pragma unroll
-            for (int n = 0; n < D / 16; n++) {
+            for (int q = 0; q < D / 16; q++) {
                 uint32_t vb[4];
-                ldsm4t(vb, Vb + frag_bk_off(lane, LD) + n * 16);
-                dtraits<T>::mma(acc[2 * n], a, vb[0], vb[1]);
-                dtraits<T>::mma(acc[2 * n + 1], a, vb[2], vb[3]);
+                ldsm4t(vb, Vb + frag_bk_off(lane, LD) + q * 16);
+                dtraits<T>::mma(acc[2 * q], a, vb[0], vb[1]);
+                dtraits<T>::mma(acc[2 * q + 1], a, vb[2], vb[3]);
             }
         }
-        if (IMP) { /* this tile's share of each block's importance, per head, against mrun */
+        if (IMP && n > 0) { /* this slice's share of each block's importance, per query head */
+            /* bins[g][jj] = sum over the slice's rows k of p[g][k] * overlap(row k, block j0 + jj):
+             * one m16n8k16 product per 8 blocks, p in f16 (in [0, 1]: 11 bits where bf16 has 8),
+             * the overlaps (whole tokens, exact) from the table wb made once per warp */
+            const int32_t gr = (int32_t)((W.KS * t) / 16 + W.slice);
+            uint32_t a[4];
+            a[0] = dtraits<__half>::pack(s[0][0], s[0][1]), a[1] = dtraits<__half>::pack(s[0][2], s[0][3]);
+            a[2] = dtraits<__half>::pack(s[1][0], s[1][1]), a[3] = dtraits<__half>::pack(s[1][2], s[1][3]);
+            float bc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+            dtraits<__half>::mma(bc[0], a, wb[0][0], wb[0][1]);
+            dtraits<__half>::mma(bc[1], a, wb[1][0], wb[1][1]);
+            float *bt = A.bins + (W.local * A.tiles + gr) * 16 * (A.JT + 1);
 #pragma unroll
             for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++)
-                    Ps[(r0 + 8 * (e >> 1)) * TS_PS_LD + warp * 16 + nt * 8 + 2 * (lane & 3) + (e & 1)] = s[nt][e];
-            if (warp == 0 && (lane & 3) == 0) mref[r0] = mrun[0], mref[r0 + 8] = mrun[1];
-            __syncthreads();
-            /* 32-bit rules: rows and blocks of a cache that fits int32 (the host checks) */
-            const int32_t R0 = (int32_t)(64 * t), j0 = (int32_t)(R0 * P.d / P.lp), l = (int32_t)P.l, d = (int32_t)P.d,
-                          lp = (int32_t)P.lp;
-            float *bt = A.bins + (local * A.tiles + t) * 16 * (A.JT + 1);
-            for (int pr = tid; pr < P.G * A.JT; pr += TS_THREADS) {
-                const int g = pr / A.JT, jj = pr % A.JT;
-                const int32_t j = j0 + jj;
-                const int32_t fa = nsa_rule_slc_first_cmp32(j, l, d, lp), fb = nsa_rule_slc_last_cmp32(j, d, lp);
-                const int32_t ra = fa > R0 ? fa : R0, rb = fb < R0 + nr - 1 ? fb : R0 + nr - 1;
-                float sum = 0.0f;
-                for (int32_t r = ra; r <= rb; r++) sum += Ps[g * TS_PS_LD + (r - R0)] * (float)nsa_rule_overlap32(r, j, l, d, lp);
-                bt[g * (A.JT + 1) + jj] = sum;
+                for (int e = 0; e < 4; e++) {
+                    const int g = r0 + 8 * (e >> 1), jj = nt * 8 + 2 * (lane & 3) + (e & 1);
+                    if (g < P.G && jj < A.JT) bt[g * (A.JT + 1) + jj] = bc[nt][e];
+                }
+            if ((lane & 3) == 0) {
+                if (r0 < P.G) bt[r0 * (A.JT + 1) + A.JT] = mrun[0];
+                if (r0 + 8 < P.G) bt[(r0 + 8) * (A.JT + 1) + A.JT] = mrun[1];
             }
-            if (tid < P.G) bt[tid * (A.JT + 1) + A.JT] = mref[tid];
         }
-        __syncthreads();
+        __syncwarp();
+        buf = buf == TS_STAGES - 1 ? 0 : buf + 1;
     }
 
-    /* the CTA's partial: l summed over the quad and the warps, O over the warps */
+    /* the warps of each head merged: each row's max over them, the others rescaled to it */
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], 1);
         lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], 2);
     }
-    if ((lane & 3) == 0) red[warp * 16 + r0] = lsum[0], red[warp * 16 + r0 + 8] = lsum[1];
-    if (warp == 0 && (lane & 3) == 0) out[r0] = mrun[0], out[r0 + 8] = mrun[1];
+    if ((lane & 3) == 0) {
+        ml[warp * 32 + r0] = mrun[0], ml[warp * 32 + r0 + 8] = mrun[1];
+        ml[warp * 32 + 16 + r0] = lsum[0], ml[warp * 32 + 16 + r0 + 8] = lsum[1];
+    }
+    __syncthreads();
+    const int hl = warp % Hc, per = 4 / Hc; /* the warps of head hl: hl, hl + Hc, ... */
+    float fw[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int g = r0 + 8 * r;
+        float M = -INFINITY;
+        for (int q = 0; q < per; q++) M = ts_max(M, ml[(hl + q * Hc) * 32 + g]);
+        fw[r] = mrun[r] == -INFINITY ? 0.0f : expf(mrun[r] - M);
+    }
     float *Os = (float *)Ks; /* the tiles are done: their space holds the four warps' outputs */
     if (pv) {
 #pragma unroll
-        for (int n = 0; n < NT; n++) {
-            const int col = n * 8 + 2 * (lane & 3);
-            Os[(warp * 16 + r0) * D + col] = acc[n][0], Os[(warp * 16 + r0) * D + col + 1] = acc[n][1];
-            Os[(warp * 16 + r0 + 8) * D + col] = acc[n][2], Os[(warp * 16 + r0 + 8) * D + col + 1] = acc[n][3];
+        for (int q = 0; q < NT; q++) {
+            const int col = q * 8 + 2 * (lane & 3);
+            Os[(warp * 16 + r0) * D + col] = acc[q][0] * fw[0], Os[(warp * 16 + r0) * D + col + 1] = acc[q][1] * fw[0];
+            Os[(warp * 16 + r0 + 8) * D + col] = acc[q][2] * fw[1], Os[(warp * 16 + r0 + 8) * D + col + 1] = acc[q][3] * fw[1];
         }
     }
     __syncthreads();
-    if (tid < 16) out[16 + tid] = red[tid] + red[16 + tid] + red[32 + tid] + red[48 + tid];
+    if (tid < 16 * Hc) {
+        const int h2 = tid / 16, g = tid % 16;
+        float m = -INFINITY, l = 0.0f;
+        for (int q = 0; q < per; q++) m = ts_max(m, ml[(h2 + q * Hc) * 32 + g]);
+        if (m != -INFINITY)
+            for (int q = 0; q < per; q++) {
+                const float mw = ml[(h2 + q * Hc) * 32 + g];
+                if (mw != -INFINITY) l += expf(mw - m) * ml[(h2 + q * Hc) * 32 + 16 + g];
+            }
+        float *out = A.part + ((lg * Hc + h2) * A.ntask + task) * ts_part_floats(D);
+        out[g] = m, out[16 + g] = l;
+    }
     if (pv)
-        for (int e = tid; e < 16 * D; e += TS_THREADS) out[32 + e] = Os[e] + Os[16 * D + e] + Os[32 * D + e] + Os[48 * D + e];
+        for (int e = tid; e < Hc * 16 * D; e += TS_THREADS) {
+            const int h2 = e / (16 * D), rc = e % (16 * D);
+            float v = 0.0f;
+            for (int q = 0; q < per; q++) v += Os[(h2 + q * Hc) * 16 * D + rc];
+            A.part[((lg * Hc + h2) * A.ntask + task) * ts_part_floats(D) + 32 + rc] = v;
+        }
 }
 
 /* The order of the selection as one integer per block: forced first, then a number before a
@@ -290,11 +376,12 @@ __device__ __forceinline__ unsigned long long ts_umax(unsigned long long a, unsi
 
 /* One CTA per item: the blocks its query reads, ascending, -1 after (the caller's, cleaned as
  * the CPU step does, or the top-n of the importance the compressed tiles left in bins). */
-__global__ void __launch_bounds__(256) ts_select_kernel(const step_params P, const ts_launch A1, int32_t *sel, int64_t width)
+#define TS_SELECT_THREADS 256
+__global__ void __launch_bounds__(TS_SELECT_THREADS) ts_select_kernel(const step_params P, const ts_launch A1, int32_t *sel, int64_t width)
 {
     extern __shared__ unsigned long long ts_keys[];
     __shared__ float Mg[16], Lg[16];
-    __shared__ unsigned long long wbest[8], chosen[64];
+    __shared__ unsigned long long wbest[TS_SELECT_THREADS / 32], chosen[64];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t local = blockIdx.x, it = A1.item0 + local;
     const ts_item x = ts_item_of(P, it);
@@ -324,26 +411,31 @@ __global__ void __launch_bounds__(256) ts_select_kernel(const step_params P, con
     if (nj <= P.n) { /* every block the query can see */
         for (int64_t a = tid; a < width; a += blockDim.x) out[a] = a < nj ? (int32_t)a : -1;
     } else {
-        if (tid < 16) { /* each head's softmax over the compressed rows, from the tasks' partials */
+        /* each head's softmax over the compressed rows, from the tasks' partials: a warp a head */
+        for (int g = warp; g < P.G; g += (int)(blockDim.x >> 5)) {
+            const float *base = A1.part + local * A1.ntask * ts_part_floats(P.DK);
             float M = -INFINITY, L = 0.0f;
-            if (tid < P.G) {
-                for (int64_t s = 0; s < A1.ntask; s++) {
-                    const float m = A1.part[(local * A1.ntask + s) * ts_part_floats(P.DK) + tid];
-                    if (m != -INFINITY) M = ts_max(M, m);
-                }
-                for (int64_t s = 0; s < A1.ntask; s++) {
-                    const float *pp = A1.part + (local * A1.ntask + s) * ts_part_floats(P.DK);
-                    if (pp[tid] != -INFINITY) L += expf(pp[tid] - M) * pp[16 + tid];
-                }
+            for (int64_t s = lane; s < A1.ntask; s += 32) {
+                const float m = base[s * ts_part_floats(P.DK) + g];
+                if (m != -INFINITY) M = ts_max(M, m);
             }
-            Mg[tid] = M, Lg[tid] = L;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) M = ts_max(M, __shfl_xor_sync(0xffffffffu, M, o));
+            for (int64_t s = lane; s < A1.ntask; s += 32) {
+                const float *pp = base + s * ts_part_floats(P.DK);
+                if (pp[g] != -INFINITY) L += expf(pp[g] - M) * pp[16 + g];
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+            if (lane == 0) Mg[g] = M, Lg[g] = L;
         }
         __syncthreads();
         const int32_t nv = (int32_t)nsa_rule_cmp_visible_cap(x.pos, P.l, P.d, nsa_rule_num_cmp(x.L, P.l, P.d));
         const int32_t l = (int32_t)P.l, d = (int32_t)P.d, lp = (int32_t)P.lp, JT1 = A1.JT + 1;
-        /* each (tile, head)'s bins times exp(ref - M) / L, kept after the keys */
+        /* each (16-row group, head)'s bins times exp(ref - M) / L, kept after the keys */
         float *fac = (float *)(ts_keys + nj);
-        const int ntl = (nv + 63) / 64;
+        const int ntl = (nv + 15) / 16;
+#pragma unroll 4
         for (int e = tid; e < ntl * P.G; e += blockDim.x) {
             const int t = e / P.G, g = e % P.G;
             fac[e] = expf(A1.bins[((local * A1.tiles + t) * 16 + g) * JT1 + A1.JT] - Mg[g]) / Lg[g];
@@ -357,13 +449,14 @@ __global__ void __launch_bounds__(256) ts_select_kernel(const step_params P, con
             rb = rb < nv - 1 ? rb : nv - 1;
             float acc = 0.0f;
             if (ra <= rb)
-                for (int32_t t = ra / 64; t <= rb / 64; t++) {
-                    const float *bt = A1.bins + (local * A1.tiles + t) * 16 * JT1 + (j - 64 * t * d / lp);
-#pragma unroll 4
-                    for (int g = 0; g < P.G; g++) {
-                        const float b = bt[g * JT1];
-                        if (b != 0.0f) acc += b * fac[t * P.G + g];
-                    }
+                for (int32_t t = ra / 16; t <= rb / 16; t++) {
+                    const float *bt = A1.bins + (local * A1.tiles + t) * 16 * JT1 + (j - 16 * t * d / lp);
+                    float bv[16];
+#pragma unroll
+                    for (int g = 0; g < 16; g++) bv[g] = g < P.G ? bt[g * JT1] : 0.0f; /* all loads in flight at once */
+#pragma unroll
+                    for (int g = 0; g < 16; g++)
+                        if (g < P.G && bv[g] != 0.0f) acc += bv[g] * fac[t * P.G + g];
                 }
             const unsigned long long key = ts_rank_key(nsa_rule_forced(j, cur, P.n_init, P.n_local), acc * inv_d, j);
             ts_keys[j] = key;
@@ -432,29 +525,36 @@ __device__ __forceinline__ void ts_weights(const float *base, int64_t n, int64_t
 
 #define TS_MAX_TASKS (2 * TS_TARGET_CTAS + 8) /* the tasks of one item, all branches */
 
+/* The partials of one item as up to three segments (branches): base, count; absent ones 0. */
+struct ts_segs {
+    const float *base[3];
+    int64_t n[3];
+};
+
 /* sum over the item's partials of w[s] * O_s[g, :], 4 columns a thread, the tasks split over
  * the thread groups, into out (D floats of shared memory) */
-__device__ __forceinline__ void ts_accumulate(const float *const *seg_base, const int64_t *seg_n, int nseg, int64_t stride,
-                                              int g, int D, const float *w, float *red, float *out)
+__device__ __forceinline__ void ts_accumulate(const ts_segs &sg, int64_t stride, int g, int D, const float *w, float *red,
+                                              float *out)
 {
-    const int tid = threadIdx.x, C4 = D / 4, NG = TS_THREADS / C4, c4 = tid % C4, grp = tid / C4;
+    const int tid = threadIdx.x, C4 = D / 4, NG = TS_COMBINE_THREADS / C4, c4 = tid % C4, grp = tid / C4;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     int64_t w0 = 0;
-    for (int q = 0; q < nseg; q++) {
-        const float *base = seg_base[q] + 32 + g * D + 4 * c4;
+#pragma unroll
+    for (int q = 0; q < 3; q++) {
+        const float *base = sg.base[q] + 32 + g * D + 4 * c4;
 #pragma unroll 4
-        for (int64_t s = grp; s < seg_n[q]; s += NG) {
+        for (int64_t s = grp; s < sg.n[q]; s += NG) {
             const float ws = w[w0 + s];
             if (ws != 0.0f) {
                 const float4 o = *(const float4 *)(base + s * stride);
                 acc.x += ws * o.x, acc.y += ws * o.y, acc.z += ws * o.z, acc.w += ws * o.w;
             }
         }
-        w0 += seg_n[q];
+        w0 += sg.n[q];
     }
     *(float4 *)(red + grp * D + 4 * c4) = acc;
     __syncthreads();
-    for (int c = tid; c < D; c += TS_THREADS) {
+    for (int c = tid; c < D; c += TS_COMBINE_THREADS) {
         float v = 0.0f;
         for (int q = 0; q < NG; q++) v += red[q * D + c];
         out[c] = v;
@@ -464,45 +564,39 @@ __device__ __forceinline__ void ts_accumulate(const float *const *seg_base, cons
 
 /* One CTA per (item, query head): the NSA step's branches merged with one weight per partial
  * (the gate times exp(m - M) / L; a branch without a key gives 0, as on the CPU) and stored. */
-__global__ void __launch_bounds__(TS_THREADS) ts_combine_kernel(const step_params P, const ts_launch A1, const ts_launch A3)
+__global__ void __launch_bounds__(TS_COMBINE_THREADS) ts_combine_kernel(const step_params P, const ts_launch A1, const ts_launch A3)
 {
     __shared__ float w[TS_MAX_TASKS];
-    __shared__ __align__(16) float red[TS_THREADS * 4], outv[128];
+    __shared__ __align__(16) float red[TS_COMBINE_THREADS * 4], outv[128];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, D = P.DV;
     const int64_t local = blockIdx.x / P.G, g = blockIdx.x % P.G, it = A1.item0 + local;
     const ts_item x = ts_item_of(P, it);
     if (!x.live) return;
     const int64_t stride = ts_part_floats(D), hq = x.h * P.G + g;
-    /* the segments: compressed (A1), selected and window (A3), those switched on */
-    const float *seg_base[3];
-    int64_t seg_n[3];
-    const dview *seg_gate[3];
-    int nseg = 0;
-    if (P.use_cmp) seg_base[nseg] = A1.part + local * A1.ntask * stride, seg_n[nseg] = A1.ntask, seg_gate[nseg++] = &P.gc;
-    if (P.use_slc) seg_base[nseg] = A3.part + local * A3.ntask * stride, seg_n[nseg] = A3.tasks[0], seg_gate[nseg++] = &P.gs;
-    if (P.use_swa) {
-        const int64_t at = P.use_slc ? A3.tasks[0] : 0;
-        seg_base[nseg] = A3.part + (local * A3.ntask + at) * stride, seg_n[nseg] = A3.tasks[P.use_slc ? 1 : 0], seg_gate[nseg++] = &P.gw;
-    }
-    if (warp < nseg) {
-        int64_t w0 = 0;
-        for (int q = 0; q < warp; q++) w0 += seg_n[q];
-        const dview &gt = *seg_gate[warp];
+    /* the segments: compressed (A1), selected and window (A3); a branch switched off has none */
+    ts_segs sg;
+    sg.base[0] = A1.part + local * A1.ntask * stride, sg.n[0] = P.use_cmp ? A1.ntask : 0;
+    sg.base[1] = A3.part + local * A3.ntask * stride, sg.n[1] = P.use_slc ? A3.tasks[0] : 0;
+    sg.base[2] = sg.base[1] + sg.n[1] * stride, sg.n[2] = P.use_swa ? A3.tasks[P.use_slc ? 1 : 0] : 0;
+    if (warp < 3 && sg.n[warp] > 0) {
+        const int64_t w0 = (warp > 0 ? sg.n[0] : 0) + (warp > 1 ? sg.n[1] : 0);
+        const dview gt = warp == 0 ? P.gc : warp == 1 ? P.gs : P.gw;
         const float gv = ld_any(gt.p, gt.dt, x.b * gt.s0 + x.i * gt.s1 + hq * gt.s2);
         float M, L;
-        ts_weights(seg_base[warp], seg_n[warp], stride, (int)g, gv, w + w0, lane, &M, &L);
+        ts_weights(warp == 0 ? sg.base[0] : warp == 1 ? sg.base[1] : sg.base[2], sg.n[warp], stride, (int)g, gv, w + w0,
+                   lane, &M, &L);
     }
     __syncthreads();
-    ts_accumulate(seg_base, seg_n, nseg, stride, (int)g, D, w, red, outv);
-    for (int c = tid; c < D; c += TS_THREADS) st_any(P.o.p, P.o.dt, x.b * P.o.s0 + x.i * P.o.s1 + hq * P.o.s2 + c, outv[c]);
+    ts_accumulate(sg, stride, (int)g, D, w, red, outv);
+    for (int c = tid; c < D; c += TS_COMBINE_THREADS) st_any(P.o.p, P.o.dt, x.b * P.o.s0 + x.i * P.o.s1 + hq * P.o.s2 + c, outv[c]);
 }
 
 /* One CTA per (item, query head): the dense step's partials merged with the sink, stored with
  * the lse (the scalar kernel's rules for rows without a finite score). */
-__global__ void __launch_bounds__(TS_THREADS) ts_dense_combine_kernel(const step_params P, const ts_launch A)
+__global__ void __launch_bounds__(TS_COMBINE_THREADS) ts_dense_combine_kernel(const step_params P, const ts_launch A)
 {
     __shared__ float w[TS_MAX_TASKS];
-    __shared__ __align__(16) float red[TS_THREADS * 4], outv[128];
+    __shared__ __align__(16) float red[TS_COMBINE_THREADS * 4], outv[128];
     __shared__ float fill, lse;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, D = P.DV;
     const int64_t local = blockIdx.x / P.G, g = blockIdx.x % P.G, it = A.item0 + local;
@@ -530,9 +624,10 @@ __global__ void __launch_bounds__(TS_THREADS) ts_dense_combine_kernel(const step
         for (int64_t s = lane; s < A.ntask; s += 32) w[s] *= rescale;
     }
     __syncthreads();
-    const int64_t nseg = 1;
-    ts_accumulate(&base, &A.ntask, (int)nseg, stride, (int)g, D, w, red, outv);
-    for (int c = tid; c < D; c += TS_THREADS) {
+    ts_segs sg;
+    sg.base[0] = sg.base[1] = sg.base[2] = base, sg.n[0] = A.ntask, sg.n[1] = sg.n[2] = 0;
+    ts_accumulate(sg, stride, (int)g, D, w, red, outv);
+    for (int c = tid; c < D; c += TS_COMBINE_THREADS) {
         const float v = fill == 1.0f ? outv[c] : fill; /* NaN when keys were seen, else 0 */
         st_any(P.o.p, P.o.dt, x.b * P.o.s0 + x.i * P.o.s1 + hq * P.o.s2 + c, v);
     }
@@ -543,7 +638,8 @@ __global__ void __launch_bounds__(TS_THREADS) ts_dense_combine_kernel(const step
 
 static int64_t ts_tasks(int64_t tiles, int64_t items, int64_t min_tpc, int64_t *tpc)
 {
-    const int64_t want = items >= TS_TARGET_CTAS ? 1 : cdiv64(TS_TARGET_CTAS, items);
+    /* whole waves: rounding the tasks per item up would leave the last wave part empty */
+    const int64_t want = items >= TS_TARGET_CTAS ? 1 : TS_TARGET_CTAS / items;
     int64_t t = cdiv64(tiles, want);
     if (t < min_tpc) t = min_tpc;
     if (t < 1) t = 1;
@@ -559,14 +655,35 @@ static int ts_common_fits(const grun *g, const step_params *P)
     if (P->G < 1 || P->G > 16) return 0;
     const int dt = P->q.dt;
     if (dt != NSA_DTYPE_BF16 && dt != NSA_DTYPE_F16) return 0;
-    return P->kv.k.dt == dt && P->kv.v.dt == dt;
+    /* the tiles copy 16-byte pieces: rows must start on 16 bytes */
+    return P->kv.k.dt == dt && P->kv.v.dt == dt && P->q.al && P->kv.k.al && P->kv.v.al;
+}
+
+/* Selection blocks the 16 compressed rows of a group overlap (rows 0 .. 15 of the first). */
+static int64_t ts_blocks_per_group(const step_params *P) { return (15 * P->d + P->l - 1) / P->lp + 1; }
+
+/* kv heads per CTA: the most of 4, 2, 1 that divides H (a stage holds their rows of 64 / hc
+ * tokens, side by side in the cache) */
+static int ts_heads_per_cta(int64_t H) { return H % 4 == 0 ? 4 : H % 2 == 0 ? 2 : 1; }
+
+/* 16-row groups of the compressed cache (the importance sums' unit) */
+static int64_t ts_groups(const step_params *P) { return cdiv64(P->ckv.cap, 16); }
+
+/* The top-n's shared memory: a key per selection block, a factor per (16-row group, head). */
+static size_t ts_select_smem(const step_params *P)
+{
+    return (size_t)cdiv64(P->kv.cap, P->lp) * 8 + (size_t)ts_groups(P) * 16 * 4;
 }
 
 int step_tiled_fits(const grun *g, const step_params *P)
 {
     if (!ts_common_fits(g, P)) return 0;
-    if ((P->use_cmp || P->selects) && (P->ckv.k.dt != P->q.dt || P->ckv.v.dt != P->q.dt)) return 0;
-    if (P->selects && (cdiv64(P->kv.cap, P->lp) > TS_KEYS_MAX || P->n > 64)) return 0;
+    if ((P->use_cmp || P->selects) && (P->ckv.k.dt != P->q.dt || P->ckv.v.dt != P->q.dt || !P->ckv.k.al || !P->ckv.v.al)) return 0;
+    if (P->selects) {
+        if (ts_select_smem(P) > TS_SELECT_SMEM || P->n > 64 || P->kv.cap > INT32_MAX / 2 ||
+            ts_blocks_per_group(P) > TS_JT_MAX || (16 * P->d) % P->lp != 0)
+            return 0;
+    }
     return 1;
 }
 
@@ -578,23 +695,24 @@ void step_tiled_take(grun *g, const step_params *P, ts_plan *pl)
     pl->D = P->DK;
     pl->items = P->B * P->Tq * P->H;
     pl->batch = pl->items < TS_BATCH ? pl->items : TS_BATCH;
-    const int64_t pf = ts_part_floats(pl->D);
+    pl->hc = ts_heads_per_cta(P->H);
+    const int64_t pf = ts_part_floats(pl->D), KS = 64 / pl->hc, groups = pl->batch / pl->hc;
     if (P->use_cmp || P->selects) {
-        pl->tiles1 = cdiv64(P->ckv.cap, 64);
-        pl->nt1 = ts_tasks(pl->tiles1, pl->batch, 2, &pl->tpc1);
+        pl->tiles1 = cdiv64(P->ckv.cap, KS);
+        pl->nt1 = ts_tasks(pl->tiles1, groups, 2, &pl->tpc1);
         pl->part1 = cu_take_f32(g, nsa_size_mul(nsa_size_of(pl->batch * pl->nt1), nsa_size_of(pf)), 0);
     }
     if (P->selects) {
-        pl->JT = (int)((63 * P->d + P->l - 1) / P->lp + 2);
-        pl->bins = cu_take_f32(g, nsa_size_mul(nsa_size_of(pl->batch * pl->tiles1 * 16), nsa_size_of(pl->JT + 1)), 0);
+        pl->JT = (int)ts_blocks_per_group(P);
+        pl->bins = cu_take_f32(g, nsa_size_mul(nsa_size_of(pl->batch * ts_groups(P) * 16), nsa_size_of(pl->JT + 1)), 0);
     }
     pl->width = P->m > P->n ? P->m : P->n;
-    pl->tpb = (int)cdiv64(P->lp, 64);
+    pl->tpb = (int)cdiv64(P->lp, KS);
     if (P->use_slc) pl->sel = (int32_t *)g_take_n(g, nsa_size_mul(nsa_size_of(pl->batch), nsa_size_of(pl->width)), sizeof(int32_t));
-    const int64_t tiles_slc = P->use_slc ? pl->width * pl->tpb : 0, tiles_swa = P->use_swa ? cdiv64(P->w, 64) : 0;
+    const int64_t tiles_slc = P->use_slc ? pl->width * pl->tpb : 0, tiles_swa = P->use_swa ? cdiv64(P->w, KS) : 0;
     if (tiles_slc + tiles_swa > 0) {
         int64_t tpc;
-        ts_tasks(tiles_slc + tiles_swa, pl->batch, 1, &tpc);
+        ts_tasks(tiles_slc + tiles_swa, groups, 1, &tpc);
         pl->tpc_slc = pl->tpc_swa = tpc;
         pl->nt_slc = tiles_slc ? cdiv64(tiles_slc, tpc) : 0;
         pl->nt_swa = tiles_swa ? cdiv64(tiles_swa, tpc) : 0;
@@ -604,10 +722,10 @@ void step_tiled_take(grun *g, const step_params *P, ts_plan *pl)
 
 template <typename T, int D, bool IMP> static void ts_launch_split(grun *g, const step_params &P, const ts_launch &A, int64_t n)
 {
-    const size_t smem = IMP ? ts_smem<D>::end_imp : ts_smem<D>::end;
+    const size_t smem = ts_smem<D>::end;
     g_check(g, cudaFuncSetAttribute(ts_split_kernel<T, D, IMP>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (!g_live(g)) return;
-    ts_split_kernel<T, D, IMP><<<(unsigned)(n * A.ntask), TS_THREADS, smem, g->st>>>(P, A);
+    ts_split_kernel<T, D, IMP><<<(unsigned)(n / A.hc * A.ntask), TS_THREADS, smem, g->st>>>(P, A);
     g_launched(g);
 }
 
@@ -631,13 +749,14 @@ void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl)
         memset(&A1, 0, sizeof A1), memset(&A3, 0, sizeof A3);
         A1.item0 = A3.item0 = i0;
         A1.kind[0] = BR_CMP, A1.tasks[0] = pl->nt1, A1.tpc[0] = pl->tpc1, A1.ntask = pl->nt1;
-        A1.part = pl->part1, A1.bins = pl->bins, A1.tiles = pl->tiles1, A1.JT = pl->JT;
+        A1.part = pl->part1, A1.bins = pl->bins, A1.tiles = ts_groups(P), A1.JT = pl->JT, A1.n = A3.n = n;
+        A1.hc = A3.hc = pl->hc;
         if (P->use_cmp || P->selects) ts_split_any(g, *P, A1, n, pl->D, P->selects != 0);
         if (P->use_slc) {
-            const size_t smem = P->selects ? (size_t)cdiv64(P->kv.cap, P->lp) * 8 + (size_t)pl->tiles1 * 16 * 4 : 0;
+            const size_t smem = P->selects ? ts_select_smem(P) : 0;
             g_check(g, cudaFuncSetAttribute(ts_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
             if (!g_live(g)) return;
-            ts_select_kernel<<<(unsigned)n, 256, smem, g->st>>>(*P, A1, pl->sel, pl->width);
+            ts_select_kernel<<<(unsigned)n, TS_SELECT_THREADS, smem, g->st>>>(*P, A1, pl->sel, pl->width);
             g_launched(g);
         }
         int nb = 0;
@@ -647,7 +766,7 @@ void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl)
         A3.part = pl->part3, A3.sel = pl->sel, A3.width = pl->width, A3.tpb = pl->tpb;
         if (nb) ts_split_any(g, *P, A3, n, pl->D, false);
         if (!g_live(g)) return;
-        ts_combine_kernel<<<(unsigned)(n * P->G), TS_THREADS, 0, g->st>>>(*P, A1, A3);
+        ts_combine_kernel<<<(unsigned)(n * P->G), TS_COMBINE_THREADS, 0, g->st>>>(*P, A1, A3);
         g_launched(g);
     }
 }
@@ -658,8 +777,9 @@ void attention_step_tiled_take(grun *g, const step_params *P, ts_plan *pl)
     pl->D = P->DK;
     pl->items = P->B * P->Tq * P->H;
     pl->batch = pl->items < TS_BATCH ? pl->items : TS_BATCH;
-    pl->tiles1 = cdiv64(P->kv.cap, 64);
-    pl->nt1 = ts_tasks(pl->tiles1, pl->batch, 2, &pl->tpc1);
+    pl->hc = ts_heads_per_cta(P->H);
+    pl->tiles1 = cdiv64(P->kv.cap, 64 / pl->hc);
+    pl->nt1 = ts_tasks(pl->tiles1, pl->batch / pl->hc, 2, &pl->tpc1);
     pl->part1 = cu_take_f32(g, nsa_size_mul(nsa_size_of(pl->batch * pl->nt1), nsa_size_of(ts_part_floats(pl->D))), 0);
 }
 
@@ -670,10 +790,11 @@ void attention_step_tiled_launch(grun *g, const step_params *P, const ts_plan *p
         ts_launch A;
         memset(&A, 0, sizeof A);
         A.item0 = i0;
-        A.kind[0] = BR_RANGE, A.tasks[0] = pl->nt1, A.tpc[0] = pl->tpc1, A.ntask = pl->nt1, A.part = pl->part1;
+        A.kind[0] = BR_RANGE, A.tasks[0] = pl->nt1, A.tpc[0] = pl->tpc1, A.ntask = pl->nt1, A.part = pl->part1, A.n = n;
+        A.hc = pl->hc;
         ts_split_any(g, *P, A, n, pl->D, false);
         if (!g_live(g)) return;
-        ts_dense_combine_kernel<<<(unsigned)(n * P->G), TS_THREADS, 0, g->st>>>(*P, A);
+        ts_dense_combine_kernel<<<(unsigned)(n * P->G), TS_COMBINE_THREADS, 0, g->st>>>(*P, A);
         g_launched(g);
     }
 }
