@@ -117,7 +117,18 @@ __device__ __forceinline__ int ts_issue(const step_params &P, const ts_launch &A
     int64_t row0 = 0;
     const int n = ts_slice_rows(P, A, kind, W, lo, hi, t, row0);
     const int r = lane & 15;
-    const int64_t off = r < n ? step_row(C, lane < 16 ? C.k : C.v, W.x.b, row0 + r, W.x.h) : -1;
+    int64_t off = -1;
+    if (r < n) { /* row row0 + r of K (lanes 0-15) or V (16-31); 32-bit page arithmetic (the host checks) */
+        const bool kk = lane < 16;
+        const int64_t s0 = kk ? C.k.s0 : C.v.s0, s1 = kk ? C.k.s1 : C.v.s1, s2 = kk ? C.k.s2 : C.v.s2;
+        const uint32_t row = (uint32_t)(row0 + r);
+        if (!C.bt) {
+            off = W.x.b * s0 + (int64_t)row * s1 + W.x.h * s2;
+        } else {
+            const uint32_t pi = row / (uint32_t)C.page, in = row - pi * (uint32_t)C.page;
+            off = (int64_t)C.bt[W.x.b * C.bt0 + (int64_t)pi * C.bt1] * s0 + (int64_t)in * s1 + W.x.h * s2;
+        }
+    }
     const T *kp = (const T *)C.k.p, *vp = (const T *)C.v.p;
 #pragma unroll
     for (int k = 0; k < 16 / RPP; k++) {
@@ -172,7 +183,10 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
         return;
     }
     const step_cache_t C = kind == BR_CMP ? P.ckv : P.kv; /* by value: a reference into the parameters would put them in local memory */
+    /* scores in the log2 domain (exp2 is one instruction): s * scale * log2(e); maxima and the
+     * importance's reference go out in natural units */
     const float scale = kind == BR_SWA ? P.swa_scale : P.scale, softcap = kind == BR_RANGE ? P.softcap : 0.0f;
+    const float scale2 = scale * NSA_LOG2E;
     const bool pv = kind != BR_CMP || P.use_cmp; /* the compressed output is not wanted when only the selection is */
     const int r0 = lane >> 2;
 
@@ -241,8 +255,7 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int key = nt * 8 + 2 * (lane & 3) + (e & 1);
-                float v = s[nt][e] * scale;
-                if (softcap > 0.0f) v = softcap * tanhf(v / softcap);
+                float v = softcap > 0.0f ? softcap * tanhf(s[nt][e] * scale / softcap) * NSA_LOG2E : s[nt][e] * scale2;
                 if (key >= n) v = -INFINITY;
                 s[nt][e] = v;
                 mx[e >> 1] = ts_max(mx[e >> 1], v);
@@ -253,7 +266,7 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
             mx[r] = ts_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = ts_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
             const float mn = ts_max(mrun[r], mx[r]);
-            alpha[r] = mrun[r] == -INFINITY ? 0.0f : expf(mrun[r] - mn);
+            alpha[r] = mrun[r] == -INFINITY ? 0.0f : exp2f(mrun[r] - mn);
             mrun[r] = mn;
         }
         float ps[2] = {0.0f, 0.0f};
@@ -262,14 +275,15 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const float m = mrun[e >> 1];
-                const float p = m == -INFINITY ? 0.0f : expf(s[nt][e] - m);
+                const float p = m == -INFINITY ? 0.0f : exp2f(s[nt][e] - m);
                 s[nt][e] = p;
                 ps[e >> 1] += p;
             }
         lsum[0] = lsum[0] * alpha[0] + ps[0], lsum[1] = lsum[1] * alpha[1] + ps[1];
         if (pv) {
+            if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) /* the max moved (rarely, after the first keys) */
 #pragma unroll
-            for (int q = 0; q < NT; q++) acc[q][0] *= alpha[0], acc[q][1] *= alpha[0], acc[q][2] *= alpha[1], acc[q][3] *= alpha[1];
+                for (int q = 0; q < NT; q++) acc[q][0] *= alpha[0], acc[q][1] *= alpha[0], acc[q][2] *= alpha[1], acc[q][3] *= alpha[1];
             uint32_t a[4];
             a[0] = dtraits<T>::pack(s[0][0], s[0][1]), a[1] = dtraits<T>::pack(s[0][2], s[0][3]);
             a[2] = dtraits<T>::pack(s[1][0], s[1][1]), a[3] = dtraits<T>::pack(s[1][2], s[1][3]);
@@ -301,8 +315,8 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
                     if (g < P.G && jj < A.JT) bt[g * (A.JT + 1) + jj] = bc[nt][e];
                 }
             if ((lane & 3) == 0) {
-                if (r0 < P.G) bt[r0 * (A.JT + 1) + A.JT] = mrun[0];
-                if (r0 + 8 < P.G) bt[(r0 + 8) * (A.JT + 1) + A.JT] = mrun[1];
+                if (r0 < P.G) bt[r0 * (A.JT + 1) + A.JT] = mrun[0] * NSA_LN2;
+                if (r0 + 8 < P.G) bt[(r0 + 8) * (A.JT + 1) + A.JT] = mrun[1] * NSA_LN2;
             }
         }
         __syncwarp();
@@ -327,7 +341,7 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
         const int g = r0 + 8 * r;
         float M = -INFINITY;
         for (int q = 0; q < per; q++) M = ts_max(M, ml[(hl + q * Hc) * 32 + g]);
-        fw[r] = mrun[r] == -INFINITY ? 0.0f : expf(mrun[r] - M);
+        fw[r] = mrun[r] == -INFINITY ? 0.0f : exp2f(mrun[r] - M);
     }
     float *Os = (float *)Ks; /* the tiles are done: their space holds the four warps' outputs */
     if (pv) {
@@ -346,10 +360,10 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
         if (m != -INFINITY)
             for (int q = 0; q < per; q++) {
                 const float mw = ml[(h2 + q * Hc) * 32 + g];
-                if (mw != -INFINITY) l += expf(mw - m) * ml[(h2 + q * Hc) * 32 + 16 + g];
+                if (mw != -INFINITY) l += exp2f(mw - m) * ml[(h2 + q * Hc) * 32 + 16 + g];
             }
         float *out = A.part + ((lg * Hc + h2) * A.ntask + task) * ts_part_floats(D);
-        out[g] = m, out[16 + g] = l;
+        out[g] = m * NSA_LN2, out[16 + g] = l; /* the max in natural units */
     }
     if (pv)
         for (int e = tid; e < Hc * 16 * D; e += TS_THREADS) {
@@ -374,14 +388,23 @@ __device__ __forceinline__ unsigned long long ts_rank_key(int forced, float imp,
 
 __device__ __forceinline__ unsigned long long ts_umax(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
 
+/* The warp's largest key: the high words' maximum, then the low words' among the lanes that
+ * hold it (two redux instructions where a shuffle tree of 64-bit values takes ten). */
+__device__ __forceinline__ unsigned long long ts_warp_max(unsigned long long k)
+{
+    const unsigned hi = __reduce_max_sync(0xffffffffu, (unsigned)(k >> 32));
+    const unsigned lo = __reduce_max_sync(0xffffffffu, (unsigned)(k >> 32) == hi ? (unsigned)k : 0u);
+    return (unsigned long long)hi << 32 | lo;
+}
+
 /* One CTA per item: the blocks its query reads, ascending, -1 after (the caller's, cleaned as
  * the CPU step does, or the top-n of the importance the compressed tiles left in bins). */
-#define TS_SELECT_THREADS 256
+#define TS_SELECT_THREADS 512
 __global__ void __launch_bounds__(TS_SELECT_THREADS) ts_select_kernel(const step_params P, const ts_launch A1, int32_t *sel, int64_t width)
 {
     extern __shared__ unsigned long long ts_keys[];
     __shared__ float Mg[16], Lg[16];
-    __shared__ unsigned long long wbest[TS_SELECT_THREADS / 32], chosen[64];
+    __shared__ unsigned long long cand[TS_SELECT_THREADS / 32 * 64], chosen[64];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t local = blockIdx.x, it = A1.item0 + local;
     const ts_item x = ts_item_of(P, it);
@@ -462,32 +485,44 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS) ts_select_kernel(const step
             ts_keys[j] = key;
             best = ts_umax(best, key);
         }
-        /* n rounds of the block's largest key; the owner of the winner rescans its slice */
+        /* the top n in two levels without block barriers between rounds: each warp takes the n
+         * largest of its own keys (a warp maximum per round; the lane that held it drops it and
+         * rescans its keys), then warp 0 the n largest of those candidates */
+        const int nw = (int)(blockDim.x >> 5);
         for (int64_t round = 0; round < P.n; round++) {
-            unsigned long long w = best;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) w = ts_umax(w, __shfl_xor_sync(0xffffffffu, w, o));
-            if (lane == 0) wbest[warp] = w;
-            __syncthreads();
-            unsigned long long top = 0;
-            for (int q = 0; q < (int)(blockDim.x >> 5); q++) top = ts_umax(top, wbest[q]);
-            if (tid == 0) chosen[round] = top;
+            const unsigned long long top = ts_warp_max(best);
+            if (lane == 0) cand[warp * P.n + round] = top; /* 0 once the warp has no keys left */
             if (best == top && top != 0) {
                 ts_keys[0x7fffffffu - (uint32_t)(top & 0x7fffffffull)] = 0;
                 best = 0;
                 for (int64_t j = tid; j < nj; j += blockDim.x) best = ts_umax(best, ts_keys[j]);
             }
-            __syncthreads();
         }
-        if (tid == 0) { /* ascending, then -1 */
-            for (int a = 0; a < (int)P.n; a++) {
-                const int32_t v = (int32_t)(0x7fffffffu - (uint32_t)(chosen[a] & 0x7fffffffull));
-                int k = a;
-                while (k > 0 && out[k - 1] > v) out[k] = out[k - 1], k--;
-                out[k] = v;
+        __syncthreads();
+        if (warp == 0) {
+            const int nc = nw * (int)P.n;
+            best = 0;
+            for (int e = lane; e < nc; e += 32) best = ts_umax(best, cand[e]);
+            for (int64_t round = 0; round < P.n; round++) {
+                const unsigned long long top = ts_warp_max(best);
+                if (lane == 0) chosen[round] = top;
+                if (best == top && top != 0) {
+                    best = 0;
+                    for (int e = lane; e < nc; e += 32) {
+                        if (cand[e] == top) cand[e] = 0;
+                        best = ts_umax(best, cand[e]);
+                    }
+                }
             }
-            for (int64_t a = P.n; a < width; a++) out[a] = -1;
         }
+        __syncthreads();
+        if (tid < P.n) { /* ascending (each block's place: the chosen blocks below it), then -1 */
+            const int32_t v = (int32_t)(0x7fffffffu - (uint32_t)(chosen[tid] & 0x7fffffffull));
+            int at = 0;
+            for (int a = 0; a < (int)P.n; a++) at += (int32_t)(0x7fffffffu - (uint32_t)(chosen[a] & 0x7fffffffull)) < v;
+            out[at] = v;
+        }
+        for (int64_t a = P.n + tid; a < width; a += blockDim.x) out[a] = -1;
     }
     __syncthreads();
     if (P.idx.p)
@@ -699,7 +734,7 @@ void step_tiled_take(grun *g, const step_params *P, ts_plan *pl)
     const int64_t pf = ts_part_floats(pl->D), KS = 64 / pl->hc, groups = pl->batch / pl->hc;
     if (P->use_cmp || P->selects) {
         pl->tiles1 = cdiv64(P->ckv.cap, KS);
-        pl->nt1 = ts_tasks(pl->tiles1, groups, 2, &pl->tpc1);
+        pl->nt1 = ts_tasks(pl->tiles1, groups, 4, &pl->tpc1); /* >= 64 rows a head: fewer partials to merge */
         pl->part1 = cu_take_f32(g, nsa_size_mul(nsa_size_of(pl->batch * pl->nt1), nsa_size_of(pf)), 0);
     }
     if (P->selects) {
