@@ -690,6 +690,44 @@ static void flex_device_case(nsa_context *cpu, nsa_context *gpu, const sweep_mem
     for (int x = 0; x < 2; x++) free(o[x]), free(lse[x]);
 }
 
+/* A mod whose tensor is host memory, on the CUDA backend: refused (BAD_ARGUMENT, naming the
+ * tensor) before any write, where the kernel would have faulted. */
+static void flex_host_tensor_refused(nsa_context *gpu, const sweep_memory *mem)
+{
+    const int64_t T = 8, n = 64;
+    const size_t nq = (size_t)(T * FHQ), nk = (size_t)(T * FH);
+    const float sentinel = 12345.0f;
+    float *zeros = (float *)calloc(nq * FDK + nk * FDV + 1, 4), *back = (float *)malloc(4 * (nq * FDV + 1));
+    float *fill = (float *)malloc(4 * (nq * FDV + 1));
+    for (size_t e = 0; e < nq * FDV; e++) fill[e] = sentinel;
+    void *q = dev_copy(mem, zeros, 4 * nq * FDK), *k = dev_copy(mem, zeros, 4 * nk * FDK), *v = dev_copy(mem, zeros, 4 * nk * FDV);
+    void *o = dev_copy(mem, fill, 4 * nq * FDV);
+    const nsa_mod_tensor tens[] = {{"doc", nsa_tensor_make(g_doc, NSA_DTYPE_I32, 1, &n)}}; /* host memory */
+    nsa_mod *mm = NULL;
+    CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, "doc[q_idx] == doc[kv_idx]", tens, 1), NSA_STATUS_SUCCESS);
+    nsa_flex_args a;
+    memset(&a, 0, sizeof a);
+    a.q = nsa_tensor_4d(q, NSA_DTYPE_F32, 1, T, FHQ, FDK);
+    a.k = nsa_tensor_4d(k, NSA_DTYPE_F32, 1, T, FH, FDK);
+    a.v = nsa_tensor_4d(v, NSA_DTYPE_F32, 1, T, FH, FDV);
+    a.o = nsa_tensor_4d(o, NSA_DTYPE_F32, 1, T, FHQ, FDV);
+    a.block_mask.q_block = QBLK, a.block_mask.kv_block = KBLK;
+    a.mask_mod = mm;
+    size_t need = 0;
+    CHECK_STATUS(nsa_flex_attention_workspace_size(gpu, &a, &need), NSA_STATUS_SUCCESS);
+    void *ws = mem->alloc(need ? need : 1);
+    CHECK_STATUS(nsa_flex_attention(gpu, &a, ws, need), NSA_STATUS_BAD_ARGUMENT);
+    CHECK_MSG(strstr(nsa_last_error_detail(), "mask_mod") && strstr(nsa_last_error_detail(), "'doc'"),
+              "flex: the refusal of a host tensor names the mod and the tensor");
+    mem->download(back, o, 4 * nq * FDV);
+    int same = 1;
+    for (size_t e = 0; e < nq * FDV; e++) same &= back[e] == sentinel;
+    CHECK_MSG(same, "flex: a refused call leaves o untouched");
+    nsa_mod_destroy(mm);
+    mem->release(ws), mem->release(q), mem->release(k), mem->release(v), mem->release(o);
+    free(zeros), free(back), free(fill);
+}
+
 void test_flex_on(nsa_backend be, const sweep_memory *mem)
 {
     if (be == NSA_BACKEND_CPU || !mem) {
@@ -719,6 +757,7 @@ void test_flex_on(nsa_backend be, const sweep_memory *mem)
              23, 30, 1, 1, NULL, NULL},
         };
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) flex_device_case(cpu, gpu, mem, &cases[i], &r);
+        flex_host_tensor_refused(gpu, mem);
     }
     nsa_context_destroy(gpu);
     nsa_context_destroy(cpu);

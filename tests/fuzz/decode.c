@@ -711,9 +711,12 @@ static void build_flex(reader *r, dims *D, nsa_flex_bwd_args *a, int bwd, uint8_
         m->full_kv_num_blocks = opt(r, pres & 2, fcnt, I32, 3, Bm, Hm, nqb, 0);
         m->full_kv_indices = opt(r, (pres & 2) && u8(r) != 255, ix, I32, 4, Bm, Hm, nqb, Wf);
     }
+    /* the mods' tensors live where the call's do (backend memory on CUDA), guarded like them */
     const int64_t nd = 16, nt = 8;
-    const nsa_mod_tensor tens[2] = {{"doc", nsa_tensor_make(g_flex_doc, NSA_DTYPE_I32, 1, &nd)},
-                                    {"tab", nsa_tensor_make(g_flex_tab, NSA_DTYPE_F32, 1, &nt)}};
+    buffer *bd = guarded_alloc(sizeof g_flex_doc, 0, NULL, 0), *btab = guarded_alloc(sizeof g_flex_tab, 0, NULL, 0);
+    memcpy(host_ptr(bd), g_flex_doc, sizeof g_flex_doc), memcpy(host_ptr(btab), g_flex_tab, sizeof g_flex_tab);
+    const nsa_mod_tensor tens[2] = {{"doc", nsa_tensor_make(call_ptr(bd), NSA_DTYPE_I32, 1, &nd)},
+                                    {"tab", nsa_tensor_make(call_ptr(btab), NSA_DTYPE_F32, 1, &nt)}};
     const uint8_t mods = u8(r);
     const int swap = (pres & 32) && (mods & 0x80);
     if (pres & 4) nsa_mod_create(&g_flex_mods[0], swap ? NSA_MOD_SCORE : NSA_MOD_MASK, swap ? SCORES[mods % 4] : MASKS[mods % 4], tens, 2);

@@ -133,3 +133,48 @@ def test_tiled_attention_step_matches_the_cpu(dtype, opts, D, G, page):
             np.testing.assert_allclose(lse[b, :c], lse_ref[b, :c], atol=2e-2, rtol=1e-3)
             assert not o[b, c:].any()
         L = [L[b] + cnt[b] for b in range(Bn)]
+
+
+@pytest.mark.parametrize("case", ["nan_v", "nan_k", "neg_inf_scores"])
+def test_tiled_step_non_finite_like_the_cpu(case):
+    """Non-finite values reach exactly the outputs the CPU step gives them (spec 0.4): NaN in one
+    column of a cached v, NaN in a cached k row, and a query whose scores are all -inf (every
+    visible key scored -inf: 0 / 0, never an empty row). Compared NaN for NaN with the CPU step
+    on the same inputs (the finite values within the tiles' tolerance)."""
+    torch = TORCH
+    dt = torch.bfloat16
+    rng = np.random.default_rng(11)
+    B, L0, Hk, G, D, cap = 1, 700, 2, 4, 64, 720
+    HQ = Hk * G
+    ncap = nsa.cmp_offsets(CFG, [0, cap])[1]
+    k = _round(rng.standard_normal((B, L0 + 1, Hk, D)).astype(np.float32), dt)
+    v = _round(rng.standard_normal((B, L0 + 1, Hk, D)).astype(np.float32), dt)
+    q = _round(rng.standard_normal((B, 1, HQ, D)).astype(np.float32), dt)
+    if case == "nan_v":
+        v[0, 690, 1, 5] = np.nan  # in the window of the decode query: column 5 of kv head 1's rows
+    elif case == "nan_k":
+        k[0, 100, 0, :] = np.nan  # a compressed row and possibly a selected block of kv head 0
+    else:
+        k[0, :, 1, :] = np.abs(k[0, :, 1, :]) + 0.1  # every key of kv head 1 positive
+        q[0, 0, G, :] = 0.0
+        q[0, 0, G, 3] = -np.inf  # query head G (kv head 1): every score -inf
+    gs = [_round(rng.random((B, 1, HQ)).astype(np.float32), dt) for _ in range(3)]
+    cpu_cache, cpu_cmp = _caches(rng, B, cap, Hk, D, None, ncap)
+    gpu_cache, gpu_cmp = _to_gpu(cpu_cache, dt), _to_gpu(cpu_cmp, dt)
+    outs = []
+    for dev in ("cpu", "cuda"):
+        cache, cmp = (cpu_cache, cpu_cmp) if dev == "cpu" else (gpu_cache, gpu_cmp)
+        cv = (lambda x: x) if dev == "cpu" else (lambda x: torch.from_numpy(np.ascontiguousarray(x)).cuda().to(dt))
+        ci = (lambda x: x) if dev == "cpu" else (lambda x: torch.from_numpy(x).cuda())
+        # the prefill, then one decode step
+        nsa.step(cv(np.zeros((B, L0, HQ, D), np.float32)), cache,
+                 ci(np.zeros(B, np.int32)), CFG, k_new=cv(k[:, :L0]), v_new=cv(v[:, :L0]), cmp_cache=cmp,
+                 g_cmp=cv(np.zeros((B, L0, HQ), np.float32)))
+        o = nsa.step(cv(q), cache, ci(np.full(B, L0, np.int32)), CFG, k_new=cv(k[:, L0:]), v_new=cv(v[:, L0:]),
+                     cmp_cache=cmp, g_cmp=cv(gs[0]), g_slc=cv(gs[1]), g_swa=cv(gs[2]))
+        outs.append(o if dev == "cpu" else o.float().cpu().numpy())
+    o_cpu, o_gpu = outs
+    np.testing.assert_array_equal(np.isnan(o_gpu), np.isnan(o_cpu))
+    assert np.isnan(o_cpu).any()
+    fin = np.isfinite(o_cpu)
+    assert np.all(np.abs(o_gpu[fin] - o_cpu[fin]) <= 3e-2 * np.maximum(1.0, np.abs(o_cpu[fin])))

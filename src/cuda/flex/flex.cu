@@ -426,6 +426,27 @@ static void check_lists(grun *g, const nsa_flex_args *a)
     for (int t = 0; t < 4; t++) free(host[t]);
 }
 
+/* The mods read their tensors on the device: memory the device cannot address (plain host
+ * memory) is refused, naming the tensor, instead of faulting in the kernel. Only the live pass
+ * asks the runtime. */
+static void check_mod_memory(grun *g, const nsa_mod *m, const char *which)
+{
+    if (!m || !g_live(g)) return;
+    for (int i = 0; i < expr_num_captures(m); i++) {
+        const nsa_tensor *t = expr_capture_tensor(m, i);
+        cudaPointerAttributes at;
+        memset(&at, 0, sizeof at);
+        const cudaError_t e = cudaPointerGetAttributes(&at, t->data);
+        if (e != cudaSuccess) (void)cudaGetLastError(); /* an unknown pointer: not an error of the call */
+        if (e != cudaSuccess || at.type == cudaMemoryTypeUnregistered || (at.type == cudaMemoryTypeHost && !at.devicePointer)) {
+            g_fail(g, NSA_STATUS_BAD_ARGUMENT, "%s: tensor '%s' is host memory; on the CUDA backend a mod's tensors must be "
+                                               "device (or mapped) memory",
+                   which, expr_capture_name(m, i));
+            return;
+        }
+    }
+}
+
 static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
 {
     const nsa_problem *p = g->p;
@@ -434,6 +455,8 @@ static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
                (long long)p->DK, (long long)p->DV);
         return;
     }
+    check_mod_memory(g, a->mask_mod, "mask_mod");
+    check_mod_memory(g, a->score_mod, "score_mod");
     check_lists(g, a);
     if (!g_live(g)) return;
     if (!c) {

@@ -33,6 +33,7 @@ __device__ int step_problem_warp(const step_params &P, int64_t b, int lane)
     if (s.L > P.kv.cap) return NSA_STEP_OVER_CAPACITY;
     bool bad = false;
     if (P.kv.bt)
+#pragma unroll 8 /* independent loads: let them all be in flight */
         for (int64_t j = lane; j * P.kv.page < s.L; j += 32) {
             const int32_t pg = P.kv.bt[b * P.kv.bt0 + j * P.kv.bt1];
             bad |= pg < 0 || pg >= P.kv.pool;
@@ -42,6 +43,7 @@ __device__ int step_problem_warp(const step_params &P, int64_t b, int lane)
     const int64_t nc = nsa_rule_num_cmp(s.L, P.l, P.d);
     if (nc > P.ckv.cap) return NSA_STEP_OVER_CMP_CAPACITY;
     if (P.ckv.bt)
+#pragma unroll 8
         for (int64_t j = lane; j * P.ckv.page < nc; j += 32) {
             const int32_t pg = P.ckv.bt[b * P.ckv.bt0 + j * P.ckv.bt1];
             bad |= pg < 0 || pg >= P.ckv.pool;

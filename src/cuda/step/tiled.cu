@@ -465,6 +465,11 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS) ts_select_kernel(const step
         }
         __syncthreads();
         const float inv_d = 1.0f / (float)P.d;
+        /* a head whose compressed scores are all -inf or NaN makes every p NaN on the CPU (0 / 0
+         * or NaN), so every importance NaN: the blocks then rank by index (ranks_above) */
+        bool all_nan = false;
+        if (nv > 0)
+            for (int g = 0; g < P.G; g++) all_nan |= Mg[g] == -INFINITY || Mg[g] != Mg[g] || Lg[g] != Lg[g];
         unsigned long long best = 0;
         for (int32_t j = tid; j < nj; j += blockDim.x) {
             const int32_t ra = nsa_rule_slc_first_cmp32(j, l, d, lp);
@@ -481,7 +486,7 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS) ts_select_kernel(const step
                     for (int g = 0; g < 16; g++)
                         if (g < P.G && bv[g] != 0.0f) acc += bv[g] * fac[t * P.G + g];
                 }
-            const unsigned long long key = ts_rank_key(nsa_rule_forced(j, cur, P.n_init, P.n_local), acc * inv_d, j);
+            const unsigned long long key = ts_rank_key(nsa_rule_forced(j, cur, P.n_init, P.n_local), all_nan && ra <= rb ? NAN : acc * inv_d, j);
             ts_keys[j] = key;
             best = ts_umax(best, key);
         }
@@ -613,6 +618,9 @@ __global__ void __launch_bounds__(TS_COMBINE_THREADS) ts_combine_kernel(const st
     sg.base[0] = A1.part + local * A1.ntask * stride, sg.n[0] = P.use_cmp ? A1.ntask : 0;
     sg.base[1] = A3.part + local * A3.ntask * stride, sg.n[1] = P.use_slc ? A3.tasks[0] : 0;
     sg.base[2] = sg.base[1] + sg.n[1] * stride, sg.n[2] = P.use_swa ? A3.tasks[P.use_slc ? 1 : 0] : 0;
+    __shared__ int dead; /* a branch that saw keys whose scores were all -inf: 0 / 0, as the CPU's */
+    if (tid == 0) dead = 0;
+    __syncthreads();
     if (warp < 3 && sg.n[warp] > 0) {
         const int64_t w0 = (warp > 0 ? sg.n[0] : 0) + (warp > 1 ? sg.n[1] : 0);
         const dview gt = warp == 0 ? P.gc : warp == 1 ? P.gs : P.gw;
@@ -620,10 +628,19 @@ __global__ void __launch_bounds__(TS_COMBINE_THREADS) ts_combine_kernel(const st
         float M, L;
         ts_weights(warp == 0 ? sg.base[0] : warp == 1 ? sg.base[1] : sg.base[2], sg.n[warp], stride, (int)g, gv, w + w0,
                    lane, &M, &L);
+        if (M == -INFINITY) { /* no finite score: did the branch see a key at all? */
+            bool seen = warp == 2; /* the window sees the query's own token */
+            if (warp == 0) seen = nsa_rule_cmp_visible_cap(x.pos, P.l, P.d, nsa_rule_num_cmp(x.L, P.l, P.d)) > 0;
+            if (warp == 1)
+                for (int64_t a = 0; a < A3.width; a++) seen |= A3.sel[local * A3.width + a] >= 0;
+            if (seen && lane == 0) atomicOr(&dead, 1);
+        }
     }
     __syncthreads();
     ts_accumulate(sg, stride, (int)g, D, w, red, outv);
-    for (int c = tid; c < D; c += TS_COMBINE_THREADS) st_any(P.o.p, P.o.dt, x.b * P.o.s0 + x.i * P.o.s1 + hq * P.o.s2 + c, outv[c]);
+    const float bad = dead ? NAN : 0.0f;
+    for (int c = tid; c < D; c += TS_COMBINE_THREADS)
+        st_any(P.o.p, P.o.dt, x.b * P.o.s0 + x.i * P.o.s1 + hq * P.o.s2 + c, outv[c] + bad);
 }
 
 /* One CTA per (item, query head): the dense step's partials merged with the sink, stored with
