@@ -337,7 +337,7 @@ def create_block_mask(mask_mod: ModLike, B: Optional[int], H: Optional[int], Q_L
                       device: Any = "cpu", BLOCK_SIZE: Union[int, Tuple[int, int]] = 128,
                       tensors: Optional[Dict[str, Array]] = None) -> BlockMask:
     """FlexAttention's create_block_mask: the mask_mod evaluated on every pair (nsa_create_block_mask,
-    on the host); B or H None: broadcast over it. device "cpu" gives numpy arrays when torch is
+    on the host, reading host copies of tensors that live on a GPU); B or H None: broadcast over it. device "cpu" gives numpy arrays when torch is
     absent, else torch tensors on `device`."""
     import numpy as np
     mod = mask_mod if isinstance(mask_mod, Mod) else (Mod(mask_mod, "mask_mod", tensors) if mask_mod is not None else None)
@@ -346,16 +346,18 @@ def create_block_mask(mask_mod: ModLike, B: Optional[int], H: Optional[int], Q_L
     nqb, nkb = -(-Q_LEN // qb), -(-KV_LEN // kb)
     arrs = [np.zeros((Bm, Hm, nqb), np.int32), np.zeros((Bm, Hm, nqb, nkb), np.int32),
             np.zeros((Bm, Hm, nqb), np.int32), np.zeros((Bm, Hm, nqb, nkb), np.int32)]
-    if mod is not None and mod._arrays and _is_torch_tensor(mod._arrays[0]) and mod._arrays[0].device.type != "cpu":
-        raise _core.NsaError(_lib.STATUS_NOT_SUPPORTED, "create_block_mask evaluates the mask_mod on the host: give it "
-                             "its tensors on the CPU")
+    host_mod = mod
+    if mod is not None and any(_is_torch_tensor(t) and t.device.type != "cpu" for t in mod.tensors.values()):
+        # the mask is evaluated on the host: a twin of the mod reading host copies of its tensors
+        # (the BlockMask keeps the original, whose tensors the GPU call reads)
+        host_mod = Mod(mod.text, "mask_mod", {n: (t.cpu() if _is_torch_tensor(t) else t) for n, t in mod.tensors.items()})
     m = _lib.BlockMask()
     m.q_block, m.kv_block = qb, kb
     call = _core.NumpyCall()
     m.kv_num_blocks, m.kv_indices = call.view(arrs[0], "kv_num_blocks", True), call.view(arrs[1], "kv_indices", True)
     m.full_kv_num_blocks = call.view(arrs[2], "full_kv_num_blocks", True)
     m.full_kv_indices = call.view(arrs[3], "full_kv_indices", True)
-    _core._check(_L.nsa_create_block_mask(mod.ptr if mod else None, Q_LEN, KV_LEN, ctypes.byref(m)), "create_block_mask")
+    _core._check(_L.nsa_create_block_mask(host_mod.ptr if host_mod else None, Q_LEN, KV_LEN, ctypes.byref(m)), "create_block_mask")
     if _wants_torch(device):
         import torch
         arrs = [torch.from_numpy(a).to(device) for a in arrs]

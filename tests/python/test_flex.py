@@ -183,3 +183,31 @@ def test_torch_backward_without_a_score_mod():
     (torch.softmax(s, -1) @ vr.repeat_interleave(HQ // H, 1)).square().sum().backward()
     for got, want in ((q, qr), (k, kr), (v, vr)):
         assert (got.grad.double() - want.grad).abs().max().item() < 2e-5 * max(1.0, want.grad.abs().max().item())
+
+
+@pytest.mark.skipif(TORCH is None or not TORCH.cuda.is_available() or not nsa.backend_available("cuda"),
+                    reason="needs torch with a CUDA device and libnsa's CUDA backend")
+def test_document_mask_with_gpu_tensors():
+    """FlexAttention's document masking with the document ids on the GPU: create_block_mask
+    evaluates on host copies (the same mask as from CPU ids), the CUDA forward reads the GPU
+    tensor and equals the CPU's."""
+    torch = TORCH
+    T, H, D = 300, 4, 64
+    doc_cpu = torch.arange(T, dtype=torch.int32) // 70
+    doc = doc_cpu.cuda()
+
+    def mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc[q_idx] == doc[kv_idx])
+
+    def mask_cpu(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_cpu[q_idx] == doc_cpu[kv_idx])
+    bm = nsa.create_block_mask(mask, None, None, T, T, device="cuda", BLOCK_SIZE=32)
+    ref_bm = nsa.create_block_mask(mask_cpu, None, None, T, T, device="cpu", BLOCK_SIZE=32)
+    for a, b in ((bm.kv_num_blocks, ref_bm.kv_num_blocks), (bm.kv_indices, ref_bm.kv_indices),
+                 (bm.full_kv_num_blocks, ref_bm.full_kv_num_blocks)):
+        assert torch.equal(a.cpu(), b.cpu())
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, H, T, D, generator=g) for _ in range(3))
+    o = nsa.flex_attention(q.cuda(), k.cuda(), v.cuda(), block_mask=bm)
+    ref = nsa.flex_attention(q, k, v, block_mask=ref_bm)
+    assert (o.cpu() - ref).abs().max().item() < 1e-5
