@@ -29,7 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import traceback
 
@@ -111,31 +110,11 @@ def self_test():
 class Bench:
     def __init__(self, torch, args, device):
         self.torch, self.args, self.dev = torch, args, device
-        self.flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=device) if device.type == "cuda" else None
+        self.timer = harness.Timer(torch, device, args.reps, args.warmup)
 
     def time_us(self, fn):
-        """Median microseconds of fn (CUDA events, L2 flushed before each run; CPU: perf_counter)."""
-        torch = self.torch
-        for _ in range(self.args.warmup):
-            fn()
-        if self.dev.type != "cuda":
-            import time
-            ts = []
-            for _ in range(self.args.reps):
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e6)
-            return statistics.median(ts)
-        torch.cuda.synchronize()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.args.reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.args.reps)]
-        for s, e in zip(starts, ends):
-            self.flush.zero_()
-            s.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1000.0
+        """Median microseconds of fn (harness.Timer: CUDA events, L2 flushed before each run)."""
+        return self.timer.ms(fn) * 1000.0
 
     def graphed(self, fn):
         """fn captured once in a CUDA graph (after a warm-up run on the capture stream); the replay."""

@@ -21,9 +21,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -156,29 +154,7 @@ def mods_for(name, T, torch, device, HQ):
 class Bench:
     def __init__(self, torch, args, device):
         self.torch, self.args, self.dev = torch, args, device
-        self.flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=device) if device.type == "cuda" else None
-
-    def time_ms(self, fn):
-        torch = self.torch
-        for _ in range(self.args.warmup):
-            fn()
-        if self.dev.type != "cuda":
-            ts = []
-            for _ in range(self.args.reps):
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e3)
-            return statistics.median(ts)
-        torch.cuda.synchronize()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.args.reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.args.reps)]
-        for s, e in zip(starts, ends):
-            self.flush.zero_()
-            s.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+        self.time_ms = harness.Timer(torch, device, args.reps, args.warmup).ms
 
     def closure(self, impl, mod, T, HQ, H, pass_name):
         torch = self.torch

@@ -461,6 +461,40 @@ def self_test():
 # ==== the GPU part ===============================================================================
 
 
+class Timer:
+    """Median time of a call: CUDA events after `warmup` calls, the L2 flushed (a 256 MiB write)
+    before each of `reps` timed calls, so each run reads its inputs from memory; on the CPU
+    perf_counter. Returns milliseconds."""
+
+    def __init__(self, torch, device, reps, warmup):
+        self.torch, self.dev, self.reps, self.warmup = torch, device, reps, warmup
+        self.flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=device) if device.type == "cuda" else None
+
+    def ms(self, fn):
+        import statistics
+        import time
+        torch = self.torch
+        for _ in range(self.warmup):
+            fn()
+        if self.dev.type != "cuda":
+            ts = []
+            for _ in range(self.reps):
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(ts)
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        for s, e in zip(starts, ends):
+            self.flush.zero_()
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
 class Skip(Exception):
     """This (impl, G, T) cannot run; the message is the reason recorded."""
 
