@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "python"))
-import peers as harness  # noqa: E402  (gpu_info, gpu_slug, parse_T, fmt_T, write_json, Skip, package loading)
+import peers as harness  # noqa: E402  (device_description, gpu_slug, parse_T, fmt_T, write_json, Skip, package loading)
 
 HQ, H, D = 64, 4, 128
 PAPER = dict(cmp_len=32, cmp_stride=16, slc_block=64, slc_topk=16, n_init=1, n_local=2, window=512)
@@ -213,9 +213,7 @@ class Bench:
 def run(args):
     import torch
     device = torch.device(args.device)
-    info = harness.gpu_info() if device.type == "cuda" else {}
-    name = info.get("name") or (torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu")
-    gpu = harness.gpu_string(info, name)
+    info, name, gpu = harness.device_description(torch, device)
     bw = bandwidth_of(name, args.bandwidth)
     print("gpu: %s; byte floor at %.2f TB/s" % (gpu, bw / 1e12), flush=True)
     bench = Bench(torch, args, device)

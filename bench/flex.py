@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "python"))
-import peers as harness  # noqa: E402  (gpu_info, gpu_slug, parse_T, fmt_T, write_json)
+import peers as harness  # noqa: E402  (device_description, gpu_slug, parse_T, fmt_T, write_json)
 
 D = 128
 WINDOW, PREFIX, DOC = 1024, 2048, 4096
@@ -189,9 +189,7 @@ class Bench:
 def run(args):
     import torch
     device = torch.device(args.device)
-    info = harness.gpu_info() if device.type == "cuda" else {}
-    name = info.get("name") or (torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu")
-    gpu = harness.gpu_string(info, name)
+    info, name, gpu = harness.device_description(torch, device)
     print("gpu: %s" % gpu, flush=True)
     bench = Bench(torch, args, device)
     rows, skipped = [], []

@@ -514,6 +514,13 @@ def gpu_info():
     return dict(zip(fields, vals))
 
 
+def device_description(torch, device):
+    """(gpu_info(), the device's name, gpu_string of both) for a torch device; "cpu" on the CPU."""
+    info = gpu_info() if device.type == "cuda" else {}
+    name = info.get("name") or (torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu")
+    return info, name, gpu_string(info, name)
+
+
 def gpu_string(info, fallback_name):
     if not info:
         return fallback_name
@@ -834,9 +841,7 @@ def run(args):
         print("peers.py: CUDA not available (torch %s sees no GPU); nothing timed" % torch.__version__, file=sys.stderr)
         return 2
     t_start = time.time()
-    info = gpu_info()
-    name = info.get("name") or torch.cuda.get_device_name(0)
-    gpu = gpu_string(info, name)
+    info, name, gpu = device_description(torch, torch.device("cuda"))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     os.makedirs(args.out, exist_ok=True)
     stem = result_stem(args.out, date, name, args.tag)

@@ -325,14 +325,20 @@ static void run_case(nsa_context *ctx, const flex_case *c, test_rng *r)
     free(s), free(q), free(k), free(v), free(o), free(lse);
 }
 
-static void test_flex_equals_reference(nsa_context *ctx)
+/* The tensors the cases' mods read: document ids, ALiBi slopes, a relative-bias table. */
+static void fill_mod_tables(void)
 {
-    test_rng r = {20261128};
     for (int i = 0; i < 64; i++) g_doc[i] = (i * 7 / 23) % 4;
     for (int h = 0; h < FHQ; h++) {
         g_slope[h] = 1.0f / (float)(1 << (h + 1));
         for (int j = 0; j < 41; j++) g_rel[h][j] = (float)((j * 5 + h) % 11 - 5) * 0.1f;
     }
+}
+
+static void test_flex_equals_reference(nsa_context *ctx)
+{
+    test_rng r = {20261128};
+    fill_mod_tables();
     const flex_case cases[] = {
         {"causal mask_mod, no block mask", "q_idx >= kv_idx", NULL, m_causal, NULL, 0, 37, 37, 1, 1, NULL, NULL},
         {"sliding window 10", "q_idx >= kv_idx && q_idx - kv_idx < 10", NULL, m_window, NULL, 0, 45, 45, 1, 1, NULL, NULL},
@@ -742,11 +748,7 @@ void test_flex_on(nsa_backend be, const sweep_memory *mem)
     CHECK_STATUS(nsa_context_create(&gpu, &d), NSA_STATUS_SUCCESS);
     if (cpu && gpu) {
         test_rng r = {20261129};
-        for (int i = 0; i < 64; i++) g_doc[i] = (i * 7 / 23) % 4;
-        for (int h = 0; h < FHQ; h++) {
-            g_slope[h] = 1.0f / (float)(1 << (h + 1));
-            for (int j = 0; j < 41; j++) g_rel[h][j] = (float)((j * 5 + h) % 11 - 5) * 0.1f;
-        }
+        fill_mod_tables();
         const flex_case cases[] = {
             {"causal, no block mask", "q_idx >= kv_idx", NULL, NULL, NULL, 0, 37, 37, 1, 1, NULL, NULL},
             {"documents + ALiBi, random blocks", "doc[q_idx + b] == doc[kv_idx + b]", "score - slope[h] * abs(q_idx - kv_idx)",

@@ -540,6 +540,19 @@ def _cache(call, a, cache, name, out):
         a.block_table = call.view(cache[2], name + ".block_table")
 
 
+def _step_common(call, a, q, cache, seqlens, q_lens, k_new, v_new):
+    """The fields nsa_step and nsa_attention_step share: q, lengths, the new tokens, the cache."""
+    a.q = call.view(q, "q")
+    a.seqlens = call.view(seqlens, "seqlens")
+    if q_lens is not None:
+        a.q_lens = call.view(q_lens, "q_lens")
+    if k_new is not None:
+        a.k_new = call.view(k_new, "k_new")
+    if v_new is not None:
+        a.v_new = call.view(v_new, "v_new")
+    _cache(call, a.cache, cache, "cache", k_new is not None)
+
+
 def step(call, q, cache, seqlens, config, q_lens=None, k_new=None, v_new=None, cmp_cache=None, cmp_by_caller=False,
          gates=(None, None, None), block_indices=None, block_counts=None, want_selected=False, want_errors=False):
     """nsa_step (spec 12): q [B, Tq, HQ, DK] against the caches (appended to when k_new / v_new
@@ -550,16 +563,7 @@ def step(call, q, cache, seqlens, config, q_lens=None, k_new=None, v_new=None, c
     H = _dims(cache[0], "cache.k", 4)[2]
     DV = _dims(cache[1], "cache.v", 4)[3]
     a = _lib.StepArgs()
-    a.q = call.view(q, "q")
-    a.seqlens = call.view(seqlens, "seqlens")
-    if q_lens is not None:
-        a.q_lens = call.view(q_lens, "q_lens")
-    if k_new is not None:
-        a.k_new = call.view(k_new, "k_new")
-    if v_new is not None:
-        a.v_new = call.view(v_new, "v_new")
-    appends = k_new is not None
-    _cache(call, a.cache, cache, "cache", appends)
+    _step_common(call, a, q, cache, seqlens, q_lens, k_new, v_new)
     _cache(call, a.cmp_cache, cmp_cache, "cmp_cache", not cmp_by_caller)
     a.cmp_by_caller = 1 if cmp_by_caller else 0
     for name, g in zip(("g_cmp", "g_slc", "g_swa"), gates):
@@ -592,15 +596,7 @@ def attention_step(call, q, cache, seqlens, q_lens=None, k_new=None, v_new=None,
     B, Tq, HQ, _ = _dims(q, "q", 4)
     DV = _dims(cache[1], "cache.v", 4)[3]
     a = _lib.AttentionStepArgs()
-    a.q = call.view(q, "q")
-    a.seqlens = call.view(seqlens, "seqlens")
-    if q_lens is not None:
-        a.q_lens = call.view(q_lens, "q_lens")
-    if k_new is not None:
-        a.k_new = call.view(k_new, "k_new")
-    if v_new is not None:
-        a.v_new = call.view(v_new, "v_new")
-    _cache(call, a.cache, cache, "cache", k_new is not None)
+    _step_common(call, a, q, cache, seqlens, q_lens, k_new, v_new)
     if sinks is not None:
         a.sinks = call.view(sinks, "sinks")
     a.scale = float(scale or 0.0)

@@ -1,10 +1,11 @@
 /* step/tiled.cu -- the inference step on tensor cores (step.h explains the split): mma.sync
- * m16n8k16 products of an item's 16 query rows (its G heads, zero-padded) with 64-key tiles
- * staged by cp.async, two tiles in flight per CTA; an online softmax whose running maximum all
- * four warps of a CTA share, so their partial outputs add without rescaling. Lengths, pages and
- * selections are read on the device and the grid depends on capacities only, so a captured
- * graph replays for any lengths. Arithmetic in fp32; the probabilities enter the P V product
- * rounded to the storage dtype, as in the training tiles. */
+ * m16n8k16 products of an item's 16 query rows (its G heads, zero-padded) with 16-key slices;
+ * a CTA takes up to four kv heads of one query, each warp one head's slice of every 64-row
+ * stage, with its own cp.async pipeline (TS_STAGES slices in flight) and its own online softmax
+ * (log2 domain), the warps of a head merged at the end. Lengths, pages and selections are read
+ * on the device and the grid depends on capacities only, so a captured graph replays for any
+ * lengths. Arithmetic in fp32; the probabilities enter the P V product rounded to the storage
+ * dtype, as in the training tiles. */
 #include "step.h"
 
 #define TS_THREADS 128
@@ -15,7 +16,7 @@
 #define TS_SELECT_SMEM (160 * 1024) /* the top-n's shared memory at most (contexts to ~400k tokens
                                       in the paper's configuration; longer ones take the scalar step) */
 #define TS_JT_MAX 16 /* blocks a 16-row group of compressed rows may overlap: two n8 tiles (the host checks) */
-#define TS_STAGES 3 /* tiles in flight per CTA: two load while one is computed */
+#define TS_STAGES 3 /* slices in flight per warp: two load while one is computed */
 
 enum { BR_CMP = 0, BR_SLC = 1, BR_SWA = 2, BR_RANGE = 3 };
 
