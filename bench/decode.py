@@ -262,7 +262,7 @@ def run(args):
         stem = os.path.join(args.out, "%s-%s-decode" % (datetime.date.today().isoformat(), harness.gpu_slug(name)))
         harness.write_json(stem + ".json", rows)
         harness.write_json(stem + ".meta.json", {"gpu": gpu, "nvidia_smi": info, "bandwidth": bw, "skipped": skipped,
-                                                 "argv": sys.argv, "torch": torch.__version__,
+                                                 "argv": harness.record_argv(sys.argv, args.out), "torch": torch.__version__,
                                                  "timing": "CUDA events, L2 flushed (256 MB zeroed), median of %d runs "
                                                            "after %d warm-up runs" % (args.reps, args.warmup)})
         print("wrote %s.json and %s.meta.json" % (stem, stem))

@@ -217,7 +217,7 @@ def run(args):
         os.makedirs(args.out, exist_ok=True)
         stem = os.path.join(args.out, "%s-%s-flex" % (datetime.date.today().isoformat(), harness.gpu_slug(name)))
         harness.write_json(stem + ".json", rows)
-        harness.write_json(stem + ".meta.json", {"gpu": gpu, "nvidia_smi": info, "skipped": skipped, "argv": sys.argv,
+        harness.write_json(stem + ".meta.json", {"gpu": gpu, "nvidia_smi": info, "skipped": skipped, "argv": harness.record_argv(sys.argv, args.out),
                                                  "torch": torch.__version__,
                                                  "timing": "CUDA events, L2 flushed (256 MB zeroed), median of %d runs after "
                                                            "%d warm-up runs" % (args.reps, args.warmup)})

@@ -435,6 +435,9 @@ def self_test():
     check("0.500" in table and "skipped:" in table and "fla needs G" in table, "table content")
     check(table.index(" 16 ") < table.index("   4 "), "G=16 before G=4")
     print(table)
+    check(record_argv(["decode.py", "--out", "/m/out", "--ctx=64k"], "/m/out") == ["decode.py", "--out", "<out>", "--ctx=64k"]
+          and record_argv(["flex.py", "--out=/m/out"], "/m/out") == ["flex.py", "--out=<out>"]
+          and record_argv(["flex.py", "--T", "4k"], None) == ["flex.py", "--T", "4k"], "argv without the output folder")
     with tempfile.TemporaryDirectory() as d:
         stem = result_stem(d, "2026-11-22", "NVIDIA H100 80GB HBM3")
         check(stem.endswith("2026-11-22-h100"), "stem")
@@ -512,6 +515,12 @@ def gpu_info():
         return {}
     vals = [v.strip() for v in out[0].split(",")]
     return dict(zip(fields, vals))
+
+
+def record_argv(argv, out):
+    """argv as a results file keeps it: the output folder (a path of the machine that ran it)
+    written as <out>."""
+    return ["<out>" if out and a == out else a.replace("=" + out, "=<out>") if out else a for a in argv]
 
 
 def device_description(torch, device):
