@@ -15,6 +15,7 @@ void cu_overrides_default(cu_overrides *o)
     o->slc_union = 1;
     o->nonfinite = -1;
     o->step_tiled = 1;
+    o->step_pdl = 1;
 }
 
 void cu_overrides_from_env(cu_overrides *o)
@@ -39,6 +40,10 @@ void cu_overrides_from_env(cu_overrides *o)
     if (e && (e[0] == '0' || e[0] == '1')) o->nonfinite = e[0] - '0';
     e = getenv("NSA_CUDA_STEP_TILED");
     if (e && e[0] == '0') o->step_tiled = 0;
+    e = getenv("NSA_CUDA_STEP_PDL");
+    if (e && e[0] == '0') o->step_pdl = 0;
+    e = getenv("NSA_CUDA_STEP_HC");
+    if (e && (atoi(e) == 1 || atoi(e) == 2 || atoi(e) == 4)) o->step_hc = atoi(e);
 }
 
 int cu_dims_class(int64_t DK, int64_t DV)

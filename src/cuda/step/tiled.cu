@@ -9,7 +9,7 @@
 #include "step.h"
 
 #define TS_THREADS 128
-#define TS_COMBINE_THREADS 128 /* 4 groups of tasks x 32 four-column pieces of a head's row (D = 128) */
+#define TS_COMBINE_THREADS 256 /* 8 groups of tasks x 32 four-column pieces of a head's row (D = 128) */
 #define TS_TARGET_CTAS 264 /* CTAs a launch aims at: one wave (two per SM) of a 132-SM part, fixed so the
                               sizing pass (no device query) plans the same workspace */
 #define TS_BATCH 4096      /* items per launch round: bounds the partials' workspace */
@@ -17,6 +17,8 @@
                                       in the paper's configuration; longer ones take the scalar step) */
 #define TS_JT_MAX 16 /* blocks a 16-row group of compressed rows may overlap: two n8 tiles (the host checks) */
 #define TS_STAGES 3 /* slices in flight per warp: two load while one is computed */
+#define TS_MIN_ROWS 128 /* a contiguous branch's task reads at least this many rows a head: its partial
+                           (16 x D floats) stays small beside the keys it read */
 
 enum { BR_CMP = 0, BR_SLC = 1, BR_SWA = 2, BR_RANGE = 3 };
 
@@ -40,6 +42,24 @@ typedef struct ts_launch {
     int tpb;
 } ts_launch;
 
+/* Programmatic dependent launch (sm_90): each kernel of a step lets the next one be launched
+ * once every CTA of its own has stored its results (ts_let_next_start, or the CTA's exit), and
+ * the next one waits for it to finish, its writes visible, before reading or writing anything
+ * of the step's (ts_wait_prior): the launch's latency overlaps the last CTAs' tails. Without
+ * the launch attribute both are no-ops. */
+__device__ __forceinline__ void ts_let_next_start()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void ts_wait_prior()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 /* NaN-propagating maximum (fmaxf drops a NaN) */
 __device__ __forceinline__ float ts_max(float a, float b) { return a > b || a != a ? a : b; }
 
@@ -50,13 +70,16 @@ struct ts_item {
 __device__ __forceinline__ ts_item ts_item_of(const step_params &P, int64_t it)
 {
     ts_item x;
-    x.h = it % P.H, x.i = (it / P.H) % P.Tq, x.b = it / (P.H * P.Tq);
+    /* 32-bit: items = B * Tq * H fit (the host checks) */
+    const uint32_t u = (uint32_t)it, H = (uint32_t)P.H, Tq = (uint32_t)P.Tq, bi = u / H;
+    x.h = u - bi * H, x.b = bi / Tq, x.i = bi - (uint32_t)x.b * Tq;
     x.pos = x.L = 0;
-    x.live = P.ok[x.b] != 0;
-    if (!x.live) return x;
+    /* the check's verdict and the lengths read together (b < B: in bounds whatever the verdict;
+     * the lengths are used only when it is 1): one memory round trip where two were */
+    const int32_t ok = P.ok[x.b];
     const step_seq_t s = step_seq(P, x.b);
-    x.live = x.i < s.n;
-    x.pos = s.L - s.n + x.i, x.L = s.L;
+    x.live = ok != 0 && x.i < s.n;
+    if (x.live) x.pos = s.L - s.n + x.i, x.L = s.L;
     return x;
 }
 
@@ -83,17 +106,19 @@ template <int D> struct ts_smem {
 struct ts_warp {
     ts_item x;
     int64_t it, local; /* the head's item and its index in the round */
+    int64_t vis;       /* contiguous branches: the first key seen (the stages start at a multiple of 16 below it) */
     int slice, KS;
 };
 
 /* rows [row0, row0 + n) of the warp's slice of stage t (n = 0: nothing, e.g. an unused slot
- * of the selection list) */
+ * of the selection list); the first *skip of them precede the branch's first key (masked) */
 __device__ __forceinline__ int ts_slice_rows(const step_params &P, const ts_launch &A, int kind, const ts_warp &W, int64_t lo,
-                                             int64_t hi, int64_t t, int64_t &row0)
+                                             int64_t hi, int64_t t, int64_t &row0, int &skip)
 {
     int64_t end;
+    skip = 0;
     if (kind == BR_SLC) {
-        const int64_t tpb = A.tpb, a = t / tpb, u = t % tpb;
+        const int64_t tpb = A.tpb, a = t / tpb, u = t - a * tpb;
         const int32_t j = A.sel[W.local * A.width + a];
         if (j < 0) return 0;
         row0 = (int64_t)j * P.lp + W.KS * u + 16 * W.slice;
@@ -102,21 +127,52 @@ __device__ __forceinline__ int ts_slice_rows(const step_params &P, const ts_laun
     } else {
         row0 = lo + W.KS * t + 16 * W.slice;
         end = hi + 1;
+        const int64_t sk = W.vis - row0;
+        skip = sk <= 0 ? 0 : sk > 16 ? 16 : (int)sk;
     }
     const int64_t n = end - row0;
     return n <= 0 ? 0 : n > 16 ? 16 : (int)n;
 }
 
 /* The warp's 16 keys of stage t (those past its rows zero-filled) into its 16-row slot of
- * buffer Kb / Vb by cp.async, one commit group: lanes 0-15 find the K rows' addresses, lanes
- * 16-31 the V rows', shuffled to the lanes that copy. Returns the slice's key count. */
+ * buffer Kb / Vb by cp.async, one commit group. A slice that starts on a multiple of 16 of a
+ * contiguous cache or of pages of a multiple of 16 rows lies in one page: every lane finds
+ * its base alone and steps by the row stride. Otherwise lanes 0-15 find the K rows'
+ * addresses, lanes 16-31 the V rows', shuffled to the lanes that copy. Returns the slice's
+ * key count and (skip) the keys before the branch's first. */
 template <typename T, int D>
 __device__ __forceinline__ int ts_issue(const step_params &P, const ts_launch &A, const step_cache_t &C, int kind, const ts_warp &W,
-                                        int64_t lo, int64_t hi, int64_t t, T *Kb, T *Vb, bool pv, int lane)
+                                        int64_t lo, int64_t hi, int64_t t, T *Kb, T *Vb, bool pv, int lane, int &skip)
 {
     constexpr int LD = D + 8, CH = D / 8, RPP = 32 / CH;
     int64_t row0 = 0;
-    const int n = ts_slice_rows(P, A, kind, W, lo, hi, t, row0);
+    const int n = ts_slice_rows(P, A, kind, W, lo, hi, t, row0, skip);
+    const T *kp = (const T *)C.k.p, *vp = (const T *)C.v.p;
+    const int c = (lane % CH) * 8, i0 = lane / CH;
+    if ((row0 & 15) == 0 && (!C.bt || (C.page & 15) == 0)) {
+        int64_t kb = 0, vb = 0; /* 32-bit page arithmetic (the host checks) */
+        if (n > 0) {
+            const uint32_t row = (uint32_t)row0;
+            if (!C.bt) {
+                kb = W.x.b * C.k.s0 + (int64_t)row * C.k.s1 + W.x.h * C.k.s2;
+                vb = W.x.b * C.v.s0 + (int64_t)row * C.v.s1 + W.x.h * C.v.s2;
+            } else {
+                const uint32_t pi = row / (uint32_t)C.page, in = row - pi * (uint32_t)C.page;
+                const int64_t pg = C.bt[W.x.b * C.bt0 + (int64_t)pi * C.bt1];
+                kb = pg * C.k.s0 + (int64_t)in * C.k.s1 + W.x.h * C.k.s2;
+                vb = pg * C.v.s0 + (int64_t)in * C.v.s1 + W.x.h * C.v.s2;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 16 / RPP; k++) {
+            const int i = k * RPP + i0;
+            const bool ok = i < n;
+            cp16(Kb + i * LD + c, ok ? kp + kb + i * C.k.s1 + c : kp, ok ? 16 : 0);
+            if (pv) cp16(Vb + i * LD + c, ok ? vp + vb + i * C.v.s1 + c : vp, ok ? 16 : 0);
+        }
+        cp_commit();
+        return n;
+    }
     const int r = lane & 15;
     int64_t off = -1;
     if (r < n) { /* row row0 + r of K (lanes 0-15) or V (16-31); 32-bit page arithmetic (the host checks) */
@@ -130,10 +186,9 @@ __device__ __forceinline__ int ts_issue(const step_params &P, const ts_launch &A
             off = (int64_t)C.bt[W.x.b * C.bt0 + (int64_t)pi * C.bt1] * s0 + (int64_t)in * s1 + W.x.h * s2;
         }
     }
-    const T *kp = (const T *)C.k.p, *vp = (const T *)C.v.p;
 #pragma unroll
     for (int k = 0; k < 16 / RPP; k++) {
-        const int i = k * RPP + lane / CH, c = (lane % CH) * 8;
+        const int i = k * RPP + i0;
         const int64_t ko = __shfl_sync(0xffffffffu, off, i), vo = __shfl_sync(0xffffffffu, off, 16 + i);
         cp16(Kb + i * LD + c, ko >= 0 ? kp + ko + c : kp, ko >= 0 ? 16 : 0);
         if (pv) cp16(Vb + i * LD + c, vo >= 0 ? vp + vo + c : vp, vo >= 0 ? 16 : 0);
@@ -159,10 +214,12 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
     T *Ks = (T *)(ts_sm + S::k), *Vs = (T *)(ts_sm + S::v);
     float *ml = (float *)(ts_sm + S::ml);
 
+    ts_wait_prior();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, Hc = A.hc;
     /* consecutive CTAs take the same task of neighbouring head groups */
     const int64_t ng = A.n / Hc, lg = blockIdx.x % ng, task = blockIdx.x / ng;
     ts_warp W;
+    W.vis = 0;
     W.local = lg * Hc + warp % Hc, W.it = A.item0 + W.local, W.slice = warp / Hc, W.KS = 64 / Hc;
     W.x = ts_item_of(P, W.it);
     if (!W.x.live) return; /* the same for every head of a (sequence, query) */
@@ -173,6 +230,9 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
         ntiles = A.width * A.tpb;
     } else {
         ts_range(P, kind, W.x, lo, hi);
+        /* the stages start on a multiple of 16 (whole slices of a page: ts_issue's fast path),
+         * the keys before the first visible one masked */
+        W.vis = lo, lo &= ~(int64_t)15;
         ntiles = hi >= lo ? (hi - lo + W.KS) / W.KS : 0;
     }
     const int64_t t0 = c * A.tpc[bs], t1 = t0 + A.tpc[bs] < ntiles ? t0 + A.tpc[bs] : ntiles;
@@ -219,8 +279,11 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
             }
     }
     T *Kw = Ks + warp * 16 * LD, *Vw = Vs + warp * 16 * LD; /* the warp's 16-row slot of each buffer */
-    int nr0 = ts_issue<T, D>(P, A, C, kind, W, lo, hi, t0, Kw, Vw, pv, lane), nr1 = 0, nr2 = 0;
-    if (t0 + 1 < t1) nr1 = ts_issue<T, D>(P, A, C, kind, W, lo, hi, t0 + 1, Kw + 64 * LD, Vw + 64 * LD, pv, lane);
+    /* each stage's key count n and first visible key skip, as n | skip << 5 */
+    int sk, nr1 = 0, nr2 = 0;
+    int nr0 = ts_issue<T, D>(P, A, C, kind, W, lo, hi, t0, Kw, Vw, pv, lane, sk);
+    nr0 |= sk << 5;
+    if (t0 + 1 < t1) nr1 = ts_issue<T, D>(P, A, C, kind, W, lo, hi, t0 + 1, Kw + 64 * LD, Vw + 64 * LD, pv, lane, sk) | sk << 5;
     float acc[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
@@ -229,7 +292,7 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
     for (int64_t t = t0; t < t1; t++) {
         if (t + 2 < t1) {
             const int nb = buf == 0 ? 2 : buf - 1; /* (buf + 2) % 3 */
-            const int nn = ts_issue<T, D>(P, A, C, kind, W, lo, hi, t + 2, Kw + nb * 64 * LD, Vw + nb * 64 * LD, pv, lane);
+            const int nn = ts_issue<T, D>(P, A, C, kind, W, lo, hi, t + 2, Kw + nb * 64 * LD, Vw + nb * 64 * LD, pv, lane, sk) | sk << 5;
             if (nb == 0) nr0 = nn;
             else if (nb == 1) nr1 = nn;
             else nr2 = nn;
@@ -240,7 +303,7 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
             cp_wait<0>();
         }
         __syncwarp();
-        const int n = buf == 0 ? nr0 : buf == 1 ? nr1 : nr2;
+        const int nsk = buf == 0 ? nr0 : buf == 1 ? nr1 : nr2, n = nsk & 31, skip = nsk >> 5;
         const T *Kb = Kw + buf * 64 * LD, *Vb = Vw + buf * 64 * LD;
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
@@ -257,7 +320,7 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
             for (int e = 0; e < 4; e++) {
                 const int key = nt * 8 + 2 * (lane & 3) + (e & 1);
                 float v = softcap > 0.0f ? softcap * tanhf(s[nt][e] * scale / softcap) * NSA_LOG2E : s[nt][e] * scale2;
-                if (key >= n) v = -INFINITY;
+                if (key >= n || key < skip) v = -INFINITY;
                 s[nt][e] = v;
                 mx[e >> 1] = ts_max(mx[e >> 1], v);
             }
@@ -330,12 +393,28 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
         lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], 1);
         lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], 2);
     }
+    const int hl = warp % Hc, per = 4 / Hc; /* the warps of head hl: hl, hl + Hc, ... */
+    float *const part = A.part + ((lg * Hc + hl) * A.ntask + task) * ts_part_floats(D);
+    if (per == 1) { /* a warp per head: its own state is the partial, stored from registers */
+        if ((lane & 3) == 0) {
+            part[r0] = mrun[0] * NSA_LN2, part[r0 + 8] = mrun[1] * NSA_LN2; /* the max in natural units */
+            part[16 + r0] = lsum[0], part[16 + r0 + 8] = lsum[1];
+        }
+        if (pv)
+#pragma unroll
+            for (int q = 0; q < NT; q++) {
+                const int col = q * 8 + 2 * (lane & 3);
+                *(float2 *)(part + 32 + r0 * D + col) = make_float2(acc[q][0], acc[q][1]);
+                *(float2 *)(part + 32 + (r0 + 8) * D + col) = make_float2(acc[q][2], acc[q][3]);
+            }
+        ts_let_next_start();
+        return;
+    }
     if ((lane & 3) == 0) {
         ml[warp * 32 + r0] = mrun[0], ml[warp * 32 + r0 + 8] = mrun[1];
         ml[warp * 32 + 16 + r0] = lsum[0], ml[warp * 32 + 16 + r0 + 8] = lsum[1];
     }
     __syncthreads();
-    const int hl = warp % Hc, per = 4 / Hc; /* the warps of head hl: hl, hl + Hc, ... */
     float fw[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -349,8 +428,8 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
 #pragma unroll
         for (int q = 0; q < NT; q++) {
             const int col = q * 8 + 2 * (lane & 3);
-            Os[(warp * 16 + r0) * D + col] = acc[q][0] * fw[0], Os[(warp * 16 + r0) * D + col + 1] = acc[q][1] * fw[0];
-            Os[(warp * 16 + r0 + 8) * D + col] = acc[q][2] * fw[1], Os[(warp * 16 + r0 + 8) * D + col + 1] = acc[q][3] * fw[1];
+            *(float2 *)(Os + (warp * 16 + r0) * D + col) = make_float2(acc[q][0] * fw[0], acc[q][1] * fw[0]);
+            *(float2 *)(Os + (warp * 16 + r0 + 8) * D + col) = make_float2(acc[q][2] * fw[1], acc[q][3] * fw[1]);
         }
     }
     __syncthreads();
@@ -367,12 +446,16 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
         out[g] = m * NSA_LN2, out[16 + g] = l; /* the max in natural units */
     }
     if (pv)
-        for (int e = tid; e < Hc * 16 * D; e += TS_THREADS) {
-            const int h2 = e / (16 * D), rc = e % (16 * D);
-            float v = 0.0f;
-            for (int q = 0; q < per; q++) v += Os[(h2 + q * Hc) * 16 * D + rc];
-            A.part[((lg * Hc + h2) * A.ntask + task) * ts_part_floats(D) + 32 + rc] = v;
+        for (int e = tid; e < Hc * 4 * D; e += TS_THREADS) { /* four floats a thread */
+            const int h2 = e / (4 * D), rc = 4 * (e - h2 * 4 * D);
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int q = 0; q < per; q++) {
+                const float4 o = *(const float4 *)(Os + (h2 + q * Hc) * 16 * D + rc);
+                v.x += o.x, v.y += o.y, v.z += o.z, v.w += o.w;
+            }
+            *(float4 *)(A.part + ((lg * Hc + h2) * A.ntask + task) * ts_part_floats(D) + 32 + rc) = v;
         }
+    ts_let_next_start();
 }
 
 /* The order of the selection as one integer per block: forced first, then a number before a
@@ -400,12 +483,15 @@ __device__ __forceinline__ unsigned long long ts_warp_max(unsigned long long k)
 
 /* One CTA per item: the blocks its query reads, ascending, -1 after (the caller's, cleaned as
  * the CPU step does, or the top-n of the importance the compressed tiles left in bins). */
-#define TS_SELECT_THREADS 512
-__global__ void __launch_bounds__(TS_SELECT_THREADS) ts_select_kernel(const step_params P, const ts_launch A1, int32_t *sel, int64_t width)
+#define TS_SELECT_THREADS 1024
+#define TS_FAC_AHEAD 4 /* references a thread loads ahead (all of them to 64k tokens in the paper's configuration) */
+__global__ void __launch_bounds__(TS_SELECT_THREADS, 1) ts_select_kernel(const step_params P, const ts_launch A1, int32_t *sel, int64_t width)
 {
     extern __shared__ unsigned long long ts_keys[];
     __shared__ float Mg[16], Lg[16];
-    __shared__ unsigned long long cand[TS_SELECT_THREADS / 32 * 64], chosen[64];
+    __shared__ unsigned long long cand[TS_SELECT_THREADS / 32 * 64], chosen[64], wmax[TS_SELECT_THREADS / 32], theta_s;
+    __shared__ int ncand;
+    ts_wait_prior();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t local = blockIdx.x, it = A1.item0 + local;
     const ts_item x = ts_item_of(P, it);
@@ -435,34 +521,50 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS) ts_select_kernel(const step
     if (nj <= P.n) { /* every block the query can see */
         for (int64_t a = tid; a < width; a += blockDim.x) out[a] = a < nj ? (int32_t)a : -1;
     } else {
-        /* each head's softmax over the compressed rows, from the tasks' partials: a warp a head */
+        const int32_t nv = (int32_t)nsa_rule_cmp_visible_cap(x.pos, P.l, P.d, nsa_rule_num_cmp(x.L, P.l, P.d));
+        const int32_t l = (int32_t)P.l, d = (int32_t)P.d, lp = (int32_t)P.lp, JT1 = A1.JT + 1;
+        const int ntl = (nv + 15) / 16, G = (int)P.G, nfac = ntl * G;
+        const float *bins = A1.bins + local * A1.tiles * 16 * JT1; /* the item's */
+        /* the references of the first (16-row group, head) pairs, loaded before the softmax's
+         * partials are waited for (one memory round trip for both) */
+        float ref[TS_FAC_AHEAD];
+#pragma unroll
+        for (int k = 0; k < TS_FAC_AHEAD; k++) {
+            const int e = tid + k * TS_SELECT_THREADS, t = e / G, g = e - t * G;
+            ref[k] = e < nfac ? bins[(t * 16 + g) * JT1 + A1.JT] : 0.0f;
+        }
+        /* each head's softmax over the compressed rows, from the tasks' partials: a warp a head,
+         * each lane an online (max, sum) over its partials in one pass, then merged */
         for (int g = warp; g < P.G; g += (int)(blockDim.x >> 5)) {
             const float *base = A1.part + local * A1.ntask * ts_part_floats(P.DK);
             float M = -INFINITY, L = 0.0f;
-            for (int64_t s = lane; s < A1.ntask; s += 32) {
-                const float m = base[s * ts_part_floats(P.DK) + g];
-                if (m != -INFINITY) M = ts_max(M, m);
+            for (int s = lane; s < (int)A1.ntask; s += 32) {
+                const float m = base[s * ts_part_floats(P.DK) + g], l = base[s * ts_part_floats(P.DK) + 16 + g];
+                if (m == -INFINITY) continue;
+                if (m > M || m != m) L = (M == -INFINITY ? 0.0f : L * expf(M - m)) + l, M = m;
+                else L += l * expf(m - M);
             }
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) M = ts_max(M, __shfl_xor_sync(0xffffffffu, M, o));
-            for (int64_t s = lane; s < A1.ntask; s += 32) {
-                const float *pp = base + s * ts_part_floats(P.DK);
-                if (pp[g] != -INFINITY) L += expf(pp[g] - M) * pp[16 + g];
+            for (int o = 16; o > 0; o >>= 1) {
+                const float Mo = __shfl_xor_sync(0xffffffffu, M, o), Lo = __shfl_xor_sync(0xffffffffu, L, o);
+                const float Mn = ts_max(M, Mo);
+                L = (M == -INFINITY ? 0.0f : L * expf(M - Mn)) + (Mo == -INFINITY ? 0.0f : Lo * expf(Mo - Mn));
+                M = Mn;
             }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
             if (lane == 0) Mg[g] = M, Lg[g] = L;
         }
         __syncthreads();
-        const int32_t nv = (int32_t)nsa_rule_cmp_visible_cap(x.pos, P.l, P.d, nsa_rule_num_cmp(x.L, P.l, P.d));
-        const int32_t l = (int32_t)P.l, d = (int32_t)P.d, lp = (int32_t)P.lp, JT1 = A1.JT + 1;
         /* each (16-row group, head)'s bins times exp(ref - M) / L, kept after the keys */
         float *fac = (float *)(ts_keys + nj);
-        const int ntl = (nv + 15) / 16;
+#pragma unroll
+        for (int k = 0; k < TS_FAC_AHEAD; k++) {
+            const int e = tid + k * TS_SELECT_THREADS, g = e % G;
+            if (e < nfac) fac[e] = expf(ref[k] - Mg[g]) / Lg[g];
+        }
 #pragma unroll 4
-        for (int e = tid; e < ntl * P.G; e += blockDim.x) {
-            const int t = e / P.G, g = e % P.G;
-            fac[e] = expf(A1.bins[((local * A1.tiles + t) * 16 + g) * JT1 + A1.JT] - Mg[g]) / Lg[g];
+        for (int e = tid + TS_FAC_AHEAD * TS_SELECT_THREADS; e < nfac; e += TS_SELECT_THREADS) {
+            const int t = e / G, g = e - t * G;
+            fac[e] = expf(bins[(t * 16 + g) * JT1 + A1.JT] - Mg[g]) / Lg[g];
         }
         __syncthreads();
         const float inv_d = 1.0f / (float)P.d;
@@ -479,46 +581,64 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS) ts_select_kernel(const step
             float acc = 0.0f;
             if (ra <= rb)
                 for (int32_t t = ra / 16; t <= rb / 16; t++) {
-                    const float *bt = A1.bins + (local * A1.tiles + t) * 16 * JT1 + (j - 16 * t * d / lp);
+                    const float *bt = bins + t * 16 * JT1 + (j - 16 * t * d / lp);
                     float bv[16];
 #pragma unroll
-                    for (int g = 0; g < 16; g++) bv[g] = g < P.G ? bt[g * JT1] : 0.0f; /* all loads in flight at once */
+                    for (int g = 0; g < 16; g++) bv[g] = g < G ? bt[g * JT1] : 0.0f; /* all loads in flight at once */
 #pragma unroll
                     for (int g = 0; g < 16; g++)
-                        if (g < P.G && bv[g] != 0.0f) acc += bv[g] * fac[t * P.G + g];
+                        if (g < G && bv[g] != 0.0f) acc += bv[g] * fac[t * G + g];
                 }
             const unsigned long long key = ts_rank_key(nsa_rule_forced(j, cur, P.n_init, P.n_local), all_nan && ra <= rb ? NAN : acc * inv_d, j);
             ts_keys[j] = key;
             best = ts_umax(best, key);
         }
-        /* the top n in two levels without block barriers between rounds: each warp takes the n
-         * largest of its own keys (a warp maximum per round; the lane that held it drops it and
-         * rescans its keys), then warp 0 the n largest of those candidates */
-        const int nw = (int)(blockDim.x >> 5);
-        for (int64_t round = 0; round < P.n; round++) {
+        /* the top n in two levels. A bound first: theta, the n-th largest of the warps' maxima
+         * (those n warps each hold a key at least that large, so no key below it is among the n
+         * largest; 0, no bound, when fewer warps hold keys). Each warp then takes its own keys
+         * down to theta, at most n, without block barriers (a warp maximum per round; the lane
+         * that held it drops it and rescans its keys), and every candidate's rank among all
+         * candidates is counted, by `split` neighbouring lanes a candidate; rank r goes to
+         * chosen[r]. On random importances theta leaves a few candidates a warp, not n. */
+        const int nw = (int)(blockDim.x >> 5), n = (int)P.n;
+        {
             const unsigned long long top = ts_warp_max(best);
-            if (lane == 0) cand[warp * P.n + round] = top; /* 0 once the warp has no keys left */
-            if (best == top && top != 0) {
+            if (lane == 0) wmax[warp] = top;
+            if (tid == 0) theta_s = 0, ncand = 0;
+        }
+        __syncthreads();
+        if (warp == 0 && nw >= n) {
+            const unsigned long long v = lane < nw ? wmax[lane] : 0;
+            int above = 0;
+            for (int u = 0; u < nw; u++) above += wmax[u] > v;
+            if (lane < nw && above == n - 1) theta_s = v; /* at most one lane: the maxima are distinct or 0 */
+        }
+        __syncthreads();
+        const unsigned long long theta = theta_s;
+        for (int round = 0; round < n; round++) {
+            const unsigned long long top = ts_warp_max(best);
+            if (top == 0 || top < theta) break; /* the same in every lane */
+            if (lane == 0) cand[atomicAdd(&ncand, 1)] = top;
+            if (best == top) {
                 ts_keys[0x7fffffffu - (uint32_t)(top & 0x7fffffffull)] = 0;
                 best = 0;
-                for (int64_t j = tid; j < nj; j += blockDim.x) best = ts_umax(best, ts_keys[j]);
+                for (int32_t j = tid; j < nj; j += blockDim.x) best = ts_umax(best, ts_keys[j]);
             }
         }
         __syncthreads();
-        if (warp == 0) {
-            const int nc = nw * (int)P.n;
-            best = 0;
-            for (int e = lane; e < nc; e += 32) best = ts_umax(best, cand[e]);
-            for (int64_t round = 0; round < P.n; round++) {
-                const unsigned long long top = ts_warp_max(best);
-                if (lane == 0) chosen[round] = top;
-                if (best == top && top != 0) {
-                    best = 0;
-                    for (int e = lane; e < nc; e += 32) {
-                        if (cand[e] == top) cand[e] = 0;
-                        best = ts_umax(best, cand[e]);
-                    }
-                }
+        {
+            const int nc = ncand;
+            int split = 1;
+            while (split < 32 && nc * split * 2 <= (int)blockDim.x) split *= 2;
+            const int total = (nc * split + 31) & ~31; /* whole warps: the shuffles below are uniform */
+            for (int u = tid; u < total; u += blockDim.x) {
+                const int c = u / split, part = u & (split - 1);
+                const unsigned long long key = c < nc ? cand[c] : 0;
+                int rank = 0;
+                if (key != 0)
+                    for (int e = part; e < nc; e += split) rank += cand[e] > key;
+                for (int o = 1; o < split; o <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);
+                if (key != 0 && part == 0 && rank < n) chosen[rank] = key; /* keys are distinct: one per rank */
             }
         }
         __syncthreads();
@@ -534,70 +654,74 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS) ts_select_kernel(const step
     if (P.idx.p)
         for (int64_t a = tid; a < P.n; a += blockDim.x)
             ((int32_t *)P.idx.p)[x.b * P.idx.s0 + x.i * P.idx.s1 + x.h * P.idx.s2 + a] = a < width ? out[a] : -1;
-}
-
-/* A branch's row max M and sum L for head g over its n partials (tasks with no key skipped),
- * by one warp; then each task's weight mul * exp(m - M) / L into w (0 for a task with no key).
- * Returns M (-inf: no key anywhere) through *Mo and L through *Lo. */
-__device__ __forceinline__ void ts_weights(const float *base, int64_t n, int64_t stride, int g, float mul, float *w,
-                                           int lane, float *Mo, float *Lo)
-{
-    float M = -INFINITY;
-    for (int64_t s = lane; s < n; s += 32) {
-        const float m = base[s * stride + g];
-        if (m != -INFINITY) M = ts_max(M, m);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) M = ts_max(M, __shfl_xor_sync(0xffffffffu, M, o));
-    float L = 0.0f;
-    if (M != -INFINITY)
-        for (int64_t s = lane; s < n; s += 32) {
-            const float m = base[s * stride + g];
-            if (m != -INFINITY) L += expf(m - M) * base[s * stride + 16 + g];
-        }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-    for (int64_t s = lane; s < n; s += 32) {
-        const float m = base[s * stride + g];
-        w[s] = M == -INFINITY || m == -INFINITY ? 0.0f : mul * expf(m - M) / L;
-    }
-    *Mo = M, *Lo = L;
+    ts_let_next_start();
 }
 
 #define TS_MAX_TASKS (2 * TS_TARGET_CTAS + 8) /* the tasks of one item, all branches */
 
-/* The partials of one item as up to three segments (branches): base, count; absent ones 0. */
-struct ts_segs {
-    const float *base[3];
-    int64_t n[3];
+/* The partials of one item as two runs: n0 at b0 (the compressed branch's), n1 at b1 (the
+ * selected and window branches', one after the other, or the dense step's range). */
+struct ts_runs {
+    const float *b0, *b1;
+    int n0, n1;
+    int64_t stride;
+    __device__ __forceinline__ const float *at(int s) const { return s < n0 ? b0 + s * stride : b1 + (s - n0) * stride; }
 };
 
-/* sum over the item's partials of w[s] * O_s[g, :], 4 columns a thread, the tasks split over
- * the thread groups, into out (D floats of shared memory) */
-__device__ __forceinline__ void ts_accumulate(const ts_segs &sg, int64_t stride, int g, int D, const float *w, float *red,
-                                              float *out)
+/* Row g's max and sum of every partial into shared ms / ls, all loads in flight at once. */
+__device__ __forceinline__ void ts_stage_ml(const ts_runs &R, int g, float *ms, float *ls)
 {
-    const int tid = threadIdx.x, C4 = D / 4, NG = TS_COMBINE_THREADS / C4, c4 = tid % C4, grp = tid / C4;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    int64_t w0 = 0;
-#pragma unroll
-    for (int q = 0; q < 3; q++) {
-        const float *base = sg.base[q] + 32 + g * D + 4 * c4;
-#pragma unroll 4
-        for (int64_t s = grp; s < sg.n[q]; s += NG) {
-            const float ws = w[w0 + s];
-            if (ws != 0.0f) {
-                const float4 o = *(const float4 *)(base + s * stride);
-                acc.x += ws * o.x, acc.y += ws * o.y, acc.z += ws * o.z, acc.w += ws * o.w;
-            }
-        }
-        w0 += sg.n[q];
+    for (int s = threadIdx.x; s < R.n0 + R.n1; s += blockDim.x) {
+        const float *p = R.at(s);
+        ms[s] = p[g], ls[s] = p[16 + g];
     }
-    *(float4 *)(red + grp * D + 4 * c4) = acc;
+}
+
+/* A branch's row max M and sum L over its n partials from s0 (tasks with no key skipped), by
+ * one warp from the staged ms / ls; then each task's weight mul * exp(m - M) / L into w (0
+ * for a task with no key). Returns M (-inf: no key anywhere) through *Mo and L through *Lo. */
+__device__ __forceinline__ void ts_weights(const float *ms, const float *ls, int s0, int n, float mul, float *w, int lane,
+                                           float *Mo, float *Lo)
+{
+    float M = -INFINITY;
+    for (int s = s0 + lane; s < s0 + n; s += 32)
+        if (ms[s] != -INFINITY) M = ts_max(M, ms[s]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) M = ts_max(M, __shfl_xor_sync(0xffffffffu, M, o));
+    float L = 0.0f;
+    if (M != -INFINITY)
+        for (int s = s0 + lane; s < s0 + n; s += 32)
+            if (ms[s] != -INFINITY) L += expf(ms[s] - M) * ls[s];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+    for (int s = s0 + lane; s < s0 + n; s += 32) w[s] = M == -INFINITY || ms[s] == -INFINITY ? 0.0f : mul * expf(ms[s] - M) / L;
+    *Mo = M, *Lo = L;
+}
+
+/* sum over the item's partials of w[s] * O_s[g, :], 4 columns a thread, the tasks split over
+ * the thread groups four at a time (their loads issued together), into out (D floats of
+ * shared memory). A partial of weight 0 is not read: an empty task leaves no output. */
+__device__ __forceinline__ void ts_accumulate(const ts_runs &R, int g, int D, const float *w, float4 *red, float *out)
+{
+    const int tid = threadIdx.x, C4 = D / 4, NG = TS_COMBINE_THREADS / C4, c4 = tid % C4, grp = tid / C4, n = R.n0 + R.n1;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s0 = grp; s0 < n; s0 += 4 * NG) {
+        float ws[4];
+        float4 o[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int s = s0 + u * NG;
+            ws[u] = s < n ? w[s] : 0.0f;
+            o[u] = ws[u] != 0.0f ? *(const float4 *)(R.at(s) + 32 + g * D + 4 * c4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) acc.x += ws[u] * o[u].x, acc.y += ws[u] * o[u].y, acc.z += ws[u] * o[u].z, acc.w += ws[u] * o[u].w;
+    }
+    red[tid] = acc;
     __syncthreads();
     for (int c = tid; c < D; c += TS_COMBINE_THREADS) {
         float v = 0.0f;
-        for (int q = 0; q < NG; q++) v += red[q * D + c];
+        for (int q = 0; q < NG; q++) v += ((const float *)red)[(q * C4 + c / 4) * 4 + c % 4];
         out[c] = v;
     }
     __syncthreads();
@@ -607,28 +731,34 @@ __device__ __forceinline__ void ts_accumulate(const ts_segs &sg, int64_t stride,
  * (the gate times exp(m - M) / L; a branch without a key gives 0, as on the CPU) and stored. */
 __global__ void __launch_bounds__(TS_COMBINE_THREADS) ts_combine_kernel(const step_params P, const ts_launch A1, const ts_launch A3)
 {
-    __shared__ float w[TS_MAX_TASKS];
-    __shared__ __align__(16) float red[TS_COMBINE_THREADS * 4], outv[128];
+    __shared__ float w[TS_MAX_TASKS], ms[TS_MAX_TASKS], ls[TS_MAX_TASKS], gate[3];
+    __shared__ float4 red[TS_COMBINE_THREADS];
+    __shared__ float outv[128];
+    __shared__ int dead; /* a branch that saw keys whose scores were all -inf: 0 / 0, as the CPU's */
+    ts_wait_prior();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, D = P.DV;
     const int64_t local = blockIdx.x / P.G, g = blockIdx.x % P.G, it = A1.item0 + local;
     const ts_item x = ts_item_of(P, it);
     if (!x.live) return;
     const int64_t stride = ts_part_floats(D), hq = x.h * P.G + g;
-    /* the segments: compressed (A1), selected and window (A3); a branch switched off has none */
-    ts_segs sg;
-    sg.base[0] = A1.part + local * A1.ntask * stride, sg.n[0] = P.use_cmp ? A1.ntask : 0;
-    sg.base[1] = A3.part + local * A3.ntask * stride, sg.n[1] = P.use_slc ? A3.tasks[0] : 0;
-    sg.base[2] = sg.base[1] + sg.n[1] * stride, sg.n[2] = P.use_swa ? A3.tasks[P.use_slc ? 1 : 0] : 0;
-    __shared__ int dead; /* a branch that saw keys whose scores were all -inf: 0 / 0, as the CPU's */
+    /* the runs: compressed (A1), selected then window (A3); a branch switched off has none */
+    const int nc = P.use_cmp ? (int)A1.ntask : 0, ns = P.use_slc ? (int)A3.tasks[0] : 0,
+              nw = P.use_swa ? (int)A3.tasks[P.use_slc ? 1 : 0] : 0;
+    ts_runs R;
+    R.b0 = A1.part + local * A1.ntask * stride, R.n0 = nc, R.b1 = A3.part + local * A3.ntask * stride, R.n1 = ns + nw;
+    R.stride = stride;
+    if (tid < 3) {
+        const dview gt = tid == 0 ? P.gc : tid == 1 ? P.gs : P.gw;
+        const bool on = tid == 0 ? P.use_cmp : tid == 1 ? P.use_slc : P.use_swa;
+        gate[tid] = on ? ld_any(gt.p, gt.dt, x.b * gt.s0 + x.i * gt.s1 + hq * gt.s2) : 0.0f;
+    }
     if (tid == 0) dead = 0;
+    ts_stage_ml(R, (int)g, ms, ls);
     __syncthreads();
-    if (warp < 3 && sg.n[warp] > 0) {
-        const int64_t w0 = (warp > 0 ? sg.n[0] : 0) + (warp > 1 ? sg.n[1] : 0);
-        const dview gt = warp == 0 ? P.gc : warp == 1 ? P.gs : P.gw;
-        const float gv = ld_any(gt.p, gt.dt, x.b * gt.s0 + x.i * gt.s1 + hq * gt.s2);
+    const int seg0 = warp == 0 ? 0 : warp == 1 ? nc : nc + ns, segn = warp == 0 ? nc : warp == 1 ? ns : nw;
+    if (warp < 3 && segn > 0) {
         float M, L;
-        ts_weights(warp == 0 ? sg.base[0] : warp == 1 ? sg.base[1] : sg.base[2], sg.n[warp], stride, (int)g, gv, w + w0,
-                   lane, &M, &L);
+        ts_weights(ms, ls, seg0, segn, gate[warp], w, lane, &M, &L);
         if (M == -INFINITY) { /* no finite score: did the branch see a key at all? */
             bool seen = warp == 2; /* the window sees the query's own token */
             if (warp == 0) seen = nsa_rule_cmp_visible_cap(x.pos, P.l, P.d, nsa_rule_num_cmp(x.L, P.l, P.d)) > 0;
@@ -638,28 +768,34 @@ __global__ void __launch_bounds__(TS_COMBINE_THREADS) ts_combine_kernel(const st
         }
     }
     __syncthreads();
-    ts_accumulate(sg, stride, (int)g, D, w, red, outv);
+    ts_accumulate(R, (int)g, D, w, red, outv);
     const float bad = dead ? NAN : 0.0f;
     for (int c = tid; c < D; c += TS_COMBINE_THREADS)
         st_any(P.o.p, P.o.dt, x.b * P.o.s0 + x.i * P.o.s1 + hq * P.o.s2 + c, outv[c] + bad);
+    ts_let_next_start();
 }
 
 /* One CTA per (item, query head): the dense step's partials merged with the sink, stored with
  * the lse (the scalar kernel's rules for rows without a finite score). */
 __global__ void __launch_bounds__(TS_COMBINE_THREADS) ts_dense_combine_kernel(const step_params P, const ts_launch A)
 {
-    __shared__ float w[TS_MAX_TASKS];
-    __shared__ __align__(16) float red[TS_COMBINE_THREADS * 4], outv[128];
+    __shared__ float w[TS_MAX_TASKS], ms[TS_MAX_TASKS], ls[TS_MAX_TASKS];
+    __shared__ float4 red[TS_COMBINE_THREADS];
+    __shared__ float outv[128];
     __shared__ float fill, lse;
+    ts_wait_prior();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, D = P.DV;
     const int64_t local = blockIdx.x / P.G, g = blockIdx.x % P.G, it = A.item0 + local;
     const ts_item x = ts_item_of(P, it);
     if (!x.live) return;
     const int64_t stride = ts_part_floats(D), hq = x.h * P.G + g;
-    const float *base = A.part + local * A.ntask * stride;
+    ts_runs R;
+    R.b0 = R.b1 = A.part + local * A.ntask * stride, R.n0 = (int)A.ntask, R.n1 = 0, R.stride = stride;
+    ts_stage_ml(R, (int)g, ms, ls);
+    __syncthreads();
     if (warp == 0) {
         float M, L;
-        ts_weights(base, A.ntask, stride, (int)g, 1.0f, w, lane, &M, &L);
+        ts_weights(ms, ls, 0, R.n0, 1.0f, w, lane, &M, &L);
         int64_t lo, hi;
         ts_range(P, BR_RANGE, x, lo, hi);
         const bool seen = hi >= lo, sink = P.sinks != nullptr;
@@ -674,17 +810,16 @@ __global__ void __launch_bounds__(TS_COMBINE_THREADS) ts_dense_combine_kernel(co
             rescale = L * e / Lt;
             if (lane == 0) lse = m + logf(Lt), fill = 1.0f;
         }
-        for (int64_t s = lane; s < A.ntask; s += 32) w[s] *= rescale;
+        for (int s = lane; s < R.n0; s += 32) w[s] *= rescale;
     }
     __syncthreads();
-    ts_segs sg;
-    sg.base[0] = sg.base[1] = sg.base[2] = base, sg.n[0] = A.ntask, sg.n[1] = sg.n[2] = 0;
-    ts_accumulate(sg, stride, (int)g, D, w, red, outv);
+    ts_accumulate(R, (int)g, D, w, red, outv);
     for (int c = tid; c < D; c += TS_COMBINE_THREADS) {
         const float v = fill == 1.0f ? outv[c] : fill; /* NaN when keys were seen, else 0 */
         st_any(P.o.p, P.o.dt, x.b * P.o.s0 + x.i * P.o.s1 + hq * P.o.s2 + c, v);
     }
     if (tid == 0 && P.lse.p) ((float *)P.lse.p)[x.b * P.lse.s0 + x.i * P.lse.s1 + hq * P.lse.s2] = lse;
+    ts_let_next_start();
 }
 
 /* ---- host ---------------------------------------------------------------------------- */
@@ -706,6 +841,7 @@ static int ts_common_fits(const grun *g, const step_params *P)
     if (g->ovr->step_tiled == 0 || g->ovr->nonfinite == 1) return 0;
     if (P->DK != P->DV || (P->DK != 64 && P->DK != 128)) return 0;
     if (P->G < 1 || P->G > 16) return 0;
+    if (P->B * P->Tq * P->H > INT32_MAX) return 0; /* items counted in 32 bits (ts_item_of) */
     const int dt = P->q.dt;
     if (dt != NSA_DTYPE_BF16 && dt != NSA_DTYPE_F16) return 0;
     /* the tiles copy 16-byte pieces: rows must start on 16 bytes */
@@ -715,9 +851,15 @@ static int ts_common_fits(const grun *g, const step_params *P)
 /* Selection blocks the 16 compressed rows of a group overlap (rows 0 .. 15 of the first). */
 static int64_t ts_blocks_per_group(const step_params *P) { return (15 * P->d + P->l - 1) / P->lp + 1; }
 
-/* kv heads per CTA: the most of 4, 2, 1 that divides H (a stage holds their rows of 64 / hc
- * tokens, side by side in the cache) */
-static int ts_heads_per_cta(int64_t H) { return H % 4 == 0 ? 4 : H % 2 == 0 ? 2 : 1; }
+/* kv heads per CTA (a stage holds their rows of 64 / hc tokens, side by side in the cache).
+ * Every CTA leaves one partial per head, so for the same CTAs four heads write four times the
+ * partials one head does: below a wave of items (small batches, where a head's keys are split
+ * over many CTAs) one head a CTA; above, the most of 4, 2, 1 that divides H. */
+static int ts_heads_per_cta(const grun *g, int64_t H, int64_t items)
+{
+    const int want = g->ovr->step_hc ? g->ovr->step_hc : items < TS_TARGET_CTAS ? 1 : 4;
+    return want == 4 && H % 4 == 0 ? 4 : want >= 2 && H % 2 == 0 ? 2 : 1;
+}
 
 /* 16-row groups of the compressed cache (the importance sums' unit) */
 static int64_t ts_groups(const step_params *P) { return cdiv64(P->ckv.cap, 16); }
@@ -748,11 +890,11 @@ void step_tiled_take(grun *g, const step_params *P, ts_plan *pl)
     pl->D = P->DK;
     pl->items = P->B * P->Tq * P->H;
     pl->batch = pl->items < TS_BATCH ? pl->items : TS_BATCH;
-    pl->hc = ts_heads_per_cta(P->H);
+    pl->hc = ts_heads_per_cta(g, P->H, pl->batch);
     const int64_t pf = ts_part_floats(pl->D), KS = 64 / pl->hc, groups = pl->batch / pl->hc;
     if (P->use_cmp || P->selects) {
         pl->tiles1 = cdiv64(P->ckv.cap, KS);
-        pl->nt1 = ts_tasks(pl->tiles1, groups, 4, &pl->tpc1); /* >= 64 rows a head: fewer partials to merge */
+        pl->nt1 = ts_tasks(pl->tiles1, groups, TS_MIN_ROWS / KS, &pl->tpc1);
         pl->part1 = cu_take_f32(g, nsa_size_mul(nsa_size_of(pl->batch * pl->nt1), nsa_size_of(pf)), 0);
     }
     if (P->selects) {
@@ -762,7 +904,7 @@ void step_tiled_take(grun *g, const step_params *P, ts_plan *pl)
     pl->width = P->m > P->n ? P->m : P->n;
     pl->tpb = (int)cdiv64(P->lp, KS);
     if (P->use_slc) pl->sel = (int32_t *)g_take_n(g, nsa_size_mul(nsa_size_of(pl->batch), nsa_size_of(pl->width)), sizeof(int32_t));
-    const int64_t tiles_slc = P->use_slc ? pl->width * pl->tpb : 0, tiles_swa = P->use_swa ? cdiv64(P->w, KS) : 0;
+    const int64_t tiles_slc = P->use_slc ? pl->width * pl->tpb : 0, tiles_swa = P->use_swa ? cdiv64(P->w + 15, KS) : 0; /* from a multiple of 16 */
     if (tiles_slc + tiles_swa > 0) {
         int64_t tpc;
         ts_tasks(tiles_slc + tiles_swa, groups, 1, &tpc);
@@ -773,13 +915,27 @@ void step_tiled_take(grun *g, const step_params *P, ts_plan *pl)
     }
 }
 
+/* Launches kernel k on the call's stream, as a programmatic dependent of the kernel before it
+ * on sm_90 parts (see ts_wait_prior) unless NSA_CUDA_STEP_PDL=0. */
+template <typename... KArgs, typename... Args>
+static void ts_launch_k(grun *g, void (*k)(KArgs...), unsigned grid, unsigned block, size_t smem, Args... args)
+{
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDim = dim3(grid), cfg.blockDim = dim3(block), cfg.dynamicSmemBytes = smem, cfg.stream = g->st;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at, cfg.numAttrs = g->dev.cc_major >= 9 && g->ovr->step_pdl ? 1 : 0;
+    g_check(g, cudaLaunchKernelEx(&cfg, k, args...));
+}
+
 template <typename T, int D, bool IMP> static void ts_launch_split(grun *g, const step_params &P, const ts_launch &A, int64_t n)
 {
     const size_t smem = ts_smem<D>::end;
     g_check(g, cudaFuncSetAttribute(ts_split_kernel<T, D, IMP>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (!g_live(g)) return;
-    ts_split_kernel<T, D, IMP><<<(unsigned)(n / A.hc * A.ntask), TS_THREADS, smem, g->st>>>(P, A);
-    g_launched(g);
+    ts_launch_k(g, ts_split_kernel<T, D, IMP>, (unsigned)(n / A.hc * A.ntask), TS_THREADS, smem, P, A);
 }
 
 template <typename T> static void ts_split(grun *g, const step_params &P, const ts_launch &A, int64_t n, int D, bool imp)
@@ -809,8 +965,7 @@ void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl)
             const size_t smem = P->selects ? ts_select_smem(P) : 0;
             g_check(g, cudaFuncSetAttribute(ts_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
             if (!g_live(g)) return;
-            ts_select_kernel<<<(unsigned)n, TS_SELECT_THREADS, smem, g->st>>>(*P, A1, pl->sel, pl->width);
-            g_launched(g);
+            ts_launch_k(g, ts_select_kernel, (unsigned)n, TS_SELECT_THREADS, smem, *P, A1, pl->sel, pl->width);
         }
         int nb = 0;
         if (P->use_slc) A3.kind[nb] = BR_SLC, A3.tasks[nb] = pl->nt_slc, A3.tpc[nb] = pl->tpc_slc, nb++;
@@ -819,8 +974,7 @@ void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl)
         A3.part = pl->part3, A3.sel = pl->sel, A3.width = pl->width, A3.tpb = pl->tpb;
         if (nb) ts_split_any(g, *P, A3, n, pl->D, false);
         if (!g_live(g)) return;
-        ts_combine_kernel<<<(unsigned)(n * P->G), TS_COMBINE_THREADS, 0, g->st>>>(*P, A1, A3);
-        g_launched(g);
+        ts_launch_k(g, ts_combine_kernel, (unsigned)(n * P->G), TS_COMBINE_THREADS, 0, *P, A1, A3);
     }
 }
 
@@ -830,9 +984,9 @@ void attention_step_tiled_take(grun *g, const step_params *P, ts_plan *pl)
     pl->D = P->DK;
     pl->items = P->B * P->Tq * P->H;
     pl->batch = pl->items < TS_BATCH ? pl->items : TS_BATCH;
-    pl->hc = ts_heads_per_cta(P->H);
+    pl->hc = ts_heads_per_cta(g, P->H, pl->batch);
     pl->tiles1 = cdiv64(P->kv.cap, 64 / pl->hc);
-    pl->nt1 = ts_tasks(pl->tiles1, pl->batch / pl->hc, 2, &pl->tpc1);
+    pl->nt1 = ts_tasks(pl->tiles1, pl->batch / pl->hc, TS_MIN_ROWS / (64 / pl->hc), &pl->tpc1);
     pl->part1 = cu_take_f32(g, nsa_size_mul(nsa_size_of(pl->batch * pl->nt1), nsa_size_of(ts_part_floats(pl->D))), 0);
 }
 
@@ -847,7 +1001,6 @@ void attention_step_tiled_launch(grun *g, const step_params *P, const ts_plan *p
         A.hc = pl->hc;
         ts_split_any(g, *P, A, n, pl->D, false);
         if (!g_live(g)) return;
-        ts_dense_combine_kernel<<<(unsigned)(n * P->G), TS_COMBINE_THREADS, 0, g->st>>>(*P, A);
-        g_launched(g);
+        ts_launch_k(g, ts_dense_combine_kernel, (unsigned)(n * P->G), TS_COMBINE_THREADS, 0, *P, A);
     }
 }
