@@ -171,7 +171,6 @@ def step(q: Array, cache: Sequence[Array], seqlens: Array, config: Optional[Conf
     codes (nsa.h nsa_step_error; the CUDA backend reports a bad length or page there and skips
     that sequence, the CPU raises NsaError before writing anything)."""
     config = _core._as_config(config)
-    call = _call_for(q)
     ints = [None if x is None else _as_int32(x) for x in (seqlens, q_lens, block_indices, block_counts)]
     if cache is not None and len(cache) == 3 and cache[2] is not None:
         cache = (cache[0], cache[1], _as_int32(cache[2]))
@@ -183,7 +182,7 @@ def step(q: Array, cache: Sequence[Array], seqlens: Array, config: Optional[Conf
         selected = selected if selected.dim() == 4 else None
         errors = errors if return_errors else None
     else:
-        o, selected, errors = _core.step(call, q, cache, ints[0], config, ints[1], k_new, v_new, cmp_cache,
+        o, selected, errors = _core.step(_call_for(q), q, cache, ints[0], config, ints[1], k_new, v_new, cmp_cache,
                                          cmp_by_caller, (g_cmp, g_slc, g_swa), ints[2], ints[3], return_selected,
                                          return_errors)
     if return_selected or return_errors:
@@ -203,7 +202,6 @@ def attention_step(q: Array, cache: Sequence[Array], seqlens: Array, *, q_lens: 
     causal, else window[1] < 0 or j <= p + window[1]. softcap, sinks [HQ] float32 and scale as
     nsa.attention. Returns o [B, Tq, HQ, DV] (rows past q_lens[b] are 0), and (o, lse, errors)
     when return_lse / return_errors ask for lse [B, Tq, HQ] float32 and the per-sequence codes."""
-    call = _call_for(q)
     ints = [None if x is None else _as_int32(x) for x in (seqlens, q_lens)]
     if cache is not None and len(cache) == 3 and cache[2] is not None:
         cache = (cache[0], cache[1], _as_int32(cache[2]))
@@ -212,7 +210,7 @@ def attention_step(q: Array, cache: Sequence[Array], seqlens: Array, *, q_lens: 
                                                     softcap, sinks)
         lse, errors = (lse if return_lse else None), (errors if return_errors else None)
     else:
-        o, lse, errors = _core.attention_step(call, q, cache, ints[0], ints[1], k_new, v_new, scale or 0.0, causal,
+        o, lse, errors = _core.attention_step(_call_for(q), q, cache, ints[0], ints[1], k_new, v_new, scale or 0.0, causal,
                                               window, softcap, sinks, return_lse, return_errors)
     if return_lse or return_errors:
         return o, lse, errors

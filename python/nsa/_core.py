@@ -85,6 +85,14 @@ class Config:
                    scale=0.0 if scale is None else float(scale))
 
     def to_c(self):
+        c = _CONFIG_C.get(self)
+        if c is None:
+            c = self._to_c()
+            if len(_CONFIG_C) < 64:  # a model has a few configs; each call copies the struct
+                _CONFIG_C[self] = c
+        return c
+
+    def _to_c(self):
         c = _lib.Config()
         for f in fields(self):
             v = getattr(self, f.name)
@@ -109,6 +117,9 @@ class Config:
         """nb = ceil(T / l')."""
         c = self.to_c()
         return int(_L.nsa_num_slc_blocks(ctypes.byref(c), int(T)))
+
+
+_CONFIG_C = {}  # Config -> its nsa_config (Config is frozen and hashable)
 
 
 def _as_config(config):
@@ -227,20 +238,17 @@ _DTYPE_CODES = {"float32": _lib.DTYPE_F32, "float16": _lib.DTYPE_F16, "bfloat16"
                 "int32": _lib.DTYPE_I32, "uint8": _lib.DTYPE_U8}
 
 
+_DIMS = _lib.c_int64 * _lib.MAX_RANK
+
+
 def _make_view(data, code, shape, strides, name):
     rank = len(shape)
     if not 1 <= rank <= _lib.MAX_RANK:
         raise NsaError(_lib.STATUS_BAD_RANK, "%s has rank %d (1 to 4 supported)" % (name, rank))
-    t = _lib.Tensor()
-    t.data = data
-    t.dtype = code
-    t.rank = rank
-    for i in range(rank):
-        t.shape[i] = int(shape[i])
-        t.stride[i] = int(strides[i])
     if shape[-1] <= 1:  # a unit or empty last dim is read at offset 0 only
-        t.stride[rank - 1] = 1
-    return t
+        strides = tuple(strides[:-1]) + (1,)
+    # one constructor call: field by field this was most of a small call's Python time
+    return _lib.Tensor(data, code, rank, _DIMS(*shape), _DIMS(*strides))
 
 
 class Call:

@@ -28,6 +28,9 @@ _TORCH_DTYPES = {
 }
 
 
+_VIEWS = {}  # (data_ptr, dtype code, shape, strides) -> nsa_tensor
+
+
 class TorchCall(_core.Call):
     """torch tensors: CPU tensors on the CPU backend; CUDA tensors on the CUDA backend with
     the tensor's device and torch's current stream (a context is cached per device/stream).
@@ -39,16 +42,18 @@ class TorchCall(_core.Call):
             self.backend = _lib.BACKEND_CUDA
             self.index = device.index if device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", self.index)
+            self.device_index = self.index
         elif device.type == "cpu":
             self.backend = _lib.BACKEND_CPU
             self.device = torch.device("cpu")
+            self.device_index = -1  # Tensor.get_device() of a CPU tensor
         else:
             raise NsaError(_lib.STATUS_BACKEND_UNAVAILABLE, "tensors on %s (nsa runs on cpu and cuda)" % device)
 
     def view(self, t, name, output=False):
         if not isinstance(t, Tensor):
             raise TypeError("%s must be a torch.Tensor, not %s" % (name, type(t).__name__))
-        if t.device != self.device:
+        if t.get_device() != self.device_index or (self.device_index < 0 and not t.is_cpu):  # t.device builds an object
             raise NsaError(_lib.STATUS_BAD_ARGUMENT, "%s is on %s but q is on %s" % (name, t.device, self.device))
         if t.dtype == torch.bool and not output:  # masks: one byte per element, nonzero = keep
             t = t.view(torch.uint8)
@@ -56,12 +61,23 @@ class TorchCall(_core.Call):
         if code is None:
             raise NsaError(_lib.STATUS_BAD_DTYPE, "%s has dtype %s (float32, float16, bfloat16 or int32 only)"
                            % (name, t.dtype))
-        if t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        shape, strides = t.shape, t.stride()
+        if shape and shape[-1] > 1 and strides[-1] != 1:
             if output:
                 raise NsaError(_lib.STATUS_BAD_STRIDE, "%s: an output needs a unit last-dim stride" % name)
             t = t.contiguous()
+            strides = t.stride()
         self.keep.append(t)
-        return _core._make_view(t.data_ptr(), code, tuple(t.shape), t.stride(), name)
+        # the view of the same memory, dtype and layout is the same struct: a decode loop hands
+        # the same caches, tables and buffers every step (the struct is copied where it is used)
+        key = (t.data_ptr(), code, shape, strides)
+        v = _VIEWS.get(key)
+        if v is None:
+            v = _core._make_view(key[0], code, shape, strides, name)
+            if len(_VIEWS) >= 512:
+                _VIEWS.clear()
+            _VIEWS[key] = v
+        return v
 
     def empty(self, shape, dtype):
         if dtype == "f32":
@@ -88,7 +104,7 @@ class TorchCall(_core.Call):
         return _core.context(_lib.BACKEND_CUDA, self.index, stream)
 
     def run(self, op, args):
-        if self.backend == _lib.BACKEND_CUDA:
+        if self.backend == _lib.BACKEND_CUDA and torch.cuda.current_device() != self.index:
             with torch.cuda.device(self.index):
                 return super().run(op, args)
         return super().run(op, args)
@@ -546,6 +562,28 @@ def attention_needs_grad(q, k, v, opts):
 
 # ---- the inference steps as custom ops (torch.compile; CUDA graphs capture their kernels) ------
 
+_dispatch_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def plain_eager(*tensors):
+    """Whether a step may call the library directly instead of through its custom op: plain
+    tensors (no subclass, no fake or functional tensor), no torch.compile or jit trace, no
+    dispatch mode. The op's dispatch costs tens of microseconds a call, a decode step's budget;
+    the direct call runs the same code (a CUDA graph captures the same kernels)."""
+    # is_compiling first: under dynamo it is a constant and the rest is not traced
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _dispatch_depth is None or _dispatch_depth() != 0:
+        return False
+    return all(t is None or type(t) is Tensor for t in tensors)
+
+
+def bump_versions(*tensors):
+    """What the custom op's mutates_args does for the caches a direct call appended to: their
+    version counters move, so autograd sees the in-place write."""
+    for t in tensors:
+        if t is not None:
+            torch.autograd.graph.increment_version(t)
+
+
 def _step_impl(q, cache_k, cache_v, block_table, seqlens, q_lens, k_new, v_new, cmp_k, cmp_v, cmp_table, cmp_by_caller,
                g_cmp, g_slc, g_swa, block_indices, block_counts, cfg, want_selected):
     cache = (cache_k, cache_v, block_table)
@@ -610,15 +648,26 @@ if HAS_CUSTOM_OP:
         bt = ints(cache[2], "cache.block_table") if len(cache) == 3 else None
         ck, cv, ct = (None, None, None) if cmp_cache is None else (
             cmp_cache[0], cmp_cache[1], ints(cmp_cache[2], "cmp_cache.block_table") if len(cmp_cache) == 3 else None)
-        return step_op(q, cache[0], cache[1], bt, ints(seqlens, "seqlens"), ints(q_lens, "q_lens"), k_new, v_new, ck, cv,
-                       ct, bool(cmp_by_caller), gates[0], gates[1], gates[2], ints(block_indices, "block_indices"),
-                       ints(block_counts, "block_counts"), *_core.config_tuple(config), bool(want_selected))
+        args = (q, cache[0], cache[1], bt, ints(seqlens, "seqlens"), ints(q_lens, "q_lens"), k_new, v_new, ck, cv, ct,
+                bool(cmp_by_caller), gates[0], gates[1], gates[2], ints(block_indices, "block_indices"),
+                ints(block_counts, "block_counts"))
+        if plain_eager(q, cache[0], cache[1], k_new, v_new, ck, cv):
+            out = _step_impl(*args, _core.config_tuple(config), bool(want_selected))
+            if k_new is not None:
+                bump_versions(cache[0], cache[1], *((ck, cv) if not cmp_by_caller else ()))
+            return out
+        return step_op(*args, *_core.config_tuple(config), bool(want_selected))
 
     def call_attention_step(q, cache, seqlens, q_lens, k_new, v_new, scale, causal, window, softcap, sinks):
         ints = lambda x, name: _index_tensor(x, q.device, name)  # noqa: E731
         bt = ints(cache[2], "cache.block_table") if len(cache) == 3 else None
-        return attention_step_op(q, cache[0], cache[1], bt, ints(seqlens, "seqlens"), ints(q_lens, "q_lens"), k_new, v_new,
-                                 sinks, float(scale or 0.0),
-                                 bool(causal), int(window[0]), int(window[1]), float(softcap or 0.0))
+        args = (q, cache[0], cache[1], bt, ints(seqlens, "seqlens"), ints(q_lens, "q_lens"), k_new, v_new, sinks,
+                float(scale or 0.0), bool(causal), int(window[0]), int(window[1]), float(softcap or 0.0))
+        if plain_eager(q, cache[0], cache[1], k_new, v_new, sinks):
+            out = _attention_step_impl(*args)
+            if k_new is not None:
+                bump_versions(cache[0], cache[1])
+            return out
+        return attention_step_op(*args)
 else:
     call_step = call_attention_step = None

@@ -274,6 +274,38 @@ def test_steps_under_torch_compile(device):
         assert (o_g - full[:, L:L + 1]).abs().max().item() < 2e-5, L
 
 
+@pytest.mark.skipif(TORCH is None or not hasattr(TORCH.library, "custom_op"), reason="torch >= 2.4 is not installed")
+@pytest.mark.parametrize("device", _torch_devices())
+def test_eager_steps_call_the_library_directly(device, monkeypatch):
+    """Plain eager tensors skip the custom op's dispatch (its cost is a decode step's budget): the
+    direct call gives the op's outputs bit for bit, appends the same rows, and moves the caches'
+    version counters as the op's mutates_args does; lists as lengths work on both paths."""
+    torch = TORCH
+    from nsa import _torch as nt
+    qn, kn, vn, gn = _data(7)
+    q, k, v = (torch.from_numpy(x).to(device) for x in (qn, kn, vn))
+    g = [torch.from_numpy(x).to(device) for x in gn]
+    results = []
+    for direct in (True, False):
+        monkeypatch.setattr(nt, "plain_eager", (lambda *t: True) if direct else (lambda *t: False))
+        kc, vc = (torch.zeros(B, 40, H, D, device=device) for _ in range(2))
+        kcc, vcc = (torch.zeros(B, 9, H, D, device=device) for _ in range(2))
+        versions = [t._version for t in (kc, vc, kcc, vcc)]
+        outs = []
+        for L in (0, 5):
+            n = 5 if L == 0 else 1
+            outs.append(nsa.step(q[:, L:L + n], (kc, vc), [L] * B, CFG, k_new=k[:, L:L + n], v_new=v[:, L:L + n],
+                                 cmp_cache=(kcc, vcc), g_cmp=g[0][:, L:L + n], g_slc=g[1][:, L:L + n],
+                                 g_swa=g[2][:, L:L + n]))
+        outs.append(nsa.attention_step(q[:, 5:6], (kc, vc), [6] * B, causal=True))
+        assert all(t._version > v0 for t, v0 in zip((kc, vc, kcc, vcc), versions))
+        results.append(outs + [kc, vc, kcc, vcc])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    monkeypatch.undo()
+    assert nt.plain_eager(q, None, k) and not nt.plain_eager(q, torch.nn.Parameter(k))
+
+
 def _all_backends():
     return ["numpy"] + ["torch-" + d for d in _torch_devices()]
 
