@@ -9,7 +9,8 @@
 #include "step.h"
 
 #define TS_THREADS 128
-#define TS_COMBINE_THREADS 256 /* 8 groups of tasks x 32 four-column pieces of a head's row (D = 128) */
+#define TS_COMBINE_THREADS 512 /* a warp per query head (G <= 16), or TS_COMBINE_SPLIT warps of one head */
+#define TS_COMBINE_SPLIT 8
 #define TS_TARGET_CTAS 264 /* CTAs a launch aims at: one wave (two per SM) of a 132-SM part, fixed so the
                               sizing pass (no device query) plans the same workspace */
 #define TS_BATCH 4096      /* items per launch round: bounds the partials' workspace */
@@ -369,7 +370,7 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
             a[2] = dtraits<__half>::pack(s[1][0], s[1][1]), a[3] = dtraits<__half>::pack(s[1][2], s[1][3]);
             float bc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
             dtraits<__half>::mma(bc[0], a, wb[0][0], wb[0][1]);
-            dtraits<__half>::mma(bc[1], a, wb[1][0], wb[1][1]);
+            if (A.JT > 8) dtraits<__half>::mma(bc[1], a, wb[1][0], wb[1][1]); /* the paper's shapes touch 5 */
             float *bt = A.bins + (W.local * A.tiles + gr) * 16 * (A.JT + 1);
 #pragma unroll
             for (int nt = 0; nt < 2; nt++)
@@ -458,6 +459,45 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
     ts_let_next_start();
 }
 
+#define TS_MAX_TASKS (2 * TS_TARGET_CTAS + 8) /* the tasks of one item, all branches */
+
+/* The partials of one item as two runs: n0 at b0 (the compressed branch's), n1 at b1 (the
+ * selected and window branches', one after the other). */
+struct ts_runs {
+    const float *b0, *b1;
+    int n0, n1;
+    int64_t stride;
+    __device__ __forceinline__ const float *at(int s) const { return s < n0 ? b0 + s * stride : b1 + (s - n0) * stride; }
+};
+__device__ __forceinline__ ts_runs ts_runs_of(const float *b0, int n0, const float *b1, int n1, int64_t stride)
+{
+    ts_runs R;
+    R.b0 = b0, R.n0 = n0, R.b1 = b1, R.n1 = n1, R.stride = stride;
+    return R;
+}
+
+/* Row g's softmax max M and sum L over the partials [s0, s0 + n) (each a max m and a sum l
+ * relative to it; -inf: a task without a key), by one warp: each lane an online (max, sum) over
+ * its partials in one pass, then merged. NaN propagates to both. */
+__device__ __forceinline__ void ts_row_ml(const ts_runs &R, int g, int s0, int n, int lane, float &M, float &L)
+{
+    M = -INFINITY, L = 0.0f;
+    for (int s = lane; s < n; s += 32) {
+        const float *p = R.at(s0 + s);
+        const float m = p[g], l = p[16 + g];
+        if (m == -INFINITY) continue;
+        if (m > M || m != m) L = (M == -INFINITY ? 0.0f : L * expf(M - m)) + l, M = m;
+        else L += l * expf(m - M);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float Mo = __shfl_xor_sync(0xffffffffu, M, o), Lo = __shfl_xor_sync(0xffffffffu, L, o);
+        const float Mn = ts_max(M, Mo);
+        L = (M == -INFINITY ? 0.0f : L * expf(M - Mn)) + (Mo == -INFINITY ? 0.0f : Lo * expf(Mo - Mn));
+        M = Mn;
+    }
+}
+
 /* The order of the selection as one integer per block: forced first, then a number before a
  * NaN, then larger importance, then the lower index (nsa_rule_ranks_above); never 0. */
 __device__ __forceinline__ unsigned long long ts_rank_key(int forced, float imp, int64_t j)
@@ -533,24 +573,12 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS, 1) ts_select_kernel(const s
             const int e = tid + k * TS_SELECT_THREADS, t = e / G, g = e - t * G;
             ref[k] = e < nfac ? bins[(t * 16 + g) * JT1 + A1.JT] : 0.0f;
         }
-        /* each head's softmax over the compressed rows, from the tasks' partials: a warp a head,
-         * each lane an online (max, sum) over its partials in one pass, then merged */
+        /* each head's softmax over the compressed rows, from the tasks' partials: a warp a head */
+        const ts_runs R1 = ts_runs_of(A1.part + local * A1.ntask * ts_part_floats(P.DK), (int)A1.ntask, nullptr, 0,
+                                      ts_part_floats(P.DK));
         for (int g = warp; g < P.G; g += (int)(blockDim.x >> 5)) {
-            const float *base = A1.part + local * A1.ntask * ts_part_floats(P.DK);
-            float M = -INFINITY, L = 0.0f;
-            for (int s = lane; s < (int)A1.ntask; s += 32) {
-                const float m = base[s * ts_part_floats(P.DK) + g], l = base[s * ts_part_floats(P.DK) + 16 + g];
-                if (m == -INFINITY) continue;
-                if (m > M || m != m) L = (M == -INFINITY ? 0.0f : L * expf(M - m)) + l, M = m;
-                else L += l * expf(m - M);
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const float Mo = __shfl_xor_sync(0xffffffffu, M, o), Lo = __shfl_xor_sync(0xffffffffu, L, o);
-                const float Mn = ts_max(M, Mo);
-                L = (M == -INFINITY ? 0.0f : L * expf(M - Mn)) + (Mo == -INFINITY ? 0.0f : Lo * expf(Mo - Mn));
-                M = Mn;
-            }
+            float M, L;
+            ts_row_ml(R1, g, 0, R1.n0, lane, M, L);
             if (lane == 0) Mg[g] = M, Lg[g] = L;
         }
         __syncthreads();
@@ -657,168 +685,187 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS, 1) ts_select_kernel(const s
     ts_let_next_start();
 }
 
-#define TS_MAX_TASKS (2 * TS_TARGET_CTAS + 8) /* the tasks of one item, all branches */
-
-/* The partials of one item as two runs: n0 at b0 (the compressed branch's), n1 at b1 (the
- * selected and window branches', one after the other, or the dense step's range). */
-struct ts_runs {
-    const float *b0, *b1;
-    int n0, n1;
-    int64_t stride;
-    __device__ __forceinline__ const float *at(int s) const { return s < n0 ? b0 + s * stride : b1 + (s - n0) * stride; }
-};
-
-/* Row g's max and sum of every partial into shared ms / ls, all loads in flight at once. */
-__device__ __forceinline__ void ts_stage_ml(const ts_runs &R, int g, float *ms, float *ls)
+/* The weighted sum over the partials s = k * nparts + part (k = 0, 1, ...) of one item of row
+ * g of their outputs, by one warp: four columns a lane (D = 64: two half-warps over alternate
+ * k), eight partials' loads in flight; a partial of weight 0 is not read (an empty task leaves no
+ * output). The result is in lanes < D / 4. */
+__device__ __forceinline__ float4 ts_weighted_sum(const ts_runs &R, int g, int D, const float *w, int lane, int part, int nparts)
 {
-    for (int s = threadIdx.x; s < R.n0 + R.n1; s += blockDim.x) {
-        const float *p = R.at(s);
-        ms[s] = p[g], ls[s] = p[16 + g];
-    }
-}
-
-/* A branch's row max M and sum L over its n partials from s0 (tasks with no key skipped), by
- * one warp from the staged ms / ls; then each task's weight mul * exp(m - M) / L into w (0
- * for a task with no key). Returns M (-inf: no key anywhere) through *Mo and L through *Lo. */
-__device__ __forceinline__ void ts_weights(const float *ms, const float *ls, int s0, int n, float mul, float *w, int lane,
-                                           float *Mo, float *Lo)
-{
-    float M = -INFINITY;
-    for (int s = s0 + lane; s < s0 + n; s += 32)
-        if (ms[s] != -INFINITY) M = ts_max(M, ms[s]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) M = ts_max(M, __shfl_xor_sync(0xffffffffu, M, o));
-    float L = 0.0f;
-    if (M != -INFINITY)
-        for (int s = s0 + lane; s < s0 + n; s += 32)
-            if (ms[s] != -INFINITY) L += expf(ms[s] - M) * ls[s];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-    for (int s = s0 + lane; s < s0 + n; s += 32) w[s] = M == -INFINITY || ms[s] == -INFINITY ? 0.0f : mul * expf(ms[s] - M) / L;
-    *Mo = M, *Lo = L;
-}
-
-/* sum over the item's partials of w[s] * O_s[g, :], 4 columns a thread, the tasks split over
- * the thread groups four at a time (their loads issued together), into out (D floats of
- * shared memory). A partial of weight 0 is not read: an empty task leaves no output. */
-__device__ __forceinline__ void ts_accumulate(const ts_runs &R, int g, int D, const float *w, float4 *red, float *out)
-{
-    const int tid = threadIdx.x, C4 = D / 4, NG = TS_COMBINE_THREADS / C4, c4 = tid % C4, grp = tid / C4, n = R.n0 + R.n1;
+    const int C4 = D / 4, NG = 32 / C4, c4 = lane % C4, grp = lane / C4, n = R.n0 + R.n1;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int s0 = grp; s0 < n; s0 += 4 * NG) {
-        float ws[4];
-        float4 o[4];
+    for (int k0 = grp; k0 * nparts + part < n; k0 += 8 * NG) {
+        float ws[8];
+        float4 o[8];
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int s = s0 + u * NG;
+        for (int u = 0; u < 8; u++) {
+            const int s = (k0 + u * NG) * nparts + part;
             ws[u] = s < n ? w[s] : 0.0f;
             o[u] = ws[u] != 0.0f ? *(const float4 *)(R.at(s) + 32 + g * D + 4 * c4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
 #pragma unroll
-        for (int u = 0; u < 4; u++) acc.x += ws[u] * o[u].x, acc.y += ws[u] * o[u].y, acc.z += ws[u] * o[u].z, acc.w += ws[u] * o[u].w;
+        for (int u = 0; u < 8; u++) acc.x += ws[u] * o[u].x, acc.y += ws[u] * o[u].y, acc.z += ws[u] * o[u].z, acc.w += ws[u] * o[u].w;
     }
-    red[tid] = acc;
-    __syncthreads();
-    for (int c = tid; c < D; c += TS_COMBINE_THREADS) {
-        float v = 0.0f;
-        for (int q = 0; q < NG; q++) v += ((const float *)red)[(q * C4 + c / 4) * 4 + c % 4];
-        out[c] = v;
+    if (NG == 2) {
+        acc.x += __shfl_down_sync(0xffffffffu, acc.x, 16), acc.y += __shfl_down_sync(0xffffffffu, acc.y, 16);
+        acc.z += __shfl_down_sync(0xffffffffu, acc.z, 16), acc.w += __shfl_down_sync(0xffffffffu, acc.w, 16);
     }
-    __syncthreads();
+    return acc;
 }
 
-/* One CTA per (item, query head): the NSA step's branches merged with one weight per partial
- * (the gate times exp(m - M) / L; a branch without a key gives 0, as on the CPU) and stored. */
-__global__ void __launch_bounds__(TS_COMBINE_THREADS) ts_combine_kernel(const step_params P, const ts_launch A1, const ts_launch A3)
+/* weights w[s0 + s] = mul * exp(m_s - M) / L of row g for the n partials from s0 (0 where m_s or
+ * M is -inf), by one warp */
+__device__ __forceinline__ void ts_weights(const ts_runs &R, int g, int s0, int n, float M, float L, float mul, float *w, int lane)
 {
-    __shared__ float w[TS_MAX_TASKS], ms[TS_MAX_TASKS], ls[TS_MAX_TASKS], gate[3];
-    __shared__ float4 red[TS_COMBINE_THREADS];
-    __shared__ float outv[128];
-    __shared__ int dead; /* a branch that saw keys whose scores were all -inf: 0 / 0, as the CPU's */
+    for (int s = lane; s < n; s += 32) {
+        const float m = R.at(s0 + s)[g];
+        w[s0 + s] = M == -INFINITY || m == -INFINITY ? 0.0f : mul * expf(m - M) / L;
+    }
+}
+
+/* How a combine CTA is laid out: `hpc` query heads of one item, `wph` warps a head (the
+ * partials split over them, summed in shared memory). Many items: a CTA an item, a warp a head
+ * (at B = 32 the 2048 short CTAs of a CTA per head took four times what their loads need);
+ * few items: a CTA a head, eight warps over its partials (at B = 1 a head has ~60 of them). */
+struct ts_comb {
+    int hpc, wph;
+    int64_t local;
+    int g, sub, lane;
+};
+__device__ __forceinline__ ts_comb ts_comb_of(const step_params &P)
+{
+    ts_comb c;
+    c.wph = (int)(blockDim.x >> 5) == (int)P.G ? 1 : TS_COMBINE_SPLIT;
+    c.hpc = c.wph == 1 ? (int)P.G : 1;
+    const int64_t per = P.G / c.hpc; /* CTAs an item */
+    const int warp = threadIdx.x >> 5;
+    c.local = blockIdx.x / per, c.g = (int)(blockIdx.x % per) * c.hpc + warp / c.wph, c.sub = warp % c.wph;
+    c.lane = threadIdx.x & 31;
+    return c;
+}
+
+/* The row's sum over its partials by the head's wph warps, in warp sub 0 (its lanes < D / 4). */
+__device__ __forceinline__ float4 ts_sum_parts(const ts_runs &R, const ts_comb &c, int D, const float *w, float4 *red)
+{
+    float4 v = ts_weighted_sum(R, c.g, D, w, c.lane, c.sub, c.wph);
+    if (c.wph == 1) return v;
+    if (c.lane < D / 4) red[c.sub * 32 + c.lane] = v;
+    __syncthreads();
+    if (c.sub == 0)
+        for (int q = 1; q < c.wph; q++) {
+            const float4 o = red[q * 32 + c.lane];
+            v.x += o.x, v.y += o.y, v.z += o.z, v.w += o.w;
+        }
+    return v;
+}
+
+/* Stores a lane's four columns of row hq of o (lanes < D / 4). */
+__device__ __forceinline__ void ts_store4(const step_params &P, const ts_item &x, int64_t hq, int D, int lane, float4 v)
+{
+    if (lane >= D / 4) return;
+    const int64_t at = x.b * P.o.s0 + x.i * P.o.s1 + hq * P.o.s2 + 4 * lane;
+    st_any(P.o.p, P.o.dt, at, v.x), st_any(P.o.p, P.o.dt, at + 1, v.y);
+    st_any(P.o.p, P.o.dt, at + 2, v.z), st_any(P.o.p, P.o.dt, at + 3, v.w);
+}
+
+/* The NSA step's branches merged with one weight per partial (the gate times exp(m - M) / L; a
+ * branch without a key gives 0, as on the CPU) and stored (layout: ts_comb). */
+__global__ void __launch_bounds__(TS_COMBINE_THREADS, 1) ts_combine_kernel(const step_params P, const ts_launch A1, const ts_launch A3)
+{
+    __shared__ float wsm[16 * TS_MAX_TASKS];
+    __shared__ float4 red[TS_COMBINE_SPLIT * 32];
+    __shared__ int dead_s[16];
     ts_wait_prior();
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, D = P.DV;
-    const int64_t local = blockIdx.x / P.G, g = blockIdx.x % P.G, it = A1.item0 + local;
+    const ts_comb c = ts_comb_of(P);
+    const int lane = c.lane, g = c.g, D = P.DV, hl = g % c.hpc;
+    const int64_t local = c.local, it = A1.item0 + local;
     const ts_item x = ts_item_of(P, it);
     if (!x.live) return;
     const int64_t stride = ts_part_floats(D), hq = x.h * P.G + g;
     /* the runs: compressed (A1), selected then window (A3); a branch switched off has none */
     const int nc = P.use_cmp ? (int)A1.ntask : 0, ns = P.use_slc ? (int)A3.tasks[0] : 0,
               nw = P.use_swa ? (int)A3.tasks[P.use_slc ? 1 : 0] : 0;
-    ts_runs R;
-    R.b0 = A1.part + local * A1.ntask * stride, R.n0 = nc, R.b1 = A3.part + local * A3.ntask * stride, R.n1 = ns + nw;
-    R.stride = stride;
-    if (tid < 3) {
-        const dview gt = tid == 0 ? P.gc : tid == 1 ? P.gs : P.gw;
-        const bool on = tid == 0 ? P.use_cmp : tid == 1 ? P.use_slc : P.use_swa;
-        gate[tid] = on ? ld_any(gt.p, gt.dt, x.b * gt.s0 + x.i * gt.s1 + hq * gt.s2) : 0.0f;
-    }
-    if (tid == 0) dead = 0;
-    ts_stage_ml(R, (int)g, ms, ls);
-    __syncthreads();
-    const int seg0 = warp == 0 ? 0 : warp == 1 ? nc : nc + ns, segn = warp == 0 ? nc : warp == 1 ? ns : nw;
-    if (warp < 3 && segn > 0) {
+    const ts_runs R = ts_runs_of(A1.part + local * A1.ntask * stride, nc, A3.part + local * A3.ntask * stride, ns + nw, stride);
+    float *w = wsm + hl * TS_MAX_TASKS;
+    /* the three branches' weights: by warps 0, 1, 2 of the head side by side when it has
+     * several, else one after the other by its warp */
+    if (c.sub == 0 && lane == 0) dead_s[hl] = 0;
+    if (c.wph > 1) __syncthreads();
+    else __syncwarp();
+    const int br0 = c.wph > 1 ? c.sub : 0, brs = c.wph > 1 ? c.wph : 1;
+    bool dead = false; /* a branch that saw keys whose scores were all -inf: 0 / 0, as the CPU's */
+    for (int br = br0; br < 3; br += brs) {
+        const int s0 = br == 0 ? 0 : br == 1 ? nc : nc + ns, n = br == 0 ? nc : br == 1 ? ns : nw;
+        if (n == 0) continue;
+        const dview gt = br == 0 ? P.gc : br == 1 ? P.gs : P.gw;
+        const float gv = ld_any(gt.p, gt.dt, x.b * gt.s0 + x.i * gt.s1 + hq * gt.s2); /* the branch is on: n > 0 */
         float M, L;
-        ts_weights(ms, ls, seg0, segn, gate[warp], w, lane, &M, &L);
+        ts_row_ml(R, g, s0, n, lane, M, L);
+        ts_weights(R, g, s0, n, M, L, gv, w, lane);
         if (M == -INFINITY) { /* no finite score: did the branch see a key at all? */
-            bool seen = warp == 2; /* the window sees the query's own token */
-            if (warp == 0) seen = nsa_rule_cmp_visible_cap(x.pos, P.l, P.d, nsa_rule_num_cmp(x.L, P.l, P.d)) > 0;
-            if (warp == 1)
-                for (int64_t a = 0; a < A3.width; a++) seen |= A3.sel[local * A3.width + a] >= 0;
-            if (seen && lane == 0) atomicOr(&dead, 1);
+            bool seen = br == 2; /* the window sees the query's own token */
+            if (br == 0) seen = nsa_rule_cmp_visible_cap(x.pos, P.l, P.d, nsa_rule_num_cmp(x.L, P.l, P.d)) > 0;
+            if (br == 1) {
+                bool any = false;
+                for (int64_t a = lane; a < A3.width; a += 32) any |= A3.sel[local * A3.width + a] >= 0;
+                seen = __any_sync(0xffffffffu, any);
+            }
+            dead |= seen;
         }
     }
-    __syncthreads();
-    ts_accumulate(R, (int)g, D, w, red, outv);
-    const float bad = dead ? NAN : 0.0f;
-    for (int c = tid; c < D; c += TS_COMBINE_THREADS)
-        st_any(P.o.p, P.o.dt, x.b * P.o.s0 + x.i * P.o.s1 + hq * P.o.s2 + c, outv[c] + bad);
+    if (dead && lane == 0) atomicOr(&dead_s[hl], 1);
+    if (c.wph > 1) __syncthreads();
+    else __syncwarp();
+    float4 v = ts_sum_parts(R, c, D, w, red);
+    if (c.sub != 0) return;
+    if (dead_s[hl]) v = make_float4(NAN, NAN, NAN, NAN);
+    ts_store4(P, x, hq, D, lane, v);
     ts_let_next_start();
 }
 
-/* One CTA per (item, query head): the dense step's partials merged with the sink, stored with
- * the lse (the scalar kernel's rules for rows without a finite score). */
-__global__ void __launch_bounds__(TS_COMBINE_THREADS) ts_dense_combine_kernel(const step_params P, const ts_launch A)
+/* The dense step's partials merged with the sink, stored with the lse (the scalar kernel's rules
+ * for rows without a finite score; layout: ts_comb). */
+__global__ void __launch_bounds__(TS_COMBINE_THREADS, 1) ts_dense_combine_kernel(const step_params P, const ts_launch A)
 {
-    __shared__ float w[TS_MAX_TASKS], ms[TS_MAX_TASKS], ls[TS_MAX_TASKS];
-    __shared__ float4 red[TS_COMBINE_THREADS];
-    __shared__ float outv[128];
-    __shared__ float fill, lse;
+    __shared__ float wsm[16 * TS_MAX_TASKS];
+    __shared__ float4 red[TS_COMBINE_SPLIT * 32];
+    __shared__ float fill_s[16];
     ts_wait_prior();
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, D = P.DV;
-    const int64_t local = blockIdx.x / P.G, g = blockIdx.x % P.G, it = A.item0 + local;
+    const ts_comb c = ts_comb_of(P);
+    const int lane = c.lane, g = c.g, D = P.DV, hl = g % c.hpc;
+    const int64_t local = c.local, it = A.item0 + local;
     const ts_item x = ts_item_of(P, it);
     if (!x.live) return;
     const int64_t stride = ts_part_floats(D), hq = x.h * P.G + g;
-    ts_runs R;
-    R.b0 = R.b1 = A.part + local * A.ntask * stride, R.n0 = (int)A.ntask, R.n1 = 0, R.stride = stride;
-    ts_stage_ml(R, (int)g, ms, ls);
-    __syncthreads();
-    if (warp == 0) {
+    const ts_runs R = ts_runs_of(A.part + local * A.ntask * stride, (int)A.ntask, nullptr, 0, stride);
+    float *w = wsm + hl * TS_MAX_TASKS;
+    if (c.sub == 0) {
         float M, L;
-        ts_weights(ms, ls, 0, R.n0, 1.0f, w, lane, &M, &L);
+        ts_row_ml(R, g, 0, R.n0, lane, M, L);
         int64_t lo, hi;
         ts_range(P, BR_RANGE, x, lo, hi);
         const bool seen = hi >= lo, sink = P.sinks != nullptr;
         const float sk = sink ? P.sinks[hq * P.sinks_s] : -INFINITY;
-        float m = M;
-        if (sink && sk > m) m = sk;
-        float rescale = 0.0f; /* w holds exp(m_s - M) / L: to exp(m_s - m) / (L e + the sink's term) */
+        const float m = sink && sk > M ? sk : M;
+        float lse, fill, mul = 0.0f; /* fill: 1 (the merged row), else the row's value: NaN when keys were seen, else 0 */
         if (m == -INFINITY) { /* no key and no finite sink: o = 0; keys all at -inf: 0 / 0 as dense softmax */
-            if (lane == 0) lse = seen ? NAN : sink ? sk : -INFINITY, fill = seen ? NAN : 0.0f;
-        } else {
+            lse = seen ? NAN : sink ? sk : -INFINITY, fill = seen ? NAN : 0.0f;
+        } else { /* the weights exp(m_s - M) / L become exp(m_s - m) / (L e + the sink's term) */
             const float e = M == -INFINITY ? 0.0f : expf(M - m), Lt = L * e + (sink ? expf(sk - m) : 0.0f);
-            rescale = L * e / Lt;
-            if (lane == 0) lse = m + logf(Lt), fill = 1.0f;
+            lse = m + logf(Lt), fill = 1.0f, mul = L * e / Lt;
         }
-        for (int s = lane; s < R.n0; s += 32) w[s] *= rescale;
+        ts_weights(R, g, 0, R.n0, M, L, mul, w, lane);
+        if (lane == 0) {
+            fill_s[hl] = fill;
+            if (P.lse.p) ((float *)P.lse.p)[x.b * P.lse.s0 + x.i * P.lse.s1 + hq * P.lse.s2] = lse;
+        }
     }
-    __syncthreads();
-    ts_accumulate(R, (int)g, D, w, red, outv);
-    for (int c = tid; c < D; c += TS_COMBINE_THREADS) {
-        const float v = fill == 1.0f ? outv[c] : fill; /* NaN when keys were seen, else 0 */
-        st_any(P.o.p, P.o.dt, x.b * P.o.s0 + x.i * P.o.s1 + hq * P.o.s2 + c, v);
-    }
-    if (tid == 0 && P.lse.p) ((float *)P.lse.p)[x.b * P.lse.s0 + x.i * P.lse.s1 + hq * P.lse.s2] = lse;
+    if (c.wph > 1) __syncthreads();
+    else __syncwarp();
+    float4 v = ts_sum_parts(R, c, D, w, red);
+    if (c.sub != 0) return;
+    const float fill = fill_s[hl];
+    if (fill != 1.0f) v = make_float4(fill, fill, fill, fill);
+    ts_store4(P, x, hq, D, lane, v);
     ts_let_next_start();
 }
 
@@ -915,6 +962,14 @@ void step_tiled_take(grun *g, const step_params *P, ts_plan *pl)
     }
 }
 
+/* The combine's layout (ts_comb): a CTA an item, a warp a head, from a quarter wave of items
+ * on; below, a CTA a head with TS_COMBINE_SPLIT warps. G = TS_COMBINE_SPLIT reads as the
+ * former (the kernel tells the two apart by the block size), so it takes the latter only as
+ * the same layout. */
+static bool ts_comb_split(const step_params *P, int64_t n) { return n < TS_TARGET_CTAS / 4 && P->G != TS_COMBINE_SPLIT; }
+static unsigned ts_comb_grid(const step_params *P, int64_t n) { return (unsigned)(ts_comb_split(P, n) ? n * P->G : n); }
+static unsigned ts_comb_block(const step_params *P, int64_t n) { return (unsigned)(32 * (ts_comb_split(P, n) ? TS_COMBINE_SPLIT : P->G)); }
+
 /* Launches kernel k on the call's stream, as a programmatic dependent of the kernel before it
  * on sm_90 parts (see ts_wait_prior) unless NSA_CUDA_STEP_PDL=0. */
 template <typename... KArgs, typename... Args>
@@ -974,7 +1029,7 @@ void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl)
         A3.part = pl->part3, A3.sel = pl->sel, A3.width = pl->width, A3.tpb = pl->tpb;
         if (nb) ts_split_any(g, *P, A3, n, pl->D, false);
         if (!g_live(g)) return;
-        ts_launch_k(g, ts_combine_kernel, (unsigned)(n * P->G), TS_COMBINE_THREADS, 0, *P, A1, A3);
+        ts_launch_k(g, ts_combine_kernel, ts_comb_grid(P, n), ts_comb_block(P, n), 0, *P, A1, A3);
     }
 }
 
@@ -1001,6 +1056,6 @@ void attention_step_tiled_launch(grun *g, const step_params *P, const ts_plan *p
         A.hc = pl->hc;
         ts_split_any(g, *P, A, n, pl->D, false);
         if (!g_live(g)) return;
-        ts_launch_k(g, ts_dense_combine_kernel, (unsigned)(n * P->G), TS_COMBINE_THREADS, 0, *P, A);
+        ts_launch_k(g, ts_dense_combine_kernel, ts_comb_grid(P, n), ts_comb_block(P, n), 0, *P, A);
     }
 }
