@@ -342,4 +342,4 @@ fi
 echo
 echo "================ summary ================"
 cat "$SUMMARY"
-[ -f "$OUT/bench.log" ] && cat "$OUT/bench.log"
+if [ -f "$OUT/bench.log" ]; then cat "$OUT/bench.log"; fi
