@@ -1,11 +1,14 @@
 /* step/tiled.cu -- the inference step on tensor cores (step.h explains the split): mma.sync
  * m16n8k16 products of an item's 16 query rows (its G heads, zero-padded) with 16-key slices;
- * a CTA takes up to four kv heads of one query, each warp one head's slice of every 64-row
- * stage, with its own cp.async pipeline (TS_STAGES slices in flight) and its own online softmax
- * (log2 domain), the warps of a head merged at the end. Lengths, pages and selections are read
- * on the device and the grid depends on capacities only, so a captured graph replays for any
- * lengths. Arithmetic in fp32; the probabilities enter the P V product rounded to the storage
- * dtype, as in the training tiles. */
+ * a CTA takes one kv head of one query at small batches, up to four at large ones
+ * (ts_heads_per_cta), each warp one head's 16-key slice of every 64-row stage, with its own
+ * cp.async pipeline (TS_STAGES slices in flight) and its own online softmax (log2 domain), the
+ * warps of a head merged at the end. The top-n takes an item a CTA; the combine an item a CTA
+ * (a warp a head) or, at small batches, a head a CTA (ts_comb). The kernels of a step are
+ * programmatic dependents of each other on sm_90 (ts_wait_prior). Lengths, pages and selections
+ * are read on the device and the grid depends on capacities only, so a captured graph replays
+ * for any lengths. Arithmetic in fp32; the probabilities enter the P V product rounded to the
+ * storage dtype, as in the training tiles. */
 #include "step.h"
 
 #define TS_THREADS 128
