@@ -16,6 +16,7 @@ void cu_overrides_default(cu_overrides *o)
     o->nonfinite = -1;
     o->step_tiled = 1;
     o->step_pdl = 1;
+    o->flex_tc = 1;
 }
 
 void cu_overrides_from_env(cu_overrides *o)
@@ -40,6 +41,8 @@ void cu_overrides_from_env(cu_overrides *o)
     if (e && (e[0] == '0' || e[0] == '1')) o->nonfinite = e[0] - '0';
     e = getenv("NSA_CUDA_STEP_TILED");
     if (e && e[0] == '0') o->step_tiled = 0;
+    e = getenv("NSA_CUDA_FLEX_TC");
+    if (e && e[0] == '0') o->flex_tc = 0;
     e = getenv("NSA_CUDA_STEP_PDL");
     if (e && e[0] == '0') o->step_pdl = 0;
     e = getenv("NSA_CUDA_STEP_HC");

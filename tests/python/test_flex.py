@@ -211,3 +211,106 @@ def test_document_mask_with_gpu_tensors():
     o = nsa.flex_attention(q.cuda(), k.cuda(), v.cuda(), block_mask=bm)
     ref = nsa.flex_attention(q, k, v, block_mask=ref_bm)
     assert (o.cpu() - ref).abs().max().item() < 1e-5
+
+
+def _dense_torch(q, k, v, mask, score, scale):
+    """Dense attention of [B, HQ, Tq, D] q against [B, H, Tk, D] k, v in their dtype and device
+    (matmuls and softmax in that dtype; float64 for the reference), the mods applied to every pair;
+    rows that see nothing give 0 and lse -inf."""
+    torch = TORCH
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    dev = q.device
+    b = torch.arange(q.shape[0], device=dev)[:, None, None, None]
+    h = torch.arange(q.shape[1], device=dev)[None, :, None, None]
+    i = torch.arange(q.shape[2], device=dev)[None, None, :, None]
+    j = torch.arange(k.shape[2], device=dev)[None, None, None, :]
+    s = (q @ k.transpose(-1, -2)) * scale
+    if score is not None:
+        s = score(s, b, h, i, j).to(s.dtype)
+    if mask is not None:
+        s = s.masked_fill(~mask(b, h, i, j), float("-inf"))
+    lse = torch.logsumexp(s.float() if s.dtype != torch.float64 else s, -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)  # rows without a finite score: 0
+    return p.to(v.dtype) @ v, lse
+
+
+@pytest.mark.skipif(TORCH is None or not TORCH.cuda.is_available() or not nsa.backend_available("cuda"),
+                    reason="needs torch with a CUDA device and libnsa's CUDA backend")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", ["causal", "documents_alibi", "window_softcap", "hidden_scores"])
+def test_cuda_tensor_core_forward_within_the_tolerance_rule(dtype, D, case):
+    """The CUDA forward of f16 / bf16 inputs with head dims 64 / 128 (the tensor-core kernel):
+    o and lse against float64 dense attention within 2x the error of the same computation in
+    the inputs' precision (the tolerance rule), GQA, lengths that are not multiples of 16 or of
+    the blocks, partial and full blocks, captured GPU tensors, rows that see nothing."""
+    torch = TORCH
+    dt = getattr(torch, dtype)
+    Bn, HQn, Hn, Tq, Tk = 2, 4, 2, 300, 333
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(Bn, HQn, Tq, D, generator=g).to("cuda", dt)
+    k = torch.randn(Bn, Hn, Tk, D, generator=g).to("cuda", dt)
+    v = torch.randn(Bn, Hn, Tk, D, generator=g).to("cuda", dt)
+    doc = (torch.arange(Tk, dtype=torch.int32) // 70).cuda()
+    slope = torch.tensor([0.5, 0.25, 0.125, 0.0625]).cuda()
+    score_text = None
+    if case == "causal":
+        mask, score, blocks = (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx), None, (64, 64)
+    elif case == "documents_alibi":
+        def mask(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (doc[q_idx] == doc[kv_idx])
+
+        def score(s, b, h, q_idx, kv_idx):
+            return s - slope[h] * torch.abs(q_idx - kv_idx)
+        blocks = (32, 48)
+    elif case == "window_softcap":
+        def mask(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < 100)
+
+        def score(s, b, h, q_idx, kv_idx):
+            return 2.0 * torch.tanh(s / 2.0)
+        blocks = 128
+    else:  # scores set to -inf (a row whose scores are all -inf sees nothing), no block mask
+        mask, blocks = None, None
+        score_text = "where(kv_idx % 3 == 0 || q_idx == 5, -exp(1000.0), score * 2)"
+
+        def score(s, b, h, q_idx, kv_idx):
+            return torch.where((kv_idx % 3 == 0) | (q_idx == 5), torch.full_like(s, float("-inf")), s * 2)
+    bm = nsa.create_block_mask(mask, None, None, Tq, Tk, device="cuda", BLOCK_SIZE=blocks) if blocks else None
+    scale = 0.3
+    o, lse = nsa.flex_attention(q, k, v, score_mod=score_text or score, block_mask=bm, scale=scale, enable_gqa=True,
+                                return_lse=True)
+    ref_o, ref_lse = _dense_torch(q.double(), k.double(), v.double(), mask, score, scale)
+    naive_o, naive_lse = _dense_torch(q, k, v, mask, score, scale)
+    assert torch.isfinite(o).all()
+    err, naive = (o.double() - ref_o).abs().max().item(), (naive_o.double() - ref_o).abs().max().item()
+    assert err <= 2 * naive + 1e-6, (case, err, naive)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and (lse[~fin] == float("-inf")).all()
+    lerr = (lse.double() - ref_lse)[fin].abs().max().item()
+    lnaive = (naive_lse.double() - ref_lse)[fin].abs().max().item()
+    assert lerr <= 2 * lnaive + 1e-5, (case, lerr, lnaive)
+    if case == "hidden_scores":
+        assert (o[:, :, 5] == 0).all() and (lse[:, :, 5] == float("-inf")).all()
+
+
+@pytest.mark.skipif(TORCH is None or not TORCH.cuda.is_available() or not nsa.backend_available("cuda"),
+                    reason="needs torch with a CUDA device and libnsa's CUDA backend")
+def test_cuda_forward_hides_a_nan_in_a_key_a_row_does_not_see():
+    """A NaN in V at a key some rows do not see reaches only the rows that see it (the tensor-core
+    kernel multiplies every pair of its slice: such a call runs on the scalar kernel)."""
+    torch = TORCH
+    g = torch.Generator().manual_seed(5)
+    T, D = 200, 64
+    q, k, v = (torch.randn(1, 2, T, D, generator=g).to("cuda", torch.bfloat16) for _ in range(3))
+    v[0, 0, 150] = float("nan")
+    bm = nsa.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, T, T, device="cuda",
+                               BLOCK_SIZE=64)
+    o = nsa.flex_attention(q, k, v, block_mask=bm)
+    assert torch.isfinite(o[0, :, :150]).all() and torch.isfinite(o[0, 1]).all()
+    assert torch.isnan(o[0, 0, 150:]).all()
+    vz = v.clone()
+    vz[0, 0, 150] = 0
+    ref = nsa.flex_attention(q, k, vz, block_mask=bm)  # (on the tensor cores: P rounded to bf16 there)
+    assert (o[0, :, :150].float() - ref[0, :, :150].float()).abs().max().item() < 3e-2

@@ -30,6 +30,7 @@ extern "C" {
     long long ns0, ns1, ns2, is0, is1, is2, is3, fns0, fns1, fns2, fis0, fis1, fis2, fis3;         \
     long long nB, nH, iB, iH, fnB, fnH, fiB, fiH;                                                  \
     long long B, Tq, Tk, HQ, G, DK, DV, q_block, kv_block, nkb;                                    \
+    const int *nf; int nf_role;                                                                    \
     float scale;
 #define FLEX_STR2(...) #__VA_ARGS__
 #define FLEX_STR(x) FLEX_STR2(x)
@@ -105,6 +106,7 @@ static const char FLEX_KERNEL[] =
     "}\n"
     "extern \"C\" __global__ void nsa_flex_fwd(const flex_params P, const nsa_mod_caps mc, const nsa_mod_caps sc)\n"
     "{\n"
+    "    if (P.nf_role == 2 && *(const volatile int *)P.nf == 0) return; /* beside the tensor-core kernel: finite inputs */\n"
     "    const int lane = threadIdx.x & 31;\n"
     "    const long long nw = (long long)gridDim.x * (blockDim.x >> 5);\n"
     "    const long long items = P.B * P.HQ * P.Tq;\n"
@@ -150,6 +152,241 @@ static const char FLEX_KERNEL[] =
     "    }\n"
     "}\n";
 
+/* The tensor-core kernel (f16 / bf16, DK and DV in {64, 128}, block sizes multiples of 16): a
+ * warp takes 16 query rows of one (batch entry, query head) -- one q block's, so one list of key
+ * blocks -- and walks the listed blocks in 16-key slices with its own cp.async pipeline
+ * (TC_STAGES slices in flight; no block barrier: the warps of a CTA are independent): S = Q K^T
+ * by mma.sync m16n8k16 with Q's fragments held in registers, the mask_mod applied on partial
+ * blocks and the score_mod on every visible score of the fragment, an online softmax (natural
+ * units, expf, NaN propagating as in the scalar kernel), P rounded to the storage type for P V.
+ * Compiled with NSA_DK / NSA_DV defined. */
+static const char FLEX_TC_KERNEL[] = R"NSA(
+#define TC_STAGES 3
+#define TC_WARPS 4
+#define LDK (NSA_DK + 8)
+#define LDV (NSA_DV + 8)
+#if NSA_ELEM == 1
+#define TC_T "f16"
+#else
+#define TC_T "bf16"
+#endif
+__device__ __forceinline__ unsigned tc_smem(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void tc_cp16(void *dst, const void *src, int bytes)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tc_smem(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void tc_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void tc_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void tc_ldsm4(unsigned r[4], const void *p)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(tc_smem(p)));
+}
+__device__ __forceinline__ void tc_ldsm4t(unsigned r[4], const void *p)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(tc_smem(p)));
+}
+__device__ __forceinline__ void tc_mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TC_T "." TC_T ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* two floats to the storage type, lo in the low half */
+__device__ __forceinline__ unsigned tc_pack(float lo, float hi)
+{
+    unsigned d;
+    asm("cvt.rn." TC_T "x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+__device__ __forceinline__ float tc_max(float a, float b) { return a > b || a != a ? a : b; } /* NaN wins */
+
+/* the key-block list of one q block: n_part partial entries then n_full full ones */
+struct tc_list {
+    const int *part, *full;
+    long long n_part, n_full, step_part, step_full;
+    __device__ __forceinline__ long long block(long long e) const
+    {
+        return e < n_part ? (part ? (long long)part[e * step_part] : e) : (long long)full[(e - n_part) * step_full];
+    }
+};
+
+/* the 16 keys of slice t into the warp's buffers (rows past the block or Tk zero-filled); returns
+ * the first key, and through *nk how many are real, *isfull whether the block is a full one */
+__device__ __forceinline__ long long tc_issue(const flex_params &P, const tc_list &L, long long t, long long b, long long h,
+                                              unsigned short *Kb, unsigned short *Vb, int lane, int *nk, int *isfull)
+{
+    const long long S = P.kv_block / 16, e = t / S, u = t - e * S, j = L.block(e);
+    const long long k0 = j * P.kv_block + 16 * u, end0 = (j + 1) * P.kv_block, end = end0 < P.Tk ? end0 : P.Tk;
+    const long long n = end - k0;
+    *nk = n <= 0 ? 0 : n > 16 ? 16 : (int)n;
+    *isfull = e >= L.n_part;
+    const unsigned short *kp = (const unsigned short *)P.k + b * P.ks0 + h * P.ks2;
+    const unsigned short *vp = (const unsigned short *)P.v + b * P.vs0 + h * P.vs2;
+#pragma unroll
+    for (int x = 0; x < NSA_DK / 16; x++) { /* 16 rows x DK / 8 chunks over 32 lanes */
+        const int c = lane + 32 * x, r = c / (NSA_DK / 8), col = (c % (NSA_DK / 8)) * 8;
+        const bool ok = r < *nk;
+        tc_cp16(Kb + r * LDK + col, ok ? (const void *)(kp + (k0 + r) * P.ks1 + col) : P.k, ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int x = 0; x < NSA_DV / 16; x++) {
+        const int c = lane + 32 * x, r = c / (NSA_DV / 8), col = (c % (NSA_DV / 8)) * 8;
+        const bool ok = r < *nk;
+        tc_cp16(Vb + r * LDV + col, ok ? (const void *)(vp + (k0 + r) * P.vs1 + col) : P.v, ok ? 16 : 0);
+    }
+    tc_commit();
+    return k0;
+}
+
+extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_fwd_tc(const flex_params P, const nsa_mod_caps mc,
+                                                                           const nsa_mod_caps sc)
+{
+    extern __shared__ __align__(16) unsigned short tc_sm[];
+    /* a non-finite value in V would reach, through P = 0, rows that do not see its key: the
+     * scalar kernel beside this one computes such a call (the same rule as the attention tiles') */
+    if (P.nf_role == 1 && *(const volatile int *)P.nf != 0) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r0 = lane >> 2;
+    const long long ntile = (P.Tq + 15) / 16, w = (long long)blockIdx.x * TC_WARPS + warp;
+    if (w >= P.B * P.HQ * ntile) return;
+    const long long tile = w % ntile, hq = (w / ntile) % P.HQ, b = w / (ntile * P.HQ), h = hq / P.G, i0 = 16 * tile;
+    const float NEG_INF = nsa_mod_fbits(0xff800000u);
+    unsigned short *Ks = tc_sm + (long long)warp * TC_STAGES * 16 * (LDK + LDV), *Vs = Ks + TC_STAGES * 16 * LDK;
+
+    /* the q block's lists (no block mask: every key block, partial) */
+    const long long qb = i0 / P.q_block;
+    tc_list L;
+    L.part = 0, L.full = 0, L.n_part = P.nkb, L.n_full = 0, L.step_part = 1, L.step_full = 1;
+    if (P.num) {
+        const long long bb = P.nB == 1 ? 0 : b, hh = P.nH == 1 ? 0 : hq, ib = P.iB == 1 ? 0 : b, ih = P.iH == 1 ? 0 : hq;
+        L.n_part = P.num[bb * P.ns0 + hh * P.ns1 + qb * P.ns2];
+        L.part = P.idx + ib * P.is0 + ih * P.is1 + qb * P.is2, L.step_part = P.is3;
+        if (P.fnum) {
+            const long long fb = P.fnB == 1 ? 0 : b, fh = P.fnH == 1 ? 0 : hq, fib = P.fiB == 1 ? 0 : b, fih = P.fiH == 1 ? 0 : hq;
+            L.n_full = P.fnum[fb * P.fns0 + fh * P.fns1 + qb * P.fns2];
+            L.full = P.fidx + fib * P.fis0 + fih * P.fis1 + qb * P.fis2, L.step_full = P.fis3;
+        }
+    }
+    const long long nt = (L.n_part + L.n_full) * (P.kv_block / 16);
+
+    /* Q's 16 rows as A fragments (rows past Tq zero) */
+    unsigned qf[NSA_DK / 16][4];
+    {
+        const unsigned short *qp = (const unsigned short *)P.q + b * P.qs0 + hq * P.qs2;
+#pragma unroll
+        for (int k = 0; k < NSA_DK / 16; k++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const long long i = i0 + r0 + 8 * (e & 1);
+                const int col = 16 * k + 2 * (lane & 3) + 8 * (e >> 1);
+                qf[k][e] = i < P.Tq ? *(const unsigned *)(qp + i * P.qs1 + col) : 0u;
+            }
+    }
+    float acc[NSA_DV / 8][4];
+#pragma unroll
+    for (int n = 0; n < NSA_DV / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    float mrun[2] = {NEG_INF, NEG_INF}, lsum[2] = {0.0f, 0.0f};
+    long long kb[TC_STAGES];
+    int nk[TC_STAGES], fl[TC_STAGES];
+#pragma unroll
+    for (int st = 0; st < TC_STAGES - 1; st++)
+        if (st < nt) kb[st] = tc_issue(P, L, st, b, h, Ks + st * 16 * LDK, Vs + st * 16 * LDV, lane, &nk[st], &fl[st]);
+    for (long long t = 0; t < nt; t++) {
+        const int buf = (int)(t % TC_STAGES);
+        if (t + TC_STAGES - 1 < nt) {
+            const int nb = (int)((t + TC_STAGES - 1) % TC_STAGES);
+            kb[nb] = tc_issue(P, L, t + TC_STAGES - 1, b, h, Ks + nb * 16 * LDK, Vs + nb * 16 * LDV, lane, &nk[nb], &fl[nb]);
+            tc_wait<TC_STAGES - 1>();
+        } else if (t + 1 < nt) {
+            tc_wait<1>();
+        } else {
+            tc_wait<0>();
+        }
+        __syncwarp();
+        const unsigned short *Kb = Ks + buf * 16 * LDK, *Vb = Vs + buf * 16 * LDV;
+        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int k = 0; k < NSA_DK / 16; k++) {
+            unsigned bb[4];
+            tc_ldsm4(bb, Kb + ((lane & 7) + (lane >> 4) * 8) * LDK + ((lane >> 3) & 1) * 8 + k * 16);
+            tc_mma(s[0], qf[k], bb[0], bb[1]);
+            tc_mma(s[1], qf[k], bb[2], bb[3]);
+        }
+        const long long k0 = kb[buf];
+        const int n = nk[buf], full = fl[buf];
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt8 = 0; nt8 < 2; nt8++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = nt8 * 8 + 2 * (lane & 3) + (e & 1);
+                long long qi = i0 + r0 + 8 * (e >> 1);
+                qi = qi < P.Tq ? qi : P.Tq - 1; /* rows past Tq: any valid index (their results are dropped) */
+                const long long kv = k0 + key;
+                float v = NEG_INF;
+                if (key < n && (full || nsa_flex_mask(&mc, b, hq, qi, kv))) v = nsa_flex_score(&sc, b, hq, qi, kv, s[nt8][e] * P.scale);
+                s[nt8][e] = v;
+                mx[e >> 1] = tc_max(mx[e >> 1], v);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mx[r] = tc_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = tc_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float mn = tc_max(mrun[r], mx[r]);
+            alpha[r] = mrun[r] == NEG_INF ? 0.0f : expf(mrun[r] - mn);
+            mrun[r] = mn;
+        }
+        float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int nt8 = 0; nt8 < 2; nt8++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float m = mrun[e >> 1];
+                const float p = m == NEG_INF ? 0.0f : expf(s[nt8][e] - m);
+                s[nt8][e] = p;
+                ps[e >> 1] += p;
+            }
+        lsum[0] = lsum[0] * alpha[0] + ps[0], lsum[1] = lsum[1] * alpha[1] + ps[1];
+#pragma unroll
+        for (int q = 0; q < NSA_DV / 8; q++) acc[q][0] *= alpha[0], acc[q][1] *= alpha[0], acc[q][2] *= alpha[1], acc[q][3] *= alpha[1];
+        unsigned a[4];
+        a[0] = tc_pack(s[0][0], s[0][1]), a[1] = tc_pack(s[0][2], s[0][3]);
+        a[2] = tc_pack(s[1][0], s[1][1]), a[3] = tc_pack(s[1][2], s[1][3]);
+#pragma unroll
+        for (int q = 0; q < NSA_DV / 16; q++) {
+            unsigned vb[4];
+            tc_ldsm4t(vb, Vb + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDV + (lane >> 4) * 8 + q * 16);
+            tc_mma(acc[2 * q], a, vb[0], vb[1]);
+            tc_mma(acc[2 * q + 1], a, vb[2], vb[3]);
+        }
+        __syncwarp();
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], 1);
+        lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], 2);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const long long i = i0 + r0 + 8 * r;
+        if (i >= P.Tq) continue;
+        const int empty = mrun[r] == NEG_INF; /* no key, or only -inf scores: 0 and -inf */
+        const float inv = empty ? 0.0f : 1.0f / lsum[r];
+        const long long ob = b * P.os0 + i * P.os1 + hq * P.os2;
+#pragma unroll
+        for (int q = 0; q < NSA_DV / 8; q++) {
+            const int col = q * 8 + 2 * (lane & 3);
+            st_elem(P.o, ob + col, acc[q][2 * r] * inv);
+            st_elem(P.o, ob + col + 1, acc[q][2 * r + 1] * inv);
+        }
+        if (P.lse && (lane & 3) == 0) P.lse[b * P.ls0 + i * P.ls1 + hq * P.ls2] = empty ? NEG_INF : mrun[r] + logf(lsum[r]);
+    }
+}
+)NSA";
+
 /* ---- NVRTC, loaded on first use ------------------------------------------------------------- */
 typedef struct nvrtc_api {
     void *handle;
@@ -189,11 +426,12 @@ static int nvrtc_open(nvrtc_api *api, char *why, size_t n)
     return 1;
 }
 
-/* The source of one kernel: the expressions' prelude, the element type, the two mods, the kernel. */
-static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem)
+/* The source of one (mask, score, element type): the expressions' prelude, the element type, the
+ * two mods, the scalar kernel and, with head dims dk, dv (0: none), the tensor-core kernel. */
+static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv)
 {
     const size_t nm = mask ? expr_to_c(mask, NULL, 0) : 0, ns = score ? expr_to_c(score, NULL, 0) : 0;
-    const size_t cap = strlen(EXPR_C_PRELUDE) + sizeof FLEX_KERNEL + nm + ns + 1024;
+    const size_t cap = strlen(EXPR_C_PRELUDE) + sizeof FLEX_KERNEL + sizeof FLEX_TC_KERNEL + nm + ns + 1024;
     char *src = (char *)malloc(cap), *me = (char *)malloc(nm + 1), *se = (char *)malloc(ns + 1);
     if (!src || !me || !se) {
         free(src), free(me), free(se);
@@ -209,6 +447,10 @@ static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem)
              "long long kv_idx, float score)\n{\n    (void)caps, (void)b, (void)h, (void)q_idx, (void)kv_idx;\n"
              "    return (float)(%s);\n}\n%s",
              elem, EXPR_C_PRELUDE, mask ? me : "1", score ? se : "score", FLEX_KERNEL);
+    if (dk > 0) {
+        const size_t at = strlen(src);
+        snprintf(src + at, cap - at, "#define NSA_DK %d\n#define NSA_DV %d\n%s", dk, dv, FLEX_TC_KERNEL);
+    }
     free(me), free(se);
     return src;
 }
@@ -252,7 +494,8 @@ static int flex_compile(nvrtc_api *api, const char *src, int major, int minor, c
     return ok;
 }
 
-/* Compiles the kernel of (mask, score, elem) for an architecture without a GPU: what the tests
+/* Compiles the kernels of (mask, score, elem; the tensor-core one for f16 / bf16) for an
+ * architecture without a GPU: what the tests
  * run on a machine with the toolkit (the generated source must compile) and what times the
  * first compile of a new mod. @return SUCCESS or NOT_SUPPORTED / BAD_ARGUMENT with the reason. */
 extern "C" nsa_status nsa_cuda_flex_compile_check(const nsa_mod *mask, const nsa_mod *score, int elem, int major, int minor,
@@ -261,7 +504,7 @@ extern "C" nsa_status nsa_cuda_flex_compile_check(const nsa_mod *mask, const nsa
     nvrtc_api api;
     char why[256];
     if (!nvrtc_open(&api, why, sizeof why)) return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "ctx: %s", why);
-    char *src = flex_source(mask, score, elem), *cubin = NULL;
+    char *src = flex_source(mask, score, elem, elem ? 128 : 0, 64), *cubin = NULL; /* (both head-dim branches of the tile) */
     if (!src) {
         dlclose(api.handle);
         return nsa_fail(NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel source");
@@ -286,7 +529,7 @@ struct flex_cache {
     struct {
         uint64_t hash;
         cudaLibrary_t lib;
-        cudaKernel_t kernel;
+        cudaKernel_t kernel, tc; /* scalar; tensor-core (NULL: not in this source) */
     } e[FLEX_CACHE_ENTRIES];
 };
 
@@ -321,10 +564,13 @@ static int cache_dir(char *buf, size_t n)
     return stat(buf, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-/* The kernel of (mask, score, elem) on this device: memory cache, disk cache, or compiled. */
-static cudaKernel_t flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, const nsa_mod *score, int elem)
+/* The kernels of (mask, score, elem; the tensor-core one for head dims dk, dv, 0: none) on this
+ * device: memory cache, disk cache, or compiled. Returns the scalar one, the other in *tc. */
+static cudaKernel_t flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv,
+                                cudaKernel_t *tc)
 {
-    char *src = flex_source(mask, score, elem);
+    *tc = NULL;
+    char *src = flex_source(mask, score, elem, dk, dv);
     if (!src) {
         g_fail(g, NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel source");
         return NULL;
@@ -339,7 +585,7 @@ static cudaKernel_t flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, con
     cudaKernel_t k = NULL;
     pthread_mutex_lock(&c->lock);
     for (int i = 0; i < c->n && !k; i++)
-        if (c->e[i].hash == hash) k = c->e[i].kernel;
+        if (c->e[i].hash == hash) k = c->e[i].kernel, *tc = c->e[i].tc;
     if (!k) {
         char dir[512], path[600], why[256];
         char *cubin = NULL;
@@ -370,13 +616,14 @@ static cudaKernel_t flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, con
         cudaLibrary_t lib = NULL;
         g_check(g, cudaLibraryLoadData(&lib, cubin, NULL, NULL, 0, NULL, NULL, 0));
         if (g_live(g)) g_check(g, cudaLibraryGetKernel(&k, lib, "nsa_flex_fwd"));
+        if (g_live(g) && dk > 0) g_check(g, cudaLibraryGetKernel(tc, lib, "nsa_flex_fwd_tc"));
         if (g_live(g)) {
             if (c->n == FLEX_CACHE_ENTRIES) { /* full: the oldest goes */
                 cudaLibraryUnload(c->e[0].lib);
                 memmove(&c->e[0], &c->e[1], sizeof c->e[0] * (FLEX_CACHE_ENTRIES - 1));
                 c->n--;
             }
-            c->e[c->n].hash = hash, c->e[c->n].lib = lib, c->e[c->n].kernel = k;
+            c->e[c->n].hash = hash, c->e[c->n].lib = lib, c->e[c->n].kernel = k, c->e[c->n].tc = *tc;
             c->n++;
         }
         free(cubin);
@@ -447,6 +694,28 @@ static void check_mod_memory(grun *g, const nsa_mod *m, const char *which)
     }
 }
 
+/* Whether the tensor-core kernel takes the call: f16 / bf16, DK and DV in {64, 128}, block sizes
+ * multiples of 16 (a warp's 16 query rows in one q block, a 16-key slice in one key block), Q
+ * read four bytes at a time and K, V sixteen (the views' alignment and strides). */
+static int flex_tc_fits(const grun *g, const nsa_flex_args *a, const nsa_problem *p)
+{
+    if (!g->ovr->flex_tc || a->q.dtype == NSA_DTYPE_F32) return 0;
+    if ((p->DK != 64 && p->DK != 128) || (p->DV != 64 && p->DV != 128)) return 0;
+    const nsa_block_mask *m = &a->block_mask;
+    if (m->q_block % 16 != 0 || m->kv_block % 16 != 0) return 0;
+    if ((uintptr_t)a->q.data % 4 != 0 || a->q.stride[0] % 2 || a->q.stride[1] % 2 || a->q.stride[2] % 2 || a->q.stride[3] != 1)
+        return 0;
+    const nsa_tensor *kv[2] = {&a->k, &a->v};
+    for (int t = 0; t < 2; t++)
+        if ((uintptr_t)kv[t]->data % 16 != 0 || kv[t]->stride[0] % 8 || kv[t]->stride[1] % 8 || kv[t]->stride[2] % 8 ||
+            kv[t]->stride[3] != 1)
+            return 0;
+    return 1;
+}
+
+#define FLEX_TC_WARPS 4  /* TC_WARPS of the kernel's source */
+#define FLEX_TC_STAGES 3 /* TC_STAGES */
+
 static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
 {
     const nsa_problem *p = g->p;
@@ -458,14 +727,22 @@ static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
     check_mod_memory(g, a->mask_mod, "mask_mod");
     check_mod_memory(g, a->score_mod, "score_mod");
     check_lists(g, a);
+    const int tc = flex_tc_fits(g, a, p);
+    const int *nf = NULL;
+    if (tc) { /* the flag (workspace: both passes) and the scan of V, the one operand a masked pair reads */
+        const dview vv = dv_of(&a->v);
+        cu_scan_nonfinite(g, &vv, p->B, p->Tk, p->H, p->DV);
+        nf = g_nf_tiles(g);
+    }
     if (!g_live(g)) return;
     if (!c) {
         g_fail(g, NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel cache");
         return;
     }
     const int elem = a->q.dtype == NSA_DTYPE_F32 ? 0 : a->q.dtype == NSA_DTYPE_F16 ? 1 : 2;
-    cudaKernel_t k = flex_kernel(g, c, a->mask_mod, a->score_mod, elem);
-    if (!g_live(g) || !k) return;
+    cudaKernel_t ktc = NULL;
+    cudaKernel_t k = flex_kernel(g, c, a->mask_mod, a->score_mod, elem, tc ? (int)p->DK : 0, tc ? (int)p->DV : 0, &ktc);
+    if (!g_live(g) || !k || (tc && !ktc)) return;
     flex_params P;
     memset(&P, 0, sizeof P);
     P.q = a->q.data, P.k = a->k.data, P.v = a->v.data, P.o = a->o.data;
@@ -500,13 +777,26 @@ static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
     const int64_t items = p->B * p->HQ * p->T;
     if (items == 0) return;
     void *args[] = {&P, &mc, &sc};
+    if (tc) {
+        const int64_t warps = p->B * p->HQ * ((p->T + 15) / 16);
+        const size_t smem = (size_t)FLEX_TC_WARPS * FLEX_TC_STAGES * 16 * (size_t)(p->DK + 8 + p->DV + 8) * 2;
+        P.nf = nf, P.nf_role = nf ? 1 : 0;
+        g_check(g, cudaFuncSetAttribute((const void *)ktc, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        if (g_live(g))
+            g_check(g, cudaLaunchKernel((const void *)ktc, dim3((unsigned)((warps + FLEX_TC_WARPS - 1) / FLEX_TC_WARPS)),
+                                        dim3(32 * FLEX_TC_WARPS), args, smem, g->st));
+        if (!nf || !g_live(g)) return;
+        P.nf_role = 2; /* the scalar kernel computes the call when V holds a non-finite value */
+    }
     g_check(g, cudaLaunchKernel((const void *)k, dim3(simt_grid(items)), dim3(32 * SIMT_WARPS), args, 0, g->st));
 }
 
 extern "C" size_t nsa_cuda_flex_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_args *a)
 {
-    (void)ctx, (void)p, (void)a;
-    return 0; /* (the kernel takes none) */
+    grun g;
+    g_init(&g, ctx, p, NULL, 1);
+    run_flex(&g, a, NULL); /* the sizing pass: only the non-finite flag is taken */
+    return nsa_size_add(g.used, 256);
 }
 
 extern "C" nsa_status nsa_cuda_flex(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_args *a, void *ws)
