@@ -4,10 +4,12 @@
  * and gets NOT_SUPPORTED here, with the reason), loaded with cudaLibraryLoadData and cached per
  * context in memory and on disk by a hash of its source and the architecture.
  *
- * The kernel (scalar, correctness first): one warp per (batch entry, query head, query row);
- * the visible keys walked twice (the max, then the weights) as the CPU's flex_row does; the
- * lists checked on the host first (copied back: the same check as the CPU's, so a bad list is
- * a status and nothing is written). */
+ * Two kernels. The tensor-core one (FLEX_TC_KERNEL: f16 / bf16, head dims 64 / 128, block
+ * sizes multiples of 16) takes 16 query rows a warp. The scalar one takes every other call and
+ * the calls whose V holds a non-finite value: one warp per (batch entry, query head, query
+ * row), the visible keys walked twice (the max, then the weights) as the CPU's flex_row does.
+ * The lists are checked on the host first (copied back: the same check as the CPU's, so a bad
+ * list is a status and nothing is written). */
 #include <dlfcn.h>
 #include <nvrtc.h>
 #include <pthread.h>
