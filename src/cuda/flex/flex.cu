@@ -4,8 +4,8 @@
  * and gets NOT_SUPPORTED here, with the reason), loaded with cudaLibraryLoadData and cached per
  * context in memory and on disk by a hash of its source and the architecture.
  *
- * Two kernels. The tensor-core one (FLEX_TC_KERNEL: f16 / bf16, head dims 64 / 128, block
- * sizes multiples of 16) takes 16 query rows a warp. The scalar one takes every other call and
+ * Three kernels. The tensor-core ones (FLEX_TC_KERNEL: f16 / bf16, head dims 64 / 128, block
+ * sizes multiples of 16) take 64 query rows a CTA or 16 a warp. The scalar one takes every other call and
  * the calls whose V holds a non-finite value: one warp per (batch entry, query head, query
  * row), the visible keys walked twice (the max, then the weights) as the CPU's flex_row does.
  * The lists are checked on the host first (copied back: the same check as the CPU's, so a bad
@@ -154,10 +154,12 @@ static const char FLEX_KERNEL[] =
     "    }\n"
     "}\n";
 
-/* The tensor-core kernel (f16 / bf16, DK and DV in {64, 128}, block sizes multiples of 16): a
- * warp takes 16 query rows of one (batch entry, query head) -- one q block's, so one list of key
- * blocks -- and walks the listed blocks in 16-key slices with its own cp.async pipeline
- * (TC_STAGES slices in flight; no block barrier: the warps of a CTA are independent): S = Q K^T
+/* The tensor-core kernels (f16 / bf16, DK and DV in {64, 128}, block sizes multiples of 16), one
+ * body in two layouts. nsa_flex_fwd_tc64 (q and kv blocks multiples of 64): a CTA takes 64 query
+ * rows of one (batch entry, query head) -- one q block's, so one list of key blocks -- and its
+ * four warps share each 64-key slice of K and V, loaded by all of its threads (a 3-stage cp.async
+ * pipeline, one block barrier a slice). nsa_flex_fwd_tc16 (other multiples of 16): a warp takes
+ * 16 rows and walks 16-key slices alone (its own pipeline, no block barrier). Per warp: S = Q K^T
  * by mma.sync m16n8k16 with Q's fragments held in registers, the mask_mod applied on partial
  * blocks and the score_mod on every visible score of the fragment, an online softmax (natural
  * units, expf, NaN propagating as in the scalar kernel), P rounded to the storage type for P V.
@@ -215,27 +217,29 @@ struct tc_list {
     }
 };
 
-/* the 16 keys of slice t into the warp's buffers (rows past the block or Tk zero-filled); returns
- * the first key, and through *nk how many are real, *isfull whether the block is a full one */
+/* the KS keys of slice t into the buffers Kb, Vb, by NT threads (thread `me`), rows past the block
+ * or Tk zero-filled, one commit group; returns the first key, and through *nk how many are real,
+ * *isfull whether the block is a full one */
+template <int KS, int NT>
 __device__ __forceinline__ long long tc_issue(const flex_params &P, const tc_list &L, long long t, long long b, long long h,
-                                              unsigned short *Kb, unsigned short *Vb, int lane, int *nk, int *isfull)
+                                              unsigned short *Kb, unsigned short *Vb, int me, int *nk, int *isfull)
 {
-    const long long S = P.kv_block / 16, e = t / S, u = t - e * S, j = L.block(e);
-    const long long k0 = j * P.kv_block + 16 * u, end0 = (j + 1) * P.kv_block, end = end0 < P.Tk ? end0 : P.Tk;
+    const long long S = P.kv_block / KS, e = t / S, u = t - e * S, j = L.block(e);
+    const long long k0 = j * P.kv_block + KS * u, end0 = (j + 1) * P.kv_block, end = end0 < P.Tk ? end0 : P.Tk;
     const long long n = end - k0;
-    *nk = n <= 0 ? 0 : n > 16 ? 16 : (int)n;
+    *nk = n <= 0 ? 0 : n > KS ? KS : (int)n;
     *isfull = e >= L.n_part;
     const unsigned short *kp = (const unsigned short *)P.k + b * P.ks0 + h * P.ks2;
     const unsigned short *vp = (const unsigned short *)P.v + b * P.vs0 + h * P.vs2;
 #pragma unroll
-    for (int x = 0; x < NSA_DK / 16; x++) { /* 16 rows x DK / 8 chunks over 32 lanes */
-        const int c = lane + 32 * x, r = c / (NSA_DK / 8), col = (c % (NSA_DK / 8)) * 8;
+    for (int x = 0; x < KS * NSA_DK / 8 / NT; x++) { /* KS rows x DK / 8 chunks over NT threads */
+        const int c = me + NT * x, r = c / (NSA_DK / 8), col = (c % (NSA_DK / 8)) * 8;
         const bool ok = r < *nk;
         tc_cp16(Kb + r * LDK + col, ok ? (const void *)(kp + (k0 + r) * P.ks1 + col) : P.k, ok ? 16 : 0);
     }
 #pragma unroll
-    for (int x = 0; x < NSA_DV / 16; x++) {
-        const int c = lane + 32 * x, r = c / (NSA_DV / 8), col = (c % (NSA_DV / 8)) * 8;
+    for (int x = 0; x < KS * NSA_DV / 8 / NT; x++) {
+        const int c = me + NT * x, r = c / (NSA_DV / 8), col = (c % (NSA_DV / 8)) * 8;
         const bool ok = r < *nk;
         tc_cp16(Vb + r * LDV + col, ok ? (const void *)(vp + (k0 + r) * P.vs1 + col) : P.v, ok ? 16 : 0);
     }
@@ -243,22 +247,27 @@ __device__ __forceinline__ long long tc_issue(const flex_params &P, const tc_lis
     return k0;
 }
 
-extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_fwd_tc(const flex_params P, const nsa_mod_caps mc,
-                                                                           const nsa_mod_caps sc)
+/* ROWS query rows a unit (a CTA of TC_WARPS warps sharing KS-key slices, or a warp alone), the
+ * warp's 16 of them computed here */
+template <int KS, bool SHARED>
+__device__ __forceinline__ void tc_body(const flex_params &P, const nsa_mod_caps &mc, const nsa_mod_caps &sc)
 {
+    constexpr int ROWS = SHARED ? 16 * TC_WARPS : 16, NT = SHARED ? 32 * TC_WARPS : 32, NS = KS / 8;
     extern __shared__ __align__(16) unsigned short tc_sm[];
     /* a non-finite value in V would reach, through P = 0, rows that do not see its key: the
      * scalar kernel beside this one computes such a call (the same rule as the attention tiles') */
     if (P.nf_role == 1 && *(const volatile int *)P.nf != 0) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r0 = lane >> 2;
-    const long long ntile = (P.Tq + 15) / 16, w = (long long)blockIdx.x * TC_WARPS + warp;
-    if (w >= P.B * P.HQ * ntile) return;
-    const long long tile = w % ntile, hq = (w / ntile) % P.HQ, b = w / (ntile * P.HQ), h = hq / P.G, i0 = 16 * tile;
+    const long long ntile = (P.Tq + ROWS - 1) / ROWS, w = SHARED ? (long long)blockIdx.x : (long long)blockIdx.x * TC_WARPS + warp;
+    if (w >= P.B * P.HQ * ntile) return; /* (SHARED: the whole CTA) */
+    const long long tile = w % ntile, hq = (w / ntile) % P.HQ, b = w / (ntile * P.HQ), h = hq / P.G;
+    const long long u0 = ROWS * tile, i0 = u0 + (SHARED ? 16 * warp : 0); /* the unit's first row, the warp's */
+    const int me = SHARED ? threadIdx.x : lane;
     const float NEG_INF = nsa_mod_fbits(0xff800000u);
-    unsigned short *Ks = tc_sm + (long long)warp * TC_STAGES * 16 * (LDK + LDV), *Vs = Ks + TC_STAGES * 16 * LDK;
+    unsigned short *Ks = tc_sm + (SHARED ? 0 : (long long)warp * TC_STAGES * KS * (LDK + LDV)), *Vs = Ks + TC_STAGES * KS * LDK;
 
     /* the q block's lists (no block mask: every key block, partial) */
-    const long long qb = i0 / P.q_block;
+    const long long qb = u0 / P.q_block;
     tc_list L;
     L.part = 0, L.full = 0, L.n_part = P.nkb, L.n_full = 0, L.step_part = 1, L.step_full = 1;
     if (P.num) {
@@ -271,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_fwd_tc(cons
             L.full = P.fidx + fib * P.fis0 + fih * P.fis1 + qb * P.fis2, L.step_full = P.fis3;
         }
     }
-    const long long nt = (L.n_part + L.n_full) * (P.kv_block / 16);
+    const long long nt = (L.n_part + L.n_full) * (P.kv_block / KS);
 
     /* Q's 16 rows as A fragments (rows past Tq zero) */
     unsigned qf[NSA_DK / 16][4];
@@ -294,42 +303,44 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_fwd_tc(cons
     int nk[TC_STAGES], fl[TC_STAGES];
 #pragma unroll
     for (int st = 0; st < TC_STAGES - 1; st++)
-        if (st < nt) kb[st] = tc_issue(P, L, st, b, h, Ks + st * 16 * LDK, Vs + st * 16 * LDV, lane, &nk[st], &fl[st]);
+        if (st < nt) kb[st] = tc_issue<KS, NT>(P, L, st, b, h, Ks + st * KS * LDK, Vs + st * KS * LDV, me, &nk[st], &fl[st]);
     for (long long t = 0; t < nt; t++) {
         const int buf = (int)(t % TC_STAGES);
+        if (t + 1 < nt) tc_wait<TC_STAGES - 2>();
+        else tc_wait<0>();
+        if (SHARED) __syncthreads(); /* slice t is in; every warp is done with slice t - 1, whose buffer comes next */
+        else __syncwarp();
         if (t + TC_STAGES - 1 < nt) {
             const int nb = (int)((t + TC_STAGES - 1) % TC_STAGES);
-            kb[nb] = tc_issue(P, L, t + TC_STAGES - 1, b, h, Ks + nb * 16 * LDK, Vs + nb * 16 * LDV, lane, &nk[nb], &fl[nb]);
-            tc_wait<TC_STAGES - 1>();
-        } else if (t + 1 < nt) {
-            tc_wait<1>();
-        } else {
-            tc_wait<0>();
+            kb[nb] = tc_issue<KS, NT>(P, L, t + TC_STAGES - 1, b, h, Ks + nb * KS * LDK, Vs + nb * KS * LDV, me, &nk[nb], &fl[nb]);
         }
-        __syncwarp();
-        const unsigned short *Kb = Ks + buf * 16 * LDK, *Vb = Vs + buf * 16 * LDV;
-        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        const unsigned short *Kb = Ks + buf * KS * LDK, *Vb = Vs + buf * KS * LDV;
+        float s[NS][4];
 #pragma unroll
-        for (int k = 0; k < NSA_DK / 16; k++) {
-            unsigned bb[4];
-            tc_ldsm4(bb, Kb + ((lane & 7) + (lane >> 4) * 8) * LDK + ((lane >> 3) & 1) * 8 + k * 16);
-            tc_mma(s[0], qf[k], bb[0], bb[1]);
-            tc_mma(s[1], qf[k], bb[2], bb[3]);
-        }
+        for (int n = 0; n < NS; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NSA_DK / 16; k++)
+#pragma unroll
+            for (int n2 = 0; n2 < NS / 2; n2++) {
+                unsigned bb[4];
+                tc_ldsm4(bb, Kb + (16 * n2 + (lane & 7) + (lane >> 4) * 8) * LDK + ((lane >> 3) & 1) * 8 + k * 16);
+                tc_mma(s[2 * n2], qf[k], bb[0], bb[1]);
+                tc_mma(s[2 * n2 + 1], qf[k], bb[2], bb[3]);
+            }
         const long long k0 = kb[buf];
         const int n = nk[buf], full = fl[buf];
         float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-        for (int nt8 = 0; nt8 < 2; nt8++)
+        for (int n8 = 0; n8 < NS; n8++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int key = nt8 * 8 + 2 * (lane & 3) + (e & 1);
+                const int key = n8 * 8 + 2 * (lane & 3) + (e & 1);
                 long long qi = i0 + r0 + 8 * (e >> 1);
                 qi = qi < P.Tq ? qi : P.Tq - 1; /* rows past Tq: any valid index (their results are dropped) */
                 const long long kv = k0 + key;
                 float v = NEG_INF;
-                if (key < n && (full || nsa_flex_mask(&mc, b, hq, qi, kv))) v = nsa_flex_score(&sc, b, hq, qi, kv, s[nt8][e] * P.scale);
-                s[nt8][e] = v;
+                if (key < n && (full || nsa_flex_mask(&mc, b, hq, qi, kv))) v = nsa_flex_score(&sc, b, hq, qi, kv, s[n8][e] * P.scale);
+                s[n8][e] = v;
                 mx[e >> 1] = tc_max(mx[e >> 1], v);
             }
         float alpha[2];
@@ -343,28 +354,30 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_fwd_tc(cons
         }
         float ps[2] = {0.0f, 0.0f};
 #pragma unroll
-        for (int nt8 = 0; nt8 < 2; nt8++)
+        for (int n8 = 0; n8 < NS; n8++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const float m = mrun[e >> 1];
-                const float p = m == NEG_INF ? 0.0f : expf(s[nt8][e] - m);
-                s[nt8][e] = p;
+                const float p = m == NEG_INF ? 0.0f : expf(s[n8][e] - m);
+                s[n8][e] = p;
                 ps[e >> 1] += p;
             }
         lsum[0] = lsum[0] * alpha[0] + ps[0], lsum[1] = lsum[1] * alpha[1] + ps[1];
 #pragma unroll
         for (int q = 0; q < NSA_DV / 8; q++) acc[q][0] *= alpha[0], acc[q][1] *= alpha[0], acc[q][2] *= alpha[1], acc[q][3] *= alpha[1];
-        unsigned a[4];
-        a[0] = tc_pack(s[0][0], s[0][1]), a[1] = tc_pack(s[0][2], s[0][3]);
-        a[2] = tc_pack(s[1][0], s[1][1]), a[3] = tc_pack(s[1][2], s[1][3]);
 #pragma unroll
-        for (int q = 0; q < NSA_DV / 16; q++) {
-            unsigned vb[4];
-            tc_ldsm4t(vb, Vb + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDV + (lane >> 4) * 8 + q * 16);
-            tc_mma(acc[2 * q], a, vb[0], vb[1]);
-            tc_mma(acc[2 * q + 1], a, vb[2], vb[3]);
+        for (int k16 = 0; k16 < KS / 16; k16++) { /* P's 16-key steps as A fragments */
+            unsigned a[4];
+            a[0] = tc_pack(s[2 * k16][0], s[2 * k16][1]), a[1] = tc_pack(s[2 * k16][2], s[2 * k16][3]);
+            a[2] = tc_pack(s[2 * k16 + 1][0], s[2 * k16 + 1][1]), a[3] = tc_pack(s[2 * k16 + 1][2], s[2 * k16 + 1][3]);
+#pragma unroll
+            for (int q = 0; q < NSA_DV / 16; q++) {
+                unsigned vb[4];
+                tc_ldsm4t(vb, Vb + (16 * k16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDV + (lane >> 4) * 8 + q * 16);
+                tc_mma(acc[2 * q], a, vb[0], vb[1]);
+                tc_mma(acc[2 * q + 1], a, vb[2], vb[3]);
+            }
         }
-        __syncwarp();
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -381,11 +394,22 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_fwd_tc(cons
 #pragma unroll
         for (int q = 0; q < NSA_DV / 8; q++) {
             const int col = q * 8 + 2 * (lane & 3);
-            st_elem(P.o, ob + col, acc[q][2 * r] * inv);
-            st_elem(P.o, ob + col + 1, acc[q][2 * r + 1] * inv);
+            st_elem(P.o, ob + col, empty ? 0.0f : acc[q][2 * r] * inv);
+            st_elem(P.o, ob + col + 1, empty ? 0.0f : acc[q][2 * r + 1] * inv);
         }
         if (P.lse && (lane & 3) == 0) P.lse[b * P.ls0 + i * P.ls1 + hq * P.ls2] = empty ? NEG_INF : mrun[r] + logf(lsum[r]);
     }
+}
+
+/* one layout a source (NSA_TC_WIDE): each compile builds only the kernel the call runs */
+extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_fwd_tc(const flex_params P, const nsa_mod_caps mc,
+                                                                           const nsa_mod_caps sc)
+{
+#if NSA_TC_WIDE
+    tc_body<64, true>(P, mc, sc);
+#else
+    tc_body<16, false>(P, mc, sc);
+#endif
 }
 )NSA";
 
@@ -429,8 +453,9 @@ static int nvrtc_open(nvrtc_api *api, char *why, size_t n)
 }
 
 /* The source of one (mask, score, element type): the expressions' prelude, the element type, the
- * two mods, the scalar kernel and, with head dims dk, dv (0: none), the tensor-core kernel. */
-static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv)
+ * two mods, the scalar kernel and, with head dims dk, dv (0: none), the tensor-core kernel of
+ * 64 rows a CTA (wide) or 16 a warp. */
+static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv, int wide)
 {
     const size_t nm = mask ? expr_to_c(mask, NULL, 0) : 0, ns = score ? expr_to_c(score, NULL, 0) : 0;
     const size_t cap = strlen(EXPR_C_PRELUDE) + sizeof FLEX_KERNEL + sizeof FLEX_TC_KERNEL + nm + ns + 1024;
@@ -451,7 +476,8 @@ static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, in
              elem, EXPR_C_PRELUDE, mask ? me : "1", score ? se : "score", FLEX_KERNEL);
     if (dk > 0) {
         const size_t at = strlen(src);
-        snprintf(src + at, cap - at, "#define NSA_DK %d\n#define NSA_DV %d\n%s", dk, dv, FLEX_TC_KERNEL);
+        snprintf(src + at, cap - at, "#define NSA_DK %d\n#define NSA_DV %d\n#define NSA_TC_WIDE %d\n%s", dk, dv, wide,
+                 FLEX_TC_KERNEL);
     }
     free(me), free(se);
     return src;
@@ -506,7 +532,7 @@ extern "C" nsa_status nsa_cuda_flex_compile_check(const nsa_mod *mask, const nsa
     nvrtc_api api;
     char why[256];
     if (!nvrtc_open(&api, why, sizeof why)) return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "ctx: %s", why);
-    char *src = flex_source(mask, score, elem, elem ? 128 : 0, 64), *cubin = NULL; /* (both head-dim branches of the tile) */
+    char *src = flex_source(mask, score, elem, elem ? 128 : 0, 64, major == 9), *cubin = NULL; /* (both head dims; a layout an arch) */
     if (!src) {
         dlclose(api.handle);
         return nsa_fail(NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel source");
@@ -566,13 +592,14 @@ static int cache_dir(char *buf, size_t n)
     return stat(buf, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-/* The kernels of (mask, score, elem; the tensor-core one for head dims dk, dv, 0: none) on this
- * device: memory cache, disk cache, or compiled. Returns the scalar one, the other in *tc. */
+/* The kernels of (mask, score, elem; the tensor-core one for head dims dk, dv, 0: none, in the
+ * layout `wide`) on this device: memory cache, disk cache, or compiled. Returns the scalar one,
+ * the other in *tc. */
 static cudaKernel_t flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv,
-                                cudaKernel_t *tc)
+                                int wide, cudaKernel_t *tc)
 {
     *tc = NULL;
-    char *src = flex_source(mask, score, elem, dk, dv);
+    char *src = flex_source(mask, score, elem, dk, dv, wide);
     if (!src) {
         g_fail(g, NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel source");
         return NULL;
@@ -742,8 +769,10 @@ static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
         return;
     }
     const int elem = a->q.dtype == NSA_DTYPE_F32 ? 0 : a->q.dtype == NSA_DTYPE_F16 ? 1 : 2;
+    /* 64 rows a CTA sharing 64-key slices where both block sizes allow, else 16 rows a warp */
+    const int wide = a->block_mask.q_block % 64 == 0 && a->block_mask.kv_block % 64 == 0;
     cudaKernel_t ktc = NULL;
-    cudaKernel_t k = flex_kernel(g, c, a->mask_mod, a->score_mod, elem, tc ? (int)p->DK : 0, tc ? (int)p->DV : 0, &ktc);
+    cudaKernel_t k = flex_kernel(g, c, a->mask_mod, a->score_mod, elem, tc ? (int)p->DK : 0, tc ? (int)p->DV : 0, wide, &ktc);
     if (!g_live(g) || !k || (tc && !ktc)) return;
     flex_params P;
     memset(&P, 0, sizeof P);
@@ -780,13 +809,13 @@ static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
     if (items == 0) return;
     void *args[] = {&P, &mc, &sc};
     if (tc) {
-        const int64_t warps = p->B * p->HQ * ((p->T + 15) / 16);
-        const size_t smem = (size_t)FLEX_TC_WARPS * FLEX_TC_STAGES * 16 * (size_t)(p->DK + 8 + p->DV + 8) * 2;
+        const int64_t units = wide ? p->B * p->HQ * ((p->T + 63) / 64) : cdiv64(p->B * p->HQ * ((p->T + 15) / 16), FLEX_TC_WARPS);
+        /* 64 rows of K and V a stage either way: a CTA's shared slice, or four warps' own */
+        const size_t smem = (size_t)FLEX_TC_STAGES * 64 * (size_t)(p->DK + 8 + p->DV + 8) * 2;
         P.nf = nf, P.nf_role = nf ? 1 : 0;
         g_check(g, cudaFuncSetAttribute((const void *)ktc, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         if (g_live(g))
-            g_check(g, cudaLaunchKernel((const void *)ktc, dim3((unsigned)((warps + FLEX_TC_WARPS - 1) / FLEX_TC_WARPS)),
-                                        dim3(32 * FLEX_TC_WARPS), args, smem, g->st));
+            g_check(g, cudaLaunchKernel((const void *)ktc, dim3((unsigned)units), dim3(32 * FLEX_TC_WARPS), args, smem, g->st));
         if (!nf || !g_live(g)) return;
         P.nf_role = 2; /* the scalar kernel computes the call when V holds a non-finite value */
     }
