@@ -734,6 +734,7 @@ static int flex_tc_fits(const grun *g, const nsa_flex_args *a, const nsa_problem
     if (m->q_block % 16 != 0 || m->kv_block % 16 != 0) return 0;
     if ((uintptr_t)a->q.data % 4 != 0 || a->q.stride[0] % 2 || a->q.stride[1] % 2 || a->q.stride[2] % 2 || a->q.stride[3] != 1)
         return 0;
+    if (p->B * p->HQ * ((p->T + 15) / 16) > INT32_MAX) return 0; /* a grid dimension (the scalar kernel strides) */
     const nsa_tensor *kv[2] = {&a->k, &a->v};
     for (int t = 0; t < 2; t++)
         if ((uintptr_t)kv[t]->data % 16 != 0 || kv[t]->stride[0] % 8 || kv[t]->stride[1] % 8 || kv[t]->stride[2] % 8 ||
