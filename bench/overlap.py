@@ -1,0 +1,118 @@
+"""bench/overlap.py -- how much neighbouring queries share their selected blocks: the mean Jaccard
+index |S_t & S_t+1| / |S_t | S_t+1| of the top-n block sets of positions t and t + 1 (per batch
+entry and kv head, over the t where both sets are non-empty), for random q, k or for q, k saved
+from a model (an .npz with q [B, T, HQ, D] and k [B, T, H, D]). A selected-attention kernel that
+loads a block once for the neighbouring queries that chose it pays off as this grows; random
+inputs are its worst case.
+
+  python3 bench/overlap.py --T 4096                  # random q, k, the paper's configuration
+  python3 bench/overlap.py --workload layer.npz      # q, k saved from an attention layer
+  python3 bench/overlap.py --device cuda --T 65536   # torch on a GPU
+  python3 bench/overlap.py --self-test               # the metric on hand-made sets, no selection
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "python"))
+
+PAPER = dict(cmp_len=32, cmp_stride=16, slc_block=64, slc_topk=16, n_init=1, n_local=2, window=512)
+
+
+def neighbour_jaccard(idx):
+    """idx [B, T, H, n] integer block ids, -1 padded, each row's ids distinct. Returns (mean
+    Jaccard index of positions t and t + 1 over (b, t, h) where both sets are non-empty, count)."""
+    idx = np.asarray(idx)
+    if idx.ndim != 4:
+        raise ValueError("block indices must be [B, T, H, n], got shape %s" % (idx.shape,))
+    a, b = idx[:, :-1], idx[:, 1:]
+    if a.shape[1] == 0:
+        return float("nan"), 0
+    inter = ((a[..., :, None] == b[..., None, :]) & (a[..., :, None] >= 0)).any(-1).sum(-1)
+    na, nb = (a >= 0).sum(-1), (b >= 0).sum(-1)
+    both = (na > 0) & (nb > 0)
+    j = inter[both] / (na + nb - inter)[both]
+    return (float(j.mean()), int(j.size)) if j.size else (float("nan"), 0)
+
+
+def selection(q, k, config):
+    """The step's own selection (nsa.select over mean-pooled compressed keys) as numpy [B, T, H, n]."""
+    import nsa
+    idx = nsa.select(q, nsa.compress(k, config), config)
+    return idx.cpu().numpy() if hasattr(idx, "cpu") else np.asarray(idx)
+
+
+def random_qk(B, T, HQ, H, D, device, seed):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, HQ, D)).astype(np.float32)
+    k = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    return to_device(q, device), to_device(k, device)
+
+
+def to_device(x, device):
+    if device == "cpu":
+        return np.ascontiguousarray(x, dtype=np.float32)
+    import torch
+    return torch.from_numpy(np.asarray(x, dtype=np.float32)).to(device, torch.bfloat16)
+
+
+def self_test():
+    fails = 0
+
+    def check(cond, what):
+        nonlocal fails
+        if not cond:
+            fails += 1
+            print("FAIL:", what)
+    same = np.array([[[[0, 1, 2]], [[0, 1, 2]]]])
+    check(neighbour_jaccard(same) == (1.0, 1), "identical sets: 1")
+    apart = np.array([[[[0, 1, -1]], [[2, 3, -1]]]])
+    check(neighbour_jaccard(apart) == (0.0, 1), "disjoint sets: 0")
+    half = np.array([[[[0, 1, 2, 3]], [[2, 3, 4, 5]]]])
+    check(abs(neighbour_jaccard(half)[0] - 2 / 6) < 1e-12, "two shared of six: 1/3")
+    empty = np.array([[[[-1, -1]], [[0, 1]], [[0, 5]]]])
+    m, n = neighbour_jaccard(empty)
+    check(n == 1 and abs(m - 1 / 3) < 1e-12, "a position without blocks is left out")
+    two_heads = np.array([[[[0, 1], [4, -1]], [[0, 1], [5, -1]]]])
+    check(neighbour_jaccard(two_heads) == (0.5, 2), "heads averaged: (1 + 0) / 2")
+    check(neighbour_jaccard(np.zeros((1, 1, 1, 2), np.int32))[1] == 0, "one position: no pair")
+    print("%d passed, %d failed" % (6 - fails, fails))
+    return 1 if fails else 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--T", type=int, default=4096, help="tokens of the random inputs")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", default="64/4", help="HQ/H of the random inputs")
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--workload", default=None, help=".npz with q [B, T, HQ, D] and k [B, T, H, D] instead")
+    ap.add_argument("--device", default="cpu", help="cpu (numpy) or a torch device")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--self-test", action="store_true")
+    args = ap.parse_args(argv)
+    if args.self_test:
+        return self_test()
+    import nsa
+    config = nsa.Config(**PAPER)
+    if args.workload:
+        data = np.load(args.workload)
+        q, k = to_device(data["q"], args.device), to_device(data["k"], args.device)
+        what = "workload %s" % os.path.basename(args.workload)
+    else:
+        HQ, H = (int(x) for x in args.heads.split("/"))
+        q, k = random_qk(args.batch, args.T, HQ, H, args.dim, args.device, args.seed)
+        what = "random q, k"
+    B, T, HQ, D = q.shape
+    H = k.shape[2]
+    mean, count = neighbour_jaccard(selection(q, k, config))
+    print("%s: B %d, T %d, HQ %d, H %d, D %d, top-%d of %d-token blocks: neighbour overlap (mean Jaccard) %.4f over %d pairs"
+          % (what, B, T, HQ, H, D, config.slc_topk, config.slc_block, mean, count))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
