@@ -1,7 +1,8 @@
 """bench/overlap.py -- how much neighbouring queries share their selected blocks: the mean Jaccard
 index |S_t & S_t+1| / |S_t | S_t+1| of the top-n block sets of positions t and t + 1 (per batch
 entry and kv head, over the t where both sets are non-empty), for random q, k or for q, k saved
-from a model (an .npz with q [B, T, HQ, D] and k [B, T, H, D]). A selected-attention kernel that
+from a model (an .npz with q [B, T, HQ, D] and k [B, T, H, D], optionally the layer's k_cmp and
+its config, as bench/workload.py writes it). A selected-attention kernel that
 loads a block once for the neighbouring queries that chose it pays off as this grows; random
 inputs are its worst case.
 
@@ -38,11 +39,20 @@ def neighbour_jaccard(idx):
     return (float(j.mean()), int(j.size)) if j.size else (float("nan"), 0)
 
 
-def selection(q, k, config):
-    """The step's own selection (nsa.select over mean-pooled compressed keys) as numpy [B, T, H, n]."""
+def selection(q, k, config, k_cmp=None):
+    """NSA's selection (nsa.select) over the compressed keys k_cmp, or over k mean-pooled when
+    none are given, as numpy [B, T, H, n]."""
     import nsa
-    idx = nsa.select(q, nsa.compress(k, config), config)
+    idx = nsa.select(q, k_cmp if k_cmp is not None else nsa.compress(k, config), config)
     return idx.cpu().numpy() if hasattr(idx, "cpu") else np.asarray(idx)
+
+
+def config_of(data, nsa):
+    """The nsa.Config an .npz records (its 'config' array: cmp_len, cmp_stride, slc_block,
+    slc_topk, n_init, n_local, window), else the paper's."""
+    if "config" not in data:
+        return nsa.Config(**PAPER)
+    return nsa.Config(*(int(x) for x in np.asarray(data["config"])[:7]))
 
 
 def random_qk(B, T, HQ, H, D, device, seed):
@@ -97,10 +107,13 @@ def main(argv=None):
     if args.self_test:
         return self_test()
     import nsa
-    config = nsa.Config(**PAPER)
+    config, k_cmp = nsa.Config(**PAPER), None
     if args.workload:
         data = np.load(args.workload)
         q, k = to_device(data["q"], args.device), to_device(data["k"], args.device)
+        config = config_of(data, nsa)
+        if "k_cmp" in data:  # the layer's own (learned) compressed keys
+            k_cmp = to_device(data["k_cmp"], args.device)
         what = "workload %s" % os.path.basename(args.workload)
     else:
         HQ, H = (int(x) for x in args.heads.split("/"))
@@ -108,7 +121,7 @@ def main(argv=None):
         what = "random q, k"
     B, T, HQ, D = q.shape
     H = k.shape[2]
-    mean, count = neighbour_jaccard(selection(q, k, config))
+    mean, count = neighbour_jaccard(selection(q, k, config, k_cmp))
     print("%s: B %d, T %d, HQ %d, H %d, D %d, top-%d of %d-token blocks: neighbour overlap (mean Jaccard) %.4f over %d pairs"
           % (what, B, T, HQ, H, D, config.slc_topk, config.slc_block, mean, count))
     return 0

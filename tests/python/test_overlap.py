@@ -34,3 +34,22 @@ def test_random_and_saved_inputs(tmp_path):
     assert "workload layer.npz" in out
     same_q = float(out.split("mean Jaccard) ")[1].split()[0])
     assert same_q > 0.95 > mean  # the same query everywhere: neighbours select alike
+
+
+def test_workload_written_and_read(tmp_path):
+    """bench/workload.py on the CPU (train_tiny's tiny model, trained for a few steps): the .npz
+    holds one layer's NSA inputs and config, its .json the overlap; bench/overlap.py reads it."""
+    import pytest
+    pytest.importorskip("torch")
+    out = tmp_path / "w.npz"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "workload.py"), "--tiny", "--train-steps", "3", "--T",
+                        "300", "--device", "cpu", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python")))
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = np.load(out)
+    assert data["q"].shape[:2] == (1, 300) and data["k_cmp"].shape[1] > 0 and len(data["config"]) == 7
+    assert {"g_cmp", "g_slc", "g_swa", "v", "v_cmp"} <= set(data.files)
+    assert "workload w.npz" in _run("--workload", str(out))
+    import json
+    meta = json.load(open(tmp_path / "w.json"))
+    assert 0.0 <= meta["neighbour_overlap"] <= 1.0 and meta["layer"] == 0 and meta["T"] == 300
