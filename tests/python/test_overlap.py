@@ -1,10 +1,12 @@
 """bench/overlap.py: the neighbour-overlap metric (mean Jaccard of neighbouring positions' selected
 blocks) on hand-made sets, and its runs on random inputs and on a saved workload file."""
+import json
 import os
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "bench", "overlap.py")
@@ -39,7 +41,6 @@ def test_random_and_saved_inputs(tmp_path):
 def test_workload_written_and_read(tmp_path):
     """bench/workload.py on the CPU (train_tiny's tiny model, trained for a few steps): the .npz
     holds one layer's NSA inputs and config, its .json the overlap; bench/overlap.py reads it."""
-    import pytest
     pytest.importorskip("torch")
     out = tmp_path / "w.npz"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "workload.py"), "--tiny", "--train-steps", "3", "--T",
@@ -50,6 +51,6 @@ def test_workload_written_and_read(tmp_path):
     assert data["q"].shape[:2] == (1, 300) and data["k_cmp"].shape[1] > 0 and len(data["config"]) == 7
     assert {"g_cmp", "g_slc", "g_swa", "v", "v_cmp"} <= set(data.files)
     assert "workload w.npz" in _run("--workload", str(out))
-    import json
-    meta = json.load(open(tmp_path / "w.json"))
+    with open(tmp_path / "w.json") as f:
+        meta = json.load(f)
     assert 0.0 <= meta["neighbour_overlap"] <= 1.0 and meta["layer"] == 0 and meta["T"] == 300
