@@ -26,7 +26,6 @@ peer is recorded as skipped, never fatal.
   python3 bench/decode.py --device cpu --batch 1 --ctx 4k --impl nsa   # the nsa rows on the CPU
 """
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -258,13 +257,11 @@ def run(args):
     print()
     print(format_table(rows, skipped))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, "%s-%s-decode" % (datetime.date.today().isoformat(), harness.gpu_slug(name)))
-        harness.write_json(stem + ".json", rows)
-        harness.write_json(stem + ".meta.json", {"gpu": gpu, "nvidia_smi": info, "bandwidth": bw, "skipped": skipped,
-                                                 "argv": harness.record_argv(sys.argv, args.out), "torch": torch.__version__,
-                                                 "timing": "CUDA events, L2 flushed (256 MB zeroed), median of %d runs "
-                                                           "after %d warm-up runs" % (args.reps, args.warmup)})
+        stem = harness.write_results(args.out, name, "decode", rows, {
+            "gpu": gpu, "nvidia_smi": info, "bandwidth": bw, "skipped": skipped,
+            "argv": harness.record_argv(sys.argv, args.out), "torch": torch.__version__,
+            "timing": "CUDA events, L2 flushed (256 MB zeroed), median of %d runs after %d warm-up runs" % (args.reps,
+                                                                                                        args.warmup)})
         print("wrote %s.json and %s.meta.json" % (stem, stem))
     return 0
 

@@ -18,7 +18,6 @@ Rows {"impl": "nsa"|"flex", "mod", "T", "HQ", "H", "pass": "fwd"|"fwd+bwd", "ms"
   python3 bench/flex.py --device cpu --T 512 --impl nsa --mods causal,alibi --reps 1
 """
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -214,13 +213,11 @@ def run(args):
     print()
     print(format_table(rows, skipped))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, "%s-%s-flex" % (datetime.date.today().isoformat(), harness.gpu_slug(name)))
-        harness.write_json(stem + ".json", rows)
-        harness.write_json(stem + ".meta.json", {"gpu": gpu, "nvidia_smi": info, "skipped": skipped, "argv": harness.record_argv(sys.argv, args.out),
-                                                 "torch": torch.__version__,
-                                                 "timing": "CUDA events, L2 flushed (256 MB zeroed), median of %d runs after "
-                                                           "%d warm-up runs" % (args.reps, args.warmup)})
+        stem = harness.write_results(args.out, name, "flex", rows, {
+            "gpu": gpu, "nvidia_smi": info, "skipped": skipped, "argv": harness.record_argv(sys.argv, args.out),
+            "torch": torch.__version__,
+            "timing": "CUDA events, L2 flushed (256 MB zeroed), median of %d runs after %d warm-up runs" % (args.reps,
+                                                                                                        args.warmup)})
         print("wrote %s.json and %s.meta.json" % (stem, stem))
     return 0
 

@@ -282,6 +282,16 @@ def write_json(path, obj):
     os.replace(tmp, path)
 
 
+def write_results(out_dir, gpu_name, tag, rows, meta):
+    """A benchmark's results: <out_dir>/<today>-<gpu>-<tag>.json (the rows) and .meta.json beside
+    it (the folder made if absent). Returns the path without its extension."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = result_stem(out_dir, datetime.date.today().isoformat(), gpu_name, tag)
+    write_json(stem + ".json", rows)
+    write_json(stem + ".meta.json", meta)
+    return stem
+
+
 def write_png(path, rows, title=""):
     """Log-log time against T, one panel per (G, pass), one line per (impl, variant, config).
     Returns None when written, else the reason it was not."""
