@@ -636,7 +636,9 @@ typedef struct nsa_flex_bwd_args {
  * BAD_SHAPE, BAD_STRIDE or BAD_DTYPE (nothing written). */
 NSA_API nsa_status nsa_create_block_mask(const nsa_mod *mask_mod, int64_t Tq, int64_t Tk, nsa_block_mask *mask);
 
-/* CPU backend: every form. CUDA backend: NOT_SUPPORTED (not yet). */
+/* CPU and CUDA backends: every form (CUDA: kernels generated per mod pair and compiled by NVRTC
+ * on first use; NOT_SUPPORTED saying why where NVRTC is missing). The CUDA backward is
+ * deterministic too: its tensor gradients are summed exactly (spec 14). */
 NSA_API nsa_status nsa_flex_attention_workspace_size(nsa_context *ctx, const nsa_flex_args *args, size_t *bytes);
 NSA_API nsa_status nsa_flex_attention(nsa_context *ctx, const nsa_flex_args *args, void *workspace, size_t workspace_bytes);
 NSA_API nsa_status nsa_flex_attention_bwd_workspace_size(nsa_context *ctx, const nsa_flex_bwd_args *args, size_t *bytes);

@@ -343,7 +343,7 @@ static size_t op_workspace(const nsa_context *ctx, const nsa_problem *p, op_call
         case OP_STEP: return nsa_cuda_step_workspace(ctx, p, (const nsa_step_args *)c.args);
         case OP_ATTENTION_STEP: return nsa_cuda_attention_step_workspace(ctx, p, (const nsa_attention_step_args *)c.args);
         case OP_FLEX: return nsa_cuda_flex_workspace(ctx, p, (const nsa_flex_args *)c.args);
-        case OP_FLEX_BWD: return 0; /* (not on CUDA yet: the call says so) */
+        case OP_FLEX_BWD: return nsa_cuda_flex_bwd_workspace(ctx, p, (const nsa_flex_bwd_args *)c.args);
         }
         return 0;
     }
@@ -392,9 +392,7 @@ static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_ca
         case OP_STEP: return nsa_cuda_step(ctx, p, (const nsa_step_args *)c.args, ws);
         case OP_ATTENTION_STEP: return nsa_cuda_attention_step(ctx, p, (const nsa_attention_step_args *)c.args, ws);
         case OP_FLEX: return nsa_cuda_flex(ctx, p, (const nsa_flex_args *)c.args, ws);
-        case OP_FLEX_BWD:
-            return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "ctx: the backward of block-sparse attention with mods runs on the CPU "
-                                                      "so far");
+        case OP_FLEX_BWD: return nsa_cuda_flex_bwd(ctx, p, (const nsa_flex_bwd_args *)c.args, ws);
         }
         return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "op: unknown operation %d", (int)c.op);
     }

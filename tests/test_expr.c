@@ -192,8 +192,57 @@ static void test_mods_equal_reference(void)
 }
 
 /* expr_to_c of every checked expression, compiled by the system's C compiler into a shared
- * object with EXPR_C_PRELUDE and loaded: each function equals expr_eval over the grid. */
+ * object with EXPR_C_PRELUDE and loaded: each function equals expr_eval over the grid; and the
+ * score_mods' expr_grad_to_c, whose value, score derivative and tensor gradients equal
+ * expr_grad's (the same arithmetic, up to the contraction of a * b + c). */
 typedef float (*gen_fn)(const nsa_mod_caps *, long long, long long, long long, long long, float);
+typedef struct gen_sink {
+    float *g[16];
+} gen_sink;
+typedef float (*grad_fn)(const nsa_mod_caps *, const gen_sink *, long long, long long, long long, long long, float, float, float *);
+enum { GRAD_ELEMS = 4096 }; /* per capture, at least its element count */
+
+/* Equal within fp32 rounding (the library may contract a * b + c where the generated object does
+ * not), or the same non-finite value. */
+static int close_or_same(float x, float y)
+{
+    if (x != x || y != y || isinf(x) || isinf(y)) return !memcmp(&x, &y, 4) || (x != x && y != y);
+    return fabs((double)x - (double)y) <= 1e-6 * (1.0 + fabs((double)y));
+}
+
+static void check_generated_grad(void *lib, int i, const expr_program *p)
+{
+    char name[16];
+    snprintf(name, sizeof name, "grad_%d", i);
+    grad_fn fn;
+    void *sym = dlsym(lib, name);
+    memcpy(&fn, &sym, sizeof fn);
+    CHECK_MSG(fn != NULL, "a generated gradient function is missing");
+    if (!fn) return;
+    nsa_mod_caps mc;
+    expr_caps(p, &mc);
+    float *mine = (float *)calloc(2 * 16 * GRAD_ELEMS, sizeof(float)), *theirs = mine + 16 * GRAD_ELEMS;
+    gen_sink sink;
+    float *grads[16];
+    for (int c = 0; c < 16; c++) sink.g[c] = mine + c * GRAD_ELEMS, grads[c] = theirs + c * GRAD_ELEMS;
+    void *scratch = malloc(expr_scratch_bytes(p) + 16);
+    const float scores[] = {-3.5f, -0.25f, 0.0f, 0.75f, 2.0f, 41.0f};
+    long bad = 0;
+    for (int64_t b = 0; b < NB; b++)
+        for (int64_t h = 0; h < NH; h++)
+            for (int64_t q = 0; q < NQ; q++)
+                for (int64_t k = 0; k < NK; k++) {
+                    const float s = scores[(q + k + h) % 6], g = 0.5f - (float)((q * 3 + k) % 5) * 0.25f;
+                    float d1 = 0.0f, d2 = 0.0f;
+                    const float v1 = fn(&mc, &sink, b, h, q, k, s, g, &d1), v2 = expr_grad(p, b, h, q, k, s, g, &d2, grads, scratch);
+                    bad += !close_or_same(v1, v2) || !close_or_same(d1, d2);
+                }
+    for (size_t e = 0; e < 16 * GRAD_ELEMS; e++) bad += !close_or_same(mine[e], theirs[e]);
+    char msg[300];
+    snprintf(msg, sizeof msg, "generated reverse mode of '%s': %ld values or gradients differ from expr_grad", g_checked[i].text, bad);
+    CHECK_MSG(bad == 0, msg);
+    free(scratch), free(mine);
+}
 
 static void test_generated_source(void)
 {
@@ -212,6 +261,8 @@ static void test_generated_source(void)
     CHECK_MSG(f != NULL, "cannot write the generated source");
     if (!f) return;
     fprintf(f, "#include <math.h>\n#define NSA_MOD_FN static inline\n%s", EXPR_C_PRELUDE);
+    fprintf(f, "typedef struct nsa_mod_sink { float *g[16]; } nsa_mod_sink;\n"
+               "static void nsa_mod_grad(const nsa_mod_sink *s, int c, long long lin, float a) { s->g[c][lin] += a; }\n");
     expr_capture caps[5];
     captures(caps);
     expr_program *progs[32] = {0};
@@ -225,6 +276,14 @@ static void test_generated_source(void)
                    "float score)\n{\n    (void)caps, (void)b, (void)h, (void)q_idx, (void)kv_idx, (void)score;\n"
                    "    return (float)(%s);\n}\n", i, code);
         free(code);
+        if (g_checked[i].kind == EXPR_SCORE) { /* its reverse mode, under its own name */
+            const size_t gneed = expr_grad_to_c(progs[i], NULL, 0);
+            char *gcode = (char *)malloc(gneed + 1);
+            CHECK(gneed > 0 && expr_grad_to_c(progs[i], gcode, gneed + 1) == gneed && strlen(gcode) == gneed);
+            fprintf(f, "#define nsa_mod_score_grad grad_%d\n#undef NSA_MOD_FN\n#define NSA_MOD_FN\n%s#undef NSA_MOD_FN\n"
+                       "#define NSA_MOD_FN static inline\n#undef nsa_mod_score_grad\n", i, gcode);
+            free(gcode);
+        }
     }
     fclose(f);
     snprintf(cmd, sizeof cmd, "cc -std=c11 -O1 -ffp-contract=off -Wall -Werror -shared -fPIC -o %s %s -lm", so, src);
@@ -254,6 +313,7 @@ static void test_generated_source(void)
         char msg[300];
         snprintf(msg, sizeof msg, "generated C of '%s': %ld values differ from the evaluator", g_checked[i].text, bad);
         CHECK_MSG(bad == 0, msg);
+        if (g_checked[i].kind == EXPR_SCORE) check_generated_grad(lib, i, progs[i]);
     }
     if (lib) dlclose(lib);
     for (int i = 0; i < g_nchecked; i++) expr_free(progs[i]);

@@ -551,11 +551,12 @@ static void test_create_block_mask(nsa_context *ctx)
     nsa_mod_destroy(mm);
 }
 
-/* The CUDA backend's generated kernels (src/cuda/flex/flex.cu) compile with NVRTC for sm_80 and
- * sm_90a, for every element type, with and without mods -- no GPU needed; the compile times
- * are what a new mod costs on first use. A weak reference: absent from a CPU-only build. */
-__attribute__((weak)) nsa_status nsa_cuda_flex_compile_check(const nsa_mod *mask, const nsa_mod *score, int elem, int major,
-                                                             int minor, size_t *cubin_bytes, double *seconds);
+/* The CUDA backend's generated kernels (src/cuda/flex/flex.cu), forward and backward, compile
+ * with NVRTC for sm_80 and sm_90a, for every element type, with and without mods -- no GPU
+ * needed; the compile times are what a new mod costs on first use. A weak reference: absent
+ * from a CPU-only build. */
+__attribute__((weak)) nsa_status nsa_cuda_flex_compile_check(const nsa_mod *mask, const nsa_mod *score, int elem, int bwd,
+                                                             int major, int minor, size_t *cubin_bytes, double *seconds);
 
 static void test_cuda_kernels_compile(void)
 {
@@ -571,28 +572,31 @@ static void test_cuda_kernels_compile(void)
     CHECK_STATUS(nsa_mod_create(&sm, NSA_MOD_SCORE, "where(q_idx - kv_idx < 8, score + rel[h, q_idx - kv_idx + 20], "
                                                     "3.0 * tanh(score / 3.0)) // 1.0 % 7.0", tens, 2),
                  NSA_STATUS_SUCCESS);
-    double worst = 0.0;
+    double worst[2] = {0.0, 0.0};
     int compiled = 0;
     for (int arch = 0; arch < 2; arch++)
         for (int elem = 0; elem < 3; elem++)
-            for (int mods = 0; mods < 2; mods++) {
+            for (int mods = 0; mods < 2; mods++)
+                for (int bwd = 0; bwd < 2; bwd++) {
                 size_t bytes = 0;
                 double secs = 0.0;
-                const nsa_status st = nsa_cuda_flex_compile_check(mods ? mm : NULL, mods ? sm : NULL, elem, arch ? 9 : 8, 0,
+                const nsa_status st = nsa_cuda_flex_compile_check(mods ? mm : NULL, mods ? sm : NULL, elem, bwd, arch ? 9 : 8, 0,
                                                                   &bytes, &secs);
                 if (st == NSA_STATUS_NOT_SUPPORTED && strstr(nsa_last_error_detail(), "not found")) {
                     printf("  flex: NVRTC is not installed here: the CUDA kernel compile check is skipped\n");
                     goto done;
                 }
                 char msg[400];
-                snprintf(msg, sizeof msg, "flex kernel (sm_%d0, elem %d, mods %d): %s", arch ? 9 : 8, elem, mods,
-                         nsa_last_error_detail());
+                snprintf(msg, sizeof msg, "flex %s kernels (sm_%d0, elem %d, mods %d): %s", bwd ? "backward" : "forward",
+                         arch ? 9 : 8, elem, mods, nsa_last_error_detail());
                 CHECK_MSG(st == NSA_STATUS_SUCCESS && bytes > 0, msg);
-                worst = secs > worst ? secs : worst;
+                worst[bwd] = secs > worst[bwd] ? secs : worst[bwd];
                 compiled++;
             }
-    if (g_tests_verbose) printf("  flex: %d kernels compiled by NVRTC, the slowest in %.2f s\n", compiled, worst);
-    CHECK_MSG(worst < 10.0, "flex: an NVRTC compile took over 10 s");
+    if (g_tests_verbose)
+        printf("  flex: %d sources compiled by NVRTC, the slowest forward in %.2f s, backward in %.2f s\n", compiled, worst[0],
+               worst[1]);
+    CHECK_MSG(worst[0] < 10.0 && worst[1] < 10.0, "flex: an NVRTC compile took over 10 s");
 done:
     nsa_mod_destroy(mm), nsa_mod_destroy(sm);
 }
@@ -621,7 +625,9 @@ static void *dev_copy(const sweep_memory *mem, const void *host, size_t bytes)
     return d;
 }
 
-/* One case on both backends (f32): CUDA o and lse equal the CPU's within fp32 rounding. */
+/* One case on both backends (f32): CUDA o and lse equal the CPU's within fp32 rounding; then the
+ * backward on both (dq, dk, dv and the slope / rel tables' gradients), twice on the device with
+ * the same bits (deterministic). */
 static void flex_device_case(nsa_context *cpu, nsa_context *gpu, const sweep_memory *mem, const flex_case *c, test_rng *r)
 {
     const int64_t Tq = c->Tq, Tk = c->Tk, nqb = (Tq + QBLK - 1) / QBLK, nkb = (Tk + KBLK - 1) / KBLK;
@@ -632,10 +638,14 @@ static void flex_device_case(nsa_context *cpu, nsa_context *gpu, const sweep_mem
     for (size_t e = 0; e < nq * FDK; e++) q[e] = (float)rnd_u(r);
     for (size_t e = 0; e < nk * FDK; e++) k[e] = (float)rnd_u(r);
     for (size_t e = 0; e < nk * FDV; e++) v[e] = (float)rnd_u(r);
+    float *dout = (float *)malloc(4 * (nq * FDV + 1)), *dq[3], *dk[3], *dv[3], dt[3][FHQ + FHQ * 41];
+    for (size_t e = 0; e < nq * FDV; e++) dout[e] = (float)rnd_u(r);
+    for (int x = 0; x < 3; x++)
+        dq[x] = (float *)malloc(4 * (nq * FDK + 1)), dk[x] = (float *)malloc(4 * (nk * FDK + 1)), dv[x] = (float *)malloc(4 * (nk * FDV + 1));
     bmask m;
     bmask_make(&m, r, c->bm, c->hm, nqb, nkb);
     const size_t rows = (size_t)(c->bm * c->hm * nqb);
-    void *dev[16] = {0};
+    void *dev[32] = {0};
     int nd = 0;
     for (int side = 0; side < 2; side++) { /* 0: CPU, host memory; 1: CUDA, device copies */
         const int on_dev = side == 1;
@@ -680,6 +690,36 @@ static void flex_device_case(nsa_context *cpu, nsa_context *gpu, const sweep_mem
         } else {
             free(ws);
         }
+        /* the backward: on the device twice (x = 1, 2), to see the same bits */
+        for (int x = on_dev; x <= 2 * on_dev; x++) {
+            nsa_flex_bwd_args g;
+            memset(&g, 0, sizeof g);
+            g.fwd = a;
+            g.dout = nsa_tensor_4d(on_dev ? (dev[nd++] = dev_copy(mem, dout, 4 * nq * FDV)) : dout, NSA_DTYPE_F32, FB, Tq, FHQ, FDV);
+            void *gq = on_dev ? (dev[nd++] = mem->alloc(4 * nq * FDK)) : dq[0], *gk = on_dev ? (dev[nd++] = mem->alloc(4 * nk * FDK)) : dk[0];
+            void *gv = on_dev ? (dev[nd++] = mem->alloc(4 * nk * FDV)) : dv[0], *gt = on_dev ? (dev[nd++] = mem->alloc(sizeof dt[0])) : dt[0];
+            g.dq = nsa_tensor_4d(gq, NSA_DTYPE_F32, FB, Tq, FHQ, FDK);
+            g.dk = nsa_tensor_4d(gk, NSA_DTYPE_F32, FB, Tk, FH, FDK);
+            g.dv = nsa_tensor_4d(gv, NSA_DTYPE_F32, FB, Tk, FH, FDV);
+            if (sm) {
+                g.dscore_tensors[1] = nsa_tensor_make(gt, NSA_DTYPE_F32, 1, (int64_t[]){FHQ});
+                g.dscore_tensors[2] = nsa_tensor_make((float *)gt + FHQ, NSA_DTYPE_F32, 2, (int64_t[]){FHQ, 41});
+            } else {
+                memset(dt[x], 0, sizeof dt[x]);
+            }
+            CHECK_STATUS(nsa_flex_attention_bwd_workspace_size(ctx, &g, &need), NSA_STATUS_SUCCESS);
+            ws = on_dev ? mem->alloc(need ? need : 1) : malloc(need ? need : 1);
+            const nsa_status bst = nsa_flex_attention_bwd(ctx, &g, ws, need);
+            snprintf(msg, sizeof msg, "flex backward on %s, %s: %s", on_dev ? "CUDA" : "CPU", c->name, nsa_last_error_detail());
+            CHECK_MSG(bst == NSA_STATUS_SUCCESS, msg);
+            if (on_dev) {
+                mem->download(dq[x], gq, 4 * nq * FDK), mem->download(dk[x], gk, 4 * nk * FDK), mem->download(dv[x], gv, 4 * nk * FDV);
+                if (sm) mem->download(dt[x], gt, sizeof dt[x]);
+                mem->release(ws);
+            } else {
+                free(ws);
+            }
+        }
         nsa_mod_destroy(mm), nsa_mod_destroy(sm);
     }
     for (int i = 0; i < nd; i++) mem->release(dev[i]);
@@ -691,9 +731,28 @@ static void flex_device_case(nsa_context *cpu, nsa_context *gpu, const sweep_mem
     snprintf(msg, sizeof msg, "flex CUDA vs CPU, %s: worst |o, lse| difference %.3g", c->name, worst);
     CHECK_MSG(worst <= 1e-5, msg);
     if (g_tests_verbose) printf("  %s\n", msg);
+    /* the gradients: CUDA against the CPU within fp32 rounding of the largest; the two CUDA runs bit for bit */
+    const struct { float *const *x; size_t n; } grads[] = {{dq, nq * FDK}, {dk, nk * FDK}, {dv, nk * FDV}};
+    double gworst = 0.0, gmax = 1.0;
+    int same = 1;
+    for (int t = 0; t < 4; t++) {
+        const size_t n = t < 3 ? grads[t].n : sizeof dt[0] / sizeof(float);
+        const float *x0 = t < 3 ? grads[t].x[0] : dt[0], *x1 = t < 3 ? grads[t].x[1] : dt[1], *x2 = t < 3 ? grads[t].x[2] : dt[2];
+        for (size_t e = 0; e < n; e++) {
+            const double d = fabs((double)x0[e] - x1[e]);
+            gworst = d > gworst || d != d ? d : gworst;
+            gmax = fabs(x0[e]) > gmax ? fabs(x0[e]) : gmax;
+            same &= !memcmp(&x1[e], &x2[e], sizeof(float));
+        }
+    }
+    snprintf(msg, sizeof msg, "flex backward CUDA vs CPU, %s: worst |dq, dk, dv, dtensors| difference %.3g (largest %.3g)%s", c->name,
+             gworst, gmax, same ? "" : ", two CUDA runs differ");
+    CHECK_MSG(gworst <= 2e-5 * gmax && same, msg);
+    if (g_tests_verbose) printf("  %s\n", msg);
     bmask_free(&m);
-    free(q), free(k), free(v);
+    free(q), free(k), free(v), free(dout);
     for (int x = 0; x < 2; x++) free(o[x]), free(lse[x]);
+    for (int x = 0; x < 3; x++) free(dq[x]), free(dk[x]), free(dv[x]);
 }
 
 /* A mod whose tensor is host memory, on the CUDA backend: refused (BAD_ARGUMENT, naming the

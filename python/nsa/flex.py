@@ -13,9 +13,8 @@ comparisons, `&`, `|`, `~`, `torch.where`, the math functions, reads of the tens
 as globals or closure variables: numpy arrays or torch tensors), or the expression as a string
 with its tensors given as `tensors={"doc": doc}`. Anything a trace cannot express (an `if` on a
 value, Python's `min` / `max` / `and` / `or` on traced values, another function) raises
-TypeError naming the operation. Runs on the CPU backend (numpy arrays or CPU torch tensors,
-with autograd for q, k, v and the float tensors a score_mod reads); the CUDA backend is not
-implemented yet.
+TypeError naming the operation. numpy arrays run on the CPU backend; torch tensors run where
+they live (CPU or CUDA) with autograd for q, k, v and the float tensors a score_mod reads.
 """
 from __future__ import annotations
 
@@ -455,7 +454,7 @@ def flex_attention(query: Array, key: Array, value: Array, score_mod: ModLike = 
     enable_gqa), score_mod(score, b, h, q_idx, kv_idx) a callable or expression string,
     block_mask from create_block_mask (its mask_mod applies to partial blocks). Returns o
     [B, HQ, Tq, Dv] (and lse [B, HQ, Tq] float32 with return_lse). numpy on the CPU, or torch
-    CPU tensors with autograd (q, k, v and the float tensors the score_mod reads)."""
+    tensors on the CPU or a GPU with autograd (q, k, v and the float tensors the score_mod reads)."""
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError("query has %d heads, key %d: pass enable_gqa=True" % (query.shape[1], key.shape[1]))
     score = score_mod if isinstance(score_mod, Mod) or score_mod is None else Mod(score_mod, "score_mod", tensors)

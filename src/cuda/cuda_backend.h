@@ -52,11 +52,13 @@ size_t nsa_cuda_step_workspace(const nsa_context *ctx, const nsa_problem *p, con
 nsa_status nsa_cuda_step(const nsa_context *ctx, const nsa_problem *p, const nsa_step_args *a, void *ws);
 size_t nsa_cuda_flex_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_args *a);
 nsa_status nsa_cuda_flex(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_args *a, void *ws);
+size_t nsa_cuda_flex_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_bwd_args *a);
+nsa_status nsa_cuda_flex_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_bwd_args *a, void *ws);
 void *nsa_cuda_flex_cache_new(void);
 void nsa_cuda_flex_cache_free(void *cache);
 /* The generated kernel of (mask, score, elem 0 f32 / 1 f16 / 2 bf16) compiled by NVRTC for a
  * compute capability, no GPU needed: its cubin's bytes and the compile time. */
-nsa_status nsa_cuda_flex_compile_check(const nsa_mod *mask, const nsa_mod *score, int elem, int major, int minor,
+nsa_status nsa_cuda_flex_compile_check(const nsa_mod *mask, const nsa_mod *score, int elem, int bwd, int major, int minor,
                                        size_t *cubin_bytes, double *seconds);
 size_t nsa_cuda_attention_step_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_step_args *a);
 nsa_status nsa_cuda_attention_step(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_step_args *a, void *ws);

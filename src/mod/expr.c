@@ -51,6 +51,7 @@ typedef struct node {
 typedef struct insn {
     unsigned char op, type, nargs, cap;
     int16_t arg[MAX_ARGS]; /* the instructions that computed the operands (reverse mode) */
+    int16_t node;          /* the tree node it computes (printing the program as C) */
     union {
         int64_t i;
         float f;
@@ -549,6 +550,7 @@ static int emit(expr_program *prog, const node *nodes, int k)
     insn *in = &prog->code[prog->n++];
     memset(in, 0, sizeof *in);
     for (int i = 0; i < n->nkid; i++) in->arg[i] = (int16_t)kid_pc[i];
+    in->node = (int16_t)k;
     in->op = (unsigned char)n->op;
     /* the operand type for comparisons and arithmetic: that of the (unified) kids */
     in->type = (unsigned char)(n->nkid > 0 && n->op != O_WHERE && n->op != O_READ ? nodes[n->kid[0]].type : n->type);
@@ -845,6 +847,17 @@ const char EXPR_C_PRELUDE[] =
     "    }\n"
     "    return off;\n"
     "}\n"
+    "NSA_MOD_FN long long nsa_mod_lin(const nsa_mod_caps *c, int k, int n, long long i0, long long i1, long long i2,\n"
+    "                                 long long i3)\n"
+    "{\n"
+    "    const long long ix[4] = {i0, i1, i2, i3};\n"
+    "    long long lin = 0;\n"
+    "    for (int d = 0; d < n; d++) {\n"
+    "        const long long i = ix[d] < 0 ? 0 : ix[d] >= c->shape[k][d] ? c->shape[k][d] - 1 : ix[d];\n"
+    "        lin = lin * c->shape[k][d] + i;\n"
+    "    }\n"
+    "    return lin;\n"
+    "}\n"
     "NSA_MOD_FN float nsa_mod_readf(const nsa_mod_caps *c, int k, int n, long long i0, long long i1, long long i2,\n"
     "                               long long i3)\n"
     "{\n"
@@ -875,6 +888,7 @@ void expr_caps(const expr_program *p, nsa_mod_caps *caps)
 typedef struct writer {
     char *buf;
     size_t size, len;
+    const int *pc_of; /* NULL: a kid is printed as its subtree; else as v<its instruction> (the program as statements) */
 } writer;
 
 #if defined(__GNUC__)
@@ -888,6 +902,14 @@ static void put(writer *w, const char *fmt, ...)
     const int n = vsnprintf(room ? w->buf + w->len : NULL, room, fmt, ap);
     va_end(ap);
     if (n > 0) w->len += (size_t)n;
+}
+
+static void print_node(writer *w, const expr_program *p, int k);
+
+static void print_kid(writer *w, const expr_program *p, int k)
+{
+    if (w->pc_of) put(w, "v%d", w->pc_of[k]);
+    else print_node(w, p, k);
 }
 
 static void print_node(writer *w, const expr_program *p, int k)
@@ -917,7 +939,7 @@ static void print_node(writer *w, const expr_program *p, int k)
         put(w, "nsa_mod_read%c(caps, %d, %d", n->type == T_FLOAT ? 'f' : 'i', n->cap, n->nkid);
         for (int i = 0; i < 4; i++) {
             put(w, ", ");
-            if (i < n->nkid) print_node(w, p, n->kid[i]);
+            if (i < n->nkid) print_kid(w, p, n->kid[i]);
             else put(w, "0LL");
         }
         put(w, ")");
@@ -926,16 +948,16 @@ static void print_node(writer *w, const expr_program *p, int k)
     }
     const char *fn = NULL;
     switch (n->op) { /* functions of the kids */
-    case O_TO_FLOAT: put(w, "((float)("); print_node(w, p, n->kid[0]); put(w, "))"); return;
+    case O_TO_FLOAT: put(w, "((float)("); print_kid(w, p, n->kid[0]); put(w, "))"); return;
     case O_NEG:
-        if (fl) { put(w, "(-("); print_node(w, p, n->kid[0]); put(w, "))"); return; }
-        put(w, "nsa_mod_sub(0LL, "); print_node(w, p, n->kid[0]); put(w, ")");
+        if (fl) { put(w, "(-("); print_kid(w, p, n->kid[0]); put(w, "))"); return; }
+        put(w, "nsa_mod_sub(0LL, "); print_kid(w, p, n->kid[0]); put(w, ")");
         return;
-    case O_NOT: put(w, "(!("); print_node(w, p, n->kid[0]); put(w, "))"); return;
-    case O_BNOT: put(w, "(~("); print_node(w, p, n->kid[0]); put(w, "))"); return;
+    case O_NOT: put(w, "(!("); print_kid(w, p, n->kid[0]); put(w, "))"); return;
+    case O_BNOT: put(w, "(~("); print_kid(w, p, n->kid[0]); put(w, "))"); return;
     case O_WHERE:
-        put(w, "(("); print_node(w, p, n->kid[0]); put(w, ") ? (");
-        print_node(w, p, n->kid[1]); put(w, ") : ("); print_node(w, p, n->kid[2]); put(w, "))");
+        put(w, "(("); print_kid(w, p, n->kid[0]); put(w, ") ? (");
+        print_kid(w, p, n->kid[1]); put(w, ") : ("); print_kid(w, p, n->kid[2]); put(w, "))");
         return;
     case O_ABS: fn = fl ? "fabsf" : "nsa_mod_iabs"; break;
     case O_EXP: fn = "expf"; break;
@@ -957,7 +979,7 @@ static void print_node(writer *w, const expr_program *p, int k)
         put(w, "%s(", fn);
         for (int i = 0; i < n->nkid; i++) {
             if (i) put(w, ", ");
-            print_node(w, p, n->kid[i]);
+            print_kid(w, p, n->kid[i]);
         }
         put(w, ")");
         return;
@@ -967,15 +989,15 @@ static void print_node(writer *w, const expr_program *p, int k)
     if (n->op == O_AND || n->op == O_OR) op = LOGIC_OP[n->op - O_AND];
     if (n->op >= O_BAND && n->op <= O_BXOR) op = BIT_OP[n->op - O_BAND];
     if (n->op == O_FLOORDIV) { /* float floor division */
-        put(w, "floorf(("); print_node(w, p, n->kid[0]); put(w, ") / ("); print_node(w, p, n->kid[1]); put(w, "))");
+        put(w, "floorf(("); print_kid(w, p, n->kid[0]); put(w, ") / ("); print_kid(w, p, n->kid[1]); put(w, "))");
         return;
     }
-    put(w, "(("); print_node(w, p, n->kid[0]); put(w, ") %s (", op ? op : "?"); print_node(w, p, n->kid[1]); put(w, "))");
+    put(w, "(("); print_kid(w, p, n->kid[0]); put(w, ") %s (", op ? op : "?"); print_kid(w, p, n->kid[1]); put(w, "))");
 }
 
 size_t expr_to_c(const expr_program *p, char *buf, size_t size)
 {
-    writer w = {buf, size, 0};
+    writer w = {buf, size, 0, NULL};
     if (size) buf[0] = 0;
     print_node(&w, p, p->root);
     return w.len;
@@ -1042,4 +1064,61 @@ float expr_grad(const expr_program *p, int64_t b, int64_t h, int64_t q_idx, int6
     }
     if (dscore) *dscore = ds;
     return val[p->n - 1].f;
+}
+
+/* The reverse mode above as C: the forward as one statement an instruction (v<pc>), then the
+ * adjoints (a<pc>, float results only) from the root down, each pushed only when nonzero as
+ * expr_grad does, so that a zero adjoint never meets an infinite partial derivative. */
+size_t expr_grad_to_c(const expr_program *p, char *buf, size_t size)
+{
+    int *pc_of = (int *)calloc((size_t)MAX_NODES, sizeof(int));
+    writer w = {buf, size, 0, pc_of};
+    if (size) buf[0] = 0;
+    if (!pc_of) return 0;
+    for (int pc = 0; pc < p->n; pc++) pc_of[p->code[pc].node] = pc;
+    put(&w, "NSA_MOD_FN float nsa_mod_score_grad(const nsa_mod_caps *caps, const nsa_mod_sink *sink, long long b, long long h,\n"
+            "                                    long long q_idx, long long kv_idx, float score, float g, float *dscore)\n{\n");
+    for (int pc = 0; pc < p->n; pc++) {
+        const int fl = p->tree[p->code[pc].node].type == T_FLOAT;
+        put(&w, "    const %s v%d = ", fl ? "float" : "long long", pc);
+        print_node(&w, p, p->code[pc].node);
+        put(&w, ";\n");
+    }
+    for (int pc = 0; pc < p->n; pc++)
+        if (p->tree[p->code[pc].node].type == T_FLOAT) put(&w, "    float a%d = 0.0f;\n", pc);
+    put(&w, "    float ds = 0.0f;\n    a%d = g;\n", p->n - 1);
+    for (int pc = p->n - 1; pc >= 0; pc--) {
+        const insn *in = &p->code[pc];
+        if (p->tree[in->node].type != T_FLOAT) continue;
+        const int A = in->arg[0], B = in->arg[1];
+        put(&w, "    if (a%d != 0.0f) { ", pc);
+        switch ((opcode)in->op) {
+        case O_VAR_SCORE: put(&w, "ds += a%d;", pc); break;
+        case O_READ:
+            put(&w, "nsa_mod_grad(sink, %d, nsa_mod_lin(caps, %d, %d", in->cap, in->cap, in->nargs);
+            for (int i = 0; i < 4; i++) i < in->nargs ? put(&w, ", v%d", in->arg[i]) : put(&w, ", 0LL");
+            put(&w, "), a%d);", pc);
+            break;
+        case O_ADD: put(&w, "a%d += a%d; a%d += a%d;", A, pc, B, pc); break;
+        case O_SUB: put(&w, "a%d += a%d; a%d -= a%d;", A, pc, B, pc); break;
+        case O_MUL: put(&w, "a%d += a%d * v%d; a%d += a%d * v%d;", A, pc, B, B, pc, A); break;
+        case O_DIV: put(&w, "a%d += a%d / v%d; a%d -= a%d * v%d / (v%d * v%d);", A, pc, B, B, pc, A, B, B); break;
+        case O_NEG: put(&w, "a%d -= a%d;", A, pc); break;
+        case O_MOD: put(&w, "a%d += a%d; a%d -= a%d * floorf(v%d / v%d);", A, pc, B, pc, A, B); break;
+        case O_MIN: put(&w, "if (v%d < v%d || v%d != v%d) a%d += a%d; else a%d += a%d;", A, B, A, A, A, pc, B, pc); break;
+        case O_MAX: put(&w, "if (v%d > v%d || v%d != v%d) a%d += a%d; else a%d += a%d;", A, B, A, A, A, pc, B, pc); break;
+        case O_ABS: put(&w, "a%d += v%d > 0.0f ? a%d : v%d < 0.0f ? -a%d : 0.0f;", A, A, pc, A, pc); break;
+        case O_EXP: put(&w, "a%d += a%d * v%d;", A, pc, pc); break;
+        case O_LOG: put(&w, "a%d += a%d / v%d;", A, pc, A); break;
+        case O_TANH: put(&w, "a%d += a%d * (1.0f - v%d * v%d);", A, pc, pc, pc); break;
+        case O_SIGMOID: put(&w, "a%d += a%d * v%d * (1.0f - v%d);", A, pc, pc, pc); break;
+        case O_SQRT: put(&w, "a%d += a%d * 0.5f / v%d;", A, pc, pc); break;
+        case O_WHERE: put(&w, "if (v%d) a%d += a%d; else a%d += a%d;", A, B, pc, in->arg[2], pc); break;
+        default: break; /* floor, floor division, conversions of ints, constants: no gradient */
+        }
+        put(&w, " }\n");
+    }
+    put(&w, "    *dscore = ds;\n    return v%d;\n}\n", p->n - 1);
+    free(pc_of);
+    return w.len;
 }

@@ -58,6 +58,18 @@ float expr_eval(const expr_program *p, int64_t b, int64_t h, int64_t q_idx, int6
  * @return the length it needs (without the NUL), as snprintf. */
 size_t expr_to_c(const expr_program *p, char *buf, size_t size);
 
+/* The reverse mode of a score_mod (expr_grad) as one C / CUDA function of the program's
+ * instructions, after EXPR_C_PRELUDE:
+ *   float nsa_mod_score_grad(const nsa_mod_caps *caps, const nsa_mod_sink *sink, long long b,
+ *                            long long h, long long q_idx, long long kv_idx, float score, float g,
+ *                            float *dscore)
+ * returns score_mod's value, sets *dscore = g * d(value)/d(score) and, for each float read of
+ * capture c, calls nsa_mod_grad(sink, c, element, g * d(value)/d(element)) with the element's
+ * row-major index over the capture's shape (the clamped index the read read). The includer
+ * declares the type nsa_mod_sink and the function nsa_mod_grad before it. @return the length
+ * it needs (without the NUL), as snprintf; 0 without memory. */
+size_t expr_grad_to_c(const expr_program *p, char *buf, size_t size);
+
 /* The captured tensors as generated code reads them (the layout EXPR_C_PRELUDE declares). */
 typedef struct nsa_mod_caps {
     const void *data[EXPR_MAX_CAPTURES];

@@ -314,3 +314,59 @@ def test_cuda_forward_hides_a_nan_in_a_key_a_row_does_not_see():
     vz[0, 0, 150] = 0
     ref = nsa.flex_attention(q, k, vz, block_mask=bm)  # (on the tensor cores: P rounded to bf16 there)
     assert (o[0, :, :150].float() - ref[0, :, :150].float()).abs().max().item() < 3e-2
+
+
+@pytest.mark.skipif(TORCH is None or not TORCH.cuda.is_available() or not nsa.backend_available("cuda"),
+                    reason="needs torch with a CUDA device and libnsa's CUDA backend")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("case", ["documents_rel_bias", "window_softcap"])
+def test_cuda_backward_within_the_tolerance_rule(dtype, case):
+    """The CUDA backward through autograd: dq, dk, dv and a learnable bias table's gradient against
+    float64 dense attention, within 2x the error of the same computation in the inputs' precision
+    (f32: within 2e-5 of the largest); GQA, Tq != Tk, partial and full blocks; deterministic."""
+    torch = TORCH
+    dt = getattr(torch, dtype)
+    Bn, HQn, Hn, Tq, Tk, D = 2, 4, 2, 150, 173, 64
+    g = torch.Generator().manual_seed(13)
+    q0, k0, v0 = (torch.randn(Bn, n, t, D, generator=g) for n, t in ((HQn, Tq), (Hn, Tk), (Hn, Tk)))
+    rel0 = torch.randn(HQn, 2 * Tk + 1, generator=g) * 0.3
+    w = torch.randn(Bn, HQn, Tq, D, generator=g)
+    doc = (torch.arange(Tk, dtype=torch.int32) // 60).cuda()
+
+    def run(dev_dtype, device, use_nsa):
+        q, k, v = (x.to(device, dev_dtype).requires_grad_() for x in (q0, k0, v0))
+        rel = rel0.to(device, torch.float32 if dev_dtype != torch.float64 else torch.float64).requires_grad_()
+        if case == "documents_rel_bias":
+            def mask(b, h, q_idx, kv_idx):
+                return (q_idx + (Tk - Tq) >= kv_idx) & (doc[q_idx] == doc[kv_idx])
+
+            def score(s, b, h, q_idx, kv_idx):
+                return s + rel[h, q_idx - kv_idx + Tk]
+            blocks = (32, 48)
+        else:
+            def mask(b, h, q_idx, kv_idx):
+                return (q_idx >= kv_idx) & (q_idx - kv_idx < 70)
+
+            def score(s, b, h, q_idx, kv_idx):
+                return 2.0 * torch.tanh(s / 2.0) + rel[h, 0]
+            blocks = 64
+        if use_nsa:
+            bm = nsa.create_block_mask(mask, None, None, Tq, Tk, device="cuda", BLOCK_SIZE=blocks)
+            o = nsa.flex_attention(q, k, v, score_mod=score, block_mask=bm, scale=0.2, enable_gqa=True)
+        else:
+            o, _ = _dense_torch(q, k, v, mask, score, 0.2)
+        (o.to(torch.float64) * w.to(device, torch.float64)).sum().backward()
+        return [x.grad.to(torch.float64).cpu() for x in (q, k, v, rel)]
+
+    ref = run(torch.float64, "cuda", False)
+    got = run(dt, "cuda", True)
+    again = run(dt, "cuda", True)
+    naive = run(dt, "cuda", False) if dt != torch.float32 else None
+    for i, name in enumerate(("dq", "dk", "dv", "drel")):
+        assert torch.equal(got[i], again[i]), name + ": two runs differ"
+        err = (got[i] - ref[i]).abs().max().item()
+        if naive is None:
+            assert err <= 2e-5 * max(1.0, ref[i].abs().max().item()), (name, err)
+        else:
+            bound = (naive[i] - ref[i]).abs().max().item()
+            assert err <= 2 * bound + 1e-6, (name, err, bound)

@@ -41,8 +41,26 @@ struct flex_params {
     FLEX_PARAM_FIELDS
 };
 
-/* The kernel's source after the prelude and the two mod functions (nsa_flex_mask, nsa_flex_score). */
-static const char FLEX_KERNEL[] =
+/* The backward's own arguments beside flex_params (whose o and lse are the forward's outputs):
+ * dout, the three gradients and the rows' D = dout . o (workspace, [B, HQ, Tq]). */
+#define FLEX_GRAD_FIELDS                                                                           \
+    const void *dout; void *dq; void *dk; void *dv; float *D;                                      \
+    long long dos0, dos1, dos2, dqs0, dqs1, dqs2, dks0, dks1, dks2, dvs0, dvs1, dvs2;
+struct flex_grads {
+    FLEX_GRAD_FIELDS
+};
+
+/* Where the score_mod's tensor gradients go: per float capture wanted, an exact accumulator of
+ * FLEX_ACC_WORDS words an element (NULL: not wanted). Sums of floats in integers are exact and
+ * so the same in any order: the atomics that scatter them leave the result deterministic. */
+#define FLEX_ACC_WORDS 13
+struct flex_sink {
+    unsigned long long *acc[NSA_MOD_MAX_TENSORS];
+};
+
+/* What every generated source holds after the prelude and the two mod functions (nsa_flex_mask,
+ * nsa_flex_score): the parameter block, element loads and stores, the walk over a row's keys. */
+static const char FLEX_COMMON[] =
     "struct flex_params { " FLEX_STR(FLEX_PARAM_FIELDS) " };\n"
     "#define COLS 8\n"
     "__device__ __forceinline__ float ld_elem(const void *p, long long i)\n"
@@ -105,7 +123,10 @@ static const char FLEX_KERNEL[] =
     "                if (full || nsa_flex_mask(mc, b, hq, i, kv)) f(kv);\n"
     "        }\n"
     "    }\n"
-    "}\n"
+    "}\n";
+
+/* The scalar forward (after FLEX_COMMON). */
+static const char FLEX_KERNEL[] =
     "extern \"C\" __global__ void nsa_flex_fwd(const flex_params P, const nsa_mod_caps mc, const nsa_mod_caps sc)\n"
     "{\n"
     "    if (P.nf_role == 2 && *(const volatile int *)P.nf == 0) return; /* beside the tensor-core kernel: finite inputs */\n"
@@ -413,6 +434,166 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_fwd_tc(cons
 }
 )NSA";
 
+/* The backward (after FLEX_COMMON): every float a score_mod's gradient sends to an element of a
+ * captured tensor is added exactly -- the value split into 24-bit pieces added as integers to
+ * 12 words covering 2^-149 .. 2^139, word 12 noting +inf (1), -inf (2) and NaN (4) -- so the
+ * atomics from any number of threads give one result. Then two scalar kernels, a warp a row as
+ * the scalar forward: nsa_flex_bwd_dq (a query row's keys in the forward's order: dq, the row's
+ * D, the tensor gradients) and nsa_flex_bwd_dkdv (a key's rows over the G query heads and the
+ * query blocks that list its block, ascending: dk, dv). Every sum has a fixed order: the
+ * backward is deterministic. */
+static const char FLEX_BWD_SINK[] = R"NSA(
+struct nsa_mod_sink { unsigned long long *acc[16]; };
+__device__ __forceinline__ void nsa_mod_grad(const nsa_mod_sink *s, int c, long long lin, float a)
+{
+    if (!s || !s->acc[c]) return;
+    unsigned long long *w = s->acc[c] + lin * 13;
+    union { float f; unsigned int u; } x;
+    x.f = a;
+    const unsigned int e = (x.u >> 23) & 0xffu, m = x.u & 0x7fffffu;
+    if (e == 0xffu) {
+        atomicOr(w + 12, m ? 4ull : (x.u >> 31) ? 2ull : 1ull);
+        return;
+    }
+    if (e == 0u && m == 0u) return;
+    const int at = e ? (int)e - 1 : 0; /* |a| = M * 2^(at - 149), M the 24-bit significand */
+    const unsigned long long v = (unsigned long long)(e ? (m | 0x800000u) : m) << (at % 24);
+    long long lo = (long long)(v & 0xffffffull), hi = (long long)(v >> 24);
+    if (x.u >> 31) lo = -lo, hi = -hi;
+    if (lo) atomicAdd(w + at / 24, (unsigned long long)lo);
+    if (hi) atomicAdd(w + at / 24 + 1, (unsigned long long)hi);
+}
+)NSA";
+
+static const char FLEX_BWD_KERNEL[] = "struct flex_grads { " FLEX_STR(FLEX_GRAD_FIELDS) " };\n" R"NSA(
+__device__ __forceinline__ float warp_sum(float x)
+{
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+extern "C" __global__ void nsa_flex_bwd_dq(const flex_params P, const flex_grads R, const nsa_mod_caps mc, const nsa_mod_caps sc,
+                                           const nsa_mod_sink sink)
+{
+    const int lane = threadIdx.x & 31;
+    const long long nw = (long long)gridDim.x * (blockDim.x >> 5);
+    const long long items = P.B * P.HQ * P.Tq;
+    const float NEG_INF = nsa_mod_fbits(0xff800000u);
+    for (long long w = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < items; w += nw) {
+        const long long i = w % P.Tq, hq = (w / P.Tq) % P.HQ, b = w / (P.Tq * P.HQ), h = hq / P.G;
+        const float lse = P.lse[b * P.ls0 + i * P.ls1 + hq * P.ls2];
+        float q[COLS], dout[COLS], dq[COLS], Drow = 0.0f;
+        for (int c = 0; c < COLS; c++) {
+            const long long d = lane + 32 * c;
+            q[c] = d < P.DK ? ld_elem(P.q, b * P.qs0 + i * P.qs1 + hq * P.qs2 + d) : 0.0f;
+            dout[c] = d < P.DV ? ld_elem(R.dout, b * R.dos0 + i * R.dos1 + hq * R.dos2 + d) : 0.0f;
+            if (d < P.DV) Drow += dout[c] * ld_elem(P.o, b * P.os0 + i * P.os1 + hq * P.os2 + d);
+            dq[c] = 0.0f;
+        }
+        Drow = warp_sum(Drow);
+        if (lane == 0) R.D[w] = Drow;
+        if (lse != NEG_INF) /* (an empty row has no gradient) */
+            visit(P, &mc, b, hq, i, [&](long long kv) {
+                float kr[COLS], u = 0.0f;
+                for (int c = 0; c < COLS; c++) {
+                    const long long d = lane + 32 * c;
+                    kr[c] = d < P.DK ? ld_elem(P.k, b * P.ks0 + kv * P.ks1 + h * P.ks2 + d) : 0.0f;
+                    u += q[c] * kr[c];
+                }
+                u = warp_sum(u) * P.scale;
+                const float p = expf(nsa_flex_score(&sc, b, hq, i, kv, u) - lse);
+                if (p == 0.0f) return; /* a -inf score: a hidden pair */
+                float dp = 0.0f;
+                for (int c = 0; c < COLS; c++) {
+                    const long long d = lane + 32 * c;
+                    if (d < P.DV) dp += dout[c] * ld_elem(P.v, b * P.vs0 + kv * P.vs1 + h * P.vs2 + d);
+                }
+                const float ds = p * (warp_sum(dp) - Drow);
+                float du = ds;
+                nsa_mod_score_grad(&sc, lane == 0 ? &sink : 0, b, hq, i, kv, u, ds, &du); /* one lane scatters */
+                const float wgt = du * P.scale;
+                for (int c = 0; c < COLS; c++) dq[c] += wgt * kr[c];
+            });
+        for (int c = 0; c < COLS; c++) {
+            const long long d = lane + 32 * c;
+            if (d < P.DK) st_elem(R.dq, b * R.dqs0 + i * R.dqs1 + hq * R.dqs2 + d, dq[c]);
+        }
+    }
+}
+/* whether key block kb is listed for (b, hq, query block qb): 0 no, 1 partial, 2 full (lanes
+ * search the lists side by side) */
+__device__ int listed_as(const flex_params &P, long long b, long long hq, long long qb, long long kb, int lane)
+{
+    if (!P.num) return 1; /* no block mask: every key block partial */
+    for (int full = 0; full < 2; full++) {
+        const int *np = full ? P.fnum : P.num;
+        if (!np) continue;
+        const long long bb = (full ? P.fnB : P.nB) == 1 ? 0 : b, hh = (full ? P.fnH : P.nH) == 1 ? 0 : hq;
+        const long long cnt = full ? np[bb * P.fns0 + hh * P.fns1 + qb * P.fns2] : np[bb * P.ns0 + hh * P.ns1 + qb * P.ns2];
+        const long long ib = (full ? P.fiB : P.iB) == 1 ? 0 : b, ih = (full ? P.fiH : P.iH) == 1 ? 0 : hq;
+        const int *ix = full ? P.fidx + ib * P.fis0 + ih * P.fis1 + qb * P.fis2 : P.idx + ib * P.is0 + ih * P.is1 + qb * P.is2;
+        const long long step = full ? P.fis3 : P.is3;
+        for (long long e0 = 0; e0 < cnt; e0 += 32) {
+            const long long e = e0 + lane;
+            if (__any_sync(0xffffffffu, e < cnt && ix[e * step] == kb)) return full ? 2 : 1;
+        }
+    }
+    return 0;
+}
+extern "C" __global__ void nsa_flex_bwd_dkdv(const flex_params P, const flex_grads R, const nsa_mod_caps mc, const nsa_mod_caps sc)
+{
+    const int lane = threadIdx.x & 31;
+    const long long H = P.HQ / P.G, nw = (long long)gridDim.x * (blockDim.x >> 5);
+    const long long items = P.B * H * P.Tk, nqb = (P.Tq + P.q_block - 1) / P.q_block;
+    const float NEG_INF = nsa_mod_fbits(0xff800000u);
+    for (long long w = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < items; w += nw) {
+        const long long kv = w % P.Tk, h = (w / P.Tk) % H, b = w / (P.Tk * H), kb = kv / P.kv_block;
+        float kr[COLS], vr[COLS], dk[COLS], dv[COLS];
+        for (int c = 0; c < COLS; c++) {
+            const long long d = lane + 32 * c;
+            kr[c] = d < P.DK ? ld_elem(P.k, b * P.ks0 + kv * P.ks1 + h * P.ks2 + d) : 0.0f;
+            vr[c] = d < P.DV ? ld_elem(P.v, b * P.vs0 + kv * P.vs1 + h * P.vs2 + d) : 0.0f;
+            dk[c] = dv[c] = 0.0f;
+        }
+        for (long long hq = h * P.G; hq < (h + 1) * P.G; hq++)
+            for (long long qb = 0; qb < nqb; qb++) {
+                const int kind = listed_as(P, b, hq, qb, kb, lane);
+                if (!kind) continue;
+                const long long i1 = (qb + 1) * P.q_block < P.Tq ? (qb + 1) * P.q_block : P.Tq;
+                for (long long i = qb * P.q_block; i < i1; i++) {
+                    if (kind == 1 && !nsa_flex_mask(&mc, b, hq, i, kv)) continue;
+                    const float lse = P.lse[b * P.ls0 + i * P.ls1 + hq * P.ls2];
+                    if (lse == NEG_INF) continue;
+                    float qr[COLS], u = 0.0f;
+                    for (int c = 0; c < COLS; c++) {
+                        const long long d = lane + 32 * c;
+                        qr[c] = d < P.DK ? ld_elem(P.q, b * P.qs0 + i * P.qs1 + hq * P.qs2 + d) : 0.0f;
+                        u += qr[c] * kr[c];
+                    }
+                    u = warp_sum(u) * P.scale;
+                    const float p = expf(nsa_flex_score(&sc, b, hq, i, kv, u) - lse);
+                    if (p == 0.0f) continue;
+                    float dout[COLS], dp = 0.0f;
+                    for (int c = 0; c < COLS; c++) {
+                        const long long d = lane + 32 * c;
+                        dout[c] = d < P.DV ? ld_elem(R.dout, b * R.dos0 + i * R.dos1 + hq * R.dos2 + d) : 0.0f;
+                        dp += dout[c] * vr[c];
+                    }
+                    const float ds = p * (warp_sum(dp) - R.D[(b * P.HQ + hq) * P.Tq + i]);
+                    float du = ds;
+                    nsa_mod_score_grad(&sc, 0, b, hq, i, kv, u, ds, &du);
+                    const float wgt = du * P.scale;
+                    for (int c = 0; c < COLS; c++) dv[c] += p * dout[c], dk[c] += wgt * qr[c];
+                }
+            }
+        for (int c = 0; c < COLS; c++) {
+            const long long d = lane + 32 * c;
+            if (d < P.DK) st_elem(R.dk, b * R.dks0 + kv * R.dks1 + h * R.dks2 + d, dk[c]);
+            if (d < P.DV) st_elem(R.dv, b * R.dvs0 + kv * R.dvs1 + h * R.dvs2 + d, dv[c]);
+        }
+    }
+}
+)NSA";
+
 /* ---- NVRTC, loaded on first use ------------------------------------------------------------- */
 typedef struct nvrtc_api {
     void *handle;
@@ -453,19 +634,27 @@ static int nvrtc_open(nvrtc_api *api, char *why, size_t n)
 }
 
 /* The source of one (mask, score, element type): the expressions' prelude, the element type, the
- * two mods, the scalar kernel and, with head dims dk, dv (0: none), the tensor-core kernel of
- * 64 rows a CTA (wide) or 16 a warp. */
-static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv, int wide)
+ * two mods, then for the forward (bwd 0) the scalar kernel and, with head dims dk, dv (0: none),
+ * the tensor-core kernel of 64 rows a CTA (wide) or 16 a warp; for the backward (bwd 1) the
+ * score_mod's reverse mode and the two backward kernels. */
+static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv, int wide, int bwd)
 {
+    static const char NO_SCORE_GRAD[] =
+        "NSA_MOD_FN float nsa_mod_score_grad(const nsa_mod_caps *caps, const nsa_mod_sink *sink, long long b, long long h,\n"
+        "                                    long long q_idx, long long kv_idx, float score, float g, float *dscore)\n"
+        "{\n    *dscore = g;\n    return score;\n}\n";
     const size_t nm = mask ? expr_to_c(mask, NULL, 0) : 0, ns = score ? expr_to_c(score, NULL, 0) : 0;
-    const size_t cap = strlen(EXPR_C_PRELUDE) + sizeof FLEX_KERNEL + sizeof FLEX_TC_KERNEL + nm + ns + 1024;
-    char *src = (char *)malloc(cap), *me = (char *)malloc(nm + 1), *se = (char *)malloc(ns + 1);
-    if (!src || !me || !se) {
-        free(src), free(me), free(se);
+    const size_t ng = bwd && score ? expr_grad_to_c(score, NULL, 0) : sizeof NO_SCORE_GRAD;
+    const size_t cap = strlen(EXPR_C_PRELUDE) + sizeof FLEX_COMMON + sizeof FLEX_KERNEL + sizeof FLEX_TC_KERNEL +
+                       sizeof FLEX_BWD_SINK + sizeof FLEX_BWD_KERNEL + nm + ns + ng + 1024;
+    char *src = (char *)malloc(cap), *me = (char *)malloc(nm + 1), *se = (char *)malloc(ns + 1), *ge = (char *)malloc(ng + 1);
+    if (!src || !me || !se || !ge || (bwd && score && ng == 0)) {
+        free(src), free(me), free(se), free(ge);
         return NULL;
     }
     if (mask) expr_to_c(mask, me, nm + 1);
     if (score) expr_to_c(score, se, ns + 1);
+    if (bwd && score) expr_grad_to_c(score, ge, ng + 1);
     snprintf(src, cap,
              "#define NSA_MOD_FN __device__ __forceinline__\n#define NSA_ELEM %d\n%s"
              "NSA_MOD_FN int nsa_flex_mask(const nsa_mod_caps *caps, long long b, long long h, long long q_idx, "
@@ -473,13 +662,16 @@ static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, in
              "NSA_MOD_FN float nsa_flex_score(const nsa_mod_caps *caps, long long b, long long h, long long q_idx, "
              "long long kv_idx, float score)\n{\n    (void)caps, (void)b, (void)h, (void)q_idx, (void)kv_idx;\n"
              "    return (float)(%s);\n}\n%s",
-             elem, EXPR_C_PRELUDE, mask ? me : "1", score ? se : "score", FLEX_KERNEL);
-    if (dk > 0) {
-        const size_t at = strlen(src);
+             elem, EXPR_C_PRELUDE, mask ? me : "1", score ? se : "score", FLEX_COMMON);
+    size_t at = strlen(src);
+    if (bwd) snprintf(src + at, cap - at, "%s%s%s", FLEX_BWD_SINK, score ? ge : NO_SCORE_GRAD, FLEX_BWD_KERNEL);
+    else snprintf(src + at, cap - at, "%s", FLEX_KERNEL);
+    if (!bwd && dk > 0) {
+        at = strlen(src);
         snprintf(src + at, cap - at, "#define NSA_DK %d\n#define NSA_DV %d\n#define NSA_TC_WIDE %d\n%s", dk, dv, wide,
                  FLEX_TC_KERNEL);
     }
-    free(me), free(se);
+    free(me), free(se), free(ge);
     return src;
 }
 
@@ -522,17 +714,17 @@ static int flex_compile(nvrtc_api *api, const char *src, int major, int minor, c
     return ok;
 }
 
-/* Compiles the kernels of (mask, score, elem; the tensor-core one for f16 / bf16) for an
- * architecture without a GPU: what the tests
- * run on a machine with the toolkit (the generated source must compile) and what times the
- * first compile of a new mod. @return SUCCESS or NOT_SUPPORTED / BAD_ARGUMENT with the reason. */
-extern "C" nsa_status nsa_cuda_flex_compile_check(const nsa_mod *mask, const nsa_mod *score, int elem, int major, int minor,
-                                                  size_t *cubin_bytes, double *seconds)
+/* Compiles the kernels of (mask, score, elem; the forward's tensor-core one for f16 / bf16, or
+ * with bwd the backward's) for an architecture without a GPU: what the tests run on a machine
+ * with the toolkit (the generated source must compile) and what times the first compile of a
+ * new mod. @return SUCCESS or NOT_SUPPORTED / BAD_ARGUMENT with the reason. */
+extern "C" nsa_status nsa_cuda_flex_compile_check(const nsa_mod *mask, const nsa_mod *score, int elem, int bwd, int major,
+                                                  int minor, size_t *cubin_bytes, double *seconds)
 {
     nvrtc_api api;
     char why[256];
     if (!nvrtc_open(&api, why, sizeof why)) return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "ctx: %s", why);
-    char *src = flex_source(mask, score, elem, elem ? 128 : 0, 64, major == 9), *cubin = NULL; /* (both head dims; a layout an arch) */
+    char *src = flex_source(mask, score, elem, elem ? 128 : 0, 64, major == 9, bwd), *cubin = NULL; /* (both head dims; a layout an arch) */
     if (!src) {
         dlclose(api.handle);
         return nsa_fail(NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel source");
@@ -557,7 +749,7 @@ struct flex_cache {
     struct {
         uint64_t hash;
         cudaLibrary_t lib;
-        cudaKernel_t kernel, tc; /* scalar; tensor-core (NULL: not in this source) */
+        cudaKernel_t k[2]; /* forward: scalar, tensor-core (NULL: not in this source); backward: dq, dk / dv */
     } e[FLEX_CACHE_ENTRIES];
 };
 
@@ -592,17 +784,19 @@ static int cache_dir(char *buf, size_t n)
     return stat(buf, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-/* The kernels of (mask, score, elem; the tensor-core one for head dims dk, dv, 0: none, in the
- * layout `wide`) on this device: memory cache, disk cache, or compiled. Returns the scalar one,
- * the other in *tc. */
-static cudaKernel_t flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv,
-                                int wide, cudaKernel_t *tc)
+/* The kernels of (mask, score, elem) on this device, from the memory cache, the disk cache or
+ * compiled: the forward's (bwd 0: k[0] the scalar one, k[1] the tensor-core one for head dims dk,
+ * dv in the layout `wide`, NULL with dk 0) or the backward's (bwd 1: k[0] dq, k[1] dk / dv).
+ * @return whether k[0] is there (else the failure is in g). */
+static int flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv, int wide,
+                       int bwd, cudaKernel_t k[2])
 {
-    *tc = NULL;
-    char *src = flex_source(mask, score, elem, dk, dv, wide);
+    static const char *const NAMES[2][2] = {{"nsa_flex_fwd", "nsa_flex_fwd_tc"}, {"nsa_flex_bwd_dq", "nsa_flex_bwd_dkdv"}};
+    k[0] = k[1] = NULL;
+    char *src = flex_source(mask, score, elem, dk, dv, wide, bwd);
     if (!src) {
         g_fail(g, NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel source");
-        return NULL;
+        return 0;
     }
     int major = 0, minor = 0, dev = 0;
     cudaGetDevice(&dev);
@@ -611,11 +805,10 @@ static cudaKernel_t flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, con
     char tag[32];
     snprintf(tag, sizeof tag, "sm_%d%d", major, minor);
     const uint64_t hash = fnv1a(tag, fnv1a(src, 1469598103934665603ull));
-    cudaKernel_t k = NULL;
     pthread_mutex_lock(&c->lock);
-    for (int i = 0; i < c->n && !k; i++)
-        if (c->e[i].hash == hash) k = c->e[i].kernel, *tc = c->e[i].tc;
-    if (!k) {
+    for (int i = 0; i < c->n && !k[0]; i++)
+        if (c->e[i].hash == hash) k[0] = c->e[i].k[0], k[1] = c->e[i].k[1];
+    if (!k[0]) {
         char dir[512], path[600], why[256];
         char *cubin = NULL;
         size_t bytes = 0;
@@ -637,29 +830,32 @@ static cudaKernel_t flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, con
                 g_fail(g, NSA_STATUS_NOT_SUPPORTED, "ctx: %s", c->opened < 0 ? "NVRTC (libnvrtc.so) not found" : why);
                 pthread_mutex_unlock(&c->lock);
                 free(src);
-                return NULL;
+                return 0;
             }
             FILE *w = have_dir ? fopen(path, "wb") : NULL;
             if (w) fwrite(cubin, 1, bytes, w), fclose(w);
         }
         cudaLibrary_t lib = NULL;
         g_check(g, cudaLibraryLoadData(&lib, cubin, NULL, NULL, 0, NULL, NULL, 0));
-        if (g_live(g)) g_check(g, cudaLibraryGetKernel(&k, lib, "nsa_flex_fwd"));
-        if (g_live(g) && dk > 0) g_check(g, cudaLibraryGetKernel(tc, lib, "nsa_flex_fwd_tc"));
+        if (g_live(g)) g_check(g, cudaLibraryGetKernel(&k[0], lib, NAMES[bwd][0]));
+        if (g_live(g) && (bwd || dk > 0)) g_check(g, cudaLibraryGetKernel(&k[1], lib, NAMES[bwd][1]));
         if (g_live(g)) {
             if (c->n == FLEX_CACHE_ENTRIES) { /* full: the oldest goes */
                 cudaLibraryUnload(c->e[0].lib);
                 memmove(&c->e[0], &c->e[1], sizeof c->e[0] * (FLEX_CACHE_ENTRIES - 1));
                 c->n--;
             }
-            c->e[c->n].hash = hash, c->e[c->n].lib = lib, c->e[c->n].kernel = k, c->e[c->n].tc = *tc;
+            c->e[c->n].hash = hash, c->e[c->n].lib = lib, c->e[c->n].k[0] = k[0], c->e[c->n].k[1] = k[1];
             c->n++;
+        } else if (lib) {
+            cudaLibraryUnload(lib);
+            k[0] = k[1] = NULL;
         }
         free(cubin);
     }
     pthread_mutex_unlock(&c->lock);
     free(src);
-    return k;
+    return k[0] != NULL && g_live(g);
 }
 
 /* ---- the call -------------------------------------------------------------------------------- */
@@ -743,38 +939,12 @@ static int flex_tc_fits(const grun *g, const nsa_flex_args *a, const nsa_problem
     return 1;
 }
 
-#define FLEX_TC_WARPS 4  /* TC_WARPS of the kernel's source */
-#define FLEX_TC_STAGES 3 /* TC_STAGES */
+/* The generated kernels' element type: 0 f32, 1 f16, 2 bf16 (NSA_ELEM). */
+static int elem_of(const nsa_flex_args *a) { return a->q.dtype == NSA_DTYPE_F32 ? 0 : a->q.dtype == NSA_DTYPE_F16 ? 1 : 2; }
 
-static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
+/* The parameter block of a call (the forward's tensors and lists; the backward reads o and lse). */
+static void params_of(const nsa_flex_args *a, const nsa_problem *p, flex_params *out)
 {
-    const nsa_problem *p = g->p;
-    if (p->DK > 256 || p->DV > 256) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: DK %lld and DV %lld, the CUDA block-sparse kernel takes head dims up to 256",
-               (long long)p->DK, (long long)p->DV);
-        return;
-    }
-    check_mod_memory(g, a->mask_mod, "mask_mod");
-    check_mod_memory(g, a->score_mod, "score_mod");
-    check_lists(g, a);
-    const int tc = flex_tc_fits(g, a, p);
-    const int *nf = NULL;
-    if (tc) { /* the flag (workspace: both passes) and the scan of V, the one operand a masked pair reads */
-        const dview vv = dv_of(&a->v);
-        cu_scan_nonfinite(g, &vv, p->B, p->Tk, p->H, p->DV);
-        nf = g_nf_tiles(g);
-    }
-    if (!g_live(g)) return;
-    if (!c) {
-        g_fail(g, NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel cache");
-        return;
-    }
-    const int elem = a->q.dtype == NSA_DTYPE_F32 ? 0 : a->q.dtype == NSA_DTYPE_F16 ? 1 : 2;
-    /* 64 rows a CTA sharing 64-key slices where both block sizes allow, else 16 rows a warp */
-    const int wide = a->block_mask.q_block % 64 == 0 && a->block_mask.kv_block % 64 == 0;
-    cudaKernel_t ktc = NULL;
-    cudaKernel_t k = flex_kernel(g, c, a->mask_mod, a->score_mod, elem, tc ? (int)p->DK : 0, tc ? (int)p->DV : 0, wide, &ktc);
-    if (!g_live(g) || !k || (tc && !ktc)) return;
     flex_params P;
     memset(&P, 0, sizeof P);
     P.q = a->q.data, P.k = a->k.data, P.v = a->v.data, P.o = a->o.data;
@@ -804,6 +974,44 @@ static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
     P.B = p->B, P.Tq = p->T, P.Tk = p->Tk, P.HQ = p->HQ, P.G = p->G, P.DK = p->DK, P.DV = p->DV;
     P.q_block = m->q_block, P.kv_block = m->kv_block, P.nkb = p->Tk / m->kv_block + (p->Tk % m->kv_block != 0);
     P.scale = p->scale;
+    *out = P;
+}
+
+#define FLEX_TC_WARPS 4  /* TC_WARPS of the kernel's source */
+#define FLEX_TC_STAGES 3 /* TC_STAGES */
+
+static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
+{
+    const nsa_problem *p = g->p;
+    if (p->DK > 256 || p->DV > 256) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: DK %lld and DV %lld, the CUDA block-sparse kernel takes head dims up to 256",
+               (long long)p->DK, (long long)p->DV);
+        return;
+    }
+    check_mod_memory(g, a->mask_mod, "mask_mod");
+    check_mod_memory(g, a->score_mod, "score_mod");
+    check_lists(g, a);
+    const int tc = flex_tc_fits(g, a, p);
+    const int *nf = NULL;
+    if (tc) { /* the flag (workspace: both passes) and the scan of V, the one operand a masked pair reads */
+        const dview vv = dv_of(&a->v);
+        cu_scan_nonfinite(g, &vv, p->B, p->Tk, p->H, p->DV);
+        nf = g_nf_tiles(g);
+    }
+    if (!g_live(g)) return;
+    if (!c) {
+        g_fail(g, NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel cache");
+        return;
+    }
+    const int elem = elem_of(a);
+    /* 64 rows a CTA sharing 64-key slices where both block sizes allow, else 16 rows a warp */
+    const int wide = a->block_mask.q_block % 64 == 0 && a->block_mask.kv_block % 64 == 0;
+    cudaKernel_t kk[2];
+    if (!flex_kernel(g, c, a->mask_mod, a->score_mod, elem, tc ? (int)p->DK : 0, tc ? (int)p->DV : 0, wide, 0, kk)) return;
+    const cudaKernel_t k = kk[0], ktc = kk[1];
+    if (tc && !ktc) return;
+    flex_params P;
+    params_of(a, p, &P);
     nsa_mod_caps mc, sc;
     caps_of(a->mask_mod, &mc), caps_of(a->score_mod, &sc);
     const int64_t items = p->B * p->HQ * p->T;
@@ -837,6 +1045,116 @@ extern "C" nsa_status nsa_cuda_flex(const nsa_context *ctx, const nsa_problem *p
     g_init(&g, ctx, p, ws, 0);
     if (g.err != NSA_STATUS_SUCCESS) return g.err;
     run_flex(&g, a, (flex_cache *)ctx->flex_cache);
+    if (g.err == NSA_STATUS_SUCCESS) g_check(&g, cudaGetLastError());
+    return g.err;
+}
+
+/* ---- the backward ---------------------------------------------------------------------------- */
+/* A score_mod tensor's gradient from its exact accumulators: the words' carries propagated (each
+ * word then holds 24 bits, the top one the sign), the sum rounded once to double and once to
+ * float; +inf, -inf and NaN as an IEEE sum of the added values would give them. Written through
+ * the output's strides (row-major element e of its shape). */
+__global__ void flex_acc_finish(const unsigned long long *acc, int64_t n, float *out, int rank, int64_t s0, int64_t s1, int64_t s2,
+                                int64_t s3, int64_t t0, int64_t t1, int64_t t2, int64_t t3)
+{
+    const int64_t shape[4] = {s0, s1, s2, s3}, stride[4] = {t0, t1, t2, t3};
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
+        const unsigned long long *w = acc + e * FLEX_ACC_WORDS;
+        long long word[FLEX_ACC_WORDS - 1];
+        for (int i = 0; i < FLEX_ACC_WORDS - 1; i++) word[i] = (long long)w[i];
+        for (int i = 0; i < FLEX_ACC_WORDS - 2; i++) { /* carry: word i into [0, 2^24) */
+            const long long carry = word[i] >> 24;
+            word[i] -= carry * (1ll << 24), word[i + 1] += carry;
+        }
+        double sum = 0.0;
+        for (int i = FLEX_ACC_WORDS - 2; i >= 0; i--) sum += ldexp((double)word[i], 24 * i - 149);
+        const unsigned long long special = w[FLEX_ACC_WORDS - 1];
+        float r = (float)sum;
+        if ((special & 4ull) || (special & 3ull) == 3ull) r = __int_as_float(0x7fc00000);
+        else if (special & 1ull) r = __int_as_float(0x7f800000);
+        else if (special & 2ull) r = __int_as_float((int)0xff800000u);
+        int64_t off = 0, rest = e;
+        for (int d = rank - 1; d >= 0; d--) off += (rest % shape[d]) * stride[d], rest /= shape[d];
+        out[off] = r;
+    }
+}
+
+static void run_flex_bwd(grun *g, const nsa_flex_bwd_args *a, flex_cache *c)
+{
+    const nsa_problem *p = g->p;
+    const nsa_flex_args *f = &a->fwd;
+    if (p->DK > 256 || p->DV > 256) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "fwd.q: DK %lld and DV %lld, the CUDA block-sparse kernel takes head dims up to 256",
+               (long long)p->DK, (long long)p->DV);
+        return;
+    }
+    check_mod_memory(g, f->mask_mod, "fwd.mask_mod");
+    check_mod_memory(g, f->score_mod, "fwd.score_mod");
+    check_lists(g, f);
+    flex_grads R;
+    memset(&R, 0, sizeof R);
+    R.D = (float *)g_take_n(g, (size_t)(p->B * p->HQ * p->T), sizeof(float));
+    flex_sink sink;
+    memset(&sink, 0, sizeof sink);
+    int64_t elems[NSA_MOD_MAX_TENSORS] = {0};
+    const int ncap = f->score_mod ? expr_num_captures(f->score_mod) : 0;
+    for (int t = 0; t < ncap; t++) { /* (validated: only float tensors of the score_mod) */
+        if (!nsa_present(&a->dscore_tensors[t])) continue;
+        const nsa_tensor *d = &a->dscore_tensors[t];
+        elems[t] = 1;
+        for (int j = 0; j < d->rank; j++) elems[t] *= d->shape[j];
+        const size_t bytes = nsa_size_mul(nsa_size_of(elems[t]), FLEX_ACC_WORDS * sizeof(unsigned long long));
+        sink.acc[t] = (unsigned long long *)g_take(g, bytes);
+        g_zero(g, sink.acc[t], bytes);
+    }
+    if (!g_live(g)) return;
+    if (!c) {
+        g_fail(g, NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel cache");
+        return;
+    }
+    cudaKernel_t k[2];
+    if (!flex_kernel(g, c, f->mask_mod, f->score_mod, elem_of(f), 0, 0, 0, 1, k) || !k[1]) return;
+    flex_params P;
+    params_of(f, p, &P);
+    R.dout = a->dout.data, R.dq = a->dq.data, R.dk = a->dk.data, R.dv = a->dv.data;
+    R.dos0 = a->dout.stride[0], R.dos1 = a->dout.stride[1], R.dos2 = a->dout.stride[2];
+    R.dqs0 = a->dq.stride[0], R.dqs1 = a->dq.stride[1], R.dqs2 = a->dq.stride[2];
+    R.dks0 = a->dk.stride[0], R.dks1 = a->dk.stride[1], R.dks2 = a->dk.stride[2];
+    R.dvs0 = a->dv.stride[0], R.dvs1 = a->dv.stride[1], R.dvs2 = a->dv.stride[2];
+    nsa_mod_caps mc, sc;
+    caps_of(f->mask_mod, &mc), caps_of(f->score_mod, &sc);
+    const int64_t rows = p->B * p->HQ * p->T, keys = p->B * p->H * p->Tk;
+    void *dq_args[] = {&P, &R, &mc, &sc, &sink}, *dkdv_args[] = {&P, &R, &mc, &sc};
+    /* dq first: it writes the rows' D that dk / dv read */
+    if (rows > 0) g_check(g, cudaLaunchKernel((const void *)k[0], dim3(simt_grid(rows)), dim3(32 * SIMT_WARPS), dq_args, 0, g->st));
+    if (keys > 0 && g_live(g))
+        g_check(g, cudaLaunchKernel((const void *)k[1], dim3(simt_grid(keys)), dim3(32 * SIMT_WARPS), dkdv_args, 0, g->st));
+    for (int t = 0; t < ncap && g_live(g); t++) {
+        if (!sink.acc[t]) continue;
+        const nsa_tensor *d = &a->dscore_tensors[t];
+        int64_t sh[4] = {1, 1, 1, 1}, st[4] = {0, 0, 0, 0};
+        for (int j = 0; j < d->rank; j++) sh[j] = d->shape[j], st[j] = d->stride[j];
+        const unsigned blocks = (unsigned)(elems[t] / 256 + 1 < 4096 ? elems[t] / 256 + 1 : 4096);
+        flex_acc_finish<<<blocks, 256, 0, g->st>>>(sink.acc[t], elems[t], (float *)d->data, (int)d->rank, sh[0], sh[1], sh[2], sh[3],
+                                                   st[0], st[1], st[2], st[3]);
+        g_launched(g);
+    }
+}
+
+extern "C" size_t nsa_cuda_flex_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_bwd_args *a)
+{
+    grun g;
+    g_init(&g, ctx, p, NULL, 1);
+    run_flex_bwd(&g, a, NULL); /* the sizing pass: D and the accumulators */
+    return nsa_size_add(g.used, 256);
+}
+
+extern "C" nsa_status nsa_cuda_flex_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_bwd_args *a, void *ws)
+{
+    grun g;
+    g_init(&g, ctx, p, ws, 0);
+    if (g.err != NSA_STATUS_SUCCESS) return g.err;
+    run_flex_bwd(&g, a, (flex_cache *)ctx->flex_cache);
     if (g.err == NSA_STATUS_SUCCESS) g_check(&g, cudaGetLastError());
     return g.err;
 }
