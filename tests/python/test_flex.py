@@ -370,3 +370,26 @@ def test_cuda_backward_within_the_tolerance_rule(dtype, case):
         else:
             bound = (naive[i] - ref[i]).abs().max().item()
             assert err <= 2 * bound + 1e-6, (name, err, bound)
+
+
+@pytest.mark.skipif(TORCH is None or not TORCH.cuda.is_available() or not nsa.backend_available("cuda"),
+                    reason="needs torch with a CUDA device and libnsa's CUDA backend")
+def test_cuda_backward_keeps_a_nan_query_in_its_own_row():
+    """A NaN in one query row reaches only that row's gradient and the keys it sees, as dense
+    attention's backward would (the tensor-core kernels multiply every pair of a tile: such a call
+    runs on the scalar kernels)."""
+    torch = TORCH
+    g = torch.Generator().manual_seed(7)
+    T, D = 100, 64
+    q, k, v = (torch.randn(1, 2, T, D, generator=g).to("cuda", torch.bfloat16).requires_grad_() for _ in range(3))
+    with torch.no_grad():
+        q[0, 0, 5] = float("nan")
+    bm = nsa.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, T, T, device="cuda",
+                               BLOCK_SIZE=32)
+    o = nsa.flex_attention(q, k, v, block_mask=bm)
+    o.float().sum().backward()
+    rows = torch.arange(T, device="cuda") != 5
+    assert torch.isnan(q.grad[0, 0, 5]).all() and torch.isfinite(q.grad[0, 0, rows]).all()
+    assert torch.isnan(k.grad[0, 0, :6]).all() and torch.isfinite(k.grad[0, 0, 6:]).all()
+    assert torch.isnan(v.grad[0, 0, :6]).all() and torch.isfinite(v.grad[0, 0, 6:]).all()
+    assert all(torch.isfinite(x.grad[0, 1]).all() for x in (q, k, v))

@@ -185,7 +185,7 @@ static const char FLEX_KERNEL[] =
  * blocks and the score_mod on every visible score of the fragment, an online softmax (natural
  * units, expf, NaN propagating as in the scalar kernel), P rounded to the storage type for P V.
  * Compiled with NSA_DK / NSA_DV defined. */
-static const char FLEX_TC_KERNEL[] = R"NSA(
+static const char FLEX_TC_COMMON[] = R"NSA(
 #define TC_STAGES 3
 #define TC_WARPS 4
 #define LDK (NSA_DK + 8)
@@ -238,6 +238,24 @@ struct tc_list {
     }
 };
 
+/* the lists of (b, hq, query block qb) (no block mask: every key block, partial) */
+__device__ __forceinline__ tc_list tc_list_of(const flex_params &P, long long b, long long hq, long long qb)
+{
+    tc_list L;
+    L.part = 0, L.full = 0, L.n_part = P.nkb, L.n_full = 0, L.step_part = 1, L.step_full = 1;
+    if (P.num) {
+        const long long bb = P.nB == 1 ? 0 : b, hh = P.nH == 1 ? 0 : hq, ib = P.iB == 1 ? 0 : b, ih = P.iH == 1 ? 0 : hq;
+        L.n_part = P.num[bb * P.ns0 + hh * P.ns1 + qb * P.ns2];
+        L.part = P.idx + ib * P.is0 + ih * P.is1 + qb * P.is2, L.step_part = P.is3;
+        if (P.fnum) {
+            const long long fb = P.fnB == 1 ? 0 : b, fh = P.fnH == 1 ? 0 : hq, fib = P.fiB == 1 ? 0 : b, fih = P.fiH == 1 ? 0 : hq;
+            L.n_full = P.fnum[fb * P.fns0 + fh * P.fns1 + qb * P.fns2];
+            L.full = P.fidx + fib * P.fis0 + fih * P.fis1 + qb * P.fis2, L.step_full = P.fis3;
+        }
+    }
+    return L;
+}
+
 /* the KS keys of slice t into the buffers Kb, Vb, by NT threads (thread `me`), rows past the block
  * or Tk zero-filled, one commit group; returns the first key, and through *nk how many are real,
  * *isfull whether the block is a full one */
@@ -268,6 +286,10 @@ __device__ __forceinline__ long long tc_issue(const flex_params &P, const tc_lis
     return k0;
 }
 
+)NSA";
+
+/* The tensor-core forward (after FLEX_TC_COMMON). */
+static const char FLEX_TC_KERNEL[] = R"NSA(
 /* ROWS query rows a unit (a CTA of TC_WARPS warps sharing KS-key slices, or a warp alone), the
  * warp's 16 of them computed here */
 template <int KS, bool SHARED>
@@ -287,20 +309,7 @@ __device__ __forceinline__ void tc_body(const flex_params &P, const nsa_mod_caps
     const float NEG_INF = nsa_mod_fbits(0xff800000u);
     unsigned short *Ks = tc_sm + (SHARED ? 0 : (long long)warp * TC_STAGES * KS * (LDK + LDV)), *Vs = Ks + TC_STAGES * KS * LDK;
 
-    /* the q block's lists (no block mask: every key block, partial) */
-    const long long qb = u0 / P.q_block;
-    tc_list L;
-    L.part = 0, L.full = 0, L.n_part = P.nkb, L.n_full = 0, L.step_part = 1, L.step_full = 1;
-    if (P.num) {
-        const long long bb = P.nB == 1 ? 0 : b, hh = P.nH == 1 ? 0 : hq, ib = P.iB == 1 ? 0 : b, ih = P.iH == 1 ? 0 : hq;
-        L.n_part = P.num[bb * P.ns0 + hh * P.ns1 + qb * P.ns2];
-        L.part = P.idx + ib * P.is0 + ih * P.is1 + qb * P.is2, L.step_part = P.is3;
-        if (P.fnum) {
-            const long long fb = P.fnB == 1 ? 0 : b, fh = P.fnH == 1 ? 0 : hq, fib = P.fiB == 1 ? 0 : b, fih = P.fiH == 1 ? 0 : hq;
-            L.n_full = P.fnum[fb * P.fns0 + fh * P.fns1 + qb * P.fns2];
-            L.full = P.fidx + fib * P.fis0 + fih * P.fis1 + qb * P.fis2, L.step_full = P.fis3;
-        }
-    }
+    const tc_list L = tc_list_of(P, b, hq, u0 / P.q_block);
     const long long nt = (L.n_part + L.n_full) * (P.kv_block / KS);
 
     /* Q's 16 rows as A fragments (rows past Tq zero) */
@@ -434,6 +443,335 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_fwd_tc(cons
 }
 )NSA";
 
+/* The tensor-core backward (after FLEX_TC_COMMON and the scalar backward; f16 / bf16, head dims
+ * 64 / 128, block sizes multiples of 16, finite q, k, v and dout -- else the scalar kernels).
+ * nsa_flex_bwd_dq_tc: a warp takes 16 query rows (so one q block and one list), holds Q's and
+ * dout's fragments, walks its 16-key slices as the forward does (3-stage cp.async pipeline):
+ * S = Q K^T, dP = dout V^T, per visible pair P = exp(s - lse), dS = P (dP - D), dU through the
+ * score_mod's reverse mode (which scatters the tensor gradients), dQ += dU K with dU rounded to
+ * the storage type; it also writes the rows' D. nsa_flex_bwd_dkdv_tc: a warp takes 16 keys of
+ * one key block, holds K's and V's fragments and walks, for each of the G query heads, the query
+ * blocks that list the block in ascending order, 16 rows at a time (2-stage pipeline of Q and
+ * dout slices): S^T = K Q^T, dP^T = V dout^T, dV += P^T dout, dK += dU^T Q. Fixed orders:
+ * deterministic. */
+static const char FLEX_TC_BWD[] = R"NSA(
+/* SR rows i0 .. of (b, hq) of Q and dout into Qb, Ob by NT threads (thread me; rows from i1 on
+ * zero-filled), one commit group */
+template <int SR, int NT>
+__device__ __forceinline__ void tb_issue_rows(const flex_params &P, const flex_grads &R, long long b, long long hq, long long i0,
+                                              long long i1, unsigned short *Qb, unsigned short *Ob, int me)
+{
+    const unsigned short *qp = (const unsigned short *)P.q + b * P.qs0 + hq * P.qs2;
+    const unsigned short *op = (const unsigned short *)R.dout + b * R.dos0 + hq * R.dos2;
+#pragma unroll
+    for (int x = 0; x < SR * NSA_DK / 8 / NT; x++) {
+        const int c = me + NT * x, r = c / (NSA_DK / 8), col = (c % (NSA_DK / 8)) * 8;
+        const bool ok = i0 + r < i1;
+        tc_cp16(Qb + r * LDK + col, ok ? (const void *)(qp + (i0 + r) * P.qs1 + col) : P.q, ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int x = 0; x < SR * NSA_DV / 8 / NT; x++) {
+        const int c = me + NT * x, r = c / (NSA_DV / 8), col = (c % (NSA_DV / 8)) * 8;
+        const bool ok = i0 + r < i1;
+        tc_cp16(Ob + r * LDV + col, ok ? (const void *)(op + (i0 + r) * R.dos1 + col) : R.dout, ok ? 16 : 0);
+    }
+    tc_commit();
+}
+
+/* A fragments of 16 rows (row0 ..) of a [rows, D] view at p with row stride rs (rows from `end` on zero) */
+template <int D>
+__device__ __forceinline__ void tb_frags(unsigned f[D / 16][4], const unsigned short *p, long long rs, long long row0, long long end,
+                                         int lane)
+{
+#pragma unroll
+    for (int k = 0; k < D / 16; k++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const long long i = row0 + (lane >> 2) + 8 * (e & 1);
+            const int col = 16 * k + 2 * (lane & 3) + 8 * (e >> 1);
+            f[k][e] = i < end ? *(const unsigned *)(p + i * rs + col) : 0u;
+        }
+}
+
+/* c[2][4] += A (16 x D fragments) times the 16 rows of B (a [16, D] tile in shared memory, row
+ * stride ld) transposed: the 16 x 16 product A B^T */
+template <int D>
+__device__ __forceinline__ void tb_abt(float c[2][4], const unsigned a[D / 16][4], const unsigned short *B, int ld, int lane)
+{
+#pragma unroll
+    for (int k = 0; k < D / 16; k++) {
+        unsigned bb[4];
+        tc_ldsm4(bb, B + ((lane & 7) + (lane >> 4) * 8) * ld + ((lane >> 3) & 1) * 8 + k * 16);
+        tc_mma(c[0], a[k], bb[0], bb[1]);
+        tc_mma(c[1], a[k], bb[2], bb[3]);
+    }
+}
+
+/* acc[D / 8][4] += X B, X the 16 x 16 tile x[2][4] (rounded to the storage type), B a [16, D]
+ * tile in shared memory (row stride ld) */
+template <int D>
+__device__ __forceinline__ void tb_xb(float acc[D / 8][4], const float x[2][4], const unsigned short *B, int ld, int lane)
+{
+    unsigned a[4];
+    a[0] = tc_pack(x[0][0], x[0][1]), a[1] = tc_pack(x[0][2], x[0][3]);
+    a[2] = tc_pack(x[1][0], x[1][1]), a[3] = tc_pack(x[1][2], x[1][3]);
+#pragma unroll
+    for (int q = 0; q < D / 16; q++) {
+        unsigned bb[4];
+        tc_ldsm4t(bb, B + ((lane & 7) + ((lane >> 3) & 1) * 8) * ld + (lane >> 4) * 8 + q * 16);
+        tc_mma(acc[2 * q], a, bb[0], bb[1]);
+        tc_mma(acc[2 * q + 1], a, bb[2], bb[3]);
+    }
+}
+
+/* dq: 16 rows a warp; SHARED: the CTA's four warps take 64 rows of one q block and share each
+ * KS-key slice (KS = 64), a warp working through it 16 keys at a time */
+template <int KS, bool SHARED>
+__device__ __forceinline__ void tb_dq(const flex_params &P, const flex_grads &R, const nsa_mod_caps &mc, const nsa_mod_caps &sc,
+                                      const nsa_mod_sink &sink)
+{
+    constexpr int ROWS = SHARED ? 16 * TC_WARPS : 16, NT = SHARED ? 32 * TC_WARPS : 32;
+    extern __shared__ __align__(16) unsigned short tc_sm[];
+    if (P.nf && *(const volatile int *)P.nf != 0) return; /* a non-finite input: the scalar kernels compute the call */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r0 = lane >> 2;
+    const long long ntile = (P.Tq + ROWS - 1) / ROWS, w = SHARED ? (long long)blockIdx.x : (long long)blockIdx.x * TC_WARPS + warp;
+    if (w >= P.B * P.HQ * ntile) return; /* (SHARED: the whole CTA) */
+    const long long tile = w % ntile, hq = (w / ntile) % P.HQ, b = w / (ntile * P.HQ), h = hq / P.G;
+    const long long u0 = ROWS * tile, i0 = u0 + (SHARED ? 16 * warp : 0);
+    const int me = SHARED ? threadIdx.x : lane;
+    const float NEG_INF = nsa_mod_fbits(0xff800000u);
+    unsigned short *Ks = tc_sm + (SHARED ? 0 : (long long)warp * TC_STAGES * KS * (LDK + LDV)), *Vs = Ks + TC_STAGES * KS * LDK;
+    const tc_list L = tc_list_of(P, b, hq, u0 / P.q_block);
+    const long long nt = (L.n_part + L.n_full) * (P.kv_block / KS);
+    unsigned qf[NSA_DK / 16][4], of[NSA_DV / 16][4];
+    tb_frags<NSA_DK>(qf, (const unsigned short *)P.q + b * P.qs0 + hq * P.qs2, P.qs1, i0, P.Tq, lane);
+    tb_frags<NSA_DV>(of, (const unsigned short *)R.dout + b * R.dos0 + hq * R.dos2, R.dos1, i0, P.Tq, lane);
+    /* the lane's two rows (r0, r0 + 8): lse, and D = dout . o summed over the quad's columns */
+    float lse[2], Dr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const long long i = i0 + r0 + 8 * r;
+        float d = 0.0f;
+        if (i < P.Tq)
+            for (int col = 2 * (lane & 3); col < NSA_DV; col += 8)
+                for (int x = 0; x < 2; x++)
+                    d += ld_elem(R.dout, b * R.dos0 + i * R.dos1 + hq * R.dos2 + col + x) *
+                         ld_elem(P.o, b * P.os0 + i * P.os1 + hq * P.os2 + col + x);
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        d += __shfl_xor_sync(0xffffffffu, d, 2);
+        Dr[r] = d;
+        lse[r] = i < P.Tq ? P.lse[b * P.ls0 + i * P.ls1 + hq * P.ls2] : NEG_INF;
+        if (i < P.Tq && (lane & 3) == 0) R.D[(b * P.HQ + hq) * P.Tq + i] = d;
+    }
+    float acc[NSA_DK / 8][4];
+#pragma unroll
+    for (int n = 0; n < NSA_DK / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    long long kb[TC_STAGES];
+    int nk[TC_STAGES], fl[TC_STAGES];
+#pragma unroll
+    for (int st = 0; st < TC_STAGES - 1; st++)
+        if (st < nt) kb[st] = tc_issue<KS, NT>(P, L, st, b, h, Ks + st * KS * LDK, Vs + st * KS * LDV, me, &nk[st], &fl[st]);
+    for (long long t = 0; t < nt; t++) {
+        const int buf = (int)(t % TC_STAGES);
+        if (t + 1 < nt) tc_wait<TC_STAGES - 2>();
+        else tc_wait<0>();
+        if (SHARED) __syncthreads(); /* slice t is in; every warp is done with slice t - 1, whose buffer comes next */
+        else __syncwarp();
+        if (t + TC_STAGES - 1 < nt) {
+            const int nb = (int)((t + TC_STAGES - 1) % TC_STAGES);
+            kb[nb] = tc_issue<KS, NT>(P, L, t + TC_STAGES - 1, b, h, Ks + nb * KS * LDK, Vs + nb * KS * LDV, me, &nk[nb], &fl[nb]);
+        }
+        const long long k0 = kb[buf];
+        const int n = nk[buf], full = fl[buf];
+#pragma unroll 1
+        for (int sub = 0; sub < KS / 16 && 16 * sub < n; sub++) {
+            const unsigned short *Kb = Ks + (buf * KS + 16 * sub) * LDK, *Vb = Vs + (buf * KS + 16 * sub) * LDV;
+            float s[2][4], dp[2][4];
+#pragma unroll
+            for (int x = 0; x < 2; x++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[x][e] = dp[x][e] = 0.0f;
+            tb_abt<NSA_DK>(s, qf, Kb, LDK, lane);
+            tb_abt<NSA_DV>(dp, of, Vb, LDV, lane);
+#pragma unroll
+            for (int n8 = 0; n8 < 2; n8++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int key = 16 * sub + n8 * 8 + 2 * (lane & 3) + (e & 1), r = e >> 1;
+                    const long long qi = i0 + r0 + 8 * r, kv = k0 + key;
+                    float du = 0.0f;
+                    if (key < n && qi < P.Tq && lse[r] != NEG_INF && (full || nsa_flex_mask(&mc, b, hq, qi, kv))) {
+                        const float u = s[n8][e] * P.scale;
+                        const float p = expf(nsa_flex_score(&sc, b, hq, qi, kv, u) - lse[r]);
+                        if (p != 0.0f) nsa_mod_score_grad(&sc, &sink, b, hq, qi, kv, u, p * (dp[n8][e] - Dr[r]), &du);
+                    }
+                    s[n8][e] = du;
+                }
+            tb_xb<NSA_DK>(acc, s, Kb, LDK, lane);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const long long i = i0 + r0 + 8 * r;
+        if (i >= P.Tq) continue;
+        const long long ob = b * R.dqs0 + i * R.dqs1 + hq * R.dqs2;
+#pragma unroll
+        for (int q = 0; q < NSA_DK / 8; q++) {
+            const int col = q * 8 + 2 * (lane & 3);
+            st_elem(R.dq, ob + col, acc[q][2 * r] * P.scale);
+            st_elem(R.dq, ob + col + 1, acc[q][2 * r + 1] * P.scale);
+        }
+    }
+}
+
+/* The dk / dv walk: (query head, query block, first row) of the next SR-row slice of a query
+ * block that lists key block kb; 0 past the last */
+struct tb_slice {
+    long long hq, qb, i0, i1;
+    int kind;
+};
+template <int SR>
+__device__ __forceinline__ int tb_next(const flex_params &P, tb_slice &sl, long long b, long long h, long long kb, int lane)
+{
+    if (sl.qb >= 0 && sl.i0 + SR < sl.i1) {
+        sl.i0 += SR;
+        return 1;
+    }
+    const long long nqb = (P.Tq + P.q_block - 1) / P.q_block;
+    for (;;) {
+        if (++sl.qb >= nqb) {
+            sl.qb = 0;
+            if (++sl.hq >= (h + 1) * P.G || nqb == 0) return 0;
+        }
+        sl.kind = listed_as(P, b, sl.hq, sl.qb, kb, lane);
+        if (sl.kind) {
+            sl.i0 = sl.qb * P.q_block;
+            sl.i1 = sl.i0 + P.q_block < P.Tq ? sl.i0 + P.q_block : P.Tq;
+            return 1;
+        }
+    }
+}
+
+/* dk, dv: 16 keys a warp; SHARED: the CTA's four warps take 64 keys of one key block and share
+ * each SR-row slice of Q and dout (SR = 64), a warp working through it 16 rows at a time */
+template <int SR, bool SHARED>
+__device__ __forceinline__ void tb_dkdv(const flex_params &P, const flex_grads &R, const nsa_mod_caps &mc, const nsa_mod_caps &sc)
+{
+    constexpr int KEYS = SHARED ? 16 * TC_WARPS : 16, NT = SHARED ? 32 * TC_WARPS : 32;
+    extern __shared__ __align__(16) unsigned short tc_sm[];
+    if (P.nf && *(const volatile int *)P.nf != 0) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r0 = lane >> 2;
+    const long long H = P.HQ / P.G, ntile = (P.Tk + KEYS - 1) / KEYS;
+    const long long w = SHARED ? (long long)blockIdx.x : (long long)blockIdx.x * TC_WARPS + warp;
+    if (w >= P.B * H * ntile) return;
+    const long long tile = w % ntile, h = (w / ntile) % H, b = w / (ntile * H), u0 = KEYS * tile, kb = u0 / P.kv_block;
+    const long long k0 = u0 + (SHARED ? 16 * warp : 0);
+    const int me = SHARED ? threadIdx.x : lane;
+    const float NEG_INF = nsa_mod_fbits(0xff800000u);
+    unsigned short *Qs = tc_sm + (SHARED ? 0 : (long long)warp * 2 * SR * (LDK + LDV)), *Os = Qs + 2 * SR * LDK;
+    unsigned kf[NSA_DK / 16][4], vf[NSA_DV / 16][4];
+    tb_frags<NSA_DK>(kf, (const unsigned short *)P.k + b * P.ks0 + h * P.ks2, P.ks1, k0, P.Tk, lane);
+    tb_frags<NSA_DV>(vf, (const unsigned short *)P.v + b * P.vs0 + h * P.vs2, P.vs1, k0, P.Tk, lane);
+    float dk[NSA_DK / 8][4], dv[NSA_DV / 8][4];
+#pragma unroll
+    for (int n = 0; n < NSA_DK / 8; n++) dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < NSA_DV / 8; n++) dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
+    tb_slice cur;
+    cur.hq = h * P.G, cur.qb = -1, cur.i0 = cur.i1 = 0, cur.kind = 0;
+    int have = tb_next<SR>(P, cur, b, h, kb, lane), buf = 0;
+    if (have) tb_issue_rows<SR, NT>(P, R, b, cur.hq, cur.i0, cur.i1, Qs, Os, me);
+    while (have) {
+        tb_slice nxt = cur;
+        const int more = tb_next<SR>(P, nxt, b, h, kb, lane);
+        if (more) tb_issue_rows<SR, NT>(P, R, b, nxt.hq, nxt.i0, nxt.i1, Qs + (buf ^ 1) * SR * LDK, Os + (buf ^ 1) * SR * LDV, me);
+        if (more) tc_wait<1>();
+        else tc_wait<0>();
+        if (SHARED) __syncthreads(); /* the slice is in for every thread's copies */
+        else __syncwarp();
+#pragma unroll 1
+        for (int sub = 0; sub < SR / 16 && cur.i0 + 16 * sub < cur.i1; sub++) {
+            const unsigned short *Qb = Qs + (buf * SR + 16 * sub) * LDK, *Ob = Os + (buf * SR + 16 * sub) * LDV;
+            const long long j0 = cur.i0 + 16 * sub; /* the 16 rows' first */
+            /* the lane's four rows (columns 2 (lane & 3) + {0, 1} + {0, 8}): lse and D */
+            float lse[2][2], Dr[2][2];
+#pragma unroll
+            for (int n8 = 0; n8 < 2; n8++)
+#pragma unroll
+                for (int x = 0; x < 2; x++) {
+                    const long long i = j0 + n8 * 8 + 2 * (lane & 3) + x;
+                    lse[n8][x] = i < cur.i1 ? P.lse[b * P.ls0 + i * P.ls1 + cur.hq * P.ls2] : NEG_INF;
+                    Dr[n8][x] = i < cur.i1 ? R.D[(b * P.HQ + cur.hq) * P.Tq + i] : 0.0f;
+                }
+            float s[2][4], dp[2][4];
+#pragma unroll
+            for (int x = 0; x < 2; x++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[x][e] = dp[x][e] = 0.0f;
+            tb_abt<NSA_DK>(s, kf, Qb, LDK, lane);
+            tb_abt<NSA_DV>(dp, vf, Ob, LDV, lane);
+#pragma unroll
+            for (int n8 = 0; n8 < 2; n8++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const long long kv = k0 + r0 + 8 * (e >> 1), i = j0 + n8 * 8 + 2 * (lane & 3) + (e & 1);
+                    float p = 0.0f, du = 0.0f;
+                    if (kv < P.Tk && i < cur.i1 && lse[n8][e & 1] != NEG_INF &&
+                        (cur.kind == 2 || nsa_flex_mask(&mc, b, cur.hq, i, kv))) {
+                        const float u = s[n8][e] * P.scale;
+                        p = expf(nsa_flex_score(&sc, b, cur.hq, i, kv, u) - lse[n8][e & 1]);
+                        if (p != 0.0f) nsa_mod_score_grad(&sc, 0, b, cur.hq, i, kv, u, p * (dp[n8][e] - Dr[n8][e & 1]), &du);
+                    }
+                    s[n8][e] = p, dp[n8][e] = du;
+                }
+            tb_xb<NSA_DV>(dv, s, Ob, LDV, lane);
+            tb_xb<NSA_DK>(dk, dp, Qb, LDK, lane);
+        }
+        if (SHARED) __syncthreads(); /* every thread done with this buffer before the next slice's copy lands in it */
+        else __syncwarp();
+        cur = nxt, buf ^= 1, have = more;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const long long kv = k0 + r0 + 8 * r;
+        if (kv >= P.Tk) continue;
+#pragma unroll
+        for (int q = 0; q < NSA_DK / 8; q++) {
+            const int col = q * 8 + 2 * (lane & 3);
+            st_elem(R.dk, b * R.dks0 + kv * R.dks1 + h * R.dks2 + col, dk[q][2 * r] * P.scale);
+            st_elem(R.dk, b * R.dks0 + kv * R.dks1 + h * R.dks2 + col + 1, dk[q][2 * r + 1] * P.scale);
+        }
+#pragma unroll
+        for (int q = 0; q < NSA_DV / 8; q++) {
+            const int col = q * 8 + 2 * (lane & 3);
+            st_elem(R.dv, b * R.dvs0 + kv * R.dvs1 + h * R.dvs2 + col, dv[q][2 * r]);
+            st_elem(R.dv, b * R.dvs0 + kv * R.dvs1 + h * R.dvs2 + col + 1, dv[q][2 * r + 1]);
+        }
+    }
+}
+
+/* one layout a source (NSA_TC_WIDE), as the forward */
+extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_bwd_dq_tc(const flex_params P, const flex_grads R,
+                                                                              const nsa_mod_caps mc, const nsa_mod_caps sc,
+                                                                              const nsa_mod_sink sink)
+{
+#if NSA_TC_WIDE
+    tb_dq<64, true>(P, R, mc, sc, sink);
+#else
+    tb_dq<16, false>(P, R, mc, sc, sink);
+#endif
+}
+extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_bwd_dkdv_tc(const flex_params P, const flex_grads R,
+                                                                                const nsa_mod_caps mc, const nsa_mod_caps sc)
+{
+#if NSA_TC_WIDE
+    tb_dkdv<64, true>(P, R, mc, sc);
+#else
+    tb_dkdv<16, false>(P, R, mc, sc);
+#endif
+}
+)NSA";
+
 /* The backward (after FLEX_COMMON): every float a score_mod's gradient sends to an element of a
  * captured tensor is added exactly -- the value split into 24-bit pieces added as integers to
  * 12 words covering 2^-149 .. 2^139, word 12 noting +inf (1), -inf (2) and NaN (4) -- so the
@@ -458,10 +796,18 @@ __device__ __forceinline__ void nsa_mod_grad(const nsa_mod_sink *s, int c, long 
     if (e == 0u && m == 0u) return;
     const int at = e ? (int)e - 1 : 0; /* |a| = M * 2^(at - 149), M the 24-bit significand */
     const unsigned long long v = (unsigned long long)(e ? (m | 0x800000u) : m) << (at % 24);
-    long long lo = (long long)(v & 0xffffffull), hi = (long long)(v >> 24);
+    int lo = (int)(v & 0xffffffull), hi = (int)(v >> 24);
     if (x.u >> 31) lo = -lo, hi = -hi;
-    if (lo) atomicAdd(w + at / 24, (unsigned long long)lo);
-    if (hi) atomicAdd(w + at / 24 + 1, (unsigned long long)hi);
+    unsigned long long *word = w + at / 24;
+#if __CUDA_ARCH__ >= 800
+    /* the lanes here together that add to the same word add their pieces first (integers: the
+       grouping cannot change the sum), and one of them adds the total */
+    const unsigned peers = __match_any_sync(__activemask(), (unsigned long long)word);
+    lo = (int)__reduce_add_sync(peers, (unsigned)lo), hi = (int)__reduce_add_sync(peers, (unsigned)hi);
+    if ((int)(threadIdx.x & 31) != __ffs(peers) - 1) return;
+#endif
+    if (lo) atomicAdd(word, (unsigned long long)(long long)lo);
+    if (hi) atomicAdd(word + 1, (unsigned long long)(long long)hi);
 }
 )NSA";
 
@@ -474,6 +820,7 @@ __device__ __forceinline__ float warp_sum(float x)
 extern "C" __global__ void nsa_flex_bwd_dq(const flex_params P, const flex_grads R, const nsa_mod_caps mc, const nsa_mod_caps sc,
                                            const nsa_mod_sink sink)
 {
+    if (P.nf_role == 2 && *(const volatile int *)P.nf == 0) return; /* beside the tensor-core kernels: finite inputs */
     const int lane = threadIdx.x & 31;
     const long long nw = (long long)gridDim.x * (blockDim.x >> 5);
     const long long items = P.B * P.HQ * P.Tq;
@@ -541,6 +888,7 @@ __device__ int listed_as(const flex_params &P, long long b, long long hq, long l
 }
 extern "C" __global__ void nsa_flex_bwd_dkdv(const flex_params P, const flex_grads R, const nsa_mod_caps mc, const nsa_mod_caps sc)
 {
+    if (P.nf_role == 2 && *(const volatile int *)P.nf == 0) return;
     const int lane = threadIdx.x & 31;
     const long long H = P.HQ / P.G, nw = (long long)gridDim.x * (blockDim.x >> 5);
     const long long items = P.B * H * P.Tk, nqb = (P.Tq + P.q_block - 1) / P.q_block;
@@ -636,7 +984,7 @@ static int nvrtc_open(nvrtc_api *api, char *why, size_t n)
 /* The source of one (mask, score, element type): the expressions' prelude, the element type, the
  * two mods, then for the forward (bwd 0) the scalar kernel and, with head dims dk, dv (0: none),
  * the tensor-core kernel of 64 rows a CTA (wide) or 16 a warp; for the backward (bwd 1) the
- * score_mod's reverse mode and the two backward kernels. */
+ * score_mod's reverse mode, the two scalar kernels and, with dk, dv, the two tensor-core ones. */
 static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv, int wide, int bwd)
 {
     static const char NO_SCORE_GRAD[] =
@@ -645,8 +993,9 @@ static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, in
         "{\n    *dscore = g;\n    return score;\n}\n";
     const size_t nm = mask ? expr_to_c(mask, NULL, 0) : 0, ns = score ? expr_to_c(score, NULL, 0) : 0;
     const size_t ng = bwd && score ? expr_grad_to_c(score, NULL, 0) : sizeof NO_SCORE_GRAD;
-    const size_t cap = strlen(EXPR_C_PRELUDE) + sizeof FLEX_COMMON + sizeof FLEX_KERNEL + sizeof FLEX_TC_KERNEL +
-                       sizeof FLEX_BWD_SINK + sizeof FLEX_BWD_KERNEL + nm + ns + ng + 1024;
+    const size_t cap = strlen(EXPR_C_PRELUDE) + sizeof FLEX_COMMON + sizeof FLEX_KERNEL + sizeof FLEX_TC_COMMON +
+                       sizeof FLEX_TC_KERNEL + sizeof FLEX_BWD_SINK + sizeof FLEX_BWD_KERNEL + sizeof FLEX_TC_BWD + nm + ns + ng +
+                       1024;
     char *src = (char *)malloc(cap), *me = (char *)malloc(nm + 1), *se = (char *)malloc(ns + 1), *ge = (char *)malloc(ng + 1);
     if (!src || !me || !se || !ge || (bwd && score && ng == 0)) {
         free(src), free(me), free(se), free(ge);
@@ -666,10 +1015,10 @@ static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, in
     size_t at = strlen(src);
     if (bwd) snprintf(src + at, cap - at, "%s%s%s", FLEX_BWD_SINK, score ? ge : NO_SCORE_GRAD, FLEX_BWD_KERNEL);
     else snprintf(src + at, cap - at, "%s", FLEX_KERNEL);
-    if (!bwd && dk > 0) {
+    if (dk > 0) {
         at = strlen(src);
-        snprintf(src + at, cap - at, "#define NSA_DK %d\n#define NSA_DV %d\n#define NSA_TC_WIDE %d\n%s", dk, dv, wide,
-                 FLEX_TC_KERNEL);
+        snprintf(src + at, cap - at, "#define NSA_DK %d\n#define NSA_DV %d\n#define NSA_TC_WIDE %d\n%s%s", dk, dv, wide,
+                 FLEX_TC_COMMON, bwd ? FLEX_TC_BWD : FLEX_TC_KERNEL);
     }
     free(me), free(se), free(ge);
     return src;
@@ -749,7 +1098,8 @@ struct flex_cache {
     struct {
         uint64_t hash;
         cudaLibrary_t lib;
-        cudaKernel_t k[2]; /* forward: scalar, tensor-core (NULL: not in this source); backward: dq, dk / dv */
+        cudaKernel_t k[4]; /* forward: scalar, tensor-core (NULL: not in this source); backward: dq, dk / dv (scalar, then
+                              tensor-core) */
     } e[FLEX_CACHE_ENTRIES];
 };
 
@@ -785,14 +1135,16 @@ static int cache_dir(char *buf, size_t n)
 }
 
 /* The kernels of (mask, score, elem) on this device, from the memory cache, the disk cache or
- * compiled: the forward's (bwd 0: k[0] the scalar one, k[1] the tensor-core one for head dims dk,
- * dv in the layout `wide`, NULL with dk 0) or the backward's (bwd 1: k[0] dq, k[1] dk / dv).
+ * compiled: the forward's (bwd 0: k[0] the scalar one, k[1] the tensor-core one) or the
+ * backward's (bwd 1: k[0] dq, k[1] dk / dv, k[2] and k[3] their tensor-core forms); the
+ * tensor-core ones for head dims dk, dv (NULL with dk 0), the forward's in the layout `wide`.
  * @return whether k[0] is there (else the failure is in g). */
 static int flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv, int wide,
-                       int bwd, cudaKernel_t k[2])
+                       int bwd, cudaKernel_t k[4])
 {
-    static const char *const NAMES[2][2] = {{"nsa_flex_fwd", "nsa_flex_fwd_tc"}, {"nsa_flex_bwd_dq", "nsa_flex_bwd_dkdv"}};
-    k[0] = k[1] = NULL;
+    static const char *const NAMES[2][4] = {{"nsa_flex_fwd", "nsa_flex_fwd_tc", NULL, NULL},
+                                            {"nsa_flex_bwd_dq", "nsa_flex_bwd_dkdv", "nsa_flex_bwd_dq_tc", "nsa_flex_bwd_dkdv_tc"}};
+    k[0] = k[1] = k[2] = k[3] = NULL;
     char *src = flex_source(mask, score, elem, dk, dv, wide, bwd);
     if (!src) {
         g_fail(g, NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel source");
@@ -807,7 +1159,7 @@ static int flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, const nsa_mo
     const uint64_t hash = fnv1a(tag, fnv1a(src, 1469598103934665603ull));
     pthread_mutex_lock(&c->lock);
     for (int i = 0; i < c->n && !k[0]; i++)
-        if (c->e[i].hash == hash) k[0] = c->e[i].k[0], k[1] = c->e[i].k[1];
+        if (c->e[i].hash == hash) memcpy(k, c->e[i].k, sizeof c->e[i].k);
     if (!k[0]) {
         char dir[512], path[600], why[256];
         char *cubin = NULL;
@@ -837,19 +1189,20 @@ static int flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, const nsa_mo
         }
         cudaLibrary_t lib = NULL;
         g_check(g, cudaLibraryLoadData(&lib, cubin, NULL, NULL, 0, NULL, NULL, 0));
-        if (g_live(g)) g_check(g, cudaLibraryGetKernel(&k[0], lib, NAMES[bwd][0]));
-        if (g_live(g) && (bwd || dk > 0)) g_check(g, cudaLibraryGetKernel(&k[1], lib, NAMES[bwd][1]));
+        for (int x = 0; x < 4 && g_live(g); x++) /* (the tensor-core ones only with head dims) */
+            if (NAMES[bwd][x] && (x == 0 || (bwd && x == 1) || dk > 0)) g_check(g, cudaLibraryGetKernel(&k[x], lib, NAMES[bwd][x]));
         if (g_live(g)) {
             if (c->n == FLEX_CACHE_ENTRIES) { /* full: the oldest goes */
                 cudaLibraryUnload(c->e[0].lib);
                 memmove(&c->e[0], &c->e[1], sizeof c->e[0] * (FLEX_CACHE_ENTRIES - 1));
                 c->n--;
             }
-            c->e[c->n].hash = hash, c->e[c->n].lib = lib, c->e[c->n].k[0] = k[0], c->e[c->n].k[1] = k[1];
+            c->e[c->n].hash = hash, c->e[c->n].lib = lib;
+            memcpy(c->e[c->n].k, k, sizeof c->e[c->n].k);
             c->n++;
         } else if (lib) {
             cudaLibraryUnload(lib);
-            k[0] = k[1] = NULL;
+            k[0] = k[1] = k[2] = k[3] = NULL;
         }
         free(cubin);
     }
@@ -1006,7 +1359,7 @@ static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
     const int elem = elem_of(a);
     /* 64 rows a CTA sharing 64-key slices where both block sizes allow, else 16 rows a warp */
     const int wide = a->block_mask.q_block % 64 == 0 && a->block_mask.kv_block % 64 == 0;
-    cudaKernel_t kk[2];
+    cudaKernel_t kk[4];
     if (!flex_kernel(g, c, a->mask_mod, a->score_mod, elem, tc ? (int)p->DK : 0, tc ? (int)p->DV : 0, wide, 0, kk)) return;
     const cudaKernel_t k = kk[0], ktc = kk[1];
     if (tc && !ktc) return;
@@ -1079,6 +1432,19 @@ __global__ void flex_acc_finish(const unsigned long long *acc, int64_t n, float 
     }
 }
 
+/* Whether the tensor-core backward takes the call: the forward's conditions, and Q and dout read
+ * sixteen bytes at a time too (their slices are copied like K's and V's). */
+static int flex_bwd_tc_fits(const grun *g, const nsa_flex_bwd_args *a, const nsa_problem *p)
+{
+    if (!flex_tc_fits(g, &a->fwd, p)) return 0;
+    const nsa_tensor *rows[2] = {&a->fwd.q, &a->dout};
+    for (int t = 0; t < 2; t++)
+        if ((uintptr_t)rows[t]->data % 16 != 0 || rows[t]->stride[0] % 8 || rows[t]->stride[1] % 8 || rows[t]->stride[2] % 8 ||
+            rows[t]->stride[3] != 1)
+            return 0;
+    return p->B * p->H * ((p->Tk + 15) / 16) <= INT32_MAX; /* (a grid dimension, as the forward's rows) */
+}
+
 static void run_flex_bwd(grun *g, const nsa_flex_bwd_args *a, flex_cache *c)
 {
     const nsa_problem *p = g->p;
@@ -1107,13 +1473,27 @@ static void run_flex_bwd(grun *g, const nsa_flex_bwd_args *a, flex_cache *c)
         sink.acc[t] = (unsigned long long *)g_take(g, bytes);
         g_zero(g, sink.acc[t], bytes);
     }
+    const int tc = flex_bwd_tc_fits(g, a, p);
+    if (tc) { /* the flag and the scans: a non-finite q, k, v or dout would reach, through P = 0 or dU = 0 in
+                 the tiles' products, pairs that do not see it; the scalar kernels compute such a call */
+        const dview vq = dv_of(&f->q), vk = dv_of(&f->k), vv = dv_of(&f->v), vo = dv_of(&a->dout);
+        cu_scan_nonfinite(g, &vq, p->B, p->T, p->HQ, p->DK);
+        cu_scan_nonfinite(g, &vk, p->B, p->Tk, p->H, p->DK);
+        cu_scan_nonfinite(g, &vv, p->B, p->Tk, p->H, p->DV);
+        cu_scan_nonfinite(g, &vo, p->B, p->T, p->HQ, p->DV);
+    }
+    const int *nf = tc ? g_nf_tiles(g) : NULL;
     if (!g_live(g)) return;
     if (!c) {
         g_fail(g, NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel cache");
         return;
     }
-    cudaKernel_t k[2];
-    if (!flex_kernel(g, c, f->mask_mod, f->score_mod, elem_of(f), 0, 0, 0, 1, k) || !k[1]) return;
+    cudaKernel_t k[4];
+    /* 64 rows (dq) or keys (dk / dv) a CTA sharing 64-row or 64-key slices where both block sizes allow */
+    const int wide = f->block_mask.q_block % 64 == 0 && f->block_mask.kv_block % 64 == 0;
+    if (!flex_kernel(g, c, f->mask_mod, f->score_mod, elem_of(f), tc ? (int)p->DK : 0, tc ? (int)p->DV : 0, wide, 1, k) || !k[1] ||
+        (tc && (!k[2] || !k[3])))
+        return;
     flex_params P;
     params_of(f, p, &P);
     R.dout = a->dout.data, R.dq = a->dq.data, R.dk = a->dk.data, R.dv = a->dv.data;
@@ -1125,10 +1505,31 @@ static void run_flex_bwd(grun *g, const nsa_flex_bwd_args *a, flex_cache *c)
     caps_of(f->mask_mod, &mc), caps_of(f->score_mod, &sc);
     const int64_t rows = p->B * p->HQ * p->T, keys = p->B * p->H * p->Tk;
     void *dq_args[] = {&P, &R, &mc, &sc, &sink}, *dkdv_args[] = {&P, &R, &mc, &sc};
-    /* dq first: it writes the rows' D that dk / dv read */
-    if (rows > 0) g_check(g, cudaLaunchKernel((const void *)k[0], dim3(simt_grid(rows)), dim3(32 * SIMT_WARPS), dq_args, 0, g->st));
-    if (keys > 0 && g_live(g))
-        g_check(g, cudaLaunchKernel((const void *)k[1], dim3(simt_grid(keys)), dim3(32 * SIMT_WARPS), dkdv_args, 0, g->st));
+    /* dq first: it writes the rows' D that dk / dv read. With the tensor-core kernels, each pair of
+       kernels launches and the flag lets one of them compute (no host round trip). */
+    if (tc) {
+        P.nf = nf, P.nf_role = nf ? 2 : 0;
+        /* 64 rows of K and V (dq) or of Q and dout (dk / dv) a stage either way: a CTA's shared slice or
+           four warps' own */
+        const size_t smem_dq = (size_t)FLEX_TC_STAGES * 64 * (size_t)(p->DK + 8 + p->DV + 8) * 2;
+        const size_t smem_kv = (size_t)2 * 64 * (size_t)(p->DK + 8 + p->DV + 8) * 2;
+        const int64_t dq_units = wide ? p->B * p->HQ * ((p->T + 63) / 64) : cdiv64(p->B * p->HQ * ((p->T + 15) / 16), FLEX_TC_WARPS);
+        const int64_t kv_units = wide ? p->B * p->H * ((p->Tk + 63) / 64) : cdiv64(p->B * p->H * ((p->Tk + 15) / 16), FLEX_TC_WARPS);
+        g_check(g, cudaFuncSetAttribute((const void *)k[2], cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_dq));
+        if (g_live(g)) g_check(g, cudaFuncSetAttribute((const void *)k[3], cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_kv));
+        if (rows > 0 && g_live(g))
+            g_check(g, cudaLaunchKernel((const void *)k[2], dim3((unsigned)dq_units), dim3(32 * FLEX_TC_WARPS), dq_args, smem_dq, g->st));
+        if (rows > 0 && nf && g_live(g))
+            g_check(g, cudaLaunchKernel((const void *)k[0], dim3(simt_grid(rows)), dim3(32 * SIMT_WARPS), dq_args, 0, g->st));
+        if (keys > 0 && g_live(g))
+            g_check(g, cudaLaunchKernel((const void *)k[3], dim3((unsigned)kv_units), dim3(32 * FLEX_TC_WARPS), dkdv_args, smem_kv, g->st));
+        if (keys > 0 && nf && g_live(g))
+            g_check(g, cudaLaunchKernel((const void *)k[1], dim3(simt_grid(keys)), dim3(32 * SIMT_WARPS), dkdv_args, 0, g->st));
+    } else {
+        if (rows > 0) g_check(g, cudaLaunchKernel((const void *)k[0], dim3(simt_grid(rows)), dim3(32 * SIMT_WARPS), dq_args, 0, g->st));
+        if (keys > 0 && g_live(g))
+            g_check(g, cudaLaunchKernel((const void *)k[1], dim3(simt_grid(keys)), dim3(32 * SIMT_WARPS), dkdv_args, 0, g->st));
+    }
     for (int t = 0; t < ncap && g_live(g); t++) {
         if (!sink.acc[t]) continue;
         const nsa_tensor *d = &a->dscore_tensors[t];
