@@ -175,6 +175,7 @@ class Bench:
                     o.backward(torch.ones_like(o))
         else:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            harness.raise_compile_limits(torch)  # (a compile per mod, T and pass)
             bm = create_block_mask(mask_mod, None, None, T, T, device=self.dev)
             compiled = torch.compile(flex_attention, dynamic=False)
 

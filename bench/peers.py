@@ -474,6 +474,16 @@ def self_test():
 # ==== the GPU part ===============================================================================
 
 
+def raise_compile_limits(torch):
+    """One compile of FlexAttention per (mods, T, G, layout): past torch's recompile limit a
+    compiled flex_attention silently runs eagerly (materialising T x T scores), so a benchmark
+    that sweeps configurations in one process raises the limit first."""
+    dyn = torch._dynamo.config
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(dyn, name):
+            setattr(dyn, name, max(getattr(dyn, name), 256))
+
+
 class Timer:
     """Median time of a call: CUDA events after `warmup` calls, the L2 flushed (a 256 MiB write)
     before each of `reps` timed calls, so each run reads its inputs from memory; on the CPU
@@ -677,11 +687,7 @@ class Runner:
     def flex_fn(self):
         if self.flex is None:
             from torch.nn.attention.flex_attention import flex_attention
-            dyn = self.torch._dynamo.config
-            for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
-                         "accumulated_recompile_limit"):
-                if hasattr(dyn, name):  # one compile per (T, G, layout): past the limit flex runs eagerly (T x T)
-                    setattr(dyn, name, max(getattr(dyn, name), 256))
+            raise_compile_limits(self.torch)
             self.flex = self.torch.compile(flex_attention, dynamic=False)
         return self.flex
 

@@ -23,7 +23,8 @@
 #      attention option (bench/attn_options_gpu.py), and bench/peers.py beside mdy666 / fla
 #      (carry peers/; see below; several minutes each); "python" the Python binding's CUDA
 #      tests and examples/generate.py on the GPU, "decode" bench/decode.py (one decode step beside
-#      mdy666 and dense; DECODE_B, DECODE_CTX), "flex" bench/flex.py (beside torch's FlexAttention).
+#      mdy666 and dense; DECODE_B, DECODE_CTX), "flex" bench/flex.py (beside torch's FlexAttention;
+#      FLEX_T, FLEX_HEADS, FLEX_MODS, FLEX_PASSES).
 # ONLY="stage ..." runs only those of sweep, variants, nonfinite, memcheck, fuzz, fla, bench.
 # AB=1 sweeps the mma.sync tiles (NSA_CUDA_WGMMA=0) on all CASES and times them for comparison;
 # ENVAB="NAME=value ..." times the bench once more under those switches.
@@ -327,8 +328,9 @@ if [ -n "$EXTRA" ]; then
             cat "$FULLDIR/decode-profile.txt" | tee -a "$SUMMARY"
             ;;
         flex) # nsa.flex_attention beside torch's compiled FlexAttention (needs torch)
-            NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python PYTHONUNBUFFERED=1 timeout 300 python3 bench/flex.py \
-                --T "${FLEX_T:-4k,16k}" --heads "${FLEX_HEADS:-16/16}" --passes fwd --out "$FULLDIR" > "$FULLDIR/flex.txt" 2>&1
+            NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python PYTHONUNBUFFERED=1 timeout 420 python3 bench/flex.py \
+                --T "${FLEX_T:-16k}" --heads "${FLEX_HEADS:-16/16}" --mods "${FLEX_MODS:-causal,window,document,alibi,relbias}" \
+                --passes "${FLEX_PASSES:-fwd,fwd+bwd}" --out "$FULLDIR" > "$FULLDIR/flex.txt" 2>&1
             note "flex rc $?:"
             grep -vE '^(#|$)' "$FULLDIR/flex.txt" | tail -30 | tee -a "$SUMMARY"
             ;;

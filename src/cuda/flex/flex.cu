@@ -58,6 +58,11 @@ struct flex_sink {
     unsigned long long *acc[NSA_MOD_MAX_TENSORS];
 };
 
+/* The tensor-core kernels' warps a CTA and cp.async stages, given to their source as TC_WARPS
+ * and TC_STAGES (one value for the kernels and for the host's grid and shared-memory sizes). */
+#define FLEX_TC_WARPS 4
+#define FLEX_TC_STAGES 3
+
 /* What every generated source holds after the prelude and the two mod functions (nsa_flex_mask,
  * nsa_flex_score): the parameter block, element loads and stores, the walk over a row's keys. */
 static const char FLEX_COMMON[] =
@@ -186,8 +191,6 @@ static const char FLEX_KERNEL[] =
  * units, expf, NaN propagating as in the scalar kernel), P rounded to the storage type for P V.
  * Compiled with NSA_DK / NSA_DV defined. */
 static const char FLEX_TC_COMMON[] = R"NSA(
-#define TC_STAGES 3
-#define TC_WARPS 4
 #define LDK (NSA_DK + 8)
 #define LDV (NSA_DV + 8)
 #if NSA_ELEM == 1
@@ -226,6 +229,9 @@ __device__ __forceinline__ unsigned tc_pack(float lo, float hi)
     asm("cvt.rn." TC_T "x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
     return d;
 }
+/* the tiles' exponential: ex2.approx of x log2(e) (a few ulp for the arguments softmax meets,
+ * far below the storage type's rounding of P; exp(-inf) = 0, NaN stays NaN) */
+__device__ __forceinline__ float tc_exp(float x) { return __expf(x); }
 __device__ __forceinline__ float tc_max(float a, float b) { return a > b || a != a ? a : b; } /* NaN wins */
 
 /* the key-block list of one q block: n_part partial entries then n_full full ones */
@@ -379,7 +385,7 @@ __device__ __forceinline__ void tc_body(const flex_params &P, const nsa_mod_caps
             mx[r] = tc_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = tc_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
             const float mn = tc_max(mrun[r], mx[r]);
-            alpha[r] = mrun[r] == NEG_INF ? 0.0f : expf(mrun[r] - mn);
+            alpha[r] = mrun[r] == NEG_INF ? 0.0f : tc_exp(mrun[r] - mn);
             mrun[r] = mn;
         }
         float ps[2] = {0.0f, 0.0f};
@@ -388,7 +394,7 @@ __device__ __forceinline__ void tc_body(const flex_params &P, const nsa_mod_caps
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const float m = mrun[e >> 1];
-                const float p = m == NEG_INF ? 0.0f : expf(s[n8][e] - m);
+                const float p = m == NEG_INF ? 0.0f : tc_exp(s[n8][e] - m);
                 s[n8][e] = p;
                 ps[e >> 1] += p;
             }
@@ -602,7 +608,7 @@ __device__ __forceinline__ void tb_dq(const flex_params &P, const flex_grads &R,
                     float du = 0.0f;
                     if (key < n && qi < P.Tq && lse[r] != NEG_INF && (full || nsa_flex_mask(&mc, b, hq, qi, kv))) {
                         const float u = s[n8][e] * P.scale;
-                        const float p = expf(nsa_flex_score(&sc, b, hq, qi, kv, u) - lse[r]);
+                        const float p = tc_exp(nsa_flex_score(&sc, b, hq, qi, kv, u) - lse[r]);
                         if (p != 0.0f) nsa_mod_score_grad(&sc, &sink, b, hq, qi, kv, u, p * (dp[n8][e] - Dr[r]), &du);
                     }
                     s[n8][e] = du;
@@ -719,7 +725,7 @@ __device__ __forceinline__ void tb_dkdv(const flex_params &P, const flex_grads &
                     if (kv < P.Tk && i < cur.i1 && lse[n8][e & 1] != NEG_INF &&
                         (cur.kind == 2 || nsa_flex_mask(&mc, b, cur.hq, i, kv))) {
                         const float u = s[n8][e] * P.scale;
-                        p = expf(nsa_flex_score(&sc, b, cur.hq, i, kv, u) - lse[n8][e & 1]);
+                        p = tc_exp(nsa_flex_score(&sc, b, cur.hq, i, kv, u) - lse[n8][e & 1]);
                         if (p != 0.0f) nsa_mod_score_grad(&sc, 0, b, cur.hq, i, kv, u, p * (dp[n8][e] - Dr[n8][e & 1]), &du);
                     }
                     s[n8][e] = p, dp[n8][e] = du;
@@ -1017,8 +1023,9 @@ static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, in
     else snprintf(src + at, cap - at, "%s", FLEX_KERNEL);
     if (dk > 0) {
         at = strlen(src);
-        snprintf(src + at, cap - at, "#define NSA_DK %d\n#define NSA_DV %d\n#define NSA_TC_WIDE %d\n%s%s", dk, dv, wide,
-                 FLEX_TC_COMMON, bwd ? FLEX_TC_BWD : FLEX_TC_KERNEL);
+        snprintf(src + at, cap - at, "#define NSA_DK %d\n#define NSA_DV %d\n#define NSA_TC_WIDE %d\n#define TC_WARPS %d\n"
+                 "#define TC_STAGES %d\n%s%s", dk, dv, wide, FLEX_TC_WARPS, FLEX_TC_STAGES, FLEX_TC_COMMON,
+                 bwd ? FLEX_TC_BWD : FLEX_TC_KERNEL);
     }
     free(me), free(se), free(ge);
     return src;
@@ -1330,8 +1337,6 @@ static void params_of(const nsa_flex_args *a, const nsa_problem *p, flex_params 
     *out = P;
 }
 
-#define FLEX_TC_WARPS 4  /* TC_WARPS of the kernel's source */
-#define FLEX_TC_STAGES 3 /* TC_STAGES */
 
 static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
 {

@@ -137,21 +137,7 @@ __global__ void __launch_bounds__(32 * STEP_WARPS) step_query_kernel(const step_
         const int64_t nv = nc ? nsa_rule_cmp_visible_cap(pos, P.l, P.d, nc) : 0;
         int kept = 0;
         if (P.use_slc && !P.selects) { /* the caller's blocks the query can use: in [0, cur], once, ascending */
-            if (lane == 0) {
-                const int64_t cnt = P.bc.p ? ((const int32_t *)P.bc.p)[b * P.bc.s0 + i * P.bc.s1 + h * P.bc.s2] : P.m;
-                const int32_t *ix = (const int32_t *)P.bi.p + b * P.bi.s0 + i * P.bi.s1 + h * P.bi.s2;
-                for (int64_t e = 0; e < (cnt < 0 ? 0 : cnt > P.m ? P.m : cnt); e++) {
-                    const int32_t j = ix[e];
-                    if (j < 0 || j > cur) continue;
-                    int at = kept;
-                    while (at > 0 && kidx[at - 1] > j) at--;
-                    if (at > 0 && kidx[at - 1] == j) continue;
-                    for (int q2 = kept; q2 > at; q2--) kidx[q2] = kidx[q2 - 1];
-                    kidx[at] = j;
-                    kept++;
-                }
-                for (int a = kept; a < width; a++) kidx[a] = -1;
-            }
+            if (lane == 0) step_caller_blocks(P, b, i, h, cur, kidx, width);
             __syncwarp();
         }
         /* the G heads' compressed probabilities, summed (max, then sum, then p: the CPU's passes) */

@@ -56,6 +56,27 @@ __device__ __forceinline__ step_seq_t step_seq(const step_params &P, int64_t b)
     return s;
 }
 
+/* The caller's block indices of (b, i, h) that the query can use -- in [0, cur], once each,
+ * ascending -- into out[0 ..], -1 after up to `width` (as the CPU step cleans them). One thread. */
+__device__ __forceinline__ void step_caller_blocks(const step_params &P, int64_t b, int64_t i, int64_t h, int64_t cur, int32_t *out,
+                                                   int64_t width)
+{
+    const int64_t cnt = P.bc.p ? ((const int32_t *)P.bc.p)[b * P.bc.s0 + i * P.bc.s1 + h * P.bc.s2] : P.m;
+    const int32_t *ix = (const int32_t *)P.bi.p + b * P.bi.s0 + i * P.bi.s1 + h * P.bi.s2;
+    int kept = 0;
+    for (int64_t e = 0; e < (cnt < 0 ? 0 : cnt > P.m ? P.m : cnt); e++) {
+        const int32_t j = ix[e];
+        if (j < 0 || j > cur) continue;
+        int at = kept; /* insertion into the sorted prefix, duplicates dropped */
+        while (at > 0 && out[at - 1] > j) at--;
+        if (at > 0 && out[at - 1] == j) continue;
+        for (int q = kept; q > at; q--) out[q] = out[q - 1];
+        out[at] = j;
+        kept++;
+    }
+    for (int64_t a = kept; a < width; a++) out[a] = -1;
+}
+
 /* The tiled step (tiled.cu): tensor-core kernels for bf16 / f16 caches with DK = DV in {64,
  * 128} and at most 16 query heads per kv head. Each (sequence, new query, kv head) is an item
  * whose G query rows share every key; its keys are split over CTAs (flash-decoding), each CTA
@@ -70,7 +91,7 @@ typedef struct ts_plan {
     int D, hc;                 /* head dim; kv heads per CTA */
     int64_t items, batch;      /* items = B * Tq * H, launched `batch` at a time */
     int64_t tiles1, tpc1, nt1; /* compressed branch (or the dense range): stages, stages per task, tasks */
-    int64_t tpc_slc, nt_slc, tpc_swa, nt_swa, tpb; /* selected and window tasks; stages per block */
+    int64_t tpc_br, nt_slc, nt_swa, tpb; /* selected and window: stages per task (both), tasks; stages per block */
     int64_t width;             /* the selection list's length */
     int JT;                    /* blocks one compressed tile touches */
     float *part1, *part3, *bins;

@@ -542,22 +542,7 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS, 1) ts_select_kernel(const s
     const int64_t cur = x.pos / P.lp;
     int32_t *out = sel + local * width;
     if (!P.selects) { /* the caller's blocks the query can use: in [0, cur], once, ascending */
-        if (tid == 0) {
-            const int64_t cnt = P.bc.p ? ((const int32_t *)P.bc.p)[x.b * P.bc.s0 + x.i * P.bc.s1 + x.h * P.bc.s2] : P.m;
-            const int32_t *ix = (const int32_t *)P.bi.p + x.b * P.bi.s0 + x.i * P.bi.s1 + x.h * P.bi.s2;
-            int kept = 0;
-            for (int64_t e = 0; e < (cnt < 0 ? 0 : cnt > P.m ? P.m : cnt); e++) {
-                const int32_t j = ix[e];
-                if (j < 0 || j > cur) continue;
-                int at = kept;
-                while (at > 0 && out[at - 1] > j) at--;
-                if (at > 0 && out[at - 1] == j) continue;
-                for (int q = kept; q > at; q--) out[q] = out[q - 1];
-                out[at] = j;
-                kept++;
-            }
-            for (int64_t a = kept; a < width; a++) out[a] = -1;
-        }
+        if (tid == 0) step_caller_blocks(P, x.b, x.i, x.h, cur, out, width);
         return;
     }
     const int64_t nj = cur + 1;
@@ -732,9 +717,11 @@ __device__ __forceinline__ void ts_weights(const ts_runs &R, int g, int s0, int 
 struct ts_comb {
     int hpc, wph;
     int64_t local;
-    int g, sub, lane;
+    int g, sub, lane, hl; /* hl: the head's slot in the CTA */
+    ts_item x;            /* the item (launch-local index `local`, global item0 + local) */
+    int64_t hq, stride;   /* the query head; floats a partial */
 };
-__device__ __forceinline__ ts_comb ts_comb_of(const step_params &P)
+__device__ __forceinline__ ts_comb ts_comb_of(const step_params &P, int64_t item0)
 {
     ts_comb c;
     c.wph = (int)(blockDim.x >> 5) == (int)P.G ? 1 : TS_COMBINE_SPLIT;
@@ -742,7 +729,9 @@ __device__ __forceinline__ ts_comb ts_comb_of(const step_params &P)
     const int64_t per = P.G / c.hpc; /* CTAs an item */
     const int warp = threadIdx.x >> 5;
     c.local = blockIdx.x / per, c.g = (int)(blockIdx.x % per) * c.hpc + warp / c.wph, c.sub = warp % c.wph;
-    c.lane = threadIdx.x & 31;
+    c.lane = threadIdx.x & 31, c.hl = c.g % c.hpc;
+    c.x = ts_item_of(P, item0 + c.local);
+    c.hq = c.x.h * P.G + c.g, c.stride = ts_part_floats(P.DV);
     return c;
 }
 
@@ -778,12 +767,11 @@ __global__ void __launch_bounds__(TS_COMBINE_THREADS, 1) ts_combine_kernel(const
     __shared__ float4 red[TS_COMBINE_SPLIT * 32];
     __shared__ int dead_s[16];
     ts_wait_prior();
-    const ts_comb c = ts_comb_of(P);
-    const int lane = c.lane, g = c.g, D = P.DV, hl = g % c.hpc;
-    const int64_t local = c.local, it = A1.item0 + local;
-    const ts_item x = ts_item_of(P, it);
-    if (!x.live) return;
-    const int64_t stride = ts_part_floats(D), hq = x.h * P.G + g;
+    const ts_comb c = ts_comb_of(P, A1.item0);
+    if (!c.x.live) return;
+    const ts_item &x = c.x;
+    const int lane = c.lane, g = c.g, D = P.DV, hl = c.hl;
+    const int64_t local = c.local, stride = c.stride, hq = c.hq;
     /* the runs: compressed (A1), selected then window (A3); a branch switched off has none */
     const int nc = P.use_cmp ? (int)A1.ntask : 0, ns = P.use_slc ? (int)A3.tasks[0] : 0,
               nw = P.use_swa ? (int)A3.tasks[P.use_slc ? 1 : 0] : 0;
@@ -833,12 +821,11 @@ __global__ void __launch_bounds__(TS_COMBINE_THREADS, 1) ts_dense_combine_kernel
     __shared__ float4 red[TS_COMBINE_SPLIT * 32];
     __shared__ float fill_s[16];
     ts_wait_prior();
-    const ts_comb c = ts_comb_of(P);
-    const int lane = c.lane, g = c.g, D = P.DV, hl = g % c.hpc;
-    const int64_t local = c.local, it = A.item0 + local;
-    const ts_item x = ts_item_of(P, it);
-    if (!x.live) return;
-    const int64_t stride = ts_part_floats(D), hq = x.h * P.G + g;
+    const ts_comb c = ts_comb_of(P, A.item0);
+    if (!c.x.live) return;
+    const ts_item &x = c.x;
+    const int lane = c.lane, g = c.g, D = P.DV, hl = c.hl;
+    const int64_t local = c.local, stride = c.stride, hq = c.hq;
     const ts_runs R = ts_runs_of(A.part + local * A.ntask * stride, (int)A.ntask, nullptr, 0, stride);
     float *w = wsm + hl * TS_MAX_TASKS;
     if (c.sub == 0) {
@@ -958,7 +945,7 @@ void step_tiled_take(grun *g, const step_params *P, ts_plan *pl)
     if (tiles_slc + tiles_swa > 0) {
         int64_t tpc;
         ts_tasks(tiles_slc + tiles_swa, groups, 1, &tpc);
-        pl->tpc_slc = pl->tpc_swa = tpc;
+        pl->tpc_br = tpc;
         pl->nt_slc = tiles_slc ? cdiv64(tiles_slc, tpc) : 0;
         pl->nt_swa = tiles_swa ? cdiv64(tiles_swa, tpc) : 0;
         pl->part3 = cu_take_f32(g, nsa_size_mul(nsa_size_of(pl->batch * (pl->nt_slc + pl->nt_swa)), nsa_size_of(pf)), 0);
@@ -1026,8 +1013,8 @@ void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl)
             ts_launch_k(g, ts_select_kernel, (unsigned)n, TS_SELECT_THREADS, smem, *P, A1, pl->sel, pl->width);
         }
         int nb = 0;
-        if (P->use_slc) A3.kind[nb] = BR_SLC, A3.tasks[nb] = pl->nt_slc, A3.tpc[nb] = pl->tpc_slc, nb++;
-        if (P->use_swa) A3.kind[nb] = BR_SWA, A3.tasks[nb] = pl->nt_swa, A3.tpc[nb] = pl->tpc_swa, nb++;
+        if (P->use_slc) A3.kind[nb] = BR_SLC, A3.tasks[nb] = pl->nt_slc, A3.tpc[nb] = pl->tpc_br, nb++;
+        if (P->use_swa) A3.kind[nb] = BR_SWA, A3.tasks[nb] = pl->nt_swa, A3.tpc[nb] = pl->tpc_br, nb++;
         A3.ntask = A3.tasks[0] + A3.tasks[1];
         A3.part = pl->part3, A3.sel = pl->sel, A3.width = pl->width, A3.tpb = pl->tpb;
         if (nb) ts_split_any(g, *P, A3, n, pl->D, false);
