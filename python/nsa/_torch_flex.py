@@ -41,22 +41,27 @@ def flex_op():
     def flex_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, kv_num_blocks: Optional[Tensor],
                  kv_indices: Optional[Tensor], full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor],
                  floats: List[Tensor], mask_handle: int, score_handle: int, q_block: int, kv_block: int,
-                 scale: float) -> Tuple[Tensor, Tensor, Tensor, List[Tensor]]:
+                 scale: float, want: int) -> Tuple[Tensor, Tensor, Tensor, List[Tensor]]:
+        """The gradients of q, k, v and of the floats whose bit is set in `want` (in their order:
+        a tensor that needs none costs no scatter)."""
         bm = block_mask_of((kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), mask_handle, q_block, kv_block)
         score = _mod_of(score_handle)
-        (dq, dk, dv), tens = _backward(q, k, v, o, lse, dout, bm, score, scale, score.float_idx if score else [])
-        grads = [tens[i].to(t.dtype) for i, t in zip(score.float_idx, floats)] if score else []
+        idx = [i for n, i in enumerate(score.float_idx) if want >> n & 1] if score else []
+        (dq, dk, dv), tens = _backward(q, k, v, o, lse, dout, bm, score, scale, idx)
+        grads = [tens[i].to(t.dtype) for n, (i, t) in enumerate(zip(score.float_idx, floats)) if want >> n & 1] if score else []
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), grads
 
     @flex_bwd.register_fake
-    def _(dout, q, k, v, o, lse, a, b, c, d, floats, *rest):
-        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), [torch.empty_like(t) for t in floats])
+    def _(dout, q, k, v, o, lse, a, b, c, d, floats, mask_handle, score_handle, q_block, kv_block, scale, want):
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                [torch.empty_like(t) for n, t in enumerate(floats) if want >> n & 1])
 
     def setup_context(ctx, inputs, output):
         q, k, v, n, i, fn, fi, floats = inputs[:8]
         ctx.save_for_backward(q, k, v, output[0], output[1], *[x for x in (n, i, fn, fi) if x is not None], *floats)
         ctx.present = tuple(x is not None for x in (n, i, fn, fi))
         ctx.nfloats = len(floats)
+        ctx.want = sum(1 << n for n, t in enumerate(floats) if t.requires_grad)
         ctx.scalars = tuple(inputs[8:])
         ctx.mods = (_mod_of(inputs[8]), _mod_of(inputs[9]))  # alive until the backward has run
         ctx.mark_non_differentiable(output[1])
@@ -69,8 +74,10 @@ def flex_op():
         for p in ctx.present:
             lists.append(rest.pop(0) if p else None)
         floats = rest[:ctx.nfloats]
-        dq, dk, dv, dts = flex_bwd(do.contiguous(), q, k, v, o, lse, *lists, floats, *ctx.scalars)
-        return (dq, dk, dv, None, None, None, None, list(dts)) + (None,) * len(ctx.scalars)
+        dq, dk, dv, dts = flex_bwd(do.contiguous(), q, k, v, o, lse, *lists, floats, *ctx.scalars, ctx.want)
+        it = iter(dts)
+        dfloats = [next(it) if ctx.want >> n & 1 else None for n in range(ctx.nfloats)]
+        return (dq, dk, dv, None, None, None, None, dfloats) + (None,) * len(ctx.scalars)
 
     flex_fwd.register_autograd(backward, setup_context=setup_context)
     _OPS = flex_fwd

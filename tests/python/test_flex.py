@@ -393,3 +393,28 @@ def test_cuda_backward_keeps_a_nan_query_in_its_own_row():
     assert torch.isnan(k.grad[0, 0, :6]).all() and torch.isfinite(k.grad[0, 0, 6:]).all()
     assert torch.isnan(v.grad[0, 0, :6]).all() and torch.isfinite(v.grad[0, 0, 6:]).all()
     assert all(torch.isfinite(x.grad[0, 1]).all() for x in (q, k, v))
+
+
+@pytest.mark.skipif(TORCH is None, reason="torch is not installed")
+def test_torch_tensor_gradients_only_where_wanted():
+    """Of a score_mod's two float tensors, only the one that requires grad gets a gradient (the
+    other costs the backward nothing); q, k, v's gradients are those of the call where both do."""
+    torch = TORCH
+    q, k, v = (torch.tensor(x, requires_grad=True) for x in _qkv(4))
+    slope = torch.tensor(SLOPE, requires_grad=True)
+    rel = torch.tensor(np.linspace(-1, 1, 2 * 64 + 1).astype(np.float32))
+
+    def score(s, b, h, q_idx, kv_idx):
+        return s - slope[h] * torch.abs(q_idx - kv_idx) + rel[q_idx - kv_idx + 64]
+
+    o = nsa.flex_attention(q, k, v, score_mod=score, enable_gqa=True)
+    o.sum().backward()
+    assert slope.grad is not None and rel.grad is None
+    grads = [x.grad.clone() for x in (q, k, v, slope)]
+    for x in (q, k, v, slope):
+        x.grad = None
+    rel.requires_grad_()
+    nsa.flex_attention(q, k, v, score_mod=score, enable_gqa=True).sum().backward()
+    assert rel.grad is not None and rel.grad.abs().sum() > 0
+    for got, x in zip(grads, (q, k, v, slope)):
+        assert torch.equal(got, x.grad)
