@@ -132,6 +132,7 @@ static const char FLEX_COMMON[] =
 
 /* The scalar forward (after FLEX_COMMON). */
 static const char FLEX_KERNEL[] =
+    "#if NSA_KERNEL == 0\n"
     "extern \"C\" __global__ void nsa_flex_fwd(const flex_params P, const nsa_mod_caps mc, const nsa_mod_caps sc)\n"
     "{\n"
     "    if (P.nf_role == 2 && *(const volatile int *)P.nf == 0) return; /* beside the tensor-core kernel: finite inputs */\n"
@@ -178,7 +179,8 @@ static const char FLEX_KERNEL[] =
     "        }\n"
     "        if (P.lse && lane == 0) P.lse[b * P.ls0 + i * P.ls1 + hq * P.ls2] = empty ? NEG_INF : m + logf(l);\n"
     "    }\n"
-    "}\n";
+    "}\n"
+    "#endif\n";
 
 /* The tensor-core kernels (f16 / bf16, DK and DV in {64, 128}, block sizes multiples of 16), one
  * body in two layouts. nsa_flex_fwd_tc64 (q and kv blocks multiples of 64): a CTA takes 64 query
@@ -438,6 +440,7 @@ __device__ __forceinline__ void tc_body(const flex_params &P, const nsa_mod_caps
 }
 
 /* one layout a source (NSA_TC_WIDE): each compile builds only the kernel the call runs */
+#if NSA_KERNEL == 1
 extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_fwd_tc(const flex_params P, const nsa_mod_caps mc,
                                                                            const nsa_mod_caps sc)
 {
@@ -447,6 +450,7 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_fwd_tc(cons
     tc_body<16, false>(P, mc, sc);
 #endif
 }
+#endif
 )NSA";
 
 /* The tensor-core backward (after FLEX_TC_COMMON and the scalar backward; f16 / bf16, head dims
@@ -757,6 +761,7 @@ __device__ __forceinline__ void tb_dkdv(const flex_params &P, const flex_grads &
 }
 
 /* one layout a source (NSA_TC_WIDE), as the forward */
+#if NSA_KERNEL == 2
 extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_bwd_dq_tc(const flex_params P, const flex_grads R,
                                                                               const nsa_mod_caps mc, const nsa_mod_caps sc,
                                                                               const nsa_mod_sink sink)
@@ -767,6 +772,8 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_bwd_dq_tc(c
     tb_dq<16, false>(P, R, mc, sc, sink);
 #endif
 }
+#endif
+#if NSA_KERNEL == 3
 extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_bwd_dkdv_tc(const flex_params P, const flex_grads R,
                                                                                 const nsa_mod_caps mc, const nsa_mod_caps sc)
 {
@@ -776,6 +783,7 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) nsa_flex_bwd_dkdv_tc
     tb_dkdv<16, false>(P, R, mc, sc);
 #endif
 }
+#endif
 )NSA";
 
 /* The backward (after FLEX_COMMON): every float a score_mod's gradient sends to an element of a
@@ -823,6 +831,7 @@ __device__ __forceinline__ float warp_sum(float x)
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
     return x;
 }
+#if NSA_KERNEL == 0
 extern "C" __global__ void nsa_flex_bwd_dq(const flex_params P, const flex_grads R, const nsa_mod_caps mc, const nsa_mod_caps sc,
                                            const nsa_mod_sink sink)
 {
@@ -872,6 +881,7 @@ extern "C" __global__ void nsa_flex_bwd_dq(const flex_params P, const flex_grads
         }
     }
 }
+#endif
 /* whether key block kb is listed for (b, hq, query block qb): 0 no, 1 partial, 2 full (lanes
  * search the lists side by side) */
 __device__ int listed_as(const flex_params &P, long long b, long long hq, long long qb, long long kb, int lane)
@@ -892,6 +902,7 @@ __device__ int listed_as(const flex_params &P, long long b, long long hq, long l
     }
     return 0;
 }
+#if NSA_KERNEL == 1
 extern "C" __global__ void nsa_flex_bwd_dkdv(const flex_params P, const flex_grads R, const nsa_mod_caps mc, const nsa_mod_caps sc)
 {
     if (P.nf_role == 2 && *(const volatile int *)P.nf == 0) return;
@@ -946,6 +957,7 @@ extern "C" __global__ void nsa_flex_bwd_dkdv(const flex_params P, const flex_gra
         }
     }
 }
+#endif
 )NSA";
 
 /* ---- NVRTC, loaded on first use ------------------------------------------------------------- */
@@ -1039,18 +1051,19 @@ static uint64_t fnv1a(const char *s, uint64_t h)
 
 /* Compiles src for compute capability major.minor into a cubin (malloc'd). @return 1, or 0 with
  * the reason in why (the compiler's log on a compile error). */
-static int flex_compile(nvrtc_api *api, const char *src, int major, int minor, char **cubin, size_t *bytes, char *why,
-                        size_t n)
+static int flex_compile(nvrtc_api *api, const char *src, int major, int minor, int kernel, char **cubin, size_t *bytes,
+                        char *why, size_t n)
 {
-    char arch[48];
+    char arch[48], which[32];
     snprintf(arch, sizeof arch, "--gpu-architecture=sm_%d%d%s", major, minor, major == 9 && minor == 0 ? "a" : "");
-    const char *opts[] = {arch, "--std=c++17", "-default-device"};
+    snprintf(which, sizeof which, "-DNSA_KERNEL=%d", kernel);
+    const char *opts[] = {arch, "--std=c++17", "-default-device", which};
     nvrtcProgram prog;
     if (api->create(&prog, src, "nsa_flex.cu", 0, NULL, NULL) != NVRTC_SUCCESS) {
         snprintf(why, n, "nvrtcCreateProgram failed");
         return 0;
     }
-    const nvrtcResult rc = api->compile(prog, 3, opts);
+    const nvrtcResult rc = api->compile(prog, 4, opts);
     if (rc != NVRTC_SUCCESS) {
         size_t ls = 0;
         api->log_size(prog, &ls);
@@ -1070,6 +1083,51 @@ static int flex_compile(nvrtc_api *api, const char *src, int major, int minor, c
     return ok;
 }
 
+/* The kernels of one source are compiled apart (-DNSA_KERNEL=k keeps one) and side by side, a
+ * thread each: a first call's wait is its slowest kernel's compile, not their sum. */
+typedef struct flex_job {
+    nvrtc_api *api;
+    const char *src;
+    int major, minor, kernel, ok;
+    char *cubin;
+    size_t bytes;
+    char why[256];
+} flex_job;
+
+static void *flex_job_run(void *arg)
+{
+    flex_job *j = (flex_job *)arg;
+    j->ok = flex_compile(j->api, j->src, j->major, j->minor, j->kernel, &j->cubin, &j->bytes, j->why, sizeof j->why);
+    return NULL;
+}
+
+/* Runs jobs[0 .. n) (those with cubin NULL), in threads where they start, else in this one.
+ * @return whether all of them compiled (else the first failure's reason in why). */
+static int flex_compile_jobs(flex_job *jobs, int n, char *why, size_t nwhy)
+{
+    pthread_t th[4];
+    int started[4] = {0, 0, 0, 0};
+    for (int x = 0; x < n; x++) {
+        jobs[x].ok = jobs[x].cubin != NULL;
+        if (!jobs[x].ok) started[x] = pthread_create(&th[x], NULL, flex_job_run, &jobs[x]) == 0;
+    }
+    for (int x = 0; x < n; x++) {
+        if (started[x]) pthread_join(th[x], NULL);
+        else if (!jobs[x].ok) flex_job_run(&jobs[x]);
+    }
+    for (int x = 0; x < n; x++)
+        if (!jobs[x].ok) {
+            snprintf(why, nwhy, "%s", jobs[x].why);
+            return 0;
+        }
+    return 1;
+}
+
+/* Kernels a source holds (NSA_KERNEL 0 ..): the forward's scalar one and, with head dims, its
+ * tensor-core one; the backward's scalar dq and dk / dv and, with head dims, their tensor-core
+ * forms. */
+static int flex_kernel_count(int dk, int bwd) { return (bwd ? 2 : 1) * (dk > 0 ? 2 : 1); }
+
 /* Compiles the kernels of (mask, score, elem; the forward's tensor-core one for f16 / bf16, or
  * with bwd the backward's) for an architecture without a GPU: what the tests run on a machine
  * with the toolkit (the generated source must compile) and what times the first compile of a
@@ -1080,17 +1138,27 @@ extern "C" nsa_status nsa_cuda_flex_compile_check(const nsa_mod *mask, const nsa
     nvrtc_api api;
     char why[256];
     if (!nvrtc_open(&api, why, sizeof why)) return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "ctx: %s", why);
-    char *src = flex_source(mask, score, elem, elem ? 128 : 0, 64, major == 9, bwd), *cubin = NULL; /* (both head dims; a layout an arch) */
+    const int dk = elem ? 128 : 0; /* (both head dims; a layout an arch) */
+    char *src = flex_source(mask, score, elem, dk, 64, major == 9, bwd);
     if (!src) {
         dlclose(api.handle);
         return nsa_fail(NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel source");
     }
+    flex_job jobs[4];
+    const int n = flex_kernel_count(dk, bwd);
+    memset(jobs, 0, sizeof jobs);
+    for (int x = 0; x < n; x++) jobs[x].api = &api, jobs[x].src = src, jobs[x].major = major, jobs[x].minor = minor, jobs[x].kernel = x;
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    const int ok = flex_compile(&api, src, major, minor, &cubin, cubin_bytes, why, sizeof why);
+    const int ok = flex_compile_jobs(jobs, n, why, sizeof why);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     if (seconds) *seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
-    free(src), free(cubin);
+    if (cubin_bytes) *cubin_bytes = 0;
+    for (int x = 0; x < n; x++) {
+        if (cubin_bytes && jobs[x].ok) *cubin_bytes += jobs[x].bytes;
+        free(jobs[x].cubin);
+    }
+    free(src);
     dlclose(api.handle);
     return ok ? NSA_STATUS_SUCCESS : nsa_fail(NSA_STATUS_NOT_SUPPORTED, "ctx: %s", why);
 }
@@ -1104,7 +1172,7 @@ struct flex_cache {
     int n;
     struct {
         uint64_t hash;
-        cudaLibrary_t lib;
+        cudaLibrary_t lib[4]; /* a library a kernel (NULL past the source's count) */
         cudaKernel_t k[4]; /* forward: scalar, tensor-core (NULL: not in this source); backward: dq, dk / dv (scalar, then
                               tensor-core) */
     } e[FLEX_CACHE_ENTRIES];
@@ -1121,7 +1189,9 @@ extern "C" void nsa_cuda_flex_cache_free(void *cache)
 {
     flex_cache *c = (flex_cache *)cache;
     if (!c) return;
-    for (int i = 0; i < c->n; i++) cudaLibraryUnload(c->e[i].lib);
+    for (int i = 0; i < c->n; i++)
+        for (int x = 0; x < 4; x++)
+            if (c->e[i].lib[x]) cudaLibraryUnload(c->e[i].lib[x]);
     if (c->api.handle) dlclose(c->api.handle);
     pthread_mutex_destroy(&c->lock);
     free(c);
@@ -1168,50 +1238,55 @@ static int flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, const nsa_mo
     for (int i = 0; i < c->n && !k[0]; i++)
         if (c->e[i].hash == hash) memcpy(k, c->e[i].k, sizeof c->e[i].k);
     if (!k[0]) {
-        char dir[512], path[600], why[256];
-        char *cubin = NULL;
-        size_t bytes = 0;
-        const int have_dir = cache_dir(dir, sizeof dir);
-        snprintf(path, sizeof path, "%s/flex-%016llx.cubin", dir, (unsigned long long)hash);
-        FILE *f = have_dir ? fopen(path, "rb") : NULL;
-        if (f) { /* a cubin compiled earlier for this source and architecture */
-            fseek(f, 0, SEEK_END);
-            const long len = ftell(f);
-            fseek(f, 0, SEEK_SET);
-            cubin = len > 0 ? (char *)malloc((size_t)len) : NULL;
-            if (cubin && fread(cubin, 1, (size_t)len, f) == (size_t)len) bytes = (size_t)len;
-            else free(cubin), cubin = NULL;
-            fclose(f);
-        }
-        if (!cubin) {
-            if (!c->opened) c->opened = nvrtc_open(&c->api, why, sizeof why) ? 1 : -1;
-            if (c->opened < 0 || !flex_compile(&c->api, src, major, minor, &cubin, &bytes, why, sizeof why)) {
-                g_fail(g, NSA_STATUS_NOT_SUPPORTED, "ctx: %s", c->opened < 0 ? "NVRTC (libnvrtc.so) not found" : why);
-                pthread_mutex_unlock(&c->lock);
-                free(src);
-                return 0;
+        char dir[512], path[4][600], why[256];
+        const int have_dir = cache_dir(dir, sizeof dir), n = flex_kernel_count(dk, bwd);
+        flex_job jobs[4];
+        memset(jobs, 0, sizeof jobs);
+        for (int x = 0; x < n; x++) {
+            jobs[x].api = &c->api, jobs[x].src = src, jobs[x].major = major, jobs[x].minor = minor, jobs[x].kernel = x;
+            snprintf(path[x], sizeof path[x], "%s/flex-%016llx-%d.cubin", dir, (unsigned long long)hash, x);
+            FILE *f = have_dir ? fopen(path[x], "rb") : NULL;
+            if (f) { /* a cubin compiled earlier for this source, kernel and architecture */
+                fseek(f, 0, SEEK_END);
+                const long len = ftell(f);
+                fseek(f, 0, SEEK_SET);
+                jobs[x].cubin = len > 0 ? (char *)malloc((size_t)len) : NULL;
+                if (jobs[x].cubin && fread(jobs[x].cubin, 1, (size_t)len, f) == (size_t)len) jobs[x].bytes = (size_t)len;
+                else free(jobs[x].cubin), jobs[x].cubin = NULL;
+                fclose(f);
             }
-            FILE *w = have_dir ? fopen(path, "wb") : NULL;
-            if (w) fwrite(cubin, 1, bytes, w), fclose(w);
         }
-        cudaLibrary_t lib = NULL;
-        g_check(g, cudaLibraryLoadData(&lib, cubin, NULL, NULL, 0, NULL, NULL, 0));
-        for (int x = 0; x < 4 && g_live(g); x++) /* (the tensor-core ones only with head dims) */
-            if (NAMES[bwd][x] && (x == 0 || (bwd && x == 1) || dk > 0)) g_check(g, cudaLibraryGetKernel(&k[x], lib, NAMES[bwd][x]));
+        int missing = 0;
+        for (int x = 0; x < n; x++) missing |= jobs[x].cubin == NULL;
+        if (missing && !c->opened) c->opened = nvrtc_open(&c->api, why, sizeof why) ? 1 : -1;
+        const int compiled = missing ? c->opened > 0 && flex_compile_jobs(jobs, n, why, sizeof why) : 1;
+        if (!compiled) g_fail(g, NSA_STATUS_NOT_SUPPORTED, "ctx: %s", c->opened < 0 ? "NVRTC (libnvrtc.so) not found" : why);
+        cudaLibrary_t lib[4] = {NULL, NULL, NULL, NULL};
+        for (int x = 0; x < n && g_live(g); x++) {
+            if (missing && have_dir) { /* (each file written whole or not at all matters little: a bad one fails to load) */
+                FILE *w = fopen(path[x], "wb");
+                if (w) fwrite(jobs[x].cubin, 1, jobs[x].bytes, w), fclose(w);
+            }
+            g_check(g, cudaLibraryLoadData(&lib[x], jobs[x].cubin, NULL, NULL, 0, NULL, NULL, 0));
+            if (g_live(g)) g_check(g, cudaLibraryGetKernel(&k[x], lib[x], NAMES[bwd][x]));
+        }
         if (g_live(g)) {
             if (c->n == FLEX_CACHE_ENTRIES) { /* full: the oldest goes */
-                cudaLibraryUnload(c->e[0].lib);
+                for (int x = 0; x < 4; x++)
+                    if (c->e[0].lib[x]) cudaLibraryUnload(c->e[0].lib[x]);
                 memmove(&c->e[0], &c->e[1], sizeof c->e[0] * (FLEX_CACHE_ENTRIES - 1));
                 c->n--;
             }
-            c->e[c->n].hash = hash, c->e[c->n].lib = lib;
+            c->e[c->n].hash = hash;
+            memcpy(c->e[c->n].lib, lib, sizeof lib);
             memcpy(c->e[c->n].k, k, sizeof c->e[c->n].k);
             c->n++;
-        } else if (lib) {
-            cudaLibraryUnload(lib);
+        } else {
+            for (int x = 0; x < 4; x++)
+                if (lib[x]) cudaLibraryUnload(lib[x]);
             k[0] = k[1] = k[2] = k[3] = NULL;
         }
-        free(cubin);
+        for (int x = 0; x < n; x++) free(jobs[x].cubin);
     }
     pthread_mutex_unlock(&c->lock);
     free(src);
