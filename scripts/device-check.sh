@@ -312,6 +312,11 @@ if [ -n "$EXTRA" ]; then
                 python3 -m pytest -q -x tests/python/test_step_gpu.py -k "bfloat16 and (128-4-64 or 128-16-64)" \
                 > "$FULLDIR/python-memcheck.txt" 2>&1
             note "python step memcheck rc $?: $(grep -E 'ERROR SUMMARY' "$FULLDIR/python-memcheck.txt" | tail -1) / $(tail -1 "$FULLDIR/python-memcheck.txt" | tr -d '=')"
+            # the block-sparse kernels (generated: forward and backward, tensor-core and scalar) under memcheck
+            NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 10 \
+                python3 -m pytest -q -x -p no:cacheprovider tests/python/test_flex.py -k "cuda and (backward or document or nan)" \
+                > "$FULLDIR/python-flex-memcheck.txt" 2>&1
+            note "python flex memcheck rc $?: $(grep -E 'ERROR SUMMARY' "$FULLDIR/python-flex-memcheck.txt" | tail -1) / $(tail -1 "$FULLDIR/python-flex-memcheck.txt" | tr -d '=')"
             NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python PYTHONUNBUFFERED=1 timeout 240 python3 examples/generate.py \
                 --device cuda --tiny --train-steps 60 > "$FULLDIR/generate.txt" 2>&1
             note "generate rc $?: $(grep -iE 'equal|tokens/s|differ' "$FULLDIR/generate.txt" | tr '\n' ' ' | cut -c1-300)"
