@@ -294,6 +294,51 @@ __device__ __forceinline__ long long tc_issue(const flex_params &P, const tc_lis
     return k0;
 }
 
+/* A fragments of 16 rows (row0 ..) of a [rows, D] view at p with row stride rs (rows from `end` on zero) */
+template <int D>
+__device__ __forceinline__ void tc_frags(unsigned f[D / 16][4], const unsigned short *p, long long rs, long long row0, long long end,
+                                         int lane)
+{
+#pragma unroll
+    for (int k = 0; k < D / 16; k++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const long long i = row0 + (lane >> 2) + 8 * (e & 1);
+            const int col = 16 * k + 2 * (lane & 3) + 8 * (e >> 1);
+            f[k][e] = i < end ? *(const unsigned *)(p + i * rs + col) : 0u;
+        }
+}
+
+/* The KS-key slices of a list through TC_STAGES buffers at Ks, Vs (kb, nk, fl: each buffer's
+ * first key, real keys, and whether its block is full): begin() issues the first stages;
+ * at(t) waits for slice t (then the block's or the warp's barrier: every thread's copies are
+ * in and every warp is done with slice t - 1, whose buffer comes next), issues slice
+ * t + TC_STAGES - 1 and returns slice t's buffer. */
+template <int KS, int NT, bool SHARED>
+struct tc_pipe {
+    unsigned short *Ks, *Vs;
+    long long nt, kb[TC_STAGES];
+    int nk[TC_STAGES], fl[TC_STAGES];
+    __device__ __forceinline__ void begin(const flex_params &P, const tc_list &L, long long b, long long h, int me)
+    {
+#pragma unroll
+        for (int st = 0; st < TC_STAGES - 1; st++)
+            if (st < nt) kb[st] = tc_issue<KS, NT>(P, L, st, b, h, Ks + st * KS * LDK, Vs + st * KS * LDV, me, &nk[st], &fl[st]);
+    }
+    __device__ __forceinline__ int at(const flex_params &P, const tc_list &L, long long t, long long b, long long h, int me)
+    {
+        if (t + 1 < nt) tc_wait<TC_STAGES - 2>();
+        else tc_wait<0>();
+        if (SHARED) __syncthreads();
+        else __syncwarp();
+        if (t + TC_STAGES - 1 < nt) {
+            const int nb = (int)((t + TC_STAGES - 1) % TC_STAGES);
+            kb[nb] = tc_issue<KS, NT>(P, L, t + TC_STAGES - 1, b, h, Ks + nb * KS * LDK, Vs + nb * KS * LDV, me, &nk[nb], &fl[nb]);
+        }
+        return (int)(t % TC_STAGES);
+    }
+};
+
 )NSA";
 
 /* The tensor-core forward (after FLEX_TC_COMMON). */
@@ -322,36 +367,16 @@ __device__ __forceinline__ void tc_body(const flex_params &P, const nsa_mod_caps
 
     /* Q's 16 rows as A fragments (rows past Tq zero) */
     unsigned qf[NSA_DK / 16][4];
-    {
-        const unsigned short *qp = (const unsigned short *)P.q + b * P.qs0 + hq * P.qs2;
-#pragma unroll
-        for (int k = 0; k < NSA_DK / 16; k++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const long long i = i0 + r0 + 8 * (e & 1);
-                const int col = 16 * k + 2 * (lane & 3) + 8 * (e >> 1);
-                qf[k][e] = i < P.Tq ? *(const unsigned *)(qp + i * P.qs1 + col) : 0u;
-            }
-    }
+    tc_frags<NSA_DK>(qf, (const unsigned short *)P.q + b * P.qs0 + hq * P.qs2, P.qs1, i0, P.Tq, lane);
     float acc[NSA_DV / 8][4];
 #pragma unroll
     for (int n = 0; n < NSA_DV / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     float mrun[2] = {NEG_INF, NEG_INF}, lsum[2] = {0.0f, 0.0f};
-    long long kb[TC_STAGES];
-    int nk[TC_STAGES], fl[TC_STAGES];
-#pragma unroll
-    for (int st = 0; st < TC_STAGES - 1; st++)
-        if (st < nt) kb[st] = tc_issue<KS, NT>(P, L, st, b, h, Ks + st * KS * LDK, Vs + st * KS * LDV, me, &nk[st], &fl[st]);
+    tc_pipe<KS, NT, SHARED> pipe;
+    pipe.Ks = Ks, pipe.Vs = Vs, pipe.nt = nt;
+    pipe.begin(P, L, b, h, me);
     for (long long t = 0; t < nt; t++) {
-        const int buf = (int)(t % TC_STAGES);
-        if (t + 1 < nt) tc_wait<TC_STAGES - 2>();
-        else tc_wait<0>();
-        if (SHARED) __syncthreads(); /* slice t is in; every warp is done with slice t - 1, whose buffer comes next */
-        else __syncwarp();
-        if (t + TC_STAGES - 1 < nt) {
-            const int nb = (int)((t + TC_STAGES - 1) % TC_STAGES);
-            kb[nb] = tc_issue<KS, NT>(P, L, t + TC_STAGES - 1, b, h, Ks + nb * KS * LDK, Vs + nb * KS * LDV, me, &nk[nb], &fl[nb]);
-        }
+        const int buf = pipe.at(P, L, t, b, h, me);
         const unsigned short *Kb = Ks + buf * KS * LDK, *Vb = Vs + buf * KS * LDV;
         float s[NS][4];
 #pragma unroll
@@ -365,8 +390,8 @@ __device__ __forceinline__ void tc_body(const flex_params &P, const nsa_mod_caps
                 tc_mma(s[2 * n2], qf[k], bb[0], bb[1]);
                 tc_mma(s[2 * n2 + 1], qf[k], bb[2], bb[3]);
             }
-        const long long k0 = kb[buf];
-        const int n = nk[buf], full = fl[buf];
+        const long long k0 = pipe.kb[buf];
+        const int n = pipe.nk[buf], full = pipe.fl[buf];
         float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
         for (int n8 = 0; n8 < NS; n8++)
@@ -488,21 +513,6 @@ __device__ __forceinline__ void tb_issue_rows(const flex_params &P, const flex_g
     tc_commit();
 }
 
-/* A fragments of 16 rows (row0 ..) of a [rows, D] view at p with row stride rs (rows from `end` on zero) */
-template <int D>
-__device__ __forceinline__ void tb_frags(unsigned f[D / 16][4], const unsigned short *p, long long rs, long long row0, long long end,
-                                         int lane)
-{
-#pragma unroll
-    for (int k = 0; k < D / 16; k++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const long long i = row0 + (lane >> 2) + 8 * (e & 1);
-            const int col = 16 * k + 2 * (lane & 3) + 8 * (e >> 1);
-            f[k][e] = i < end ? *(const unsigned *)(p + i * rs + col) : 0u;
-        }
-}
-
 /* c[2][4] += A (16 x D fragments) times the 16 rows of B (a [16, D] tile in shared memory, row
  * stride ld) transposed: the 16 x 16 product A B^T */
 template <int D>
@@ -515,6 +525,19 @@ __device__ __forceinline__ void tb_abt(float c[2][4], const unsigned a[D / 16][4
         tc_mma(c[0], a[k], bb[0], bb[1]);
         tc_mma(c[1], a[k], bb[2], bb[3]);
     }
+}
+
+/* The backward's two 16 x 16 products of a step: s = A_k B_k^T over DK, dp = A_v B_v^T over DV
+ * (dq: Q against K and dout against V; dk / dv: K against Q and V against dout) */
+__device__ __forceinline__ void tb_s_dp(float s[2][4], float dp[2][4], const unsigned ak[NSA_DK / 16][4], const unsigned short *bk,
+                                        const unsigned av[NSA_DV / 16][4], const unsigned short *bv, int lane)
+{
+#pragma unroll
+    for (int x = 0; x < 2; x++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) s[x][e] = dp[x][e] = 0.0f;
+    tb_abt<NSA_DK>(s, ak, bk, LDK, lane);
+    tb_abt<NSA_DV>(dp, av, bv, LDV, lane);
 }
 
 /* acc[D / 8][4] += X B, X the 16 x 16 tile x[2][4] (rounded to the storage type), B a [16, D]
@@ -554,8 +577,8 @@ __device__ __forceinline__ void tb_dq(const flex_params &P, const flex_grads &R,
     const tc_list L = tc_list_of(P, b, hq, u0 / P.q_block);
     const long long nt = (L.n_part + L.n_full) * (P.kv_block / KS);
     unsigned qf[NSA_DK / 16][4], of[NSA_DV / 16][4];
-    tb_frags<NSA_DK>(qf, (const unsigned short *)P.q + b * P.qs0 + hq * P.qs2, P.qs1, i0, P.Tq, lane);
-    tb_frags<NSA_DV>(of, (const unsigned short *)R.dout + b * R.dos0 + hq * R.dos2, R.dos1, i0, P.Tq, lane);
+    tc_frags<NSA_DK>(qf, (const unsigned short *)P.q + b * P.qs0 + hq * P.qs2, P.qs1, i0, P.Tq, lane);
+    tc_frags<NSA_DV>(of, (const unsigned short *)R.dout + b * R.dos0 + hq * R.dos2, R.dos1, i0, P.Tq, lane);
     /* the lane's two rows (r0, r0 + 8): lse, and D = dout . o summed over the quad's columns */
     float lse[2], Dr[2];
 #pragma unroll
@@ -576,33 +599,18 @@ __device__ __forceinline__ void tb_dq(const flex_params &P, const flex_grads &R,
     float acc[NSA_DK / 8][4];
 #pragma unroll
     for (int n = 0; n < NSA_DK / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    long long kb[TC_STAGES];
-    int nk[TC_STAGES], fl[TC_STAGES];
-#pragma unroll
-    for (int st = 0; st < TC_STAGES - 1; st++)
-        if (st < nt) kb[st] = tc_issue<KS, NT>(P, L, st, b, h, Ks + st * KS * LDK, Vs + st * KS * LDV, me, &nk[st], &fl[st]);
+    tc_pipe<KS, NT, SHARED> pipe;
+    pipe.Ks = Ks, pipe.Vs = Vs, pipe.nt = nt;
+    pipe.begin(P, L, b, h, me);
     for (long long t = 0; t < nt; t++) {
-        const int buf = (int)(t % TC_STAGES);
-        if (t + 1 < nt) tc_wait<TC_STAGES - 2>();
-        else tc_wait<0>();
-        if (SHARED) __syncthreads(); /* slice t is in; every warp is done with slice t - 1, whose buffer comes next */
-        else __syncwarp();
-        if (t + TC_STAGES - 1 < nt) {
-            const int nb = (int)((t + TC_STAGES - 1) % TC_STAGES);
-            kb[nb] = tc_issue<KS, NT>(P, L, t + TC_STAGES - 1, b, h, Ks + nb * KS * LDK, Vs + nb * KS * LDV, me, &nk[nb], &fl[nb]);
-        }
-        const long long k0 = kb[buf];
-        const int n = nk[buf], full = fl[buf];
+        const int buf = pipe.at(P, L, t, b, h, me);
+        const long long k0 = pipe.kb[buf];
+        const int n = pipe.nk[buf], full = pipe.fl[buf];
 #pragma unroll 1
         for (int sub = 0; sub < KS / 16 && 16 * sub < n; sub++) {
             const unsigned short *Kb = Ks + (buf * KS + 16 * sub) * LDK, *Vb = Vs + (buf * KS + 16 * sub) * LDV;
             float s[2][4], dp[2][4];
-#pragma unroll
-            for (int x = 0; x < 2; x++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) s[x][e] = dp[x][e] = 0.0f;
-            tb_abt<NSA_DK>(s, qf, Kb, LDK, lane);
-            tb_abt<NSA_DV>(dp, of, Vb, LDV, lane);
+            tb_s_dp(s, dp, qf, Kb, of, Vb, lane); /* S = Q K^T, dP = dout V^T */
 #pragma unroll
             for (int n8 = 0; n8 < 2; n8++)
 #pragma unroll
@@ -680,8 +688,8 @@ __device__ __forceinline__ void tb_dkdv(const flex_params &P, const flex_grads &
     const float NEG_INF = nsa_mod_fbits(0xff800000u);
     unsigned short *Qs = tc_sm + (SHARED ? 0 : (long long)warp * 2 * SR * (LDK + LDV)), *Os = Qs + 2 * SR * LDK;
     unsigned kf[NSA_DK / 16][4], vf[NSA_DV / 16][4];
-    tb_frags<NSA_DK>(kf, (const unsigned short *)P.k + b * P.ks0 + h * P.ks2, P.ks1, k0, P.Tk, lane);
-    tb_frags<NSA_DV>(vf, (const unsigned short *)P.v + b * P.vs0 + h * P.vs2, P.vs1, k0, P.Tk, lane);
+    tc_frags<NSA_DK>(kf, (const unsigned short *)P.k + b * P.ks0 + h * P.ks2, P.ks1, k0, P.Tk, lane);
+    tc_frags<NSA_DV>(vf, (const unsigned short *)P.v + b * P.vs0 + h * P.vs2, P.vs1, k0, P.Tk, lane);
     float dk[NSA_DK / 8][4], dv[NSA_DV / 8][4];
 #pragma unroll
     for (int n = 0; n < NSA_DK / 8; n++) dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.0f;
@@ -714,12 +722,7 @@ __device__ __forceinline__ void tb_dkdv(const flex_params &P, const flex_grads &
                     Dr[n8][x] = i < cur.i1 ? R.D[(b * P.HQ + cur.hq) * P.Tq + i] : 0.0f;
                 }
             float s[2][4], dp[2][4];
-#pragma unroll
-            for (int x = 0; x < 2; x++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) s[x][e] = dp[x][e] = 0.0f;
-            tb_abt<NSA_DK>(s, kf, Qb, LDK, lane);
-            tb_abt<NSA_DV>(dp, vf, Ob, LDV, lane);
+            tb_s_dp(s, dp, kf, Qb, vf, Ob, lane); /* S^T = K Q^T, dP^T = V dout^T */
 #pragma unroll
             for (int n8 = 0; n8 < 2; n8++)
 #pragma unroll
