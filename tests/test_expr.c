@@ -212,7 +212,7 @@ static int close_or_same(float x, float y)
 
 static void check_generated_grad(void *lib, int i, const expr_program *p)
 {
-    char name[16];
+    char name[32];
     snprintf(name, sizeof name, "grad_%d", i);
     grad_fn fn;
     void *sym = dlsym(lib, name);
