@@ -42,10 +42,12 @@ struct flex_params {
 };
 
 /* The backward's own arguments beside flex_params (whose o and lse are the forward's outputs):
- * dout, the three gradients and the rows' D = dout . o (workspace, [B, HQ, Tq]). */
+ * dout, the three gradients, the rows' D = dout . o (workspace, [B, HQ, Tq]) and whether a
+ * score_mod tensor's gradient is wanted. */
 #define FLEX_GRAD_FIELDS                                                                           \
     const void *dout; void *dq; void *dk; void *dv; float *D;                                      \
-    long long dos0, dos1, dos2, dqs0, dqs1, dqs2, dks0, dks1, dks2, dvs0, dvs1, dvs2;
+    long long dos0, dos1, dos2, dqs0, dqs1, dqs2, dks0, dks1, dks2, dvs0, dvs1, dvs2;              \
+    int scatter;
 struct flex_grads {
     FLEX_GRAD_FIELDS
 };
@@ -527,6 +529,11 @@ __device__ __forceinline__ void tb_abt(float c[2][4], const unsigned a[D / 16][4
     }
 }
 
+/* dU from dS and the score_mod's derivative d1 = d(value)/d(score) at the pair (its reverse mode
+ * run once with g = 1, which also gave the value): dS d1, and 0 for dS = 0 as the reverse mode
+ * with g = dS gives it whatever d1 is */
+__device__ __forceinline__ float tb_chain(float ds, float d1) { return ds == 0.0f ? 0.0f : ds * d1; }
+
 /* The backward's two 16 x 16 products of a step: s = A_k B_k^T over DK, dp = A_v B_v^T over DV
  * (dq: Q against K and dout against V; dk / dv: K against Q and V against dout) */
 __device__ __forceinline__ void tb_s_dp(float s[2][4], float dp[2][4], const unsigned ak[NSA_DK / 16][4], const unsigned short *bk,
@@ -620,8 +627,13 @@ __device__ __forceinline__ void tb_dq(const flex_params &P, const flex_grads &R,
                     float du = 0.0f;
                     if (key < n && qi < P.Tq && lse[r] != NEG_INF && (full || nsa_flex_mask(&mc, b, hq, qi, kv))) {
                         const float u = s[n8][e] * P.scale;
-                        const float p = tc_exp(nsa_flex_score(&sc, b, hq, qi, kv, u) - lse[r]);
-                        if (p != 0.0f) nsa_mod_score_grad(&sc, &sink, b, hq, qi, kv, u, p * (dp[n8][e] - Dr[r]), &du);
+                        float d1;
+                        const float p = tc_exp(nsa_mod_score_grad(&sc, 0, b, hq, qi, kv, u, 1.0f, &d1) - lse[r]);
+                        if (p != 0.0f) {
+                            const float ds = p * (dp[n8][e] - Dr[r]);
+                            if (R.scatter) nsa_mod_score_grad(&sc, &sink, b, hq, qi, kv, u, ds, &du);
+                            else du = tb_chain(ds, d1);
+                        }
                     }
                     s[n8][e] = du;
                 }
@@ -732,8 +744,9 @@ __device__ __forceinline__ void tb_dkdv(const flex_params &P, const flex_grads &
                     if (kv < P.Tk && i < cur.i1 && lse[n8][e & 1] != NEG_INF &&
                         (cur.kind == 2 || nsa_flex_mask(&mc, b, cur.hq, i, kv))) {
                         const float u = s[n8][e] * P.scale;
-                        p = tc_exp(nsa_flex_score(&sc, b, cur.hq, i, kv, u) - lse[n8][e & 1]);
-                        if (p != 0.0f) nsa_mod_score_grad(&sc, 0, b, cur.hq, i, kv, u, p * (dp[n8][e] - Dr[n8][e & 1]), &du);
+                        float d1;
+                        p = tc_exp(nsa_mod_score_grad(&sc, 0, b, cur.hq, i, kv, u, 1.0f, &d1) - lse[n8][e & 1]);
+                        if (p != 0.0f) du = tb_chain(p * (dp[n8][e] - Dr[n8][e & 1]), d1);
                     }
                     s[n8][e] = p, dp[n8][e] = du;
                 }
@@ -1584,6 +1597,7 @@ static void run_flex_bwd(grun *g, const nsa_flex_bwd_args *a, flex_cache *c)
     R.dqs0 = a->dq.stride[0], R.dqs1 = a->dq.stride[1], R.dqs2 = a->dq.stride[2];
     R.dks0 = a->dk.stride[0], R.dks1 = a->dk.stride[1], R.dks2 = a->dk.stride[2];
     R.dvs0 = a->dv.stride[0], R.dvs1 = a->dv.stride[1], R.dvs2 = a->dv.stride[2];
+    for (int t = 0; t < ncap; t++) R.scatter |= sink.acc[t] != NULL;
     nsa_mod_caps mc, sc;
     caps_of(f->mask_mod, &mc), caps_of(f->score_mod, &sc);
     const int64_t rows = p->B * p->HQ * p->T, keys = p->B * p->H * p->Tk;
