@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../prim/run.h"
 #include "../prim/simt.cuh"
@@ -1279,9 +1280,13 @@ static int flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, const nsa_mo
         if (!compiled) g_fail(g, NSA_STATUS_NOT_SUPPORTED, "ctx: %s", c->opened < 0 ? "NVRTC (libnvrtc.so) not found" : why);
         cudaLibrary_t lib[4] = {NULL, NULL, NULL, NULL};
         for (int x = 0; x < n && g_live(g); x++) {
-            if (missing && have_dir) { /* (each file written whole or not at all matters little: a bad one fails to load) */
-                FILE *w = fopen(path[x], "wb");
-                if (w) fwrite(jobs[x].cubin, 1, jobs[x].bytes, w), fclose(w);
+            if (missing && have_dir) { /* written aside, then renamed: another process never reads half a file */
+                char tmp[640];
+                snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path[x], (long)getpid());
+                FILE *w = fopen(tmp, "wb");
+                const int whole = w && fwrite(jobs[x].cubin, 1, jobs[x].bytes, w) == jobs[x].bytes;
+                if (w) fclose(w);
+                if (!whole || rename(tmp, path[x]) != 0) remove(tmp);
             }
             g_check(g, cudaLibraryLoadData(&lib[x], jobs[x].cubin, NULL, NULL, 0, NULL, NULL, 0));
             if (g_live(g)) g_check(g, cudaLibraryGetKernel(&k[x], lib[x], NAMES[bwd][x]));
