@@ -95,7 +95,7 @@ typedef struct nsa_cuda_overrides {
                        hides) */
     int step_tiled; /* 0: the inference steps on their scalar kernels only (NSA_CUDA_STEP_TILED=0) */
     int step_hc;    /* tiled steps: kv heads per CTA, 1, 2 or 4 (NSA_CUDA_STEP_HC); 0: the planner's choice */
-    int flex_tc;    /* 0: the block-sparse forward on its scalar kernel only (NSA_CUDA_FLEX_TC=0) */
+    int flex_tc;    /* 0: block-sparse attention (forward and backward) on its scalar kernels only (NSA_CUDA_FLEX_TC=0) */
     int step_pdl;   /* 0: the tiled steps' kernels launched one after the other, not as programmatic dependents (NSA_CUDA_STEP_PDL=0) */
 } nsa_cuda_overrides;
 
