@@ -319,11 +319,12 @@ def test_cuda_forward_hides_a_nan_in_a_key_a_row_does_not_see():
 @pytest.mark.skipif(TORCH is None or not TORCH.cuda.is_available() or not nsa.backend_available("cuda"),
                     reason="needs torch with a CUDA device and libnsa's CUDA backend")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("case", ["documents_rel_bias", "window_softcap"])
+@pytest.mark.parametrize("case", ["documents_rel_bias", "window_softcap", "hidden_no_block_mask"])
 def test_cuda_backward_within_the_tolerance_rule(dtype, case):
     """The CUDA backward through autograd: dq, dk, dv and a learnable bias table's gradient against
     float64 dense attention, within 2x the error of the same computation in the inputs' precision
-    (f32: within 2e-5 of the largest); GQA, Tq != Tk, partial and full blocks; deterministic."""
+    (f32: within 2e-5 of the largest); GQA, Tq != Tk, partial and full blocks, no block mask with
+    scores sent to -inf (an expression string with its tensor); deterministic."""
     torch = TORCH
     dt = getattr(torch, dtype)
     Bn, HQn, Hn, Tq, Tk, D = 2, 4, 2, 150, 173, 64
@@ -343,14 +344,22 @@ def test_cuda_backward_within_the_tolerance_rule(dtype, case):
             def score(s, b, h, q_idx, kv_idx):
                 return s + rel[h, q_idx - kv_idx + Tk]
             blocks = (32, 48)
-        else:
+        elif case == "window_softcap":
             def mask(b, h, q_idx, kv_idx):
                 return (q_idx >= kv_idx) & (q_idx - kv_idx < 70)
 
             def score(s, b, h, q_idx, kv_idx):
                 return 2.0 * torch.tanh(s / 2.0) + rel[h, 0]
             blocks = 64
-        if use_nsa:
+        else:  # every key block partial (FlexAttention's 128 blocks), a third of the keys hidden by the score
+            mask, blocks = None, None
+
+            def score(s, b, h, q_idx, kv_idx):
+                return torch.where(kv_idx % 3 == 0, torch.full_like(s, float("-inf")), s * 2.0 + rel[h, 1])
+        if use_nsa and blocks is None:
+            text = "where(kv_idx % 3 == 0, -exp(1000.0), score * 2.0 + rel[h, 1])"
+            o = nsa.flex_attention(q, k, v, score_mod=text, scale=0.2, enable_gqa=True, tensors={"rel": rel})
+        elif use_nsa:
             bm = nsa.create_block_mask(mask, None, None, Tq, Tk, device="cuda", BLOCK_SIZE=blocks)
             o = nsa.flex_attention(q, k, v, score_mod=score, block_mask=bm, scale=0.2, enable_gqa=True)
         else:
