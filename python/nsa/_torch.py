@@ -42,18 +42,17 @@ class TorchCall(_core.Call):
             self.backend = _lib.BACKEND_CUDA
             self.index = device.index if device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", self.index)
-            self.device_index = self.index
         elif device.type == "cpu":
             self.backend = _lib.BACKEND_CPU
             self.device = torch.device("cpu")
-            self.device_index = -1  # Tensor.get_device() of a CPU tensor
+            self.index = -1  # Tensor.get_device() of a CPU tensor
         else:
             raise NsaError(_lib.STATUS_BACKEND_UNAVAILABLE, "tensors on %s (nsa runs on cpu and cuda)" % device)
 
     def view(self, t, name, output=False):
         if not isinstance(t, Tensor):
             raise TypeError("%s must be a torch.Tensor, not %s" % (name, type(t).__name__))
-        if t.get_device() != self.device_index or (self.device_index < 0 and not t.is_cpu):  # t.device builds an object
+        if t.get_device() != self.index or (self.index < 0 and not t.is_cpu):  # t.device builds an object
             raise NsaError(_lib.STATUS_BAD_ARGUMENT, "%s is on %s but q is on %s" % (name, t.device, self.device))
         if t.dtype == torch.bool and not output:  # masks: one byte per element, nonzero = keep
             t = t.view(torch.uint8)

@@ -46,9 +46,9 @@ def flex_op():
         a tensor that needs none costs no scatter)."""
         bm = block_mask_of((kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), mask_handle, q_block, kv_block)
         score = _mod_of(score_handle)
-        idx = [i for n, i in enumerate(score.float_idx) if want >> n & 1] if score else []
-        (dq, dk, dv), tens = _backward(q, k, v, o, lse, dout, bm, score, scale, idx)
-        grads = [tens[i].to(t.dtype) for n, (i, t) in enumerate(zip(score.float_idx, floats)) if want >> n & 1] if score else []
+        wanted = [(i, t) for n, (i, t) in enumerate(zip(score.float_idx, floats)) if want >> n & 1] if score else []
+        (dq, dk, dv), tens = _backward(q, k, v, o, lse, dout, bm, score, scale, [i for i, _ in wanted])
+        grads = [tens[i].to(t.dtype) for i, t in wanted]
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), grads
 
     @flex_bwd.register_fake
