@@ -234,6 +234,18 @@ NSA_API nsa_status nsa_compress(nsa_context *ctx, const nsa_compress_args *args,
 NSA_API nsa_status nsa_compress_bwd_workspace_size(nsa_context *ctx, const nsa_compress_bwd_args *args, size_t *bytes);
 NSA_API nsa_status nsa_compress_bwd(nsa_context *ctx, const nsa_compress_bwd_args *args, void *workspace, size_t workspace_bytes);
 
+/* ---- Query chunks (spec 0.3), for the NSA operations 2, 3, 4 and 7 ------------------ */
+/* Besides whole sequences (q and k share T), these operations take a chunk of a sequence's
+ * queries against the sequence's whole prefix of keys, the local step of context parallelism:
+ * q (and o, lse, gates, block_indices, block_counts, dout, dq) has Tq rows, the key side Tk >= Tq
+ * (k, v and their overrides, dk, dv: Tk rows; k_cmp, v_cmp: Nc(Tk) rows), and query row i is
+ * position Tk - Tq + i (aligned bottom-right, like nsa_attention). Every rule applies at that
+ * position, so row i equals row Tk - Tq + i of the whole-sequence call, and the backward's dk,
+ * dv (and dk_cmp, ...) are the whole-sequence call's with dout zero outside the chunk. The
+ * operations with k take Tk from k's dim 1; nsa_cmp_attn and nsa_select, which have only the
+ * compressed keys, from kv_len. Dense batches only: under varlen.cu_seqlens, Tq == Tk.
+ * CUDA backend: whole sequences only (a chunk gets NSA_STATUS_NOT_SUPPORTED). */
+
 /* ---- 2. Compressed attention (spec 2) ---------------------------------------------- */
 /* Query t sees block i iff i*d + l - 1 <= t; a query that sees no block gets o = 0 and
  * lse = -inf. Query head hq uses kv head hq / G. */
@@ -245,6 +257,8 @@ typedef struct nsa_cmp_attn_args {
     nsa_tensor lse;      /* out [B, T, HQ] F32: log sum_i exp(scale * q.k_cmp[i])       */
     nsa_varlen varlen;
     nsa_config config;   /* cmp_len, cmp_stride, scale */
+    int64_t kv_len;      /* Tk, the tokens the compressed rows come from (Nc = Nc(Tk)); the T
+                            queries are positions Tk - T .. Tk - 1. 0 = T (whole sequences) */
 } nsa_cmp_attn_args;
 
 typedef struct nsa_cmp_attn_bwd_args {
@@ -273,6 +287,7 @@ typedef struct nsa_select_args {
     nsa_tensor block_counts;   /* out, optional [B, T, H] I32: valid entries per row */
     nsa_varlen varlen;
     nsa_config config;         /* all selection fields, scale */
+    int64_t kv_len;            /* Tk of a query chunk, as in nsa_cmp_attn_args; 0 = T */
 } nsa_select_args;
 
 NSA_API nsa_status nsa_select_workspace_size(nsa_context *ctx, const nsa_select_args *args, size_t *bytes);
@@ -284,8 +299,8 @@ NSA_API nsa_status nsa_select(nsa_context *ctx, const nsa_select_args *args, voi
  * count once; with block_counts only the first block_counts[b,t,h] entries are read. */
 typedef struct nsa_slc_attn_args {
     nsa_tensor q;              /* in  [B, T, HQ, DK] */
-    nsa_tensor k;              /* in  [B, T, H, DK]  */
-    nsa_tensor v;              /* in  [B, T, H, DV]  */
+    nsa_tensor k;              /* in  [B, Tk, H, DK] (Tk = T, or a query chunk's key side) */
+    nsa_tensor v;              /* in  [B, Tk, H, DV] */
     nsa_tensor block_indices;  /* in  [B, T, H, m] I32 (any m >= 1; m = n from nsa_select) */
     nsa_tensor block_counts;   /* in, optional [B, T, H] I32 */
     nsa_tensor o;              /* out [B, T, HQ, DV] */
@@ -298,8 +313,8 @@ typedef struct nsa_slc_attn_bwd_args {
     nsa_slc_attn_args fwd;
     nsa_tensor dout;           /* in  [B, T, HQ, DV] */
     nsa_tensor dq;             /* out [B, T, HQ, DK] */
-    nsa_tensor dk;             /* out [B, T, H, DK]  */
-    nsa_tensor dv;             /* out [B, T, H, DV]  */
+    nsa_tensor dk;             /* out [B, Tk, H, DK] */
+    nsa_tensor dv;             /* out [B, Tk, H, DV] */
 } nsa_slc_attn_bwd_args;
 
 NSA_API nsa_status nsa_slc_attn_workspace_size(nsa_context *ctx, const nsa_slc_attn_args *args, size_t *bytes);
@@ -428,11 +443,12 @@ typedef struct nsa_saved {
 
 typedef struct nsa_forward_args {
     nsa_tensor q;                /* in  [B, T, HQ, DK] */
-    nsa_tensor k, v;             /* in  [B, T, H, DK], [B, T, H, DV]: compression source and the
-                                        default K/V of the selection and window branches */
+    nsa_tensor k, v;             /* in  [B, Tk, H, DK], [B, Tk, H, DV]: compression source and the
+                                        default K/V of the selection and window branches (Tk = T,
+                                        or the key side of a query chunk) */
     nsa_tensor k_slc, v_slc;     /* in, optional: separate K/V of the selection branch (both or none) */
     nsa_tensor k_swa, v_swa;     /* in, optional: separate K/V of the window branch (both or none) */
-    nsa_tensor k_cmp, v_cmp;     /* in, optional [B, Nc, H, DK/DV]: the caller's compression
+    nsa_tensor k_cmp, v_cmp;     /* in, optional [B, Nc(Tk), H, DK/DV]: the caller's compression
                                         (a learnable phi); default mean pooling of k, v */
     nsa_tensor g_cmp, g_slc, g_swa;  /* in, optional [B, T, HQ]: branch gates; absent = branch off */
     nsa_tensor block_indices;    /* in, optional [B, T, H, m] I32: the caller's selection */
@@ -447,7 +463,7 @@ typedef struct nsa_backward_args {
     nsa_forward_args fwd;        /* the forward's args; saved.* are read */
     nsa_tensor dout;             /* in  [B, T, HQ, DV] */
     nsa_tensor dq;               /* out [B, T, HQ, DK] */
-    nsa_tensor dk, dv;           /* out [B, T, H, DK/DV] */
+    nsa_tensor dk, dv;           /* out [B, Tk, H, DK/DV] */
     nsa_tensor dk_slc, dv_slc;   /* out when k_slc/v_slc were given */
     nsa_tensor dk_swa, dv_swa;   /* out when k_swa/v_swa were given */
     nsa_tensor dk_cmp, dv_cmp;   /* out when k_cmp/v_cmp were given */

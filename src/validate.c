@@ -31,7 +31,7 @@ enum dim_sym {
     Z_NC,       /* compressed rows: known only once cu_seqlens is checked (stage d) */
     Z_M,        /* block_indices width chosen by the caller, >= 1 */
     Z_N,        /* block_indices width fixed to config.slc_topk */
-    Z_TK,       /* attention's key rows (Tq may differ from Tk there) */
+    Z_TK,       /* key rows: attention's (Tq may differ), a query chunk's key side (Tk >= T) */
     Z_C0, Z_CR, /* a step's token cache: dim 0 (B, or pages when paged) and rows per entry */
     Z_C0C, Z_CRC, /* ... its compressed cache */
     Z_MP, Z_MPC,  /* ... their block tables' widths (pages per sequence) */
@@ -56,8 +56,8 @@ enum shape_id { S_Q, S_K, S_V, S_O, S_ROW, S_KC, S_VC, S_IDX_M, S_IDX_N, S_CNT, 
 
 static const unsigned char SHAPES[][NSA_MAX_RANK] = {
     [S_Q] = {Z_B, Z_T, Z_HQ, Z_DK},    /* q, dq */
-    [S_K] = {Z_B, Z_T, Z_H, Z_DK},     /* k, dk; compress x with D as DK */
-    [S_V] = {Z_B, Z_T, Z_H, Z_DV},     /* v, dv */
+    [S_K] = {Z_B, Z_T, Z_H, Z_DK},     /* compress x with D as DK; a step's k_new */
+    [S_V] = {Z_B, Z_T, Z_H, Z_DV},     /* a step's v_new */
     [S_O] = {Z_B, Z_T, Z_HQ, Z_DV},    /* o, dout, branch outputs */
     [S_ROW] = {Z_B, Z_T, Z_HQ},        /* lse, gates */
     [S_KC] = {Z_B, Z_NC, Z_H, Z_DK},   /* k_cmp, x_cmp */
@@ -65,8 +65,8 @@ static const unsigned char SHAPES[][NSA_MAX_RANK] = {
     [S_IDX_M] = {Z_B, Z_T, Z_H, Z_M},  /* block_indices given by the caller */
     [S_IDX_N] = {Z_B, Z_T, Z_H, Z_N},  /* block_indices written by the selection */
     [S_CNT] = {Z_B, Z_T, Z_H},         /* block_counts */
-    [S_AK] = {Z_B, Z_TK, Z_H, Z_DK},   /* attention k, dk */
-    [S_AV] = {Z_B, Z_TK, Z_H, Z_DV},   /* attention v, dv */
+    [S_AK] = {Z_B, Z_TK, Z_H, Z_DK},   /* k, dk of attention, selected attention, NSA */
+    [S_AV] = {Z_B, Z_TK, Z_H, Z_DV},   /* v, dv */
     [S_HEAD] = {Z_HQ},                 /* sinks, dsinks */
     [S_SEGQ] = {Z_B, Z_T},             /* q_segment_ids */
     [S_SEGK] = {Z_B, Z_TK},            /* k_segment_ids */
@@ -256,14 +256,14 @@ static nsa_status check_one(const tspec *s, nsa_dtype ref, const char *ref_name)
 
 /* Stage d, and the compressed row count of dense and packed inputs alike. cu_seqlens is host
  * memory (nsa.h), the one array this file reads. */
-static nsa_status check_varlen(const nsa_varlen *vl, int64_t B, int64_t T, const nsa_config *cfg, const char *pre,
-                               nsa_problem *p)
+static nsa_status check_varlen(const nsa_varlen *vl, int64_t B, int64_t T, int64_t Tk, const nsa_config *cfg,
+                               const char *pre, nsa_problem *p)
 {
     const int32_t *cu = vl ? vl->cu_seqlens : NULL;
     int64_t N, s, rows = 0;
 
     p->num_seqs = B;
-    p->cmp_rows = cfg ? nsa_rule_num_cmp(T, cfg->cmp_len, cfg->cmp_stride) : 0;
+    p->cmp_rows = cfg ? nsa_rule_num_cmp(Tk, cfg->cmp_len, cfg->cmp_stride) : 0;
     if (!cu) return NSA_STATUS_SUCCESS;
     N = vl->num_seqs;
     if (B != 1)
@@ -318,9 +318,10 @@ typedef struct engine_in {
     const nsa_config *cfg;
     float scale;
     const char *pre;
+    int64_t kv_len; /* nsa_cmp_attn / nsa_select: the caller's Tk (0 = T); others 0 */
 } engine_in;
 
-/* Stage d's compressed rows disagree with a tensor's dim j; T came from t_name's dim 1. */
+/* Stage d's compressed rows disagree with a tensor's dim j; the key side's T came from t_name. */
 static nsa_status nc_fail(const tspec *s, int j, const nsa_problem *p, const engine_in *e, int64_t T, const char *t_name)
 {
     if (p->cu_seqlens)
@@ -396,12 +397,33 @@ static nsa_status check_tensors(const tspec *s, int n, const engine_in *e, nsa_p
         }
     }
 
-    if ((st = check_varlen(e->vl, dim[Z_B], dim[Z_T], cfg, e->pre, p)) != NSA_STATUS_SUCCESS) return st;
+    /* The key side of the NSA operations (those with a config): the whole sequence (Tk = T)
+     * or the prefix of a query chunk (Tk > T, dense batches only); nsa_cmp_attn and nsa_select
+     * have no k and take it from kv_len. */
+    char tk_name[32];
+    snprintf(tk_name, sizeof tk_name, "%skv_len", e->pre);
+    if (cfg) {
+        if (dim[Z_TK] >= 0) snprintf(tk_name, sizeof tk_name, "%s", s[who[Z_TK]].name);
+        else if (e->kv_len > 0) dim[Z_TK] = e->kv_len;
+        else dim[Z_TK] = dim[Z_T], snprintf(tk_name, sizeof tk_name, "%s", who[Z_T] >= 0 ? s[who[Z_T]].name : "T");
+        if (dim[Z_T] >= 0 && dim[Z_TK] < dim[Z_T])
+            return nsa_fail(NSA_STATUS_BAD_SHAPE, "%s: Tk is %" PRId64 ", less than the T = %" PRId64 " queries (%s): a query "
+                            "chunk reads its sequence's whole prefix", tk_name, dim[Z_TK], dim[Z_T], s[who[Z_T]].name);
+        if (e->vl && e->vl->cu_seqlens && dim[Z_TK] != dim[Z_T])
+            return nsa_fail(NSA_STATUS_BAD_SHAPE, "%s: Tk is %" PRId64 " and T %" PRId64 " under %svarlen.cu_seqlens: a query "
+                            "chunk (Tk > T) needs a dense batch", tk_name, dim[Z_TK], dim[Z_T], e->pre);
+    }
+
+    if ((st = check_varlen(e->vl, dim[Z_B], dim[Z_T], dim[Z_TK] >= 0 ? dim[Z_TK] : dim[Z_T], cfg, e->pre, p)) !=
+        NSA_STATUS_SUCCESS)
+        return st;
     dim[Z_NC] = p->cmp_rows;
     for (i = 0; i < n; i++) {
         if (!described(&s[i])) continue;
         for (j = 0; j < s[i].t->rank; j++)
-            if (SHAPES[s[i].shape][j] == Z_NC && s[i].t->shape[j] != p->cmp_rows) return nc_fail(&s[i], j, p, e, dim[Z_T], who[Z_T] >= 0 ? s[who[Z_T]].name : "T");
+            if (SHAPES[s[i].shape][j] == Z_NC && s[i].t->shape[j] != p->cmp_rows)
+                return nc_fail(&s[i], j, p, e, dim[Z_TK] >= 0 ? dim[Z_TK] : dim[Z_T],
+                               cfg ? tk_name : who[Z_T] >= 0 ? s[who[Z_T]].name : "T");
     }
 
     for (i = 0; i < n; i++) {
@@ -482,18 +504,21 @@ nsa_status nsa_config_validate(const nsa_config *c)
 
 /* The engine for ops that carry an nsa_config, after the config itself. */
 static nsa_status check_with_config(const tspec *s, int n, const tspec *ref, const nsa_varlen *vl, const nsa_config *cfg,
-                                    int bwd, nsa_problem *p)
+                                    int64_t kv_len, int bwd, nsa_problem *p)
 {
     nsa_status st = nsa_config_check(cfg, NM(bwd, "config"));
     if (st != NSA_STATUS_SUCCESS) return st;
-    const engine_in e = {ref->t->dtype, ref->name, vl, cfg, cfg->scale, PRE(bwd)};
+    if (kv_len < 0)
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%s: %" PRId64 " is negative, must be 0 (the queries' T) or >= T",
+                        NM(bwd, "kv_len"), kv_len);
+    const engine_in e = {ref->t->dtype, ref->name, vl, cfg, cfg->scale, PRE(bwd), kv_len};
     return check_tensors(s, n, &e, p);
 }
 
 /* ---- 1. Compression: x is its own query, so HQ = H and DK = DV = D. ------------------ */
 static nsa_status check_compress(const tspec *s, int n, const nsa_compress_args *a, int bwd, nsa_problem *p)
 {
-    nsa_status st = check_with_config(s, n, &s[0], &a->varlen, &a->config, bwd, p);
+    nsa_status st = check_with_config(s, n, &s[0], &a->varlen, &a->config, 0, bwd, p);
     if (st != NSA_STATUS_SUCCESS) return st;
     p->HQ = p->H;
     p->G = 1;
@@ -538,7 +563,7 @@ nsa_status nsa_validate_cmp_attn(const nsa_cmp_attn_args *a, nsa_problem *p)
 {
     tspec s[MAX_SPECS];
     int n = cmp_attn_specs(a, 0, s);
-    return check_with_config(s, n, &s[0], &a->varlen, &a->config, 0, p);
+    return check_with_config(s, n, &s[0], &a->varlen, &a->config, a->kv_len, 0, p);
 }
 
 nsa_status nsa_validate_cmp_attn_bwd(const nsa_cmp_attn_bwd_args *a, nsa_problem *p)
@@ -551,7 +576,7 @@ nsa_status nsa_validate_cmp_attn_bwd(const nsa_cmp_attn_bwd_args *a, nsa_problem
     };
     tspec s[MAX_SPECS];
     int n = append(s, cmp_attn_specs(&a->fwd, 1, s), g, COUNT(g));
-    return check_with_config(s, n, &s[0], &a->fwd.varlen, &a->fwd.config, 1, p);
+    return check_with_config(s, n, &s[0], &a->fwd.varlen, &a->fwd.config, a->fwd.kv_len, 1, p);
 }
 
 /* ---- 3. Selection: writes exactly n = slc_topk indices per row. ---------------------- */
@@ -564,7 +589,7 @@ nsa_status nsa_validate_select(const nsa_select_args *a, nsa_problem *p)
         {&a->block_indices, R_OUT, K_I32, S_IDX_N, "block_indices"},
         {&a->block_counts, R_OPT_OUT, K_I32, S_CNT, "block_counts"},
     };
-    nsa_status st = check_with_config(s, COUNT(s), &s[0], &a->varlen, &a->config, 0, p);
+    nsa_status st = check_with_config(s, COUNT(s), &s[0], &a->varlen, &a->config, a->kv_len, 0, p);
     if (st == NSA_STATUS_SUCCESS) p->m = a->config.slc_topk;
     return st;
 }
@@ -575,8 +600,8 @@ static int slc_attn_specs(const nsa_slc_attn_args *a, int bwd, tspec *s)
     const tensor_role out = bwd ? R_IN : R_OUT;
     const tspec t[] = {
         {&a->q, R_IN, K_REF, S_Q, NM(bwd, "q")},
-        {&a->k, R_IN, K_REF, S_K, NM(bwd, "k")},
-        {&a->v, R_IN, K_REF, S_V, NM(bwd, "v")},
+        {&a->k, R_IN, K_REF, S_AK, NM(bwd, "k")},
+        {&a->v, R_IN, K_REF, S_AV, NM(bwd, "v")},
         {&a->block_indices, R_IN, K_I32, S_IDX_M, NM(bwd, "block_indices")},
         {&a->block_counts, R_OPT_IN, K_I32, S_CNT, NM(bwd, "block_counts")},
         {&a->o, out, K_REF, S_O, NM(bwd, "o")},
@@ -592,8 +617,8 @@ static int qkv_grad_specs(const nsa_tensor *dout, const nsa_tensor *dq, const ns
     const tspec g[] = {
         {dout, R_IN, K_REF, S_O, "dout"},
         {dq, R_OUT, K_REF, S_Q, "dq"},
-        {dk, R_OUT, K_REF, S_K, "dk"},
-        {dv, R_OUT, K_REF, S_V, "dv"},
+        {dk, R_OUT, K_REF, S_AK, "dk"},
+        {dv, R_OUT, K_REF, S_AV, "dv"},
     };
     return append(s, n, g, COUNT(g));
 }
@@ -602,14 +627,14 @@ nsa_status nsa_validate_slc_attn(const nsa_slc_attn_args *a, nsa_problem *p)
 {
     tspec s[MAX_SPECS];
     int n = slc_attn_specs(a, 0, s);
-    return check_with_config(s, n, &s[0], &a->varlen, &a->config, 0, p);
+    return check_with_config(s, n, &s[0], &a->varlen, &a->config, 0, 0, p);
 }
 
 nsa_status nsa_validate_slc_attn_bwd(const nsa_slc_attn_bwd_args *a, nsa_problem *p)
 {
     tspec s[MAX_SPECS];
     int n = qkv_grad_specs(&a->dout, &a->dq, &a->dk, &a->dv, s, slc_attn_specs(&a->fwd, 1, s));
-    return check_with_config(s, n, &s[0], &a->fwd.varlen, &a->fwd.config, 1, p);
+    return check_with_config(s, n, &s[0], &a->fwd.varlen, &a->fwd.config, 0, 1, p);
 }
 
 /* ---- 5. Dense / windowed attention: no nsa_config, its scalars are fields. ------------- */
@@ -719,7 +744,7 @@ nsa_status nsa_validate_attention(const nsa_attention_args *a, nsa_problem *p)
     int n = attention_specs(a, 0, s);
     nsa_status st = attention_scalars(a, 0);
     if (st != NSA_STATUS_SUCCESS) return st;
-    const engine_in e = {a->q.dtype, "q", &a->varlen, NULL, a->scale, ""};
+    const engine_in e = {a->q.dtype, "q", &a->varlen, NULL, a->scale, "", 0};
     st = check_tensors(s, n, &e, p);
     if (st != NSA_STATUS_SUCCESS) return st;
     return attention_finish(a, NULL, 0, p);
@@ -742,7 +767,7 @@ nsa_status nsa_validate_attention_bwd(const nsa_attention_bwd_args *a, nsa_probl
     if (st != NSA_STATUS_SUCCESS) return st;
     if (nsa_present(&a->dbias) && !nsa_present(&f->bias))
         return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "dbias: given but fwd.bias is absent");
-    const engine_in e = {f->q.dtype, "fwd.q", &f->varlen, NULL, f->scale, "fwd."};
+    const engine_in e = {f->q.dtype, "fwd.q", &f->varlen, NULL, f->scale, "fwd.", 0};
     st = check_tensors(s, n, &e, p);
     if (st != NSA_STATUS_SUCCESS) return st;
     return attention_finish(f, &a->dbias, 1, p);
@@ -782,7 +807,7 @@ nsa_status nsa_validate_gate(const nsa_gate_args *a, nsa_problem *p)
     const char *ref_name = ref == &a->o ? "o" : ref == &a->g_cmp ? "g_cmp" : ref == &a->g_slc ? "g_slc" : "g_swa";
     nsa_status st = need_gate(&a->g_cmp, &a->g_slc, &a->g_swa, 0);
     if (st != NSA_STATUS_SUCCESS) return st;
-    const engine_in e = {ref->dtype, ref_name, NULL, NULL, 0.0f, ""};
+    const engine_in e = {ref->dtype, ref_name, NULL, NULL, 0.0f, "", 0};
     return check_tensors(s, n, &e, p);
 }
 
@@ -802,7 +827,7 @@ nsa_status nsa_validate_gate_bwd(const nsa_gate_bwd_args *a, nsa_problem *p)
     int n = append(s, gate_specs(f, 1, s), g, COUNT(g));
     nsa_status st = need_gate(&f->g_cmp, &f->g_slc, &f->g_swa, 1);
     if (st != NSA_STATUS_SUCCESS) return st;
-    const engine_in e = {f->o.dtype, "fwd.o", NULL, NULL, 0.0f, "fwd."};
+    const engine_in e = {f->o.dtype, "fwd.o", NULL, NULL, 0.0f, "fwd.", 0};
     return check_tensors(s, n, &e, p);
 }
 
@@ -837,12 +862,12 @@ static int forward_specs(const nsa_forward_args *a, int bwd, tspec *s)
     const tensor_role sel = nsa_present(&a->g_slc) && !nsa_present(&a->block_indices) ? sv : R_SKIP;
     const tspec t[] = {
         {&a->q, R_IN, K_REF, S_Q, NM(bwd, "q")},
-        {&a->k, R_IN, K_REF, S_K, NM(bwd, "k")},
-        {&a->v, R_IN, K_REF, S_V, NM(bwd, "v")},
-        {&a->k_slc, R_OPT_IN, K_REF, S_K, NM(bwd, "k_slc")},
-        {&a->v_slc, R_OPT_IN, K_REF, S_V, NM(bwd, "v_slc")},
-        {&a->k_swa, R_OPT_IN, K_REF, S_K, NM(bwd, "k_swa")},
-        {&a->v_swa, R_OPT_IN, K_REF, S_V, NM(bwd, "v_swa")},
+        {&a->k, R_IN, K_REF, S_AK, NM(bwd, "k")},
+        {&a->v, R_IN, K_REF, S_AV, NM(bwd, "v")},
+        {&a->k_slc, R_OPT_IN, K_REF, S_AK, NM(bwd, "k_slc")},
+        {&a->v_slc, R_OPT_IN, K_REF, S_AV, NM(bwd, "v_slc")},
+        {&a->k_swa, R_OPT_IN, K_REF, S_AK, NM(bwd, "k_swa")},
+        {&a->v_swa, R_OPT_IN, K_REF, S_AV, NM(bwd, "v_swa")},
         {&a->k_cmp, R_OPT_IN, K_REF, S_KC, NM(bwd, "k_cmp")},
         {&a->v_cmp, R_OPT_IN, K_REF, S_VC, NM(bwd, "v_cmp")},
         {&a->g_cmp, R_OPT_IN, K_REF, S_ROW, NM(bwd, "g_cmp")},
@@ -875,7 +900,7 @@ nsa_status nsa_validate_forward(const nsa_forward_args *a, nsa_problem *p)
     int n = forward_specs(a, 0, s);
     nsa_status st = forward_scalars(a, 0);
     if (st != NSA_STATUS_SUCCESS) return st;
-    const engine_in e = {a->q.dtype, "q", &a->varlen, &a->config, a->config.scale, ""};
+    const engine_in e = {a->q.dtype, "q", &a->varlen, &a->config, a->config.scale, "", 0};
     return finish_forward(check_tensors(s, n, &e, p), a, p);
 }
 
@@ -883,10 +908,10 @@ nsa_status nsa_validate_backward(const nsa_backward_args *a, nsa_problem *p)
 {
     const nsa_forward_args *f = &a->fwd;
     const tspec g[] = {
-        {&a->dk_slc, when(&f->k_slc, R_OUT), K_REF, S_K, "dk_slc"},
-        {&a->dv_slc, when(&f->v_slc, R_OUT), K_REF, S_V, "dv_slc"},
-        {&a->dk_swa, when(&f->k_swa, R_OUT), K_REF, S_K, "dk_swa"},
-        {&a->dv_swa, when(&f->v_swa, R_OUT), K_REF, S_V, "dv_swa"},
+        {&a->dk_slc, when(&f->k_slc, R_OUT), K_REF, S_AK, "dk_slc"},
+        {&a->dv_slc, when(&f->v_slc, R_OUT), K_REF, S_AV, "dv_slc"},
+        {&a->dk_swa, when(&f->k_swa, R_OUT), K_REF, S_AK, "dk_swa"},
+        {&a->dv_swa, when(&f->v_swa, R_OUT), K_REF, S_AV, "dv_swa"},
         {&a->dk_cmp, when(&f->k_cmp, R_OUT), K_REF, S_KC, "dk_cmp"},
         {&a->dv_cmp, when(&f->v_cmp, R_OUT), K_REF, S_VC, "dv_cmp"},
         {&a->dg_cmp, when(&f->g_cmp, R_OUT), K_REF, S_ROW, "dg_cmp"},
@@ -898,7 +923,7 @@ nsa_status nsa_validate_backward(const nsa_backward_args *a, nsa_problem *p)
     nsa_status st = forward_scalars(f, 1);
     if (st != NSA_STATUS_SUCCESS) return st;
     n = append(s, n, g, COUNT(g));
-    const engine_in e = {f->q.dtype, "fwd.q", &f->varlen, &f->config, f->config.scale, "fwd."};
+    const engine_in e = {f->q.dtype, "fwd.q", &f->varlen, &f->config, f->config.scale, "fwd.", 0};
     return finish_forward(check_tensors(s, n, &e, p), f, p);
 }
 
@@ -961,7 +986,7 @@ nsa_status nsa_validate_step(const nsa_step_args *a, nsa_problem *p)
         {&a->selected, selects ? R_OPT_OUT : R_SKIP, K_I32, S_IDX_N, "selected"},
         {&a->errors, R_OPT_OUT, K_I32, S_LEN, "errors"},
     };
-    const engine_in e = {a->q.dtype, "q", NULL, &a->config, a->config.scale, ""};
+    const engine_in e = {a->q.dtype, "q", NULL, &a->config, a->config.scale, "", 0};
     if ((st = check_tensors(s, COUNT(s), &e, p)) != NSA_STATUS_SUCCESS) return st;
     if ((st = cache_dims(&a->cache, "cache", p->B, &p->cache_cap)) != NSA_STATUS_SUCCESS) return st;
     if (cmp == R_IN && (st = cache_dims(&a->cmp_cache, "cmp_cache", p->B, &p->cmp_cap)) != NSA_STATUS_SUCCESS) return st;
@@ -1003,7 +1028,7 @@ nsa_status nsa_validate_attention_step(const nsa_attention_step_args *a, nsa_pro
         {&a->errors, R_OPT_OUT, K_I32, S_LEN, "errors"},
         {&a->sinks, R_OPT_IN, K_F32, S_HEAD, "sinks"},
     };
-    const engine_in e = {a->q.dtype, "q", NULL, NULL, a->scale, ""};
+    const engine_in e = {a->q.dtype, "q", NULL, NULL, a->scale, "", 0};
     if ((st = check_tensors(s, COUNT(s), &e, p)) != NSA_STATUS_SUCCESS) return st;
     return cache_dims(&a->cache, "cache", p->B, &p->cache_cap);
 }
@@ -1072,7 +1097,7 @@ nsa_status nsa_validate_flex(const nsa_flex_args *a, nsa_problem *p)
     if (st != NSA_STATUS_SUCCESS) return st;
     tspec s[MAX_SPECS];
     const int n = flex_specs(a, 0, s);
-    const engine_in e = {a->q.dtype, "q", NULL, NULL, a->scale, ""};
+    const engine_in e = {a->q.dtype, "q", NULL, NULL, a->scale, "", 0};
     if ((st = check_tensors(s, n, &e, p)) != NSA_STATUS_SUCCESS) return st;
     return flex_finish(a, 0, p);
 }
@@ -1090,7 +1115,7 @@ nsa_status nsa_validate_flex_bwd(const nsa_flex_bwd_args *a, nsa_problem *p)
         {&a->dv, R_OUT, K_REF, S_AV, "dv"},
     };
     const int n = append(s, flex_specs(f, 1, s), g, COUNT(g));
-    const engine_in e = {f->q.dtype, "fwd.q", NULL, NULL, f->scale, "fwd."};
+    const engine_in e = {f->q.dtype, "fwd.q", NULL, NULL, f->scale, "fwd.", 0};
     if ((st = check_tensors(s, n, &e, p)) != NSA_STATUS_SUCCESS) return st;
     if ((st = flex_finish(f, 1, p)) != NSA_STATUS_SUCCESS) return st;
     /* the score_mod's tensor gradients: float tensors of the mod, same shape, F32, every element once */

@@ -20,6 +20,7 @@ void test_safety_all(void);
 void test_step_all(void);
 void test_expr_all(void);
 void test_flex_all(void);
+void test_chunk_all(void);
 
 static void test_readme_example(void)
 {
@@ -45,6 +46,7 @@ static const struct group {
     {"step", test_step_all},
     {"expr", test_expr_all},
     {"flex", test_flex_all},
+    {"chunk", test_chunk_all},
     {"readme", test_readme_example},
 };
 enum { NGROUPS = sizeof GROUPS / sizeof GROUPS[0] };

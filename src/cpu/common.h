@@ -26,9 +26,13 @@ static inline int cpu_thread_id(void)
 }
 
 /* ---- sequences ---------------------------------------------------------------------- */
-/* One sequence of the call: batch index, first packed row, length, first compressed row. */
+/* One sequence of the call: batch index, first packed key row, key length, first compressed
+ * row; and its queries: qlen of them from packed row qrow0, query i at position q0 + i. Whole
+ * sequences have qlen = len, q0 = 0, qrow0 = row0; a query chunk (dense, nsa.h) is the last
+ * qlen = T positions of len = Tk keys. */
 typedef struct cpu_seq {
     int64_t b, row0, len, cmp_row0, ncmp;
+    int64_t qrow0, qlen, q0;
 } cpu_seq;
 
 /* cu_cmp: varlen compressed offsets (num_seqs + 1), or NULL when not varlen. */
@@ -43,9 +47,12 @@ static inline cpu_seq cpu_seq_get(const nsa_problem *p, const int64_t *cu_cmp, i
     } else {
         q.b = s;
         q.row0 = 0;
-        q.len = p->T;
+        q.len = p->Tk;
         q.cmp_row0 = 0;
     }
+    q.qrow0 = q.row0;
+    q.qlen = p->cu_seqlens ? q.len : p->T; /* under varlen T == Tk (validate.c) */
+    q.q0 = q.len - q.qlen;
     q.ncmp = p->cfg.cmp_stride > 0 ? nsa_rule_num_cmp(q.len, p->cfg.cmp_len, p->cfg.cmp_stride) : 0; /* attention has no config */
     return q;
 }

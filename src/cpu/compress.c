@@ -11,7 +11,7 @@ void compress_panel(const nsa_context *ctx, const nsa_problem *p, const int64_t 
     for (int64_t pair = 0; pair < pairs; pair++) {
         const int64_t s = pair / p->H, h = pair % p->H;
         const cpu_seq sq = cpu_seq_get(p, cu_cmp, s);
-        const float *x = xp + ((sq.b * p->H + h) * p->T + sq.row0) * D;
+        const float *x = xp + ((sq.b * p->H + h) * p->Tk + sq.row0) * D;
         float *xc = xcp + ((sq.b * p->H + h) * p->cmp_rows + sq.cmp_row0) * D;
         for (int64_t i = 0; i < sq.ncmp; i++) {
             float *dst = xc + i * D;
@@ -32,7 +32,7 @@ void compress_panel_bwd(const nsa_context *ctx, const nsa_problem *p, const int6
     for (int64_t pair = 0; pair < pairs; pair++) {
         const int64_t s = pair / p->H, h = pair % p->H;
         const cpu_seq sq = cpu_seq_get(p, cu_cmp, s);
-        float *dx = dxp + ((sq.b * p->H + h) * p->T + sq.row0) * D;
+        float *dx = dxp + ((sq.b * p->H + h) * p->Tk + sq.row0) * D;
         const float *dxc = dxcp + ((sq.b * p->H + h) * p->cmp_rows + sq.cmp_row0) * D;
         for (int64_t i = 0; i < sq.ncmp; i++)
             for (int64_t r = i * d; r < i * d + l; r++)

@@ -274,7 +274,7 @@ nsa_status nsa_cpu_attention(const nsa_context *ctx, const nsa_problem *p, const
         return NSA_STATUS_SUCCESS;
     }
     range_rule r = attention_rule(a);
-    range_fwd(ctx, p, &r, NULL, &a->q, K, V, p->T, &a->o, &a->lse, NULL, ws_take(&w, 0));
+    range_fwd(ctx, p, &r, NULL, &a->q, K, V, p->Tk, &a->o, &a->lse, NULL, ws_take(&w, 0));
     return NSA_STATUS_SUCCESS;
 }
 
@@ -299,7 +299,7 @@ nsa_status nsa_cpu_attention_bwd(const nsa_context *ctx, const nsa_problem *p, c
     } else {
         grad_src g = {&a->dout, NULL, &a->fwd.o, &a->fwd.lse};
         range_rule r = attention_rule(&a->fwd);
-        range_bwd(ctx, p, &r, NULL, &a->fwd.q, b.K, b.V, p->T, &g, b.dq32, b.dK, b.dV, ws_take(&w, 0));
+        range_bwd(ctx, p, &r, NULL, &a->fwd.q, b.K, b.V, p->Tk, &g, b.dq32, b.dK, b.dV, ws_take(&w, 0));
     }
     branch_bwd_finish(ctx, &b, &a->dq, &a->dk, &a->dv);
     return NSA_STATUS_SUCCESS;
@@ -534,7 +534,7 @@ nsa_status nsa_cpu_forward(const nsa_context *ctx, const nsa_problem *p, const n
     if (pl.swa_on) {
         range_rule rw = swa_rule(p);
         const nsa_problem pw = swa_problem(p);
-        range_fwd(ctx, &pw, &rw, NULL, &a->q, pl.sep_swa ? pl.Kw : pl.K, pl.sep_swa ? pl.Vw : pl.V, p->T, &sv->o_swa,
+        range_fwd(ctx, &pw, &rw, NULL, &a->q, pl.sep_swa ? pl.Kw : pl.K, pl.sep_swa ? pl.Vw : pl.V, p->Tk, &sv->o_swa,
                   &sv->lse_swa, NULL, scratch);
     }
     const nsa_tensor *os[3] = {&sv->o_cmp, &sv->o_slc, &sv->o_swa};
@@ -592,7 +592,7 @@ nsa_status nsa_cpu_backward(const nsa_context *ctx, const nsa_problem *p, const 
         range_rule rw = swa_rule(p);
         const nsa_problem pw = swa_problem(p);
         grad_src g = {&a->dout, &f->g_swa, &sv->o_swa, &sv->lse_swa};
-        range_bwd(ctx, &pw, &rw, NULL, &f->q, pl.sep_swa ? pl.Kw : pl.K, pl.sep_swa ? pl.Vw : pl.V, p->T, &g, pl.dq32,
+        range_bwd(ctx, &pw, &rw, NULL, &f->q, pl.sep_swa ? pl.Kw : pl.K, pl.sep_swa ? pl.Vw : pl.V, p->Tk, &g, pl.dq32,
                   pl.sep_swa ? pl.dKw : pl.dK, pl.sep_swa ? pl.dVw : pl.dV, scratch);
     }
 

@@ -44,7 +44,7 @@ typedef struct tiles_arg {
 static int64_t count_tiles(const cpu_seq *s, const void *arg)
 {
     const tiles_arg *ta = (const tiles_arg *)arg;
-    int64_t n = ta->keys ? seq_keys(ta->rule, s) : s->len;
+    int64_t n = ta->keys ? seq_keys(ta->rule, s) : s->qlen;
     return (n + ta->per_tile - 1) / ta->per_tile;
 }
 
@@ -53,7 +53,7 @@ static int64_t max_keys(const nsa_problem *p, const range_rule *r)
 {
     if (!r->cmp) return RANGE_KB;
     int64_t mx = 0;
-    if (!p->cu_seqlens) mx = nsa_rule_num_cmp(p->T, r->l, r->d);
+    if (!p->cu_seqlens) mx = nsa_rule_num_cmp(p->Tk, r->l, r->d);
     else
         for (int64_t s = 0; s < p->num_seqs; s++) {
             int64_t n = nsa_rule_num_cmp(p->cu_seqlens[s + 1] - p->cu_seqlens[s], r->l, r->d);
@@ -65,7 +65,7 @@ static int64_t max_keys(const nsa_problem *p, const range_rule *r)
 static int64_t max_slc_blocks(const nsa_problem *p)
 {
     int64_t mx = 0;
-    if (!p->cu_seqlens) mx = nsa_rule_num_slc(p->T, p->cfg.slc_block);
+    if (!p->cu_seqlens) mx = nsa_rule_num_slc(p->Tk, p->cfg.slc_block);
     else
         for (int64_t s = 0; s < p->num_seqs; s++) {
             int64_t n = nsa_rule_num_slc(p->cu_seqlens[s + 1] - p->cu_seqlens[s], p->cfg.slc_block);
@@ -139,7 +139,7 @@ static void select_position(const nsa_problem *p, const core_tile *t, int64_t ti
     if (sel->counts) io_set(sel->counts, io_off(sel->counts, b, row, h), (float)kept);
 }
 
-/* Loads positions [t0, t0 + nt) of a sequence into tile rows with their key ranges.
+/* Loads queries [t0, t0 + nt) of a sequence (positions q0 + t0 ..) into tile rows with their key ranges.
  * @return the union [kmin, kmax] of the rows' ranges via the pointers (kmax < 0: none). */
 static void load_query_tile(core_tile *t, const nsa_problem *p, const range_rule *rule, const cpu_seq *sq,
                             int64_t nkeys, const nsa_tensor *q, const grad_src *g, int64_t h, int64_t t0,
@@ -150,9 +150,9 @@ static void load_query_tile(core_tile *t, const nsa_problem *p, const range_rule
     *kmin = INT64_MAX;
     *kmax = -1;
     for (int64_t i = 0; i < nt; i++) {
-        tile_load_rows(t, (int)(i * G), q, p->scale, sq->b, sq->row0 + t0 + i, h, G, g, tmp);
+        tile_load_rows(t, (int)(i * G), q, p->scale, sq->b, sq->qrow0 + t0 + i, h, G, g, tmp);
         int64_t lo, hi;
-        rule_bounds(rule, t0 + i, nkeys, &lo, &hi);
+        rule_bounds(rule, sq->q0 + t0 + i, nkeys, &lo, &hi);
         for (int64_t k = 0; k < G; k++) {
             t->lo[i * G + k] = lo;
             t->hi[i * G + k] = hi;
@@ -197,7 +197,7 @@ void range_fwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *r
             const int64_t nkeys = seq_keys(rule, &sq), base = seq_key_base(rule, &sq);
             const float *K = Kp + ((sq.b * p->H + h) * key_rows + base) * p->DK;
             const float *V = Vp ? Vp + ((sq.b * p->H + h) * key_rows + base) * p->DV : NULL;
-            const int64_t t0 = tile * bq, nt = sq.len - t0 < bq ? sq.len - t0 : bq;
+            const int64_t t0 = tile * bq, nt = sq.qlen - t0 < bq ? sq.qlen - t0 : bq;
             int64_t kmin, kmax;
             load_query_tile(&t, p, rule, &sq, nkeys, q, NULL, h, t0, nt, NULL, &kmin, &kmax);
             core_fwd_begin(&t);
@@ -211,11 +211,11 @@ void range_fwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *r
             if (sel)
                 for (int64_t i = 0; i < nt; i++) {
                     /* core_fwd_block stored S relative to kmin; selection reads from key 0 */
-                    select_position(p, &t, i, t0 + i, nkeys, sel, sq.b, sq.row0 + t0 + i, h, imp, imp + nb_max);
+                    select_position(p, &t, i, sq.q0 + t0 + i, nkeys, sel, sq.b, sq.qrow0 + t0 + i, h, imp, imp + nb_max);
                 }
             core_fwd_end(&t, lse_rows);
             for (int64_t i = 0; i < nt; i++)
-                tile_store_rows(&t, (int)(i * G), o, lse, lse_rows, sq.b, sq.row0 + t0 + i, h, G);
+                tile_store_rows(&t, (int)(i * G), o, lse, lse_rows, sq.b, sq.qrow0 + t0 + i, h, G);
         }
     }
 }
@@ -244,18 +244,19 @@ size_t range_bwd_ws(const nsa_context *ctx, const nsa_problem *p, const range_ru
     return nsa_size_add(a.used, 64);
 }
 
-/* The queries whose ranges meet keys [c0, c1) of a sequence of len queries: [*first, *last]
- * (empty when *last < *first). */
-static void queries_of_keys(const range_rule *r, int64_t len, int64_t c0, int64_t c1, int64_t *first, int64_t *last)
+/* The queries (indices 0 .. qlen - 1 of the sequence's queries, at positions q0 ..) whose
+ * ranges meet keys [c0, c1): [*first, *last] (empty when *last < *first). */
+static void queries_of_keys(const range_rule *r, const cpu_seq *sq, int64_t c0, int64_t c1, int64_t *first,
+                            int64_t *last)
 {
     if (r->cmp) { /* every query from the first that sees block c0 on */
-        const int64_t f = nsa_rule_cmp_last_token(c0, r->l, r->d);
-        *first = f < len ? f : len;
-        *last = len - 1;
+        const int64_t f = nsa_rule_cmp_last_token(c0, r->l, r->d) - sq->q0;
+        *first = f < 0 ? 0 : f < sq->qlen ? f : sq->qlen;
+        *last = sq->qlen - 1;
         return;
     }
-    *first = nsa_rule_window_q_first(c0, r->wr, r->causal, len, len);
-    *last = nsa_rule_window_q_last(c1 - 1, r->wl, len, len);
+    *first = nsa_rule_window_q_first(c0, r->wr, r->causal, sq->qlen, sq->len);
+    *last = nsa_rule_window_q_last(c1 - 1, r->wl, sq->qlen, sq->len);
 }
 
 void range_bwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *rule, const int64_t *cu_cmp,
@@ -295,7 +296,7 @@ void range_bwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *r
             const int64_t nkeys = seq_keys(rule, &sq), base = seq_key_base(rule, &sq);
             const float *K = Kp + ((sq.b * p->H + h) * key_rows + base) * p->DK;
             const float *V = Vp + ((sq.b * p->H + h) * key_rows + base) * p->DV;
-            const int64_t t0 = tile * bq, nt = sq.len - t0 < bq ? sq.len - t0 : bq;
+            const int64_t t0 = tile * bq, nt = sq.qlen - t0 < bq ? sq.qlen - t0 : bq;
             load_query_tile(&t, p, rule, &sq, nkeys, q, g, h, t0, nt, tmp, &kmin, &kmax);
             t.dQ = dQbuf;
             memset(t.dQ, 0, (size_t)t.R * t.DK * sizeof(float));
@@ -303,7 +304,7 @@ void range_bwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *r
                 const int64_t c1 = c0 + RANGE_KB < kmax + 1 ? c0 + RANGE_KB : kmax + 1;
                 core_bwd_block(&t, K, V, c0, c1, NULL, NULL);
             }
-            for (int64_t i = 0; i < nt; i++) tile_add_dq(&t, (int)(i * p->G), dq32, p, sq.b, sq.row0 + t0 + i, h, p->scale);
+            for (int64_t i = 0; i < nt; i++) tile_add_dq(&t, (int)(i * p->G), dq32, p, sq.b, sq.qrow0 + t0 + i, h, p->scale);
         }
 
         /* dK, dV: each task owns RANGE_KB key rows and visits every query that sees them */
@@ -317,7 +318,7 @@ void range_bwd(const nsa_context *ctx, const nsa_problem *p, const range_rule *r
             const float *K = Kp + off_k * p->DK, *V = Vp + off_k * p->DV;
             const int64_t c0 = tile * RANGE_KB, c1 = c0 + RANGE_KB < nkeys ? c0 + RANGE_KB : nkeys;
             int64_t q_first, q_last;
-            queries_of_keys(rule, sq.len, c0, c1, &q_first, &q_last);
+            queries_of_keys(rule, &sq, c0, c1, &q_first, &q_last);
             t.dQ = NULL;
             for (int64_t tq0 = q_first; tq0 <= q_last; tq0 += bq) {
                 const int64_t nt = q_last + 1 - tq0 < bq ? q_last + 1 - tq0 : bq;

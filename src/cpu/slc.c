@@ -62,8 +62,8 @@ static size_t thread_bytes(const nsa_problem *p, core_tile *t, ws_arena *a, floa
     const int64_t R = positions_per_tile(p) * p->G; /* <= max(64, G): G = HQ / H fits */
     /* a block's keys in a row of scores (two halves in the backward): no more than the
      * sequence holds, however long the configured block */
-    const int64_t keys = p->cfg.slc_block < p->T ? p->cfg.slc_block : (p->T > 0 ? p->T : 1);
-    /* (keys <= T < 2^62, as q's bytes fit int64: 2 * keys does too) */
+    const int64_t keys = p->cfg.slc_block < p->Tk ? p->cfg.slc_block : (p->Tk > 0 ? p->Tk : 1);
+    /* (keys <= Tk < 2^62, as k's bytes fit int64: 2 * keys does too) */
     core_tile_alloc(t, a, R, p->DK, p->DV, 2 * keys, backward);
     /* row scratch: one row of dout (DV floats), or the lse of the tile's R rows */
     *tmp = (float *)ws_take_n(a, nsa_size_of(p->DV > R ? p->DV : R), sizeof(float));
@@ -75,7 +75,7 @@ static size_t thread_bytes(const nsa_problem *p, core_tile *t, ws_arena *a, floa
 static int64_t position_runs(const cpu_seq *s, const void *arg)
 {
     (void)arg;
-    return (s->len + SLC_POSITIONS_PER_TASK - 1) / SLC_POSITIONS_PER_TASK;
+    return (s->qlen + SLC_POSITIONS_PER_TASK - 1) / SLC_POSITIONS_PER_TASK;
 }
 
 static int64_t block_tiles(const cpu_seq *s, const void *arg)
@@ -96,14 +96,14 @@ size_t slc_fwd_ws(const nsa_context *ctx, const nsa_problem *p)
     return nsa_size_add(a.used, 64);
 }
 
-/* One query position: all G heads over its usable blocks. Forward (g == NULL) writes O
- * and lse; backward accumulates dQ into dq32. */
-static void one_position(core_tile *t, const nsa_problem *p, const cpu_seq *sq, int64_t h, int64_t tpos,
+/* Query i of a sequence (position q0 + i): all G heads over its usable blocks. Forward
+ * (g == NULL) writes O and lse; backward accumulates dQ into dq32. */
+static void one_position(core_tile *t, const nsa_problem *p, const cpu_seq *sq, int64_t h, int64_t i,
                          const nsa_tensor *q, const float *K, const float *V, const nsa_tensor *idx,
                          const nsa_tensor *counts, const grad_src *g, float *tmp, int64_t *blocks,
                          const nsa_tensor *o, const nsa_tensor *lse, float *dq32)
 {
-    const int64_t G = p->G, lp = p->cfg.slc_block, row = sq->row0 + tpos;
+    const int64_t G = p->G, lp = p->cfg.slc_block, row = sq->qrow0 + i, tpos = sq->q0 + i;
     const int64_t nb = seq_blocks(p, sq);
     t->R = (int)G;
     tile_load_rows(t, 0, q, p->scale, sq->b, row, h, G, g, tmp);
@@ -154,12 +154,12 @@ static void per_position_pass(const nsa_context *ctx, const nsa_problem *p, cons
             int64_t s, h, run;
             cpu_tasks_decode(&tk, task, &s, &h, &run);
             const cpu_seq sq = cpu_seq_get(p, NULL, s);
-            const float *K = Kp + ((sq.b * p->H + h) * p->T + sq.row0) * p->DK;
-            const float *V = Vp + ((sq.b * p->H + h) * p->T + sq.row0) * p->DV;
-            const int64_t t0 = run * SLC_POSITIONS_PER_TASK;
-            const int64_t t1 = t0 + SLC_POSITIONS_PER_TASK < sq.len ? t0 + SLC_POSITIONS_PER_TASK : sq.len;
-            for (int64_t tpos = t0; tpos < t1; tpos++)
-                one_position(&t, p, &sq, h, tpos, q, K, V, idx, counts, g, tmp, blocks, o, lse, dq32);
+            const float *K = Kp + ((sq.b * p->H + h) * p->Tk + sq.row0) * p->DK;
+            const float *V = Vp + ((sq.b * p->H + h) * p->Tk + sq.row0) * p->DV;
+            const int64_t i0 = run * SLC_POSITIONS_PER_TASK;
+            const int64_t i1 = i0 + SLC_POSITIONS_PER_TASK < sq.qlen ? i0 + SLC_POSITIONS_PER_TASK : sq.qlen;
+            for (int64_t i = i0; i < i1; i++)
+                one_position(&t, p, &sq, h, i, q, K, V, idx, counts, g, tmp, blocks, o, lse, dq32);
         }
     }
 }
@@ -180,10 +180,10 @@ typedef struct inv_index {
     int32_t *data;
 } inv_index;
 
-/* Entries of one (sequence, head) region: nb + 1 offsets, then len * m query slots. */
+/* Entries of one (sequence, head) region: nb + 1 offsets, then qlen * m query slots. */
 static size_t region_size(const nsa_problem *p, const cpu_seq *sq)
 {
-    return nsa_size_add(nsa_size_add(nsa_size_of(seq_blocks(p, sq)), 1), nsa_size_mul(nsa_size_of(sq->len), nsa_size_of(p->m)));
+    return nsa_size_add(nsa_size_add(nsa_size_of(seq_blocks(p, sq)), 1), nsa_size_mul(nsa_size_of(sq->qlen), nsa_size_of(p->m)));
 }
 
 static void inv_alloc(inv_index *ix, ws_arena *a, const nsa_problem *p)
@@ -253,7 +253,8 @@ void slc_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_tensor *q, 
         int64_t *blocks, *cursor;
         thread_bytes(p, &t, &ta, &tmp, &blocks, &cursor, 1);
 
-        /* invert: count, prefix, fill in ascending t (serial within a (s, h) pair) */
+        /* invert: count, prefix, fill in ascending query order (serial within a (s, h) pair);
+         * the lists hold query indices i (position q0 + i) */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t pair = 0; pair < pairs; pair++) {
             const int64_t s = pair / H, h = pair % H;
@@ -261,17 +262,17 @@ void slc_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_tensor *q, 
             const int64_t nb = seq_blocks(p, &sq);
             int32_t *off = inv_region(&ix, p, &sq, s, h), *list = off + nb + 1;
             for (int64_t j = 0; j <= nb; j++) off[j] = 0;
-            for (int64_t tpos = 0; tpos < sq.len; tpos++) {
-                int64_t n = usable_blocks(p, idx, counts, sq.b, sq.row0 + tpos, h, tpos, nb, blocks);
+            for (int64_t i = 0; i < sq.qlen; i++) {
+                int64_t n = usable_blocks(p, idx, counts, sq.b, sq.qrow0 + i, h, sq.q0 + i, nb, blocks);
                 for (int64_t e = 0; e < n; e++) off[blocks[e] + 1]++;
             }
             for (int64_t j = 0; j < nb; j++) {
                 off[j + 1] += off[j];
                 cursor[j] = off[j];
             }
-            for (int64_t tpos = 0; tpos < sq.len; tpos++) {
-                int64_t n = usable_blocks(p, idx, counts, sq.b, sq.row0 + tpos, h, tpos, nb, blocks);
-                for (int64_t e = 0; e < n; e++) list[cursor[blocks[e]]++] = (int32_t)tpos;
+            for (int64_t i = 0; i < sq.qlen; i++) {
+                int64_t n = usable_blocks(p, idx, counts, sq.b, sq.qrow0 + i, h, sq.q0 + i, nb, blocks);
+                for (int64_t e = 0; e < n; e++) list[cursor[blocks[e]]++] = (int32_t)i;
             }
         }
 
@@ -283,7 +284,7 @@ void slc_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_tensor *q, 
             const cpu_seq sq = cpu_seq_get(p, NULL, s);
             const int64_t nb = seq_blocks(p, &sq);
             const int32_t *off = inv_region(&ix, p, &sq, s, h), *list = off + nb + 1;
-            const int64_t koff = (sq.b * H + h) * p->T + sq.row0;
+            const int64_t koff = (sq.b * H + h) * p->Tk + sq.row0;
             const float *K = Kp + koff * p->DK, *V = Vp + koff * p->DV;
             const int64_t c0 = nsa_rule_slc_lo(j, lp), c1 = nsa_rule_slc_end(j, lp, sq.len);
             t.dQ = NULL;
@@ -291,11 +292,11 @@ void slc_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_tensor *q, 
                 const int64_t nt = off[j + 1] - e0 < bq ? off[j + 1] - e0 : bq;
                 t.R = (int)(nt * G);
                 for (int64_t i = 0; i < nt; i++) {
-                    const int64_t tpos = list[e0 + i];
-                    tile_load_rows(&t, (int)(i * G), q, p->scale, sq.b, sq.row0 + tpos, h, G, g, tmp);
+                    const int64_t qi = list[e0 + i];
+                    tile_load_rows(&t, (int)(i * G), q, p->scale, sq.b, sq.qrow0 + qi, h, G, g, tmp);
                     for (int64_t k = 0; k < G; k++) {
                         t.lo[i * G + k] = 0;
-                        t.hi[i * G + k] = tpos;
+                        t.hi[i * G + k] = sq.q0 + qi;
                     }
                 }
                 core_bwd_block(&t, K, V, c0, c1, dKp + (koff + c0) * p->DK, dVp + (koff + c0) * p->DV);
