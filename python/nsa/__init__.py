@@ -224,10 +224,13 @@ def compress(x: Array, config: Optional[Config] = None, cu_seqlens: Optional[Off
 
 
 def select(q: Array, k_cmp: Array, config: Optional[Config] = None, lse_cmp: Optional[Array] = None,
-           cu_seqlens: Optional[Offsets] = None, return_counts: bool = False) -> Union[Array, Tuple[Array, Array]]:
+           cu_seqlens: Optional[Offsets] = None, return_counts: bool = False, *,
+           kv_len: int = 0) -> Union[Array, Tuple[Array, Array]]:
     """nsa_select: block_indices [B, T, H, n] int32, ascending, -1 padded (and block_counts
-    [B, T, H] with return_counts). No gradient."""
-    return _core.select(_call_for(q), q, k_cmp, _core._as_config(config), lse_cmp, cu_seqlens, return_counts)
+    [B, T, H] with return_counts). No gradient. kv_len: for a query chunk, the Tk tokens that
+    k_cmp [B, Nc(Tk), H, DK] pools (the T queries are positions Tk - T .. Tk - 1); 0 = T."""
+    return _core.select(_call_for(q), q, k_cmp, _core._as_config(config), lse_cmp, cu_seqlens, return_counts,
+                        kv_len)
 
 
 class AttentionResult:

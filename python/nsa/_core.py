@@ -427,9 +427,9 @@ def compress(call, x, config, cu_seqlens=None):
     return x_cmp
 
 
-def select(call, q, k_cmp, config, lse_cmp=None, cu_seqlens=None, counts=False):
+def select(call, q, k_cmp, config, lse_cmp=None, cu_seqlens=None, counts=False, kv_len=0):
     """nsa_select: block_indices [B, T, H, n] int32 (ascending, -1 padded), and with
-    counts=True also block_counts [B, T, H]."""
+    counts=True also block_counts [B, T, H]. kv_len: Tk of a query chunk (0: q's T)."""
     B, T, HQ, _ = _dims(q, "q", 4)
     H = _dims(k_cmp, "k_cmp", 4)[2]
     idx = call.empty((B, T, H, max(config.slc_topk, 0)), "i32")
@@ -444,6 +444,7 @@ def select(call, q, k_cmp, config, lse_cmp=None, cu_seqlens=None, counts=False):
         a.block_counts = call.view(cnt, "block_counts", output=True)
     a.varlen = _varlen(cu_seqlens, call.keep)
     a.config = config.to_c()
+    a.kv_len = int(kv_len)
     call.run("select", a)
     return (idx, cnt) if counts else idx
 

@@ -103,7 +103,7 @@ class CompressBwdArgs(Structure):
 class CmpAttnArgs(Structure):
     _fields_ = [
         ("q", Tensor), ("k_cmp", Tensor), ("v_cmp", Tensor), ("o", Tensor), ("lse", Tensor),
-        ("varlen", Varlen), ("config", Config),
+        ("varlen", Varlen), ("config", Config), ("kv_len", c_int64),
     ]
 
 
@@ -114,7 +114,7 @@ class CmpAttnBwdArgs(Structure):
 class SelectArgs(Structure):
     _fields_ = [
         ("q", Tensor), ("k_cmp", Tensor), ("lse_cmp", Tensor), ("block_indices", Tensor),
-        ("block_counts", Tensor), ("varlen", Varlen), ("config", Config),
+        ("block_counts", Tensor), ("varlen", Varlen), ("config", Config), ("kv_len", c_int64),
     ]
 
 

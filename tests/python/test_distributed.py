@@ -1,0 +1,153 @@
+"""nsa.distributed (context parallelism) on the CPU with gloo: P = 2 and P = 3 processes, each
+holding its zigzag part of the sequences, must give the single-process call's rows of the
+output and of every gradient (q, k, v, the three gates), for lengths that P and the block sizes
+do not divide and for chunks that are empty. The query-chunk building block itself is checked
+against the float64 reference in tests/test_chunk.c; here each rank compares with the whole
+call it runs itself on the same inputs. Skips without torch or torch.distributed."""
+import os
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+dist = pytest.importorskip("torch.distributed", reason="torch.distributed is not available")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+mp = pytest.importorskip("torch.multiprocessing")
+
+import nsa  # noqa: E402
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _case_inputs(seed, B, T, HQ, H, DK, DV, gates):
+    gen = torch.Generator().manual_seed(seed)
+    x = dict(q=torch.randn(B, T, HQ, DK, generator=gen), k=torch.randn(B, T, H, DK, generator=gen),
+             v=torch.randn(B, T, H, DV, generator=gen))
+    for i, name in enumerate(("g_cmp", "g_slc", "g_swa")):
+        x[name] = torch.rand(B, T, HQ, generator=gen) if gates >> i & 1 else None
+    x["dout"] = torch.randn(B, T, HQ, DV, generator=gen)
+    return x
+
+
+CONFIG = dict(cmp_len=8, cmp_stride=4, slc_block=16, slc_topk=4, n_init=1, n_local=2, window=24)
+CASES = [  # (seed, B, T, HQ, H, DK, DV, gates)
+    (1, 1, 203, 4, 2, 16, 16, 7),
+    (2, 2, 97, 2, 1, 8, 12, 3),
+    (3, 1, 5, 4, 4, 8, 8, 7),  # T < 2P: empty chunks
+    (4, 1, 150, 6, 2, 16, 8, 6),
+]
+
+
+def _rank_main(rank, world, port, errors_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from nsa import distributed as cp
+    bad = []
+    try:
+        cfg = nsa.Config(**CONFIG)
+        for case in CASES:
+            seed, B, T, HQ, H, DK, DV, gates = case
+            x = _case_inputs(seed, B, T, HQ, H, DK, DV, gates)
+            names = ["q", "k", "v", "g_cmp", "g_slc", "g_swa"]
+            # the whole call, on this rank
+            whole = {n: None if x[n] is None else x[n].clone().requires_grad_(True) for n in names}
+            o = nsa.native_sparse_attention(whole["q"], whole["k"], whole["v"], whole["g_cmp"], whole["g_slc"],
+                                            whole["g_swa"], config=cfg)
+            (o * x["dout"]).sum().backward()
+            # this rank's part through context parallelism
+            part = {n: None if x[n] is None else cp.shard(x[n], rank, world).clone().requires_grad_(True) for n in names}
+            o_cp = cp.native_sparse_attention(part["q"], part["k"], part["v"], part["g_cmp"], part["g_slc"],
+                                              part["g_swa"], config=cfg, seq_len=T)
+            (o_cp * cp.shard(x["dout"], rank, world)).sum().backward()
+            if not torch.equal(o_cp, cp.shard(o.detach(), rank, world)):
+                bad.append("case %s: o differs (max %.3g)" % (case, (o_cp - cp.shard(o.detach(), rank, world)).abs().max()))
+            if not torch.equal(cp.gather(o_cp.detach(), T), o.detach()):
+                bad.append("case %s: gather(o) is not the whole o" % (case,))
+            for n in names:
+                if whole[n] is None:
+                    continue
+                want = cp.shard(whole[n].grad, rank, world)
+                got = part[n].grad
+                if got is None or not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                    err = "none" if got is None else "%.3g" % (got - want).abs().max()
+                    bad.append("case %s: d%s differs (max %s)" % (case, n, err))
+            pos = cp.positions(T, rank, world)
+            if not torch.equal(pos, cp.shard(torch.arange(T)[None], rank, world)[0]):
+                bad.append("case %s: positions disagree with shard" % (case,))
+    except Exception as e:  # reported by the parent, with the rank
+        bad.append("%s: %s" % (type(e).__name__, e))
+    finally:
+        dist.destroy_process_group()
+    with open("%s.%d" % (errors_path, rank), "w") as f:
+        f.write("\n".join(bad))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_matches_single_process(world, tmp_path):
+    errors = str(tmp_path / "errors")
+    mp.spawn(_rank_main, args=(world, _free_port(), errors), nprocs=world, join=True)
+    report = []
+    for r in range(world):
+        with open("%s.%d" % (errors, r)) as f:
+            text = f.read().strip()
+        if text:
+            report.append("rank %d: %s" % (r, text))
+    assert not report, "\n".join(report)
+
+
+def test_layout_helpers():
+    from nsa import distributed as cp
+    for T in (0, 1, 7, 64, 203):
+        for world in (1, 2, 3, 8):
+            b = cp.zigzag_bounds(T, world)
+            assert b[0] == 0 and b[-1] == T and all(b[i] <= b[i + 1] for i in range(len(b) - 1))
+            x = torch.arange(T)[None, :, None]
+            parts = [cp.shard(x, r, world) for r in range(world)]
+            assert sum(p.shape[1] for p in parts) == T
+            assert [p.shape[1] for p in parts] == [cp.local_length(T, r, world) for r in range(world)]
+            assert torch.equal(cp._assemble(parts, T), x)
+            assert torch.equal(torch.sort(torch.cat([cp.positions(T, r, world) for r in range(world)]))[0],
+                               torch.arange(T))
+    with pytest.raises(ValueError):
+        cp.zigzag_bounds(10, 0)
+
+
+def test_needs_a_process_group():
+    from nsa import distributed as cp
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    q = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="process group"):
+        cp.native_sparse_attention(q, q[:, :, :1], q[:, :, :1], None, torch.ones(1, 4, 2), None, seq_len=4)
+
+
+def test_query_chunk_rows_and_gradients():
+    """The building block on its own: q (and the gates) of positions [s, T) against k, v of [0, T)
+    give the whole call's rows, and with dout zero before s the same gradients (torch autograd),
+    the selection too (nsa.select with kv_len)."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, HQ, H, D, s = 2, 171, 4, 2, 16, 70
+    cfg = nsa.Config(**CONFIG)
+    q, k, v = (torch.randn(B, T, n, D, generator=gen).requires_grad_(True) for n in (HQ, H, H))
+    g = [torch.rand(B, T, HQ, generator=gen).requires_grad_(True) for _ in range(3)]
+    dout = torch.randn(B, T, HQ, D, generator=gen)
+    dout[:, :s] = 0
+    o = nsa.native_sparse_attention(q, k, v, *g, config=cfg)
+    (o * dout).sum().backward()
+    whole = [x.grad.clone() for x in [q, k, v] + g]
+    for x in [q, k, v] + g:
+        x.grad = None
+    o2 = nsa.native_sparse_attention(q[:, s:], k, v, *[x[:, s:] for x in g], config=cfg)
+    assert torch.equal(o2, o[:, s:].detach())
+    (o2 * dout[:, s:]).sum().backward()
+    for got, want in zip([x.grad for x in [q, k, v] + g], whole):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    k_cmp = nsa.compress(k.detach(), cfg)
+    assert torch.equal(nsa.select(q.detach()[:, s:], k_cmp, cfg, kv_len=T), nsa.select(q.detach(), k_cmp, cfg)[:, s:])
+    with pytest.raises(nsa.NsaError, match="kv_len"):
+        nsa.select(q.detach()[:, s:], k_cmp, cfg, kv_len=T - s - 1)
