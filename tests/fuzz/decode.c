@@ -323,6 +323,12 @@ static nsa_config mk_config(reader *r)
 
 static int64_t clampd(int64_t v) { return v < 0 ? 0 : v > MAX_T ? MAX_T : v; }
 
+/* Query-chunk inputs (first byte 0xFA): the NSA ops with q's T rows against a key side of Tk
+ * rows (mk_dims' Tk: sometimes shorter than T, a refusal), kv_len given where only compressed
+ * keys are, sometimes negative. */
+static int g_chunk;
+static int64_t key_rows(const dims *D) { return g_chunk ? D->Tk : D->T; }
+
 /* Nc and nb for shaping tensors: the library's own counts (0 for configs they cannot count) */
 static int64_t num_cmp(const nsa_config *c, int64_t T) { return nsa_num_cmp_blocks(c, T); }
 static int64_t num_slc(const nsa_config *c, int64_t T) { return nsa_num_slc_blocks(c, T); }
@@ -426,6 +432,16 @@ typedef union args {
 #define F32 NSA_DTYPE_F32
 #define I32 NSA_DTYPE_I32
 
+/* Chunk inputs: the compressed rows of the key side, and kv_len (ops without k) drawn around
+ * Tk: Tk itself mostly, else 0 (= T), a shorter one or a negative one. */
+static void chunk_side(reader *r, dims *D, const nsa_config *cfg, const nsa_varlen *vl, int64_t *kv_len)
+{
+    if (!g_chunk) return;
+    if (!vl->cu_seqlens) D->Nc = clampd(num_cmp(cfg, D->Tk)); /* packed: the packing's rows (a refusal) */
+    const uint8_t k = u8(r);
+    if (kv_len) *kv_len = k < 200 ? D->Tk : k < 220 ? 0 : k < 240 ? D->Tk - 1 - k % 4 : -1 - (int64_t)(k % 3);
+}
+
 static void build_compress(reader *r, dims *D, nsa_compress_bwd_args *a, int bwd, uint8_t pres)
 {
     (void)pres;
@@ -445,6 +461,7 @@ static void build_cmp(reader *r, dims *D, nsa_cmp_attn_bwd_args *a, int bwd, uin
     a->fwd.config = mk_config(r);
     mk_dims(r, D, &a->fwd.config);
     a->fwd.varlen = mk_varlen(r, D, &a->fwd.config, &D->Nc);
+    chunk_side(r, D, &a->fwd.config, &a->fwd.varlen, &a->fwd.kv_len);
     tspec o = bwd ? IN : OUT;
     a->fwd.q = mk(r, IN, D->dt, 4, D->B, D->T, D->HQ, D->DK);
     a->fwd.k_cmp = mk(r, IN, D->dt, 4, D->B, D->Nc, D->H, D->DK);
@@ -463,6 +480,7 @@ static void build_select(reader *r, dims *D, nsa_select_args *a, uint8_t pres)
     a->config = mk_config(r);
     mk_dims(r, D, &a->config);
     a->varlen = mk_varlen(r, D, &a->config, &D->Nc);
+    chunk_side(r, D, &a->config, &a->varlen, &a->kv_len);
     int64_t n = a->config.slc_topk >= 1 && a->config.slc_topk <= 8 ? a->config.slc_topk : 2;
     a->q = mk(r, IN, D->dt, 4, D->B, D->T, D->HQ, D->DK);
     a->k_cmp = mk(r, IN, D->dt, 4, D->B, D->Nc, D->H, D->DK);
@@ -476,10 +494,11 @@ static void build_slc(reader *r, dims *D, nsa_slc_attn_bwd_args *a, int bwd, uin
     a->fwd.config = mk_config(r);
     mk_dims(r, D, &a->fwd.config);
     a->fwd.varlen = mk_varlen(r, D, &a->fwd.config, &D->Nc);
+    chunk_side(r, D, &a->fwd.config, &a->fwd.varlen, NULL);
     tspec o = bwd ? IN : OUT, idx = {0, (int)D->nb, 0}, cnt = {0, (int)D->M, 0};
     a->fwd.q = mk(r, IN, D->dt, 4, D->B, D->T, D->HQ, D->DK);
-    a->fwd.k = mk(r, IN, D->dt, 4, D->B, D->T, D->H, D->DK);
-    a->fwd.v = mk(r, IN, D->dt, 4, D->B, D->T, D->H, D->DV);
+    a->fwd.k = mk(r, IN, D->dt, 4, D->B, key_rows(D), D->H, D->DK);
+    a->fwd.v = mk(r, IN, D->dt, 4, D->B, key_rows(D), D->H, D->DV);
     a->fwd.block_indices = mk(r, idx, I32, 4, D->B, D->T, D->H, D->M);
     a->fwd.block_counts = opt(r, pres & 1, cnt, I32, 3, D->B, D->T, D->H, 0);
     a->fwd.o = mk(r, o, D->dt, 4, D->B, D->T, D->HQ, D->DV);
@@ -487,8 +506,8 @@ static void build_slc(reader *r, dims *D, nsa_slc_attn_bwd_args *a, int bwd, uin
     if (!bwd) return;
     a->dout = mk(r, IN, D->dt, 4, D->B, D->T, D->HQ, D->DV);
     a->dq = mk(r, OUT, D->dt, 4, D->B, D->T, D->HQ, D->DK);
-    a->dk = mk(r, OUT, D->dt, 4, D->B, D->T, D->H, D->DK);
-    a->dv = mk(r, OUT, D->dt, 4, D->B, D->T, D->H, D->DV);
+    a->dk = mk(r, OUT, D->dt, 4, D->B, key_rows(D), D->H, D->DK);
+    a->dv = mk(r, OUT, D->dt, 4, D->B, key_rows(D), D->H, D->DV);
 }
 
 static const int64_t windows[] = {-1, -1, 0, 1, 2, 3, 5, 8, 13, INT64_MAX, -2, INT64_MIN, (int64_t)1 << 56, 40, 17, 7};
@@ -565,18 +584,19 @@ static void build_nsa(reader *r, dims *D, nsa_backward_args *a, int bwd, uint8_t
     f->config = mk_config(r);
     mk_dims(r, D, &f->config);
     f->varlen = mk_varlen(r, D, &f->config, &D->Nc);
+    chunk_side(r, D, &f->config, &f->varlen, NULL);
     uint8_t p2 = u8(r);
     int gc = pres & 1, gsl = pres & 2, gsw = pres & 4, kslc = pres & 8, kswa = pres & 16, kcmp = pres & 32,
         bi = pres & 64, bc = (pres & 128) && bi;
     int64_t n = f->config.slc_topk >= 1 && f->config.slc_topk <= 8 ? f->config.slc_topk : 2;
     tspec o = bwd ? IN : OUT, idx = {0, (int)D->nb, 0}, cnt = {0, (int)D->M, 0};
     f->q = mk(r, IN, D->dt, 4, D->B, D->T, D->HQ, D->DK);
-    f->k = mk(r, IN, D->dt, 4, D->B, D->T, D->H, D->DK);
-    f->v = mk(r, IN, D->dt, 4, D->B, D->T, D->H, D->DV);
-    f->k_slc = opt(r, kslc, IN, D->dt, 4, D->B, D->T, D->H, D->DK);
-    f->v_slc = opt(r, kslc && !(p2 == 255), IN, D->dt, 4, D->B, D->T, D->H, D->DV);
-    f->k_swa = opt(r, kswa, IN, D->dt, 4, D->B, D->T, D->H, D->DK);
-    f->v_swa = opt(r, kswa, IN, D->dt, 4, D->B, D->T, D->H, D->DV);
+    f->k = mk(r, IN, D->dt, 4, D->B, key_rows(D), D->H, D->DK);
+    f->v = mk(r, IN, D->dt, 4, D->B, key_rows(D), D->H, D->DV);
+    f->k_slc = opt(r, kslc, IN, D->dt, 4, D->B, key_rows(D), D->H, D->DK);
+    f->v_slc = opt(r, kslc && !(p2 == 255), IN, D->dt, 4, D->B, key_rows(D), D->H, D->DV);
+    f->k_swa = opt(r, kswa, IN, D->dt, 4, D->B, key_rows(D), D->H, D->DK);
+    f->v_swa = opt(r, kswa, IN, D->dt, 4, D->B, key_rows(D), D->H, D->DV);
     f->k_cmp = opt(r, kcmp, IN, D->dt, 4, D->B, D->Nc, D->H, D->DK);
     f->v_cmp = opt(r, kcmp && !(p2 == 254), IN, D->dt, 4, D->B, D->Nc, D->H, D->DV);
     f->g_cmp = opt(r, gc, IN, D->dt, 3, D->B, D->T, D->HQ, 0);
@@ -598,12 +618,12 @@ static void build_nsa(reader *r, dims *D, nsa_backward_args *a, int bwd, uint8_t
     if (!bwd) return;
     a->dout = mk(r, IN, D->dt, 4, D->B, D->T, D->HQ, D->DV);
     a->dq = mk(r, OUT, D->dt, 4, D->B, D->T, D->HQ, D->DK);
-    a->dk = mk(r, OUT, D->dt, 4, D->B, D->T, D->H, D->DK);
-    a->dv = mk(r, OUT, D->dt, 4, D->B, D->T, D->H, D->DV);
-    a->dk_slc = opt(r, kslc, OUT, D->dt, 4, D->B, D->T, D->H, D->DK);
-    a->dv_slc = opt(r, kslc, OUT, D->dt, 4, D->B, D->T, D->H, D->DV);
-    a->dk_swa = opt(r, kswa, OUT, D->dt, 4, D->B, D->T, D->H, D->DK);
-    a->dv_swa = opt(r, kswa && !(p2 == 252), OUT, D->dt, 4, D->B, D->T, D->H, D->DV);
+    a->dk = mk(r, OUT, D->dt, 4, D->B, key_rows(D), D->H, D->DK);
+    a->dv = mk(r, OUT, D->dt, 4, D->B, key_rows(D), D->H, D->DV);
+    a->dk_slc = opt(r, kslc, OUT, D->dt, 4, D->B, key_rows(D), D->H, D->DK);
+    a->dv_slc = opt(r, kslc, OUT, D->dt, 4, D->B, key_rows(D), D->H, D->DV);
+    a->dk_swa = opt(r, kswa, OUT, D->dt, 4, D->B, key_rows(D), D->H, D->DK);
+    a->dv_swa = opt(r, kswa && !(p2 == 252), OUT, D->dt, 4, D->B, key_rows(D), D->H, D->DV);
     a->dk_cmp = opt(r, kcmp, OUT, D->dt, 4, D->B, D->Nc, D->H, D->DK);
     a->dv_cmp = opt(r, kcmp, OUT, D->dt, 4, D->B, D->Nc, D->H, D->DV);
     a->dg_cmp = opt(r, gc, OUT, D->dt, 3, D->B, D->T, D->HQ, 0);
@@ -843,6 +863,12 @@ fuzz_result fuzz_run(const uint8_t *data, size_t size, nsa_context *ctx, const f
     const uint8_t first = u8(&r);
     int op = first == 0xFF ? OP_STEP : first == 0xFE ? OP_ATTENTION_STEP : first == 0xFD ? OP_EXPR : first == 0xFC ? OP_FLEX
              : first == 0xFB ? OP_FLEX_BWD : first % N_OPS;
+    g_chunk = first == 0xFA;
+    if (g_chunk) { /* a query chunk of one of the NSA ops */
+        static const int chunk_ops[] = {OP_CMP_ATTN, OP_CMP_ATTN_BWD, OP_SELECT, OP_SLC_ATTN, OP_SLC_ATTN_BWD, OP_FORWARD,
+                                        OP_BACKWARD};
+        op = chunk_ops[u8(&r) % 7];
+    }
     res.op = op;
     uint8_t pres = u8(&r);
     rng_state = u64(&r);

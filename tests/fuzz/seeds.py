@@ -21,3 +21,8 @@ for op in list(range(14)) + [0xFF, 0xFE, 0xFC, 0xFB]:  # the steps, block-sparse
         body = bytes(rng.randrange(170) if rng.random() < 0.5 else rng.randrange(256) for _ in range(120))
         with open(os.path.join(out, f"seed_{op:02d}_{k}"), "wb") as f:
             f.write(head + body)
+for k in range(14):  # 0xFA: a query chunk; the second byte picks the NSA op
+    head = bytes([0xFA, k % 7, rng.randrange(256)]) + bytes(rng.randrange(256) for _ in range(8))
+    body = bytes(rng.randrange(170) if rng.random() < 0.5 else rng.randrange(256) for _ in range(120))
+    with open(os.path.join(out, f"seed_250_{k}"), "wb") as f:
+        f.write(head + body)
