@@ -243,8 +243,8 @@ NSA_API nsa_status nsa_compress_bwd(nsa_context *ctx, const nsa_compress_bwd_arg
  * position, so row i equals row Tk - Tq + i of the whole-sequence call, and the backward's dk,
  * dv (and dk_cmp, ...) are the whole-sequence call's with dout zero outside the chunk. The
  * operations with k take Tk from k's dim 1; nsa_cmp_attn and nsa_select, which have only the
- * compressed keys, from kv_len. Dense batches only: under varlen.cu_seqlens, Tq == Tk.
- * CUDA backend: whole sequences only (a chunk gets NSA_STATUS_NOT_SUPPORTED). */
+ * compressed keys, from kv_len. Dense batches only: under varlen.cu_seqlens, Tq == Tk. Both
+ * backends, every dtype and kernel of the whole-sequence calls. */
 
 /* ---- 2. Compressed attention (spec 2) ---------------------------------------------- */
 /* Query t sees block i iff i*d + l - 1 <= t; a query that sees no block gets o = 0 and

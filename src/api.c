@@ -455,21 +455,6 @@ static nsa_status run_no_heads(const nsa_context *ctx, op_call c)
     return NSA_STATUS_SUCCESS;
 }
 
-/* A valid call the context's backend does not run: a query chunk (Tk > T) of the NSA
- * operations on CUDA, whose kernels take whole sequences. Checked before the workspace query,
- * which then fails alike. */
-static nsa_status op_backend_supports(const nsa_context *ctx, op_call c, const nsa_problem *p)
-{
-    if (ctx->backend != NSA_BACKEND_CUDA || p->Tk == p->T) return NSA_STATUS_SUCCESS;
-    switch (c.op) {
-    case OP_CMP_ATTN: case OP_CMP_ATTN_BWD: case OP_SELECT: case OP_SLC_ATTN: case OP_SLC_ATTN_BWD:
-    case OP_FORWARD: case OP_BACKWARD:
-        return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "q: a query chunk (T %" PRId64 " queries against Tk %" PRId64 " keys) runs on "
-                        "the CPU backend; the CUDA kernels take whole sequences (T == Tk)", p->T, p->Tk);
-    default: return NSA_STATUS_SUCCESS;
-    }
-}
-
 static nsa_status op_dispatch(nsa_context *ctx, op_call c, op_mode mode, size_t *bytes, void *workspace,
                               size_t workspace_bytes)
 {
@@ -480,7 +465,6 @@ static nsa_status op_dispatch(nsa_context *ctx, op_call c, op_mode mode, size_t 
     nsa_problem p;
     nsa_status st = op_validate(c, &p);
     if (st != NSA_STATUS_SUCCESS) return st;
-    if ((st = op_backend_supports(ctx, c, &p)) != NSA_STATUS_SUCCESS) return st;
     const int empty = no_heads(c, &p);
     const size_t need = empty ? 0 : op_workspace(ctx, &p, c);
     /* the backends size with size.h's saturating arithmetic: SIZE_MAX is a need that

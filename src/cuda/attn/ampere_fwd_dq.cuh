@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
     it.hA = it.hB = INT_MAX;
     if (is_slc && warp == 0) {
         it.lp = P.rule.lp;
-        it.len = sq.len;
+        it.len = sq.klen; /* (the key side: a block ends at min((j + 1) l', klen)) */
         const int pa = p_first + lane, pb = p_first + lane + 32;
         if (nrows > 0 && pa <= p_last) {
             const int64_t id = (sq.b * P.T + sq.row0 + pa) * P.H + h;

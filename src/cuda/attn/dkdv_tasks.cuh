@@ -14,13 +14,13 @@
 
 #define QT_BN 64 /* keys per ktile task, keys per select_kernel step */
 
-/* First query (of len) whose range reaches key c < nkeys, and last whose range starts at or
- * before key c, of a range rule (src/rules.h) */
+/* First query row (of len, row t at position t + r.shift) whose range reaches key c < nkeys,
+ * and last whose range starts at or before key c, of a range rule (src/rules.h) */
 static __device__ int kt_first_reaching(const rule_t &r, int len, int nkeys, int c)
 {
     if (r.kind == RULE_CMP) { /* block c is seen from its last token on */
-        const int64_t t = nsa_rule_cmp_last_token(c, r.cl, r.cd);
-        return (int)(t < len ? t : len);
+        const int64_t t = nsa_rule_cmp_last_token(c, r.cl, r.cd) - r.shift;
+        return (int)(t < 0 ? 0 : t < len ? t : len);
     }
     return (int)nsa_rule_window_q_first(c, r.wr, r.causal, len, (int64_t)len + r.shift);
 }
@@ -63,7 +63,7 @@ __device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid
         const int64_t f = lo, lp = P.rule.lp;
         seg = e - P.xoff[f] + 1;
         slot = e * P.nsub + sub;
-        const int64_t per_T = nsa_rule_num_slc(P.T, lp) + 1;
+        const int64_t per_T = nsa_rule_num_slc(P.sm.Tk, lp) + 1; /* dense: every sequence's */
         if (P.offs_pref) {
             int64_t a = 0, b = P.sm.nseq - 1;
             while (a < b) {
@@ -76,7 +76,7 @@ __device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid
             s = f / (P.H * per_T);
         }
         const seqinfo q0 = seq_get(P.sm, s);
-        const int64_t nb1 = nsa_rule_num_slc(q0.len, lp) + 1;
+        const int64_t nb1 = nsa_rule_num_slc(q0.klen, lp) + 1;
         const int64_t r = f - (P.offs_pref ? P.offs_pref[s] : s * per_T) * P.H;
         h = (int)(r / nb1);
         local = (r % nb1) * P.nsub + sub;
@@ -119,13 +119,13 @@ __device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid
         }
     } else {
         const int lp = P.rule.lp, j = (int)(local / P.nsub), sub = (int)(local % P.nsub);
-        const int bend = nsa_rule_slc_end32(j, lp, sq.len);
+        const int bend = nsa_rule_slc_end32(j, lp, sq.klen);
         k0 = (int)nsa_rule_slc_lo(j, lp) + sub * BK;
         k1 = k0 + BK < bend ? k0 + BK : bend;
         if (k0 >= k1) return 0;
         unitspec ul = {UK_LIST, P.m, 1, 0, 0}, uo = {UK_INV_OFFS, 0, lp, 0, 0};
-        const int64_t lreg = (P.list_pref ? P.list_pref[s] : s * seq_units(ul, P.T)) * P.H + h * seq_units(ul, sq.len);
-        const int64_t oreg = (P.offs_pref ? P.offs_pref[s] : s * seq_units(uo, P.T)) * P.H + h * seq_units(uo, sq.len);
+        const int64_t lreg = (P.list_pref ? P.list_pref[s] : s * seq_units(ul, sq.len, sq.klen)) * P.H + h * seq_units(ul, sq.len, sq.klen);
+        const int64_t oreg = (P.offs_pref ? P.offs_pref[s] : s * seq_units(uo, sq.len, sq.klen)) * P.H + h * seq_units(uo, sq.len, sq.klen);
         const int32_t *offs = P.offs + oreg;
         int64_t cnt = offs[j + 1] - offs[j], first = 0;
         if (P.segp > 0) {

@@ -21,10 +21,10 @@ int cu_attn_supported(grun *g, nsa_dtype dt)
                (long long)p->DK, (long long)p->DV);
         return 0;
     }
-    if (p->T > INT_MAX / 2 || p->H > 65535 || (p->cfg.slc_block > 0 && p->cfg.slc_block > INT_MAX / 4)) {
-        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: T %lld, H %lld or slc_block %lld beyond the CUDA kernels (T <= %d, "
-               "H <= 65535, slc_block <= %d)", (long long)p->T, (long long)p->H, (long long)p->cfg.slc_block, INT_MAX / 2,
-               INT_MAX / 4);
+    if (p->T > INT_MAX / 2 || p->Tk > INT_MAX / 2 || p->H > 65535 || (p->cfg.slc_block > 0 && p->cfg.slc_block > INT_MAX / 4)) {
+        g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: T %lld, Tk %lld, H %lld or slc_block %lld beyond the CUDA kernels (T, Tk <= %d, "
+               "H <= 65535, slc_block <= %d)", (long long)p->T, (long long)p->Tk, (long long)p->H, (long long)p->cfg.slc_block,
+               INT_MAX / 2, INT_MAX / 4);
         return 0;
     }
     return 1;

@@ -31,7 +31,7 @@ int cu_plan_cmp_segments(const nsa_problem *p)
     /* few key tiles, each seen by most queries; tile t has work only in the segments its
      * queries reach, so too few tasks leave SMs idle (8 key tiles x 8 segments x H = 144 equal
      * tasks run in two waves on 132 SMs) */
-    const int64_t nc = nsa_rule_num_cmp(p->T, p->cfg.cmp_len, p->cfg.cmp_stride);
+    const int64_t nc = nsa_rule_num_cmp(p->Tk, p->cfg.cmp_len, p->cfg.cmp_stride);
     const int64_t tiles128 = (nc + KWG_BK - 1) / KWG_BK; /* key tiles of 128 of the longest sequence */
     int nseg = 8;
     while (nseg < 64 && tiles128 * nseg * p->H < 1024) nseg *= 2;

@@ -208,12 +208,12 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) simt_k_kernel(const kparams P
         };
         if (slc) { /* the queries that selected j's block, ascending; those before j do not see it */
             unitspec ul = {UK_LIST, P.m, 1, 0, 0}, uo = {UK_INV_OFFS, 0, P.rule.lp, 0, 0};
-            const int64_t lreg = (P.list_pref ? P.list_pref[s] : s * seq_units(ul, P.T)) * P.H + h * seq_units(ul, sq.len);
-            const int64_t oreg = (P.offs_pref ? P.offs_pref[s] : s * seq_units(uo, P.T)) * P.H + h * seq_units(uo, sq.len);
+            const int64_t lreg = (P.list_pref ? P.list_pref[s] : s * seq_units(ul, sq.len, sq.klen)) * P.H + h * seq_units(ul, sq.len, sq.klen);
+            const int64_t oreg = (P.offs_pref ? P.offs_pref[s] : s * seq_units(uo, sq.len, sq.klen)) * P.H + h * seq_units(uo, sq.len, sq.klen);
             const int32_t *offs = P.offs + oreg, *list = P.list + lreg;
             const int blk = j / P.rule.lp;
             for (int e = offs[blk]; e < offs[blk + 1]; e++)
-                if (list[e] >= j) query(list[e]);
+                if (list[e] + P.rule.shift >= j) query(list[e]);
         } else {
             int t0, t1;
             simt_rows_of_key(P.rule, j, sq.len, nkeys, &t0, &t1);

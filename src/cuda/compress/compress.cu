@@ -42,7 +42,7 @@ void nsa_cu_compress(grun *g, const dview *x, int64_t D, const dview *out)
     g_launched(g);
 }
 
-/* one warp per (b, t, h) row of dx */
+/* one warp per (b, t, h) row of dx (T: the key side's rows, Tk) */
 __global__ void compress_bwd_kernel(dview src, const float *src32, int64_t D, dview dx, float *dx32, seqmap sm,
                                     int64_t T, int64_t cmp_rows, int64_t H, int64_t rows)
 {
@@ -74,10 +74,10 @@ __global__ void compress_bwd_kernel(dview src, const float *src32, int64_t D, dv
 void nsa_cu_compress_bwd(grun *g, const dview *src, const float *src32, int64_t D, const dview *dx, float *dx32)
 {
     const nsa_problem *p = g->p;
-    const int64_t rows = p->B * p->T * p->H;
+    const int64_t rows = p->B * p->Tk * p->H;
     if (!g_live(g) || rows == 0 || D == 0) return;
     compress_bwd_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(*src, src32, D, *dx, dx32, g_plain_map(g),
-                                                                                   p->T, p->cmp_rows, p->H, rows);
+                                                                                   p->Tk, p->cmp_rows, p->H, rows);
     g_launched(g);
 }
 

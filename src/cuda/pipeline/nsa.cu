@@ -52,6 +52,15 @@ static void cmp_kv(grun *g, const nsa_forward_args *a, int own, dview *kc, dview
     nsa_cu_compress(g, &v, p->DV, vc);
 }
 
+/* The sliding branch's rule: causal, w - 1 keys to the left; a query chunk's rows at the end of
+ * its Tk positions. */
+static rule_t swa_rule(const nsa_problem *p)
+{
+    rule_t r = cu_rule_window(nsa_rule_swa_left(p->cfg.window), 0, 1);
+    r.shift = (int)(p->Tk - p->T);
+    return r;
+}
+
 static void run_forward(grun *g, const nsa_forward_args *a)
 {
     const nsa_problem *p = g->p;
@@ -98,7 +107,7 @@ static void run_forward(grun *g, const nsa_forward_args *a)
     if (pl.swa_on) {
         const dview k = dv_of(pl.sep_swa ? &a->k_swa : &a->k), v = dv_of(pl.sep_swa ? &a->v_swa : &a->v);
         const dview o = dv_of(&sv->o_swa), lse = dv_of(&sv->lse_swa);
-        const rule_t r = cu_rule_window(nsa_rule_swa_left(p->cfg.window), 0, 1);
+        const rule_t r = swa_rule(p);
         /* the sliding branch's own softmax scale: the tiles read it from the run's problem */
         nsa_problem pw = *p;
         pw.scale = p->swa_scale;
@@ -140,10 +149,10 @@ static void run_backward(grun *g, const nsa_backward_args *ba)
     plan pl;
     plan_make(&pl, a, 1);
     g_seq_setup(g, 1);
-    const int64_t B = p->B, T = p->T, H = p->H, HQ = p->HQ, DK = p->DK, DV = p->DV, R = p->cmp_rows;
+    const int64_t B = p->B, T = p->T, Tk = p->Tk, H = p->H, HQ = p->HQ, DK = p->DK, DV = p->DV, R = p->cmp_rows;
 
-    /* fp32 accumulators, zeroed: every branch adds */
-    const size_t nq = nsa_size_elems(B, T, HQ, DK), nk = nsa_size_elems(B, T, H, DK), nv = nsa_size_elems(B, T, H, DV);
+    /* fp32 accumulators, zeroed: every branch adds (dk, dv: the key side's Tk rows) */
+    const size_t nq = nsa_size_elems(B, T, HQ, DK), nk = nsa_size_elems(B, Tk, H, DK), nv = nsa_size_elems(B, Tk, H, DV);
     const size_t nkc = nsa_size_elems(B, R, H, DK), nvc = nsa_size_elems(B, R, H, DV), qrows = nsa_size_elems(B, T, HQ, 1);
     float *dq32 = cu_take_f32(g, nq, 1);
     float *dk32 = cu_take_f32(g, nk, 1), *dv32 = cu_take_f32(g, nv, 1);
@@ -191,16 +200,16 @@ static void run_backward(grun *g, const nsa_backward_args *ba)
         nsa_cu_usable(g, &iv, pl.counts ? &cv : NULL, m, p->cfg.slc_block, U, ucnt);
         const dview k = dv_of(pl.sep_slc ? &a->k_slc : &a->k), v = dv_of(pl.sep_slc ? &a->v_slc : &a->v);
         const dview o = dv_of(&sv->o_slc), lse = dv_of(&sv->lse_slc), gate = dv_of(&a->g_slc);
-        io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.gate = &gate, io.KR = T, io.Dw = Dw[1], io.gw = gw[1];
+        io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.gate = &gate, io.KR = Tk, io.Dw = Dw[1], io.gw = gw[1];
         io.dk32 = pl.sep_slc ? dks32 : dk32, io.dv32 = pl.sep_slc ? dvs32 : dv32;
         cu_bwd_slc(g, &io, U, ucnt, m);
     }
     if (pl.swa_on) {
         const dview k = dv_of(pl.sep_swa ? &a->k_swa : &a->k), v = dv_of(pl.sep_swa ? &a->v_swa : &a->v);
         const dview o = dv_of(&sv->o_swa), lse = dv_of(&sv->lse_swa), gate = dv_of(&a->g_swa);
-        io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.gate = &gate, io.KR = T, io.Dw = Dw[2], io.gw = gw[2];
+        io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.gate = &gate, io.KR = Tk, io.Dw = Dw[2], io.gw = gw[2];
         io.dk32 = pl.sep_swa ? dkw32 : dk32, io.dv32 = pl.sep_swa ? dvw32 : dv32;
-        const rule_t r = cu_rule_window(nsa_rule_swa_left(p->cfg.window), 0, 1);
+        const rule_t r = swa_rule(p);
         nsa_problem pw = *p; /* the sliding branch's own scale, as in the forward */
         pw.scale = p->swa_scale;
         g->p = &pw;
@@ -210,8 +219,8 @@ static void run_backward(grun *g, const nsa_backward_args *ba)
 
     const dview dq = dv_of(&ba->dq), dk = dv_of(&ba->dk), dv = dv_of(&ba->dv);
     nsa_cu_store32(g, dq32, &dq, B, T, HQ, DK);
-    nsa_cu_store32(g, dk32, &dk, B, T, H, DK);
-    nsa_cu_store32(g, dv32, &dv, B, T, H, DV);
+    nsa_cu_store32(g, dk32, &dk, B, Tk, H, DK);
+    nsa_cu_store32(g, dv32, &dv, B, Tk, H, DV);
     if (pl.own_cmp) {
         const dview x = dv_of(&ba->dk_cmp), y = dv_of(&ba->dv_cmp);
         nsa_cu_store32(g, dkc32, &x, B, R, H, DK);
@@ -219,13 +228,13 @@ static void run_backward(grun *g, const nsa_backward_args *ba)
     }
     if (pl.sep_slc) {
         const dview x = dv_of(&ba->dk_slc), y = dv_of(&ba->dv_slc);
-        nsa_cu_store32(g, dks32, &x, B, T, H, DK);
-        nsa_cu_store32(g, dvs32, &y, B, T, H, DV);
+        nsa_cu_store32(g, dks32, &x, B, Tk, H, DK);
+        nsa_cu_store32(g, dvs32, &y, B, Tk, H, DV);
     }
     if (pl.sep_swa) {
         const dview x = dv_of(&ba->dk_swa), y = dv_of(&ba->dv_swa);
-        nsa_cu_store32(g, dkw32, &x, B, T, H, DK);
-        nsa_cu_store32(g, dvw32, &y, B, T, H, DV);
+        nsa_cu_store32(g, dkw32, &x, B, Tk, H, DK);
+        nsa_cu_store32(g, dvw32, &y, B, Tk, H, DV);
     }
 }
 

@@ -20,33 +20,35 @@ typedef struct rule_t {
     float cap;            /* logit softcap */
     const float *sinks;   /* [HQ] sink logits at stride sinks_s */
     int64_t sinks_s;
-    int shift;            /* window rule, Tq != Tk (dense batch): query t's diagonal is key t + shift */
-    int nk;               /* window rule: key count (Tk, 0 allowed); -1: the sequence's length */
+    int shift;            /* Tq != Tk (dense batch): query row t is position t + shift -- the window's
+                             diagonal key, and the position the compressed and selected rules read
+                             (a query chunk of the NSA ops: shift = Tk - Tq) */
+    int nk;               /* window rule: key count (Tk, 0 allowed); -1: the sequence's keys */
 } rule_t;
 
 #if defined(__CUDACC__)
 
 /* Keys of sequence sq that a rule's queries choose from: its compressed keys, or its own
- * (the window rule's explicit count nk when it has one: Tq != Tk). */
+ * (the window rule's explicit count nk when it has one: the attention op's Tq != Tk). */
 __device__ __forceinline__ int rule_nkeys(const rule_t &r, const seqinfo &sq)
 {
-    return r.kind == RULE_CMP ? sq.ncmp : r.kind == RULE_WIN && r.nk >= 0 ? r.nk : sq.len;
+    return r.kind == RULE_CMP ? sq.ncmp : r.kind == RULE_WIN && r.nk >= 0 ? r.nk : sq.klen;
 }
 
-/* Visible keys [lo, hi] of query t (empty when hi < lo); for selected attention the causal
- * bound only (blocks are masked separately). */
+/* Visible keys [lo, hi] of query row t (position t + r.shift; empty when hi < lo); for selected
+ * attention the causal bound only (blocks are masked separately). */
 __device__ __forceinline__ void rule_bounds(const rule_t &r, int t, int nkeys, int *lo, int *hi)
 {
+    const int pos = t + r.shift; /* bottom-right aligned (Tq != Tk); < 0: the row sees nothing */
     if (r.kind == RULE_CMP) {
         *lo = 0;
-        *hi = nsa_rule_cmp_visible_cap32(t, r.cl, r.cd, nkeys) - 1;
+        *hi = pos < 0 ? -1 : nsa_rule_cmp_visible_cap32(pos, r.cl, r.cd, nkeys) - 1;
     } else if (r.kind == RULE_WIN) {
-        const int dg = t + r.shift; /* bottom-right aligned diagonal (Tq != Tk); < 0: the row sees nothing */
-        *lo = (int)nsa_rule_window_lo(dg, r.wl);
-        *hi = (int)nsa_rule_window_hi(dg, r.wr, r.causal, nkeys);
+        *lo = (int)nsa_rule_window_lo(pos, r.wl);
+        *hi = (int)nsa_rule_window_hi(pos, r.wr, r.causal, nkeys);
     } else { /* selected: the causal bound (its blocks are masked separately) */
         *lo = 0;
-        *hi = nsa_rule_window_hi32(t, 0, 1, nkeys);
+        *hi = nsa_rule_window_hi32(pos, 0, 1, nkeys);
     }
 }
 

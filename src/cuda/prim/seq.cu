@@ -11,7 +11,7 @@ __global__ void prefix_kernel(const int32_t *cu, int64_t nseq, unitspec u, int64
     __syncthreads();
     for (int64_t base = 0; base < nseq; base += blockDim.x) {
         const int64_t s = base + threadIdx.x;
-        const int64_t v = s < nseq ? seq_units(u, (int64_t)(cu[s + 1] - cu[s])) : 0;
+        const int64_t v = s < nseq ? seq_units(u, (int64_t)(cu[s + 1] - cu[s]), (int64_t)(cu[s + 1] - cu[s])) : 0;
         const int64_t x = block_scan_pass<int64_t>(v, wsum, &carry);
         if (s < nseq) out[s] = x;
     }
@@ -20,9 +20,12 @@ __global__ void prefix_kernel(const int32_t *cu, int64_t nseq, unitspec u, int64
 
 int64_t g_units_total(const nsa_problem *p, unitspec u)
 {
-    if (!p->cu_seqlens) return p->B * seq_units(u, p->T);
+    if (!p->cu_seqlens) return p->B * seq_units(u, p->T, p->Tk);
     int64_t t = 0;
-    for (int64_t s = 0; s < p->num_seqs; s++) t += seq_units(u, (int64_t)(p->cu_seqlens[s + 1] - p->cu_seqlens[s]));
+    for (int64_t s = 0; s < p->num_seqs; s++) {
+        const int64_t len = p->cu_seqlens[s + 1] - p->cu_seqlens[s];
+        t += seq_units(u, len, len);
+    }
     return t;
 }
 
@@ -66,7 +69,8 @@ seqmap g_seqmap(grun *g, unitspec u, int64_t *total)
     m.first = g_prefix(g, u, total);
     m.nseq = p->num_seqs;
     m.T = p->T;
-    m.per_seq = seq_units(u, p->T);
+    m.Tk = p->Tk;
+    m.per_seq = seq_units(u, p->T, p->Tk);
     if (m.per_seq < 1) m.per_seq = 1; /* dense with no task: never divided by */
     m.cl = (int)p->cfg.cmp_len;
     m.cd = (int)p->cfg.cmp_stride;
@@ -81,6 +85,7 @@ seqmap g_plain_map(const grun *g)
     m.cmp0 = g->cmp0;
     m.nseq = g->p->num_seqs;
     m.T = g->p->T;
+    m.Tk = g->p->Tk;
     m.per_seq = 1;
     m.cl = (int)g->p->cfg.cmp_len;
     m.cd = (int)g->p->cfg.cmp_stride;

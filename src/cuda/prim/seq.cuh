@@ -13,18 +13,20 @@
 #define NSA_CU_HD static inline
 #endif
 
-/* Per-sequence unit counts: how many tiles / workspace entries one sequence of length len
- * owns for a given launch. The host sums them for grid sizes and workspace; the device
- * prefix-sums them (varlen) to find a task's sequence. */
+/* Per-sequence unit counts: how many tiles / workspace entries one sequence of qlen queries
+ * and klen keys owns for a given launch (qlen == klen but for a query chunk of a dense batch:
+ * the last qlen positions of klen tokens). The host sums them for grid sizes and workspace;
+ * the device prefix-sums them (varlen, where qlen == klen) to find a task's sequence. */
 enum unit_kind {
-    UK_ROWS = 0,   /* ceil(len * a / b): tiles of b flattened rows (position x a heads) */
-    UK_CMP_TILES,  /* ceil(Nc(len) / b) */
-    UK_CMP,        /* Nc(len) */
-    UK_SLC_TILES,  /* nb(len) * a, nb = ceil(len / b) */
-    UK_INV_CNT,    /* ceil(len / a) * nb(len), nb = ceil(len / b) */
-    UK_INV_OFFS,   /* nb(len) + 1, nb = ceil(len / b) */
-    UK_LIST,       /* len * a */
-    UK_CMP_TILES_X /* ceil(Nc(len) / b) * a: compressed key tiles, a row segments each */
+    UK_ROWS = 0,   /* ceil(qlen * a / b): tiles of b flattened query rows (position x a heads) */
+    UK_CMP_TILES,  /* ceil(Nc(klen) / b) */
+    UK_CMP,        /* Nc(klen) */
+    UK_SLC_TILES,  /* nb(klen) * a, nb = ceil(klen / b) */
+    UK_INV_CNT,    /* ceil(qlen / a) * nb(klen), nb = ceil(klen / b) */
+    UK_INV_OFFS,   /* nb(klen) + 1, nb = ceil(klen / b) */
+    UK_LIST,       /* qlen * a */
+    UK_CMP_TILES_X,/* ceil(Nc(klen) / b) * a: compressed key tiles, a row segments each */
+    UK_KROWS       /* ceil(klen * a / b): tiles of b key rows */
 };
 
 typedef struct unitspec {
@@ -33,17 +35,18 @@ typedef struct unitspec {
     int64_t cl, cd; /* compression l, d (UK_CMP*) */
 } unitspec;
 
-NSA_CU_HD int64_t seq_units(unitspec u, int64_t len)
+NSA_CU_HD int64_t seq_units(unitspec u, int64_t qlen, int64_t klen)
 {
     switch (u.kind) {
-    case UK_ROWS: return (len * u.a + u.b - 1) / u.b;
-    case UK_CMP_TILES: return (nsa_rule_num_cmp(len, u.cl, u.cd) + u.b - 1) / u.b;
-    case UK_CMP: return nsa_rule_num_cmp(len, u.cl, u.cd);
-    case UK_SLC_TILES: return nsa_rule_num_slc(len, u.b) * u.a;
-    case UK_INV_CNT: return (len + u.a - 1) / u.a * nsa_rule_num_slc(len, u.b);
-    case UK_INV_OFFS: return nsa_rule_num_slc(len, u.b) + 1;
-    case UK_CMP_TILES_X: return (nsa_rule_num_cmp(len, u.cl, u.cd) + u.b - 1) / u.b * u.a;
-    default: return len * u.a;
+    case UK_ROWS: return (qlen * u.a + u.b - 1) / u.b;
+    case UK_KROWS: return (klen * u.a + u.b - 1) / u.b;
+    case UK_CMP_TILES: return (nsa_rule_num_cmp(klen, u.cl, u.cd) + u.b - 1) / u.b;
+    case UK_CMP: return nsa_rule_num_cmp(klen, u.cl, u.cd);
+    case UK_SLC_TILES: return nsa_rule_num_slc(klen, u.b) * u.a;
+    case UK_INV_CNT: return (qlen + u.a - 1) / u.a * nsa_rule_num_slc(klen, u.b);
+    case UK_INV_OFFS: return nsa_rule_num_slc(klen, u.b) + 1;
+    case UK_CMP_TILES_X: return (nsa_rule_num_cmp(klen, u.cl, u.cd) + u.b - 1) / u.b * u.a;
+    default: return qlen * u.a;
     }
 }
 
@@ -54,12 +57,17 @@ typedef struct seqmap {
     const int64_t *cmp0;  /* device compressed-row prefix or NULL */
     const int64_t *first; /* device task prefix or NULL (dense) */
     int64_t nseq, T, per_seq;
+    int64_t Tk;           /* dense: key rows per sequence (T, or a query chunk's key side) */
     int cl, cd;
 } seqmap;
 
+/* One sequence: batch index, first packed row (queries and keys alike: a packed batch has no
+ * query chunks), first compressed row; its len queries and klen keys, query i at position
+ * i + shift (shift = klen - len: 0 but for a query chunk), ncmp = Nc(klen) compressed keys. */
 typedef struct seqinfo {
     int64_t b, row0, cmp0;
     int len, ncmp;
+    int klen, shift;
 } seqinfo;
 
 #ifdef __CUDACC__
@@ -77,7 +85,9 @@ __device__ __forceinline__ seqinfo seq_get(const seqmap &m, int64_t s)
         q.len = (int)m.T;
         q.cmp0 = 0;
     }
-    q.ncmp = m.cd > 0 ? nsa_rule_num_cmp32(q.len, m.cl, m.cd) : 0;
+    q.klen = m.cu ? q.len : (int)m.Tk;
+    q.shift = q.klen - q.len;
+    q.ncmp = m.cd > 0 ? nsa_rule_num_cmp32(q.klen, m.cl, m.cd) : 0;
     return q;
 }
 

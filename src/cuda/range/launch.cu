@@ -70,6 +70,7 @@ rule_t cu_rule_cmp(const nsa_problem *p)
     r.kind = RULE_CMP;
     r.cl = (int)p->cfg.cmp_len;
     r.cd = (int)p->cfg.cmp_stride;
+    r.shift = (int)(p->Tk - p->T); /* a query chunk's rows sit at the end of its Tk positions */
     return r;
 }
 

@@ -11,7 +11,7 @@ __global__ void seg_reduce_kernel(kparams P, seqmap tm)
     const seqinfo sq = seq_get(tm, s);
     const int64_t h = blockIdx.y;
     const int is_cmp = P.rule.kind == RULE_CMP;
-    const int64_t nkeys = is_cmp ? sq.ncmp : sq.len, key_row0 = is_cmp ? sq.cmp0 : sq.row0;
+    const int64_t nkeys = is_cmp ? sq.ncmp : sq.klen, key_row0 = is_cmp ? sq.cmp0 : sq.row0;
     const int64_t bk = P.bk, k0 = kt * bk, k1 = k0 + bk < nkeys ? k0 + bk : nkeys;
     if (k0 >= k1) return;
     /* ktile's task of (tile kt, segment sg): segment-major within the sequence */

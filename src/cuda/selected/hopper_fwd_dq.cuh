@@ -116,6 +116,7 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
     const int64_t g0 = (tile % ngr) * 16;
     const int rows = G - g0 < 16 ? (int)(G - g0) : 16;
     const int lp = P.rule.lp, nsub = (lp + BN - 1) / BN;
+    const int sh = sq.shift; /* query row t is position t + sh (a query chunk; else 0) */
     /* the usable-block lists (ascending) of the CTA's positions; none past the sequence */
     const int32_t *U[NP];
     int cnt[NP], tp[NP];
@@ -153,7 +154,7 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
             int m = 0;
 #pragma unroll
             for (int x = 0; x < NP; x++)
-                if (w.u[x] < cnt[x] && U[x][w.u[x]] == j && c <= tp[x]) m |= 1 << x;
+                if (w.u[x] < cnt[x] && U[x][w.u[x]] == j && c <= tp[x] + sh) m |= 1 << x;
             const bool last = w.sub + 1 >= nsub || !m;
             if (m) *c0 = c, *bend = j * lp + lp, *mask = m, w.sub++;
             if (last) {
@@ -254,8 +255,8 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
         sfw_abt<T, NT, KT, BN>(S, qf, Kp, lane);
         const int c1 = c0 + BN < bend ? c0 + BN : bend;
         /* rows of a position that did not select this block see none of its keys */
-        const int hi2[2] = {wm >> rpx[0] & 1 ? rt[0] : -1, wm >> rpx[1] & 1 ? rt[1] : -1};
-        const int full = c1 - c0 == BN && wm == (1 << RP) - 1 && c1 - 1 <= t;
+        const int hi2[2] = {wm >> rpx[0] & 1 ? rt[0] + sh : -1, wm >> rpx[1] & 1 ? rt[1] + sh : -1};
+        const int full = c1 - c0 == BN && wm == (1 << RP) - 1 && c1 - 1 <= t + sh;
         sc_mask_scale<NT>(S, full, c0, c1, lo2, hi2, lane, P.sl2);
         if constexpr (!DQ) {
             sc_softmax<NT, DP / 8>(S, m_, l_, acc);

@@ -41,16 +41,16 @@ static void run_slc_attn_bwd(grun *g, const nsa_slc_attn_bwd_args *a)
     bwd_io io;
     memset(&io, 0, sizeof io);
     io.q = &q, io.k = &k, io.v = &v, io.o = &o, io.lse = &lse, io.dout = &dout, io.dt = f->q.dtype;
-    io.KR = p->T;
+    io.KR = p->Tk;
     io.Dw = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->HQ, 1), 0);
     io.dq32 = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->HQ, p->DK), 1);
-    io.dk32 = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->H, p->DK), 1);
-    io.dv32 = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->H, p->DV), 1);
+    io.dk32 = cu_take_f32(g, nsa_size_elems(p->B, p->Tk, p->H, p->DK), 1);
+    io.dv32 = cu_take_f32(g, nsa_size_elems(p->B, p->Tk, p->H, p->DV), 1);
     cu_bwd_slc(g, &io, U, ucnt, p->m);
     const dview dq = dv_of(&a->dq), dk = dv_of(&a->dk), dv = dv_of(&a->dv);
     nsa_cu_store32(g, io.dq32, &dq, p->B, p->T, p->HQ, p->DK);
-    nsa_cu_store32(g, io.dk32, &dk, p->B, p->T, p->H, p->DK);
-    nsa_cu_store32(g, io.dv32, &dv, p->B, p->T, p->H, p->DV);
+    nsa_cu_store32(g, io.dk32, &dk, p->B, p->Tk, p->H, p->DK);
+    nsa_cu_store32(g, io.dv32, &dv, p->B, p->Tk, p->H, p->DV);
 }
 
 size_t nsa_cuda_slc_attn_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_slc_attn_bwd_args *a)
@@ -71,6 +71,7 @@ rule_t cu_rule_slc(const nsa_problem *p)
     memset(&r, 0, sizeof r);
     r.kind = RULE_SLC;
     r.lp = (int)p->cfg.slc_block;
+    r.shift = (int)(p->Tk - p->T); /* a query chunk's rows sit at the end of its Tk positions */
     return r;
 }
 
@@ -82,8 +83,8 @@ static void run_slc_q(grun *g, qparams *P, int mode, nsa_dtype dt)
     const cu_views v = cu_views_of(&P->q, &P->k, &P->v, &P->o, mode == MODE_DQ ? &P->dout : NULL);
     cu_slc_plan pl = cu_plan_slc(p, &g->dev, g->ovr, &v, mode, dt, 0);
     CUtensorMap tk, tv;
-    if (pl.kernel == CU_SLC_SFW && (!tmap_make(&tk, &P->k, dt, p->B, p->T, p->H, p->DK, pl.bn) ||
-                                    !tmap_make(&tv, &P->v, dt, p->B, p->T, p->H, p->DV, pl.bn)))
+    if (pl.kernel == CU_SLC_SFW && (!tmap_make(&tk, &P->k, dt, p->B, p->Tk, p->H, p->DK, pl.bn) ||
+                                    !tmap_make(&tv, &P->v, dt, p->B, p->Tk, p->H, p->DV, pl.bn)))
         pl = cu_plan_slc(p, &g->dev, g->ovr, &v, mode, dt, 1);
     unitspec u = {UK_ROWS, pl.unit_a, pl.unit_b, 0, 0};
     int64_t tiles;
@@ -176,7 +177,7 @@ void cu_bwd_slc(grun *g, const bwd_io *io, const int32_t *U, const int32_t *ucnt
     int64_t noffs = 0, ebound = 0; /* further segments: at most len * m / segp per (sequence, head) */
     for (int64_t s = 0; s < p->num_seqs; s++) {
         const int64_t len = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T;
-        noffs += seq_units(uo, len);
+        noffs += seq_units(uo, len, p->cu_seqlens ? len : p->Tk);
         ebound += len * m / segp;
     }
     const int64_t nflat = noffs * p->H;

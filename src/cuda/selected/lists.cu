@@ -14,7 +14,7 @@ __global__ void usable_kernel(dview idx, dview cnt, int64_t m, int64_t lp, int32
     int64_t h, t, b;
     split_row(row, H, T, rows, &b, &t, &h);
     const seqinfo sq = seq_get(sm, seq_of_row(sm, b, t));
-    const int64_t pos = t - sq.row0, nb = nsa_rule_num_slc(sq.len, lp);
+    const int64_t pos = t - sq.row0 + sq.shift, nb = nsa_rule_num_slc(sq.klen, lp); /* (its position) */
     int64_t c = m;
     if (cnt.p) {
         c = ((const int32_t *)cnt.p)[b * cnt.s0 + t * cnt.s1 + h * cnt.s2];
@@ -56,10 +56,11 @@ typedef struct inv_params {
     seqmap sm;
 } inv_params;
 
-__device__ __forceinline__ int64_t inv_region(const int64_t *pref, unitspec u, int64_t s, int64_t T, int64_t H,
-                                              int64_t h, int64_t len)
+__device__ __forceinline__ int64_t inv_region(const int64_t *pref, unitspec u, int64_t s, const seqinfo &sq, int64_t H,
+                                              int64_t h)
 {
-    return (pref ? pref[s] : s * seq_units(u, T)) * H + h * seq_units(u, len);
+    const int64_t n = seq_units(u, sq.len, sq.klen); /* (dense: every sequence's) */
+    return (pref ? pref[s] : s * n) * H + h * n;
 }
 
 /* per (sequence, chunk of positions, head): how many of the chunk's queries selected each block */
@@ -69,7 +70,7 @@ __global__ void inv_count_kernel(inv_params P)
     int64_t s, c;
     seq_decode(P.sm, blockIdx.x, &s, &c);
     const seqinfo sq = seq_get(P.sm, s);
-    const int64_t h = blockIdx.y, nb = nsa_rule_num_slc(sq.len, P.lp);
+    const int64_t h = blockIdx.y, nb = nsa_rule_num_slc(sq.klen, P.lp);
     for (int64_t j = threadIdx.x; j < nb; j += blockDim.x) hist[j] = 0;
     __syncthreads();
     const int64_t p0 = c * INV_CHUNK;
@@ -81,7 +82,7 @@ __global__ void inv_count_kernel(inv_params P)
     }
     __syncthreads();
     unitspec uc = {UK_INV_CNT, INV_CHUNK, P.lp, 0, 0};
-    int32_t *cnt = P.cnt + inv_region(P.cnt_pref, uc, s, P.T, P.H, h, sq.len) + c * nb;
+    int32_t *cnt = P.cnt + inv_region(P.cnt_pref, uc, s, sq, P.H, h) + c * nb;
     for (int64_t j = threadIdx.x; j < nb; j += blockDim.x) cnt[j] = hist[j];
 }
 
@@ -92,10 +93,10 @@ __global__ void inv_scan_kernel(inv_params P)
     __shared__ int carry;
     const int64_t s = blockIdx.x, h = blockIdx.y;
     const seqinfo sq = seq_get(P.sm, s);
-    const int64_t nb = nsa_rule_num_slc(sq.len, P.lp), nch = (sq.len + INV_CHUNK - 1) / INV_CHUNK;
+    const int64_t nb = nsa_rule_num_slc(sq.klen, P.lp), nch = (sq.len + INV_CHUNK - 1) / INV_CHUNK;
     unitspec uc = {UK_INV_CNT, INV_CHUNK, P.lp, 0, 0}, uo = {UK_INV_OFFS, 0, P.lp, 0, 0};
-    int32_t *cnt = P.cnt + inv_region(P.cnt_pref, uc, s, P.T, P.H, h, sq.len);
-    int32_t *offs = P.offs + inv_region(P.offs_pref, uo, s, P.T, P.H, h, sq.len);
+    int32_t *cnt = P.cnt + inv_region(P.cnt_pref, uc, s, sq, P.H, h);
+    int32_t *offs = P.offs + inv_region(P.offs_pref, uo, s, sq, P.H, h);
     for (int64_t j = threadIdx.x; j < nb; j += blockDim.x) {
         int tot = 0;
         for (int64_t c = 0; c < nch; c++) tot += cnt[c * nb + j];
@@ -129,11 +130,11 @@ __global__ void inv_fill_kernel(inv_params P)
     int64_t s, c;
     seq_decode(P.sm, blockIdx.x, &s, &c);
     const seqinfo sq = seq_get(P.sm, s);
-    const int64_t h = blockIdx.y, nb = nsa_rule_num_slc(sq.len, P.lp);
+    const int64_t h = blockIdx.y, nb = nsa_rule_num_slc(sq.klen, P.lp);
     const int lane = threadIdx.x;
     unitspec uc = {UK_INV_CNT, INV_CHUNK, P.lp, 0, 0}, ul = {UK_LIST, P.m, 1, 0, 0};
-    const int32_t *cnt = P.cnt + inv_region(P.cnt_pref, uc, s, P.T, P.H, h, sq.len) + c * nb;
-    int32_t *list = P.list + inv_region(P.list_pref, ul, s, P.T, P.H, h, sq.len);
+    const int32_t *cnt = P.cnt + inv_region(P.cnt_pref, uc, s, sq, P.H, h) + c * nb;
+    int32_t *list = P.list + inv_region(P.list_pref, ul, s, sq, P.H, h);
     for (int64_t j = lane; j < nb; j += 32) cursor[j] = cnt[j];
     __syncwarp();
     const int64_t p0 = c * INV_CHUNK;
@@ -168,7 +169,7 @@ void nsa_cu_invert(grun *g, const int32_t *U, const int32_t *ucnt, int64_t m, in
     seqmap sm = g_seqmap(g, uch, &nchunks);
     int64_t nb_max = 0;
     for (int64_t s = 0; s < p->num_seqs; s++) {
-        const int64_t len = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T;
+        const int64_t len = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->Tk;
         const int64_t nb = nsa_rule_num_slc(len, lp);
         nb_max = nb > nb_max ? nb : nb_max;
     }
@@ -242,11 +243,11 @@ __global__ void slc_reduce_kernel(kparams P)
     seq_decode(P.sm, blockIdx.x, &s, &local);
     const seqinfo sq = seq_get(P.sm, s);
     const int64_t h = blockIdx.y, lp = P.rule.lp, j = local / P.nsub, sub = local % P.nsub;
-    const int64_t per_T = nsa_rule_num_slc(P.T, lp) + 1, nb1 = nsa_rule_num_slc(sq.len, lp) + 1;
-    const int64_t f = (P.offs_pref ? P.offs_pref[s] : s * per_T) * P.H + h * nb1 + j;
+    const int64_t nb1 = nsa_rule_num_slc(sq.klen, lp) + 1; /* (dense: every sequence's) */
+    const int64_t f = (P.offs_pref ? P.offs_pref[s] : s * nb1) * P.H + h * nb1 + j;
     const int64_t x0 = P.xoff[f], x1 = P.xoff[f + 1];
     if (x0 == x1) return;
-    const int64_t bend = nsa_rule_slc_end(j, lp, sq.len);
+    const int64_t bend = nsa_rule_slc_end(j, lp, sq.klen);
     const int64_t k0 = nsa_rule_slc_lo(j, lp) + sub * 64, k1 = k0 + 64 < bend ? k0 + 64 : bend;
     if (k0 >= k1) return;
     const int64_t W = P.DK + P.DV;

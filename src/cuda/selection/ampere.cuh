@@ -40,8 +40,9 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
     const int p0 = (int)tile * NP;
     const int npos = sq.len - p0 < NP ? sq.len - p0 : NP;
     const int lp = P.lp, cl = P.cl, cd = P.cd;
-    const int cur_max = nsa_rule_slc_of32(p0 + npos - 1, lp);
-    const int last_t = p0 + npos - 1;
+    const int sh = sq.shift; /* query row pp is position p0 + pp + sh (a query chunk; else 0) */
+    const int cur_max = nsa_rule_slc_of32(p0 + npos - 1 + sh, lp);
+    const int last_t = p0 + npos - 1 + sh;
     const int nv_max = nsa_rule_cmp_visible_cap32(last_t, cl, cd, sq.ncmp);
     const int nhc = (int)((G + HC - 1) / HC);
     const float inv_d = 1.0f / (float)cd;
@@ -66,7 +67,7 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
             }                                                                                    \
             roff[r] = off;                                                                       \
             l2s[r] = l2;                                                                         \
-            rpos[r] = pos;                                                                       \
+            rpos[r] = pos + sh; /* the row's position */                                         \
         }                                                                                        \
         __syncthreads();                                                                         \
         load_rows<T, DKP>(Qs, LDK, (const T *)P.q.p, roff, BM, P.DK, P.q.al, tid, nthr);         \
@@ -191,7 +192,7 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
                     }
                 }
                 for (int idx = tid; idx < npos * JC; idx += nthr) {
-                    const int pp = idx / JC, jj = idx % JC, j = jA + jj, t = p0 + pp;
+                    const int pp = idx / JC, jj = idx % JC, j = jA + jj, t = p0 + pp + sh;
                     if (!nsa_rule_slc_visible(j, t, lp)) continue;
                     int ia = nsa_rule_slc_first_cmp32(j, cl, cd, lp), ib = nsa_rule_slc_last_cmp32(j, cd, lp) + 1;
                     ia = ia > i0 ? ia : i0;
@@ -205,7 +206,7 @@ __global__ void __launch_bounds__(128) select_kernel(const sparams P)
             }
         }
         __syncthreads();
-        sel_merge(P, imp, JC, LI, LJ, kept, NP, p0, npos, jA, JC, tid);
+        sel_merge(P, imp, JC, LI, LJ, kept, NP, p0 + sh, npos, jA, JC, tid);
         __syncthreads();
     }
 #undef SEL_QLOAD

@@ -128,8 +128,9 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
     const int p0 = (int)tile * BP;
     const int npos = sq.len - p0 < BP ? sq.len - p0 : BP;
     const int lp = P.lp, cl = P.cl, cd = P.cd;
-    const int cur_max = nsa_rule_slc_of32(p0 + npos - 1, lp);
-    const int last_t = p0 + npos - 1;
+    const int sh = sq.shift; /* query row p0 + r is position p0 + r + sh (a query chunk; else 0) */
+    const int cur_max = nsa_rule_slc_of32(p0 + npos - 1 + sh, lp);
+    const int last_t = p0 + npos - 1 + sh;
     /* the 32-bit forms: the int64 ones cost this register-bound kernel time (bench/NOTES.md) */
     const int nv_max = nsa_rule_cmp_visible_cap32(last_t, cl, cd, sq.ncmp);
     const float inv_d = 1.0f / (float)cd;
@@ -145,7 +146,7 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
     }
     for (int i = tid; i < NR * MS * BP; i += NTHR) keys[i] = 0;
     if (tid < BP) {
-        const int t = p0 + tid;
+        const int t = p0 + tid + sh;
         pcur[tid] = tid < npos ? nsa_rule_slc_of32(t, lp) : -1;
         pnv[tid] = nsa_rule_cmp_visible32(t, cl, cd);
     }
@@ -326,7 +327,7 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
             range(jn, &nA, &nB);
             if (tid == 0 && nA < nB) issue_k(nA);
         }
-        if (tid < MS * BP) swg_merge<NR, MS>(P, imp, IMS, keys, p0, npos, jA, JC, tid % BP, tid / BP);
+        if (tid < MS * BP) swg_merge<NR, MS>(P, imp, IMS, keys, p0 + sh, npos, jA, JC, tid % BP, tid / BP);
         __syncthreads();
         iA = nA, iB = nB;
     }

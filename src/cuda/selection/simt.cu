@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(32 * SEL_SIMT_WARPS) select_simt_kernel(const 
         const int64_t h = w % P.H, t = (w / P.H) % P.T, b = w / (P.H * P.T);
         const seqinfo sq = seq_get(P.sm, seq_of_row(P.sm, b, t));
         if (t < sq.row0 || t >= sq.row0 + sq.len) continue;
-        const int pos = (int)(t - sq.row0), cur = (int)nsa_rule_slc_of(pos, P.lp);
+        const int pos = (int)(t - sq.row0) + sq.shift, cur = (int)nsa_rule_slc_of(pos, P.lp); /* (its position) */
         const int nv = (int)nsa_rule_cmp_visible_cap(pos, P.cl, P.cd, sq.ncmp);
         float kx[SIMT_COLS], qx[SIMT_COLS];
         int kept = 0;

@@ -22,7 +22,7 @@ __device__ __forceinline__ void sel_halve(float *v, int lane, int bit)
     }
 }
 
-/* One pass of the streaming top-n (spec 3), one thread per position pp < npos: candidates
+/* One pass of the streaming top-n (spec 3), one thread per position p0 + pp, pp < npos: candidates
  * jA .. jA + JC - 1 (importance imp[pp * ims + jj]) enter the position's kept list, best first
  * (entry i at LI[i * NP + pp] importance, LJ[i * NP + pp] block; kept[pp] entries), by
  * insertion in the order (forced, importance, index). That order is total, so the list is
