@@ -36,45 +36,57 @@ def _case_inputs(seed, B, T, HQ, H, DK, DV, gates):
 
 
 CONFIG = dict(cmp_len=8, cmp_stride=4, slc_block=16, slc_topk=4, n_init=1, n_local=2, window=24)
-CASES = [  # (seed, B, T, HQ, H, DK, DV, gates)
-    (1, 1, 203, 4, 2, 16, 16, 7),
-    (2, 2, 97, 2, 1, 8, 12, 3),
-    (3, 1, 5, 4, 4, 8, 8, 7),  # T < 2P: empty chunks
-    (4, 1, 150, 6, 2, 16, 8, 6),
-]
+CASES = {  # backend -> [(seed, B, T, HQ, H, DK, DV, gates)]
+    "gloo": [(1, 1, 203, 4, 2, 16, 16, 7), (2, 2, 97, 2, 1, 8, 12, 3),
+             (3, 1, 5, 4, 4, 8, 8, 7),  # T < 2P: empty chunks
+             (4, 1, 150, 6, 2, 16, 8, 6)],
+    "nccl": [(1, 1, 2003, 16, 2, 64, 64, 7), (2, 2, 997, 8, 2, 128, 128, 3), (3, 1, 5, 4, 4, 64, 64, 7)],
+}
 
 
-def _rank_main(rank, world, port, errors_path):
+def _rank_main(rank, world, port, errors_path, backend="gloo"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     from nsa import distributed as cp
     bad = []
+
+    def same(a, b):  # the CPU in float32: the same bits; CUDA in bf16: within its rounding
+        if not cuda:
+            return torch.equal(a, b)
+        return (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item() + 1e-3
+
     try:
         cfg = nsa.Config(**CONFIG)
-        for case in CASES:
+        for case in CASES[backend]:
             seed, B, T, HQ, H, DK, DV, gates = case
             x = _case_inputs(seed, B, T, HQ, H, DK, DV, gates)
+            if cuda:
+                x = {n: None if t is None else t.to("cuda", torch.bfloat16) for n, t in x.items()}
             names = ["q", "k", "v", "g_cmp", "g_slc", "g_swa"]
             # the whole call, on this rank
             whole = {n: None if x[n] is None else x[n].clone().requires_grad_(True) for n in names}
             o = nsa.native_sparse_attention(whole["q"], whole["k"], whole["v"], whole["g_cmp"], whole["g_slc"],
                                             whole["g_swa"], config=cfg)
-            (o * x["dout"]).sum().backward()
+            (o.float() * x["dout"].float()).sum().backward()
             # this rank's part through context parallelism
             part = {n: None if x[n] is None else cp.shard(x[n], rank, world).clone().requires_grad_(True) for n in names}
             o_cp = cp.native_sparse_attention(part["q"], part["k"], part["v"], part["g_cmp"], part["g_slc"],
                                               part["g_swa"], config=cfg, seq_len=T)
-            (o_cp * cp.shard(x["dout"], rank, world)).sum().backward()
-            if not torch.equal(o_cp, cp.shard(o.detach(), rank, world)):
+            (o_cp.float() * cp.shard(x["dout"], rank, world).float()).sum().backward()
+            if not same(o_cp, cp.shard(o.detach(), rank, world)):
                 bad.append("case %s: o differs (max %.3g)" % (case, (o_cp - cp.shard(o.detach(), rank, world)).abs().max()))
-            if not torch.equal(cp.gather(o_cp.detach(), T), o.detach()):
+            if not same(cp.gather(o_cp.detach(), T), o.detach()):
                 bad.append("case %s: gather(o) is not the whole o" % (case,))
             for n in names:
                 if whole[n] is None:
                     continue
                 want = cp.shard(whole[n].grad, rank, world)
                 got = part[n].grad
-                if got is None or not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                ok = got is not None and (same(got, want) if cuda else torch.allclose(got, want, rtol=1e-5, atol=1e-6))
+                if not ok:
                     err = "none" if got is None else "%.3g" % (got - want).abs().max()
                     bad.append("case %s: d%s differs (max %s)" % (case, n, err))
             pos = cp.positions(T, rank, world)
@@ -88,10 +100,18 @@ def _rank_main(rank, world, port, errors_path):
         f.write("\n".join(bad))
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_context_parallel_matches_single_process(world, tmp_path):
+def _backends():
+    out = [("gloo", 2), ("gloo", 3)]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and nsa.backend_available("cuda") else 0
+    mark = pytest.mark.skipif(gpus < 2 or not dist.is_nccl_available(), reason="needs 2 GPUs, NCCL and libnsa's CUDA backend")
+    out.append(pytest.param("nccl", 2, marks=mark, id="cuda-nccl-2"))
+    return out
+
+
+@pytest.mark.parametrize("backend,world", _backends())
+def test_context_parallel_matches_single_process(backend, world, tmp_path):
     errors = str(tmp_path / "errors")
-    mp.spawn(_rank_main, args=(world, _free_port(), errors), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, _free_port(), errors, backend), nprocs=world, join=True)
     report = []
     for r in range(world):
         with open("%s.%d" % (errors, r)) as f:

@@ -370,15 +370,16 @@ def test_cuda_backward_within_the_tolerance_rule(dtype, case):
     ref = run(torch.float64, "cuda", False)
     got = run(dt, "cuda", True)
     again = run(dt, "cuda", True)
-    naive = run(dt, "cuda", False) if dt != torch.float32 else None
+    naive = run(dt, "cuda", False)
     for i, name in enumerate(("dq", "dk", "dv", "drel")):
         assert torch.equal(got[i], again[i]), name + ": two runs differ"
         err = (got[i] - ref[i]).abs().max().item()
-        if naive is None:
-            assert err <= 2e-5 * max(1.0, ref[i].abs().max().item()), (name, err)
-        else:
-            bound = (naive[i] - ref[i]).abs().max().item()
-            assert err <= 2 * bound + 1e-6, (name, err, bound)
+        # the tolerance rule: twice the naive same-precision error plus the fp32 accumulation
+        # floor, 2^-18 of max(|ref|, 16) (a bias gradient that softmax makes exactly 0 is a sum
+        # of ~10^4 cancelling fp32 terms: only the floor bounds it)
+        bound = (naive[i] - ref[i]).abs().max().item()
+        floor = 2.0 ** -18 * max(ref[i].abs().max().item(), 16.0)
+        assert err <= 2 * (bound + floor), (name, err, bound, floor)
 
 
 @pytest.mark.skipif(TORCH is None or not TORCH.cuda.is_available() or not nsa.backend_available("cuda"),
