@@ -190,7 +190,7 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     const cu_views kv = cu_views_of(&K.q, &K.k, &K.v, NULL, &K.dout);
     cu_dkdv_plan kp = cu_plan_dkdv(p, &g->dev, g->ovr, &kv, 0, wg, 0);
     K.bk = kp.bk;
-    unitspec uk = {UK_ROWS, 1, K.bk, 0, 0};
+    unitspec uk = {UK_KROWS, 1, K.bk, 0, 0}; /* key tiles: the key side's rows */
     if (rule->kind == RULE_CMP) { /* few key tiles, each seen by most queries: row segments */
         K.nseg = cu_plan_cmp_segments(p);
         uk.kind = UK_CMP_TILES_X, uk.a = K.nseg, uk.b = K.bk, uk.cl = p->cfg.cmp_len, uk.cd = p->cfg.cmp_stride;
