@@ -304,7 +304,7 @@ if [ -n "$EXTRA" ]; then
                 # graphs, nn module) and the cached generation example on the GPU (needs torch)
             NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest -q -rs -k "cuda or tiled" \
                 tests/python/test_step_gpu.py tests/python/test_step.py tests/python/test_nn.py tests/python/test_torch.py tests/python/test_attention.py \
-                tests/python/test_basics.py tests/python/test_flex.py tests/python/test_distributed.py > "$FULLDIR/python-cuda.txt" 2>&1
+                tests/python/test_basics.py tests/python/test_flex.py tests/python/test_distributed.py tests/python/test_chunk.py > "$FULLDIR/python-cuda.txt" 2>&1
             note "python cuda tests rc $?: $(tail -1 "$FULLDIR/python-cuda.txt" | tr -d '=')"
             grep -E '^(FAILED|ERROR)' "$FULLDIR/python-cuda.txt" | head -20 | cut -c1-300 | tee -a "$SUMMARY"
             # the tiled steps' kernels under memcheck (a paged NSA step and a paged dense step)

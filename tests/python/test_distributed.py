@@ -2,8 +2,8 @@
 holding its zigzag part of the sequences, must give the single-process call's rows of the
 output and of every gradient (q, k, v, the three gates), for lengths that P and the block sizes
 do not divide and for chunks that are empty. The query-chunk building block itself is checked
-against the float64 reference in tests/test_chunk.c; here each rank compares with the whole
-call it runs itself on the same inputs. Skips without torch or torch.distributed."""
+against the float64 reference in tests/test_chunk.c (and on the GPU by test_chunk.py); here each
+rank compares with the whole call it runs itself on the same inputs. Skips without torch or torch.distributed."""
 import os
 import socket
 
@@ -16,7 +16,6 @@ if not dist.is_available():
 mp = pytest.importorskip("torch.multiprocessing")
 
 import nsa  # noqa: E402
-from conftest import devices  # noqa: E402
 
 
 def _free_port():
@@ -145,63 +144,3 @@ def test_needs_a_process_group():
     q = torch.zeros(1, 4, 2, 8)
     with pytest.raises(RuntimeError, match="process group"):
         cp.native_sparse_attention(q, q[:, :, :1], q[:, :, :1], None, torch.ones(1, 4, 2), None, seq_len=4)
-
-
-CHUNK_CASES = {  # device -> [(dtype name, B, T, HQ, H, D, s)]
-    "cpu": [("float32", 2, 171, 4, 2, 16, 70)],
-    "cuda": [("bfloat16", 2, 1500, 16, 2, 64, 603), ("float16", 1, 2100, 8, 2, 128, 1999),
-             ("bfloat16", 1, 700, 4, 4, 64, 0), ("float32", 1, 300, 4, 2, 32, 77)],  # f32: the scalar kernels
-}
-
-
-@pytest.mark.parametrize("device", devices())
-def test_query_chunk_rows_and_gradients(device):
-    for case in CHUNK_CASES[device if isinstance(device, str) else "cuda"]:
-        _query_chunk_case(device, *case)
-
-
-def _query_chunk_case(device, dtype_name, B, T, HQ, H, D, s):
-    """The building block on its own: q (and the gates) of positions [s, T) against k, v of [0, T)
-    give the whole call's rows, and with dout zero before s the same gradients (torch autograd),
-    the selection too (nsa.select with kv_len). The CPU in float32: the same rows bit for bit;
-    CUDA in bfloat16 (the whole call is checked against the float64 reference by the sweep):
-    the same selection, rows and gradients within bf16 rounding of different summation orders."""
-    gen = torch.Generator().manual_seed(5)
-    cuda = device == "cuda"
-    dtype = getattr(torch, dtype_name)
-    exact = dtype == torch.float32
-    cfg = nsa.Config(**CONFIG)
-
-    def leaf(x):
-        return x.to(device=device, dtype=dtype).requires_grad_(True)
-
-    q, k, v = (leaf(torch.randn(B, T, n, D, generator=gen)) for n in (HQ, H, H))
-    g = [leaf(torch.rand(B, T, HQ, generator=gen)) for _ in range(3)]
-    dout = torch.randn(B, T, HQ, D, generator=gen).to(device=device, dtype=dtype)
-    dout[:, :s] = 0
-    o, aux = nsa.native_sparse_attention(q, k, v, *g, config=cfg, return_aux=True)
-    (o.float() * dout.float()).sum().backward()
-    whole = [x.grad.clone() for x in [q, k, v] + g]
-    for x in [q, k, v] + g:
-        x.grad = None
-    o2, aux2 = nsa.native_sparse_attention(q[:, s:], k, v, *[x[:, s:] for x in g], config=cfg, return_aux=True)
-    (o2.float() * dout[:, s:].float()).sum().backward()
-    assert torch.equal(aux2.block_indices, aux.block_indices[:, s:])
-
-    def close(got, want):
-        if exact:
-            return torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-        err = (got.float() - want.float()).abs().max().item()
-        return err <= 2e-2 * want.float().abs().max().item() + 1e-3
-
-    if cuda or not exact:
-        assert close(o2, o[:, s:].detach())
-    else:
-        assert torch.equal(o2, o[:, s:].detach())
-    names = ["q", "k", "v", "g_cmp", "g_slc", "g_swa"]
-    for name, got, want in zip(names, [x.grad for x in [q, k, v] + g], whole):
-        assert close(got, want), (name, dtype_name, T, s)
-    k_cmp = nsa.compress(k.detach(), cfg)
-    assert torch.equal(nsa.select(q.detach()[:, s:], k_cmp, cfg, kv_len=T), nsa.select(q.detach(), k_cmp, cfg)[:, s:])
-    with pytest.raises(nsa.NsaError, match="kv_len"):
-        nsa.select(q.detach()[:, s:], k_cmp, cfg, kv_len=T - s - 1)

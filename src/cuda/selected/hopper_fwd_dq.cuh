@@ -112,17 +112,19 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
      * positions, one warp each, sharing the stages of the blocks they both selected (the
      * forced first and local blocks at least): fewer K / V bytes from L2, the bound. */
     const int64_t G = P.G, ngr = NP == 1 ? (G + 15) / 16 : 1;
-    const int t0 = (int)(tile / ngr) * NP, t = t0 + warp * RP; /* the warp's first position */
+    const int t0 = (int)(tile / ngr) * NP, t = t0 + warp * RP; /* the warp's first row */
     const int64_t g0 = (tile % ngr) * 16;
     const int rows = G - g0 < 16 ? (int)(G - g0) : 16;
     const int lp = P.rule.lp, nsub = (lp + BN - 1) / BN;
-    const int sh = sq.shift; /* query row t is position t + sh (a query chunk; else 0) */
+    const int sh = P.rule.shift; /* query row t is position t + sh (a query chunk; else 0) */
+    const int wpos = t + sh;     /* the warp's first position */
     /* the usable-block lists (ascending) of the CTA's positions; none past the sequence */
     const int32_t *U[NP];
-    int cnt[NP], tp[NP];
+    int cnt[NP], tp[NP], tpos[NP]; /* the positions' rows and positions (row + sh) */
 #pragma unroll
     for (int w = 0; w < NP; w++) {
         tp[w] = t0 + w;
+        tpos[w] = tp[w] + sh;
         const int64_t uid = (sq.b * P.T + sq.row0 + tp[w]) * P.H + h;
         U[w] = P.U + uid * P.m;
         cnt[w] = tp[w] < sq.len ? P.ucnt[uid] : 0;
@@ -154,7 +156,7 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
             int m = 0;
 #pragma unroll
             for (int x = 0; x < NP; x++)
-                if (w.u[x] < cnt[x] && U[x][w.u[x]] == j && c <= tp[x] + sh) m |= 1 << x;
+                if (w.u[x] < cnt[x] && U[x][w.u[x]] == j && c <= tpos[x]) m |= 1 << x;
             const bool last = w.sub + 1 >= nsub || !m;
             if (m) *c0 = c, *bend = j * lp + lp, *mask = m, w.sub++;
             if (last) {
@@ -186,13 +188,13 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
     const bool live = t < sq.len; /* (a warp past the sequence walks along, computing nothing) */
     /* this lane's rows (lane / 4, + 8): position index in the warp, position, head, realness
      * (padding heads past G, or positions past the sequence: zero Q / dO, nothing written) */
-    int rpx[2], rt[2];
+    int rpx[2], rt[2], rpos[2];
     int64_t rhq[2];
     bool rreal[2];
 #pragma unroll
     for (int x = 0; x < 2; x++) {
         const int r = (lane >> 2) + x * 8;
-        rpx[x] = r / GR, rt[x] = t + rpx[x], rhq[x] = h * G + g0 + r % GR;
+        rpx[x] = r / GR, rt[x] = t + rpx[x], rpos[x] = rt[x] + sh, rhq[x] = h * G + g0 + r % GR;
         rreal[x] = rt[x] < sq.len && r % GR < rows;
     }
 
@@ -255,8 +257,8 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
         sfw_abt<T, NT, KT, BN>(S, qf, Kp, lane);
         const int c1 = c0 + BN < bend ? c0 + BN : bend;
         /* rows of a position that did not select this block see none of its keys */
-        const int hi2[2] = {wm >> rpx[0] & 1 ? rt[0] + sh : -1, wm >> rpx[1] & 1 ? rt[1] + sh : -1};
-        const int full = c1 - c0 == BN && wm == (1 << RP) - 1 && c1 - 1 <= t + sh;
+        const int hi2[2] = {wm >> rpx[0] & 1 ? rpos[0] : -1, wm >> rpx[1] & 1 ? rpos[1] : -1};
+        const int full = c1 - c0 == BN && wm == (1 << RP) - 1 && c1 - 1 <= wpos;
         sc_mask_scale<NT>(S, full, c0, c1, lo2, hi2, lane, P.sl2);
         if constexpr (!DQ) {
             sc_softmax<NT, DP / 8>(S, m_, l_, acc);
