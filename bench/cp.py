@@ -35,23 +35,6 @@ def parse_T(text):
     return out
 
 
-def timed(torch, fn, reps, warmup=1):
-    """Median milliseconds of fn() over reps runs (CUDA events), after warmup runs."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def append_row(path, row):
     """Adds one row to the JSON list at path (made if absent), after every measurement."""
     old = []
@@ -77,6 +60,7 @@ def main():
 
     import nsa
     import nsa.distributed as cp
+    from cuda_timing import median_ms
     from peers import device_description
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -116,9 +100,9 @@ def main():
 
                 if not grad:
                     with torch.no_grad():
-                        ms = timed(torch, call, args.reps)
+                        ms = median_ms(call, args.reps, warmup=1)
                 else:
-                    ms = timed(torch, call, args.reps)
+                    ms = median_ms(call, args.reps, warmup=1)
                 if world > 1:
                     t = torch.tensor([ms], device=dev)
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -138,7 +122,7 @@ def main():
                             dist.all_to_all(recv, pieces)
                             dist.all_to_all(recv, pieces)
 
-                    cms = timed(torch, comm, args.reps)
+                    cms = median_ms(comm, args.reps, warmup=1)
                     t = torch.tensor([cms], device=dev)
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
                     row["comm_ms"] = round(t.item(), 3)

@@ -1,5 +1,5 @@
 """cuda_timing.py -- the one timing rule of the small GPU benchmarks in bench/ (window_scan.py,
-attn_options_gpu.py, matmul_peak.py): `warmup` untimed calls, then `reps` calls each between
+attn_options_gpu.py, matmul_peak.py, cp.py): `warmup` untimed calls, then `reps` calls each between
 two CUDA events on the current stream, synchronised, the median in milliseconds.
 (bench/peers.py keeps its own, with a time budget per measurement.)"""
 import statistics
