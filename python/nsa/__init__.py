@@ -376,12 +376,15 @@ def parallel_nsa(q: Array, k: Array, v: Array, g_cmp: Optional[Array] = None, g_
     Decoding, as fla: q shorter than k (queries are the last q.shape[1] positions of every
     sequence) or cu_seqlens=(cu_seqlens_q, cu_seqlens_k) (packed; each sequence's queries are
     its last tokens) run nsa_step against k, v as the cache (torch tensors; no gradient, and
-    a tensor block_counts needs block_indices there)."""
+    a tensor block_counts needs block_indices there). The dense form runs instead as a query
+    chunk of the training path, with gradients, when autograd wants them (torch) or for numpy
+    arrays, if the selection comes from block_indices or an int block_counts >= 3."""
     if block_counts is None:
         raise ValueError("block_counts must be provided for selection (an int or a [B, T, H] tensor)")
     if isinstance(cu_seqlens, tuple) or (cu_seqlens is None and q.shape[1] != k.shape[1]):
-        return _parallel_nsa_decode(q, k, v, g_cmp, g_slc, g_swa, block_indices, block_counts, block_size,
-                                    window_size, scale, cu_seqlens)
+        if not _chunk_form(q, k, g_cmp, g_slc, g_swa, block_indices, block_counts, cu_seqlens):
+            return _parallel_nsa_decode(q, k, v, g_cmp, g_slc, g_swa, block_indices, block_counts, block_size,
+                                        window_size, scale, cu_seqlens)
     if window_size > 0 and g_swa is None:
         raise ValueError("window_size > 0 needs g_swa (the window branch's gate)")
     torch_path = _is_torch(q)
@@ -407,6 +410,23 @@ def parallel_nsa(q: Array, k: Array, v: Array, g_cmp: Optional[Array] = None, g_
         counts = block_counts
     return native_sparse_attention(q, k, v, g_cmp, g_slc, g_swa if window_size > 0 else None, config=config,
                                    block_indices=block_indices, cu_seqlens=cu_seqlens, block_counts=counts)
+
+
+def _chunk_form(q, k, g_cmp, g_slc, g_swa, block_indices, block_counts, cu_seqlens):
+    """Whether parallel_nsa's dense decoding form (q shorter than k) runs as a query chunk of the
+    training path (spec 0.3) instead of an inference step: for numpy arrays, and for torch tensors
+    when autograd wants a gradient (the step has none); the selection must come from an int
+    block_counts >= 3 or from block_indices (the per-row counts' selection runs on whole
+    sequences)."""
+    if isinstance(cu_seqlens, tuple) or q.shape[1] > k.shape[1]:
+        return False
+    counts_int = isinstance(block_counts, int) and not isinstance(block_counts, bool)
+    if block_indices is None and not (counts_int and int(block_counts) >= 3):
+        return False
+    if not _is_torch(q):
+        return True
+    torch = _torch.torch
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, g_cmp, g_slc, g_swa))
 
 
 def _full(shape, value, dtype, like, torch_path):

@@ -147,3 +147,34 @@ def test_cuda_query_chunk_random(seed):
     assert close(o2, o[:, s:]), what
     for i, (got, want) in enumerate(zip(part, whole)):
         assert close(got, want), (i, what)
+
+
+def test_parallel_nsa_dense_decoding_form_with_gradients():
+    """fla's dense decoding form (q shorter than k) with autograd on: the query-chunk training
+    path, so gradients flow, equal to the whole call's rows; without autograd the inference step,
+    the same values; numpy takes the chunk path too."""
+    import numpy as np
+    gen = torch.Generator().manual_seed(11)
+    B, T, HQ, H, D, s = 1, 300, 4, 1, 32, 217
+    q, k, v = (torch.randn(B, T, n, D, generator=gen).requires_grad_(True) for n in (HQ, H, H))
+    g = [torch.rand(B, T, HQ, generator=gen).requires_grad_(True) for _ in range(3)]
+    kw = dict(block_counts=4, block_size=32, window_size=64)
+    o = nsa.parallel_nsa(q, k, v, *g, **kw)
+    dout = torch.randn(B, T, HQ, D, generator=gen)
+    dout[:, :s] = 0
+    (o * dout).sum().backward()
+    whole = [x.grad.clone() for x in [q, k, v] + g]
+    for x in [q, k, v] + g:
+        x.grad = None
+    o2 = nsa.parallel_nsa(q[:, s:], k, v, *[x[:, s:] for x in g], **kw)
+    assert o2.requires_grad
+    assert torch.allclose(o2, o[:, s:], rtol=1e-5, atol=1e-6)
+    (o2 * dout[:, s:]).sum().backward()
+    for got, want in zip([x.grad for x in [q, k, v] + g], whole):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # the inference step: the same rows
+        o3 = nsa.parallel_nsa(q[:, s:], k, v, *[x[:, s:] for x in g], **kw)
+    assert torch.allclose(o3, o[:, s:].detach(), rtol=1e-4, atol=1e-5)
+    on = nsa.parallel_nsa(*[x.detach().numpy()[:, s:] if i in (0, 3, 4, 5) else x.detach().numpy()
+                            for i, x in enumerate([q, k, v] + g)], **kw)
+    assert np.allclose(on, o[:, s:].detach().numpy(), rtol=1e-5, atol=1e-6)
