@@ -27,7 +27,7 @@ KIT_SRC := $(sort $(wildcard tests/kit/*.c))
 KIT_OBJ := $(KIT_SRC:%.c=$(B)/obj/%.o)
 KIT_H := $(wildcard tests/kit/*.h)
 KIT_LIB := $(B)/libnsa_testkit.a
-TEST_SRC := tests/main.c $(filter-out tests/main.c tests/gpu_main.c,$(sort $(wildcard tests/*.c)))
+TEST_SRC := tests/main.c $(filter-out tests/main.c tests/gpu_main.c tests/gpu_cp.c,$(sort $(wildcard tests/*.c)))
 
 # ---- CUDA backend (src/cuda/**/*.cu) ----------------------------------------------------------
 # NSA_CUDA=auto (default) builds it when nvcc is on PATH; NSA_CUDA=1 forces it, NSA_CUDA=0 keeps
@@ -61,16 +61,20 @@ CUDA_CFLAGS := -DNSA_WITH_CUDA -I$(CUDA_HOME)/include
 LIB_OBJ += $(CUDA_OBJ)
 LDLIBS += -L$(CUDA_HOME)/lib64 -lcudart_static -lstdc++ -ldl -lrt -lpthread
 GPU_TEST_SRC := tests/gpu_main.c tests/test_attention.c tests/test_step.c tests/test_flex.c
-all: $(B)/nsa_gpu_tests $(B)/nsa_wgmma_test
+all: $(B)/nsa_gpu_tests $(B)/nsa_wgmma_test $(B)/nsa_cp_tests
 
 $(B)/obj/src/cuda/%.o: src/cuda/%.cu $(CUDA_HDR) $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) $(if $(filter 1,$(EXPERIMENTAL)),-DNSA_CUDA_EXPERIMENTAL=1,) -Iinclude -Isrc -c $< -o $@
 
-$(B)/obj/src/api.o $(B)/nsa $(B)/nsa_gpu_tests $(B)/nsa_fuzz_replay $(KIT_OBJ): CFLAGS_BASE += $(CUDA_CFLAGS)
+$(B)/obj/src/api.o $(B)/nsa $(B)/nsa_gpu_tests $(B)/nsa_cp_tests $(B)/nsa_fuzz_replay $(KIT_OBJ): CFLAGS_BASE += $(CUDA_CFLAGS)
 
 $(B)/nsa_gpu_tests: $(GPU_TEST_SRC) $(KIT_H) $(KIT_LIB) $(B)/libnsa.a
 	$(CC) $(CFLAGS_BASE) $(CFLAGS) -Itests/kit -o $@ $(GPU_TEST_SRC) $(KIT_LIB) $(B)/libnsa.a $(LDLIBS)
+
+# context parallelism over NCCL on every GPU of the machine (NCCL loaded at run time)
+$(B)/nsa_cp_tests: tests/gpu_cp.c $(B)/libnsa.a
+	$(CC) $(CFLAGS_BASE) $(CFLAGS) -o $@ tests/gpu_cp.c $(B)/libnsa.a $(LDLIBS)
 
 # the Hopper primitives alone (tile loaders, descriptors, wgmma wrappers) against a host product
 $(B)/nsa_wgmma_test: tests/gpu_wgmma.cu $(CUDA_HDR)

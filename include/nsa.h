@@ -661,6 +661,44 @@ NSA_API nsa_status nsa_flex_attention_bwd_workspace_size(nsa_context *ctx, const
 NSA_API nsa_status nsa_flex_attention_bwd(nsa_context *ctx, const nsa_flex_bwd_args *args, void *workspace,
                                           size_t workspace_bytes);
 
+/* ---- 10. Context parallelism over NCCL (spec 15) ---------------------------------------- */
+/* The NSA forward / backward of sequences of seq_len positions split over the ranks of an NCCL
+ * communicator, each rank calling with its part: the zigzag layout of spec 15 (2P chunks, rank r
+ * holding chunks r and 2P-1-r, in that order, along dim 1). local is nsa_forward_args over the
+ * rank's L = local_length rows (q, k, v, gates, o, saved: [B, L, ...]); the call all-gathers K and
+ * V, runs one query chunk (spec 0.3) per local chunk and, in the backward, sends the dK / dV
+ * partials to their owners, who sum them in rank order (deterministic for a fixed P). The rows
+ * equal the whole-sequence call's rows (dk / dv up to the order of sums).
+ * CUDA backend only, with NCCL loaded at run time (libnccl.so.2; nsa_cp_available says whether
+ * it loaded): the collectives run on the context's stream, on the communicator's device; every
+ * rank must make the same calls in the same order. Not taken (NOT_SUPPORTED): varlen, the
+ * caller's k_cmp / v_cmp, block_indices, separate branch K / V, k / v rows that are not
+ * contiguous (stride[2] == D, stride[3] == 1). The workspace holds the whole sequence's K and V. */
+typedef struct nsa_cp_args {
+    nsa_forward_args local;  /* this rank's rows; local.saved is written (forward) or read (backward) */
+    void *comm;              /* ncclComm_t: the ranks of the split, P = its size */
+    int64_t seq_len;         /* T, the whole sequence's positions (the same on every rank) */
+} nsa_cp_args;
+
+typedef struct nsa_cp_bwd_args {
+    nsa_cp_args fwd;
+    nsa_tensor dout;                    /* in  [B, L, HQ, DV] */
+    nsa_tensor dq;                      /* out [B, L, HQ, DK] */
+    nsa_tensor dk, dv;                  /* out [B, L, H, DK/DV]: this rank's rows, summed over the ranks */
+    nsa_tensor dg_cmp, dg_slc, dg_swa;  /* out [B, L, HQ] for present gates */
+} nsa_cp_bwd_args;
+
+/* @return nonzero when the CUDA backend is compiled in and NCCL could be loaded. */
+NSA_API int nsa_cp_available(void);
+/* The rows of rank `rank` of `world` in a sequence of seq_len positions (spec 15), or -1 for
+ * arguments out of range (world < 1, rank outside [0, world), seq_len < 0). */
+NSA_API int64_t nsa_cp_local_length(int64_t seq_len, int64_t rank, int64_t world);
+NSA_API nsa_status nsa_cp_forward_workspace_size(nsa_context *ctx, const nsa_cp_args *args, size_t *bytes);
+NSA_API nsa_status nsa_cp_forward(nsa_context *ctx, const nsa_cp_args *args, void *workspace, size_t workspace_bytes);
+NSA_API nsa_status nsa_cp_backward_workspace_size(nsa_context *ctx, const nsa_cp_bwd_args *args, size_t *bytes);
+NSA_API nsa_status nsa_cp_backward(nsa_context *ctx, const nsa_cp_bwd_args *args, void *workspace,
+                                   size_t workspace_bytes);
+
 #ifdef __cplusplus
 }
 #endif

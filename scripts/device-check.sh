@@ -25,7 +25,8 @@
 #      tests and examples/generate.py on the GPU, "decode" bench/decode.py (one decode step beside
 #      mdy666 and dense; DECODE_B, DECODE_CTX), "flex" bench/flex.py (beside torch's FlexAttention;
 #      FLEX_T, FLEX_HEADS, FLEX_MODS, FLEX_PASSES).
-# ONLY="stage ..." runs only those of sweep, variants, nonfinite, memcheck, fuzz, fla, bench.
+# ONLY="stage ..." runs only those of sweep, variants, nonfinite, memcheck, cp, fuzz, fla, bench
+# (cp: build/nsa_cp_tests, context parallelism over NCCL on every GPU, nothing on one).
 # AB=1 sweeps the mma.sync tiles (NSA_CUDA_WGMMA=0) on all CASES and times them for comparison;
 # ENVAB="NAME=value ..." times the bench once more under those switches.
 # HASH_BASE=dir compares this build's outputs bit for bit with an earlier build's: the sweep
@@ -52,7 +53,7 @@ JOBS="${JOBS:-8}"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 say() { echo "== $(date +%T) $*"; }
-# ONLY="sweep variants nonfinite memcheck fuzz fla bench": just those stages (default: all;
+# ONLY="sweep variants nonfinite memcheck cp fuzz fla bench": just those stages (default: all;
 # the build, the machine record and EXTRA always run).
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 note() { echo "$*" | tee -a "$SUMMARY"; }
@@ -73,7 +74,7 @@ if [ -n "${NSA_PREBUILT:-}" ] && "$NSA_PREBUILT/nsa_gpu_tests" --cases 0 --no-at
 else
     say "build"
     t0=$(date +%s)
-    if ! make -j"$(nproc)" NATIVE=0 CFLAGS=-Wno-psabi build/nsa_gpu_tests build/nsa build/nsa_wgmma_test build/libnsa.so build/nsa_fuzz_replay > "$OUT/build.log" 2>&1; then
+    if ! make -j"$(nproc)" NATIVE=0 CFLAGS=-Wno-psabi build/nsa_gpu_tests build/nsa build/nsa_wgmma_test build/libnsa.so build/nsa_fuzz_replay build/nsa_cp_tests > "$OUT/build.log" 2>&1; then
         tail -40 "$OUT/build.log"
         note "build: FAILED"
         exit 1
@@ -176,6 +177,18 @@ t0=$(date +%s)
 NSA_TEST_ATTENTION_QUICK=1 timeout 240 compute-sanitizer --tool memcheck --print-limit 10 "$BIN/nsa_gpu_tests" --no-fork --cases 0 > "$OUT/memcheck-attention.log" 2>&1
 note "memcheck (attention options): $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-attention.log" | tail -1) / $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/memcheck-attention.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
 fi # memcheck
+
+# Context parallelism over NCCL on every GPU of the machine (build/nsa_cp_tests; NCCL from the
+# system, or torch's nvidia-nccl wheel): nothing to run on one GPU.
+if want cp && [ -x "$BIN/nsa_cp_tests" ]; then
+    say "context parallelism (NCCL)"
+    NCCL_DIR="$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)"
+    t0=$(date +%s)
+    LD_LIBRARY_PATH="${NCCL_DIR:+$NCCL_DIR:}${LD_LIBRARY_PATH:-}" timeout 200 "$BIN/nsa_cp_tests" > "$OUT/cp.log" 2>&1
+    rc=$?
+    grep -E '^FAIL' "$OUT/cp.log" | head -10
+    note "context parallelism: $(grep -vE '^[0-9]+ passed, [0-9]+ failed$' "$OUT/cp.log" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s)"
+fi # cp
 
 # The fuzz inputs on the device (tests/fuzz/replay.c): the same byte checks as the CPU fuzzing,
 # on device memory; the plain run first (fast, and it names a failing input), then memcheck.

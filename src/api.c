@@ -658,3 +658,71 @@ nsa_status nsa_flex_attention_bwd(nsa_context *ctx, const nsa_flex_bwd_args *arg
 {
     return op_dispatch(ctx, (op_call){OP_FLEX_BWD, args}, OP_RUN, NULL, workspace, workspace_bytes);
 }
+
+/* ---- context parallelism over NCCL (nsa.h section 10): the CUDA backend's cuda/cp/cp.cu ---- */
+
+int64_t nsa_cp_local_length(int64_t seq_len, int64_t rank, int64_t world)
+{
+    if (world < 1 || rank < 0 || rank >= world || seq_len < 0 || seq_len > INT64_MAX / (2 * world)) return -1;
+    /* chunk c holds positions [c T / 2P, (c + 1) T / 2P); rank r the chunks r and 2P - 1 - r */
+    const int64_t P2 = 2 * world, c1 = P2 - 1 - rank;
+    return ((rank + 1) * seq_len / P2 - rank * seq_len / P2) + ((c1 + 1) * seq_len / P2 - c1 * seq_len / P2);
+}
+
+int nsa_cp_available(void)
+{
+#ifdef NSA_WITH_CUDA
+    return nsa_backend_available(NSA_BACKEND_CUDA) && nsa_cuda_cp_available();
+#else
+    return 0;
+#endif
+}
+
+/* Both halves of the two context-parallel calls: checks, then the CUDA backend sizes
+ * (workspace NULL) or runs. */
+static nsa_status cp_dispatch(nsa_context *ctx, const nsa_cp_args *a, const nsa_cp_bwd_args *ba, op_mode mode,
+                              size_t *bytes, void *workspace, size_t workspace_bytes)
+{
+    nsa_detail_clear();
+    if (!ctx) return nsa_fail(NSA_STATUS_NULL_POINTER, "ctx is NULL");
+    if (!a) return nsa_fail(NSA_STATUS_NULL_POINTER, "args is NULL");
+    if (mode == OP_QUERY && !bytes) return nsa_fail(NSA_STATUS_NULL_POINTER, "bytes is NULL");
+    if (ctx->backend != NSA_BACKEND_CUDA)
+        return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "ctx: context parallelism over NCCL runs on the CUDA backend");
+#ifdef NSA_WITH_CUDA
+    size_t need = 0;
+    nsa_status st = nsa_cuda_cp_run(ctx, a, ba, NULL, 0, &need);
+    if (st != NSA_STATUS_SUCCESS) return st;
+    if (mode == OP_QUERY) {
+        *bytes = need;
+        return done(NSA_STATUS_SUCCESS);
+    }
+    if (workspace_bytes < need)
+        return nsa_fail(NSA_STATUS_WORKSPACE_TOO_SMALL, "workspace_bytes: %zu < %zu needed", workspace_bytes, need);
+    if (need > 0 && !workspace) return nsa_fail(NSA_STATUS_NULL_POINTER, "workspace: NULL but %zu bytes are needed", need);
+    return done(nsa_cuda_cp_run(ctx, a, ba, workspace, workspace_bytes, NULL));
+#else
+    (void)ba, (void)workspace, (void)workspace_bytes;
+    return nsa_fail(NSA_STATUS_BACKEND_UNAVAILABLE, "ctx: the library was built without the CUDA backend");
+#endif
+}
+
+nsa_status nsa_cp_forward_workspace_size(nsa_context *ctx, const nsa_cp_args *args, size_t *bytes)
+{
+    return cp_dispatch(ctx, args, NULL, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_cp_forward(nsa_context *ctx, const nsa_cp_args *args, void *workspace, size_t workspace_bytes)
+{
+    return cp_dispatch(ctx, args, NULL, OP_RUN, NULL, workspace, workspace_bytes);
+}
+
+nsa_status nsa_cp_backward_workspace_size(nsa_context *ctx, const nsa_cp_bwd_args *args, size_t *bytes)
+{
+    return cp_dispatch(ctx, args ? &args->fwd : NULL, args, OP_QUERY, bytes, NULL, 0);
+}
+
+nsa_status nsa_cp_backward(nsa_context *ctx, const nsa_cp_bwd_args *args, void *workspace, size_t workspace_bytes)
+{
+    return cp_dispatch(ctx, args ? &args->fwd : NULL, args, OP_RUN, NULL, workspace, workspace_bytes);
+}

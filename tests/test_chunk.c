@@ -651,8 +651,47 @@ static void test_chunk_refusals(void)
     nsa_context_destroy(ctx);
 }
 
+/* ---- the context-parallel C entry points (nsa.h section 10): the layout, and the refusals a
+ * machine without a GPU can check (the calls themselves: build/nsa_cp_tests on GPUs) ---- */
+static void test_cp_entry_points(void)
+{
+    for (int64_t P = 1; P <= 8; P++)
+        for (int64_t T = 0; T <= 301; T += (T < 20 ? 1 : 47)) {
+            int64_t sum = 0, ok = 1;
+            for (int64_t r = 0; r < P; r++) {
+                const int64_t L = nsa_cp_local_length(T, r, P);
+                /* chunks r and 2P - 1 - r of c T / 2P .. (c + 1) T / 2P */
+                const int64_t c1 = 2 * P - 1 - r;
+                ok &= L == (r + 1) * T / (2 * P) - r * T / (2 * P) + (c1 + 1) * T / (2 * P) - c1 * T / (2 * P);
+                sum += L;
+            }
+            CHECK_MSG(ok && sum == T, "nsa_cp_local_length: the ranks' rows are the zigzag chunks and cover T");
+        }
+    CHECK(nsa_cp_local_length(10, 0, 0) == -1);
+    CHECK(nsa_cp_local_length(10, 2, 2) == -1);
+    CHECK(nsa_cp_local_length(10, -1, 2) == -1);
+    CHECK(nsa_cp_local_length(-1, 0, 2) == -1);
+    CHECK(nsa_cp_local_length(INT64_MAX, 0, 2) == -1);
+    nsa_context *ctx = cpu_ctx();
+    nsa_cp_args a;
+    memset(&a, 0, sizeof a);
+    size_t need = 0;
+    CHECK_STATUS(nsa_cp_forward_workspace_size(NULL, &a, &need), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("ctx");
+    CHECK_STATUS(nsa_cp_forward_workspace_size(ctx, NULL, &need), NSA_STATUS_NULL_POINTER);
+    CHECK_DETAIL("args");
+    CHECK_STATUS(nsa_cp_forward(ctx, &a, NULL, 0), NSA_STATUS_NOT_SUPPORTED);
+    CHECK_DETAIL("ctx");
+    nsa_cp_bwd_args b;
+    memset(&b, 0, sizeof b);
+    CHECK_STATUS(nsa_cp_backward(ctx, &b, NULL, 0), NSA_STATUS_NOT_SUPPORTED);
+    CHECK_STATUS(nsa_cp_backward_workspace_size(ctx, NULL, &need), NSA_STATUS_NULL_POINTER);
+    nsa_context_destroy(ctx);
+}
+
 void test_chunk_all(void)
 {
     test_chunk_random();
     test_chunk_refusals();
+    test_cp_entry_points();
 }

@@ -62,6 +62,11 @@ nsa_status nsa_cuda_flex_compile_check(const nsa_mod *mask, const nsa_mod *score
                                        size_t *cubin_bytes, double *seconds);
 size_t nsa_cuda_attention_step_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_step_args *a);
 nsa_status nsa_cuda_attention_step(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_step_args *a, void *ws);
+/* Context parallelism over NCCL (cp/cp.cu): whether NCCL loaded; one forward (ba NULL) or
+ * backward, checked, sized into *need (ws NULL) or run. */
+int nsa_cuda_cp_available(void);
+nsa_status nsa_cuda_cp_run(nsa_context *ctx, const nsa_cp_args *a, const nsa_cp_bwd_args *ba, void *ws, size_t ws_bytes,
+                           size_t *need);
 
 #ifdef __cplusplus
 }
