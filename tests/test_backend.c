@@ -10,17 +10,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static nsa_context *cpu_context(int threads)
-{
-    nsa_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.backend = NSA_BACKEND_CPU;
-    d.num_threads = threads;
-    nsa_context *ctx = NULL;
-    nsa_context_create(&ctx, &d);
-    return ctx;
-}
-
 /* A fully specified case: every field set, so nothing is drawn at random. */
 static sweep_case edge(int64_t B, int64_t T, int64_t HQ, int64_t H, int64_t DK, int64_t DV, nsa_dtype dt)
 {
@@ -81,7 +70,7 @@ static void test_int64_offsets(nsa_context *ctx);
 
 void test_backend_all(void)
 {
-    nsa_context *ctx = cpu_context(0);
+    nsa_context *ctx = harness_cpu_context(0);
     CHECK(ctx != NULL);
     if (!ctx) return;
     test_edge_cases(ctx);

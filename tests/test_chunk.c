@@ -66,16 +66,6 @@ static nsa_tensor view3(void *base, nsa_dtype dt, int64_t B, int64_t R, int64_t 
     return t;
 }
 
-static nsa_context *cpu_ctx(void)
-{
-    nsa_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.backend = NSA_BACKEND_CPU;
-    nsa_context *ctx = NULL;
-    CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_SUCCESS);
-    return ctx;
-}
-
 static void draw_case(test_rng *r, chunk_case *c)
 {
     static const int64_t L[][3] = {{4, 2, 8}, {8, 4, 16}, {8, 8, 8}, {6, 3, 12}, {4, 4, 12}};
@@ -532,7 +522,7 @@ static void ops_case(nsa_context *ctx, const chunk_case *c, whole *w, test_rng *
 
 static void test_chunk_random(void)
 {
-    nsa_context *ctx = cpu_ctx();
+    nsa_context *ctx = harness_cpu_context(0);
     test_rng r = {0xC4C4u};
     for (int it = 0; it < 60; it++) {
         chunk_case c;
@@ -550,7 +540,7 @@ static void test_chunk_random(void)
 
 static void test_chunk_refusals(void)
 {
-    nsa_context *ctx = cpu_ctx();
+    nsa_context *ctx = harness_cpu_context(0);
     test_rng r = {77};
     enum { B = 1, Tk = 40, T = 24, HQ = 4, H = 2, D = 8 };
     nsa_config cfg = nsa_config_default();
@@ -672,7 +662,7 @@ static void test_cp_entry_points(void)
     CHECK(nsa_cp_local_length(10, -1, 2) == -1);
     CHECK(nsa_cp_local_length(-1, 0, 2) == -1);
     CHECK(nsa_cp_local_length(INT64_MAX, 0, 2) == -1);
-    nsa_context *ctx = cpu_ctx();
+    nsa_context *ctx = harness_cpu_context(0);
     nsa_cp_args a;
     memset(&a, 0, sizeof a);
     size_t need = 0;

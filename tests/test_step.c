@@ -35,16 +35,6 @@ static float *rnd(test_rng *r, int64_t n, double lo, double hi)
     return x;
 }
 
-static nsa_context *cpu_ctx(void)
-{
-    nsa_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.backend = NSA_BACKEND_CPU;
-    nsa_context *ctx = NULL;
-    CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_SUCCESS);
-    return ctx;
-}
-
 static nsa_config step_config(void)
 {
     nsa_config c = nsa_config_default();
@@ -797,7 +787,7 @@ static void test_dense_step_device_errors(nsa_context *ctx)
 
 void test_step_on(nsa_backend be, const sweep_memory *mem)
 {
-    nsa_context *cpu = cpu_ctx(), *ctx = cpu;
+    nsa_context *cpu = harness_cpu_context(0), *ctx = cpu;
     if (!cpu) return;
     if (be != NSA_BACKEND_CPU) {
         nsa_context_desc d;

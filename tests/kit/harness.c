@@ -81,3 +81,14 @@ int64_t rng_int(test_rng *r, int64_t lo, int64_t hi)
 {
     return lo + (int64_t)(rng_next(r) % (uint64_t)(hi - lo + 1));
 }
+
+struct nsa_context *harness_cpu_context(int threads)
+{
+    nsa_context_desc d;
+    memset(&d, 0, sizeof d);
+    d.backend = NSA_BACKEND_CPU;
+    d.num_threads = threads;
+    nsa_context *ctx = NULL;
+    CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_SUCCESS);
+    return ctx;
+}

@@ -27,6 +27,10 @@ void harness_check_detail(const char *arg, const char *file, int line);
 /* Whether `detail` names `arg` as a whole word (not inside a longer name: "k" is not in "dk"). */
 int harness_detail_names(const char *detail, const char *arg);
 
+/* A CPU-backend context with `threads` worker threads (0: OpenMP's default); its creation is a
+ * check. NULL when it failed. */
+struct nsa_context *harness_cpu_context(int threads);
+
 /* Deterministic random numbers (splitmix64), so a printed seed reproduces a failure. */
 typedef struct test_rng { uint64_t s; } test_rng;
 uint64_t rng_next(test_rng *r);
