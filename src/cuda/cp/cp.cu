@@ -103,14 +103,13 @@ __global__ void cp_sum_kernel(void *out, int dt, int64_t s0, int64_t s1, const v
 static unsigned cp_grid(int64_t n) { return (unsigned)(n / 256 + 1 < 4096 ? n / 256 + 1 : 4096); }
 
 /* ---- one call ----------------------------------------------------------------------------- */
+/* One call's sizes: P ranks, this rank r, T positions, B sequences of L local rows (Lmax: the
+ * longest rank's), H kv heads of DK / DV, es bytes an element; its stream and communicator. */
 typedef struct cp_run {
-    nsa_context *ctx;
     cudaStream_t st;
     void *comm;
-    int64_t P, r, T, B, L, Lmax, H, HQ, DK, DV;
+    int64_t P, r, T, B, L, Lmax, H, DK, DV;
     size_t es;
-    int64_t bounds[2];   /* this rank's chunks: c0 = r, c1 = 2P - 1 - r */
-    nsa_status err;
 } cp_run;
 
 static nsa_status cuda_fail(cudaError_t e, const char *what)
@@ -253,9 +252,9 @@ extern "C" nsa_status nsa_cuda_cp_run(nsa_context *ctx, const nsa_cp_args *a, co
 
     cp_run c;
     memset(&c, 0, sizeof c);
-    c.ctx = ctx, c.st = (cudaStream_t)ctx->stream, c.comm = a->comm;
+    c.st = (cudaStream_t)ctx->stream, c.comm = a->comm;
     c.P = P, c.r = r, c.T = a->seq_len;
-    c.B = f->q.shape[0], c.L = f->q.shape[1], c.HQ = f->q.shape[2], c.H = f->k.shape[2], c.DK = f->k.shape[3];
+    c.B = f->q.shape[0], c.L = f->q.shape[1], c.H = f->k.shape[2], c.DK = f->k.shape[3];
     c.DV = f->v.shape[3];
     c.es = nsa_dtype_size(f->q.dtype);
     const int64_t want = nsa_cp_local_length(c.T, r, P);
