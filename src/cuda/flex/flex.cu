@@ -105,31 +105,43 @@ static const char FLEX_COMMON[] =
     "#endif\n"
     "}\n"
     "__device__ __forceinline__ long long clampll(long long x, long long lo, long long hi) { return x < lo ? lo : x > hi ? hi : x; }\n"
+    "/* the key-block list of one query block: n_part partial entries then n_full full ones (each\n"
+    " * checked on the host: in range, listed once) */\n"
+    "struct block_list {\n"
+    "    const int *part, *full;\n"
+    "    long long n_part, n_full, step_part, step_full;\n"
+    "    __device__ __forceinline__ long long block(long long e) const\n"
+    "    {\n"
+    "        return e < n_part ? (part ? (long long)part[e * step_part] : e) : (long long)full[(e - n_part) * step_full];\n"
+    "    }\n"
+    "};\n"
+    "/* the lists of (b, hq, query block qb) (no block mask: every key block, partial) */\n"
+    "__device__ __forceinline__ block_list block_list_of(const flex_params &P, long long b, long long hq, long long qb)\n"
+    "{\n"
+    "    block_list L;\n"
+    "    L.part = 0, L.full = 0, L.n_part = P.nkb, L.n_full = 0, L.step_part = 1, L.step_full = 1;\n"
+    "    if (P.num) {\n"
+    "        const long long bb = P.nB == 1 ? 0 : b, hh = P.nH == 1 ? 0 : hq, ib = P.iB == 1 ? 0 : b, ih = P.iH == 1 ? 0 : hq;\n"
+    "        L.n_part = P.num[bb * P.ns0 + hh * P.ns1 + qb * P.ns2];\n"
+    "        L.part = P.idx + ib * P.is0 + ih * P.is1 + qb * P.is2, L.step_part = P.is3;\n"
+    "        if (P.fnum) {\n"
+    "            const long long fb = P.fnB == 1 ? 0 : b, fh = P.fnH == 1 ? 0 : hq, fib = P.fiB == 1 ? 0 : b, fih = P.fiH == 1 ? 0 : hq;\n"
+    "            L.n_full = P.fnum[fb * P.fns0 + fh * P.fns1 + qb * P.fns2];\n"
+    "            L.full = P.fidx + fib * P.fis0 + fih * P.fis1 + qb * P.fis2, L.step_full = P.fis3;\n"
+    "        }\n"
+    "    }\n"
+    "    return L;\n"
+    "}\n"
     "/* the visible keys of row i of (b, hq), in the CPU's order: partial blocks, then full ones */\n"
     "template <class F>\n"
     "__device__ void visit(const flex_params &P, const nsa_mod_caps *mc, long long b, long long hq, long long i, F f)\n"
     "{\n"
-    "    const long long qb = i / P.q_block;\n"
-    "    for (int full = 0; full < 2; full++) {\n"
-    "        long long cnt = P.nkb, step = 1;\n"
-    "        const int *ix = 0;\n"
-    "        if (P.num) {\n"
-    "            const int *np = full ? P.fnum : P.num;\n"
-    "            if (!np) continue;\n"
-    "            const long long bb = (full ? P.fnB : P.nB) == 1 ? 0 : b, hh = (full ? P.fnH : P.nH) == 1 ? 0 : hq;\n"
-    "            cnt = full ? np[bb * P.fns0 + hh * P.fns1 + qb * P.fns2] : np[bb * P.ns0 + hh * P.ns1 + qb * P.ns2];\n"
-    "            const long long ib = (full ? P.fiB : P.iB) == 1 ? 0 : b, ih = (full ? P.fiH : P.iH) == 1 ? 0 : hq;\n"
-    "            ix = full ? P.fidx + ib * P.fis0 + ih * P.fis1 + qb * P.fis2 : P.idx + ib * P.is0 + ih * P.is1 + qb * P.is2;\n"
-    "            step = full ? P.fis3 : P.is3;\n"
-    "        } else if (full) {\n"
-    "            continue;\n"
-    "        }\n"
-    "        for (long long e = 0; e < cnt; e++) {\n"
-    "            const long long j = ix ? ix[e * step] : e; /* (checked on the host: in range, once) */\n"
-    "            const long long k0 = j * P.kv_block, k1 = k0 + P.kv_block < P.Tk ? k0 + P.kv_block : P.Tk;\n"
-    "            for (long long kv = k0; kv < k1; kv++)\n"
-    "                if (full || nsa_flex_mask(mc, b, hq, i, kv)) f(kv);\n"
-    "        }\n"
+    "    const block_list L = block_list_of(P, b, hq, i / P.q_block);\n"
+    "    for (long long e = 0; e < L.n_part + L.n_full; e++) {\n"
+    "        const int full = e >= L.n_part;\n"
+    "        const long long k0 = L.block(e) * P.kv_block, k1 = k0 + P.kv_block < P.Tk ? k0 + P.kv_block : P.Tk;\n"
+    "        for (long long kv = k0; kv < k1; kv++)\n"
+    "            if (full || nsa_flex_mask(mc, b, hq, i, kv)) f(kv);\n"
     "    }\n"
     "}\n";
 
@@ -239,39 +251,11 @@ __device__ __forceinline__ unsigned tc_pack(float lo, float hi)
 __device__ __forceinline__ float tc_exp(float x) { return __expf(x); }
 __device__ __forceinline__ float tc_max(float a, float b) { return a > b || a != a ? a : b; } /* NaN wins */
 
-/* the key-block list of one q block: n_part partial entries then n_full full ones */
-struct tc_list {
-    const int *part, *full;
-    long long n_part, n_full, step_part, step_full;
-    __device__ __forceinline__ long long block(long long e) const
-    {
-        return e < n_part ? (part ? (long long)part[e * step_part] : e) : (long long)full[(e - n_part) * step_full];
-    }
-};
-
-/* the lists of (b, hq, query block qb) (no block mask: every key block, partial) */
-__device__ __forceinline__ tc_list tc_list_of(const flex_params &P, long long b, long long hq, long long qb)
-{
-    tc_list L;
-    L.part = 0, L.full = 0, L.n_part = P.nkb, L.n_full = 0, L.step_part = 1, L.step_full = 1;
-    if (P.num) {
-        const long long bb = P.nB == 1 ? 0 : b, hh = P.nH == 1 ? 0 : hq, ib = P.iB == 1 ? 0 : b, ih = P.iH == 1 ? 0 : hq;
-        L.n_part = P.num[bb * P.ns0 + hh * P.ns1 + qb * P.ns2];
-        L.part = P.idx + ib * P.is0 + ih * P.is1 + qb * P.is2, L.step_part = P.is3;
-        if (P.fnum) {
-            const long long fb = P.fnB == 1 ? 0 : b, fh = P.fnH == 1 ? 0 : hq, fib = P.fiB == 1 ? 0 : b, fih = P.fiH == 1 ? 0 : hq;
-            L.n_full = P.fnum[fb * P.fns0 + fh * P.fns1 + qb * P.fns2];
-            L.full = P.fidx + fib * P.fis0 + fih * P.fis1 + qb * P.fis2, L.step_full = P.fis3;
-        }
-    }
-    return L;
-}
-
 /* the KS keys of slice t into the buffers Kb, Vb, by NT threads (thread `me`), rows past the block
  * or Tk zero-filled, one commit group; returns the first key, and through *nk how many are real,
  * *isfull whether the block is a full one */
 template <int KS, int NT>
-__device__ __forceinline__ long long tc_issue(const flex_params &P, const tc_list &L, long long t, long long b, long long h,
+__device__ __forceinline__ long long tc_issue(const flex_params &P, const block_list &L, long long t, long long b, long long h,
                                               unsigned short *Kb, unsigned short *Vb, int me, int *nk, int *isfull)
 {
     const long long S = P.kv_block / KS, e = t / S, u = t - e * S, j = L.block(e);
@@ -322,13 +306,13 @@ struct tc_pipe {
     unsigned short *Ks, *Vs;
     long long nt, kb[TC_STAGES];
     int nk[TC_STAGES], fl[TC_STAGES];
-    __device__ __forceinline__ void begin(const flex_params &P, const tc_list &L, long long b, long long h, int me)
+    __device__ __forceinline__ void begin(const flex_params &P, const block_list &L, long long b, long long h, int me)
     {
 #pragma unroll
         for (int st = 0; st < TC_STAGES - 1; st++)
             if (st < nt) kb[st] = tc_issue<KS, NT>(P, L, st, b, h, Ks + st * KS * LDK, Vs + st * KS * LDV, me, &nk[st], &fl[st]);
     }
-    __device__ __forceinline__ int at(const flex_params &P, const tc_list &L, long long t, long long b, long long h, int me)
+    __device__ __forceinline__ int at(const flex_params &P, const block_list &L, long long t, long long b, long long h, int me)
     {
         if (t + 1 < nt) tc_wait<TC_STAGES - 2>();
         else tc_wait<0>();
@@ -365,7 +349,7 @@ __device__ __forceinline__ void tc_body(const flex_params &P, const nsa_mod_caps
     const float NEG_INF = nsa_mod_fbits(0xff800000u);
     unsigned short *Ks = tc_sm + (SHARED ? 0 : (long long)warp * TC_STAGES * KS * (LDK + LDV)), *Vs = Ks + TC_STAGES * KS * LDK;
 
-    const tc_list L = tc_list_of(P, b, hq, u0 / P.q_block);
+    const block_list L = block_list_of(P, b, hq, u0 / P.q_block);
     const long long nt = (L.n_part + L.n_full) * (P.kv_block / KS);
 
     /* Q's 16 rows as A fragments (rows past Tq zero) */
@@ -582,7 +566,7 @@ __device__ __forceinline__ void tb_dq(const flex_params &P, const flex_grads &R,
     const int me = SHARED ? threadIdx.x : lane;
     const float NEG_INF = nsa_mod_fbits(0xff800000u);
     unsigned short *Ks = tc_sm + (SHARED ? 0 : (long long)warp * TC_STAGES * KS * (LDK + LDV)), *Vs = Ks + TC_STAGES * KS * LDK;
-    const tc_list L = tc_list_of(P, b, hq, u0 / P.q_block);
+    const block_list L = block_list_of(P, b, hq, u0 / P.q_block);
     const long long nt = (L.n_part + L.n_full) * (P.kv_block / KS);
     unsigned qf[NSA_DK / 16][4], of[NSA_DV / 16][4];
     tc_frags<NSA_DK>(qf, (const unsigned short *)P.q + b * P.qs0 + hq * P.qs2, P.qs1, i0, P.Tq, lane);
@@ -904,18 +888,11 @@ extern "C" __global__ void nsa_flex_bwd_dq(const flex_params P, const flex_grads
 __device__ int listed_as(const flex_params &P, long long b, long long hq, long long qb, long long kb, int lane)
 {
     if (!P.num) return 1; /* no block mask: every key block partial */
-    for (int full = 0; full < 2; full++) {
-        const int *np = full ? P.fnum : P.num;
-        if (!np) continue;
-        const long long bb = (full ? P.fnB : P.nB) == 1 ? 0 : b, hh = (full ? P.fnH : P.nH) == 1 ? 0 : hq;
-        const long long cnt = full ? np[bb * P.fns0 + hh * P.fns1 + qb * P.fns2] : np[bb * P.ns0 + hh * P.ns1 + qb * P.ns2];
-        const long long ib = (full ? P.fiB : P.iB) == 1 ? 0 : b, ih = (full ? P.fiH : P.iH) == 1 ? 0 : hq;
-        const int *ix = full ? P.fidx + ib * P.fis0 + ih * P.fis1 + qb * P.fis2 : P.idx + ib * P.is0 + ih * P.is1 + qb * P.is2;
-        const long long step = full ? P.fis3 : P.is3;
-        for (long long e0 = 0; e0 < cnt; e0 += 32) {
-            const long long e = e0 + lane;
-            if (__any_sync(0xffffffffu, e < cnt && ix[e * step] == kb)) return full ? 2 : 1;
-        }
+    const block_list L = block_list_of(P, b, hq, qb);
+    for (long long e0 = 0; e0 < L.n_part + L.n_full; e0 += 32) {
+        const long long e = e0 + lane;
+        const unsigned hit = __ballot_sync(0xffffffffu, e < L.n_part + L.n_full && L.block(e) == kb);
+        if (hit) return e0 + __ffs(hit) - 1 >= L.n_part ? 2 : 1;
     }
     return 0;
 }
