@@ -143,11 +143,13 @@ class _ContextParallelNSA(torch.autograd.Function):
         b = zigzag_bounds(seq_len, world)
         K = _assemble(_gather_parts(k.detach(), seq_len, group), seq_len)
         V = _assemble(_gather_parts(v.detach(), seq_len, group), seq_len)
-        with torch.enable_grad():
-            qd = q.detach().requires_grad_(q.requires_grad)
-            Kd = K.requires_grad_(k.requires_grad)
-            Vd = V.requires_grad_(v.requires_grad)
-            gd = [None if g is None else g.detach().requires_grad_(g.requires_grad) for g in (g_cmp, g_slc, g_swa)]
+        # the chunks' own graph only when a gradient is wanted (an eval forward keeps nothing)
+        want = any(ctx.needs_input_grad[3:])
+        with torch.set_grad_enabled(want):
+            qd = q.detach().requires_grad_(want and q.requires_grad)
+            Kd = K.requires_grad_(want and k.requires_grad)
+            Vd = V.requires_grad_(want and v.requires_grad)
+            gd = [None if g is None else g.detach().requires_grad_(want and g.requires_grad) for g in (g_cmp, g_slc, g_swa)]
             outs, row = [], 0
             for c in _chunks(rank, world):
                 n, end = b[c + 1] - b[c], b[c + 1]
@@ -156,7 +158,7 @@ class _ContextParallelNSA(torch.autograd.Function):
                     outs.append(_core_nsa(qd[:, row:row + n], Kd[:, :end], Vd[:, :end], gs, config))
                 row += n
             o = torch.cat(outs, dim=1) if outs else q.new_zeros(q.shape[:3] + (v.shape[3],))
-        ctx.inner = (o, [qd, Kd, Vd] + gd)
+        ctx.inner = (o, [qd, Kd, Vd] + gd) if want else None
         ctx.cp = (seq_len, group)
         return o.detach()
 

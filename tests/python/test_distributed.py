@@ -144,3 +144,36 @@ def test_needs_a_process_group():
     q = torch.zeros(1, 4, 2, 8)
     with pytest.raises(RuntimeError, match="process group"):
         cp.native_sparse_attention(q, q[:, :, :1], q[:, :, :1], None, torch.ones(1, 4, 2), None, seq_len=4)
+
+
+def _eval_main(rank, world, port, errors_path):
+    """Under torch.no_grad the call returns the same rows and keeps no graph."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from nsa import distributed as cp
+    bad = []
+    try:
+        cfg = nsa.Config(**CONFIG)
+        x = _case_inputs(9, 1, 211, 4, 2, 16, 16, 7)
+        names = ["q", "k", "v", "g_cmp", "g_slc", "g_swa"]
+        whole = nsa.native_sparse_attention(*[x[n] for n in names], config=cfg)
+        part = [cp.shard(x[n], rank, world).requires_grad_(True) for n in names]
+        with torch.no_grad():
+            o = cp.native_sparse_attention(*part, config=cfg, seq_len=211)
+        if o.requires_grad or o.grad_fn is not None:
+            bad.append("a no_grad call built a graph")
+        if not torch.equal(o, cp.shard(whole, rank, world)):
+            bad.append("no_grad rows differ from the whole call's")
+    except Exception as e:
+        bad.append("%s: %s" % (type(e).__name__, e))
+    finally:
+        dist.destroy_process_group()
+    with open("%s.%d" % (errors_path, rank), "w") as f:
+        f.write("\n".join(bad))
+
+
+def test_context_parallel_without_gradients(tmp_path):
+    errors = str(tmp_path / "errors")
+    mp.spawn(_eval_main, args=(2, _free_port(), errors), nprocs=2, join=True)
+    report = [open("%s.%d" % (errors, r)).read().strip() for r in range(2)]
+    assert not any(report), report
