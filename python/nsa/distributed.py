@@ -72,12 +72,17 @@ def shard(x: Tensor, rank: int, world_size: int, dim: int = 1) -> Tensor:
     return torch.cat([x.narrow(dim, b[c0], b[c0 + 1] - b[c0]), x.narrow(dim, b[c1], b[c1 + 1] - b[c1])], dim=dim)
 
 
+def _padded(x: Tensor, seq_len: int, world: int) -> Tensor:
+    """x [B, n, ...] with zero rows appended up to the longest rank's part, contiguous: the equal
+    sizes the collectives move."""
+    pad = max(local_length(seq_len, r, world) for r in range(world)) - x.shape[1]
+    return torch.cat([x, x.new_zeros((x.shape[0], pad) + tuple(x.shape[2:]))], dim=1) if pad else x.contiguous()
+
+
 def _gather_parts(x: Tensor, seq_len: int, group) -> List[Tensor]:
-    """Every rank's part (all-gather; parts padded to the longest along dim 1)."""
+    """Every rank's part (all-gather of the padded parts)."""
     world, _ = _world(group)
-    longest = max(local_length(seq_len, r, world) for r in range(world))
-    pad = longest - x.shape[1]
-    xp = torch.cat([x, x.new_zeros((x.shape[0], pad) + tuple(x.shape[2:]))], dim=1) if pad else x.contiguous()
+    xp = _padded(x, seq_len, world)
     parts = [torch.empty_like(xp) for _ in range(world)]
     dist.all_gather(parts, xp, group=group)
     return [parts[r][:, :local_length(seq_len, r, world)] for r in range(world)]
@@ -116,14 +121,7 @@ def _owner_rows(grad: Tensor, seq_len: int, group) -> Tensor:
     for the rows this rank owns (its part's layout), in rank order: one all-to-all of padded
     pieces, then a fixed-order sum (deterministic for a fixed P)."""
     world, rank = _world(group)
-    longest = max(local_length(seq_len, r, world) for r in range(world))
-    send = []
-    for r in range(world):
-        piece = shard(grad, r, world)
-        pad = longest - piece.shape[1]
-        if pad:
-            piece = torch.cat([piece, piece.new_zeros((piece.shape[0], pad) + tuple(piece.shape[2:]))], dim=1)
-        send.append(piece.contiguous())
+    send = [_padded(shard(grad, r, world), seq_len, world) for r in range(world)]
     recv = [torch.empty_like(send[0]) for _ in range(world)]
     dist.all_to_all(recv, send, group=group)
     total = recv[0]
