@@ -22,11 +22,10 @@
 
 static int cu_step_supported(grun *g, const nsa_step_args *a);
 
-/* The first problem of sequence b (nsa_step_error), or 0, found by a warp (the pages checked
+/* The first problem of sequence b of lengths s (nsa_step_error), or 0, found by a warp (the pages checked
  * 32 at a time): its queries, its lengths, its token pages, then its compressed rows. */
-__device__ int step_problem_warp(const step_params &P, int64_t b, int lane)
+__device__ int step_problem_warp(const step_params &P, int64_t b, const step_seq_t &s, int lane)
 {
-    const step_seq_t s = step_seq(P, b);
     if (s.n < 0 || s.n > P.Tq) return NSA_STEP_BAD_QLEN;
     if (s.L0 < 0) return NSA_STEP_BAD_SEQLEN;
     if (!P.append && s.n > s.L0) return NSA_STEP_NO_TOKENS;
@@ -67,21 +66,37 @@ __global__ void step_prep_kernel(const step_params P, int64_t rows)
     const float inv_l = 1.0f / (float)P.l;
     for (int64_t w = simt_warp0(); w < items; w += simt_nwarps()) {
         const int64_t b = w / per_b, k = w % per_b;
-        const int e = step_problem_warp(P, b, lane);
+        const step_seq_t s = step_seq(P, b); /* read once: after the stores below it would be read again */
+        const int e = step_problem_warp(P, b, s, lane);
         if (k == 0 && lane == 0) {
             P.ok[b] = e == NSA_STEP_OK;
             if (P.errors) P.errors[b * P.errors_s] = e;
         }
         if (e != NSA_STEP_OK) continue;
-        const step_seq_t s = step_seq(P, b);
         if (k < P.Tq * P.H) {
             const int64_t h = k % P.H, i = k / P.H;
             if (!P.append || i >= s.n) continue;
             const int64_t r = s.L0 + i;
-            for (int c = lane; c < P.DK; c += 32)
-                st_any(P.kv.k.p, P.kv.k.dt, step_row(P.kv, P.kv.k, b, r, h) + c, ld_any(P.kn.p, P.kn.dt, b * P.kn.s0 + i * P.kn.s1 + h * P.kn.s2 + c));
-            for (int c = lane; c < P.DV; c += 32)
-                st_any(P.kv.v.p, P.kv.v.dt, step_row(P.kv, P.kv.v, b, r, h) + c, ld_any(P.vn.p, P.vn.dt, b * P.vn.s0 + i * P.vn.s1 + h * P.vn.s2 + c));
+            /* the rows' places found once, and each lane's pieces loaded before any is stored:
+             * a store may alias the block table or the new tokens as far as the compiler knows,
+             * so a lookup or load after a store would wait for it (a chain of round trips) */
+            const int64_t ko = step_row(P.kv, P.kv.k, b, r, h), vo = step_row(P.kv, P.kv.v, b, r, h);
+            const int64_t kn = b * P.kn.s0 + i * P.kn.s1 + h * P.kn.s2, vn = b * P.vn.s0 + i * P.vn.s1 + h * P.vn.s2;
+            for (int c0 = 0; c0 < (P.DK > P.DV ? P.DK : P.DV); c0 += 32 * 8) {
+                float xk[8], xv[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const int c = c0 + 32 * u + lane;
+                    xk[u] = c < P.DK ? ld_any(P.kn.p, P.kn.dt, kn + c) : 0.0f;
+                    xv[u] = c < P.DV ? ld_any(P.vn.p, P.vn.dt, vn + c) : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const int c = c0 + 32 * u + lane;
+                    if (c < P.DK) st_any(P.kv.k.p, P.kv.k.dt, ko + c, xk[u]);
+                    if (c < P.DV) st_any(P.kv.v.p, P.kv.v.dt, vo + c, xv[u]);
+                }
+            }
             continue;
         }
         const int64_t h = (k - P.Tq * P.H) % P.H, c = nsa_rule_num_cmp(s.L - s.n, P.l, P.d) + (k - P.Tq * P.H) / P.H;

@@ -91,7 +91,7 @@ typedef struct ts_plan {
     int D, hc;                 /* head dim; kv heads per CTA */
     int64_t items, batch;      /* items = B * Tq * H, launched `batch` at a time */
     int64_t tiles1, tpc1, nt1; /* compressed branch (or the dense range): stages, stages per task, tasks */
-    int64_t tpc_br, nt_slc, nt_swa, tpb; /* selected and window: stages per task (both), tasks; stages per block */
+    int64_t tpc_slc, tpc_swa, nt_slc, nt_swa, tpb; /* selected and window: stages per task, tasks; stages per block */
     int64_t width;             /* the selection list's length */
     int JT;                    /* blocks one compressed tile touches */
     float *part1, *part3, *bins;

@@ -24,7 +24,7 @@
 #define TS_MIN_ROWS 128 /* a contiguous branch's task reads at least this many rows a head: its partial
                            (16 x D floats) stays small beside the keys it read */
 
-enum { BR_CMP = 0, BR_SLC = 1, BR_SWA = 2, BR_RANGE = 3 };
+enum { BR_CMP = 0, BR_SLC = 1, BR_SWA = 2, BR_RANGE = 3, BR_SLC_SWA = 4 /* either of the two, read at run time */ };
 
 /* floats of one partial: 16 row maxima, 16 row sums, 16 x D unnormalised outputs */
 static __host__ __device__ __forceinline__ int64_t ts_part_floats(int D) { return 32 + 16 * (int64_t)D; }
@@ -37,7 +37,7 @@ typedef struct ts_launch {
     int hc;        /* kv heads per CTA: 4, 2 or 1, dividing H */
     int64_t item0; /* the round's first item */
     float *part;   /* [batch][ntask][ts_part_floats(D)] */
-    float *bins;   /* IMP: [batch][groups][16][JT + 1]: per 16-row group, head and block the sum of
+    float *bins;   /* IMP: [batch][groups][JT + 1][16]: per 16-row group, block and head the sum of
                       overlap * p, then the reference max */
     int64_t tiles; /* 16-row groups of compressed rows per item (the bins' stride) */
     int JT;
@@ -114,22 +114,42 @@ struct ts_warp {
     int slice, KS;
 };
 
+/* A lane's fixed part of its copies' addresses, made once per task: each slice then costs a
+ * row offset (and a page lookup) instead of the whole address per copy. The lane copies the
+ * 16-byte column c of rows i0, i0 + RPP, ... of each slice. */
+struct ts_lanes {
+    int64_t k0, v0;       /* head (and, contiguous, sequence) offset + row i0 + column c */
+    int64_t kstep, vstep; /* RPP rows */
+    bool aligned;         /* pages (if any) hold whole 16-row slices: a slice starting on a multiple of 16 lies in one page */
+};
+template <int D> __device__ __forceinline__ ts_lanes ts_lanes_of(const step_cache_t &C, const ts_warp &W, int lane)
+{
+    constexpr int CH = D / 8, RPP = 32 / CH;
+    const int c = (lane % CH) * 8, i0 = lane / CH;
+    ts_lanes Ln;
+    const int64_t bk = C.bt ? 0 : W.x.b * C.k.s0, bv = C.bt ? 0 : W.x.b * C.v.s0;
+    Ln.k0 = bk + W.x.h * C.k.s2 + i0 * C.k.s1 + c, Ln.v0 = bv + W.x.h * C.v.s2 + i0 * C.v.s1 + c;
+    Ln.kstep = RPP * C.k.s1, Ln.vstep = RPP * C.v.s1;
+    Ln.aligned = !C.bt || (C.page & 15) == 0;
+    return Ln;
+}
+
 /* rows [row0, row0 + n) of the warp's slice of stage t (n = 0: nothing, e.g. an unused slot
  * of the selection list); the first *skip of them precede the branch's first key (masked) */
-__device__ __forceinline__ int ts_slice_rows(const step_params &P, const ts_launch &A, int kind, const ts_warp &W, int64_t lo,
-                                             int64_t hi, int64_t t, int64_t &row0, int &skip)
+__device__ __forceinline__ int ts_slice_rows(const step_params &P, const ts_launch &A, int kind, const ts_warp &W, int64_t lo, int64_t hi,
+                                             int t, int64_t &row0, int &skip)
 {
     int64_t end;
     skip = 0;
     if (kind == BR_SLC) {
-        const int64_t tpb = A.tpb, a = t / tpb, u = t - a * tpb;
+        const int tpb = A.tpb, a = t / tpb, u = t - a * tpb;
         const int32_t j = A.sel[W.local * A.width + a];
         if (j < 0) return 0;
         row0 = (int64_t)j * P.lp + W.KS * u + 16 * W.slice;
         const int64_t end0 = (int64_t)j * P.lp + P.lp, end1 = nsa_rule_slc_hi(j, W.x.pos, P.lp, W.x.L) + 1;
         end = end0 < end1 ? end0 : end1;
     } else {
-        row0 = lo + W.KS * t + 16 * W.slice;
+        row0 = lo + (int64_t)W.KS * t + 16 * W.slice;
         end = hi + 1;
         const int64_t sk = W.vis - row0;
         skip = sk <= 0 ? 0 : sk > 16 ? 16 : (int)sk;
@@ -140,39 +160,47 @@ __device__ __forceinline__ int ts_slice_rows(const step_params &P, const ts_laun
 
 /* The warp's 16 keys of stage t (those past its rows zero-filled) into its 16-row slot of
  * buffer Kb / Vb by cp.async, one commit group. A slice that starts on a multiple of 16 of a
- * contiguous cache or of pages of a multiple of 16 rows lies in one page: every lane finds
- * its base alone and steps by the row stride. Otherwise lanes 0-15 find the K rows'
- * addresses, lanes 16-31 the V rows', shuffled to the lanes that copy. Returns the slice's
- * key count and (skip) the keys before the branch's first. */
-template <typename T, int D>
+ * contiguous cache or of pages of a multiple of 16 rows lies in one page: one lookup, then
+ * every lane steps from its fixed offset (Ln) by the row stride, without predicates when the
+ * slice is whole. Otherwise lanes 0-15 find the K rows' addresses, lanes 16-31 the V rows',
+ * shuffled to the lanes that copy. Returns the slice's key count and (skip) the keys before
+ * the branch's first. */
+template <typename T, int D, bool PV>
 __device__ __forceinline__ int ts_issue(const step_params &P, const ts_launch &A, const step_cache_t &C, int kind, const ts_warp &W,
-                                        int64_t lo, int64_t hi, int64_t t, T *Kb, T *Vb, bool pv, int lane, int &skip)
+                                        const ts_lanes &Ln, int64_t lo, int64_t hi, int t, T *Kb, T *Vb, int lane, int &skip)
 {
     constexpr int LD = D + 8, CH = D / 8, RPP = 32 / CH;
     int64_t row0 = 0;
     const int n = ts_slice_rows(P, A, kind, W, lo, hi, t, row0, skip);
     const T *kp = (const T *)C.k.p, *vp = (const T *)C.v.p;
     const int c = (lane % CH) * 8, i0 = lane / CH;
-    if ((row0 & 15) == 0 && (!C.bt || (C.page & 15) == 0)) {
+    if ((row0 & 15) == 0 && Ln.aligned) {
         int64_t kb = 0, vb = 0; /* 32-bit page arithmetic (the host checks) */
         if (n > 0) {
             const uint32_t row = (uint32_t)row0;
             if (!C.bt) {
-                kb = W.x.b * C.k.s0 + (int64_t)row * C.k.s1 + W.x.h * C.k.s2;
-                vb = W.x.b * C.v.s0 + (int64_t)row * C.v.s1 + W.x.h * C.v.s2;
+                kb = (int64_t)row * C.k.s1, vb = (int64_t)row * C.v.s1;
             } else {
                 const uint32_t pi = row / (uint32_t)C.page, in = row - pi * (uint32_t)C.page;
                 const int64_t pg = C.bt[W.x.b * C.bt0 + (int64_t)pi * C.bt1];
-                kb = pg * C.k.s0 + (int64_t)in * C.k.s1 + W.x.h * C.k.s2;
-                vb = pg * C.v.s0 + (int64_t)in * C.v.s1 + W.x.h * C.v.s2;
+                kb = pg * C.k.s0 + (int64_t)in * C.k.s1, vb = pg * C.v.s0 + (int64_t)in * C.v.s1;
             }
         }
+        const T *ks = kp + Ln.k0 + kb, *vs = vp + Ln.v0 + vb;
+        T *kd = Kb + i0 * LD + c, *vd = Vb + i0 * LD + c;
+        if (n == 16) {
 #pragma unroll
-        for (int k = 0; k < 16 / RPP; k++) {
-            const int i = k * RPP + i0;
-            const bool ok = i < n;
-            cp16(Kb + i * LD + c, ok ? kp + kb + i * C.k.s1 + c : kp, ok ? 16 : 0);
-            if (pv) cp16(Vb + i * LD + c, ok ? vp + vb + i * C.v.s1 + c : vp, ok ? 16 : 0);
+            for (int k = 0; k < 16 / RPP; k++) {
+                cp16_full(kd + k * RPP * LD, ks + k * Ln.kstep);
+                if (PV) cp16_full(vd + k * RPP * LD, vs + k * Ln.vstep);
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < 16 / RPP; k++) {
+                const bool ok = k * RPP + i0 < n;
+                cp16(kd + k * RPP * LD, ok ? ks + k * Ln.kstep : kp, ok ? 16 : 0);
+                if (PV) cp16(vd + k * RPP * LD, ok ? vs + k * Ln.vstep : vp, ok ? 16 : 0);
+            }
         }
         cp_commit();
         return n;
@@ -195,39 +223,40 @@ __device__ __forceinline__ int ts_issue(const step_params &P, const ts_launch &A
         const int i = k * RPP + i0;
         const int64_t ko = __shfl_sync(0xffffffffu, off, i), vo = __shfl_sync(0xffffffffu, off, 16 + i);
         cp16(Kb + i * LD + c, ko >= 0 ? kp + ko + c : kp, ko >= 0 ? 16 : 0);
-        if (pv) cp16(Vb + i * LD + c, vo >= 0 ? vp + vo + c : vp, vo >= 0 ? 16 : 0);
+        if (PV) cp16(Vb + i * LD + c, vo >= 0 ? vp + vo + c : vp, vo >= 0 ? 16 : 0);
     }
     cp_commit();
     return n;
 }
 
-/* One task: the stages [t0, t1) of one branch of a group of Hc kv heads of one (sequence,
+/* One task of branch KIND: the stages [t0, t1) of a group of Hc kv heads of one (sequence,
  * query), as one partial per head. Each warp runs alone over its slice of every stage (its
  * own cp.async pipeline and online softmax, no block barrier in the loop) and the warps of a
  * head merge at the end. A stage is 64 (token, head) rows: with Hc = 4 the four heads of 16
  * tokens, which sit side by side in the cache, so the CTA reads whole spans of it. IMP (the
  * compressed branch of a selecting step): each warp also leaves, per 16-row group and query
  * head, the sums over the blocks its rows overlap of overlap * exp(s - ref), and ref (its
- * running max then). */
-template <typename T, int D, bool IMP>
-__global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params P, const ts_launch A)
+ * running max then). PV: the output is wanted (not when the compressed branch runs only for
+ * the selection). The branch, IMP and PV are template arguments so each instance carries only
+ * its own address, mask and softcap work (a third fewer instructions a slice than one body for
+ * every branch; bench/NOTES.md has what that gained). */
+template <typename T, int D, int KIND, bool IMP, bool PV>
+__device__ __forceinline__ void ts_split_task(const step_params &P, const ts_launch &A, unsigned char *sm, int64_t lg, int64_t task,
+                                              int bs)
 {
+    /* the selected and window branches share one instance (they share a launch, and two
+     * bodies on one SM would compete for the instruction cache): their kind is read here */
+    const int kind = KIND == BR_SLC_SWA ? A.kind[bs] : KIND;
     typedef ts_smem<D> S;
     constexpr int LD = S::LD, KT = D / 16, NT = D / 8;
-    extern __shared__ __align__(16) unsigned char ts_sm[];
-    T *Ks = (T *)(ts_sm + S::k), *Vs = (T *)(ts_sm + S::v);
-    float *ml = (float *)(ts_sm + S::ml);
-
-    ts_wait_prior();
+    T *Ks = (T *)(sm + S::k), *Vs = (T *)(sm + S::v);
+    float *ml = (float *)(sm + S::ml);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, Hc = A.hc;
-    /* consecutive CTAs take the same task of neighbouring head groups */
-    const int64_t ng = A.n / Hc, lg = blockIdx.x % ng, task = blockIdx.x / ng;
     ts_warp W;
     W.vis = 0;
     W.local = lg * Hc + warp % Hc, W.it = A.item0 + W.local, W.slice = warp / Hc, W.KS = 64 / Hc;
     W.x = ts_item_of(P, W.it);
     if (!W.x.live) return; /* the same for every head of a (sequence, query) */
-    const int bs = task < A.tasks[0] ? 0 : 1, kind = A.kind[bs];
     const int64_t c = bs ? task - A.tasks[0] : task;
     int64_t lo = 0, hi = -1, ntiles;
     if (kind == BR_SLC) {
@@ -239,7 +268,8 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
         W.vis = lo, lo &= ~(int64_t)15;
         ntiles = hi >= lo ? (hi - lo + W.KS) / W.KS : 0;
     }
-    const int64_t t0 = c * A.tpc[bs], t1 = t0 + A.tpc[bs] < ntiles ? t0 + A.tpc[bs] : ntiles;
+    /* stage numbers fit 32 bits: a head's rows are at most 2^31 (the host checks capacities) */
+    const int t0 = (int)(c * A.tpc[bs]), t1 = (int)(t0 + A.tpc[bs] < ntiles ? t0 + A.tpc[bs] : ntiles);
     if (t0 >= t1) {
         if (tid < 16 * Hc) {
             float *out = A.part + ((lg * Hc + tid / 16) * A.ntask + task) * ts_part_floats(D);
@@ -247,12 +277,12 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
         }
         return;
     }
-    const step_cache_t C = kind == BR_CMP ? P.ckv : P.kv; /* by value: a reference into the parameters would put them in local memory */
+    const step_cache_t C = KIND == BR_CMP ? P.ckv : P.kv; /* by value: a reference into the parameters would put them in local memory */
+    const ts_lanes Ln = ts_lanes_of<D>(C, W, lane);
     /* scores in the log2 domain (exp2 is one instruction): s * scale * log2(e); maxima and the
      * importance's reference go out in natural units */
-    const float scale = kind == BR_SWA ? P.swa_scale : P.scale, softcap = kind == BR_RANGE ? P.softcap : 0.0f;
-    const float scale2 = scale * NSA_LOG2E;
-    const bool pv = kind != BR_CMP || P.use_cmp; /* the compressed output is not wanted when only the selection is */
+    const float scale = kind == BR_SWA ? P.swa_scale : P.scale, softcap = KIND == BR_RANGE ? P.softcap : 0.0f;
+    const float scale2 = scale * NSA_LOG2E, cap_in = softcap > 0.0f ? scale / softcap : 0.0f, cap_out = softcap * NSA_LOG2E;
     const int r0 = lane >> 2;
 
     /* the head's 16 query rows (G heads, the rest zero) as A fragments, straight from q */
@@ -285,18 +315,18 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
     T *Kw = Ks + warp * 16 * LD, *Vw = Vs + warp * 16 * LD; /* the warp's 16-row slot of each buffer */
     /* each stage's key count n and first visible key skip, as n | skip << 5 */
     int sk, nr1 = 0, nr2 = 0;
-    int nr0 = ts_issue<T, D>(P, A, C, kind, W, lo, hi, t0, Kw, Vw, pv, lane, sk);
+    int nr0 = ts_issue<T, D, PV>(P, A, C, kind, W, Ln, lo, hi, t0, Kw, Vw, lane, sk);
     nr0 |= sk << 5;
-    if (t0 + 1 < t1) nr1 = ts_issue<T, D>(P, A, C, kind, W, lo, hi, t0 + 1, Kw + 64 * LD, Vw + 64 * LD, pv, lane, sk) | sk << 5;
+    if (t0 + 1 < t1) nr1 = ts_issue<T, D, PV>(P, A, C, kind, W, Ln, lo, hi, t0 + 1, Kw + 64 * LD, Vw + 64 * LD, lane, sk) | sk << 5;
     float acc[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     float mrun[2] = {-INFINITY, -INFINITY}, lsum[2] = {0.0f, 0.0f};
     int buf = 0;
-    for (int64_t t = t0; t < t1; t++) {
+    for (int t = t0; t < t1; t++) {
         if (t + 2 < t1) {
             const int nb = buf == 0 ? 2 : buf - 1; /* (buf + 2) % 3 */
-            const int nn = ts_issue<T, D>(P, A, C, kind, W, lo, hi, t + 2, Kw + nb * 64 * LD, Vw + nb * 64 * LD, pv, lane, sk) | sk << 5;
+            const int nn = ts_issue<T, D, PV>(P, A, C, kind, W, Ln, lo, hi, t + 2, Kw + nb * 64 * LD, Vw + nb * 64 * LD, lane, sk) | sk << 5;
             if (nb == 0) nr0 = nn;
             else if (nb == 1) nr1 = nn;
             else nr2 = nn;
@@ -317,17 +347,33 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
             dtraits<T>::mma(s[0], qf[k], bb[0], bb[1]);
             dtraits<T>::mma(s[1], qf[k], bb[2], bb[3]);
         }
+        /* scaled scores; the masks only on a slice with keys outside the branch (the warp
+         * agrees: n and skip are the warp's), the softcap only where the dense step has one */
+        if (KIND == BR_RANGE && softcap > 0.0f) {
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[nt][e] = cap_out * tanhf(s[nt][e] * cap_in);
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[nt][e] *= scale2;
+        }
+        if (n != 16 || skip != 0) {
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int key = nt * 8 + 2 * (lane & 3) + (e & 1);
+                    if (key >= n || key < skip) s[nt][e] = -INFINITY;
+                }
+        }
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int key = nt * 8 + 2 * (lane & 3) + (e & 1);
-                float v = softcap > 0.0f ? softcap * tanhf(s[nt][e] * scale / softcap) * NSA_LOG2E : s[nt][e] * scale2;
-                if (key >= n || key < skip) v = -INFINITY;
-                s[nt][e] = v;
-                mx[e >> 1] = ts_max(mx[e >> 1], v);
-            }
+            for (int e = 0; e < 4; e++) mx[e >> 1] = ts_max(mx[e >> 1], s[nt][e]);
         float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
@@ -348,7 +394,7 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
                 ps[e >> 1] += p;
             }
         lsum[0] = lsum[0] * alpha[0] + ps[0], lsum[1] = lsum[1] * alpha[1] + ps[1];
-        if (pv) {
+        if (PV) {
             if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) /* the max moved (rarely, after the first keys) */
 #pragma unroll
                 for (int q = 0; q < NT; q++) acc[q][0] *= alpha[0], acc[q][1] *= alpha[0], acc[q][2] *= alpha[1], acc[q][3] *= alpha[1];
@@ -364,10 +410,10 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
             }
         }
         if (IMP && n > 0) { /* this slice's share of each block's importance, per query head */
-            /* bins[g][jj] = sum over the slice's rows k of p[g][k] * overlap(row k, block j0 + jj):
+            /* bins[jj][g] = sum over the slice's rows k of p[g][k] * overlap(row k, block j0 + jj):
              * one m16n8k16 product per 8 blocks, p in f16 (in [0, 1]: 11 bits where bf16 has 8),
              * the overlaps (whole tokens, exact) from the table wb made once per warp */
-            const int32_t gr = (int32_t)((W.KS * t) / 16 + W.slice);
+            const int32_t gr = (W.KS * t) / 16 + W.slice;
             uint32_t a[4];
             a[0] = dtraits<__half>::pack(s[0][0], s[0][1]), a[1] = dtraits<__half>::pack(s[0][2], s[0][3]);
             a[2] = dtraits<__half>::pack(s[1][0], s[1][1]), a[3] = dtraits<__half>::pack(s[1][2], s[1][3]);
@@ -380,11 +426,11 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int g = r0 + 8 * (e >> 1), jj = nt * 8 + 2 * (lane & 3) + (e & 1);
-                    if (g < P.G && jj < A.JT) bt[g * (A.JT + 1) + jj] = bc[nt][e];
+                    if (g < P.G && jj < A.JT) bt[jj * 16 + g] = bc[nt][e];
                 }
-            if ((lane & 3) == 0) {
-                if (r0 < P.G) bt[r0 * (A.JT + 1) + A.JT] = mrun[0] * NSA_LN2;
-                if (r0 + 8 < P.G) bt[(r0 + 8) * (A.JT + 1) + A.JT] = mrun[1] * NSA_LN2;
+            if ((lane & 3) == 0) { /* the heads' references: row JT */
+                if (r0 < P.G) bt[A.JT * 16 + r0] = mrun[0] * NSA_LN2;
+                if (r0 + 8 < P.G) bt[A.JT * 16 + r0 + 8] = mrun[1] * NSA_LN2;
             }
         }
         __syncwarp();
@@ -404,7 +450,7 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
             part[r0] = mrun[0] * NSA_LN2, part[r0 + 8] = mrun[1] * NSA_LN2; /* the max in natural units */
             part[16 + r0] = lsum[0], part[16 + r0 + 8] = lsum[1];
         }
-        if (pv)
+        if (PV)
 #pragma unroll
             for (int q = 0; q < NT; q++) {
                 const int col = q * 8 + 2 * (lane & 3);
@@ -428,7 +474,7 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
         fw[r] = mrun[r] == -INFINITY ? 0.0f : exp2f(mrun[r] - M);
     }
     float *Os = (float *)Ks; /* the tiles are done: their space holds the four warps' outputs */
-    if (pv) {
+    if (PV) {
 #pragma unroll
         for (int q = 0; q < NT; q++) {
             const int col = q * 8 + 2 * (lane & 3);
@@ -449,7 +495,7 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
         float *out = A.part + ((lg * Hc + h2) * A.ntask + task) * ts_part_floats(D);
         out[g] = m * NSA_LN2, out[16 + g] = l; /* the max in natural units */
     }
-    if (pv)
+    if (PV)
         for (int e = tid; e < Hc * 4 * D; e += TS_THREADS) { /* four floats a thread */
             const int h2 = e / (4 * D), rc = 4 * (e - h2 * 4 * D);
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -460,6 +506,31 @@ __global__ void __launch_bounds__(TS_THREADS) ts_split_kernel(const step_params 
             *(float4 *)(A.part + ((lg * Hc + h2) * A.ntask + task) * ts_part_floats(D) + 32 + rc) = v;
         }
     ts_let_next_start();
+}
+
+/* The contiguous and selected branches' launch: a CTA a task of one branch (the launch's
+ * first or second, ts_launch.kind), sent to that branch's instance of ts_split_task. IMP: the
+ * compressed branch of a selecting step (with or without its output, P.use_cmp). Two CTAs an
+ * SM, as the shared memory allows anyway: the bound lets ptxas keep every value in registers
+ * (left to itself it chose 168 and spilled). */
+template <typename T, int D, bool IMP>
+__global__ void __launch_bounds__(TS_THREADS, 2) ts_split_kernel(const step_params P, const ts_launch A)
+{
+    extern __shared__ __align__(16) unsigned char ts_sm[];
+    ts_wait_prior();
+    /* consecutive CTAs take the same task of neighbouring head groups */
+    const int64_t ng = A.n / A.hc, lg = blockIdx.x % ng, task = blockIdx.x / ng;
+    const int bs = task < A.tasks[0] ? 0 : 1, kind = A.kind[bs];
+    if (IMP) {
+        if (P.use_cmp) ts_split_task<T, D, BR_CMP, true, true>(P, A, ts_sm, lg, task, bs);
+        else ts_split_task<T, D, BR_CMP, true, false>(P, A, ts_sm, lg, task, bs);
+    } else if (kind == BR_CMP) {
+        ts_split_task<T, D, BR_CMP, false, true>(P, A, ts_sm, lg, task, bs);
+    } else if (kind == BR_SLC || kind == BR_SWA) {
+        ts_split_task<T, D, BR_SLC_SWA, false, true>(P, A, ts_sm, lg, task, bs);
+    } else {
+        ts_split_task<T, D, BR_RANGE, false, true>(P, A, ts_sm, lg, task, bs);
+    }
 }
 
 #define TS_MAX_TASKS (2 * TS_TARGET_CTAS + 8) /* the tasks of one item, all branches */
@@ -527,7 +598,6 @@ __device__ __forceinline__ unsigned long long ts_warp_max(unsigned long long k)
 /* One CTA per item: the blocks its query reads, ascending, -1 after (the caller's, cleaned as
  * the CPU step does, or the top-n of the importance the compressed tiles left in bins). */
 #define TS_SELECT_THREADS 1024
-#define TS_FAC_AHEAD 4 /* references a thread loads ahead (all of them to 64k tokens in the paper's configuration) */
 __global__ void __launch_bounds__(TS_SELECT_THREADS, 1) ts_select_kernel(const step_params P, const ts_launch A1, int32_t *sel, int64_t width)
 {
     extern __shared__ unsigned long long ts_keys[];
@@ -550,17 +620,9 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS, 1) ts_select_kernel(const s
         for (int64_t a = tid; a < width; a += blockDim.x) out[a] = a < nj ? (int32_t)a : -1;
     } else {
         const int32_t nv = (int32_t)nsa_rule_cmp_visible_cap(x.pos, P.l, P.d, nsa_rule_num_cmp(x.L, P.l, P.d));
-        const int32_t l = (int32_t)P.l, d = (int32_t)P.d, lp = (int32_t)P.lp, JT1 = A1.JT + 1;
-        const int ntl = (nv + 15) / 16, G = (int)P.G, nfac = ntl * G;
-        const float *bins = A1.bins + local * A1.tiles * 16 * JT1; /* the item's */
-        /* the references of the first (16-row group, head) pairs, loaded before the softmax's
-         * partials are waited for (one memory round trip for both) */
-        float ref[TS_FAC_AHEAD];
-#pragma unroll
-        for (int k = 0; k < TS_FAC_AHEAD; k++) {
-            const int e = tid + k * TS_SELECT_THREADS, t = e / G, g = e - t * G;
-            ref[k] = e < nfac ? bins[(t * 16 + g) * JT1 + A1.JT] : 0.0f;
-        }
+        const int32_t l = (int32_t)P.l, d = (int32_t)P.d, lp = (int32_t)P.lp, JT = A1.JT;
+        const int ntl = (nv + 15) / 16, G = (int)P.G;
+        const float *bins = A1.bins + local * A1.tiles * 16 * (JT + 1); /* the item's */
         /* each head's softmax over the compressed rows, from the tasks' partials: a warp a head */
         const ts_runs R1 = ts_runs_of(A1.part + local * A1.ntask * ts_part_floats(P.DK), (int)A1.ntask, nullptr, 0,
                                       ts_part_floats(P.DK));
@@ -570,17 +632,31 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS, 1) ts_select_kernel(const s
             if (lane == 0) Mg[g] = M, Lg[g] = L;
         }
         __syncthreads();
-        /* each (16-row group, head)'s bins times exp(ref - M) / L, kept after the keys */
-        float *fac = (float *)(ts_keys + nj);
+        /* each 16-row group's share of each block it overlaps, summed over the heads with each
+         * head's factor exp(ref - M) / L: a half-warp a group, a lane a head, each lane's
+         * reference and bins (a contiguous row of 16 per block) loaded at once, the heads summed
+         * by shuffles; kept after the keys as gsum[group][jj]. (A thread a block reading sixteen
+         * heads' bins apart, uncoalesced, was most of this kernel's time.) */
+        float *gsum = (float *)(ts_keys + nj);
+        {
+            const int g = lane & 15, hw = (int)(blockDim.x >> 4);
+            for (int t0 = 0; t0 < ntl; t0 += hw) { /* the same trip count in the whole warp: the shuffles are warp-wide */
+                const int t = t0 + 2 * warp + (lane >> 4);
+                const bool on = t < ntl && g < G;
+                const float *bt = bins + (int64_t)(t < ntl ? t : 0) * 16 * (JT + 1);
+                float b[TS_JT_MAX];
 #pragma unroll
-        for (int k = 0; k < TS_FAC_AHEAD; k++) {
-            const int e = tid + k * TS_SELECT_THREADS, g = e % G;
-            if (e < nfac) fac[e] = expf(ref[k] - Mg[g]) / Lg[g];
-        }
-#pragma unroll 4
-        for (int e = tid + TS_FAC_AHEAD * TS_SELECT_THREADS; e < nfac; e += TS_SELECT_THREADS) {
-            const int t = e / G, g = e - t * G;
-            fac[e] = expf(bins[(t * 16 + g) * JT1 + A1.JT] - Mg[g]) / Lg[g];
+                for (int jj = 0; jj < TS_JT_MAX; jj++) b[jj] = on && jj < JT ? bt[jj * 16 + g] : 0.0f;
+                const float f = on ? expf(bt[JT * 16 + g] - Mg[g]) / Lg[g] : 0.0f;
+#pragma unroll
+                for (int jj = 0; jj < TS_JT_MAX; jj++) {
+                    if (jj >= JT) break; /* uniform */
+                    float v = b[jj] != 0.0f ? b[jj] * f : 0.0f; /* a head with no overlap adds nothing, whatever its factor */
+#pragma unroll
+                    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                    if (g == 0 && t < ntl) gsum[t * JT + jj] = v;
+                }
+            }
         }
         __syncthreads();
         const float inv_d = 1.0f / (float)P.d;
@@ -596,14 +672,9 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS, 1) ts_select_kernel(const s
             rb = rb < nv - 1 ? rb : nv - 1;
             float acc = 0.0f;
             if (ra <= rb)
-                for (int32_t t = ra / 16; t <= rb / 16; t++) {
-                    const float *bt = bins + t * 16 * JT1 + (j - 16 * t * d / lp);
-                    float bv[16];
-#pragma unroll
-                    for (int g = 0; g < 16; g++) bv[g] = g < G ? bt[g * JT1] : 0.0f; /* all loads in flight at once */
-#pragma unroll
-                    for (int g = 0; g < 16; g++)
-                        if (g < G && bv[g] != 0.0f) acc += bv[g] * fac[t * G + g];
+                for (int32_t t = ra / 16; t <= rb / 16; t++) { /* the groups in order: one sum for every run */
+                    const int32_t jj = j - 16 * t * d / lp;
+                    if (jj >= 0 && jj < JT) acc += gsum[t * JT + jj];
                 }
             const unsigned long long key = ts_rank_key(nsa_rule_forced(j, cur, P.n_init, P.n_local), all_nan && ra <= rb ? NAN : acc * inv_d, j);
             ts_keys[j] = key;
@@ -879,6 +950,8 @@ static int ts_common_fits(const grun *g, const step_params *P)
     if (P->DK != P->DV || (P->DK != 64 && P->DK != 128)) return 0;
     if (P->G < 1 || P->G > 16) return 0;
     if (P->B * P->Tq * P->H > INT32_MAX) return 0; /* items counted in 32 bits (ts_item_of) */
+    /* rows, pages and stages counted in 32 bits (ts_issue, ts_split_task): longer caches take the scalar step */
+    if (P->kv.cap > INT32_MAX / 2 || P->ckv.cap > INT32_MAX / 2) return 0;
     const int dt = P->q.dt;
     if (dt != NSA_DTYPE_BF16 && dt != NSA_DTYPE_F16) return 0;
     /* the tiles copy 16-byte pieces: rows must start on 16 bytes */
@@ -901,7 +974,7 @@ static int ts_heads_per_cta(const grun *g, int64_t H, int64_t items)
 /* 16-row groups of the compressed cache (the importance sums' unit) */
 static int64_t ts_groups(const step_params *P) { return cdiv64(P->ckv.cap, 16); }
 
-/* The top-n's shared memory: a key per selection block, a factor per (16-row group, head). */
+/* The top-n's shared memory: a key per selection block, a sum per (16-row group, block it overlaps: at most 16). */
 static size_t ts_select_smem(const step_params *P)
 {
     return (size_t)cdiv64(P->kv.cap, P->lp) * 8 + (size_t)ts_groups(P) * 16 * 4;
@@ -943,11 +1016,18 @@ void step_tiled_take(grun *g, const step_params *P, ts_plan *pl)
     if (P->use_slc) pl->sel = (int32_t *)g_take_n(g, nsa_size_mul(nsa_size_of(pl->batch), nsa_size_of(pl->width)), sizeof(int32_t));
     const int64_t tiles_slc = P->use_slc ? pl->width * pl->tpb : 0, tiles_swa = P->use_swa ? cdiv64(P->w + 15, KS) : 0; /* from a multiple of 16 */
     if (tiles_slc + tiles_swa > 0) {
-        int64_t tpc;
-        ts_tasks(tiles_slc + tiles_swa, groups, 1, &tpc);
-        pl->tpc_br = tpc;
-        pl->nt_slc = tiles_slc ? cdiv64(tiles_slc, tpc) : 0;
-        pl->nt_swa = tiles_swa ? cdiv64(tiles_swa, tpc) : 0;
+        /* one launch's tasks shared between the branches in proportion to their stages, each
+         * branch rounded on its own: one length for both made a third task of the item's
+         * short remainder, and a launch of two waves where one would do (B = 32: 384 CTAs) */
+        const int64_t want = groups >= TS_TARGET_CTAS ? 1 : TS_TARGET_CTAS / groups, all = tiles_slc + tiles_swa;
+        int64_t w_slc = tiles_slc ? (want * tiles_slc + all / 2) / all : 0;
+        if (tiles_slc && w_slc < 1) w_slc = 1;
+        if (tiles_swa && w_slc >= want && want > 1) w_slc = want - 1;
+        const int64_t w_swa = tiles_swa ? (want - w_slc > 1 ? want - w_slc : 1) : 0;
+        pl->tpc_slc = tiles_slc ? cdiv64(tiles_slc, w_slc) : 1;
+        pl->tpc_swa = tiles_swa ? cdiv64(tiles_swa, w_swa) : 1;
+        pl->nt_slc = tiles_slc ? cdiv64(tiles_slc, pl->tpc_slc) : 0;
+        pl->nt_swa = tiles_swa ? cdiv64(tiles_swa, pl->tpc_swa) : 0;
         pl->part3 = cu_take_f32(g, nsa_size_mul(nsa_size_of(pl->batch * (pl->nt_slc + pl->nt_swa)), nsa_size_of(pf)), 0);
     }
 }
@@ -1013,8 +1093,8 @@ void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl)
             ts_launch_k(g, ts_select_kernel, (unsigned)n, TS_SELECT_THREADS, smem, *P, A1, pl->sel, pl->width);
         }
         int nb = 0;
-        if (P->use_slc) A3.kind[nb] = BR_SLC, A3.tasks[nb] = pl->nt_slc, A3.tpc[nb] = pl->tpc_br, nb++;
-        if (P->use_swa) A3.kind[nb] = BR_SWA, A3.tasks[nb] = pl->nt_swa, A3.tpc[nb] = pl->tpc_br, nb++;
+        if (P->use_slc) A3.kind[nb] = BR_SLC, A3.tasks[nb] = pl->nt_slc, A3.tpc[nb] = pl->tpc_slc, nb++;
+        if (P->use_swa) A3.kind[nb] = BR_SWA, A3.tasks[nb] = pl->nt_swa, A3.tpc[nb] = pl->tpc_swa, nb++;
         A3.ntask = A3.tasks[0] + A3.tasks[1];
         A3.part = pl->part3, A3.sel = pl->sel, A3.width = pl->width, A3.tpb = pl->tpb;
         if (nb) ts_split_any(g, *P, A3, n, pl->D, false);
