@@ -858,19 +858,19 @@ const char EXPR_C_PRELUDE[] =
     "    }\n"
     "    return lin;\n"
     "}\n"
-    "NSA_MOD_FN float nsa_mod_readf(const nsa_mod_caps *c, int k, int n, long long i0, long long i1, long long i2,\n"
+    "NSA_MOD_FN float nsa_mod_readf(const nsa_mod_caps *c, int k, int n, int dt, long long i0, long long i1, long long i2,\n"
     "                               long long i3)\n"
     "{\n"
     "    const long long o = nsa_mod_off(c, k, n, i0, i1, i2, i3);\n"
-    "    if (c->dtype[k] == 0) return ((const float *)c->data[k])[o];\n"
-    "    if (c->dtype[k] == 1) return nsa_mod_f16(((const unsigned short *)c->data[k])[o]);\n"
+    "    if (dt == 0) return ((const float *)c->data[k])[o];\n"
+    "    if (dt == 1) return nsa_mod_f16(((const unsigned short *)c->data[k])[o]);\n"
     "    return nsa_mod_fbits((unsigned int)((const unsigned short *)c->data[k])[o] << 16);\n"
     "}\n"
-    "NSA_MOD_FN long long nsa_mod_readi(const nsa_mod_caps *c, int k, int n, long long i0, long long i1, long long i2,\n"
+    "NSA_MOD_FN long long nsa_mod_readi(const nsa_mod_caps *c, int k, int n, int dt, long long i0, long long i1, long long i2,\n"
     "                                   long long i3)\n"
     "{\n"
     "    const long long o = nsa_mod_off(c, k, n, i0, i1, i2, i3);\n"
-    "    if (c->dtype[k] == 3) return ((const int *)c->data[k])[o];\n"
+    "    if (dt == 3) return ((const int *)c->data[k])[o];\n"
     "    return ((const unsigned char *)c->data[k])[o] != 0;\n"
     "}\n";
 
@@ -936,7 +936,9 @@ static void print_node(writer *w, const expr_program *p, int k)
     case O_VAR_K: put(w, "kv_idx"); return;
     case O_VAR_SCORE: put(w, "score"); return;
     case O_READ:
-        put(w, "nsa_mod_read%c(caps, %d, %d", n->type == T_FLOAT ? 'f' : 'i', n->cap, n->nkid);
+        /* the capture's dtype as a literal (fixed when the mod was made): after inlining, a read
+         * is one load, not a branch over every dtype at each of a kernel's unrolled reads */
+        put(w, "nsa_mod_read%c(caps, %d, %d, %d", n->type == T_FLOAT ? 'f' : 'i', n->cap, n->nkid, (int)p->cap[n->cap].tensor.dtype);
         for (int i = 0; i < 4; i++) {
             put(w, ", ");
             if (i < n->nkid) print_kid(w, p, n->kid[i]);

@@ -379,20 +379,37 @@ __device__ __forceinline__ void tc_body(const flex_params &P, const nsa_mod_caps
             }
         const long long k0 = pipe.kb[buf];
         const int n = pipe.nk[buf], full = pipe.fl[buf];
+        /* the mods on 16 keys at a time in a loop that is not unrolled: the fragments in s[0],
+         * s[1], then s rotated by two (constant indices: s stays in registers), NS / 2 times
+         * (the order back as it was). The mods' code then stands 8 times in the kernel where
+         * full unrolling put it NS * 4 times (32 in the wide layout): half the compile time of
+         * a new mod, the first call's wait. */
         float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll 1
+        for (int q2 = 0; q2 < NS / 2; q2++) {
 #pragma unroll
-        for (int n8 = 0; n8 < NS; n8++)
+            for (int n8 = 0; n8 < 2; n8++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int key = n8 * 8 + 2 * (lane & 3) + (e & 1);
-                long long qi = i0 + r0 + 8 * (e >> 1);
-                qi = qi < P.Tq ? qi : P.Tq - 1; /* rows past Tq: any valid index (their results are dropped) */
-                const long long kv = k0 + key;
-                float v = NEG_INF;
-                if (key < n && (full || nsa_flex_mask(&mc, b, hq, qi, kv))) v = nsa_flex_score(&sc, b, hq, qi, kv, s[n8][e] * P.scale);
-                s[n8][e] = v;
-                mx[e >> 1] = tc_max(mx[e >> 1], v);
-            }
+                for (int e = 0; e < 4; e++) {
+                    const int key = (2 * q2 + n8) * 8 + 2 * (lane & 3) + (e & 1);
+                    long long qi = i0 + r0 + 8 * (e >> 1);
+                    qi = qi < P.Tq ? qi : P.Tq - 1; /* rows past Tq: any valid index (their results are dropped) */
+                    const long long kv = k0 + key;
+                    float v = NEG_INF;
+                    if (key < n && (full || nsa_flex_mask(&mc, b, hq, qi, kv))) v = nsa_flex_score(&sc, b, hq, qi, kv, s[n8][e] * P.scale);
+                    s[n8][e] = v;
+                    mx[e >> 1] = tc_max(mx[e >> 1], v);
+                }
+            float t2[2][4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) t2[0][e] = s[0][e], t2[1][e] = s[1][e];
+#pragma unroll
+            for (int m = 0; m + 2 < NS; m++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[m][e] = s[m + 2][e];
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[NS - 2][e] = t2[0][e], s[NS - 1][e] = t2[1][e];
+        }
         float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
@@ -603,25 +620,34 @@ __device__ __forceinline__ void tb_dq(const flex_params &P, const flex_grads &R,
             const unsigned short *Kb = Ks + (buf * KS + 16 * sub) * LDK, *Vb = Vs + (buf * KS + 16 * sub) * LDV;
             float s[2][4], dp[2][4];
             tb_s_dp(s, dp, qf, Kb, of, Vb, lane); /* S = Q K^T, dP = dout V^T */
-#pragma unroll
-            for (int n8 = 0; n8 < 2; n8++)
+            /* the mods on one n8 fragment at a time, the fragments swapped after each (constant
+             * indices: they stay in registers), as in the forward: the mods' code twice fewer
+             * times in the kernel */
+#pragma unroll 1
+            for (int n8 = 0; n8 < 2; n8++) {
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int key = 16 * sub + n8 * 8 + 2 * (lane & 3) + (e & 1), r = e >> 1;
                     const long long qi = i0 + r0 + 8 * r, kv = k0 + key;
                     float du = 0.0f;
                     if (key < n && qi < P.Tq && lse[r] != NEG_INF && (full || nsa_flex_mask(&mc, b, hq, qi, kv))) {
-                        const float u = s[n8][e] * P.scale;
+                        const float u = s[0][e] * P.scale;
                         float d1;
                         const float p = tc_exp(nsa_mod_score_grad(&sc, 0, b, hq, qi, kv, u, 1.0f, &d1) - lse[r]);
                         if (p != 0.0f) {
-                            const float ds = p * (dp[n8][e] - Dr[r]);
+                            const float ds = p * (dp[0][e] - Dr[r]);
                             if (R.scatter) nsa_mod_score_grad(&sc, &sink, b, hq, qi, kv, u, ds, &du);
                             else du = tb_chain(ds, d1);
                         }
                     }
-                    s[n8][e] = du;
+                    s[0][e] = du;
                 }
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float a = s[0][e], c = dp[0][e];
+                    s[0][e] = s[1][e], s[1][e] = a, dp[0][e] = dp[1][e], dp[1][e] = c;
+                }
+            }
             tb_xb<NSA_DK>(acc, s, Kb, LDK, lane);
         }
     }
@@ -720,21 +746,33 @@ __device__ __forceinline__ void tb_dkdv(const flex_params &P, const flex_grads &
                 }
             float s[2][4], dp[2][4];
             tb_s_dp(s, dp, kf, Qb, vf, Ob, lane); /* S^T = K Q^T, dP^T = V dout^T */
-#pragma unroll
-            for (int n8 = 0; n8 < 2; n8++)
+            /* one n8 fragment at a time, then swapped (as in dq) */
+#pragma unroll 1
+            for (int n8 = 0; n8 < 2; n8++) {
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const long long kv = k0 + r0 + 8 * (e >> 1), i = j0 + n8 * 8 + 2 * (lane & 3) + (e & 1);
                     float p = 0.0f, du = 0.0f;
-                    if (kv < P.Tk && i < cur.i1 && lse[n8][e & 1] != NEG_INF &&
+                    if (kv < P.Tk && i < cur.i1 && lse[0][e & 1] != NEG_INF &&
                         (cur.kind == 2 || nsa_flex_mask(&mc, b, cur.hq, i, kv))) {
-                        const float u = s[n8][e] * P.scale;
+                        const float u = s[0][e] * P.scale;
                         float d1;
-                        p = tc_exp(nsa_mod_score_grad(&sc, 0, b, cur.hq, i, kv, u, 1.0f, &d1) - lse[n8][e & 1]);
-                        if (p != 0.0f) du = tb_chain(p * (dp[n8][e] - Dr[n8][e & 1]), d1);
+                        p = tc_exp(nsa_mod_score_grad(&sc, 0, b, cur.hq, i, kv, u, 1.0f, &d1) - lse[0][e & 1]);
+                        if (p != 0.0f) du = tb_chain(p * (dp[0][e] - Dr[0][e & 1]), d1);
                     }
-                    s[n8][e] = p, dp[n8][e] = du;
+                    s[0][e] = p, dp[0][e] = du;
                 }
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float a = s[0][e], c = dp[0][e];
+                    s[0][e] = s[1][e], s[1][e] = a, dp[0][e] = dp[1][e], dp[1][e] = c;
+                }
+#pragma unroll
+                for (int x = 0; x < 2; x++) {
+                    const float a = lse[0][x], c = Dr[0][x];
+                    lse[0][x] = lse[1][x], lse[1][x] = a, Dr[0][x] = Dr[1][x], Dr[1][x] = c;
+                }
+            }
             tb_xb<NSA_DV>(dv, s, Ob, LDV, lane);
             tb_xb<NSA_DK>(dk, dp, Qb, LDK, lane);
         }
