@@ -1288,14 +1288,14 @@ static int flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, const nsa_mo
                 fclose(f);
             }
         }
-        int missing = 0;
-        for (int x = 0; x < n; x++) missing |= jobs[x].cubin == NULL;
+        int missing = 0, from_disk[4] = {0, 0, 0, 0};
+        for (int x = 0; x < n; x++) missing |= jobs[x].cubin == NULL, from_disk[x] = jobs[x].cubin != NULL;
         if (missing && !c->opened) c->opened = nvrtc_open(&c->api, why, sizeof why) ? 1 : -1;
         const int compiled = missing ? c->opened > 0 && flex_compile_jobs(jobs, n, why, sizeof why) : 1;
         if (!compiled) g_fail(g, NSA_STATUS_NOT_SUPPORTED, "ctx: %s", c->opened < 0 ? "NVRTC (libnvrtc.so) not found" : why);
         cudaLibrary_t lib[4] = {NULL, NULL, NULL, NULL};
         for (int x = 0; x < n && g_live(g); x++) {
-            if (missing && have_dir) { /* written aside, then renamed: another process never reads half a file */
+            if (!from_disk[x] && have_dir) { /* the compiled ones only; written aside, then renamed: another process never reads half a file */
                 char tmp[640];
                 snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path[x], (long)getpid());
                 FILE *w = fopen(tmp, "wb");
