@@ -175,6 +175,8 @@ class _ContextParallelNSA(torch.autograd.Function):
                 gx = _owner_rows(gx, seq_len, group)
             elif gx is None and x is not None and x.requires_grad and i in (1, 2):
                 gx = _owner_rows(torch.zeros_like(x), seq_len, group)  # every rank joins the exchange
+            elif gx is None and x is not None and x.requires_grad:
+                gx = torch.zeros_like(x)  # a rank without rows (more ranks than chunks of tokens): an empty gradient, not None
             out.append(gx)
         return (None, None, None) + tuple(out)
 

@@ -1,4 +1,4 @@
-"""nsa.distributed (context parallelism) on the CPU with gloo: P = 2 and P = 3 processes, each
+"""nsa.distributed (context parallelism) on the CPU with gloo: P = 2, 3 and 8 processes, each
 holding its zigzag part of the sequences, must give the single-process call's rows of the
 output and of every gradient (q, k, v, the three gates), for lengths that P and the block sizes
 do not divide and for chunks that are empty. The query-chunk building block itself is checked
@@ -100,7 +100,7 @@ def _rank_main(rank, world, port, errors_path, backend="gloo"):
 
 
 def _backends():
-    out = [("gloo", 2), ("gloo", 3)]
+    out = [("gloo", 2), ("gloo", 3), ("gloo", 8)]  # 8: the ranks of an 8-GPU node, on the CPU
     gpus = torch.cuda.device_count() if torch.cuda.is_available() and nsa.backend_available("cuda") else 0
     mark = pytest.mark.skipif(gpus < 2 or not dist.is_nccl_available(), reason="needs 2 GPUs, NCCL and libnsa's CUDA backend")
     out.append(pytest.param("nccl", 2, marks=mark, id="cuda-nccl-2"))
