@@ -306,6 +306,31 @@ def test_eager_steps_call_the_library_directly(device, monkeypatch):
     assert nt.plain_eager(q, None, k) and not nt.plain_eager(q, torch.nn.Parameter(k))
 
 
+@pytest.mark.skipif(TORCH is None, reason="torch is not installed")
+@pytest.mark.parametrize("device", _torch_devices())
+def test_tensor_views_follow_in_place_changes(device):
+    """The call keeps each input tensor's C view on the tensor for the next call; a tensor whose
+    memory or shape changed in place since (set_, .data =, resize_) must be read anew, as a fresh
+    tensor with the same values would be."""
+    torch = TORCH
+    qn, kn, vn, _ = _data(11)
+    q = torch.from_numpy(qn).to(device)[:, 5:6]
+    kc, vc = (torch.from_numpy(x).to(device)[:, :6].contiguous() for x in (kn, vn))
+    first = nsa.attention_step(q, (kc, vc), [6] * B, causal=True)
+    assert torch.equal(first, nsa.attention_step(q, (kc, vc), [6] * B, causal=True))  # the kept views
+    k2 = torch.from_numpy(kn[:, ::-1].copy()).to(device)[:, :6].contiguous()
+    kc.set_(k2.clone())  # other memory, same shape
+    want = nsa.attention_step(q, (k2, vc), [6] * B, causal=True)
+    assert torch.equal(nsa.attention_step(q, (kc, vc), [6] * B, causal=True), want)
+    assert not torch.equal(want, first)
+    vc.data = torch.from_numpy(vn[:, ::-1].copy()).to(device)[:, :6].contiguous()  # other memory
+    want = nsa.attention_step(q, (k2, vc.clone()), [6] * B, causal=True)
+    assert torch.equal(nsa.attention_step(q, (kc, vc), [6] * B, causal=True), want)
+    kc.resize_(B, 5, H, D)  # other shape: five cached rows, the query at position 4
+    want = nsa.attention_step(q, (kc.clone(), vc[:, :5].contiguous()), [5] * B, causal=True)
+    assert torch.equal(nsa.attention_step(q, (kc, vc[:, :5].contiguous()), [5] * B, causal=True), want)
+
+
 def _all_backends():
     return ["numpy"] + ["torch-" + d for d in _torch_devices()]
 
