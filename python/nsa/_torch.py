@@ -11,6 +11,7 @@ Ops (torch.ops.nsa.*):
 Outputs of absent branches / inputs are empty tensors (shape [0]); the wrappers map them to None.
 """
 import dataclasses
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -29,6 +30,26 @@ _TORCH_DTYPES = {
 
 
 _VIEWS = {}  # (data_ptr, dtype code, shape, strides) -> nsa_tensor
+# id(tensor) -> (weak reference to it, device index, data_ptr, shape, strides, dtype, nsa_tensor):
+# the view an input tensor had at its last call, found without the checks and the key above.
+# Kept beside the tensor, not on it (an attribute would travel into torch.save, copy.deepcopy
+# and pickle, which cannot take the C struct), and dropped when the tensor dies.
+_SEEN = {}
+
+
+def _remember(t, entry):
+    k = id(t)
+
+    def forget(ref, k=k):
+        if _SEEN.get(k, (None,))[0] is ref:  # (not a later tensor that reuses the id)
+            _SEEN.pop(k, None)
+    try:
+        ref = weakref.ref(t, forget)
+    except TypeError:  # a tensor type without weak references: no shortcut
+        return
+    if len(_SEEN) >= 4096:
+        _SEEN.clear()
+    _SEEN[k] = (ref,) + entry
 
 
 class TorchCall(_core.Call):
@@ -53,11 +74,11 @@ class TorchCall(_core.Call):
         # a tensor seen before with the same memory and layout (a decode loop's caches, tables and
         # buffers every step): its struct, kept on the tensor, after three reads instead of the
         # checks and a dictionary lookup (this was most of a small call's Python time)
-        seen = getattr(t, "_nsa_view", None)
-        if seen is not None and seen[0] == self.index and seen[1] == t.data_ptr() and seen[2] == t.shape \
-                and seen[3] == t.stride() and seen[4] is t.dtype:
+        seen = _SEEN.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == self.index and seen[2] == t.data_ptr() \
+                and seen[3] == t.shape and seen[4] == t.stride() and seen[5] is t.dtype:
             self.keep.append(t)
-            return seen[5]
+            return seen[6]
         given = t
         if not isinstance(t, Tensor):
             raise TypeError("%s must be a torch.Tensor, not %s" % (name, type(t).__name__))
@@ -86,10 +107,7 @@ class TorchCall(_core.Call):
                 _VIEWS.clear()
             _VIEWS[key] = v
         if not output and t is given:  # (not a copy or a bool mask's uint8 view: new tensors each call)
-            try:
-                t._nsa_view = (self.index, key[0], shape, strides, t.dtype, v)
-            except (AttributeError, RuntimeError):  # a tensor type that takes no attributes
-                pass
+            _remember(t, (self.index, key[0], shape, strides, t.dtype, v))
         return v
 
     def empty(self, shape, dtype):

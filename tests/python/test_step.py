@@ -329,6 +329,14 @@ def test_tensor_views_follow_in_place_changes(device):
     kc.resize_(B, 5, H, D)  # other shape: five cached rows, the query at position 4
     want = nsa.attention_step(q, (kc.clone(), vc[:, :5].contiguous()), [5] * B, causal=True)
     assert torch.equal(nsa.attention_step(q, (kc, vc[:, :5].contiguous()), [5] * B, causal=True), want)
+    # nothing is kept on the tensors themselves: they still save, copy and pickle
+    import copy
+    import io
+    import pickle
+    buf = io.BytesIO()
+    torch.save({"k": kc, "v": vc}, buf)
+    assert torch.equal(copy.deepcopy(vc), vc) and torch.equal(pickle.loads(pickle.dumps(kc)), kc)
+    assert not hasattr(kc, "_nsa_view") and not kc.__dict__
 
 
 def _all_backends():
