@@ -171,12 +171,12 @@ class _ContextParallelNSA(torch.autograd.Function):
         out = []
         for i, x in enumerate(inputs):
             gx = grads.get(id(x)) if x is not None else None
+            if gx is None and x is not None and x.requires_grad:
+                # unused here -- a rank without rows (more ranks than chunks of tokens) has no
+                # graph: zeros, not None (and K / V's zeros still join every rank's exchange)
+                gx = torch.zeros_like(x)
             if gx is not None and i in (1, 2):  # K, V: whole-sequence partials -> this rank's rows
                 gx = _owner_rows(gx, seq_len, group)
-            elif gx is None and x is not None and x.requires_grad and i in (1, 2):
-                gx = _owner_rows(torch.zeros_like(x), seq_len, group)  # every rank joins the exchange
-            elif gx is None and x is not None and x.requires_grad:
-                gx = torch.zeros_like(x)  # a rank without rows (more ranks than chunks of tokens): an empty gradient, not None
             out.append(gx)
         return (None, None, None) + tuple(out)
 
