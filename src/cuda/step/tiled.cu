@@ -134,16 +134,49 @@ template <int D> __device__ __forceinline__ ts_lanes ts_lanes_of(const step_cach
     return Ln;
 }
 
+/* Where a warp finds its rows' pages and its selected blocks without a global load inside the
+ * loop: its lanes hold 32 entries of the block table (a window from page pbase, moved when a
+ * slice leaves it: the contiguous branches' rows advance through it, one load per 32 pages) and,
+ * for the selected branch, the task's slots from a0 (sj: the block, -1 none) and, when every
+ * block lies in one page (the page size a multiple of l'), that block's page (spg). Both are
+ * loaded once a task, so the loop's copies wait on no lookup (a slot's block then its page, two
+ * dependent round trips a block in the loop, were most of the selected branch's time). */
+struct ts_map {
+    int64_t pbase, npg; /* the window's first page; pages in a block-table row */
+    int32_t pheld;      /* the lane's page of the window */
+    int32_t a0, sj, spg;
+    bool slot_pages;
+};
+__device__ __forceinline__ ts_map ts_map_of(const step_params &P, const ts_launch &A, const step_cache_t &C, int kind, const ts_warp &W,
+                                            int t0, int lane)
+{
+    ts_map M;
+    M.pbase = -64, M.npg = C.bt ? C.cap / C.page : 0, M.pheld = 0;
+    M.a0 = 0, M.sj = -1, M.spg = 0, M.slot_pages = false;
+    if (kind == BR_SLC) {
+        M.a0 = t0 / A.tpb;
+        const int a = M.a0 + lane;
+        M.sj = a < A.width ? A.sel[W.local * A.width + a] : -1;
+        M.slot_pages = C.bt && C.page % P.lp == 0;
+        /* sj <= the query's block, so its rows lie below the capacity: a row of the table */
+        if (M.slot_pages && M.sj >= 0) M.spg = C.bt[W.x.b * C.bt0 + (int64_t)M.sj * P.lp / C.page * C.bt1];
+    }
+    return M;
+}
+
 /* rows [row0, row0 + n) of the warp's slice of stage t (n = 0: nothing, e.g. an unused slot
- * of the selection list); the first *skip of them precede the branch's first key (masked) */
-__device__ __forceinline__ int ts_slice_rows(const step_params &P, const ts_launch &A, int kind, const ts_warp &W, int64_t lo, int64_t hi,
-                                             int t, int64_t &row0, int &skip)
+ * of the selection list); the first *skip of them precede the branch's first key (masked);
+ * *slot: the selected branch's slot of the stage */
+__device__ __forceinline__ int ts_slice_rows(const step_params &P, const ts_launch &A, int kind, const ts_warp &W, const ts_map &M, int64_t lo,
+                                             int64_t hi, int t, int64_t &row0, int &skip, int &slot)
 {
     int64_t end;
-    skip = 0;
+    skip = 0, slot = 0;
     if (kind == BR_SLC) {
         const int tpb = A.tpb, a = t / tpb, u = t - a * tpb;
-        const int32_t j = A.sel[W.local * A.width + a];
+        slot = a;
+        /* the warp agrees on a: the shuffle is uniform */
+        const int32_t j = (unsigned)(a - M.a0) < 32u ? __shfl_sync(0xffffffffu, M.sj, a - M.a0) : A.sel[W.local * A.width + a];
         if (j < 0) return 0;
         row0 = (int64_t)j * P.lp + W.KS * u + 16 * W.slice;
         const int64_t end0 = (int64_t)j * P.lp + P.lp, end1 = nsa_rule_slc_hi(j, W.x.pos, P.lp, W.x.L) + 1;
@@ -167,11 +200,12 @@ __device__ __forceinline__ int ts_slice_rows(const step_params &P, const ts_laun
  * the branch's first. */
 template <typename T, int D, bool PV>
 __device__ __forceinline__ int ts_issue(const step_params &P, const ts_launch &A, const step_cache_t &C, int kind, const ts_warp &W,
-                                        const ts_lanes &Ln, int64_t lo, int64_t hi, int t, T *Kb, T *Vb, int lane, int &skip)
+                                        const ts_lanes &Ln, ts_map &M, int64_t lo, int64_t hi, int t, T *Kb, T *Vb, int lane, int &skip)
 {
     constexpr int LD = D + 8, CH = D / 8, RPP = 32 / CH;
     int64_t row0 = 0;
-    const int n = ts_slice_rows(P, A, kind, W, lo, hi, t, row0, skip);
+    int slot;
+    const int n = ts_slice_rows(P, A, kind, W, M, lo, hi, t, row0, skip, slot);
     const T *kp = (const T *)C.k.p, *vp = (const T *)C.v.p;
     const int c = (lane % CH) * 8, i0 = lane / CH;
     if ((row0 & 15) == 0 && Ln.aligned) {
@@ -182,7 +216,17 @@ __device__ __forceinline__ int ts_issue(const step_params &P, const ts_launch &A
                 kb = (int64_t)row * C.k.s1, vb = (int64_t)row * C.v.s1;
             } else {
                 const uint32_t pi = row / (uint32_t)C.page, in = row - pi * (uint32_t)C.page;
-                const int64_t pg = C.bt[W.x.b * C.bt0 + (int64_t)pi * C.bt1];
+                int64_t pg;
+                if (kind == BR_SLC && M.slot_pages && (unsigned)(slot - M.a0) < 32u) {
+                    pg = __shfl_sync(0xffffffffu, M.spg, slot - M.a0);
+                } else { /* the window (moved when the slice leaves it; pi is the warp's) */
+                    if ((uint64_t)((int64_t)pi - M.pbase) >= 32u) {
+                        M.pbase = pi;
+                        const int64_t q = (int64_t)pi + lane;
+                        M.pheld = q < M.npg ? C.bt[W.x.b * C.bt0 + q * C.bt1] : 0;
+                    }
+                    pg = __shfl_sync(0xffffffffu, M.pheld, (int)((int64_t)pi - M.pbase));
+                }
                 kb = pg * C.k.s0 + (int64_t)in * C.k.s1, vb = pg * C.v.s0 + (int64_t)in * C.v.s1;
             }
         }
@@ -279,6 +323,7 @@ __device__ __forceinline__ void ts_split_task(const step_params &P, const ts_lau
     }
     const step_cache_t C = KIND == BR_CMP ? P.ckv : P.kv; /* by value: a reference into the parameters would put them in local memory */
     const ts_lanes Ln = ts_lanes_of<D>(C, W, lane);
+    ts_map M = ts_map_of(P, A, C, kind, W, t0, lane); /* loads in flight beside the queries' */
     /* scores in the log2 domain (exp2 is one instruction): s * scale * log2(e); maxima and the
      * importance's reference go out in natural units */
     const float scale = kind == BR_SWA ? P.swa_scale : P.scale, softcap = KIND == BR_RANGE ? P.softcap : 0.0f;
@@ -315,9 +360,9 @@ __device__ __forceinline__ void ts_split_task(const step_params &P, const ts_lau
     T *Kw = Ks + warp * 16 * LD, *Vw = Vs + warp * 16 * LD; /* the warp's 16-row slot of each buffer */
     /* each stage's key count n and first visible key skip, as n | skip << 5 */
     int sk, nr1 = 0, nr2 = 0;
-    int nr0 = ts_issue<T, D, PV>(P, A, C, kind, W, Ln, lo, hi, t0, Kw, Vw, lane, sk);
+    int nr0 = ts_issue<T, D, PV>(P, A, C, kind, W, Ln, M, lo, hi, t0, Kw, Vw, lane, sk);
     nr0 |= sk << 5;
-    if (t0 + 1 < t1) nr1 = ts_issue<T, D, PV>(P, A, C, kind, W, Ln, lo, hi, t0 + 1, Kw + 64 * LD, Vw + 64 * LD, lane, sk) | sk << 5;
+    if (t0 + 1 < t1) nr1 = ts_issue<T, D, PV>(P, A, C, kind, W, Ln, M, lo, hi, t0 + 1, Kw + 64 * LD, Vw + 64 * LD, lane, sk) | sk << 5;
     float acc[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
@@ -326,7 +371,7 @@ __device__ __forceinline__ void ts_split_task(const step_params &P, const ts_lau
     for (int t = t0; t < t1; t++) {
         if (t + 2 < t1) {
             const int nb = buf == 0 ? 2 : buf - 1; /* (buf + 2) % 3 */
-            const int nn = ts_issue<T, D, PV>(P, A, C, kind, W, Ln, lo, hi, t + 2, Kw + nb * 64 * LD, Vw + nb * 64 * LD, lane, sk) | sk << 5;
+            const int nn = ts_issue<T, D, PV>(P, A, C, kind, W, Ln, M, lo, hi, t + 2, Kw + nb * 64 * LD, Vw + nb * 64 * LD, lane, sk) | sk << 5;
             if (nb == 0) nr0 = nn;
             else if (nb == 1) nr1 = nn;
             else nr2 = nn;
