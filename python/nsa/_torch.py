@@ -72,8 +72,8 @@ class TorchCall(_core.Call):
 
     def view(self, t, name, output=False):
         # a tensor seen before with the same memory and layout (a decode loop's caches, tables and
-        # buffers every step): its struct, kept on the tensor, after three reads instead of the
-        # checks and a dictionary lookup (this was most of a small call's Python time)
+        # buffers every step): its struct, kept beside the tensor in _SEEN, after a few reads
+        # instead of the checks and the key lookup below
         seen = _SEEN.get(id(t))
         if seen is not None and seen[0]() is t and seen[1] == self.index and seen[2] == t.data_ptr() \
                 and seen[3] == t.shape and seen[4] == t.stride() and seen[5] is t.dtype:

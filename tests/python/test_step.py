@@ -309,7 +309,7 @@ def test_eager_steps_call_the_library_directly(device, monkeypatch):
 @pytest.mark.skipif(TORCH is None, reason="torch is not installed")
 @pytest.mark.parametrize("device", _torch_devices())
 def test_tensor_views_follow_in_place_changes(device):
-    """The call keeps each input tensor's C view on the tensor for the next call; a tensor whose
+    """The call keeps each input tensor's C view (beside the tensor) for the next call; a tensor whose
     memory or shape changed in place since (set_, .data =, resize_) must be read anew, as a fresh
     tensor with the same values would be."""
     torch = TORCH

@@ -139,8 +139,8 @@ template <int D> __device__ __forceinline__ ts_lanes ts_lanes_of(const step_cach
  * slice leaves it: the contiguous branches' rows advance through it, one load per 32 pages) and,
  * for the selected branch, the task's slots from a0 (sj: the block, -1 none) and, when every
  * block lies in one page (the page size a multiple of l'), that block's page (spg). Both are
- * loaded once a task, so the loop's copies wait on no lookup (a slot's block then its page, two
- * dependent round trips a block in the loop, were most of the selected branch's time). */
+ * loaded once a task, so a slice's copies wait on no lookup: otherwise each selected block
+ * costs two dependent loads (its index, then its page) inside the loop. */
 struct ts_map {
     int64_t pbase, npg; /* the window's first page; pages in a block-table row */
     int32_t pheld;      /* the lane's page of the window */
@@ -282,8 +282,7 @@ __device__ __forceinline__ int ts_issue(const step_params &P, const ts_launch &A
  * head, the sums over the blocks its rows overlap of overlap * exp(s - ref), and ref (its
  * running max then). PV: the output is wanted (not when the compressed branch runs only for
  * the selection). The branch, IMP and PV are template arguments so each instance carries only
- * its own address, mask and softcap work (a third fewer instructions a slice than one body for
- * every branch; bench/NOTES.md has what that gained). */
+ * its own address, mask and softcap work (bench/NOTES.md has the measurements). */
 template <typename T, int D, int KIND, bool IMP, bool PV>
 __device__ __forceinline__ void ts_split_task(const step_params &P, const ts_launch &A, unsigned char *sm, int64_t lg, int64_t task,
                                               int bs)
@@ -679,9 +678,8 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS, 1) ts_select_kernel(const s
         __syncthreads();
         /* each 16-row group's share of each block it overlaps, summed over the heads with each
          * head's factor exp(ref - M) / L: a half-warp a group, a lane a head, each lane's
-         * reference and bins (a contiguous row of 16 per block) loaded at once, the heads summed
-         * by shuffles; kept after the keys as gsum[group][jj]. (A thread a block reading sixteen
-         * heads' bins apart, uncoalesced, was most of this kernel's time.) */
+         * reference and bins (a contiguous row of 16 per block: coalesced) loaded at once, the
+         * heads summed by shuffles; kept after the keys as gsum[group][jj]. */
         float *gsum = (float *)(ts_keys + nj);
         {
             const int g = lane & 15, hw = (int)(blockDim.x >> 4);
