@@ -4,20 +4,31 @@ H 4, D 128, bf16, one sequence of T tokens, forward and forward + backward.
 
   python3 bench/cp.py --T 128k,256k                       # one GPU: nsa.native_sparse_attention
   torchrun --nproc_per_node 2 bench/cp.py --T 128k,256k,1m  # P GPUs: nsa.distributed, NCCL
+  torchrun --nproc_per_node 2 bench/cp.py --device cpu --T 2k --shape 4,1,32 --reps 2
+                                                           # the CPU, gloo, float32: the code paths only
 
-Every rank times its own call with CUDA events after warm-up (median of --reps); a row's time is
-the slowest rank's. Besides the time, each P-GPU row records the bytes each rank sends (the K / V
-all-gather in the forward, the dK / dV all-to-all in the backward) and the time of those
-collectives run alone on the same buffers (`comm_ms`): the calls do not overlap communication
-with computation yet, so all of it is exposed. Rows {"impl": "nsa", "gpus", "T", "pass", "ms",
-"gpu", "comm_bytes", "comm_ms"} are appended to --out (a JSON list, made if absent, written after every row;
-one file collects the 1-GPU and the P-GPU runs); a length that does not fit one GPU is recorded
-with "skipped" (on P GPUs it ends the job: the other ranks would wait in a collective).
+Every rank times its own call after a warm-up (CUDA events; the wall clock on the CPU), the median
+of --reps; a row's time is the slowest rank's. Each P-GPU row times the call with its
+communication overlapped with computation (`ms`, the default) and without (`ms_no_overlap`:
+overlap=False, which waits for each collective as soon as it is issued), the two in turns, rep by
+rep, so that drift hits both alike; then the call's collectives alone on buffers of the same
+sizes (`comm_ms`: the K / V all-gathers, and in the backward the dK / dV all-to-alls) and the bytes
+a rank sends to the others (`comm_bytes`, the largest over the ranks). `comm_hidden` =
+(ms_no_overlap - ms) / comm_ms, clamped to [0, 1]: the share of the communication the overlap
+hides (noisy where the collectives are a small part of the step; the first gather and the last
+exchange stay exposed by construction, so it tops out near 0.5 forward and 0.6 forward +
+backward: bench/NOTES.md). Rows {"impl": "nsa", "gpus",
+"T", "pass", "ms", "gpu"} (P-GPU rows with "ms_no_overlap", "comm_ms", "comm_bytes",
+"comm_hidden") are appended to --out (a JSON list, made if absent, written after every row; one
+file collects the 1-GPU and the P-GPU runs); a length that does not fit one GPU is recorded with
+"skipped" (on P GPUs it ends the job: the other ranks would wait in a collective).
 """
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -47,30 +58,64 @@ def append_row(path, row):
     os.replace(path + ".tmp", path)
 
 
+def in_turns_ms(fns, reps, dev):
+    """The median time in ms of each of fns after one warm-up call each, timed in turns (one call
+    of each a rep) so that drift hits them alike: CUDA events on a GPU, the wall clock on the CPU."""
+    from cuda_timing import median_ms
+
+    def once(fn):
+        if dev.type == "cuda":
+            return median_ms(fn, 1, warmup=0)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for t, fn in zip(times, fns):
+            t.append(once(fn))
+    return [statistics.median(t) for t in times]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", default="128k,256k")
     ap.add_argument("--passes", default="fwd,fwd+bwd")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: gloo and float32, to exercise the code paths, not to time them")
+    ap.add_argument("--shape", default="%d,%d,%d" % (HQ, H, D), help="HQ,H,D (default the paper's)")
     ap.add_argument("--out", default=None, help="JSON list the rows are appended to")
     args = ap.parse_args()
+    hq, h, d = (int(x) for x in args.shape.split(","))
 
     import torch
     import torch.distributed as dist
 
     import nsa
     import nsa.distributed as cp
-    from cuda_timing import median_ms
     from peers import device_description
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    cuda = args.device == "cuda"
     if world > 1:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group("nccl")
-    dev = torch.device("cuda", torch.cuda.current_device())
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
     _, _, gpu = device_description(torch, dev)
     cfg = nsa.Config()
+
+    def slowest(values):
+        """Each value's maximum over the ranks."""
+        t = torch.tensor(values, dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
     rows = []
     for T in parse_T(args.T):
         L = cp.local_length(T, rank, world) if world > 1 else T
@@ -78,64 +123,44 @@ def main():
             row = {"impl": "nsa", "gpus": world, "T": T, "pass": pass_name, "gpu": gpu}
             try:
                 gen = torch.Generator(device=dev).manual_seed(1 + rank)
-                q = torch.randn(1, L, HQ, D, device=dev, dtype=torch.bfloat16, generator=gen)
-                k = torch.randn(1, L, H, D, device=dev, dtype=torch.bfloat16, generator=gen)
-                v = torch.randn(1, L, H, D, device=dev, dtype=torch.bfloat16, generator=gen)
-                g = [torch.rand(1, L, HQ, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(3)]
+                q = torch.randn(1, L, hq, d, device=dev, dtype=dtype, generator=gen)
+                k = torch.randn(1, L, h, d, device=dev, dtype=dtype, generator=gen)
+                v = torch.randn(1, L, h, d, device=dev, dtype=dtype, generator=gen)
+                g = [torch.rand(1, L, hq, device=dev, dtype=dtype, generator=gen) for _ in range(3)]
                 grad = pass_name == "fwd+bwd"
                 for x in [q, k, v] + g:
                     x.requires_grad_(grad)
-                dout = torch.randn(1, L, HQ, D, device=dev, dtype=torch.bfloat16, generator=gen) if grad else None
+                dout = torch.randn(1, L, hq, d, device=dev, dtype=dtype, generator=gen) if grad else None
 
-                def call():
-                    if world > 1:
-                        o = cp.native_sparse_attention(q, k, v, *g, config=cfg, seq_len=T)
-                    else:
-                        o = nsa.native_sparse_attention(q, k, v, *g, config=cfg)
-                    if grad:
-                        o.backward(dout)
-                        for x in [q, k, v] + g:
-                            x.grad = None
-                    return o
-
-                if not grad:
-                    with torch.no_grad():
-                        ms = median_ms(call, args.reps, warmup=1)
-                else:
-                    ms = median_ms(call, args.reps, warmup=1)
-                if world > 1:
-                    t = torch.tensor([ms], device=dev)
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                    ms = t.item()
-                    # the collectives alone: all-gather of K and V, and (backward) the dK / dV all-to-all
-                    longest = max(cp.local_length(T, r, world) for r in range(world))
-                    kv = torch.zeros(1, longest, H, D, device=dev, dtype=torch.bfloat16)
-                    parts = [torch.empty_like(kv) for _ in range(world)]
-                    g32 = torch.zeros(1, longest, H, D, device=dev, dtype=torch.bfloat16)
-                    pieces = [g32.clone() for _ in range(world)]
-                    recv = [torch.empty_like(g32) for _ in range(world)]
-
-                    def comm():
-                        dist.all_gather(parts, kv)
-                        dist.all_gather(parts, kv)
+                def step(overlap=True):
+                    with torch.set_grad_enabled(grad):
+                        if world > 1:
+                            o = cp.native_sparse_attention(q, k, v, *g, config=cfg, seq_len=T, overlap=overlap)
+                        else:
+                            o = nsa.native_sparse_attention(q, k, v, *g, config=cfg)
                         if grad:
-                            dist.all_to_all(recv, pieces)
-                            dist.all_to_all(recv, pieces)
+                            o.backward(dout)
+                            for x in [q, k, v] + g:
+                                x.grad = None
 
-                    cms = median_ms(comm, args.reps, warmup=1)
-                    t = torch.tensor([cms], device=dev)
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                    row["comm_ms"] = round(t.item(), 3)
-                    kv_bytes = longest * H * D * 2
-                    row["comm_bytes"] = 2 * kv_bytes * (world - 1) + (2 * kv_bytes * (world - 1) if grad else 0)
-                row["ms"] = round(ms, 3)
+                if world == 1:
+                    row["ms"] = round(in_turns_ms([step], args.reps, dev)[0], 3)
+                else:
+                    ms, ms_no = slowest(in_turns_ms([step, lambda: step(False)], args.reps, dev))
+                    comm, sent = cp._collectives_alone(k, v, T, backward=grad)
+                    cms, sent = slowest([in_turns_ms([comm], args.reps, dev)[0], sent])
+                    row.update(ms=round(ms, 3), ms_no_overlap=round(ms_no, 3), comm_ms=round(cms, 3),
+                               comm_bytes=int(sent),
+                               comm_hidden=round(min(1.0, max(0.0, (ms_no - ms) / cms)), 3) if cms > 0 else None)
+                    comm = None
                 q = k = v = dout = g = None  # freed before the next length allocates
             except torch.cuda.OutOfMemoryError as e:
                 row["skipped"] = "out of memory: %s" % str(e).split("\n")[0][:120]
                 if world > 1:  # the other ranks wait in a collective: end the job (torchrun stops them)
                     print(json.dumps(row), flush=True)
                     os._exit(3)
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
             rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)

@@ -666,14 +666,22 @@ NSA_API nsa_status nsa_flex_attention_bwd(nsa_context *ctx, const nsa_flex_bwd_a
  * communicator, each rank calling with its part: the zigzag layout of spec 15 (2P chunks, rank r
  * holding chunks r and 2P-1-r, in that order, along dim 1). local is nsa_forward_args over the
  * rank's L = local_length rows (q, k, v, gates, o, saved: [B, L, ...]); the call all-gathers K and
- * V, runs one query chunk (spec 0.3) per local chunk and, in the backward, sends the dK / dV
- * partials to their owners, who sum them in rank order (deterministic for a fixed P). The rows
- * equal the whole-sequence call's rows (dk / dv up to the order of sums).
+ * V in two halves (the ranks' first chunks, then their second ones: chunk r reads only the first
+ * half, so its call runs while the second arrives) and runs one query chunk (spec 0.3) per local
+ * chunk. The backward runs chunk 2P-1-r first and sends its dK / dV partial to the owners while
+ * chunk r's call runs, then chunk r's partial (first-half rows only); each owner sums the later
+ * chunks' pieces in rank order, then the first chunks' pieces in rank order (deterministic for a
+ * fixed P). The rows equal the whole-sequence call's rows (dk / dv up to the order of sums).
  * CUDA backend only, with NCCL loaded at run time (libnccl.so.2; nsa_cp_available says whether
- * it loaded): the collectives run on the context's stream, on the communicator's device; every
- * rank must make the same calls in the same order. Not taken (NOT_SUPPORTED): varlen, the
- * caller's k_cmp / v_cmp, block_indices, separate branch K / V, k / v rows that are not
- * contiguous (stride[2] == D, stride[3] == 1). The workspace holds the whole sequence's K and V. */
+ * it loaded), on the communicator's device. The collectives run on a second stream the context
+ * makes at its first such call (NSA_CUDA_CP_OVERLAP=0 when the context is created: on the
+ * context's stream, the same results bit for bit), ordered against the context's stream by
+ * events: like every call, the results are ready and the workspace free once the work queued on
+ * the context's stream is done. Every rank must make the same calls in the same order, one at a
+ * time on a context. Not taken (NOT_SUPPORTED): varlen, the caller's k_cmp / v_cmp,
+ * block_indices, separate branch K / V, k / v rows that are not contiguous (stride[2] == D,
+ * stride[3] == 1). The workspace holds the whole sequence's K and V (the backward: its dK / dV
+ * partials too). */
 typedef struct nsa_cp_args {
     nsa_forward_args local;  /* this rank's rows; local.saved is written (forward) or read (backward) */
     void *comm;              /* ncclComm_t: the ranks of the split, P = its size */

@@ -264,6 +264,7 @@ void nsa_context_destroy(nsa_context *ctx)
 {
 #ifdef NSA_WITH_CUDA
     if (ctx && ctx->flex_cache) nsa_cuda_flex_cache_free(ctx->flex_cache);
+    if (ctx && ctx->cp_state) nsa_cuda_cp_state_free(ctx->cp_state);
 #endif
     free(ctx);
 }
@@ -678,8 +679,9 @@ int nsa_cp_available(void)
 #endif
 }
 
-/* Both halves of the two context-parallel calls: checks, then the CUDA backend sizes
- * (workspace NULL) or runs. */
+/* Both halves of the two context-parallel calls: the common checks, then one pass of the CUDA
+ * backend, which validates, sizes and either reports the size or checks the workspace and runs
+ * (the sizes come from the communicator, so the checks of op_dispatch live there). */
 static nsa_status cp_dispatch(nsa_context *ctx, const nsa_cp_args *a, const nsa_cp_bwd_args *ba, op_mode mode,
                               size_t *bytes, void *workspace, size_t workspace_bytes)
 {
@@ -690,16 +692,7 @@ static nsa_status cp_dispatch(nsa_context *ctx, const nsa_cp_args *a, const nsa_
     if (ctx->backend != NSA_BACKEND_CUDA)
         return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "ctx: context parallelism over NCCL runs on the CUDA backend");
 #ifdef NSA_WITH_CUDA
-    size_t need = 0;
-    nsa_status st = nsa_cuda_cp_run(ctx, a, ba, NULL, 0, &need);
-    if (st != NSA_STATUS_SUCCESS) return st;
-    if (mode == OP_QUERY) {
-        *bytes = need;
-        return done(NSA_STATUS_SUCCESS);
-    }
-    if (workspace_bytes < need)
-        return nsa_fail(NSA_STATUS_WORKSPACE_TOO_SMALL, "workspace_bytes: %zu < %zu needed", workspace_bytes, need);
-    if (need > 0 && !workspace) return nsa_fail(NSA_STATUS_NULL_POINTER, "workspace: NULL but %zu bytes are needed", need);
+    if (mode == OP_QUERY) return done(nsa_cuda_cp_run(ctx, a, ba, NULL, 0, bytes));
     return done(nsa_cuda_cp_run(ctx, a, ba, workspace, workspace_bytes, NULL));
 #else
     (void)ba, (void)workspace, (void)workspace_bytes;

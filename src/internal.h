@@ -97,6 +97,9 @@ typedef struct nsa_cuda_overrides {
     int step_hc;    /* tiled steps: kv heads per CTA, 1, 2 or 4 (NSA_CUDA_STEP_HC); 0: the planner's choice */
     int flex_tc;    /* 0: block-sparse attention (forward and backward) on its scalar kernels only (NSA_CUDA_FLEX_TC=0) */
     int step_pdl;   /* 0: the tiled steps' kernels launched one after the other, not as programmatic dependents (NSA_CUDA_STEP_PDL=0) */
+    int swg_ws;     /* 0: the sm_90a selection merges each pass in the products' warpgroup, not a warpgroup of its own (NSA_CUDA_SWG_WS=0) */
+    int cp_overlap; /* 0: context parallelism's collectives on the context's stream, after and before the chunk calls,
+                       instead of on the context's communication stream beside them (NSA_CUDA_CP_OVERLAP=0) */
 } nsa_cuda_overrides;
 
 /* Context, shared by all backends. */
@@ -107,6 +110,8 @@ struct nsa_context {
     void *stream;
     nsa_cuda_overrides cuda; /* CUDA backend only */
     void *flex_cache;        /* CUDA: the block-sparse kernels compiled for this context (flex/flex.cu) */
+    void *cp_state;          /* CUDA: context parallelism's communication stream and events (cp/cp.cu), made by
+                                the first call that overlaps; NULL until then */
 };
 
 #endif

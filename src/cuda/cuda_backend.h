@@ -2,7 +2,8 @@
  * run function per op, plus availability and context set-up. Plain C declarations (api.c is
  * C11); the definitions live in src/cuda/ *.cu with C linkage. Arguments arrive validated
  * (validate.c); tensors hold DEVICE pointers, cu_seqlens stays a HOST pointer, the
- * workspace is device memory, and every launch goes on ctx->stream. */
+ * workspace is device memory, and every launch goes on ctx->stream (context parallelism's
+ * collectives: on a stream of the context's own, which events order against it). */
 #ifndef NSA_CUDA_BACKEND_H
 #define NSA_CUDA_BACKEND_H
 
@@ -63,10 +64,13 @@ nsa_status nsa_cuda_flex_compile_check(const nsa_mod *mask, const nsa_mod *score
 size_t nsa_cuda_attention_step_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_step_args *a);
 nsa_status nsa_cuda_attention_step(const nsa_context *ctx, const nsa_problem *p, const nsa_attention_step_args *a, void *ws);
 /* Context parallelism over NCCL (cp/cp.cu): whether NCCL loaded; one forward (ba NULL) or
- * backward, checked, sized into *need (ws NULL) or run. */
+ * backward, checked once, then sized into *need (need non-NULL: nothing runs) or, need NULL, the
+ * workspace checked (WORKSPACE_TOO_SMALL, NULL_POINTER) and the call run; the context's
+ * communication stream and events freed (NULL: nothing). */
 int nsa_cuda_cp_available(void);
 nsa_status nsa_cuda_cp_run(nsa_context *ctx, const nsa_cp_args *a, const nsa_cp_bwd_args *ba, void *ws, size_t ws_bytes,
                            size_t *need);
+void nsa_cuda_cp_state_free(void *state);
 
 #ifdef __cplusplus
 }

@@ -17,6 +17,8 @@ void cu_overrides_default(cu_overrides *o)
     o->step_tiled = 1;
     o->step_pdl = 1;
     o->flex_tc = 1;
+    o->cp_overlap = 1;
+    o->swg_ws = 1;
 }
 
 void cu_overrides_from_env(cu_overrides *o)
@@ -45,6 +47,10 @@ void cu_overrides_from_env(cu_overrides *o)
     if (e && e[0] == '0') o->flex_tc = 0;
     e = getenv("NSA_CUDA_STEP_PDL");
     if (e && e[0] == '0') o->step_pdl = 0;
+    e = getenv("NSA_CUDA_SWG_WS");
+    if (e && e[0] == '0') o->swg_ws = 0;
+    e = getenv("NSA_CUDA_CP_OVERLAP");
+    if (e && e[0] == '0') o->cp_overlap = 0;
     e = getenv("NSA_CUDA_STEP_HC");
     if (e && (atoi(e) == 1 || atoi(e) == 2 || atoi(e) == 4)) o->step_hc = atoi(e);
 }

@@ -1,9 +1,12 @@
 """nsa.distributed (context parallelism) on the CPU with gloo: P = 2, 3 and 8 processes, each
 holding its zigzag part of the sequences, must give the single-process call's rows of the
 output and of every gradient (q, k, v, the three gates), for lengths that P and the block sizes
-do not divide and for chunks that are empty. The query-chunk building block itself is checked
-against the float64 reference in tests/test_chunk.c (and on the GPU by test_chunk.py); here each
-rank compares with the whole call it runs itself on the same inputs. Skips without torch or torch.distributed."""
+do not divide and for chunks that are empty, in float32 and bf16, with the collectives
+overlapped with the chunks' computation and without (overlap=False), which must also agree with
+each other bit for bit (the same collectives and the same sums in the same order). The
+query-chunk building block itself is checked against the float64 reference in
+tests/test_chunk.c (and on the GPU by test_chunk.py); here each rank compares with the whole call
+it runs itself on the same inputs. Skips without torch or torch.distributed."""
 import os
 import socket
 
@@ -35,10 +38,11 @@ def _case_inputs(seed, B, T, HQ, H, DK, DV, gates):
 
 
 CONFIG = dict(cmp_len=8, cmp_stride=4, slc_block=16, slc_topk=4, n_init=1, n_local=2, window=24)
-CASES = {  # backend -> [(seed, B, T, HQ, H, DK, DV, gates)]
+CASES = {  # backend -> [(seed, B, T, HQ, H, DK, DV, gates[, dtype])], float32 on the CPU unless named
     "gloo": [(1, 1, 203, 4, 2, 16, 16, 7), (2, 2, 97, 2, 1, 8, 12, 3),
              (3, 1, 5, 4, 4, 8, 8, 7),  # T < 2P: empty chunks
-             (4, 1, 150, 6, 2, 16, 8, 6)],
+             (4, 1, 150, 6, 2, 16, 8, 6),
+             (5, 2, 130, 4, 2, 16, 8, 7, torch.bfloat16)],  # dK / dV pieces added in float32, rounded once
     "nccl": [(1, 1, 2003, 16, 2, 64, 64, 7), (2, 2, 997, 8, 2, 128, 128, 3), (3, 1, 5, 4, 4, 64, 64, 7)],
 }
 
@@ -52,42 +56,51 @@ def _rank_main(rank, world, port, errors_path, backend="gloo"):
     from nsa import distributed as cp
     bad = []
 
-    def same(a, b):  # the CPU in float32: the same bits; CUDA in bf16: within its rounding
-        if not cuda:
+    def same(a, b):  # float32 on the CPU: the same bits; bf16: within its rounding
+        if a.dtype == torch.float32:
             return torch.equal(a, b)
         return (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item() + 1e-3
 
     try:
         cfg = nsa.Config(**CONFIG)
         for case in CASES[backend]:
-            seed, B, T, HQ, H, DK, DV, gates = case
+            seed, B, T, HQ, H, DK, DV, gates = case[:8]
             x = _case_inputs(seed, B, T, HQ, H, DK, DV, gates)
-            if cuda:
-                x = {n: None if t is None else t.to("cuda", torch.bfloat16) for n, t in x.items()}
+            if cuda or len(case) > 8:
+                x = {n: None if t is None else t.to("cuda" if cuda else "cpu", torch.bfloat16 if cuda else case[8])
+                     for n, t in x.items()}
             names = ["q", "k", "v", "g_cmp", "g_slc", "g_swa"]
             # the whole call, on this rank
             whole = {n: None if x[n] is None else x[n].clone().requires_grad_(True) for n in names}
             o = nsa.native_sparse_attention(whole["q"], whole["k"], whole["v"], whole["g_cmp"], whole["g_slc"],
                                             whole["g_swa"], config=cfg)
             (o.float() * x["dout"].float()).sum().backward()
-            # this rank's part through context parallelism
-            part = {n: None if x[n] is None else cp.shard(x[n], rank, world).clone().requires_grad_(True) for n in names}
-            o_cp = cp.native_sparse_attention(part["q"], part["k"], part["v"], part["g_cmp"], part["g_slc"],
-                                              part["g_swa"], config=cfg, seq_len=T)
-            (o_cp.float() * cp.shard(x["dout"], rank, world).float()).sum().backward()
-            if not same(o_cp, cp.shard(o.detach(), rank, world)):
-                bad.append("case %s: o differs (max %.3g)" % (case, (o_cp - cp.shard(o.detach(), rank, world)).abs().max()))
-            if not same(cp.gather(o_cp.detach(), T), o.detach()):
-                bad.append("case %s: gather(o) is not the whole o" % (case,))
-            for n in names:
-                if whole[n] is None:
-                    continue
-                want = cp.shard(whole[n].grad, rank, world)
-                got = part[n].grad
-                ok = got is not None and (same(got, want) if cuda else torch.allclose(got, want, rtol=1e-5, atol=1e-6))
-                if not ok:
-                    err = "none" if got is None else "%.3g" % (got - want).abs().max()
-                    bad.append("case %s: d%s differs (max %s)" % (case, n, err))
+            # this rank's part through context parallelism, computing while the collectives run and
+            # waiting for each: the same collectives and sums, so the same bits
+            got = {}
+            for overlap in (True, False):
+                part = {n: None if x[n] is None else cp.shard(x[n], rank, world).clone().requires_grad_(True) for n in names}
+                o_cp = cp.native_sparse_attention(part["q"], part["k"], part["v"], part["g_cmp"], part["g_slc"],
+                                                  part["g_swa"], config=cfg, seq_len=T, overlap=overlap)
+                (o_cp.float() * cp.shard(x["dout"], rank, world).float()).sum().backward()
+                got[overlap] = [o_cp.detach()] + [part[n].grad for n in names if part[n] is not None]
+                tag = "case %s, overlap %s" % (case, overlap)
+                if not same(o_cp, cp.shard(o.detach(), rank, world)):
+                    bad.append("%s: o differs (max %.3g)" % (tag, (o_cp - cp.shard(o.detach(), rank, world)).abs().max()))
+                if not same(cp.gather(o_cp.detach(), T), o.detach()):
+                    bad.append("%s: gather(o) is not the whole o" % tag)
+                for n in names:
+                    if whole[n] is None:
+                        continue
+                    want = cp.shard(whole[n].grad, rank, world)
+                    g = part[n].grad
+                    ok = g is not None and (torch.allclose(g, want, rtol=1e-5, atol=1e-6) if g.dtype == torch.float32
+                                            else same(g, want))
+                    if not ok:
+                        err = "none" if g is None else "%.3g" % (g - want).abs().max()
+                        bad.append("%s: d%s differs (max %s)" % (tag, n, err))
+            if not all(a is not None and b is not None and torch.equal(a, b) for a, b in zip(got[True], got[False])):
+                bad.append("case %s: overlap on and off give different bits" % (case,))
             pos = cp.positions(T, rank, world)
             if not torch.equal(pos, cp.shard(torch.arange(T)[None], rank, world)[0]):
                 bad.append("case %s: positions disagree with shard" % (case,))
@@ -135,6 +148,14 @@ def test_layout_helpers():
                                torch.arange(T))
     with pytest.raises(ValueError):
         cp.zigzag_bounds(10, 0)
+    # the exchanges: a rank's second chunk's key-side partial (chunks 0..2P-1-src) and its first
+    # chunk's (chunks 0..src) reach each chunk's owner exactly once
+    for world in (1, 2, 3, 8):
+        owner = {c: r for r in range(world) for c in cp._chunks(r, world)}
+        for src in range(world):
+            for late, reach in ((True, 2 * world - src), (False, src + 1)):
+                sent = [(c, d) for d in range(world) for c in cp._exchange_chunks(src, d, world, late)]
+                assert sorted(sent) == [(c, owner[c]) for c in range(reach)], (world, src, late)
 
 
 def test_needs_a_process_group():
