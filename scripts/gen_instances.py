@@ -46,8 +46,8 @@ for n, k, v in CLS3:
         fn("void nsa_cu_select_%d(grun *g, const sparams *P, int bf16, int64_t tiles)" % n,
            both("launch_select_t<%d, T_>(g, P, tiles)" % k))]
     files["selection_hopper_d%d.cu" % n] = ('"../selection/hopper.cuh"',), [
-        fn("void nsa_cu_swg_%d(grun *g, const sparams *P, int bf16, int nr, int ms, int64_t tiles, const void *maps)" % n,
-           both("launch_swg_t<%d, T_>(g, P, nr, ms, tiles, maps)" % k))]
+        fn("void nsa_cu_swg_%d(grun *g, const sparams *P, int bf16, int nr, int ms, int ws, int64_t tiles, const void *maps)" % n,
+           both("launch_swg_t<%d, T_>(g, P, nr, ms, ws, tiles, maps)" % k))]
 for n, k, v in CLS2:
     files["attn_hopper_d%d.cu" % n] = ('"../attn/hopper_dkdv.cuh"',), [
         fn("void nsa_cu_kwg_%d(grun *g, const kparams *P, int bf16, int64_t tiles)" % n,

@@ -21,7 +21,7 @@
 /* ---- the inputs of the old decisions --------------------------------------------------- */
 
 typedef struct old_env {
-    const char *wgmma, *kwp, *slc_bn, *slc_np, *slc_rp; /* NSA_CUDA_* values (NULL: unset) */
+    const char *wgmma, *kwp, *slc_bn, *slc_np, *slc_rp, *swg_ws; /* NSA_CUDA_* values (NULL: unset) */
 } old_env;
 
 typedef struct old_dev {
@@ -30,6 +30,7 @@ typedef struct old_dev {
 
 static int env_wgmma(const old_env *e) { return !(e->wgmma && e->wgmma[0] == '0'); }
 static int env_kwp(const old_env *e) { return !(e->kwp && e->kwp[0] == '0'); }
+static int env_swg_ws(const old_env *e) { return !(e->swg_ws && e->swg_ws[0] == '0'); }
 
 /* sfw_bn of the old selected launcher */
 static int old_sfw_bn(const old_env *e, int *ns, int *np)
@@ -174,16 +175,18 @@ static cu_select_plan old_plan_select(const nsa_problem *p, const old_dev *d, co
     int ok = !(d->dry || !env_wgmma(e) || d->cc != 9 || (D != 64 && D != 128 && D != 192) || !v->q || !v->k);
     const int jc = old_select_jc(c, SWG_NK, 64);
     if (ok && (jc < 1 || n > 32 || p->G > INT_MAX / SWG_BP ||
-               swg_smem(D, jc, n <= 16 ? 16 : 32, 1, (int)p->G) > (size_t)d->smem || !d->ready))
+               swg_smem(D, jc, n <= 16 ? 16 : 32, 1, (int)p->G, 0) > (size_t)d->smem || !d->ready))
         ok = 0;
     if (ok && maps_ok) {
         r.kernel = CU_SEL_SWG;
         r.JC = jc;
-        const size_t s2 = swg_smem(D, jc, 16, 2, (int)p->G), s1 = swg_smem(D, jc, 16, 1, (int)p->G);
+        const size_t s2 = swg_smem(D, jc, 16, 2, (int)p->G, 0), s1 = swg_smem(D, jc, 16, 1, (int)p->G, 0);
         const int two = 2 * (s2 + 1024) <= 228 * 1024 || (2 * (s1 + 1024) > 228 * 1024 && s2 <= (size_t)d->smem);
         if (n <= 16 && two) r.NR = 16, r.MS = 2;
         else if (n <= 16) r.NR = 16, r.MS = 1;
         else r.NR = 32, r.MS = 1;
+        /* the merge's own warpgroup: two lanes a position, two such CTAs an SM */
+        r.WS = r.MS == 2 && env_swg_ws(e) && 2 * (swg_smem(D, jc, 16, 2, (int)p->G, 1) + 1024) <= 228 * 1024;
         return r;
     }
     r.kernel = CU_SEL_SELECT;
@@ -226,10 +229,11 @@ static cu_overrides overrides_of(const old_env *e)
     set_env("NSA_CUDA_SLC_BN", e->slc_bn);
     set_env("NSA_CUDA_SLC_NP", e->slc_np);
     set_env("NSA_CUDA_SLC_RP", e->slc_rp);
+    set_env("NSA_CUDA_SWG_WS", e->swg_ws);
     cu_overrides o;
     cu_overrides_from_env(&o);
     set_env("NSA_CUDA_WGMMA", NULL), set_env("NSA_CUDA_KWP", NULL), set_env("NSA_CUDA_SLC_BN", NULL);
-    set_env("NSA_CUDA_SLC_NP", NULL), set_env("NSA_CUDA_SLC_RP", NULL);
+    set_env("NSA_CUDA_SLC_NP", NULL), set_env("NSA_CUDA_SLC_RP", NULL), set_env("NSA_CUDA_SWG_WS", NULL);
     return o;
 }
 
@@ -250,10 +254,11 @@ static const old_dev DEVS[] = {{1, 0, 0, 0}, {0, 8, 166912, 0}, {0, 8, 101376, 0
                                {0, 9, 232448, 0}, {0, 9, 101376, 1}, {0, 9, 49152, 1}};
 /* the NSA_CUDA_SLC_BN shapes exist only in an EXPERIMENTAL build; elsewhere they are ignored */
 static const old_env ENVS[] = {
-    {NULL, NULL, NULL, NULL, NULL}, {"0", NULL, NULL, NULL, NULL}, {NULL, "0", NULL, NULL, NULL},
-    {NULL, NULL, NULL, "1", NULL},  {NULL, NULL, NULL, NULL, "1"}, {"1", "1", NULL, "0", "0"},
+    {NULL, NULL, NULL, NULL, NULL, NULL}, {"0", NULL, NULL, NULL, NULL, NULL}, {NULL, "0", NULL, NULL, NULL, NULL},
+    {NULL, NULL, NULL, "1", NULL, NULL},  {NULL, NULL, NULL, NULL, "1", NULL}, {"1", "1", NULL, "0", "0", NULL},
+    {NULL, NULL, NULL, NULL, NULL, "0"},
 #if NSA_CUDA_EXPERIMENTAL
-    {NULL, NULL, "64", NULL, NULL}, {NULL, NULL, "32x3", NULL, NULL}, {NULL, NULL, "32x3", "1", "1"},
+    {NULL, NULL, "64", NULL, NULL, NULL}, {NULL, NULL, "32x3", NULL, NULL, NULL}, {NULL, NULL, "32x3", "1", "1", NULL},
 #endif
 };
 #define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
@@ -402,7 +407,7 @@ static void test_plan_select(void)
                                     if (r.kernel == CU_SEL_SWG && !maps) r = cu_plan_select(&p, &dev, &o, &v, 1);
                                     const int same = r.kernel == w.kernel &&
                                                      (w.kernel == CU_SEL_UNSUPPORTED ||
-                                                      (r.P == w.P && r.HC == w.HC && r.JC == w.JC && r.NR == w.NR && r.MS == w.MS));
+                                                      (r.P == w.P && r.HC == w.HC && r.JC == w.JC && r.NR == w.NR && r.MS == w.MS && r.WS == w.WS));
                                     note(&g, same, "selection plan", &p, &DEVS[di], &ENVS[ei], 0, 0, maps);
                                 }
         }
@@ -445,14 +450,15 @@ static void test_plan_overrides(void)
 {
     cu_overrides d;
     cu_overrides_default(&d);
-    CHECK(d.wgmma == 1 && d.kwp == 1 && d.slc_bn == 32 && d.slc_stages == 2 && d.slc_pair == 1 && d.slc_union == 1);
-    old_env e = {"0", NULL, NULL, NULL, NULL};
+    CHECK(d.wgmma == 1 && d.kwp == 1 && d.slc_bn == 32 && d.slc_stages == 2 && d.slc_pair == 1 && d.slc_union == 1 &&
+          d.swg_ws == 1);
+    old_env e = {"0", NULL, NULL, NULL, NULL, NULL};
     cu_overrides o = overrides_of(&e);
-    CHECK(o.wgmma == 0 && o.kwp == 1);
-    e = (old_env){NULL, "0", NULL, "1", "1"};
+    CHECK(o.wgmma == 0 && o.kwp == 1 && o.swg_ws == 1);
+    e = (old_env){NULL, "0", NULL, "1", "1", "0"};
     o = overrides_of(&e);
-    CHECK(o.wgmma == 1 && o.kwp == 0 && o.slc_pair == 0 && o.slc_union == 0);
-    e = (old_env){NULL, NULL, "64", NULL, NULL};
+    CHECK(o.wgmma == 1 && o.kwp == 0 && o.slc_pair == 0 && o.slc_union == 0 && o.swg_ws == 0);
+    e = (old_env){NULL, NULL, "64", NULL, NULL, NULL};
     o = overrides_of(&e);
     CHECK(o.slc_bn == (NSA_CUDA_EXPERIMENTAL ? 64 : 32)); /* the variant's kernels exist only there */
 }

@@ -49,13 +49,9 @@ __device__ __forceinline__ void swg_insert(uint64_t (&L)[NR], uint64_t c)
  * per position merging by rank counts, and one thread per position shifting a shared-memory
  * list were all slower: bench/NOTES.md.) */
 template <int NR, int MS>
-__device__ __forceinline__ void swg_merge(const sparams &P, const float *imp, int ims, uint64_t *keys, int p0, int npos,
-                                          int jA, int JC, int pp, int half)
+__device__ __forceinline__ void swg_merge_list(const sparams &P, const float *imp, int ims, uint64_t (&L)[NR], int p0, int npos,
+                                               int jA, int JC, int pp, int half)
 {
-    uint64_t *K = keys + half * SWG_BP + pp; /* entry i at K[i * MS * SWG_BP] */
-    uint64_t L[NR];
-#pragma unroll
-    for (int i = 0; i < NR; i++) L[i] = K[i * MS * SWG_BP];
     const int cur = (p0 + pp) / P.lp;
     int m = cur - jA + 1 < JC ? cur - jA + 1 : JC;
     if (pp >= npos) m = 0;
@@ -74,11 +70,23 @@ __device__ __forceinline__ void swg_merge(const sparams &P, const float *imp, in
         if (!__any_sync(0xffffffffu, c != 0)) break;
         swg_insert<NR>(L, c);
     }
+}
+
+/* The same with the list kept in shared memory between passes (keys [NR][MS][SWG_BP]). */
+template <int NR, int MS>
+__device__ __forceinline__ void swg_merge(const sparams &P, const float *imp, int ims, uint64_t *keys, int p0, int npos,
+                                          int jA, int JC, int pp, int half)
+{
+    uint64_t *K = keys + half * SWG_BP + pp; /* entry i at K[i * MS * SWG_BP] */
+    uint64_t L[NR];
+#pragma unroll
+    for (int i = 0; i < NR; i++) L[i] = K[i * MS * SWG_BP];
+    swg_merge_list<NR, MS>(P, imp, ims, L, p0, npos, jA, JC, pp, half);
 #pragma unroll
     for (int i = 0; i < NR; i++) K[i * MS * SWG_BP] = L[i];
 }
 
-/* One warpgroup per CTA, 64 consecutive positions of one kv head (the wgmma rows are
+/* One warpgroup per CTA (two with WS, below), 64 consecutive positions of one kv head (the wgmma rows are
  * positions, not position x head as in select_kernel). A pass takes the compressed keys
  * [iA, iB) (at most SWG_NK) that overlap JC selection blocks; for each of the G heads in
  * turn, S = Q_g K^T (wgmma SS) and p += 2^(S sl2 - lse_g): the head sum of the probabilities
@@ -95,13 +103,18 @@ __device__ __forceinline__ void swg_merge(const sparams &P, const float *imp, in
  * into the kept lists (swg_merge, MS lanes per position) while it loads. Two CTAs per SM
  * overlap one's merges with the other's products. Keys a position cannot see (or past the
  * pass, which the key box may hold) are never read back from p. NR: list registers, 16 or 32
- * (>= n); MS: merge lanes per position (swg_merge), 2 where that still fits two CTAs per SM. */
-template <int DKP, typename T, int NR, int MS>
-__global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __grid_constant__ CUtensorMap tq,
+ * (>= n); MS: merge lanes per position (swg_merge), 2 where that still fits two CTAs per SM.
+ * WS: a second warpgroup does the merge, its lists in registers for the whole kernel, while
+ * the first computes the next pass: the importances are double-buffered, handed over by named
+ * barriers (full: written, empty: merged), and the first warpgroup's barriers are its own; the
+ * merge warpgroup writes the blocks at the end (bench/NOTES.md has the measurements). */
+template <int DKP, typename T, int NR, int MS, bool WS>
+__global__ void __launch_bounds__(WS ? 256 : 128, 2) swg_kernel(const sparams P, const __grid_constant__ CUtensorMap tq,
                                                      const __grid_constant__ CUtensorMap tk)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int BP = SWG_BP, NK = SWG_NK, NT = NK / 8, KT = DKP / 16, NTHR = 128, NQ = SWG_QST;
+    static_assert(!WS || MS == 2, "the merge warpgroup is two lanes per position");
+    constexpr int BP = SWG_BP, NK = SWG_NK, NT = NK / 8, KT = DKP / 16, NTHR = WS ? 256 : 128, NQ = SWG_QST;
     constexpr int QB = BP * DKP * 2, KB = SWG_KBYTES(DKP);
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = smem_align1024(smem_raw);
@@ -110,11 +123,11 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
     float *Ps = (float *)Ks;
     const int JC = P.JC, IMS = JC | 1;       /* odd row stride: swg_merge's lanes on distinct banks */
     const int G = (int)P.G;
-    uint64_t *keys = (uint64_t *)(Ks + KB);  /* [NR][MS][BP] rank keys, best first */
-    uint64_t *qfull = keys + NR * MS * BP;   /* [NQ] a Q stage landed */
+    uint64_t *keys = (uint64_t *)(Ks + KB);  /* [NR][MS][BP] rank keys, best first (WS: none, in registers) */
+    uint64_t *qfull = keys + (WS ? 0 : NR * MS * BP); /* [NQ] a Q stage landed */
     uint64_t *kfull = qfull + NQ;            /* the pass's key tile landed */
-    float *imp = (float *)(kfull + 1);       /* [BP][IMS] */
-    float *lsl = imp + BP * IMS;             /* [G][BP] lse * log2(e) (+inf: no keys, p = 0) */
+    float *imp = (float *)(kfull + 1);       /* [BP][IMS] (WS: two, a pass's in imp + (pass & 1) BP IMS) */
+    float *lsl = imp + (WS ? 2 : 1) * BP * IMS; /* [G][BP] lse * log2(e) (+inf: no keys, p = 0) */
     int *kept = (int *)(lsl + G * BP);       /* [BP] */
     int *pcur = kept + BP, *pnv = pcur + BP; /* [BP] each: block of the position, its visible keys */
 
@@ -144,7 +157,8 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
         mb_init(kfull, 1);
         mb_init_fence();
     }
-    for (int i = tid; i < NR * MS * BP; i += NTHR) keys[i] = 0;
+    if (!WS)
+        for (int i = tid; i < NR * MS * BP; i += NTHR) keys[i] = 0;
     if (tid < BP) {
         const int t = p0 + tid + sh;
         pcur[tid] = tid < npos ? nsa_rule_slc_of32(t, lp) : -1;
@@ -205,12 +219,60 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
     int iA, iB;
     range(0, &iA, &iB);
     __syncthreads(); /* barriers initialised; lse, lists and row facts written */
+    if (WS && tid >= 128) {
+        /* the merge warpgroup: each pass's candidates into lists held in registers, two lanes
+         * a position, while the other warpgroup computes the next pass */
+        regs_dec<SWG_WS_MREGS>();
+        const int t = tid - 128, pp = t % BP, half = t / BP;
+        uint64_t L[NR];
+#pragma unroll
+        for (int i = 0; i < NR; i++) L[i] = 0;
+        int pass = 0;
+        for (int jA = 0; jA <= cur_max; jA += JC, pass++) {
+            nb_sync(NB_SWG_FULL + (pass & 1));
+            swg_merge_list<NR, MS>(P, imp + (pass & 1) * BP * IMS, IMS, L, p0 + sh, npos, jA, JC, pp, half);
+            if (jA + 2 * JC <= cur_max) nb_arrive(NB_SWG_EMPTY + (pass & 1)); /* the buffer's next use is pass + 2 */
+        }
+        /* the products' warpgroup is past its last read of the key tile (its last pass's
+         * hand-over came after it): the second lanes' lists and the blocks go there */
+        uint64_t *xl = (uint64_t *)Ks;
+        int *LJ = (int *)(xl + NR * BP);
+        if (half == 1)
+#pragma unroll
+            for (int i = 0; i < NR; i++) xl[i * BP + pp] = L[i];
+        nb_sync_wg(NB_SWG_MERGE);
+        if (half == 0) {
+            for (int e = 0; e < NR; e++) {
+                const uint64_t c = xl[e * BP + pp];
+                if (c <= L[NR - 1]) break;
+                swg_insert<NR>(L, c);
+            }
+            if (pp < npos) {
+                int k = 0;
+#pragma unroll
+                for (int i = 0; i < NR; i++)
+                    if (i < P.n && L[i] != 0) LJ[k++ * BP + pp] = 0x7FFFFFFF - (int)(L[i] & 0x7FFFFFFF);
+                kept[pp] = k;
+            }
+        }
+        nb_sync_wg(NB_SWG_MERGE);
+        sel_write(P, sq, h, LJ, kept, BP, p0, npos, t);
+        return;
+    }
+    if (WS) regs_inc<SWG_WS_PREGS>();
+    /* the products' threads' barrier: the CTA's, or with WS the first warpgroup's */
+    auto sync_p = [&]() {
+        if (WS) nb_sync_wg(NB_SWG_PRODUCTS);
+        else __syncthreads();
+    };
     if (tid == 0) {
         for (int x = 0; x < NQ && x < uses; x++) issue_q(x);
         if (iA < iB) issue_k(iA);
     }
     int u = 0, kp = 0; /* next Q use, key tiles consumed */
-    for (int jA = 0; jA <= cur_max; jA += JC) {
+    int pass = 0;
+    for (int jA = 0; jA <= cur_max; jA += JC, pass++) {
+        float *const impb = imp + (WS ? (pass & 1) * BP * IMS : 0);
         if (iA < iB) {
             float acc[NT][4];
 #pragma unroll
@@ -233,7 +295,7 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
             };
             /* use uu's stage is free once every warp is past its second half */
             auto release = [&](int uu) {
-                __syncthreads();
+                sync_p();
                 if (tid == 0 && uu + NQ < uses) issue_q(uu + NQ);
             };
             int g = 0;
@@ -274,7 +336,8 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
                     const int r = rp[x], c = (nt * 8 + 2 * (lane & 3)) ^ ((r & 3) << 3);
                     *(float2 *)(Ps + r * NK + c) = make_float2(acc[nt][2 * x], acc[nt][2 * x + 1]);
                 }
-            __syncthreads();
+            sync_p();
+            if (WS && pass >= 2) nb_sync(NB_SWG_EMPTY + (pass & 1)); /* the merge is done with pass - 2's importances */
             /* importance of block j for position t: p of each compressed key i < nv(t) it
              * overlaps, times the shared tokens / d (spec 3). Lane = block (its keys [ia, ib)
              * are the same for every position, cut at each one's nv), warps over positions:
@@ -293,15 +356,17 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
                         const int x = (ia + q) * cd, lo = x > jlo ? x : jlo, hi = x + cl < jhi ? x + cl : jhi;
                         w[q] = (float)(hi - lo);
                     }
+#pragma unroll 4
                     for (int pp = warp; pp < npos; pp += 4) {
-                        if (j > pcur[pp]) continue;
-                        const int e = (ib < pnv[pp] ? ib : pnv[pp]) - ia, sw = (pp & 3) << 3;
-                        const float *row = Ps + pp * NK;
-                        float a = 0.0f;
+                        if (j <= pcur[pp]) {
+                            const int e = (ib < pnv[pp] ? ib : pnv[pp]) - ia, sw = (pp & 3) << 3;
+                            const float *row = Ps + pp * NK;
+                            float a = 0.0f;
 #pragma unroll
-                        for (int q = 0; q < SWG_WMAX; q++)
-                            if (q < e) a += row[(ia + q - iA) ^ sw] * w[q];
-                        imp[pp * IMS + jj] = a * inv_d;
+                            for (int q = 0; q < SWG_WMAX; q++)
+                                if (q < e) a += row[(ia + q - iA) ^ sw] * w[q];
+                            impb[pp * IMS + jj] = a * inv_d;
+                        }
                     }
                     continue;
                 }
@@ -313,24 +378,29 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
                         const int lo = x > jlo ? x : jlo, hi = x + cl < jhi ? x + cl : jhi;
                         a += Ps[pp * NK + ((i - iA) ^ sw)] * (float)(hi - lo);
                     }
-                    imp[pp * IMS + jj] = a * inv_d;
+                    impb[pp * IMS + jj] = a * inv_d;
                 }
             }
             fence_async_smem(); /* the generic reads and writes of p before the next key box */
         } else {
-            for (int idx = tid; idx < npos * JC; idx += NTHR) imp[(idx / JC) * IMS + idx % JC] = 0.0f;
+            if (WS && pass >= 2) nb_sync(NB_SWG_EMPTY + (pass & 1));
+            for (int idx = tid; idx < npos * JC; idx += 128) impb[(idx / JC) * IMS + idx % JC] = 0.0f;
         }
-        __syncthreads(); /* imp written; p read: the tile is free for the next pass */
+        sync_p(); /* imp written; p read: the tile is free for the next pass */
+        if (WS) nb_arrive(NB_SWG_FULL + (pass & 1)); /* to the merge warpgroup */
         const int jn = jA + JC;
         int nA = 0, nB = 0;
         if (jn <= cur_max) {
             range(jn, &nA, &nB);
             if (tid == 0 && nA < nB) issue_k(nA);
         }
-        if (tid < MS * BP) swg_merge<NR, MS>(P, imp, IMS, keys, p0 + sh, npos, jA, JC, tid % BP, tid / BP);
-        __syncthreads();
+        if (!WS) {
+            if (tid < MS * BP) swg_merge<NR, MS>(P, imp, IMS, keys, p0 + sh, npos, jA, JC, tid % BP, tid / BP);
+            __syncthreads();
+        }
         iA = nA, iB = nB;
     }
+    if (WS) return; /* the merge warpgroup writes the blocks */
     /* the first n keys (nonzero ones: blocks) as block indices, entry-major over the keys;
      * with MS = 2 the second list's entries (best first) go through the network into the
      * first until one no longer beats its last */
@@ -358,24 +428,25 @@ __global__ void __launch_bounds__(128, 2) swg_kernel(const sparams P, const __gr
 #endif
 }
 
-template <int DKP, typename T, int NR, int MS>
+template <int DKP, typename T, int NR, int MS, bool WS>
 static void launch_swg_nr(grun *g, const sparams *P, int64_t tiles, const void *maps)
 {
-    const size_t smem = swg_smem(DKP, P->JC, NR, MS, (int)P->G);
-    g_check(g, cudaFuncSetAttribute(swg_kernel<DKP, T, NR, MS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const size_t smem = swg_smem(DKP, P->JC, NR, MS, (int)P->G, WS);
+    g_check(g, cudaFuncSetAttribute(swg_kernel<DKP, T, NR, MS, WS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (g->err != NSA_STATUS_SUCCESS) return;
     const CUtensorMap *m = (const CUtensorMap *)maps;
-    swg_kernel<DKP, T, NR, MS><<<dim3((unsigned)tiles, (unsigned)P->H), 128, smem, g->st>>>(*P, m[0], m[1]);
+    swg_kernel<DKP, T, NR, MS, WS><<<dim3((unsigned)tiles, (unsigned)P->H), WS ? 256 : 128, smem, g->st>>>(*P, m[0], m[1]);
     g_launched(g);
 }
 
-/* rank-list length NR and merge lanes MS as planned (selection/plan.c) */
+/* rank-list length NR, merge lanes MS and the merge's own warpgroup (ws) as planned (selection/plan.c) */
 template <int DKP, typename T>
-static void launch_swg_t(grun *g, const sparams *P, int nr, int ms, int64_t tiles, const void *maps)
+static void launch_swg_t(grun *g, const sparams *P, int nr, int ms, int ws, int64_t tiles, const void *maps)
 {
-    if (nr == 16 && ms == 2) launch_swg_nr<DKP, T, 16, 2>(g, P, tiles, maps);
-    else if (nr == 16) launch_swg_nr<DKP, T, 16, 1>(g, P, tiles, maps);
-    else launch_swg_nr<DKP, T, 32, 1>(g, P, tiles, maps);
+    if (nr == 16 && ms == 2 && ws) launch_swg_nr<DKP, T, 16, 2, true>(g, P, tiles, maps);
+    else if (nr == 16 && ms == 2) launch_swg_nr<DKP, T, 16, 2, false>(g, P, tiles, maps);
+    else if (nr == 16) launch_swg_nr<DKP, T, 16, 1, false>(g, P, tiles, maps);
+    else launch_swg_nr<DKP, T, 32, 1, false>(g, P, tiles, maps);
 }
 
 #endif /* __CUDACC__ */

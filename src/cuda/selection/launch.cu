@@ -80,9 +80,9 @@ void cu_select(grun *g, const dview *q, nsa_dtype dt, const dview *k, const dvie
         if (!g_live(g) || tiles == 0) return;
         const int bf16 = dt == NSA_DTYPE_BF16;
         switch (D) {
-        case 64: nsa_cu_swg_64(g, &P, bf16, pl.NR, pl.MS, tiles, maps); break;
-        case 128: nsa_cu_swg_128(g, &P, bf16, pl.NR, pl.MS, tiles, maps); break;
-        default: nsa_cu_swg_192(g, &P, bf16, pl.NR, pl.MS, tiles, maps); break;
+        case 64: nsa_cu_swg_64(g, &P, bf16, pl.NR, pl.MS, pl.WS, tiles, maps); break;
+        case 128: nsa_cu_swg_128(g, &P, bf16, pl.NR, pl.MS, pl.WS, tiles, maps); break;
+        default: nsa_cu_swg_192(g, &P, bf16, pl.NR, pl.MS, pl.WS, tiles, maps); break;
         }
         return;
     }

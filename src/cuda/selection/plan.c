@@ -14,7 +14,7 @@ cu_select_plan cu_plan_select(const nsa_problem *p, const cu_device *d, const cu
                               int no_tma)
 {
     const nsa_config *c = &p->cfg;
-    cu_select_plan pl = {CU_SEL_SELECT, 0, 0, 0, 0, 0};
+    cu_select_plan pl = {CU_SEL_SELECT, 0, 0, 0, 0, 0, 0};
     pl.HC = (int)(p->G < 64 ? p->G : 64);
     pl.P = 64 / pl.HC;
     const int64_t cap = (48 * 1024) / (8 * (c->slc_topk > 0 ? c->slc_topk : 1));
@@ -26,17 +26,20 @@ cu_select_plan cu_plan_select(const nsa_problem *p, const cu_device *d, const cu
     const int D = (int)p->DK, n = (int)c->slc_topk;
     const int jc = cu_select_blocks_per_pass(c, SWG_NK, 64);
     if (!no_tma && cu_sm90(d, o) && (D == 64 || D == 128 || D == 192) && v->q && v->k && jc >= 1 && n <= 32 &&
-        p->G <= INT_MAX / SWG_BP && swg_smem(D, jc, n <= 16 ? 16 : 32, 1, (int)p->G) <= (size_t)d->smem_max &&
+        p->G <= INT_MAX / SWG_BP && swg_smem(D, jc, n <= 16 ? 16 : 32, 1, (int)p->G, 0) <= (size_t)d->smem_max &&
         cu_sm90_class(d, D)) {
         pl.kernel = CU_SEL_SWG;
         pl.JC = jc;
         /* two merge lanes per position (n <= 16) unless their lists would cost the second CTA
          * per SM (sm_90: 228 KB of shared memory per SM, 1 KB of it reserved per CTA) or not
          * fit at all */
-        const size_t s2 = swg_smem(D, jc, 16, 2, (int)p->G), s1 = swg_smem(D, jc, 16, 1, (int)p->G);
+        const size_t s2 = swg_smem(D, jc, 16, 2, (int)p->G, 0), s1 = swg_smem(D, jc, 16, 1, (int)p->G, 0);
         const int two = 2 * (s2 + 1024) <= 228 * 1024 || (2 * (s1 + 1024) > 228 * 1024 && s2 <= (size_t)d->smem_max);
         pl.NR = n <= 16 ? 16 : 32;
         pl.MS = n <= 16 && two ? 2 : 1;
+        /* the merge in a warpgroup of its own where two such CTAs still fit an SM: the tensor
+         * pipe no longer waits on each pass's merge (bench/NOTES.md) */
+        pl.WS = pl.MS == 2 && o->swg_ws && 2 * (swg_smem(D, jc, 16, 2, (int)p->G, 1) + 1024) <= 228 * 1024;
         return pl;
     }
     /* selection blocks per pass: as many as keep the overlapping compressed keys within 64

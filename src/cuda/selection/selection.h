@@ -23,12 +23,12 @@ typedef struct sparams {
 void nsa_cu_select_64(grun *g, const sparams *P, int bf16, int64_t tiles);
 void nsa_cu_select_128(grun *g, const sparams *P, int bf16, int64_t tiles);
 void nsa_cu_select_192(grun *g, const sparams *P, int bf16, int64_t tiles);
-/* sm_90a selection on wgmma, head dims exactly 64 / 128 / 192; nr, ms: the plan's rank-list
- * length and merge lanes; maps: two host CUtensorMap, Q (box 64 x 1 head x SWG_BP rows) and
+/* sm_90a selection on wgmma, head dims exactly 64 / 128 / 192; nr, ms, ws: the plan's rank-list
+ * length, merge lanes and whether the merge has a warpgroup of its own; maps: two host CUtensorMap, Q (box 64 x 1 head x SWG_BP rows) and
  * the compressed K (box 64 x 1 x SWG_NK) */
-void nsa_cu_swg_64(grun *g, const sparams *P, int bf16, int nr, int ms, int64_t tiles, const void *maps);
-void nsa_cu_swg_128(grun *g, const sparams *P, int bf16, int nr, int ms, int64_t tiles, const void *maps);
-void nsa_cu_swg_192(grun *g, const sparams *P, int bf16, int nr, int ms, int64_t tiles, const void *maps);
+void nsa_cu_swg_64(grun *g, const sparams *P, int bf16, int nr, int ms, int ws, int64_t tiles, const void *maps);
+void nsa_cu_swg_128(grun *g, const sparams *P, int bf16, int nr, int ms, int ws, int64_t tiles, const void *maps);
+void nsa_cu_swg_192(grun *g, const sparams *P, int bf16, int nr, int ms, int ws, int64_t tiles, const void *maps);
 
 /* The float32 selection on a scalar kernel (simt.cu), B batch entries; NOT_SUPPORTED when its
  * list of n kept blocks per warp does not fit the device's shared memory. */
