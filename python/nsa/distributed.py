@@ -301,16 +301,15 @@ class _ContextParallelNSA(torch.autograd.Function):
         needs = ctx.needs_input_grad[5:]
         want = grad_mode and any(needs)
         kd, vd = k.detach(), v.detach()
-        # every rank's first chunk (keys [0, b[P])), then every rank's second chunk; with the
-        # overlap the second gather is issued before the first is waited for, right behind it
+        # every rank's first chunk (keys [0, b[P])), then every rank's second chunk, issued once
+        # the first is in: one collective in flight at a time (gloo runs concurrent ones on
+        # worker threads of its own), the second one during chunk r's computation
         rows0, rows1 = _gather_rows(b, world)
         first, first_parts = _start_gather([kd[:, :n0], vd[:, :n0]], rows0, group, overlap)
-        if not overlap:
-            first.wait()
+        first.wait()
         second, second_parts = _start_gather([kd[:, n0:], vd[:, n0:]], rows1, group, overlap)
         if not overlap:
             second.wait()
-        first.wait()
         # keys [0, b[P]) in order: chunk s is rank s's first
         K1, V1 = (torch.cat([first_parts[s][i][:, :_chunk_len(b, s)] for s in range(world)], dim=1) for i in (0, 1))
         del first, first_parts
@@ -363,10 +362,10 @@ class _ContextParallelNSA(torch.autograd.Function):
         del o0, leaves0
         if not overlap:
             late = send(g1, True)
+        late[0].wait()  # one collective in flight at a time, as in the forward
         early = send(g0, False)
         # q and the gates: this rank's rows, chunk r then chunk 2P-1-r
         out = [None if a is None else torch.cat([a, c], dim=1) for a, c in zip(g0, g1)]
-        late[0].wait()
         # the second chunks' pieces are added while the first chunks' are in flight
         acc = [_add_pieces([p[j] for p in late[1]]) for j in range(len(kv))]
         early[0].wait()

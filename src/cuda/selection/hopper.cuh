@@ -36,6 +36,30 @@ __device__ __forceinline__ void swg_insert(uint64_t (&L)[NR], uint64_t c)
     L[0] = L[0] > c ? L[0] : c;
 }
 
+/* The second merge lane's list (entries at M[e * stride], best first) into L: its entries go
+ * through the network until one no longer beats L's last. */
+template <int NR>
+__device__ __forceinline__ void swg_merge_lane(uint64_t (&L)[NR], const uint64_t *M, int stride)
+{
+    for (int e = 0; e < NR; e++) {
+        const uint64_t c = M[e * stride];
+        if (c <= L[NR - 1]) break;
+        swg_insert<NR>(L, c);
+    }
+}
+
+/* A position's kept blocks: the first n nonzero keys of L as block indices, entry-major at
+ * LJ[k * stride] (sel_write's layout); returns how many. */
+template <int NR>
+__device__ __forceinline__ int swg_blocks(const uint64_t (&L)[NR], int n, int *LJ, int stride)
+{
+    int k = 0;
+#pragma unroll
+    for (int i = 0; i < NR; i++)
+        if (i < n && L[i] != 0) LJ[k++ * stride] = 0x7FFFFFFF - (int)(L[i] & 0x7FFFFFFF);
+    return k;
+}
+
 /* One pass of the top-n for the 32 positions of a warp (lane = position pp, its list at keys
  * [NR][MS][SWG_BP], best first, zeros = empty): the list in registers; each lane scans its own
  * candidates for the next one that beats its last entry (a compare each), and the warp runs
@@ -242,18 +266,8 @@ __global__ void __launch_bounds__(WS ? 256 : 128, 2) swg_kernel(const sparams P,
             for (int i = 0; i < NR; i++) xl[i * BP + pp] = L[i];
         nb_sync_wg(NB_SWG_MERGE);
         if (half == 0) {
-            for (int e = 0; e < NR; e++) {
-                const uint64_t c = xl[e * BP + pp];
-                if (c <= L[NR - 1]) break;
-                swg_insert<NR>(L, c);
-            }
-            if (pp < npos) {
-                int k = 0;
-#pragma unroll
-                for (int i = 0; i < NR; i++)
-                    if (i < P.n && L[i] != 0) LJ[k++ * BP + pp] = 0x7FFFFFFF - (int)(L[i] & 0x7FFFFFFF);
-                kept[pp] = k;
-            }
+            swg_merge_lane<NR>(L, xl + pp, BP);
+            if (pp < npos) kept[pp] = swg_blocks<NR>(L, P.n, LJ + pp, BP);
         }
         nb_sync_wg(NB_SWG_MERGE);
         sel_write(P, sq, h, LJ, kept, BP, p0, npos, t);
@@ -408,22 +422,11 @@ __global__ void __launch_bounds__(WS ? 256 : 128, 2) swg_kernel(const sparams P,
     if (tid < BP) {
 #pragma unroll
         for (int i = 0; i < NR; i++) L[i] = keys[i * MS * BP + tid];
-        for (int x = 1; x < MS; x++)
-            for (int e = 0; e < NR; e++) {
-                const uint64_t c = keys[(e * MS + x) * BP + tid];
-                if (c <= L[NR - 1]) break;
-                swg_insert<NR>(L, c);
-            }
+        for (int x = 1; x < MS; x++) swg_merge_lane<NR>(L, keys + x * BP + tid, MS * BP);
     }
     __syncthreads();
     int *LJ = (int *)keys;
-    if (tid < npos) {
-        int k = 0;
-#pragma unroll
-        for (int i = 0; i < NR; i++)
-            if (i < P.n && L[i] != 0) LJ[k++ * BP + tid] = 0x7FFFFFFF - (int)(L[i] & 0x7FFFFFFF);
-        kept[tid] = k;
-    }
+    if (tid < npos) kept[tid] = swg_blocks<NR>(L, P.n, LJ + tid, BP);
     sel_write(P, sq, h, LJ, kept, BP, p0, npos, tid);
 #endif
 }
