@@ -447,12 +447,16 @@ void core_grad_row_masked(float *p, float *ds, const float *keep, const unsigned
                           float D, int dropped_p)
 {
     /* hidden pairs: P = -0 (the marker; -0 * keep stays -0) and dS = 0, whatever dP holds */
-    const vf16 nzero = -vzero();
     int64_t i = 0;
     for (; i + MK_LANES <= n; i += MK_LANES) {
         const vf16 kf = vload(keep + i);
         const vi16 hidden = hidden_lanes(vis + i);
-        const vf16 P = (vf16)((hidden & (vi16)nzero) | (~hidden & (vi16)vexp(vload(p + i) - lse)));
+        vf16 P = vexp(vload(p + i) - lse);
+        /* the hidden lanes' marker by a lane loop, not the bitwise blend of core_exp_row_masked:
+         * with that blend here GCC 12 at -O3 for AVX-512 (-march=native on a Sapphire Rapids
+         * host) stored P where P * kf was asked, so dV lost the dropout factor */
+        for (int j = 0; j < MK_LANES; j++)
+            if (hidden[j]) P[j] = -0.0f;
         vstore(ds + i, (vf16)(~hidden & (vi16)(P * (vload(ds + i) * kf - D))));
         vstore(p + i, dropped_p ? P * kf : P);
     }
