@@ -22,94 +22,103 @@
 
 static int cu_step_supported(grun *g, const nsa_step_args *a);
 
-/* The first problem of sequence b of lengths s (nsa_step_error), or 0, found by a warp (the pages checked
- * 32 at a time): its queries, its lengths, its token pages, then its compressed rows. */
-__device__ int step_problem_warp(const step_params &P, int64_t b, const step_seq_t &s, int lane)
+/* The first problem of sequence b of lengths s (nsa_step_error), or 0, found by the whole CTA
+ * (the same answer in every thread): its queries, its lengths, its token pages, then its
+ * compressed rows. Each thread checks its share of both block tables with every load in flight
+ * before any is tested, so the check costs one or two memory round trips however long the
+ * sequence (a warp walking its pages 32 at a time took one per 256 pages). */
+__device__ int step_problem_cta(const step_params &P, int64_t b, const step_seq_t &s)
 {
     if (s.n < 0 || s.n > P.Tq) return NSA_STEP_BAD_QLEN;
     if (s.L0 < 0) return NSA_STEP_BAD_SEQLEN;
     if (!P.append && s.n > s.L0) return NSA_STEP_NO_TOKENS;
     if (s.L > P.kv.cap) return NSA_STEP_OVER_CAPACITY;
-    bool bad = false;
-    if (P.kv.bt)
-#pragma unroll 8 /* independent loads: let them all be in flight */
-        for (int64_t j = lane; j * P.kv.page < s.L; j += 32) {
-            const int32_t pg = P.kv.bt[b * P.kv.bt0 + j * P.kv.bt1];
-            bad |= pg < 0 || pg >= P.kv.pool;
-        }
-    if (__any_sync(0xffffffffu, bad)) return NSA_STEP_BAD_PAGE;
-    if (!(P.use_cmp || P.selects)) return NSA_STEP_OK;
-    const int64_t nc = nsa_rule_num_cmp(s.L, P.l, P.d);
-    if (nc > P.ckv.cap) return NSA_STEP_OVER_CMP_CAPACITY;
-    if (P.ckv.bt)
+    const bool cmp = P.use_cmp || P.selects;
+    const int64_t nc = cmp ? nsa_rule_num_cmp(s.L, P.l, P.d) : 0;
+    const bool cmp_fits = nc <= P.ckv.cap; /* else its pages past the table's row are not read */
+    const int64_t np = P.kv.bt ? (s.L + P.kv.page - 1) / P.kv.page : 0;
+    const int64_t ncp = cmp && cmp_fits && P.ckv.bt ? (nc + P.ckv.page - 1) / P.ckv.page : 0;
+    bool bad = false, bad_c = false;
 #pragma unroll 8
-        for (int64_t j = lane; j * P.ckv.page < nc; j += 32) {
-            const int32_t pg = P.ckv.bt[b * P.ckv.bt0 + j * P.ckv.bt1];
-            bad |= pg < 0 || pg >= P.ckv.pool;
-        }
-    if (__any_sync(0xffffffffu, bad)) return NSA_STEP_BAD_CMP_PAGE;
-    return NSA_STEP_OK;
+    for (int64_t j = threadIdx.x; j < np; j += blockDim.x) {
+        const int32_t pg = P.kv.bt[b * P.kv.bt0 + j * P.kv.bt1];
+        bad |= pg < 0 || pg >= P.kv.pool;
+    }
+#pragma unroll 4
+    for (int64_t j = threadIdx.x; j < ncp; j += blockDim.x) {
+        const int32_t pg = P.ckv.bt[b * P.ckv.bt0 + j * P.ckv.bt1];
+        bad_c |= pg < 0 || pg >= P.ckv.pool;
+    }
+    bad = __syncthreads_or(bad) != 0, bad_c = __syncthreads_or(bad_c) != 0;
+    if (bad) return NSA_STEP_BAD_PAGE;
+    if (!cmp) return NSA_STEP_OK;
+    if (!cmp_fits) return NSA_STEP_OVER_CMP_CAPACITY;
+    return bad_c ? NSA_STEP_BAD_CMP_PAGE : NSA_STEP_OK;
 }
 
 /* The compressed rows one step can complete: n new tokens complete at most n / d + 1. */
 static inline int64_t step_pool_rows(const nsa_problem *p, const step_params &P) { return P.pool ? p->T / p->cfg.cmp_stride + 1 : 0; }
 
-/* Everything before the queries, in one launch: per sequence b, (Tq + rows) * H warps, each
- * checking b itself (the first writes its code and ok[b]); warp k < Tq * H appends token k / H
- * of kv head k % H, the others pool the compressed rows the step completes, Nc(L - n) ..
- * Nc(L) - 1, as the mean of their l token rows (summed in order, then times 1 / l), reading
- * the step's own tokens from k_new / v_new so no warp waits for another. */
-__global__ void step_prep_kernel(const step_params P, int64_t rows)
+/* Everything before the queries, in one launch: per sequence b, `chunks` CTAs, each checking b
+ * itself (the first writes its code and ok[b]), whose warps share the sequence's (Tq + rows) * H
+ * items: item k < Tq * H appends token k / H of kv head k % H, the others pool the compressed
+ * rows the step completes, Nc(L - n) .. Nc(L) - 1, as the mean of their l token rows (summed in
+ * order, then times 1 / l), reading the step's own tokens from k_new / v_new so no warp waits for
+ * another. */
+#define STEP_PREP_THREADS 256
+__global__ void step_prep_kernel(const step_params P, int64_t rows, int64_t chunks)
 {
-    const int lane = threadIdx.x & 31;
-    const int64_t per_b = (P.Tq + rows) * P.H > 0 ? (P.Tq + rows) * P.H : 1, items = P.B * per_b;
+    const int lane = threadIdx.x & 31, wpc = (int)(blockDim.x >> 5); /* warps a CTA */
+    const int64_t per_b = (P.Tq + rows) * P.H > 0 ? (P.Tq + rows) * P.H : 1;
     const float inv_l = 1.0f / (float)P.l;
-    for (int64_t w = simt_warp0(); w < items; w += simt_nwarps()) {
-        const int64_t b = w / per_b, k = w % per_b;
+    const int64_t chunk = blockIdx.x % chunks;
+    for (int64_t b = blockIdx.x / chunks; b < P.B; b += gridDim.x / chunks) {
         const step_seq_t s = step_seq(P, b); /* read once: after the stores below it would be read again */
-        const int e = step_problem_warp(P, b, s, lane);
-        if (k == 0 && lane == 0) {
+        const int e = step_problem_cta(P, b, s);
+        if (chunk == 0 && threadIdx.x == 0) {
             P.ok[b] = e == NSA_STEP_OK;
             if (P.errors) P.errors[b * P.errors_s] = e;
         }
         if (e != NSA_STEP_OK) continue;
-        if (k < P.Tq * P.H) {
-            const int64_t h = k % P.H, i = k / P.H;
-            if (!P.append || i >= s.n) continue;
-            const int64_t r = s.L0 + i;
-            /* the rows' places found once, and each lane's pieces loaded before any is stored:
-             * a store may alias the block table or the new tokens as far as the compiler knows,
-             * so a lookup or load after a store would wait for it (a chain of round trips) */
-            const int64_t ko = step_row(P.kv, P.kv.k, b, r, h), vo = step_row(P.kv, P.kv.v, b, r, h);
-            const int64_t kn = b * P.kn.s0 + i * P.kn.s1 + h * P.kn.s2, vn = b * P.vn.s0 + i * P.vn.s1 + h * P.vn.s2;
-            for (int c0 = 0; c0 < (P.DK > P.DV ? P.DK : P.DV); c0 += 32 * 8) {
-                float xk[8], xv[8];
+        for (int64_t k = chunk * wpc + (threadIdx.x >> 5); k < per_b; k += chunks * wpc) {
+            if (k < P.Tq * P.H) {
+                const int64_t h = k % P.H, i = k / P.H;
+                if (!P.append || i >= s.n) continue;
+                const int64_t r = s.L0 + i;
+                /* the rows' places found once, and each lane's pieces loaded before any is stored:
+                 * a store may alias the block table or the new tokens as far as the compiler knows,
+                 * so a lookup or load after a store would wait for it (a chain of round trips) */
+                const int64_t ko = step_row(P.kv, P.kv.k, b, r, h), vo = step_row(P.kv, P.kv.v, b, r, h);
+                const int64_t kn = b * P.kn.s0 + i * P.kn.s1 + h * P.kn.s2, vn = b * P.vn.s0 + i * P.vn.s1 + h * P.vn.s2;
+                for (int c0 = 0; c0 < (P.DK > P.DV ? P.DK : P.DV); c0 += 32 * 8) {
+                    float xk[8], xv[8];
 #pragma unroll
-                for (int u = 0; u < 8; u++) {
-                    const int c = c0 + 32 * u + lane;
-                    xk[u] = c < P.DK ? ld_any(P.kn.p, P.kn.dt, kn + c) : 0.0f;
-                    xv[u] = c < P.DV ? ld_any(P.vn.p, P.vn.dt, vn + c) : 0.0f;
-                }
+                    for (int u = 0; u < 8; u++) {
+                        const int c = c0 + 32 * u + lane;
+                        xk[u] = c < P.DK ? ld_any(P.kn.p, P.kn.dt, kn + c) : 0.0f;
+                        xv[u] = c < P.DV ? ld_any(P.vn.p, P.vn.dt, vn + c) : 0.0f;
+                    }
 #pragma unroll
-                for (int u = 0; u < 8; u++) {
-                    const int c = c0 + 32 * u + lane;
-                    if (c < P.DK) st_any(P.kv.k.p, P.kv.k.dt, ko + c, xk[u]);
-                    if (c < P.DV) st_any(P.kv.v.p, P.kv.v.dt, vo + c, xv[u]);
+                    for (int u = 0; u < 8; u++) {
+                        const int c = c0 + 32 * u + lane;
+                        if (c < P.DK) st_any(P.kv.k.p, P.kv.k.dt, ko + c, xk[u]);
+                        if (c < P.DV) st_any(P.kv.v.p, P.kv.v.dt, vo + c, xv[u]);
+                    }
                 }
+                continue;
             }
-            continue;
-        }
-        const int64_t h = (k - P.Tq * P.H) % P.H, c = nsa_rule_num_cmp(s.L - s.n, P.l, P.d) + (k - P.Tq * P.H) / P.H;
-        if (c >= nsa_rule_num_cmp(s.L, P.l, P.d)) continue;
-        for (int x = 0; x < 2; x++) {
-            const dview &src = x ? P.kv.v : P.kv.k, &dst = x ? P.ckv.v : P.ckv.k, &nw = x ? P.vn : P.kn;
-            const int D = x ? P.DV : P.DK;
-            for (int e2 = lane; e2 < D; e2 += 32) {
-                float sum = 0.0f;
-                for (int64_t r = c * P.d; r < c * P.d + P.l; r++)
-                    sum += r >= s.L0 && P.append ? ld_any(nw.p, nw.dt, b * nw.s0 + (r - s.L0) * nw.s1 + h * nw.s2 + e2)
-                                                 : ld_any(src.p, src.dt, step_row(P.kv, src, b, r, h) + e2);
-                st_any(dst.p, dst.dt, step_row(P.ckv, dst, b, c, h) + e2, sum * inv_l);
+            const int64_t h = (k - P.Tq * P.H) % P.H, c = nsa_rule_num_cmp(s.L - s.n, P.l, P.d) + (k - P.Tq * P.H) / P.H;
+            if (c >= nsa_rule_num_cmp(s.L, P.l, P.d)) continue;
+            for (int x = 0; x < 2; x++) {
+                const dview &src = x ? P.kv.v : P.kv.k, &dst = x ? P.ckv.v : P.ckv.k, &nw = x ? P.vn : P.kn;
+                const int D = x ? P.DV : P.DK;
+                for (int e2 = lane; e2 < D; e2 += 32) {
+                    float sum = 0.0f;
+                    for (int64_t r = c * P.d; r < c * P.d + P.l; r++)
+                        sum += r >= s.L0 && P.append ? ld_any(nw.p, nw.dt, b * nw.s0 + (r - s.L0) * nw.s1 + h * nw.s2 + e2)
+                                                     : ld_any(src.p, src.dt, step_row(P.kv, src, b, r, h) + e2);
+                    st_any(dst.p, dst.dt, step_row(P.ckv, dst, b, c, h) + e2, sum * inv_l);
+                }
             }
         }
     }
@@ -373,7 +382,11 @@ static void launch_prep(grun *g, const step_params &P)
     const nsa_problem *p = g->p;
     const int64_t rows = step_pool_rows(p, P);
     const int64_t per_b = (p->T + rows) * p->H > 0 ? (p->T + rows) * p->H : 1;
-    step_prep_kernel<<<simt_grid(p->B * per_b), 32 * SIMT_WARPS, 0, g->st>>>(P, rows);
+    /* CTAs a sequence: enough for its items at a warp each, at most 64 (a long prefill chunk's
+     * warps then take several items); sequences past the grid's limit loop */
+    const int64_t wpc = STEP_PREP_THREADS / 32, chunks = per_b < 64 * wpc ? (per_b + wpc - 1) / wpc : 64;
+    const int64_t seqs = p->B < (int64_t)(INT32_MAX / 64) ? p->B : (int64_t)(INT32_MAX / 64);
+    step_prep_kernel<<<(unsigned)(seqs * chunks), STEP_PREP_THREADS, 0, g->st>>>(P, rows, chunks);
     g_launched(g);
 }
 

@@ -71,19 +71,30 @@ struct ts_item {
     int64_t b, i, h, pos, L;
     bool live;
 };
-__device__ __forceinline__ ts_item ts_item_of(const step_params &P, int64_t it)
+/* An item's sequence, query and kv head, from its index alone (no memory read) */
+__device__ __forceinline__ ts_item ts_item_index(const step_params &P, int64_t it)
 {
     ts_item x;
     /* 32-bit: items = B * Tq * H fit (the host checks) */
     const uint32_t u = (uint32_t)it, H = (uint32_t)P.H, Tq = (uint32_t)P.Tq, bi = u / H;
     x.h = u - bi * H, x.b = bi / Tq, x.i = bi - (uint32_t)x.b * Tq;
-    x.pos = x.L = 0;
+    x.pos = x.L = 0, x.live = false;
+    return x;
+}
+/* whether it runs, its query's position and its sequence's length (written by the step's first kernel) */
+__device__ __forceinline__ void ts_item_lengths(const step_params &P, ts_item &x)
+{
     /* the check's verdict and the lengths read together (b < B: in bounds whatever the verdict;
      * the lengths are used only when it is 1): one memory round trip where two were */
     const int32_t ok = P.ok[x.b];
     const step_seq_t s = step_seq(P, x.b);
     x.live = ok != 0 && x.i < s.n;
     if (x.live) x.pos = s.L - s.n + x.i, x.L = s.L;
+}
+__device__ __forceinline__ ts_item ts_item_of(const step_params &P, int64_t it)
+{
+    ts_item x = ts_item_index(P, it);
+    ts_item_lengths(P, x);
     return x;
 }
 
@@ -289,7 +300,7 @@ __device__ __forceinline__ void ts_split_task(const step_params &P, const ts_lau
 {
     /* the selected and window branches share one instance (they share a launch, and two
      * bodies on one SM would compete for the instruction cache): their kind is read here */
-    const int kind = KIND == BR_SLC_SWA ? A.kind[bs] : KIND;
+    const int kind = KIND == BR_SLC_SWA ? (bs ? A.kind[1] : A.kind[0]) : KIND; /* selects: an index into the parameters would copy them to local memory */
     typedef ts_smem<D> S;
     constexpr int LD = S::LD, KT = D / 16, NT = D / 8;
     T *Ks = (T *)(sm + S::k), *Vs = (T *)(sm + S::v);
@@ -298,8 +309,33 @@ __device__ __forceinline__ void ts_split_task(const step_params &P, const ts_lau
     ts_warp W;
     W.vis = 0;
     W.local = lg * Hc + warp % Hc, W.it = A.item0 + W.local, W.slice = warp / Hc, W.KS = 64 / Hc;
-    W.x = ts_item_of(P, W.it);
+    W.x = ts_item_index(P, W.it);
+    const int r0 = lane >> 2;
+    /* the head's 16 query rows (G heads, the rest zero) as A fragments, straight from q: an
+     * input of the step, so read before the kernel before this one has finished (b < B, i < Tq:
+     * in bounds whether or not the item runs) */
+    constexpr int KT0 = D / 16;
+    uint32_t qf[KT0][4];
+    {
+        const int64_t qb = W.x.b * P.q.s0 + W.x.i * P.q.s1 + W.x.h * P.G * P.q.s2;
+        const T *qp = (const T *)P.q.p;
+#pragma unroll
+        for (int k = 0; k < KT0; k++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int g = r0 + 8 * (e & 1), col = 16 * k + 2 * (lane & 3) + 8 * (e >> 1);
+                qf[k][e] = g < P.G ? *(const uint32_t *)(qp + qb + g * P.q.s2 + col) : 0u;
+            }
+    }
+    /* What this kernel may read before the one before it has finished (ts_wait_prior): the
+     * selected and window branches' launch follows the top-n, so the lengths and the caches,
+     * written two kernels back, are complete and visible (the top-n's CTAs let this launch
+     * start only after their own wait); only the selection itself is not. The other launches
+     * follow the check and append kernel directly: they wait first. */
+    if (KIND != BR_SLC_SWA) ts_wait_prior();
+    ts_item_lengths(P, W.x);
     if (!W.x.live) return; /* the same for every head of a (sequence, query) */
+    if (KIND == BR_SLC_SWA && kind == BR_SLC) ts_wait_prior();
     const int64_t c = bs ? task - A.tasks[0] : task;
     int64_t lo = 0, hi = -1, ntiles;
     if (kind == BR_SLC) {
@@ -312,7 +348,8 @@ __device__ __forceinline__ void ts_split_task(const step_params &P, const ts_lau
         ntiles = hi >= lo ? (hi - lo + W.KS) / W.KS : 0;
     }
     /* stage numbers fit 32 bits: a head's rows are at most 2^31 (the host checks capacities) */
-    const int t0 = (int)(c * A.tpc[bs]), t1 = (int)(t0 + A.tpc[bs] < ntiles ? t0 + A.tpc[bs] : ntiles);
+    const int64_t tpc = bs ? A.tpc[1] : A.tpc[0];
+    const int t0 = (int)(c * tpc), t1 = (int)(t0 + tpc < ntiles ? t0 + tpc : ntiles);
     if (t0 >= t1) {
         if (tid < 16 * Hc) {
             float *out = A.part + ((lg * Hc + tid / 16) * A.ntask + task) * ts_part_floats(D);
@@ -327,21 +364,6 @@ __device__ __forceinline__ void ts_split_task(const step_params &P, const ts_lau
      * importance's reference go out in natural units */
     const float scale = kind == BR_SWA ? P.swa_scale : P.scale, softcap = KIND == BR_RANGE ? P.softcap : 0.0f;
     const float scale2 = scale * NSA_LOG2E, cap_in = softcap > 0.0f ? scale / softcap : 0.0f, cap_out = softcap * NSA_LOG2E;
-    const int r0 = lane >> 2;
-
-    /* the head's 16 query rows (G heads, the rest zero) as A fragments, straight from q */
-    uint32_t qf[KT][4];
-    {
-        const int64_t qb = W.x.b * P.q.s0 + W.x.i * P.q.s1 + W.x.h * P.G * P.q.s2;
-        const T *qp = (const T *)P.q.p;
-#pragma unroll
-        for (int k = 0; k < KT; k++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int g = r0 + 8 * (e & 1), col = 16 * k + 2 * (lane & 3) + 8 * (e >> 1);
-                qf[k][e] = g < P.G ? *(const uint32_t *)(qp + qb + g * P.q.s2 + col) : 0u;
-            }
-    }
 
     /* IMP: the B fragments of the overlap table W[k][jj] = overlap(row k, block jj) of a 16-row
      * group (the same for every group: 16 d is a multiple of l', the host checks) */
@@ -561,10 +583,10 @@ template <typename T, int D, bool IMP>
 __global__ void __launch_bounds__(TS_THREADS, 2) ts_split_kernel(const step_params P, const ts_launch A)
 {
     extern __shared__ __align__(16) unsigned char ts_sm[];
-    ts_wait_prior();
+    /* (ts_split_task waits for the kernel before, where its reads need it) */
     /* consecutive CTAs take the same task of neighbouring head groups */
     const int64_t ng = A.n / A.hc, lg = blockIdx.x % ng, task = blockIdx.x / ng;
-    const int bs = task < A.tasks[0] ? 0 : 1, kind = A.kind[bs];
+    const int bs = task < A.tasks[0] ? 0 : 1, kind = bs ? A.kind[1] : A.kind[0];
     if (IMP) {
         if (P.use_cmp) ts_split_task<T, D, BR_CMP, true, true>(P, A, ts_sm, lg, task, bs);
         else ts_split_task<T, D, BR_CMP, true, false>(P, A, ts_sm, lg, task, bs);
@@ -594,6 +616,26 @@ __device__ __forceinline__ ts_runs ts_runs_of(const float *b0, int n0, const flo
     return R;
 }
 
+/* (M, L) merged with a partial's (m, l), online (m = -inf: a task without a key; NaN propagates) */
+__device__ __forceinline__ void ts_ml_add(float &M, float &L, float m, float l)
+{
+    if (m == -INFINITY) return;
+    if (m > M || m != m) L = (M == -INFINITY ? 0.0f : L * expf(M - m)) + l, M = m;
+    else L += l * expf(m - M);
+}
+
+/* the lanes' (M, L) merged across the warp, the result in every lane */
+__device__ __forceinline__ void ts_ml_warp(float &M, float &L)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float Mo = __shfl_xor_sync(0xffffffffu, M, o), Lo = __shfl_xor_sync(0xffffffffu, L, o);
+        const float Mn = ts_max(M, Mo);
+        L = (M == -INFINITY ? 0.0f : L * expf(M - Mn)) + (Mo == -INFINITY ? 0.0f : Lo * expf(Mo - Mn));
+        M = Mn;
+    }
+}
+
 /* Row g's softmax max M and sum L over the partials [s0, s0 + n) (each a max m and a sum l
  * relative to it; -inf: a task without a key), by one warp: each lane an online (max, sum) over
  * its partials in one pass, then merged. NaN propagates to both. */
@@ -602,18 +644,42 @@ __device__ __forceinline__ void ts_row_ml(const ts_runs &R, int g, int s0, int n
     M = -INFINITY, L = 0.0f;
     for (int s = lane; s < n; s += 32) {
         const float *p = R.at(s0 + s);
-        const float m = p[g], l = p[16 + g];
-        if (m == -INFINITY) continue;
-        if (m > M || m != m) L = (M == -INFINITY ? 0.0f : L * expf(M - m)) + l, M = m;
-        else L += l * expf(m - M);
+        ts_ml_add(M, L, p[g], p[16 + g]);
+    }
+    ts_ml_warp(M, L);
+}
+
+/* The same for NB branches at once, the partials [start[b], end[b]) being branch b's (consecutive), by one
+ * warp in one pass whose loads (a lane's first two partials') are all issued before any is
+ * used: the combine's memory round trips are this one and the outputs' (one branch after the
+ * other made it one a branch, each after the last). Lane s % 32 takes partial s (from start[0]). Each partial's max is left in ms[s] for
+ * the weights (ts_weights_of). Lane order and merge order are ts_row_ml's, so are the results. */
+template <int NB>
+__device__ __forceinline__ void ts_rows_ml(const ts_runs &R, int g, const int (&start)[NB], const int (&end)[NB], int lane, float *ms,
+                                           float (&M)[NB], float (&L)[NB])
+{
+    const int N = end[NB - 1];
+#pragma unroll
+    for (int b = 0; b < NB; b++) M[b] = -INFINITY, L[b] = 0.0f;
+    for (int s0 = start[0]; s0 < N; s0 += 64) {
+        float m[2], l[2];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int s = s0 + 32 * u + lane;
+            const float *p = R.at(s < N ? s : 0);
+            m[u] = s < N ? p[g] : -INFINITY, l[u] = s < N ? p[16 + g] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int s = s0 + 32 * u + lane;
+            if (s < N) ms[s] = m[u];
+#pragma unroll
+            for (int b = 0; b < NB; b++)
+                if (s >= start[b] && s < end[b]) ts_ml_add(M[b], L[b], m[u], l[u]);
+        }
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float Mo = __shfl_xor_sync(0xffffffffu, M, o), Lo = __shfl_xor_sync(0xffffffffu, L, o);
-        const float Mn = ts_max(M, Mo);
-        L = (M == -INFINITY ? 0.0f : L * expf(M - Mn)) + (Mo == -INFINITY ? 0.0f : Lo * expf(Mo - Mn));
-        M = Mn;
-    }
+    for (int b = 0; b < NB; b++) ts_ml_warp(M[b], L[b]);
 }
 
 /* The order of the selection as one integer per block: forced first, then a number before a
@@ -639,75 +705,165 @@ __device__ __forceinline__ unsigned long long ts_warp_max(unsigned long long k)
     return (unsigned long long)hi << 32 | lo;
 }
 
+/* Each 16-row group's share of each block it overlaps, summed over the heads with each head's
+ * factor exp(ref - M) / L, into gs[group][jj] (a row of 16 floats a group), in two passes over
+ * the CTA: the factors, a thread a (group, head), into gs[group][head]; then a thread a (group,
+ * block), its 16 heads' bins (a contiguous row of 16: four 16-byte loads) times their factors,
+ * summed in the order of a half-warp's xor tree over the heads (8, 4, 2, 1), which is the order
+ * the importance has always been summed in, and stored over the factors once every thread of
+ * the CTA has read the rows of its round (so the sums need no shared memory of their own). A
+ * half-warp a group with the heads summed by shuffles took five times the instructions
+ * (bench/NOTES.md). */
+__device__ __forceinline__ void ts_group_sums(const float *bins, int ntl, int JT, int G, const float *Mg, const float *Lg, float *gs)
+{
+    const int tid = threadIdx.x, nt = (int)blockDim.x;
+    const int g = tid & 15; /* blockDim.x is a multiple of 16: a thread's head is the same in every round */
+    const float Mh = g < G ? Mg[g] : 0.0f, Lh = g < G ? Lg[g] : 1.0f;
+    for (int e0 = 0; e0 < ntl * 16; e0 += 4 * nt) { /* four factors' loads in flight a thread */
+        float r[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int e = e0 + u * nt + tid;
+            r[u] = e < ntl * 16 && g < G ? bins[(int64_t)(e >> 4) * 16 * (JT + 1) + JT * 16 + g] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int e = e0 + u * nt + tid;
+            if (e < ntl * 16) gs[e] = g < G ? expf(r[u] - Mh) / Lh : 0.0f;
+        }
+    }
+    const int rows = 2 * nt / JT; /* groups a round: two sums a thread */
+    for (int t0 = 0; t0 < ntl; t0 += rows) { /* the same trip count in the whole CTA */
+        __syncthreads(); /* the factors (first round), or the last round's sums, stored */
+        const int n = (ntl - t0 < rows ? ntl - t0 : rows) * JT;
+        float4 b[2][4];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int e = u * nt + tid, t = t0 + e / JT, jj = e % JT;
+            const float4 *bt = (const float4 *)(bins + ((int64_t)t * (JT + 1) + jj) * 16);
+#pragma unroll
+            for (int q = 0; q < 4; q++) b[u][q] = e < n ? bt[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        float sum[2];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int e = u * nt + tid, t = t0 + e / JT;
+            sum[u] = 0.0f;
+            if (e >= n) continue;
+            const float4 *f4 = (const float4 *)(gs + t * 16);
+            float v[16];
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const float4 f = f4[q], x = b[u][q];
+                /* a head past G has no bins (never written); one with no overlap adds nothing, whatever its factor */
+                v[4 * q + 0] = 4 * q + 0 < G && x.x != 0.0f ? x.x * f.x : 0.0f;
+                v[4 * q + 1] = 4 * q + 1 < G && x.y != 0.0f ? x.y * f.y : 0.0f;
+                v[4 * q + 2] = 4 * q + 2 < G && x.z != 0.0f ? x.z * f.z : 0.0f;
+                v[4 * q + 3] = 4 * q + 3 < G && x.w != 0.0f ? x.w * f.w : 0.0f;
+            }
+            /* lane 0 of a half-warp after xor 8, 4, 2, 1: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), a_k = v_k + v_k+8 */
+            float a8[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++) a8[k] = v[k] + v[k + 8];
+            sum[u] = ((a8[0] + a8[4]) + (a8[2] + a8[6])) + ((a8[1] + a8[5]) + (a8[3] + a8[7]));
+        }
+        __syncthreads(); /* every factor of the round's groups read */
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int e = u * nt + tid;
+            if (e < n) gs[(t0 + e / JT) * 16 + e % JT] = sum[u];
+        }
+    }
+}
+
+/* The n largest of the nc keys cand[0 ..) (0: no key) into chosen[rank], by the CTA: each
+ * candidate's rank among all is counted by `split` neighbouring lanes; the keys are distinct, so
+ * each rank has one. Ends with the CTA synchronised. */
+__device__ __forceinline__ void ts_rank_candidates(const unsigned long long *cand, int nc, int n, unsigned long long *chosen)
+{
+    const int tid = threadIdx.x;
+    int split = 1;
+    while (split < 32 && nc * split * 2 <= (int)blockDim.x) split *= 2;
+    const int total = (nc * split + 31) & ~31; /* whole warps: the shuffles below are uniform */
+    for (int u = tid; u < total; u += blockDim.x) {
+        const int c = u / split, part = u & (split - 1);
+        const unsigned long long key = c < nc ? cand[c] : 0;
+        int rank = 0;
+        if (key != 0)
+            for (int e = part; e < nc; e += split) rank += cand[e] > key;
+        for (int o = 1; o < split; o <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);
+        if (key != 0 && part == 0 && rank < n) chosen[rank] = key;
+    }
+    __syncthreads();
+}
+
 /* One CTA per item: the blocks its query reads, ascending, -1 after (the caller's, cleaned as
- * the CPU step does, or the top-n of the importance the compressed tiles left in bins). */
+ * the CPU step does, or the top-n of the importance the compressed tiles left in bins). A warp
+ * per query head (G <= 16). The CTA's time is mostly a chain of dependent steps whatever its
+ * size (~12 us an item at 16k and 64k alike): 512 or 256 threads, or an item split over 4-16
+ * CTAs whose candidates the last one merges, measured slower (bench/NOTES.md). */
 #define TS_SELECT_THREADS 1024
 __global__ void __launch_bounds__(TS_SELECT_THREADS, 1) ts_select_kernel(const step_params P, const ts_launch A1, int32_t *sel, int64_t width)
 {
-    extern __shared__ unsigned long long ts_keys[];
+    extern __shared__ __align__(16) unsigned long long ts_keys[];
     __shared__ float Mg[16], Lg[16];
     __shared__ unsigned long long cand[TS_SELECT_THREADS / 32 * 64], chosen[64], wmax[TS_SELECT_THREADS / 32], theta_s;
-    __shared__ int ncand;
+    __shared__ int ncand, all_nan_s;
     ts_wait_prior();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t local = blockIdx.x, it = A1.item0 + local;
+    /* head `warp`'s first 64 compressed partials (the tasks' row maxima and sums) loaded beside
+     * the item's lengths: their addresses need neither, so both cost one round trip */
+    const ts_runs R1 = ts_runs_of(A1.part + local * A1.ntask * ts_part_floats(P.DK), (int)A1.ntask, nullptr, 0, ts_part_floats(P.DK));
+    const int ntask = P.selects ? (int)A1.ntask : 0;
+    float pm[2], pl[2];
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        const int s = 32 * u + lane;
+        const bool on = warp < P.G && s < ntask;
+        const float *pp = R1.at(on ? s : 0);
+        pm[u] = on ? pp[warp] : -INFINITY, pl[u] = on ? pp[16 + warp] : 0.0f;
+    }
     const ts_item x = ts_item_of(P, it);
     if (!x.live) return;
-    const int64_t cur = x.pos / P.lp;
+    /* 32-bit: positions and blocks below the capacity (the host checks) */
+    const int32_t cur = nsa_rule_slc_of32((int32_t)x.pos, (int32_t)P.lp);
     int32_t *out = sel + local * width;
+    const int32_t nj = cur + 1;
     if (!P.selects) { /* the caller's blocks the query can use: in [0, cur], once, ascending */
         if (tid == 0) step_caller_blocks(P, x.b, x.i, x.h, cur, out, width);
-        return;
-    }
-    const int64_t nj = cur + 1;
-    if (nj <= P.n) { /* every block the query can see */
+    } else if (nj <= P.n) { /* every block the query can see */
         for (int64_t a = tid; a < width; a += blockDim.x) out[a] = a < nj ? (int32_t)a : -1;
     } else {
-        const int32_t nv = (int32_t)nsa_rule_cmp_visible_cap(x.pos, P.l, P.d, nsa_rule_num_cmp(x.L, P.l, P.d));
         const int32_t l = (int32_t)P.l, d = (int32_t)P.d, lp = (int32_t)P.lp, JT = A1.JT;
-        const int ntl = (nv + 15) / 16, G = (int)P.G;
+        const int32_t nv = nsa_rule_cmp_visible_cap32((int32_t)x.pos, l, d, nsa_rule_num_cmp32((int32_t)x.L, l, d));
+        const int G = (int)P.G, n = (int)P.n, ntl = (nv + 15) / 16;
         const float *bins = A1.bins + local * A1.tiles * 16 * (JT + 1); /* the item's */
-        /* each head's softmax over the compressed rows, from the tasks' partials: a warp a head */
-        const ts_runs R1 = ts_runs_of(A1.part + local * A1.ntask * ts_part_floats(P.DK), (int)A1.ntask, nullptr, 0,
-                                      ts_part_floats(P.DK));
-        for (int g = warp; g < P.G; g += (int)(blockDim.x >> 5)) {
-            float M, L;
-            ts_row_ml(R1, g, 0, R1.n0, lane, M, L);
-            if (lane == 0) Mg[g] = M, Lg[g] = L;
-        }
-        __syncthreads();
-        /* each 16-row group's share of each block it overlaps, summed over the heads with each
-         * head's factor exp(ref - M) / L: a half-warp a group, a lane a head, each lane's
-         * reference and bins (a contiguous row of 16 per block: coalesced) loaded at once, the
-         * heads summed by shuffles; kept after the keys as gsum[group][jj]. */
-        float *gsum = (float *)(ts_keys + nj);
-        {
-            const int g = lane & 15, hw = (int)(blockDim.x >> 4);
-            for (int t0 = 0; t0 < ntl; t0 += hw) { /* the same trip count in the whole warp: the shuffles are warp-wide */
-                const int t = t0 + 2 * warp + (lane >> 4);
-                const bool on = t < ntl && g < G;
-                const float *bt = bins + (int64_t)(t < ntl ? t : 0) * 16 * (JT + 1);
-                float b[TS_JT_MAX];
-#pragma unroll
-                for (int jj = 0; jj < TS_JT_MAX; jj++) b[jj] = on && jj < JT ? bt[jj * 16 + g] : 0.0f;
-                const float f = on ? expf(bt[JT * 16 + g] - Mg[g]) / Lg[g] : 0.0f;
-#pragma unroll
-                for (int jj = 0; jj < TS_JT_MAX; jj++) {
-                    if (jj >= JT) break; /* uniform */
-                    float v = b[jj] != 0.0f ? b[jj] * f : 0.0f; /* a head with no overlap adds nothing, whatever its factor */
-#pragma unroll
-                    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-                    if (g == 0 && t < ntl) gsum[t * JT + jj] = v;
-                }
+        /* each head's softmax over the compressed rows, from the tasks' partials: a warp a head
+         * (the merge order of ts_row_ml) */
+        if (warp < G) {
+            float M = -INFINITY, L = 0.0f;
+            ts_ml_add(M, L, pm[0], pl[0]), ts_ml_add(M, L, pm[1], pl[1]);
+            for (int s = 64 + lane; s < ntask; s += 32) {
+                const float *pp = R1.at(s);
+                ts_ml_add(M, L, pp[warp], pp[16 + warp]);
             }
+            ts_ml_warp(M, L);
+            if (lane == 0) Mg[warp] = M, Lg[warp] = L;
         }
         __syncthreads();
-        const float inv_d = 1.0f / (float)P.d;
         /* a head whose compressed scores are all -inf or NaN makes every p NaN on the CPU (0 / 0
          * or NaN), so every importance NaN: the blocks then rank by index (ranks_above) */
-        bool all_nan = false;
-        if (nv > 0)
-            for (int g = 0; g < P.G; g++) all_nan |= Mg[g] == -INFINITY || Mg[g] != Mg[g] || Lg[g] != Lg[g];
+        if (warp == 0) {
+            const bool bad = lane < G && (Mg[lane] == -INFINITY || Mg[lane] != Mg[lane] || Lg[lane] != Lg[lane]);
+            const bool any = __any_sync(0xffffffffu, bad);
+            if (lane == 0) all_nan_s = nv > 0 && any;
+        }
+        float *gs = (float *)(ts_keys + ((nj + 1) & ~1)); /* read as float4: 16-byte aligned */
+        ts_group_sums(bins, ntl, JT, G, Mg, Lg, gs);
+        __syncthreads();
+        const float inv_d = 1.0f / (float)P.d;
+        const bool all_nan = all_nan_s != 0;
         unsigned long long best = 0;
         for (int32_t j = tid; j < nj; j += blockDim.x) {
             const int32_t ra = nsa_rule_slc_first_cmp32(j, l, d, lp);
@@ -717,7 +873,7 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS, 1) ts_select_kernel(const s
             if (ra <= rb)
                 for (int32_t t = ra / 16; t <= rb / 16; t++) { /* the groups in order: one sum for every run */
                     const int32_t jj = j - 16 * t * d / lp;
-                    if (jj >= 0 && jj < JT) acc += gsum[t * JT + jj];
+                    if (jj >= 0 && jj < JT) acc += gs[t * 16 + jj];
                 }
             const unsigned long long key = ts_rank_key(nsa_rule_forced(j, cur, P.n_init, P.n_local), all_nan && ra <= rb ? NAN : acc * inv_d, j);
             ts_keys[j] = key;
@@ -730,7 +886,7 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS, 1) ts_select_kernel(const s
          * that held it drops it and rescans its keys), and every candidate's rank among all
          * candidates is counted, by `split` neighbouring lanes a candidate; rank r goes to
          * chosen[r]. On random importances theta leaves a few candidates a warp, not n. */
-        const int nw = (int)(blockDim.x >> 5), n = (int)P.n;
+        const int nw = (int)(blockDim.x >> 5);
         {
             const unsigned long long top = ts_warp_max(best);
             if (lane == 0) wmax[warp] = top;
@@ -756,26 +912,11 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS, 1) ts_select_kernel(const s
             }
         }
         __syncthreads();
-        {
-            const int nc = ncand;
-            int split = 1;
-            while (split < 32 && nc * split * 2 <= (int)blockDim.x) split *= 2;
-            const int total = (nc * split + 31) & ~31; /* whole warps: the shuffles below are uniform */
-            for (int u = tid; u < total; u += blockDim.x) {
-                const int c = u / split, part = u & (split - 1);
-                const unsigned long long key = c < nc ? cand[c] : 0;
-                int rank = 0;
-                if (key != 0)
-                    for (int e = part; e < nc; e += split) rank += cand[e] > key;
-                for (int o = 1; o < split; o <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);
-                if (key != 0 && part == 0 && rank < n) chosen[rank] = key; /* keys are distinct: one per rank */
-            }
-        }
-        __syncthreads();
-        if (tid < P.n) { /* ascending (each block's place: the chosen blocks below it), then -1 */
+        ts_rank_candidates(cand, ncand, n, chosen);
+        if (tid < n) { /* ascending (each block's place: the chosen blocks below it), then -1 */
             const int32_t v = (int32_t)(0x7fffffffu - (uint32_t)(chosen[tid] & 0x7fffffffull));
             int at = 0;
-            for (int a = 0; a < (int)P.n; a++) at += (int32_t)(0x7fffffffu - (uint32_t)(chosen[a] & 0x7fffffffull)) < v;
+            for (int a = 0; a < n; a++) at += (int32_t)(0x7fffffffu - (uint32_t)(chosen[a] & 0x7fffffffull)) < v;
             out[at] = v;
         }
         for (int64_t a = P.n + tid; a < width; a += blockDim.x) out[a] = -1;
@@ -814,13 +955,13 @@ __device__ __forceinline__ float4 ts_weighted_sum(const ts_runs &R, int g, int D
     return acc;
 }
 
-/* weights w[s0 + s] = mul * exp(m_s - M) / L of row g for the n partials from s0 (0 where m_s or
- * M is -inf), by one warp */
-__device__ __forceinline__ void ts_weights(const ts_runs &R, int g, int s0, int n, float M, float L, float mul, float *w, int lane)
+/* weights w[s] = mul * exp(m_s - M) / L of the partials s in [s0, s1) (0 where m_s or M is
+ * -inf), in place of their maxima ms[s] = w[s] (ts_rows_ml), by one warp */
+__device__ __forceinline__ void ts_weights_of(float *w, int s0, int s1, float M, float L, float mul, int lane)
 {
-    for (int s = lane; s < n; s += 32) {
-        const float m = R.at(s0 + s)[g];
-        w[s0 + s] = M == -INFINITY || m == -INFINITY ? 0.0f : mul * expf(m - M) / L;
+    for (int s = s0 + lane; s < s1; s += 32) {
+        const float m = w[s];
+        w[s] = M == -INFINITY || m == -INFINITY ? 0.0f : mul * expf(m - M) / L;
     }
 }
 
@@ -874,100 +1015,111 @@ __device__ __forceinline__ void ts_store4(const step_params &P, const ts_item &x
 }
 
 /* The NSA step's branches merged with one weight per partial (the gate times exp(m - M) / L; a
- * branch without a key gives 0, as on the CPU) and stored (layout: ts_comb). */
+ * branch without a key gives 0, as on the CPU) and stored (layout: ts_comb). Every load of a
+ * branch's softmax -- the gate, its partials' maxima and sums, whether the item is live -- is
+ * issued before any is used. A warp a head takes the three branches itself; with several warps
+ * a head, warps 0, 1, 2 take one branch each and share (M, L) through shared memory, then each
+ * warp weighs and sums its own share of the partials. */
 __global__ void __launch_bounds__(TS_COMBINE_THREADS, 1) ts_combine_kernel(const step_params P, const ts_launch A1, const ts_launch A3)
 {
     __shared__ float wsm[16 * TS_MAX_TASKS];
     __shared__ float4 red[TS_COMBINE_SPLIT * 32];
-    __shared__ int dead_s[16];
+    __shared__ float ml_s[3][2];
     ts_wait_prior();
     const ts_comb c = ts_comb_of(P, A1.item0);
-    if (!c.x.live) return;
-    const ts_item &x = c.x;
-    const int lane = c.lane, g = c.g, D = P.DV, hl = c.hl;
+    const ts_item &x = c.x; /* b and i in range whether or not the item is live */
+    const int lane = c.lane, g = c.g, D = P.DV;
     const int64_t local = c.local, stride = c.stride, hq = c.hq;
     /* the runs: compressed (A1), selected then window (A3); a branch switched off has none */
     const int nc = P.use_cmp ? (int)A1.ntask : 0, ns = P.use_slc ? (int)A3.tasks[0] : 0,
-              nw = P.use_swa ? (int)A3.tasks[P.use_slc ? 1 : 0] : 0;
+              nw = P.use_swa ? (int)(P.use_slc ? A3.tasks[1] : A3.tasks[0]) : 0;
     const ts_runs R = ts_runs_of(A1.part + local * A1.ntask * stride, nc, A3.part + local * A3.ntask * stride, ns + nw, stride);
-    float *w = wsm + hl * TS_MAX_TASKS;
-    /* the three branches' weights: by warps 0, 1, 2 of the head side by side when it has
-     * several, else one after the other by its warp */
-    if (c.sub == 0 && lane == 0) dead_s[hl] = 0;
-    if (c.wph > 1) __syncthreads();
-    else __syncwarp();
-    const int br0 = c.wph > 1 ? c.sub : 0, brs = c.wph > 1 ? c.wph : 1;
-    bool dead = false; /* a branch that saw keys whose scores were all -inf: 0 / 0, as the CPU's */
-    for (int br = br0; br < 3; br += brs) {
-        const int s0 = br == 0 ? 0 : br == 1 ? nc : nc + ns, n = br == 0 ? nc : br == 1 ? ns : nw;
-        if (n == 0) continue;
-        const dview gt = br == 0 ? P.gc : br == 1 ? P.gs : P.gw;
-        const float gv = ld_any(gt.p, gt.dt, x.b * gt.s0 + x.i * gt.s1 + hq * gt.s2); /* the branch is on: n > 0 */
-        float M, L;
-        ts_row_ml(R, g, s0, n, lane, M, L);
-        ts_weights(R, g, s0, n, M, L, gv, w, lane);
-        if (M == -INFINITY) { /* no finite score: did the branch see a key at all? */
-            bool seen = br == 2; /* the window sees the query's own token */
-            if (br == 0) seen = nsa_rule_cmp_visible_cap(x.pos, P.l, P.d, nsa_rule_num_cmp(x.L, P.l, P.d)) > 0;
-            if (br == 1) {
-                bool any = false;
-                for (int64_t a = lane; a < A3.width; a += 32) any |= A3.sel[local * A3.width + a] >= 0;
-                seen = __any_sync(0xffffffffu, any);
-            }
-            dead |= seen;
+    const int start[3] = {0, nc, nc + ns}, end[3] = {nc, nc + ns, nc + ns + nw};
+    /* the gates of the branches that are on */
+    const float gv[3] = {nc ? ld_any(P.gc.p, P.gc.dt, x.b * P.gc.s0 + x.i * P.gc.s1 + hq * P.gc.s2) : 0.0f,
+                         ns ? ld_any(P.gs.p, P.gs.dt, x.b * P.gs.s0 + x.i * P.gs.s1 + hq * P.gs.s2) : 0.0f,
+                         nw ? ld_any(P.gw.p, P.gw.dt, x.b * P.gw.s0 + x.i * P.gw.s1 + hq * P.gw.s2) : 0.0f};
+    float *w = wsm + c.hl * TS_MAX_TASKS; /* the head's partials' maxima, then their weights */
+    float M[3], L[3];
+    if (c.wph == 1) {
+        ts_rows_ml<3>(R, g, start, end, lane, w, M, L);
+    } else { /* a head a CTA (hl = 0) */
+        if (c.sub < 3) {
+            const int br = c.sub, st[1] = {br == 0 ? 0 : br == 1 ? nc : nc + ns}, en[1] = {br == 0 ? nc : br == 1 ? nc + ns : nc + ns + nw};
+            float Mb[1], Lb[1];
+            ts_rows_ml<1>(R, g, st, en, lane, w, Mb, Lb);
+            if (lane == 0) ml_s[br][0] = Mb[0], ml_s[br][1] = Lb[0];
         }
+        __syncthreads();
+#pragma unroll
+        for (int br = 0; br < 3; br++) M[br] = ml_s[br][0], L[br] = ml_s[br][1];
     }
-    if (dead && lane == 0) atomicOr(&dead_s[hl], 1);
-    if (c.wph > 1) __syncthreads();
-    else __syncwarp();
+    if (!x.live) return; /* the same in the whole CTA */
+    /* the weights of the partials this warp sums (ts_weighted_sum: s = k * wph + sub) */
+    for (int s = c.sub + c.wph * lane; s < end[2]; s += 32 * c.wph) {
+        const int br = s < end[0] ? 0 : s < end[1] ? 1 : 2;
+        const float Mb = br == 0 ? M[0] : br == 1 ? M[1] : M[2], Lb = br == 0 ? L[0] : br == 1 ? L[1] : L[2];
+        const float m = w[s];
+        w[s] = Mb == -INFINITY || m == -INFINITY ? 0.0f : (br == 0 ? gv[0] : br == 1 ? gv[1] : gv[2]) * expf(m - Mb) / Lb;
+    }
+    bool dead = false; /* a branch that saw keys whose scores were all -inf: 0 / 0, as the CPU's */
+#pragma unroll
+    for (int br = 0; br < 3; br++) {
+        if (end[br] == start[br] || M[br] != -INFINITY) continue;
+        /* no finite score: did the branch see a key at all? */
+        bool seen = br == 2; /* the window sees the query's own token */
+        if (br == 0) seen = nsa_rule_cmp_visible_cap(x.pos, P.l, P.d, nsa_rule_num_cmp(x.L, P.l, P.d)) > 0;
+        if (br == 1) {
+            bool any = false;
+            for (int64_t a = lane; a < A3.width; a += 32) any |= A3.sel[local * A3.width + a] >= 0;
+            seen = __any_sync(0xffffffffu, any);
+        }
+        dead |= seen;
+    }
+    __syncwarp();
     float4 v = ts_sum_parts(R, c, D, w, red);
     if (c.sub != 0) return;
-    if (dead_s[hl]) v = make_float4(NAN, NAN, NAN, NAN);
+    if (dead) v = make_float4(NAN, NAN, NAN, NAN);
     ts_store4(P, x, hq, D, lane, v);
     ts_let_next_start();
 }
 
 /* The dense step's partials merged with the sink, stored with the lse (the scalar kernel's rules
- * for rows without a finite score; layout: ts_comb). */
+ * for rows without a finite score; layout and load order: ts_combine_kernel's). */
 __global__ void __launch_bounds__(TS_COMBINE_THREADS, 1) ts_dense_combine_kernel(const step_params P, const ts_launch A)
 {
     __shared__ float wsm[16 * TS_MAX_TASKS];
     __shared__ float4 red[TS_COMBINE_SPLIT * 32];
-    __shared__ float fill_s[16];
     ts_wait_prior();
     const ts_comb c = ts_comb_of(P, A.item0);
-    if (!c.x.live) return;
     const ts_item &x = c.x;
-    const int lane = c.lane, g = c.g, D = P.DV, hl = c.hl;
+    const int lane = c.lane, g = c.g, D = P.DV;
     const int64_t local = c.local, stride = c.stride, hq = c.hq;
     const ts_runs R = ts_runs_of(A.part + local * A.ntask * stride, (int)A.ntask, nullptr, 0, stride);
-    float *w = wsm + hl * TS_MAX_TASKS;
-    if (c.sub == 0) {
-        float M, L;
-        ts_row_ml(R, g, 0, R.n0, lane, M, L);
-        int64_t lo, hi;
-        ts_range(P, BR_RANGE, x, lo, hi);
-        const bool seen = hi >= lo, sink = P.sinks != nullptr;
-        const float sk = sink ? P.sinks[hq * P.sinks_s] : -INFINITY;
-        const float m = sink && sk > M ? sk : M;
-        float lse, fill, mul = 0.0f; /* fill: 1 (the merged row), else the row's value: NaN when keys were seen, else 0 */
-        if (m == -INFINITY) { /* no key and no finite sink: o = 0; keys all at -inf: 0 / 0 as dense softmax */
-            lse = seen ? NAN : sink ? sk : -INFINITY, fill = seen ? NAN : 0.0f;
-        } else { /* the weights exp(m_s - M) / L become exp(m_s - m) / (L e + the sink's term) */
-            const float e = M == -INFINITY ? 0.0f : expf(M - m), Lt = L * e + (sink ? expf(sk - m) : 0.0f);
-            lse = m + logf(Lt), fill = 1.0f, mul = L * e / Lt;
-        }
-        ts_weights(R, g, 0, R.n0, M, L, mul, w, lane);
-        if (lane == 0) {
-            fill_s[hl] = fill;
-            if (P.lse.p) ((float *)P.lse.p)[x.b * P.lse.s0 + x.i * P.lse.s1 + hq * P.lse.s2] = lse;
-        }
+    const bool sink = P.sinks != nullptr;
+    const float sk = sink ? P.sinks[hq * P.sinks_s] : -INFINITY;
+    float *w = wsm + (c.wph > 1 ? c.sub : c.hl) * TS_MAX_TASKS;
+    const int start[1] = {0}, end[1] = {(int)A.ntask};
+    float Ms[1], Ls[1];
+    ts_rows_ml<1>(R, g, start, end, lane, w, Ms, Ls);
+    if (!x.live) return;
+    const float M = Ms[0], L = Ls[0];
+    int64_t lo, hi;
+    ts_range(P, BR_RANGE, x, lo, hi);
+    const bool seen = hi >= lo;
+    const float m = sink && sk > M ? sk : M;
+    float lse, fill, mul = 0.0f; /* fill: 1 (the merged row), else the row's value: NaN when keys were seen, else 0 */
+    if (m == -INFINITY) { /* no key and no finite sink: o = 0; keys all at -inf: 0 / 0 as dense softmax */
+        lse = seen ? NAN : sink ? sk : -INFINITY, fill = seen ? NAN : 0.0f;
+    } else { /* the weights exp(m_s - M) / L become exp(m_s - m) / (L e + the sink's term) */
+        const float e = M == -INFINITY ? 0.0f : expf(M - m), Lt = L * e + (sink ? expf(sk - m) : 0.0f);
+        lse = m + logf(Lt), fill = 1.0f, mul = L * e / Lt;
     }
-    if (c.wph > 1) __syncthreads();
-    else __syncwarp();
+    ts_weights_of(w, 0, end[0], M, L, mul, lane);
+    if (c.sub == 0 && lane == 0 && P.lse.p) ((float *)P.lse.p)[x.b * P.lse.s0 + x.i * P.lse.s1 + hq * P.lse.s2] = lse;
+    __syncwarp();
     float4 v = ts_sum_parts(R, c, D, w, red);
     if (c.sub != 0) return;
-    const float fill = fill_s[hl];
     if (fill != 1.0f) v = make_float4(fill, fill, fill, fill);
     ts_store4(P, x, hq, D, lane, v);
     ts_let_next_start();
@@ -1017,10 +1169,11 @@ static int ts_heads_per_cta(const grun *g, int64_t H, int64_t items)
 /* 16-row groups of the compressed cache (the importance sums' unit) */
 static int64_t ts_groups(const step_params *P) { return cdiv64(P->ckv.cap, 16); }
 
-/* The top-n's shared memory: a key per selection block, a sum per (16-row group, block it overlaps: at most 16). */
+/* The top-n's shared memory: a key per selection block (an even count), then per 16-row group
+ * its 16 heads' factors, which its sums per block it overlaps (at most 16) replace. */
 static size_t ts_select_smem(const step_params *P)
 {
-    return (size_t)cdiv64(P->kv.cap, P->lp) * 8 + (size_t)ts_groups(P) * 16 * 4;
+    return (size_t)(cdiv64(P->kv.cap, P->lp) + 1) * 8 + (size_t)ts_groups(P) * 16 * 4;
 }
 
 int step_tiled_fits(const grun *g, const step_params *P)
@@ -1075,13 +1228,20 @@ void step_tiled_take(grun *g, const step_params *P, ts_plan *pl)
     }
 }
 
-/* The combine's layout (ts_comb): a CTA an item, a warp a head, from a quarter wave of items
- * on; below, a CTA a head with TS_COMBINE_SPLIT warps. G = TS_COMBINE_SPLIT reads as the
- * former (the kernel tells the two apart by the block size), so it takes the latter only as
- * the same layout. */
-static bool ts_comb_split(const step_params *P, int64_t n) { return n < TS_TARGET_CTAS / 4 && P->G != TS_COMBINE_SPLIT; }
-static unsigned ts_comb_grid(const step_params *P, int64_t n) { return (unsigned)(ts_comb_split(P, n) ? n * P->G : n); }
-static unsigned ts_comb_block(const step_params *P, int64_t n) { return (unsigned)(32 * (ts_comb_split(P, n) ? TS_COMBINE_SPLIT : P->G)); }
+/* The combine's layout (ts_comb): a CTA an item, a warp a head; or, below a quarter wave of
+ * items that have more than 32 partials each (B = 1: ~60), a CTA a head with TS_COMBINE_SPLIT
+ * warps over its partials (at B = 8, 15 partials an item, that layout's 512 CTAs took longer
+ * than 32 of the former). G = TS_COMBINE_SPLIT reads as the former (the kernel tells the two
+ * apart by the block size), so it takes the latter only as the same layout. */
+static bool ts_comb_split(const step_params *P, int64_t n, int64_t parts)
+{
+    return n < TS_TARGET_CTAS / 4 && parts > 32 && P->G != TS_COMBINE_SPLIT;
+}
+static unsigned ts_comb_grid(const step_params *P, int64_t n, int64_t parts) { return (unsigned)(ts_comb_split(P, n, parts) ? n * P->G : n); }
+static unsigned ts_comb_block(const step_params *P, int64_t n, int64_t parts)
+{
+    return (unsigned)(32 * (ts_comb_split(P, n, parts) ? TS_COMBINE_SPLIT : P->G));
+}
 
 /* Launches kernel k on the call's stream, as a programmatic dependent of the kernel before it
  * on sm_90 parts (see ts_wait_prior) unless NSA_CUDA_STEP_PDL=0. */
@@ -1142,7 +1302,8 @@ void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl)
         A3.part = pl->part3, A3.sel = pl->sel, A3.width = pl->width, A3.tpb = pl->tpb;
         if (nb) ts_split_any(g, *P, A3, n, pl->D, false);
         if (!g_live(g)) return;
-        ts_launch_k(g, ts_combine_kernel, ts_comb_grid(P, n), ts_comb_block(P, n), 0, *P, A1, A3);
+        const int64_t parts = (P->use_cmp ? A1.ntask : 0) + A3.ntask;
+        ts_launch_k(g, ts_combine_kernel, ts_comb_grid(P, n, parts), ts_comb_block(P, n, parts), 0, *P, A1, A3);
     }
 }
 
@@ -1169,6 +1330,6 @@ void attention_step_tiled_launch(grun *g, const step_params *P, const ts_plan *p
         A.hc = pl->hc;
         ts_split_any(g, *P, A, n, pl->D, false);
         if (!g_live(g)) return;
-        ts_launch_k(g, ts_dense_combine_kernel, ts_comb_grid(P, n), ts_comb_block(P, n), 0, *P, A);
+        ts_launch_k(g, ts_dense_combine_kernel, ts_comb_grid(P, n, A.ntask), ts_comb_block(P, n, A.ntask), 0, *P, A);
     }
 }
