@@ -249,6 +249,15 @@ __device__ __forceinline__ unsigned tc_pack(float lo, float hi)
 /* the tiles' exponential: ex2.approx of x log2(e) (a few ulp for the arguments softmax meets,
  * far below the storage type's rounding of P; exp(-inf) = 0, NaN stays NaN) */
 __device__ __forceinline__ float tc_exp(float x) { return __expf(x); }
+/* 2^x by ex2.approx (the forward keeps its scores in the log2 domain) */
+__device__ __forceinline__ float tc_exp2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+#define TC_LOG2E 1.4426950408889634f
+#define TC_LN2 0.6931471805599453f
 __device__ __forceinline__ float tc_max(float a, float b) { return a > b || a != a ? a : b; } /* NaN wins */
 
 /* the KS keys of slice t into the buffers Kb, Vb, by NT threads (thread `me`), rows past the block
@@ -379,36 +388,51 @@ __device__ __forceinline__ void tc_body(const flex_params &P, const nsa_mod_caps
             }
         const long long k0 = pipe.kb[buf];
         const int n = pipe.nk[buf], full = pipe.fl[buf];
-        /* the mods on 16 keys at a time in a loop that is not unrolled: the fragments in s[0],
-         * s[1], then s rotated by two (constant indices: s stays in registers), NS / 2 times
-         * (the order back as it was). The mods' code then stands 8 times in the kernel where
-         * full unrolling put it NS * 4 times (32 in the wide layout): half the compile time of
-         * a new mod, the first call's wait. */
+        /* scores kept in the log2 domain (s * scale * log2(e)): the exponentials are one ex2 each */
         float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll 1
-        for (int q2 = 0; q2 < NS / 2; q2++) {
+        if (NSA_SCORE_ID && full && n == KS) {
+            /* a full block's whole slice and no score_mod: no mod code, no index (most of a
+             * causal, window or document mask's slices) */
+            const float scale2 = P.scale * TC_LOG2E;
 #pragma unroll
-            for (int n8 = 0; n8 < 2; n8++)
+            for (int n8 = 0; n8 < NS; n8++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    const int key = (2 * q2 + n8) * 8 + 2 * (lane & 3) + (e & 1);
-                    long long qi = i0 + r0 + 8 * (e >> 1);
-                    qi = qi < P.Tq ? qi : P.Tq - 1; /* rows past Tq: any valid index (their results are dropped) */
-                    const long long kv = k0 + key;
-                    float v = NEG_INF;
-                    if (key < n && (full || nsa_flex_mask(&mc, b, hq, qi, kv))) v = nsa_flex_score(&sc, b, hq, qi, kv, s[n8][e] * P.scale);
-                    s[n8][e] = v;
-                    mx[e >> 1] = tc_max(mx[e >> 1], v);
+                    s[n8][e] *= scale2;
+                    mx[e >> 1] = tc_max(mx[e >> 1], s[n8][e]);
                 }
-            float t2[2][4];
+        } else {
+            /* the mods on 16 keys at a time in a loop that is not unrolled: the fragments in
+             * s[0], s[1], then s rotated by two (constant indices: s stays in registers), NS / 2
+             * times (the order back as it was). The mods' code then stands 8 times in the
+             * kernel where full unrolling put it NS * 4 times (32 in the wide layout): half the
+             * compile time of a new mod, the first call's wait. */
+#pragma unroll 1
+            for (int q2 = 0; q2 < NS / 2; q2++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) t2[0][e] = s[0][e], t2[1][e] = s[1][e];
+                for (int n8 = 0; n8 < 2; n8++)
 #pragma unroll
-            for (int m = 0; m + 2 < NS; m++)
+                    for (int e = 0; e < 4; e++) {
+                        const int key = (2 * q2 + n8) * 8 + 2 * (lane & 3) + (e & 1);
+                        long long qi = i0 + r0 + 8 * (e >> 1);
+                        qi = qi < P.Tq ? qi : P.Tq - 1; /* rows past Tq: any valid index (their results are dropped) */
+                        const long long kv = k0 + key;
+                        float v = NEG_INF;
+                        if (key < n && (full || nsa_flex_mask(&mc, b, hq, qi, kv)))
+                            v = nsa_flex_score(&sc, b, hq, qi, kv, s[n8][e] * P.scale) * TC_LOG2E;
+                        s[n8][e] = v;
+                        mx[e >> 1] = tc_max(mx[e >> 1], v);
+                    }
+                float t2[2][4];
 #pragma unroll
-                for (int e = 0; e < 4; e++) s[m][e] = s[m + 2][e];
+                for (int e = 0; e < 4; e++) t2[0][e] = s[0][e], t2[1][e] = s[1][e];
 #pragma unroll
-            for (int e = 0; e < 4; e++) s[NS - 2][e] = t2[0][e], s[NS - 1][e] = t2[1][e];
+                for (int m = 0; m + 2 < NS; m++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) s[m][e] = s[m + 2][e];
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[NS - 2][e] = t2[0][e], s[NS - 1][e] = t2[1][e];
+            }
         }
         float alpha[2];
 #pragma unroll
@@ -416,7 +440,7 @@ __device__ __forceinline__ void tc_body(const flex_params &P, const nsa_mod_caps
             mx[r] = tc_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = tc_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
             const float mn = tc_max(mrun[r], mx[r]);
-            alpha[r] = mrun[r] == NEG_INF ? 0.0f : tc_exp(mrun[r] - mn);
+            alpha[r] = mrun[r] == NEG_INF ? 0.0f : tc_exp2(mrun[r] - mn);
             mrun[r] = mn;
         }
         float ps[2] = {0.0f, 0.0f};
@@ -425,13 +449,14 @@ __device__ __forceinline__ void tc_body(const flex_params &P, const nsa_mod_caps
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const float m = mrun[e >> 1];
-                const float p = m == NEG_INF ? 0.0f : tc_exp(s[n8][e] - m);
+                const float p = m == NEG_INF ? 0.0f : tc_exp2(s[n8][e] - m);
                 s[n8][e] = p;
                 ps[e >> 1] += p;
             }
         lsum[0] = lsum[0] * alpha[0] + ps[0], lsum[1] = lsum[1] * alpha[1] + ps[1];
+        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) /* the max moved (mostly in the first slices) */
 #pragma unroll
-        for (int q = 0; q < NSA_DV / 8; q++) acc[q][0] *= alpha[0], acc[q][1] *= alpha[0], acc[q][2] *= alpha[1], acc[q][3] *= alpha[1];
+            for (int q = 0; q < NSA_DV / 8; q++) acc[q][0] *= alpha[0], acc[q][1] *= alpha[0], acc[q][2] *= alpha[1], acc[q][3] *= alpha[1];
 #pragma unroll
         for (int k16 = 0; k16 < KS / 16; k16++) { /* P's 16-key steps as A fragments */
             unsigned a[4];
@@ -464,7 +489,7 @@ __device__ __forceinline__ void tc_body(const flex_params &P, const nsa_mod_caps
             st_elem(P.o, ob + col, empty ? 0.0f : acc[q][2 * r] * inv);
             st_elem(P.o, ob + col + 1, empty ? 0.0f : acc[q][2 * r + 1] * inv);
         }
-        if (P.lse && (lane & 3) == 0) P.lse[b * P.ls0 + i * P.ls1 + hq * P.ls2] = empty ? NEG_INF : mrun[r] + logf(lsum[r]);
+        if (P.lse && (lane & 3) == 0) P.lse[b * P.ls0 + i * P.ls1 + hq * P.ls2] = empty ? NEG_INF : mrun[r] * TC_LN2 + logf(lsum[r]);
     }
 }
 
@@ -1055,13 +1080,13 @@ static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, in
     if (score) expr_to_c(score, se, ns + 1);
     if (bwd && score) expr_grad_to_c(score, ge, ng + 1);
     snprintf(src, cap,
-             "#define NSA_MOD_FN __device__ __forceinline__\n#define NSA_ELEM %d\n%s"
+             "#define NSA_MOD_FN __device__ __forceinline__\n#define NSA_ELEM %d\n#define NSA_SCORE_ID %d\n%s"
              "NSA_MOD_FN int nsa_flex_mask(const nsa_mod_caps *caps, long long b, long long h, long long q_idx, "
              "long long kv_idx)\n{\n    (void)caps, (void)b, (void)h, (void)q_idx, (void)kv_idx;\n    return %s;\n}\n"
              "NSA_MOD_FN float nsa_flex_score(const nsa_mod_caps *caps, long long b, long long h, long long q_idx, "
              "long long kv_idx, float score)\n{\n    (void)caps, (void)b, (void)h, (void)q_idx, (void)kv_idx;\n"
              "    return (float)(%s);\n}\n%s",
-             elem, EXPR_C_PRELUDE, mask ? me : "1", score ? se : "score", FLEX_COMMON);
+             elem, score ? 0 : 1, EXPR_C_PRELUDE, mask ? me : "1", score ? se : "score", FLEX_COMMON);
     size_t at = strlen(src);
     if (bwd) snprintf(src + at, cap - at, "%s%s%s", FLEX_BWD_SINK, score ? ge : NO_SCORE_GRAD, FLEX_BWD_KERNEL);
     else snprintf(src + at, cap - at, "%s", FLEX_KERNEL);
