@@ -645,6 +645,23 @@ __device__ __forceinline__ void tb_dq(const flex_params &P, const flex_grads &R,
             const unsigned short *Kb = Ks + (buf * KS + 16 * sub) * LDK, *Vb = Vs + (buf * KS + 16 * sub) * LDV;
             float s[2][4], dp[2][4];
             tb_s_dp(s, dp, qf, Kb, of, Vb, lane); /* S = Q K^T, dP = dout V^T */
+            if (NSA_SCORE_ID && !R.scatter && full && 16 * sub + 16 <= n && i0 + 16 <= P.Tq) {
+                /* 16 keys of a full block, 16 rows, no score_mod: no mod code, no index */
+#pragma unroll
+                for (int n8 = 0; n8 < 2; n8++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int r = e >> 1;
+                        float du = 0.0f;
+                        if (lse[r] != NEG_INF) {
+                            const float p = tc_exp(s[n8][e] * P.scale - lse[r]);
+                            if (p != 0.0f) du = tb_chain(p * (dp[n8][e] - Dr[r]), 1.0f);
+                        }
+                        s[n8][e] = du;
+                    }
+                tb_xb<NSA_DK>(acc, s, Kb, LDK, lane);
+                continue;
+            }
             /* the mods on one n8 fragment at a time, the fragments swapped after each (constant
              * indices: they stay in registers), as in the forward: the mods' code twice fewer
              * times in the kernel */
@@ -771,6 +788,23 @@ __device__ __forceinline__ void tb_dkdv(const flex_params &P, const flex_grads &
                 }
             float s[2][4], dp[2][4];
             tb_s_dp(s, dp, kf, Qb, vf, Ob, lane); /* S^T = K Q^T, dP^T = V dout^T */
+            if (NSA_SCORE_ID && !R.scatter && cur.kind == 2 && k0 + 16 <= P.Tk && j0 + 16 <= cur.i1) {
+                /* a full block's 16 keys and 16 rows, no score_mod: no mod code, no index */
+#pragma unroll
+                for (int n8 = 0; n8 < 2; n8++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        float p = 0.0f, du = 0.0f;
+                        if (lse[n8][e & 1] != NEG_INF) {
+                            p = tc_exp(s[n8][e] * P.scale - lse[n8][e & 1]);
+                            if (p != 0.0f) du = tb_chain(p * (dp[n8][e] - Dr[n8][e & 1]), 1.0f);
+                        }
+                        s[n8][e] = p, dp[n8][e] = du;
+                    }
+                tb_xb<NSA_DV>(dv, s, Ob, LDV, lane);
+                tb_xb<NSA_DK>(dk, dp, Qb, LDK, lane);
+                continue;
+            }
             /* one n8 fragment at a time, then swapped (as in dq) */
 #pragma unroll 1
             for (int n8 = 0; n8 < 2; n8++) {
