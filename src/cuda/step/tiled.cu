@@ -300,7 +300,8 @@ __device__ __forceinline__ void ts_split_task(const step_params &P, const ts_lau
 {
     /* the selected and window branches share one instance (they share a launch, and two
      * bodies on one SM would compete for the instruction cache): their kind is read here */
-    const int kind = KIND == BR_SLC_SWA ? (bs ? A.kind[1] : A.kind[0]) : KIND; /* selects: an index into the parameters would copy them to local memory */
+    /* (selects: indexing the parameters at run time would copy them to local memory) */
+    const int kind = KIND == BR_SLC_SWA ? (bs ? A.kind[1] : A.kind[0]) : KIND;
     typedef ts_smem<D> S;
     constexpr int LD = S::LD, KT = D / 16, NT = D / 8;
     T *Ks = (T *)(sm + S::k), *Vs = (T *)(sm + S::v);
@@ -649,11 +650,12 @@ __device__ __forceinline__ void ts_row_ml(const ts_runs &R, int g, int s0, int n
     ts_ml_warp(M, L);
 }
 
-/* The same for NB branches at once, the partials [start[b], end[b]) being branch b's (consecutive), by one
- * warp in one pass whose loads (a lane's first two partials') are all issued before any is
- * used: the combine's memory round trips are this one and the outputs' (one branch after the
- * other made it one a branch, each after the last). Lane s % 32 takes partial s (from start[0]). Each partial's max is left in ms[s] for
- * the weights (ts_weights_of). Lane order and merge order are ts_row_ml's, so are the results. */
+/* The same for NB branches at once, the partials [start[b], end[b]) being branch b's
+ * (consecutive), by one warp in one pass whose loads (a lane's first two partials') are all
+ * issued before any is used: the combine's memory round trips are this one and the outputs'
+ * (one branch after the other made it one a branch, each after the last). Lane s % 32 takes
+ * partial s (from start[0]). Each partial's max is left in ms[s] for the weights. Lane order and
+ * merge order are ts_row_ml's, so are the results. */
 template <int NB>
 __device__ __forceinline__ void ts_rows_ml(const ts_runs &R, int g, const int (&start)[NB], const int (&end)[NB], int lane, float *ms,
                                            float (&M)[NB], float (&L)[NB])
@@ -1237,7 +1239,10 @@ static bool ts_comb_split(const step_params *P, int64_t n, int64_t parts)
 {
     return n < TS_TARGET_CTAS / 4 && parts > 32 && P->G != TS_COMBINE_SPLIT;
 }
-static unsigned ts_comb_grid(const step_params *P, int64_t n, int64_t parts) { return (unsigned)(ts_comb_split(P, n, parts) ? n * P->G : n); }
+static unsigned ts_comb_grid(const step_params *P, int64_t n, int64_t parts)
+{
+    return (unsigned)(ts_comb_split(P, n, parts) ? n * P->G : n);
+}
 static unsigned ts_comb_block(const step_params *P, int64_t n, int64_t parts)
 {
     return (unsigned)(32 * (ts_comb_split(P, n, parts) ? TS_COMBINE_SPLIT : P->G));
