@@ -44,6 +44,7 @@ typedef struct ts_launch {
     const int32_t *sel; /* BR_SLC: [batch][width] */
     int64_t width;
     int tpb;
+    int early; /* the selected and window launch: a launch stands between it and the check kernel (ts_split_task) */
 } ts_launch;
 
 /* Programmatic dependent launch (sm_90): each kernel of a step lets the next one be launched
@@ -328,15 +329,17 @@ __device__ __forceinline__ void ts_split_task(const step_params &P, const ts_lau
                 qf[k][e] = g < P.G ? *(const uint32_t *)(qp + qb + g * P.q.s2 + col) : 0u;
             }
     }
-    /* What this kernel may read before the one before it has finished (ts_wait_prior): the
-     * selected and window branches' launch follows the top-n, so the lengths and the caches,
-     * written two kernels back, are complete and visible (the top-n's CTAs let this launch
-     * start only after their own wait); only the selection itself is not. The other launches
-     * follow the check and append kernel directly: they wait first. */
-    if (KIND != BR_SLC_SWA) ts_wait_prior();
+    /* What this kernel may read before the one before it has finished (ts_wait_prior): when
+     * the selected and window branches' launch follows the top-n or the compressed branch, the
+     * lengths and the caches, written by the check and append kernel two or more launches back,
+     * are complete and visible (the launch before let this one start only after its own wait);
+     * only the selection itself is not. A launch that follows the check kernel directly (the
+     * others; a window-only step's) waits first. */
+    const bool early = KIND == BR_SLC_SWA && A.early;
+    if (!early) ts_wait_prior();
     ts_item_lengths(P, W.x);
     if (!W.x.live) return; /* the same for every head of a (sequence, query) */
-    if (KIND == BR_SLC_SWA && kind == BR_SLC) ts_wait_prior();
+    if (early && kind == BR_SLC) ts_wait_prior();
     const int64_t c = bs ? task - A.tasks[0] : task;
     int64_t lo = 0, hi = -1, ntiles;
     if (kind == BR_SLC) {
@@ -1305,6 +1308,7 @@ void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl)
         if (P->use_swa) A3.kind[nb] = BR_SWA, A3.tasks[nb] = pl->nt_swa, A3.tpc[nb] = pl->tpc_swa, nb++;
         A3.ntask = A3.tasks[0] + A3.tasks[1];
         A3.part = pl->part3, A3.sel = pl->sel, A3.width = pl->width, A3.tpb = pl->tpb;
+        A3.early = P->use_cmp || P->selects || P->use_slc; /* a launch above stands between it and the check kernel */
         if (nb) ts_split_any(g, *P, A3, n, pl->D, false);
         if (!g_live(g)) return;
         const int64_t parts = (P->use_cmp ? A1.ntask : 0) + A3.ntask;
