@@ -316,13 +316,12 @@ __device__ __forceinline__ void ts_split_task(const step_params &P, const ts_lau
     /* the head's 16 query rows (G heads, the rest zero) as A fragments, straight from q: an
      * input of the step, so read before the kernel before this one has finished (b < B, i < Tq:
      * in bounds whether or not the item runs) */
-    constexpr int KT0 = D / 16;
-    uint32_t qf[KT0][4];
+    uint32_t qf[KT][4];
     {
         const int64_t qb = W.x.b * P.q.s0 + W.x.i * P.q.s1 + W.x.h * P.G * P.q.s2;
         const T *qp = (const T *)P.q.p;
 #pragma unroll
-        for (int k = 0; k < KT0; k++)
+        for (int k = 0; k < KT; k++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int g = r0 + 8 * (e & 1), col = 16 * k + 2 * (lane & 3) + 8 * (e >> 1);
@@ -640,25 +639,13 @@ __device__ __forceinline__ void ts_ml_warp(float &M, float &L)
     }
 }
 
-/* Row g's softmax max M and sum L over the partials [s0, s0 + n) (each a max m and a sum l
- * relative to it; -inf: a task without a key), by one warp: each lane an online (max, sum) over
- * its partials in one pass, then merged. NaN propagates to both. */
-__device__ __forceinline__ void ts_row_ml(const ts_runs &R, int g, int s0, int n, int lane, float &M, float &L)
-{
-    M = -INFINITY, L = 0.0f;
-    for (int s = lane; s < n; s += 32) {
-        const float *p = R.at(s0 + s);
-        ts_ml_add(M, L, p[g], p[16 + g]);
-    }
-    ts_ml_warp(M, L);
-}
-
-/* The same for NB branches at once, the partials [start[b], end[b]) being branch b's
- * (consecutive), by one warp in one pass whose loads (a lane's first two partials') are all
- * issued before any is used: the combine's memory round trips are this one and the outputs'
- * (one branch after the other made it one a branch, each after the last). Lane s % 32 takes
- * partial s (from start[0]). Each partial's max is left in ms[s] for the weights. Lane order and
- * merge order are ts_row_ml's, so are the results. */
+/* Row g's softmax max M[b] and sum L[b] over the partials [start[b], end[b]) of NB branches
+ * (consecutive runs; each partial a max m and a sum l relative to it, -inf: a task without a
+ * key; NaN propagates), by one warp in one pass: lane s % 32 takes partial s (from start[0]) in
+ * order, online, then the lanes are merged. A lane's first two partials are loaded before any is
+ * used: the combine's memory round trips are this one and the outputs' (one branch after the
+ * other made it one a branch, each after the last). Each partial's max is left in ms[s] for the
+ * weights. */
 template <int NB>
 __device__ __forceinline__ void ts_rows_ml(const ts_runs &R, int g, const int (&start)[NB], const int (&end)[NB], int lane, float *ms,
                                            float (&M)[NB], float (&L)[NB])
@@ -845,7 +832,7 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS, 1) ts_select_kernel(const s
         const int G = (int)P.G, n = (int)P.n, ntl = (nv + 15) / 16;
         const float *bins = A1.bins + local * A1.tiles * 16 * (JT + 1); /* the item's */
         /* each head's softmax over the compressed rows, from the tasks' partials: a warp a head
-         * (the merge order of ts_row_ml) */
+         * (ts_rows_ml's merge order, with the first loads moved above the item's) */
         if (warp < G) {
             float M = -INFINITY, L = 0.0f;
             ts_ml_add(M, L, pm[0], pl[0]), ts_ml_add(M, L, pm[1], pl[1]);
