@@ -506,8 +506,10 @@ typedef struct nsa_kv_cache {
  * any write: the CPU checks them on the host and returns NSA_STATUS_BAD_ARGUMENT naming the
  * element (nothing written); the CUDA backend reads them on the device only (no host
  * synchronisation: a captured CUDA graph replays for any lengths), skips such a sequence
- * (nothing of it written) and reports it in `errors`. Sequences must not share the pages a
- * step writes. */
+ * (nothing of it written to the caches, its rows of o zero and of selected -1) and reports it
+ * in `errors`. Rows n_b .. Tq - 1 of o are zero and of selected -1 (no query is there), so
+ * every output row is defined after a step. Sequences must not share the pages a step
+ * writes. */
 typedef enum nsa_step_error {
     NSA_STEP_OK = 0,
     NSA_STEP_BAD_QLEN = 1,           /* q_lens[b] outside [0, Tq] */
@@ -530,7 +532,7 @@ typedef struct nsa_step_args {
     nsa_tensor g_cmp, g_slc, g_swa;  /* in, optional [B, Tq, HQ]: branch gates; absent = branch off */
     nsa_tensor block_indices;    /* in, optional [B, Tq, H, m] I32: the caller's selection (as nsa_forward's) */
     nsa_tensor block_counts;     /* in, optional [B, Tq, H] I32 (with block_indices only) */
-    nsa_tensor o;                /* out [B, Tq, HQ, DV]: rows 0 .. n_b - 1 of each sequence */
+    nsa_tensor o;                /* out [B, Tq, HQ, DV]: rows 0 .. n_b - 1 of each sequence, zero after */
     nsa_tensor selected;         /* out, optional [B, Tq, H, n] I32: the selection the step made
                                     (selection branch on and no caller indices) */
     nsa_tensor errors;           /* out, optional [B] I32: per sequence NSA_STEP_OK or the nsa_step_error
@@ -550,7 +552,7 @@ NSA_API nsa_status nsa_step(nsa_context *ctx, const nsa_step_args *args, void *w
  * (Tq != Tk: bottom-right aligned), the same scale, softcap and sinks; o and lse as nsa_attention
  * writes them (a row that sees no key: o = 0, lse = -inf, or the sink's logit with sinks). For a
  * causal model this is row p of nsa_attention over the whole sequence. Rows n_b .. Tq - 1 of o
- * and lse are not written. */
+ * are zero and of lse -inf, as are a skipped sequence's rows (CUDA). */
 typedef struct nsa_attention_step_args {
     nsa_tensor q;                /* in  [B, Tq, HQ, DK] */
     nsa_tensor q_lens;           /* in, optional [B] I32: new queries per sequence (absent: Tq) */

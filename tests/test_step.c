@@ -243,7 +243,7 @@ static void run_steps(nsa_context *ctx, const nsa_config *cfg, seqdata *s, int g
     int64_t L[ST_B] = {0, 0, 0};
     const int64_t n = cfg->slc_topk;
     double worst = 0.0;
-    long idx_bad = 0, steps = 0;
+    long idx_bad = 0, blank_bad = 0, steps = 0;
     for (int first = 1;; first = 0) {
         int64_t cnt[ST_B], Tq = 0, left = 0;
         for (int64_t b = 0; b < ST_B; b++) {
@@ -258,6 +258,7 @@ static void run_steps(nsa_context *ctx, const nsa_config *cfg, seqdata *s, int g
         float *vn = rnd(r, ST_B * Tq * ST_H * ST_DV, 0, 0), *g[3], *o = rnd(r, ST_B * Tq * ST_HQ * ST_DV, 0, 0);
         int32_t *idx = (int32_t *)malloc((size_t)(ST_B * Tq * ST_H * n) * sizeof(int32_t)), qlens[ST_B], seqlens[ST_B];
         int32_t errors[ST_B] = {-1, -1, -1};
+        for (int64_t e = 0; e < ST_B * Tq * ST_H * n; e++) idx[e] = 7; /* rows without a query must come back -1 */
         for (int x = 0; x < 3; x++) g[x] = rnd(r, ST_B * Tq * ST_HQ, 0, 0);
         for (int64_t b = 0; b < ST_B; b++) {
             for (int64_t i = 0; i < cnt[b]; i++) {
@@ -313,15 +314,21 @@ static void run_steps(nsa_context *ctx, const nsa_config *cfg, seqdata *s, int g
                 if (gates & 2)
                     for (int64_t e = 0; e < ST_H * n; e++) idx_bad += idx[(b * Tq + i) * ST_H * n + e] != s[b].idx_ref[t * ST_H * n + e];
             }
+        for (int64_t b = 0; b < ST_B; b++) /* the slots past a sequence's queries: o zero, selection -1 */
+            for (int64_t i = cnt[b]; i < Tq; i++) {
+                for (int64_t e = 0; e < ST_HQ * ST_DV; e++) blank_bad += o[(b * Tq + i) * ST_HQ * ST_DV + e] != 0.0f;
+                if ((gates & 2) && !caller_idx)
+                    for (int64_t e = 0; e < ST_H * n; e++) blank_bad += idx[(b * Tq + i) * ST_H * n + e] != -1;
+            }
         for (int64_t b = 0; b < ST_B; b++) L[b] += cnt[b];
         steps++;
         free(q), free(kn), free(vn), free(o), free(idx);
         for (int x = 0; x < 3; x++) free(g[x]);
     }
     char msg[200];
-    snprintf(msg, sizeof msg, "%s: %ld steps, worst |o - nsa_forward| %.3g, %ld selection entries differ", what, steps, worst,
-             idx_bad);
-    CHECK_MSG(worst <= 2e-5 && idx_bad == 0, msg); /* f32 both ways: only the order of fp32 sums differs */
+    snprintf(msg, sizeof msg, "%s: %ld steps, worst |o - nsa_forward| %.3g, %ld selection entries differ, %ld blank-row entries wrong",
+             what, steps, worst, idx_bad, blank_bad);
+    CHECK_MSG(worst <= 2e-5 && idx_bad == 0 && blank_bad == 0, msg); /* f32 both ways: only the order of fp32 sums differs */
     if (g_tests_verbose) printf("  %s\n", msg);
 }
 
@@ -494,7 +501,7 @@ static void test_step_refuses(nsa_context *ctx)
 }
 
 /* The device reads lengths and pages itself: a sequence with a problem is skipped (nothing of
- * it written) and its code lands in errors; the others run. */
+ * it written to the caches, its rows of o zero) and its code lands in errors; the others run. */
 static void test_step_device_errors(nsa_context *ctx)
 {
     const nsa_config cfg = step_config();
@@ -510,11 +517,12 @@ static void test_step_device_errors(nsa_context *ctx)
         if (paged) c.bt[2 * c.pps + 3] = (int32_t)c.pool;
         else x.seqlens[2] = 32;
         const size_t row = ST_HQ * ST_DV;
+        for (size_t e = 0; e < ST_B * row; e++) x.o[e] = 7.0f; /* the skipped rows must come back zero */
         CHECK_STATUS(step_call(ctx, &x.a, &c), NSA_STATUS_SUCCESS);
         CHECK(errors[0] == NSA_STEP_OK && errors[1] == NSA_STEP_OK && errors[2] == want);
         int zero2 = 1, some0 = 0;
-        for (size_t e = 0; e < row; e++) zero2 &= x.o[2 * row + e] == 0.0f, some0 |= x.o[e] != 0.0f;
-        CHECK(zero2 && some0); /* sequence 2 skipped, sequence 0 computed */
+        for (size_t e = 0; e < row; e++) zero2 &= x.o[2 * row + e] == 0.0f, some0 |= x.o[e] != 0.0f && x.o[e] != 7.0f;
+        CHECK(zero2 && some0); /* sequence 2 skipped and blanked, sequence 0 computed */
         caches_free(&c);
     }
 }
@@ -592,7 +600,7 @@ static void run_dense_steps(nsa_context *ctx, nsa_context *cpu, seqdata *s, cons
 {
     int64_t L[ST_B] = {0, 0, 0};
     double worst = 0.0;
-    long steps = 0;
+    long steps = 0, blank_bad = 0;
     for (int first = 1;; first = 0) {
         int64_t cnt[ST_B], Tq = 0, left = 0;
         for (int64_t b = 0; b < ST_B; b++) {
@@ -639,6 +647,10 @@ static void run_dense_steps(nsa_context *ctx, nsa_context *cpu, seqdata *s, cons
         CHECK_STATUS(dense_call(ctx, &a, c), NSA_STATUS_SUCCESS);
         CHECK(errors[0] == NSA_STEP_OK && errors[1] == NSA_STEP_OK && errors[2] == NSA_STEP_OK);
         for (int64_t b = 0; b < ST_B; b++) {
+            for (int64_t i = cnt[b]; i < Tq; i++) { /* the slots past the sequence's queries: o zero, lse -inf */
+                for (int64_t e = 0; e < ST_HQ * ST_DV; e++) blank_bad += o[(b * Tq + i) * ST_HQ * ST_DV + e] != 0.0f;
+                for (int64_t e = 0; e < ST_HQ; e++) blank_bad += lse[(b * Tq + i) * ST_HQ + e] != -INFINITY;
+            }
             if (cnt[b] == 0) continue;
             dense_ref(cpu, &s[b], L[b] + cnt[b], cnt[b], op, o_ref, lse_ref);
             for (int64_t i = 0; i < cnt[b]; i++) {
@@ -658,8 +670,9 @@ static void run_dense_steps(nsa_context *ctx, nsa_context *cpu, seqdata *s, cons
         free(q), free(kn), free(vn), free(o), free(lse), free(o_ref), free(lse_ref);
     }
     char msg[400];
-    snprintf(msg, sizeof msg, "dense step, %s: %ld steps, worst |o, lse - nsa_attention| %.3g", what, steps, worst);
-    CHECK_MSG(worst <= 2e-5, msg);
+    snprintf(msg, sizeof msg, "dense step, %s: %ld steps, worst |o, lse - nsa_attention| %.3g, %ld blank-row entries wrong", what,
+             steps, worst, blank_bad);
+    CHECK_MSG(worst <= 2e-5 && blank_bad == 0, msg);
     if (g_tests_verbose) printf("  %s\n", msg);
 }
 

@@ -167,9 +167,10 @@ def step(q: Array, cache: Sequence[Array], seqlens: Array, config: Optional[Conf
     seqlens-after - q_lens[b] + i of nsa_forward over the whole cached sequence.
 
     Returns o [B, Tq, HQ, DV] (rows past q_lens[b] are 0), and (o, selected, errors) when
-    return_selected / return_errors ask for the selection [B, Tq, H, n] and the per-sequence
-    codes (nsa.h nsa_step_error; the CUDA backend reports a bad length or page there and skips
-    that sequence, the CPU raises NsaError before writing anything)."""
+    return_selected / return_errors ask for the selection [B, Tq, H, n] (-1 past q_lens[b]) and
+    the per-sequence codes (nsa.h nsa_step_error; the CUDA backend reports a bad length or page
+    there and skips that sequence, its rows of o zero; the CPU raises NsaError before writing
+    anything)."""
     config = _core._as_config(config)
     ints = [None if x is None else _as_int32(x) for x in (seqlens, q_lens, block_indices, block_counts)]
     if cache is not None and len(cache) == 3 and cache[2] is not None:
@@ -201,7 +202,8 @@ def attention_step(q: Array, cache: Sequence[Array], seqlens: Array, *, q_lens: 
     append) and sees cached key j < L_b iff window[0] < 0 or j >= p - window[0], and j <= p when
     causal, else window[1] < 0 or j <= p + window[1]. softcap, sinks [HQ] float32 and scale as
     nsa.attention. Returns o [B, Tq, HQ, DV] (rows past q_lens[b] are 0), and (o, lse, errors)
-    when return_lse / return_errors ask for lse [B, Tq, HQ] float32 and the per-sequence codes."""
+    when return_lse / return_errors ask for lse [B, Tq, HQ] float32 (-inf past q_lens[b]) and the
+    per-sequence codes."""
     ints = [None if x is None else _as_int32(x) for x in (seqlens, q_lens)]
     if cache is not None and len(cache) == 3 and cache[2] is not None:
         cache = (cache[0], cache[1], _as_int32(cache[2]))

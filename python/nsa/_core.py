@@ -528,15 +528,6 @@ def attention_backward(call, q, k, v, o, lse, dout, opts, dbias=False):
     return AttentionGrads(dq, dk, dv, ds, db)
 
 
-def _zero(x):
-    """Fills a numpy array or torch tensor with zeros (rows a step leaves unwritten)."""
-    if hasattr(x, "zero_"):
-        x.zero_()
-    else:
-        x.fill(0)
-    return x
-
-
 def _cache(call, a, cache, name, out):
     """(k, v) or (k, v, block_table) into an nsa_kv_cache."""
     if cache is None:
@@ -566,8 +557,8 @@ def step(call, q, cache, seqlens, config, q_lens=None, k_new=None, v_new=None, c
          gates=(None, None, None), block_indices=None, block_counts=None, want_selected=False, want_errors=False):
     """nsa_step (spec 12): q [B, Tq, HQ, DK] against the caches (appended to when k_new / v_new
     are given, compressed rows pooled unless cmp_by_caller). Returns (o, selected, errors):
-    o [B, Tq, HQ, DV] (rows past q_lens[b] are 0), the selection made [B, Tq, H, n] and the
-    per-sequence error codes [B] when asked, else None."""
+    o [B, Tq, HQ, DV] (rows past q_lens[b] are 0), the selection made [B, Tq, H, n] (-1 past
+    q_lens[b]) and the per-sequence error codes [B] when asked, else None."""
     B, Tq, HQ, _ = _dims(q, "q", 4)
     H = _dims(cache[0], "cache.k", 4)[2]
     DV = _dims(cache[1], "cache.v", 4)[3]
@@ -582,12 +573,12 @@ def step(call, q, cache, seqlens, config, q_lens=None, k_new=None, v_new=None, c
         a.block_indices = call.view(block_indices, "block_indices")
     if block_counts is not None:
         a.block_counts = call.view(block_counts, "block_counts")
-    o = _zero(call.empty((B, Tq, HQ, DV), call.dtype(q)))
+    o = call.empty((B, Tq, HQ, DV), call.dtype(q))  # every row written: rows without a query get zeros
     a.o = call.view(o, "o", output=True)
     selected = errors = None
     if want_selected and gates[1] is not None and block_indices is None:
         selected = call.empty((B, Tq, H, max(config.slc_topk, 0)), "i32")
-        a.selected = call.view(_zero(selected), "selected", output=True)
+        a.selected = call.view(selected, "selected", output=True)
     if want_errors:
         errors = call.empty((B,), "i32")
         a.errors = call.view(errors, "errors", output=True)
@@ -600,7 +591,7 @@ def attention_step(call, q, cache, seqlens, q_lens=None, k_new=None, v_new=None,
                    softcap=0.0, sinks=None, want_lse=False, want_errors=False):
     """nsa_attention_step (spec 12.1): dense attention of q [B, Tq, HQ, DK] against the token
     cache (appended to when k_new / v_new are given). Returns (o, lse, errors): o [B, Tq, HQ, DV]
-    (rows past q_lens[b] are 0), lse [B, Tq, HQ] float32 and the per-sequence error codes [B]
+    (rows past q_lens[b] are 0), lse [B, Tq, HQ] float32 (-inf there) and the per-sequence error codes [B]
     when asked, else None."""
     B, Tq, HQ, _ = _dims(q, "q", 4)
     DV = _dims(cache[1], "cache.v", 4)[3]
@@ -612,12 +603,12 @@ def attention_step(call, q, cache, seqlens, q_lens=None, k_new=None, v_new=None,
     a.causal = 1 if causal else 0
     a.window_left, a.window_right = (int(window[0]), int(window[1]))
     a.softcap = float(softcap or 0.0)
-    o = _zero(call.empty((B, Tq, HQ, DV), call.dtype(q)))
+    o = call.empty((B, Tq, HQ, DV), call.dtype(q))  # every row written: rows without a query get zeros
     a.o = call.view(o, "o", output=True)
     lse = errors = None
     if want_lse:
         lse = call.empty((B, Tq, HQ), "f32")
-        a.lse = call.view(_zero(lse), "lse", output=True)
+        a.lse = call.view(lse, "lse", output=True)
     if want_errors:
         errors = call.empty((B,), "i32")
         a.errors = call.view(errors, "errors", output=True)

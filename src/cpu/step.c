@@ -182,6 +182,23 @@ static float dot(const float *x, const float *y, int64_t n)
 }
 
 /* Query i of sequence b, kv head h: its G heads' outputs and (selection on) its blocks. */
+/* Query slot i of sequence b that no query fills (i >= n_b): kv head h's G rows of o zero, of
+ * lse -inf (lse NULL for nsa_step), its selection -1 -- every output row is defined after a
+ * step (the CUDA backend writes the same, and blanks a sequence it skips). */
+static void step_blank(const nsa_tensor *o, const nsa_tensor *lse, const nsa_tensor *selected, const nsa_problem *p, int64_t b,
+                       int64_t i, int64_t h)
+{
+    for (int64_t hq = h * p->G; hq < (h + 1) * p->G; hq++) {
+        const int64_t off = io_off(o, b, i, hq);
+        for (int64_t e = 0; e < p->DV; e++) io_set(o, off + e, 0.0f);
+        if (lse && nsa_present(lse)) io_set(lse, io_off(lse, b, i, hq), -INFINITY);
+    }
+    if (selected && nsa_present(selected)) {
+        int32_t *out = (int32_t *)selected->data + io_off(selected, b, i, h);
+        for (int64_t e = 0; e < p->cfg.slc_topk; e++) out[e] = -1;
+    }
+}
+
 static void step_query(const nsa_step_args *a, const nsa_problem *p, int64_t b, int64_t i, int64_t h, step_scratch *t)
 {
     const nsa_config *c = &p->cfg;
@@ -324,6 +341,7 @@ nsa_status nsa_cpu_step(const nsa_context *ctx, const nsa_problem *p, const nsa_
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t h = task % p->H, i = (task / p->H) % p->T, b = task / (p->H * p->T);
             if (i < seq_of(a, p, b).n) step_query(a, p, b, i, h, &t);
+            else step_blank(&a->o, NULL, &a->selected, p, b, i, h);
         }
     }
     return NSA_STATUS_SUCCESS;
@@ -424,6 +442,7 @@ nsa_status nsa_cpu_attention_step(const nsa_context *ctx, const nsa_problem *p, 
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t hq = task % p->HQ, i = (task / p->HQ) % p->T, b = task / (p->HQ * p->T);
             if (i < seq_of(&sa, p, b).n) dense_query(a, &sa, p, b, i, hq, tq, tx, tacc, tsc);
+            else if (hq % p->G == 0) step_blank(&a->o, &a->lse, NULL, p, b, i, hq / p->G);
         }
     }
     return NSA_STATUS_SUCCESS;

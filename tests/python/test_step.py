@@ -58,11 +58,13 @@ def test_step_paged_decode_with_caller_cache():
     kc, vc = nsa.compress(k, CFG), nsa.compress(v, CFG)
     # sequence 0 asks for its last 3 tokens, sequence 1 for its last 2 (its row 2 is padding)
     last = lambda x: np.stack([x[0, -3:], np.concatenate([x[1, -2:], x[1, -1:]])])  # noqa: E731
-    o = nsa.step(last(q), (K, V, table), np.full(B, T, np.int32), CFG, q_lens=np.array([3, 2], np.int32),
-                 cmp_cache=(kc, vc), cmp_by_caller=True, g_cmp=last(g[0]), g_slc=last(g[1]), g_swa=last(g[2]))
+    o, sel, _ = nsa.step(last(q), (K, V, table), np.full(B, T, np.int32), CFG, q_lens=np.array([3, 2], np.int32),
+                         cmp_cache=(kc, vc), cmp_by_caller=True, g_cmp=last(g[0]), g_slc=last(g[1]), g_swa=last(g[2]),
+                         return_selected=True)
     np.testing.assert_allclose(o[0], ref[0, -3:], atol=2e-5)
     np.testing.assert_allclose(o[1, :2], ref[1, -2:], atol=2e-5)
-    assert (o[1, 2] == 0).all()  # past q_lens: not written
+    assert (o[1, 2] == 0).all() and (sel[1, 2] == -1).all()  # past q_lens: zero, no selection
+    assert (sel[1, :2] >= 0).any()
 
 
 def test_step_refusals_name_the_argument():

@@ -81,8 +81,9 @@ def test_tiled_step_matches_the_cpu_step(dtype, D, G, page):
                 same_rows += 1
                 err_i = np.abs(o[b, i] - o_ref[b, i]) - atol * np.maximum(1.0, np.abs(o_ref[b, i]))
                 worst = max(worst, float(err_i.max()))
-            # rows past q_lens stay zero
+            # rows past q_lens: o zero, selection -1 (written by the step, no fill of the caller)
             assert not o[b, cnt[b]:].any()
+            assert (sel[b, cnt[b]:] == -1).all()
         L = [L[b] + cnt[b] for b in range(Bn)]
     assert worst <= 0.0, worst
     assert same_rows >= 0.98 * rows, (same_rows, rows)
@@ -132,6 +133,7 @@ def test_tiled_attention_step_matches_the_cpu(dtype, opts, D, G, page):
             np.testing.assert_array_less(np.abs(o[b, :c] - o_ref[b, :c]), atol * np.maximum(1.0, np.abs(o_ref[b, :c])) + 1e-7)
             np.testing.assert_allclose(lse[b, :c], lse_ref[b, :c], atol=2e-2, rtol=1e-3)
             assert not o[b, c:].any()
+            assert (lse[b, c:] == -np.inf).all()
         L = [L[b] + cnt[b] for b in range(Bn)]
 
 

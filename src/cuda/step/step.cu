@@ -1,7 +1,8 @@
 /* step/step.cu -- the inference step (nsa.h section 8, spec 12) on the GPU, on scalar kernels:
  *   step_prep_kernel    per sequence: lengths, counts and the pages it will touch, read on the
  *                       device (no host synchronisation: a captured graph replays for any
- *                       lengths; a sequence with a problem is skipped and its code written);
+ *                       lengths; a sequence with a problem is skipped, its code written and
+ *                       its output rows blanked, as every row past a sequence's queries is);
  *                       the step's tokens into the token cache; the compressed rows those
  *                       tokens complete (mean pooling)
  *   step_query_kernel   one warp per (sequence, new query, kv head): the compressed branch of
@@ -56,12 +57,28 @@ __device__ int step_problem_cta(const step_params &P, int64_t b, const step_seq_
     return bad_c ? NSA_STEP_BAD_CMP_PAGE : NSA_STEP_OK;
 }
 
+/* Query slot i of sequence b and kv head h that no query fills (i >= n_b, or the sequence
+ * skipped): its G rows of o zero, of lse -inf, its selection -1, as the CPU step writes them --
+ * every row of the outputs is defined after a step, so a caller needs no fill of its own. One
+ * warp. */
+__device__ void step_blank_rows(const step_params &P, int64_t b, int64_t i, int64_t h, int lane)
+{
+    for (int64_t hq = h * P.G; hq < (h + 1) * P.G; hq++) {
+        const int64_t off = b * P.o.s0 + i * P.o.s1 + hq * P.o.s2;
+        for (int c = lane; c < P.DV; c += 32) st_any(P.o.p, P.o.dt, off + c, 0.0f);
+        if (P.lse.p && lane == 0) ((float *)P.lse.p)[b * P.lse.s0 + i * P.lse.s1 + hq * P.lse.s2] = -INFINITY;
+    }
+    if (P.idx.p)
+        for (int64_t a = lane; a < P.n; a += 32) ((int32_t *)P.idx.p)[b * P.idx.s0 + i * P.idx.s1 + h * P.idx.s2 + a] = -1;
+}
+
 /* The compressed rows one step can complete: n new tokens complete at most n / d + 1. */
 static inline int64_t step_pool_rows(const nsa_problem *p, const step_params &P) { return P.pool ? p->T / p->cfg.cmp_stride + 1 : 0; }
 
 /* Everything before the queries, in one launch: per sequence b, `chunks` CTAs, each checking b
  * itself (the first writes its code and ok[b]), whose warps share the sequence's (Tq + rows) * H
- * items: item k < Tq * H appends token k / H of kv head k % H, the others pool the compressed
+ * items: item k < Tq * H appends token k / H of kv head k % H (or blanks its output rows when
+ * no query fills them: past n_b, or the whole sequence when it is skipped), the others pool the compressed
  * rows the step completes, Nc(L - n) .. Nc(L) - 1, as the mean of their l token rows (summed in
  * order, then times 1 / l), reading the step's own tokens from k_new / v_new so no warp waits for
  * another. */
@@ -79,11 +96,14 @@ __global__ void step_prep_kernel(const step_params P, int64_t rows, int64_t chun
             P.ok[b] = e == NSA_STEP_OK;
             if (P.errors) P.errors[b * P.errors_s] = e;
         }
-        if (e != NSA_STEP_OK) continue;
         for (int64_t k = chunk * wpc + (threadIdx.x >> 5); k < per_b; k += chunks * wpc) {
             if (k < P.Tq * P.H) {
                 const int64_t h = k % P.H, i = k / P.H;
-                if (!P.append || i >= s.n) continue;
+                if (e != NSA_STEP_OK || i >= s.n) {
+                    step_blank_rows(P, b, i, h, lane);
+                    continue;
+                }
+                if (!P.append) continue;
                 const int64_t r = s.L0 + i;
                 /* the rows' places found once, and each lane's pieces loaded before any is stored:
                  * a store may alias the block table or the new tokens as far as the compiler knows,
@@ -107,6 +127,7 @@ __global__ void step_prep_kernel(const step_params P, int64_t rows, int64_t chun
                 }
                 continue;
             }
+            if (e != NSA_STEP_OK) break; /* a skipped sequence pools nothing */
             const int64_t h = (k - P.Tq * P.H) % P.H, c = nsa_rule_num_cmp(s.L - s.n, P.l, P.d) + (k - P.Tq * P.H) / P.H;
             if (c >= nsa_rule_num_cmp(s.L, P.l, P.d)) continue;
             for (int x = 0; x < 2; x++) {
