@@ -178,9 +178,10 @@ def step(q: Array, cache: Sequence[Array], seqlens: Array, config: Optional[Conf
     if cmp_cache is not None and len(cmp_cache) == 3 and cmp_cache[2] is not None:
         cmp_cache = (cmp_cache[0], cmp_cache[1], _as_int32(cmp_cache[2]))
     if _is_torch(q) and _torch.call_step is not None:  # the custom op: torch.compile traces it, graphs capture it
-        o, selected, errors = _torch.call_step(q, cache, ints[0], config, ints[1], k_new, v_new, cmp_cache, cmp_by_caller,
-                                               (g_cmp, g_slc, g_swa), ints[2], ints[3], return_selected)
-        selected = selected if selected.dim() == 4 else None
+        o, selected, errors = _torch.call_step(q, cache, ints[0], config, ints[1], k_new, v_new, cmp_cache,
+                                               cmp_by_caller, (g_cmp, g_slc, g_swa), ints[2], ints[3], return_selected,
+                                               return_errors)
+        selected = selected if selected is not None and selected.dim() == 4 else None
         errors = errors if return_errors else None
     else:
         o, selected, errors = _core.step(_call_for(q), q, cache, ints[0], config, ints[1], k_new, v_new, cmp_cache,
@@ -209,7 +210,7 @@ def attention_step(q: Array, cache: Sequence[Array], seqlens: Array, *, q_lens: 
         cache = (cache[0], cache[1], _as_int32(cache[2]))
     if _is_torch(q) and _torch.call_attention_step is not None:
         o, lse, errors = _torch.call_attention_step(q, cache, ints[0], ints[1], k_new, v_new, scale, causal, window,
-                                                    softcap, sinks)
+                                                    softcap, sinks, return_lse, return_errors)
         lse, errors = (lse if return_lse else None), (errors if return_errors else None)
     else:
         o, lse, errors = _core.attention_step(_call_for(q), q, cache, ints[0], ints[1], k_new, v_new, scale or 0.0, causal,

@@ -10,8 +10,10 @@ Ops (torch.ops.nsa.*):
       -> (dq, dk, dv, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_swa, dv_swa, dg_cmp, dg_slc, dg_swa)
 Outputs of absent branches / inputs are empty tensors (shape [0]); the wrappers map them to None.
 """
+import ctypes
 import dataclasses
 import weakref
+from struct import pack_into as _pack_into
 from typing import Optional, Tuple
 
 import torch
@@ -615,6 +617,119 @@ def bump_versions(*tensors):
             torch.autograd.graph.increment_version(t)
 
 
+# ---- the decode loop's direct path -----------------------------------------------------------
+# A decode loop calls a step with tensors of the same layouts every time (the same caches and
+# tables, and a fresh query, new tokens and gates of the same shapes); at small batches the
+# Python work of a call (views, the workspace query, a dozen checks) is most of an eager step.
+# The first call of a set of layouts takes the full path below and keeps the argument struct it
+# built and the workspace size; a later call whose inputs have the same shapes, strides, dtypes,
+# devices and 16-byte alignment -- so the same checks' verdicts, kernels and workspace, the
+# struct differing in its data pointers only -- copies that struct, writes its tensors' and
+# fresh outputs' pointers into it and calls the library itself, which validates it as always.
+
+class _Recorder(TorchCall):
+    """A TorchCall that keeps what a later direct call replays: the argument struct, the
+    workspace size, and whether every input was used in place (no copy, no reinterpreting view:
+    the struct then points at the caller's own tensors)."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.in_place, self.args, self.nbytes = True, None, 0
+
+    def view(self, t, name, output=False):
+        v = super().view(t, name, output)
+        if not output and self.keep[-1] is not t:
+            self.in_place = False
+        return v
+
+    def workspace(self, nbytes):
+        self.nbytes = nbytes
+        return super().workspace(nbytes)
+
+    def run(self, op, args):
+        self.args = args
+        return super().run(op, args)
+
+
+_PREPARED = {}  # (op, scalars, device, stream, layout of each input) -> _Prepared
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _data_offset(struct_type, path):
+    """Byte offset of the data pointer of the nsa_tensor at `path` ("cache.k") in struct_type."""
+    off = 0
+    for name in path.split("."):
+        field = getattr(struct_type, name)
+        off += field.offset
+        struct_type = dict(struct_type._fields_)[name]
+    return off + _lib.Tensor.data.offset
+
+
+@dataclasses.dataclass
+class _Prepared:
+    struct: bytes        # the argument struct of the recorded call
+    args_type: type
+    inputs: tuple        # (byte offset of its data pointer, index into the call's inputs) per present input
+    outs: tuple          # (byte offset, shape, dtype) of each output, in return order
+    fn: object           # nsa_<op>
+    op: str
+    ctx: object          # the context handle of the device and stream
+    nbytes: int
+
+
+def _layout(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15)
+
+
+def _direct_key(op, tensors, scalars, device):
+    """The direct path's key of a CUDA call on the current device, or None (another device
+    current, or no raw-stream query in this torch)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _raw_stream is None or torch.cuda.current_device() != index:
+        return None
+    return (op, scalars, index, _raw_stream(index)) + tuple(map(_layout, tensors))
+
+
+def _direct_run(key, tensors):
+    """The outputs of a replayed call, or None when no call of these layouts was recorded."""
+    p = _PREPARED.get(key)
+    if p is None:
+        return None
+    buf = bytearray(p.struct)
+    for off, i in p.inputs:
+        _pack_into("P", buf, off, tensors[i].data_ptr())
+    device = tensors[0].device
+    outs = []
+    for off, shape, dtype in p.outs:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        _pack_into("P", buf, off, t.data_ptr())
+        outs.append(t)
+    ws = torch.empty(p.nbytes, dtype=torch.uint8, device=device) if p.nbytes else None
+    _core._check(p.fn(p.ctx, ctypes.byref(p.args_type.from_buffer(buf)), None if ws is None else ws.data_ptr(), p.nbytes),
+                 p.op)
+    return outs
+
+
+def _direct_record(key, tensors, fields, rec, op, outs):
+    """Keeps a recorded call (rec: the _Recorder that ran it; fields: the struct path of each
+    input; outs: (path, shape, dtype) of each output) for later direct calls."""
+    if key is None or not rec.in_place or rec.args is None:
+        return
+    if len(_PREPARED) >= 64:
+        _PREPARED.clear()
+    at = type(rec.args)
+    inputs = tuple((_data_offset(at, f), i) for i, (f, t) in enumerate(zip(fields, tensors)) if t is not None)
+    outs = tuple((_data_offset(at, f), shape, dtype) for f, shape, dtype in outs)
+    _PREPARED[key] = _Prepared(bytes(rec.args), at, inputs, outs, getattr(_core._L, "nsa_" + op), op, rec.context(),
+                               rec.nbytes)
+
+
+_STEP_FIELDS = ("q", "cache.k", "cache.v", "cache.block_table", "seqlens", "q_lens", "k_new", "v_new", "cmp_cache.k",
+                "cmp_cache.v", "cmp_cache.block_table", "g_cmp", "g_slc", "g_swa", "block_indices", "block_counts")
+_ATTENTION_STEP_FIELDS = ("q", "cache.k", "cache.v", "cache.block_table", "seqlens", "q_lens", "k_new", "v_new",
+                          "sinks")
+
+
 def _step_impl(q, cache_k, cache_v, block_table, seqlens, q_lens, k_new, v_new, cmp_k, cmp_v, cmp_table, cmp_by_caller,
                g_cmp, g_slc, g_swa, block_indices, block_counts, cfg, want_selected):
     cache = (cache_k, cache_v, block_table)
@@ -673,32 +788,80 @@ if HAS_CUSTOM_OP:
         return (q.new_empty((B, Tq, HQ, cache_v.shape[3])), q.new_empty((B, Tq, HQ), dtype=torch.float32),
                 seqlens.new_empty((B,), dtype=torch.int32))
 
+    def _ints_on(q):
+        """int32 index tensors on q's device from tensors, lists or numpy (the usual case, an
+        int32 tensor already there, without a conversion call)."""
+        index = q.get_device()
+
+        def ints(x, name):
+            if type(x) is Tensor and x.dtype is torch.int32 and x.get_device() == index:
+                return x
+            return _index_tensor(x, q.device, name)
+        return ints
+
     def call_step(q, cache, seqlens, config, q_lens, k_new, v_new, cmp_cache, cmp_by_caller, gates, block_indices,
-                  block_counts, want_selected):
-        ints = lambda x, name: _index_tensor(x, q.device, name)  # noqa: E731  (lists, numpy: int32 on q's device)
+                  block_counts, want_selected, want_errors=True):
+        """(o, selected, errors) of nsa.step; selected / errors None when not asked for on the
+        direct path (the custom op always returns both, empty when absent)."""
+        ints = _ints_on(q)
         bt = ints(cache[2], "cache.block_table") if len(cache) == 3 else None
         ck, cv, ct = (None, None, None) if cmp_cache is None else (
             cmp_cache[0], cmp_cache[1], ints(cmp_cache[2], "cmp_cache.block_table") if len(cmp_cache) == 3 else None)
         args = (q, cache[0], cache[1], bt, ints(seqlens, "seqlens"), ints(q_lens, "q_lens"), k_new, v_new, ck, cv, ct,
                 bool(cmp_by_caller), gates[0], gates[1], gates[2], ints(block_indices, "block_indices"),
                 ints(block_counts, "block_counts"))
-        if plain_eager(q, cache[0], cache[1], k_new, v_new, ck, cv):
-            out = _step_impl(*args, _core.config_tuple(config), bool(want_selected))
-            if k_new is not None:
-                bump_versions(cache[0], cache[1], *((ck, cv) if not cmp_by_caller else ()))
-            return out
-        return step_op(*args, *_core.config_tuple(config), bool(want_selected))
+        cfg = _core.config_tuple(config)
+        if not plain_eager(q, cache[0], cache[1], k_new, v_new, ck, cv):
+            return step_op(*args, *cfg, bool(want_selected))
+        tensors = args[:11] + args[12:]
+        key = _direct_key("step", tensors, (args[11], cfg, bool(want_selected), bool(want_errors)), q.device) \
+            if q.is_cuda else None
+        out = _direct_run(key, tensors) if key is not None else None
+        if out is not None:
+            o, rest = out[0], out[1:]
+            selected = rest.pop(0) if len(rest) > (1 if want_errors else 0) else None
+            errors = rest[0] if want_errors else None
+        else:
+            rec = _Recorder(q.device)
+            o, selected, errors = _core.step(rec, q, (cache[0], cache[1], bt), args[4], _core.Config(*cfg), args[5],
+                                             k_new, v_new, None if ck is None else (ck, cv, ct), args[11], gates,
+                                             args[15], args[16], want_selected, want_errors)
+            outs = (("o", o.shape, o.dtype),) \
+                + ((("selected", selected.shape, torch.int32),) if selected is not None else ()) \
+                + ((("errors", errors.shape, torch.int32),) if errors is not None else ())
+            _direct_record(key, tensors, _STEP_FIELDS, rec, "step", outs)
+        if k_new is not None:
+            bump_versions(cache[0], cache[1], *((ck, cv) if not cmp_by_caller else ()))
+        return o, selected, errors
 
-    def call_attention_step(q, cache, seqlens, q_lens, k_new, v_new, scale, causal, window, softcap, sinks):
-        ints = lambda x, name: _index_tensor(x, q.device, name)  # noqa: E731
+    def call_attention_step(q, cache, seqlens, q_lens, k_new, v_new, scale, causal, window, softcap, sinks,
+                            want_lse=True, want_errors=True):
+        """(o, lse, errors) of nsa.attention_step; lse / errors None when not asked for on the
+        direct path."""
+        ints = _ints_on(q)
         bt = ints(cache[2], "cache.block_table") if len(cache) == 3 else None
         args = (q, cache[0], cache[1], bt, ints(seqlens, "seqlens"), ints(q_lens, "q_lens"), k_new, v_new, sinks,
                 float(scale or 0.0), bool(causal), int(window[0]), int(window[1]), float(softcap or 0.0))
-        if plain_eager(q, cache[0], cache[1], k_new, v_new, sinks):
-            out = _attention_step_impl(*args)
-            if k_new is not None:
-                bump_versions(cache[0], cache[1])
-            return out
-        return attention_step_op(*args)
+        if not plain_eager(q, cache[0], cache[1], k_new, v_new, sinks):
+            return attention_step_op(*args)
+        tensors = args[:9]
+        key = _direct_key("attention_step", tensors, args[9:] + (bool(want_lse), bool(want_errors)), q.device) \
+            if q.is_cuda else None
+        out = _direct_run(key, tensors) if key is not None else None
+        if out is not None:
+            o, rest = out[0], out[1:]
+            lse = rest.pop(0) if want_lse else None
+            errors = rest[0] if want_errors else None
+        else:
+            rec = _Recorder(q.device)
+            o, lse, errors = _core.attention_step(rec, q, (cache[0], cache[1], bt), args[4], args[5], k_new, v_new,
+                                                  args[9], args[10], (args[11], args[12]), args[13], sinks, want_lse,
+                                                  want_errors)
+            outs = (("o", o.shape, o.dtype),) + ((("lse", lse.shape, torch.float32),) if lse is not None else ()) \
+                + ((("errors", errors.shape, torch.int32),) if errors is not None else ())
+            _direct_record(key, tensors, _ATTENTION_STEP_FIELDS, rec, "attention_step", outs)
+        if k_new is not None:
+            bump_versions(cache[0], cache[1])
+        return o, lse, errors
 else:
     call_step = call_attention_step = None

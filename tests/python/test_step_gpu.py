@@ -39,6 +39,17 @@ def _to_gpu(xs, dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("D,G,page", [(128, 16, None), (128, 4, 64), (64, 1, 16), (64, 6, 128), (128, 2, 256)])
 def test_tiled_step_matches_the_cpu_step(dtype, D, G, page):
+    _tiled_step_case(dtype, D, G, page, "csw")
+
+
+@pytest.mark.parametrize("gates", ["w", "c", "s", "cw", "sw", "cs"])
+def test_tiled_step_branch_subsets(gates):
+    """Steps with some branches off launch fewer kernels (a window-only step: the window kernel
+    straight after the check kernel); each subset against the CPU step."""
+    _tiled_step_case("bfloat16", 128, 16, 64, gates)
+
+
+def _tiled_step_case(dtype, D, G, page, gates):
     torch = TORCH
     dt = getattr(torch, dtype)
     rng = np.random.default_rng(D + G + (page or 0))
@@ -62,17 +73,23 @@ def test_tiled_step_matches_the_cpu_step(dtype, D, G, page):
                              for b in range(Bn)])
         args = [take(x) for x in (q, k, v)] + [take(x) for x in gs]
         seq, ql = np.array(L, np.int32), np.array(cnt, np.int32)
+        on = [x if c in gates else None for c, x in zip("csw", args[3:])]
         o_ref, sel_ref, err = nsa.step(args[0], cpu_cache, seq, CFG, q_lens=ql, k_new=args[1], v_new=args[2],
-                                       cmp_cache=cpu_cmp, g_cmp=args[3], g_slc=args[4], g_swa=args[5],
+                                       cmp_cache=cpu_cmp, g_cmp=on[0], g_slc=on[1], g_swa=on[2],
                                        return_selected=True, return_errors=True)
         assert (err == 0).all()
         t = [torch.from_numpy(x).cuda() for x in args]
+        on = [None if x is None else torch.from_numpy(x).to("cuda", dt) for x in on]
         o, sel, err = nsa.step(t[0].to(dt), gpu_cache, torch.from_numpy(seq).cuda(), CFG, q_lens=torch.from_numpy(ql).cuda(),
-                               k_new=t[1].to(dt), v_new=t[2].to(dt), cmp_cache=gpu_cmp, g_cmp=t[3].to(dt),
-                               g_slc=t[4].to(dt), g_swa=t[5].to(dt),
-                               return_selected=True, return_errors=True)
+                               k_new=t[1].to(dt), v_new=t[2].to(dt), cmp_cache=gpu_cmp, g_cmp=on[0],
+                               g_slc=on[1], g_swa=on[2], return_selected=True, return_errors=True)
         assert (err.cpu().numpy() == 0).all()
-        o, sel = o.float().cpu().numpy(), sel.cpu().numpy()
+        assert (sel is None) == ("s" not in gates)
+        o = o.float().cpu().numpy()
+        if sel is None:
+            sel, sel_ref = np.full((Bn, Tq, 1), -1), np.full((Bn, Tq, 1), -1)
+        else:
+            sel = sel.cpu().numpy()
         for b in range(Bn):
             for i in range(cnt[b]):
                 rows += 1
@@ -88,7 +105,8 @@ def test_tiled_step_matches_the_cpu_step(dtype, D, G, page):
     assert worst <= 0.0, worst
     assert same_rows >= 0.98 * rows, (same_rows, rows)
     # the caches hold what the CPU's hold (appended tokens and pooled compressed rows)
-    for g_x, c_x in zip(gpu_cache[:2] + gpu_cmp[:2], cpu_cache[:2] + cpu_cmp[:2]):
+    pooled = "c" in gates or "s" in gates
+    for g_x, c_x in zip(gpu_cache[:2] + (gpu_cmp[:2] if pooled else []), cpu_cache[:2] + (cpu_cmp[:2] if pooled else [])):
         np.testing.assert_allclose(g_x.float().cpu().numpy(), _round(c_x, dt), atol=1e-2, rtol=1e-2)
 
 
@@ -180,3 +198,74 @@ def test_tiled_step_non_finite_like_the_cpu(case):
     assert np.isnan(o_cpu).any()
     fin = np.isfinite(o_cpu)
     assert np.all(np.abs(o_gpu[fin] - o_cpu[fin]) <= 3e-2 * np.maximum(1.0, np.abs(o_cpu[fin])))
+
+
+def test_decode_loop_direct_path_equals_the_full_path(monkeypatch):
+    """A decode loop hands the same tensors every step (caches, tables, gate and query buffers
+    refilled in place, the lengths advanced in place): from its second call the step replays the
+    recorded argument struct instead of the full Python path. Every step's output and the caches
+    must equal those of the same loop on the full path (the record dropped before each call), bit
+    for bit; an input that needs a copy (a query with a strided last dim) is never replayed."""
+    torch = TORCH
+    from nsa import _torch as nt
+    hits = []
+    run = nt._direct_run
+
+    def spy(key, tensors):
+        out = run(key, tensors)
+        hits.append(out is not None)
+        return out
+    monkeypatch.setattr(nt, "_direct_run", spy)
+    rng = np.random.default_rng(7)
+    B, Hk, G, D, page, L0, steps = 3, 2, 4, 64, 16, 700, 40
+    cap = L0 + steps
+    ncap = nsa.cmp_offsets(CFG, [0, cap])[1]
+    (kc, vc, table), (kcc, vcc, ctable) = _caches(rng, B, cap, Hk, D, page, ncap)
+    tok = [rng.standard_normal(x.shape).astype(np.float32) for x in (kc, vc)]
+    data = [rng.standard_normal((steps, B, 1) + s).astype(np.float32) for s in ((Hk * G, D), (Hk, D), (Hk, D))]
+    gates = rng.random((steps, 3, B, 1, Hk * G)).astype(np.float32)
+    dt = torch.bfloat16
+
+    def loop(direct, q_layout=None):
+        k, v, kcmp, vcmp = (torch.from_numpy(x).to("cuda", dt) for x in (tok[0], tok[1], kcc, vcc))
+        bt, cbt = torch.from_numpy(table).cuda(), torch.from_numpy(ctable).cuda()
+        seqlens = torch.full((B,), L0, dtype=torch.int32, device="cuda")
+        after = seqlens + 1
+        q = torch.empty((B, 1, Hk * G, D), dtype=dt, device="cuda") if q_layout is None else q_layout
+        kn, vn = (torch.empty((B, 1, Hk, D), dtype=dt, device="cuda") for _ in range(2))
+        g = torch.empty((3, B, 1, Hk * G), dtype=dt, device="cuda")
+        outs = []
+        for s in range(steps):
+            q.copy_(torch.from_numpy(data[0][s])), kn.copy_(torch.from_numpy(data[1][s]))
+            vn.copy_(torch.from_numpy(data[2][s])), g.copy_(torch.from_numpy(gates[s]))
+            if not direct:
+                nt._PREPARED.clear()
+            o, sel, err = nsa.step(q, (k, v, bt), seqlens, CFG, k_new=kn, v_new=vn, cmp_cache=(kcmp, vcmp, cbt),
+                                   g_cmp=g[0], g_slc=g[1], g_swa=g[2], return_selected=True, return_errors=True)
+            if not direct:
+                nt._PREPARED.clear()
+            d, lse, _ = nsa.attention_step(q, (k, v, bt), after, return_lse=True)  # the tokens just appended
+            outs.append((o.clone(), sel.clone(), err.clone(), d.clone(), lse.clone()))
+            seqlens += 1
+            after += 1
+        return outs, (k, v, kcmp, vcmp)
+
+    hits.clear()
+    fast, fast_caches = loop(True)
+    assert hits[:2] == [False, False] and all(hits[2:]), hits  # the step's and the dense step's first calls
+    hits.clear()
+    full, full_caches = loop(False)
+    assert not any(hits)
+    for s, (a, b) in enumerate(zip(fast, full)):
+        assert (b[2] == 0).all()
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), s
+    for x, y in zip(fast_caches, full_caches):
+        assert torch.equal(x, y)
+    # a query whose last dim is strided is copied on each call: never replayed
+    hits.clear()
+    strided = torch.empty((B, 1, Hk * G, 2 * D), dtype=dt, device="cuda")[..., ::2]
+    odd, _ = loop(True, strided)
+    assert not any(hits)
+    for a, b in zip(odd, full):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[3], b[3])
