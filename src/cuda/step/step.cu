@@ -23,40 +23,6 @@
 
 static int cu_step_supported(grun *g, const nsa_step_args *a);
 
-/* The first problem of sequence b of lengths s (nsa_step_error), or 0, found by the whole CTA
- * (the same answer in every thread): its queries, its lengths, its token pages, then its
- * compressed rows. Each thread checks its share of both block tables with every load in flight
- * before any is tested, so the check costs one or two memory round trips however long the
- * sequence (a warp walking its pages 32 at a time took one per 256 pages). */
-__device__ int step_problem_cta(const step_params &P, int64_t b, const step_seq_t &s)
-{
-    if (s.n < 0 || s.n > P.Tq) return NSA_STEP_BAD_QLEN;
-    if (s.L0 < 0) return NSA_STEP_BAD_SEQLEN;
-    if (!P.append && s.n > s.L0) return NSA_STEP_NO_TOKENS;
-    if (s.L > P.kv.cap) return NSA_STEP_OVER_CAPACITY;
-    const bool cmp = P.use_cmp || P.selects;
-    const int64_t nc = cmp ? nsa_rule_num_cmp(s.L, P.l, P.d) : 0;
-    const bool cmp_fits = nc <= P.ckv.cap; /* else its pages past the table's row are not read */
-    const int64_t np = P.kv.bt ? (s.L + P.kv.page - 1) / P.kv.page : 0;
-    const int64_t ncp = cmp && cmp_fits && P.ckv.bt ? (nc + P.ckv.page - 1) / P.ckv.page : 0;
-    bool bad = false, bad_c = false;
-#pragma unroll 8
-    for (int64_t j = threadIdx.x; j < np; j += blockDim.x) {
-        const int32_t pg = P.kv.bt[b * P.kv.bt0 + j * P.kv.bt1];
-        bad |= pg < 0 || pg >= P.kv.pool;
-    }
-#pragma unroll 4
-    for (int64_t j = threadIdx.x; j < ncp; j += blockDim.x) {
-        const int32_t pg = P.ckv.bt[b * P.ckv.bt0 + j * P.ckv.bt1];
-        bad_c |= pg < 0 || pg >= P.ckv.pool;
-    }
-    bad = __syncthreads_or(bad) != 0, bad_c = __syncthreads_or(bad_c) != 0;
-    if (bad) return NSA_STEP_BAD_PAGE;
-    if (!cmp) return NSA_STEP_OK;
-    if (!cmp_fits) return NSA_STEP_OVER_CMP_CAPACITY;
-    return bad_c ? NSA_STEP_BAD_CMP_PAGE : NSA_STEP_OK;
-}
-
 /* Query slot i of sequence b and kv head h that no query fills (i >= n_b, or the sequence
  * skipped): its G rows of o zero, of lse -inf, its selection -1, as the CPU step writes them --
  * every row of the outputs is defined after a step, so a caller needs no fill of its own. One
@@ -77,13 +43,14 @@ static inline int64_t step_pool_rows(const nsa_problem *p, const step_params &P)
 
 /* Everything before the queries, in one launch: per sequence b, `chunks` CTAs, each checking b
  * itself (the first writes its code and ok[b]), whose warps share the sequence's (Tq + rows) * H
- * items: item k < Tq * H appends token k / H of kv head k % H (or blanks its output rows when
- * no query fills them: past n_b, or the whole sequence when it is skipped), the others pool the compressed
+ * items: item k < Tq * H appends token k / H of kv head k % H (or, for the scalar kernels,
+ * blanks its output rows when no query fills them: past n_b, or the whole sequence when it is
+ * skipped; the tensor-core kernels' last ones do that themselves), the others pool the compressed
  * rows the step completes, Nc(L - n) .. Nc(L) - 1, as the mean of their l token rows (summed in
  * order, then times 1 / l), reading the step's own tokens from k_new / v_new so no warp waits for
  * another. */
 #define STEP_PREP_THREADS 256
-__global__ void step_prep_kernel(const step_params P, int64_t rows, int64_t chunks)
+__global__ void step_prep_kernel(const step_params P, int64_t rows, int64_t chunks, int blank)
 {
     const int lane = threadIdx.x & 31, wpc = (int)(blockDim.x >> 5); /* warps a CTA */
     const int64_t per_b = (P.Tq + rows) * P.H > 0 ? (P.Tq + rows) * P.H : 1;
@@ -100,7 +67,7 @@ __global__ void step_prep_kernel(const step_params P, int64_t rows, int64_t chun
             if (k < P.Tq * P.H) {
                 const int64_t h = k % P.H, i = k / P.H;
                 if (e != NSA_STEP_OK || i >= s.n) {
-                    step_blank_rows(P, b, i, h, lane);
+                    if (blank) step_blank_rows(P, b, i, h, lane);
                     continue;
                 }
                 if (!P.append) continue;
@@ -397,8 +364,9 @@ static void params_common(step_params *P, const nsa_problem *p, const nsa_step_a
     P->append = nsa_present(&a->k_new);
 }
 
-/* The check of every sequence, the append of the step's tokens and the pooling (prep kernel). */
-static void launch_prep(grun *g, const step_params &P)
+/* The check of every sequence, the append of the step's tokens and the pooling (prep kernel);
+ * blank: the rows no query fills are its to write (the scalar kernels'). */
+static void launch_prep(grun *g, const step_params &P, int blank)
 {
     const nsa_problem *p = g->p;
     const int64_t rows = step_pool_rows(p, P);
@@ -407,7 +375,7 @@ static void launch_prep(grun *g, const step_params &P)
      * warps then take several items); sequences past the grid's limit loop */
     const int64_t wpc = STEP_PREP_THREADS / 32, chunks = per_b < 64 * wpc ? (per_b + wpc - 1) / wpc : 64;
     const int64_t seqs = p->B < (int64_t)(INT32_MAX / 64) ? p->B : (int64_t)(INT32_MAX / 64);
-    step_prep_kernel<<<(unsigned)(seqs * chunks), STEP_PREP_THREADS, 0, g->st>>>(P, rows, chunks);
+    step_prep_kernel<<<(unsigned)(seqs * chunks), STEP_PREP_THREADS, 0, g->st>>>(P, rows, chunks, blank);
     g_launched(g);
 }
 
@@ -435,10 +403,13 @@ static void run_step(grun *g, const nsa_step_args *a)
     if (tiled) step_tiled_take(g, &P, &plan);
     else P.psum = P.selects ? cu_take_f32(g, nsa_size_mul(nsa_size_of(blocks * STEP_WARPS), nsa_size_of(P.ckv.cap)), 0) : NULL;
     if (!g_live(g) || p->B == 0) return;
-    launch_prep(g, P);
+    /* a step that writes nothing before its reads (no append, no pooling) leaves the check to
+     * the tiled kernels' first launch (step_tiled_checks) */
+    const int checks = tiled && items > 0 && step_tiled_checks(&P, &plan);
+    if (!checks) launch_prep(g, P, !tiled);
     if (items == 0) return;
     if (tiled) {
-        step_tiled_launch(g, &P, &plan);
+        step_tiled_launch(g, &P, &plan, checks);
         return;
     }
     const size_t smem = (size_t)STEP_WARPS * (size_t)(P.m > P.n ? P.m : P.n) * 8;
@@ -497,11 +468,12 @@ static void run_attention_step(grun *g, const nsa_attention_step_args *a)
     const int tiled = attention_step_tiled_fits(g, &P);
     if (tiled) attention_step_tiled_take(g, &P, &plan);
     if (!g_live(g) || p->B == 0) return;
-    launch_prep(g, P);
     const int64_t items = p->B * p->T * p->HQ;
+    const int checks = tiled && items > 0 && attention_step_tiled_checks(&P, &plan);
+    if (!checks) launch_prep(g, P, !tiled);
     if (items == 0) return;
     if (tiled) {
-        attention_step_tiled_launch(g, &P, &plan);
+        attention_step_tiled_launch(g, &P, &plan, checks);
         return;
     }
     step_dense_kernel<<<simt_grid(items), 32 * SIMT_WARPS, 0, g->st>>>(P);

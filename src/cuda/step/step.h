@@ -56,6 +56,40 @@ __device__ __forceinline__ step_seq_t step_seq(const step_params &P, int64_t b)
     return s;
 }
 
+/* The first problem of sequence b of lengths s (nsa_step_error), or 0, found by the whole CTA
+ * (the same answer in every thread): its queries, its lengths, its token pages, then its
+ * compressed rows. Each thread checks its share of both block tables with every load in flight
+ * before any is tested, so the check costs one or two memory round trips however long the
+ * sequence (a warp walking its pages 32 at a time took one per 256 pages). */
+__device__ __forceinline__ int step_problem_cta(const step_params &P, int64_t b, const step_seq_t &s)
+{
+    if (s.n < 0 || s.n > P.Tq) return NSA_STEP_BAD_QLEN;
+    if (s.L0 < 0) return NSA_STEP_BAD_SEQLEN;
+    if (!P.append && s.n > s.L0) return NSA_STEP_NO_TOKENS;
+    if (s.L > P.kv.cap) return NSA_STEP_OVER_CAPACITY;
+    const bool cmp = P.use_cmp || P.selects;
+    const int64_t nc = cmp ? nsa_rule_num_cmp(s.L, P.l, P.d) : 0;
+    const bool cmp_fits = nc <= P.ckv.cap; /* else its pages past the table's row are not read */
+    const int64_t np = P.kv.bt ? (s.L + P.kv.page - 1) / P.kv.page : 0;
+    const int64_t ncp = cmp && cmp_fits && P.ckv.bt ? (nc + P.ckv.page - 1) / P.ckv.page : 0;
+    bool bad = false, bad_c = false;
+#pragma unroll 8
+    for (int64_t j = threadIdx.x; j < np; j += blockDim.x) {
+        const int32_t pg = P.kv.bt[b * P.kv.bt0 + j * P.kv.bt1];
+        bad |= pg < 0 || pg >= P.kv.pool;
+    }
+#pragma unroll 4
+    for (int64_t j = threadIdx.x; j < ncp; j += blockDim.x) {
+        const int32_t pg = P.ckv.bt[b * P.ckv.bt0 + j * P.ckv.bt1];
+        bad_c |= pg < 0 || pg >= P.ckv.pool;
+    }
+    bad = __syncthreads_or(bad) != 0, bad_c = __syncthreads_or(bad_c) != 0;
+    if (bad) return NSA_STEP_BAD_PAGE;
+    if (!cmp) return NSA_STEP_OK;
+    if (!cmp_fits) return NSA_STEP_OVER_CMP_CAPACITY;
+    return bad_c ? NSA_STEP_BAD_CMP_PAGE : NSA_STEP_OK;
+}
+
 /* The caller's block indices of (b, i, h) that the query can use -- in [0, cur], once each,
  * ascending -- into out[0 ..], -1 after up to `width` (as the CPU step cleans them). One thread. */
 __device__ __forceinline__ void step_caller_blocks(const step_params &P, int64_t b, int64_t i, int64_t h, int64_t cur, int32_t *out,
@@ -86,7 +120,9 @@ __device__ __forceinline__ void step_caller_blocks(const step_params &P, int64_t
  * (ts_split over the chosen blocks and the window), the gates (ts_combine). The dense step: one
  * ts_split over the visible range, then ts_combine. step_tiled_fits / attention_step_tiled_fits
  * say whether a call has those shapes (the same answer in the sizing and the live pass);
- * *_take carves the workspace (both passes), *_launch runs after the check and the append. */
+ * *_take carves the workspace (both passes), *_launch runs after the check and the append --
+ * or, where *_checks says so (a step that writes nothing before it reads: no append, no
+ * pooling, one launch round), first, its first kernel checking each sequence itself. */
 typedef struct ts_plan {
     int D, hc;                 /* head dim; kv heads per CTA */
     int64_t items, batch;      /* items = B * Tq * H, launched `batch` at a time */
@@ -100,9 +136,11 @@ typedef struct ts_plan {
 
 int step_tiled_fits(const grun *g, const step_params *P);
 void step_tiled_take(grun *g, const step_params *P, ts_plan *pl);
-void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl);
+int step_tiled_checks(const step_params *P, const ts_plan *pl);
+void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl, int checks);
 int attention_step_tiled_fits(const grun *g, const step_params *P);
 void attention_step_tiled_take(grun *g, const step_params *P, ts_plan *pl);
-void attention_step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl);
+int attention_step_tiled_checks(const step_params *P, const ts_plan *pl);
+void attention_step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl, int checks);
 
 #endif

@@ -45,6 +45,7 @@ typedef struct ts_launch {
     int64_t width;
     int tpb;
     int early; /* the selected and window launch: a launch stands between it and the check kernel (ts_split_task) */
+    int check; /* the step's first launch, no check kernel before it: each CTA checks its sequence (ts_item_check) */
 } ts_launch;
 
 /* Programmatic dependent launch (sm_90): each kernel of a step lets the next one be launched
@@ -90,6 +91,21 @@ __device__ __forceinline__ void ts_item_lengths(const step_params &P, ts_item &x
     const int32_t ok = P.ok[x.b];
     const step_seq_t s = step_seq(P, x.b);
     x.live = ok != 0 && x.i < s.n;
+    if (x.live) x.pos = s.L - s.n + x.i, x.L = s.L;
+}
+/* ts_item_lengths for the first kernel of a step that has no check kernel: the CTA checks its
+ * item's sequence itself (every thread: step_problem_cta's barriers; a CTA's warps share one
+ * sequence and query), and the CTA of the sequence's first item and task records the verdict
+ * and the error code for the kernels after it. */
+__device__ __forceinline__ void ts_item_check(const step_params &P, ts_item &x, bool first_task)
+{
+    const step_seq_t s = step_seq(P, x.b);
+    const int e = step_problem_cta(P, x.b, s);
+    if (first_task && threadIdx.x == 0 && x.i == 0 && x.h == 0) { /* thread 0: warp 0's item, the group's first head */
+        P.ok[x.b] = e == NSA_STEP_OK;
+        if (P.errors) P.errors[x.b * P.errors_s] = e;
+    }
+    x.live = e == NSA_STEP_OK && x.i < s.n;
     if (x.live) x.pos = s.L - s.n + x.i, x.L = s.L;
 }
 __device__ __forceinline__ ts_item ts_item_of(const step_params &P, int64_t it)
@@ -336,7 +352,8 @@ __device__ __forceinline__ void ts_split_task(const step_params &P, const ts_lau
      * others; a window-only step's) waits first. */
     const bool early = KIND == BR_SLC_SWA && A.early;
     if (!early) ts_wait_prior();
-    ts_item_lengths(P, W.x);
+    if (A.check) ts_item_check(P, W.x, task == 0);
+    else ts_item_lengths(P, W.x);
     if (!W.x.live) return; /* the same for every head of a (sequence, query) */
     if (early && kind == BR_SLC) ts_wait_prior();
     const int64_t c = bs ? task - A.tasks[0] : task;
@@ -817,7 +834,11 @@ __global__ void __launch_bounds__(TS_SELECT_THREADS, 1) ts_select_kernel(const s
         pm[u] = on ? pp[warp] : -INFINITY, pl[u] = on ? pp[16 + warp] : 0.0f;
     }
     const ts_item x = ts_item_of(P, it);
-    if (!x.live) return;
+    if (!x.live) { /* no query here (past n_b, or the sequence skipped): no selection */
+        if (P.idx.p)
+            for (int64_t a = tid; a < P.n; a += blockDim.x) ((int32_t *)P.idx.p)[x.b * P.idx.s0 + x.i * P.idx.s1 + x.h * P.idx.s2 + a] = -1;
+        return;
+    }
     /* 32-bit: positions and blocks below the capacity (the host checks) */
     const int32_t cur = nsa_rule_slc_of32((int32_t)x.pos, (int32_t)P.lp);
     int32_t *out = sel + local * width;
@@ -1046,7 +1067,10 @@ __global__ void __launch_bounds__(TS_COMBINE_THREADS, 1) ts_combine_kernel(const
 #pragma unroll
         for (int br = 0; br < 3; br++) M[br] = ml_s[br][0], L[br] = ml_s[br][1];
     }
-    if (!x.live) return; /* the same in the whole CTA */
+    if (!x.live) { /* the same in the whole CTA: no query here (past n_b, or the sequence skipped), o = 0 */
+        if (c.sub == 0) ts_store4(P, x, hq, D, lane, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+        return;
+    }
     /* the weights of the partials this warp sums (ts_weighted_sum: s = k * wph + sub) */
     for (int s = c.sub + c.wph * lane; s < end[2]; s += 32 * c.wph) {
         const int br = s < end[0] ? 0 : s < end[1] ? 1 : 2;
@@ -1094,7 +1118,12 @@ __global__ void __launch_bounds__(TS_COMBINE_THREADS, 1) ts_dense_combine_kernel
     const int start[1] = {0}, end[1] = {(int)A.ntask};
     float Ms[1], Ls[1];
     ts_rows_ml<1>(R, g, start, end, lane, w, Ms, Ls);
-    if (!x.live) return;
+    if (!x.live) { /* no query here (past n_b, or the sequence skipped): o = 0, lse = -inf */
+        if (c.sub != 0) return;
+        if (lane == 0 && P.lse.p) ((float *)P.lse.p)[x.b * P.lse.s0 + x.i * P.lse.s1 + hq * P.lse.s2] = -INFINITY;
+        ts_store4(P, x, hq, D, lane, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+        return;
+    }
     const float M = Ms[0], L = Ls[0];
     int64_t lo, hi;
     ts_range(P, BR_RANGE, x, lo, hi);
@@ -1239,9 +1268,10 @@ static unsigned ts_comb_block(const step_params *P, int64_t n, int64_t parts)
 }
 
 /* Launches kernel k on the call's stream, as a programmatic dependent of the kernel before it
- * on sm_90 parts (see ts_wait_prior) unless NSA_CUDA_STEP_PDL=0. */
+ * on sm_90 parts (see ts_wait_prior) unless NSA_CUDA_STEP_PDL=0 or it is the step's first
+ * (after = 0: it reads the step's inputs, which the work before it on the stream may write). */
 template <typename... KArgs, typename... Args>
-static void ts_launch_k(grun *g, void (*k)(KArgs...), unsigned grid, unsigned block, size_t smem, Args... args)
+static void ts_launch_k(grun *g, int after, void (*k)(KArgs...), unsigned grid, unsigned block, size_t smem, Args... args)
 {
     cudaLaunchConfig_t cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -1249,7 +1279,7 @@ static void ts_launch_k(grun *g, void (*k)(KArgs...), unsigned grid, unsigned bl
     cudaLaunchAttribute at[1];
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     at[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at, cfg.numAttrs = g->dev.cc_major >= 9 && g->ovr->step_pdl ? 1 : 0;
+    cfg.attrs = at, cfg.numAttrs = after && g->dev.cc_major >= 9 && g->ovr->step_pdl ? 1 : 0;
     g_check(g, cudaLaunchKernelEx(&cfg, k, args...));
 }
 
@@ -1258,7 +1288,7 @@ template <typename T, int D, bool IMP> static void ts_launch_split(grun *g, cons
     const size_t smem = ts_smem<D>::end;
     g_check(g, cudaFuncSetAttribute(ts_split_kernel<T, D, IMP>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (!g_live(g)) return;
-    ts_launch_k(g, ts_split_kernel<T, D, IMP>, (unsigned)(n / A.hc * A.ntask), TS_THREADS, smem, P, A);
+    ts_launch_k(g, !A.check, ts_split_kernel<T, D, IMP>, (unsigned)(n / A.hc * A.ntask), TS_THREADS, smem, P, A);
 }
 
 template <typename T> static void ts_split(grun *g, const step_params &P, const ts_launch &A, int64_t n, int D, bool imp)
@@ -1273,8 +1303,18 @@ static void ts_split_any(grun *g, const step_params &P, const ts_launch &A, int6
     else ts_split<__half>(g, P, A, n, D, imp);
 }
 
-void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl)
+/* Whether the step can go without its check kernel: nothing to write before the reads (no
+ * append, no pooling), one launch round (the check is per round's CTAs), and a split kernel as
+ * the first launch (the compressed one, or the window's; the caller's selection without the
+ * compressed branch starts with the top-n, which does not check). */
+int step_tiled_checks(const step_params *P, const ts_plan *pl)
 {
+    return !P->append && !P->pool && pl->items <= pl->batch && (P->use_cmp || P->selects || !P->use_slc);
+}
+
+void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl, int checks)
+{
+    const int cmp = P->use_cmp || P->selects;
     for (int64_t i0 = 0; i0 < pl->items && g_live(g); i0 += pl->batch) {
         const int64_t n = pl->items - i0 < pl->batch ? pl->items - i0 : pl->batch;
         ts_launch A1, A3;
@@ -1283,23 +1323,26 @@ void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl)
         A1.kind[0] = BR_CMP, A1.tasks[0] = pl->nt1, A1.tpc[0] = pl->tpc1, A1.ntask = pl->nt1;
         A1.part = pl->part1, A1.bins = pl->bins, A1.tiles = ts_groups(P), A1.JT = pl->JT, A1.n = A3.n = n;
         A1.hc = A3.hc = pl->hc;
-        if (P->use_cmp || P->selects) ts_split_any(g, *P, A1, n, pl->D, P->selects != 0);
+        A1.check = checks && cmp, A3.check = checks && !cmp; /* the first launch checks */
+        if (cmp) ts_split_any(g, *P, A1, n, pl->D, P->selects != 0);
         if (P->use_slc) {
             const size_t smem = P->selects ? ts_select_smem(P) : 0;
             g_check(g, cudaFuncSetAttribute(ts_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
             if (!g_live(g)) return;
-            ts_launch_k(g, ts_select_kernel, (unsigned)n, TS_SELECT_THREADS, smem, *P, A1, pl->sel, pl->width);
+            ts_launch_k(g, 1, ts_select_kernel, (unsigned)n, TS_SELECT_THREADS, smem, *P, A1, pl->sel, pl->width);
         }
         int nb = 0;
         if (P->use_slc) A3.kind[nb] = BR_SLC, A3.tasks[nb] = pl->nt_slc, A3.tpc[nb] = pl->tpc_slc, nb++;
         if (P->use_swa) A3.kind[nb] = BR_SWA, A3.tasks[nb] = pl->nt_swa, A3.tpc[nb] = pl->tpc_swa, nb++;
         A3.ntask = A3.tasks[0] + A3.tasks[1];
         A3.part = pl->part3, A3.sel = pl->sel, A3.width = pl->width, A3.tpb = pl->tpb;
-        A3.early = P->use_cmp || P->selects || P->use_slc; /* a launch above stands between it and the check kernel */
+        /* a launch stands between it and the one that checks (the check kernel, or the compressed
+         * launch when that checks): the lengths and verdicts are then complete before it starts */
+        A3.early = checks ? cmp && P->use_slc : cmp || P->use_slc;
         if (nb) ts_split_any(g, *P, A3, n, pl->D, false);
         if (!g_live(g)) return;
         const int64_t parts = (P->use_cmp ? A1.ntask : 0) + A3.ntask;
-        ts_launch_k(g, ts_combine_kernel, ts_comb_grid(P, n, parts), ts_comb_block(P, n, parts), 0, *P, A1, A3);
+        ts_launch_k(g, 1, ts_combine_kernel, ts_comb_grid(P, n, parts), ts_comb_block(P, n, parts), 0, *P, A1, A3);
     }
 }
 
@@ -1315,7 +1358,10 @@ void attention_step_tiled_take(grun *g, const step_params *P, ts_plan *pl)
     pl->part1 = cu_take_f32(g, nsa_size_mul(nsa_size_of(pl->batch * pl->nt1), nsa_size_of(ts_part_floats(pl->D))), 0);
 }
 
-void attention_step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl)
+/* As step_tiled_checks: no append and one launch round. */
+int attention_step_tiled_checks(const step_params *P, const ts_plan *pl) { return !P->append && pl->items <= pl->batch; }
+
+void attention_step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl, int checks)
 {
     for (int64_t i0 = 0; i0 < pl->items && g_live(g); i0 += pl->batch) {
         const int64_t n = pl->items - i0 < pl->batch ? pl->items - i0 : pl->batch;
@@ -1323,9 +1369,9 @@ void attention_step_tiled_launch(grun *g, const step_params *P, const ts_plan *p
         memset(&A, 0, sizeof A);
         A.item0 = i0;
         A.kind[0] = BR_RANGE, A.tasks[0] = pl->nt1, A.tpc[0] = pl->tpc1, A.ntask = pl->nt1, A.part = pl->part1, A.n = n;
-        A.hc = pl->hc;
+        A.hc = pl->hc, A.check = checks;
         ts_split_any(g, *P, A, n, pl->D, false);
         if (!g_live(g)) return;
-        ts_launch_k(g, ts_dense_combine_kernel, ts_comb_grid(P, n, A.ntask), ts_comb_block(P, n, A.ntask), 0, *P, A);
+        ts_launch_k(g, 1, ts_dense_combine_kernel, ts_comb_grid(P, n, A.ntask), ts_comb_block(P, n, A.ntask), 0, *P, A);
     }
 }
