@@ -292,28 +292,41 @@ def test_tiled_read_only_step_checks_in_its_first_kernel(gates, page):
     CPU step on a varlen batch (rows past q_lens, an idle sequence), then with one sequence's
     lengths or pages bad: that sequence's code in errors and its rows blank, the others as
     before."""
+    _read_only_case(gates, page, [1500, 900, 40, 700], [1, 3, 0, 2], 2, 8, 1536, (None, "seqlen", "page"), 5)
+
+
+@pytest.mark.parametrize("gates", ["csw", "dense"])
+def test_tiled_step_long_context_merges_many_partials(gates):
+    """One long sequence: the keys split over more than 32 tasks an item, so the combine takes
+    a head a CTA with its warps over the partials (the layout of small batches at long
+    contexts) -- against the CPU step."""
+    _read_only_case(gates, 128, [16000], [1], 4, 16, 16384, (None,), 9)
+
+
+def _paged_fill(x, table, b, src, page):
+    """Rows 0 .. len(src) - 1 of sequence b of a cache (contiguous: table None) set to src."""
+    if table is None:
+        x[b, :src.shape[0]] = src
+    else:
+        r = np.arange(src.shape[0])
+        x[table[b, r // page], r % page] = src
+
+
+def _read_only_case(gates, page, lens, ql, Hk, G, cap, bads, seed):
     torch = TORCH
     dt = torch.bfloat16
-    rng = np.random.default_rng(5 + (page or 0))
-    lens, ql, Hk, G, D, cap = [1500, 900, 40, 700], [1, 3, 0, 2], 2, 8, 128, 1536
-    Bn, HQ, Tq = len(lens), 2 * G, max(ql)
+    rng = np.random.default_rng(seed + (page or 0))
+    D = 128
+    Bn, HQ, Tq = len(lens), Hk * G, max(ql)
     ncap = nsa.cmp_offsets(CFG, [0, cap])[1]
     q, k, v, gs = _inputs(rng, Bn, Tq, cap, HQ, Hk, D, dt)
     cpu_cache, cpu_cmp = _caches(rng, Bn, cap, Hk, D, page, ncap)
     kc, vc = _round(nsa.compress(k, CFG), dt), _round(nsa.compress(v, CFG), dt)
     for b in range(Bn):  # the tokens and their compressed rows, written by the caller
         for x, src in ((cpu_cache[0], k), (cpu_cache[1], v)):
-            if page is None:
-                x[b] = src[b]
-            else:
-                for r in range(cap):
-                    x[cpu_cache[2][b, r // page], r % page] = src[b, r]
+            _paged_fill(x, cpu_cache[2] if page else None, b, src[b], page)
         for x, src in ((cpu_cmp[0], kc), (cpu_cmp[1], vc)):
-            if page is None:
-                x[b, :src.shape[1]] = src[b]
-            else:
-                for r in range(src.shape[1]):
-                    x[cpu_cmp[2][b, r // page], r % page] = src[b, r]
+            _paged_fill(x, cpu_cmp[2] if page else None, b, src[b], page)
     seq, qln = np.array(lens, np.int32), np.array(ql, np.int32)
     on = [x if c in gates else None for c, x in zip("csw", gs)]
 
@@ -335,7 +348,7 @@ def test_tiled_read_only_step_checks_in_its_first_kernel(gates, page):
     o_ref, sel_ref, _ = run(cpu_cache, cpu_cmp, seq, "cpu")
     rows = same = 0
     atol = 3e-2
-    for bad in (None, "seqlen", "page"):
+    for bad in bads:
         seqlens, cache = seq.copy(), list(cpu_cache)
         if bad == "seqlen":
             seqlens[1] = cap + 1  # past the capacity
@@ -346,7 +359,7 @@ def test_tiled_read_only_step_checks_in_its_first_kernel(gates, page):
             continue
         o, sel, err = run(cache, cpu_cmp, seqlens, "cuda")
         want = {None: 0, "seqlen": 4, "page": 6}[bad]  # nsa_step_error: OVER_CAPACITY, BAD_PAGE
-        assert err.tolist() == [0, want, 0, 0], err
+        assert err.tolist() == [want if b == 1 else 0 for b in range(Bn)], err
         for b in range(Bn):
             if b == 1 and bad:
                 assert not o[b].any() and (gates == "dense" or "s" not in gates or (sel[b] == -1).all())  # skipped: blank
@@ -355,4 +368,4 @@ def test_tiled_read_only_step_checks_in_its_first_kernel(gates, page):
             rows, same = rows + r, same + sm
             assert w <= 0.0, (bad, b, w)
             assert not o[b, ql[b]:].any()
-    assert same >= rows - 1, (same, rows)
+    assert same >= (rows - 1 if rows > 4 else rows), (same, rows)  # (fixed inputs: the same rows every run)

@@ -968,11 +968,13 @@ __device__ __forceinline__ float4 ts_weighted_sum(const ts_runs &R, int g, int D
     return acc;
 }
 
-/* weights w[s] = mul * exp(m_s - M) / L of the partials s in [s0, s1) (0 where m_s or M is
- * -inf), in place of their maxima ms[s] = w[s] (ts_rows_ml), by one warp */
-__device__ __forceinline__ void ts_weights_of(float *w, int s0, int s1, float M, float L, float mul, int lane)
+/* weights w[s] = mul * exp(m_s - M) / L of the partials s in [s0, s1) that are warp sub's of
+ * a head's wph warps (s % wph == sub: the ones ts_weighted_sum reads there), 0 where m_s or M is
+ * -inf, in place of their maxima ms[s] = w[s] (ts_rows_ml), by one warp */
+__device__ __forceinline__ void ts_weights_of(float *w, int s0, int s1, float M, float L, float mul, int lane, int sub, int wph)
 {
-    for (int s = s0 + lane; s < s1; s += 32) {
+    const int first = s0 + ((sub - s0) % wph + wph) % wph; /* the first s >= s0 of the warp's */
+    for (int s = first + wph * lane; s < s1; s += 32 * wph) {
         const float m = w[s];
         w[s] = M == -INFINITY || m == -INFINITY ? 0.0f : mul * expf(m - M) / L;
     }
@@ -1071,13 +1073,9 @@ __global__ void __launch_bounds__(TS_COMBINE_THREADS, 1) ts_combine_kernel(const
         if (c.sub == 0) ts_store4(P, x, hq, D, lane, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
         return;
     }
-    /* the weights of the partials this warp sums (ts_weighted_sum: s = k * wph + sub) */
-    for (int s = c.sub + c.wph * lane; s < end[2]; s += 32 * c.wph) {
-        const int br = s < end[0] ? 0 : s < end[1] ? 1 : 2;
-        const float Mb = br == 0 ? M[0] : br == 1 ? M[1] : M[2], Lb = br == 0 ? L[0] : br == 1 ? L[1] : L[2];
-        const float m = w[s];
-        w[s] = Mb == -INFINITY || m == -INFINITY ? 0.0f : (br == 0 ? gv[0] : br == 1 ? gv[1] : gv[2]) * expf(m - Mb) / Lb;
-    }
+    /* the weights of the partials this warp sums (ts_weighted_sum: s = k * wph + sub), a branch at a time */
+#pragma unroll
+    for (int br = 0; br < 3; br++) ts_weights_of(w, start[br], end[br], M[br], L[br], gv[br], lane, c.sub, c.wph);
     bool dead = false; /* a branch that saw keys whose scores were all -inf: 0 / 0, as the CPU's */
 #pragma unroll
     for (int br = 0; br < 3; br++) {
@@ -1136,7 +1134,7 @@ __global__ void __launch_bounds__(TS_COMBINE_THREADS, 1) ts_dense_combine_kernel
         const float e = M == -INFINITY ? 0.0f : expf(M - m), Lt = L * e + (sink ? expf(sk - m) : 0.0f);
         lse = m + logf(Lt), fill = 1.0f, mul = L * e / Lt;
     }
-    ts_weights_of(w, 0, end[0], M, L, mul, lane);
+    ts_weights_of(w, 0, end[0], M, L, mul, lane, c.sub, c.wph);
     if (c.sub == 0 && lane == 0 && P.lse.p) ((float *)P.lse.p)[x.b * P.lse.s0 + x.i * P.lse.s1 + hq * P.lse.s2] = lse;
     __syncwarp();
     float4 v = ts_sum_parts(R, c, D, w, red);
