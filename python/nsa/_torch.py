@@ -684,8 +684,9 @@ def _layout(t):
 def _direct_key(op, tensors, scalars, device):
     """The direct path's key of a CUDA call on the current device, or None (another device
     current, or no raw-stream query in this torch)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if _raw_stream is None or torch.cuda.current_device() != index:
+    current = torch.cuda.current_device()
+    index = device.index if device.index is not None else current
+    if _raw_stream is None or current != index:
         return None
     return (op, scalars, index, _raw_stream(index)) + tuple(map(_layout, tensors))
 

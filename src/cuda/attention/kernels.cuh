@@ -710,7 +710,7 @@ template <int DP, typename T> static void xattn_launch(grun *g, const xparams *P
     const bool side = P->mask.p || P->bias.p || P->dropout;
     const size_t smem = kind == XK_FWD ? xfwd_layout<DP>::bytes(side) : kind == XK_DQ ? xdq_layout<DP>::bytes(side)
                                                                                   : xdkv_layout<DP>::bytes(side);
-    g_check(g, cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    g_smem_optin(g, (const void *)fn, smem);
     if (!g_live(g)) return;
     fn<<<dim3((unsigned)grid[0], (unsigned)grid[1], (unsigned)grid[2]), 128, smem, g->st>>>(*P);
     g_launched(g);

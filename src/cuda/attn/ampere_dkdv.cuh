@@ -225,7 +225,7 @@ template <int DKP, int DVP, typename T>
 static void launch_ktile_t(grun *g, const kparams *P, int64_t tiles)
 {
     const size_t smem = ktile_layout<DKP, DVP>::bytes;
-    g_check(g, cudaFuncSetAttribute(ktile_kernel<DKP, DVP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    g_smem_optin(g, (const void *)ktile_kernel<DKP, DVP, T>, smem);
     if (g->err != NSA_STATUS_SUCCESS) return;
     ktile_kernel<DKP, DVP, T><<<dim3((unsigned)tiles, P->extra ? 1u : (unsigned)P->H), 128, smem, g->st>>>(*P);
     g_launched(g);

@@ -429,7 +429,7 @@ template <int DKP, int DVP, typename T, int MODE, int BN>
 static void launch_qtile_bn(grun *g, const qparams *P, int64_t tiles)
 {
     const size_t smem = qtile_layout<DKP, DVP, MODE, BN>::bytes;
-    g_check(g, cudaFuncSetAttribute(qtile_kernel<DKP, DVP, T, MODE, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    g_smem_optin(g, (const void *)qtile_kernel<DKP, DVP, T, MODE, BN>, smem);
     if (g->err != NSA_STATUS_SUCCESS) return;
     qtile_kernel<DKP, DVP, T, MODE, BN><<<dim3((unsigned)tiles, (unsigned)P->H), QTILE_NW(BN) * 32, smem, g->st>>>(*P);
     g_launched(g);

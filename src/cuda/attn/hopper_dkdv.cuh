@@ -472,7 +472,7 @@ template <int DP, typename T>
 static void launch_kwg_t(grun *g, const kparams *P, int64_t tiles)
 {
     const size_t smem = kwg_layout<DP>::bytes + 1024;
-    g_check(g, cudaFuncSetAttribute(kwg_kernel<DP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    g_smem_optin(g, (const void *)kwg_kernel<DP, T>, smem);
     if (g->err != NSA_STATUS_SUCCESS) return;
     kwg_kernel<DP, T><<<dim3((unsigned)tiles, (unsigned)P->H), 256, smem, g->st>>>(*P);
     g_launched(g);
@@ -482,7 +482,7 @@ template <int DP, typename T, bool SLC>
 static void launch_kwp_t(grun *g, const kparams *P, int64_t tiles, const void *maps)
 {
     const size_t smem = kwp_layout<DP, SLC>::bytes + 1024;
-    g_check(g, cudaFuncSetAttribute(kwp_kernel<DP, T, SLC>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    g_smem_optin(g, (const void *)kwp_kernel<DP, T, SLC>, smem);
     if (g->err != NSA_STATUS_SUCCESS) return;
     const CUtensorMap *m = (const CUtensorMap *)maps; /* q, dout, k, v */
     /* a further-segments launch finds each task's head from its segment (as ktile) */

@@ -35,6 +35,7 @@ typedef struct grun {
     int32_t *cu;    /* device copy of cu_seqlens (varlen), else NULL */
     int64_t *cmp0;  /* device prefix of compressed rows per sequence (varlen), else NULL */
     cu_device dev;            /* the device's limits (live pass; all zero in the sizing pass) */
+    int device;               /* the context's device */
     const cu_overrides *ovr;  /* the context's planner overrides */
     /* The call's non-finite flag (one device int, zeroed where first taken: g_nf) and the
      * tensors already scanned into it (cu_scan_nonfinite: each once per call). */
@@ -70,6 +71,14 @@ static inline void g_check_call(grun *g, cudaError_t e, const char *what)
 
 /* After a launch: a bad configuration or a sticky error surfaces here. */
 #define g_launched(g) g_check_call((g), cudaGetLastError(), "a kernel launch (cudaGetLastError)")
+
+/* cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), made at most
+ * once per kernel, device and size: the attribute stays with the kernel in the device's context,
+ * and the call would otherwise cost host time on every launch (an inference step's budget is
+ * tens of microseconds). A no-op outside the live pass. Only for kernels of the loaded binary,
+ * whose addresses stay theirs for the process's life (not the runtime-compiled ones, whose
+ * handles a later library may reuse). */
+void g_smem_optin(grun *g, const void *fn, size_t smem);
 
 /* The first failure of the call, with its detail (printf-style: what is not supported). */
 static inline void g_fail(grun *g, nsa_status st, const char *fmt, ...)

@@ -457,7 +457,7 @@ template <int DKP, int DVP, typename T, int MODE>
 static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles, const void *maps)
 {
     const size_t smem = qwg_layout<DKP, DVP, MODE>::bytes + 1024;
-    g_check(g, cudaFuncSetAttribute(qwg_kernel<DKP, DVP, T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    g_smem_optin(g, (const void *)qwg_kernel<DKP, DVP, T, MODE>, smem);
     if (g->err != NSA_STATUS_SUCCESS) return;
     const CUtensorMap *m = (const CUtensorMap *)maps;
     qparams Pl = *P;

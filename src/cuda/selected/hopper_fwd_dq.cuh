@@ -356,7 +356,7 @@ static void launch_sfw_t(grun *g, const qparams *P, int64_t tiles, const void *t
 {
     const size_t smem = sfw_layout<DP, BN, NS>::bytes + 1024;
     auto kern = sfw_kernel<DP, T, MODE, BN, NS, NP, RP, KS>;
-    g_check(g, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    g_smem_optin(g, (const void *)kern, smem);
     if (g->err != NSA_STATUS_SUCCESS) return;
     kern<<<dim3((unsigned)tiles, (unsigned)P->H), 32 * (NP / RP) * KS, smem, g->st>>>(*P, *(const CUtensorMap *)tk,
                                                                          *(const CUtensorMap *)tv);

@@ -186,8 +186,8 @@ void nsa_cu_invert(grun *g, const int32_t *U, const int32_t *ucnt, int64_t m, in
     P.cnt_pref = cnt_pref, P.offs_pref = ix->offs_pref, P.list_pref = ix->list_pref;
     P.m = m, P.lp = lp, P.T = p->T, P.H = p->H, P.sm = sm;
     if (hist_bytes > 48 * 1024) {
-        g_check(g, cudaFuncSetAttribute(inv_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)hist_bytes));
-        g_check(g, cudaFuncSetAttribute(inv_fill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)hist_bytes));
+        g_smem_optin(g, (const void *)inv_count_kernel, hist_bytes);
+        g_smem_optin(g, (const void *)inv_fill_kernel, hist_bytes);
         if (!g_live(g)) return;
     }
     if (nchunks > 0) {

@@ -223,7 +223,7 @@ template <int DKP, typename T>
 static void launch_select_t(grun *g, const sparams *P, int64_t tiles)
 {
     const size_t smem = select_smem(DKP, P->P, P->JC, P->n, P->HC);
-    g_check(g, cudaFuncSetAttribute(select_kernel<DKP, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    g_smem_optin(g, (const void *)select_kernel<DKP, T>, smem);
     if (g->err != NSA_STATUS_SUCCESS) return;
     select_kernel<DKP, T><<<dim3((unsigned)tiles, (unsigned)P->H), 128, smem, g->st>>>(*P);
     g_launched(g);

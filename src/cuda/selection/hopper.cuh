@@ -435,7 +435,7 @@ template <int DKP, typename T, int NR, int MS, bool WS>
 static void launch_swg_nr(grun *g, const sparams *P, int64_t tiles, const void *maps)
 {
     const size_t smem = swg_smem(DKP, P->JC, NR, MS, (int)P->G, WS);
-    g_check(g, cudaFuncSetAttribute(swg_kernel<DKP, T, NR, MS, WS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    g_smem_optin(g, (const void *)swg_kernel<DKP, T, NR, MS, WS>, smem);
     if (g->err != NSA_STATUS_SUCCESS) return;
     const CUtensorMap *m = (const CUtensorMap *)maps;
     swg_kernel<DKP, T, NR, MS, WS><<<dim3((unsigned)tiles, (unsigned)P->H), WS ? 256 : 128, smem, g->st>>>(*P, m[0], m[1]);

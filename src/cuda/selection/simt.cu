@@ -89,7 +89,7 @@ void nsa_cu_select_simt(grun *g, const sparams *P, int64_t B)
                P->n, g->dev.smem_max / (SEL_SIMT_WARPS * 8));
         return;
     }
-    g_check(g, cudaFuncSetAttribute(select_simt_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    g_smem_optin(g, (const void *)select_simt_kernel, smem);
     if (!g_live(g)) return;
     int dev = 0, sms = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||

@@ -413,7 +413,7 @@ static void run_step(grun *g, const nsa_step_args *a)
         return;
     }
     const size_t smem = (size_t)STEP_WARPS * (size_t)(P.m > P.n ? P.m : P.n) * 8;
-    g_check(g, cudaFuncSetAttribute(step_query_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    g_smem_optin(g, (const void *)step_query_kernel, smem);
     if (!g_live(g)) return;
     step_query_kernel<<<(unsigned)blocks, 32 * STEP_WARPS, smem, g->st>>>(P);
     g_launched(g);

@@ -1284,7 +1284,7 @@ static void ts_launch_k(grun *g, int after, void (*k)(KArgs...), unsigned grid, 
 template <typename T, int D, bool IMP> static void ts_launch_split(grun *g, const step_params &P, const ts_launch &A, int64_t n)
 {
     const size_t smem = ts_smem<D>::end;
-    g_check(g, cudaFuncSetAttribute(ts_split_kernel<T, D, IMP>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    g_smem_optin(g, (const void *)ts_split_kernel<T, D, IMP>, smem);
     if (!g_live(g)) return;
     ts_launch_k(g, !A.check, ts_split_kernel<T, D, IMP>, (unsigned)(n / A.hc * A.ntask), TS_THREADS, smem, P, A);
 }
@@ -1325,7 +1325,7 @@ void step_tiled_launch(grun *g, const step_params *P, const ts_plan *pl, int che
         if (cmp) ts_split_any(g, *P, A1, n, pl->D, P->selects != 0);
         if (P->use_slc) {
             const size_t smem = P->selects ? ts_select_smem(P) : 0;
-            g_check(g, cudaFuncSetAttribute(ts_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+            g_smem_optin(g, (const void *)ts_select_kernel, smem);
             if (!g_live(g)) return;
             ts_launch_k(g, 1, ts_select_kernel, (unsigned)n, TS_SELECT_THREADS, smem, *P, A1, pl->sel, pl->width);
         }
