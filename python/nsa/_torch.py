@@ -670,7 +670,7 @@ class _Prepared:
     struct: bytes        # the argument struct of the recorded call
     args_type: type
     inputs: tuple        # (byte offset of its data pointer, index into the call's inputs) per present input
-    outs: tuple          # (byte offset, shape, dtype) of each output, in return order
+    outs: tuple          # per output in return order: (byte offset, shape, dtype), or None (not asked for)
     fn: object           # nsa_<op>
     op: str
     ctx: object          # the context handle of the device and stream
@@ -692,7 +692,8 @@ def _direct_key(op, tensors, scalars, device):
 
 
 def _direct_run(key, tensors):
-    """The outputs of a replayed call, or None when no call of these layouts was recorded."""
+    """The outputs of a replayed call (None where not asked for), or None when no call of these
+    layouts was recorded."""
     p = _PREPARED.get(key)
     if p is None:
         return None
@@ -701,28 +702,43 @@ def _direct_run(key, tensors):
         _pack_into("P", buf, off, tensors[i].data_ptr())
     device = tensors[0].device
     outs = []
-    for off, shape, dtype in p.outs:
-        t = torch.empty(shape, dtype=dtype, device=device)
-        _pack_into("P", buf, off, t.data_ptr())
+    for out in p.outs:
+        t = None
+        if out is not None:
+            t = torch.empty(out[1], dtype=out[2], device=device)
+            _pack_into("P", buf, out[0], t.data_ptr())
         outs.append(t)
     ws = torch.empty(p.nbytes, dtype=torch.uint8, device=device) if p.nbytes else None
-    _core._check(p.fn(p.ctx, ctypes.byref(p.args_type.from_buffer(buf)), None if ws is None else ws.data_ptr(), p.nbytes),
-                 p.op)
+    args = ctypes.byref(p.args_type.from_buffer(buf))
+    _core._check(p.fn(p.ctx, args, None if ws is None else ws.data_ptr(), p.nbytes), p.op)
     return outs
 
 
 def _direct_record(key, tensors, fields, rec, op, outs):
     """Keeps a recorded call (rec: the _Recorder that ran it; fields: the struct path of each
-    input; outs: (path, shape, dtype) of each output) for later direct calls."""
+    input; outs: (struct path, tensor or None) of each output) for later direct calls."""
     if key is None or not rec.in_place or rec.args is None:
         return
     if len(_PREPARED) >= 64:
         _PREPARED.clear()
     at = type(rec.args)
     inputs = tuple((_data_offset(at, f), i) for i, (f, t) in enumerate(zip(fields, tensors)) if t is not None)
-    outs = tuple((_data_offset(at, f), shape, dtype) for f, shape, dtype in outs)
+    outs = tuple(None if t is None else (_data_offset(at, f), t.shape, t.dtype) for f, t in outs)
     _PREPARED[key] = _Prepared(bytes(rec.args), at, inputs, outs, getattr(_core._L, "nsa_" + op), op, rec.context(),
                                rec.nbytes)
+
+
+def _direct_call(op, q, tensors, scalars, fields, names, full):
+    """The outputs `names` of op (None where not asked for): replayed when a call of these
+    layouts was recorded, else from full(rec), the full path through a _Recorder, and recorded.
+    tensors: the inputs, in the order of fields (their struct paths)."""
+    key = _direct_key(op, tensors, scalars, q.device) if q.is_cuda else None
+    out = _direct_run(key, tensors) if key is not None else None
+    if out is None:
+        rec = _Recorder(q.device)
+        out = full(rec)
+        _direct_record(key, tensors, fields, rec, op, tuple(zip(names, out)))
+    return out
 
 
 _STEP_FIELDS = ("q", "cache.k", "cache.v", "cache.block_table", "seqlens", "q_lens", "k_new", "v_new", "cmp_cache.k",
@@ -814,23 +830,12 @@ if HAS_CUSTOM_OP:
         cfg = _core.config_tuple(config)
         if not plain_eager(q, cache[0], cache[1], k_new, v_new, ck, cv):
             return step_op(*args, *cfg, bool(want_selected))
-        tensors = args[:11] + args[12:]
-        key = _direct_key("step", tensors, (args[11], cfg, bool(want_selected), bool(want_errors)), q.device) \
-            if q.is_cuda else None
-        out = _direct_run(key, tensors) if key is not None else None
-        if out is not None:
-            o, rest = out[0], out[1:]
-            selected = rest.pop(0) if len(rest) > (1 if want_errors else 0) else None
-            errors = rest[0] if want_errors else None
-        else:
-            rec = _Recorder(q.device)
-            o, selected, errors = _core.step(rec, q, (cache[0], cache[1], bt), args[4], _core.Config(*cfg), args[5],
-                                             k_new, v_new, None if ck is None else (ck, cv, ct), args[11], gates,
-                                             args[15], args[16], want_selected, want_errors)
-            outs = (("o", o.shape, o.dtype),) \
-                + ((("selected", selected.shape, torch.int32),) if selected is not None else ()) \
-                + ((("errors", errors.shape, torch.int32),) if errors is not None else ())
-            _direct_record(key, tensors, _STEP_FIELDS, rec, "step", outs)
+        o, selected, errors = _direct_call(
+            "step", q, args[:11] + args[12:], (args[11], cfg, bool(want_selected), bool(want_errors)), _STEP_FIELDS,
+            ("o", "selected", "errors"),
+            lambda rec: _core.step(rec, q, (cache[0], cache[1], bt), args[4], _core.Config(*cfg), args[5], k_new, v_new,
+                                   None if ck is None else (ck, cv, ct), args[11], gates, args[15], args[16],
+                                   want_selected, want_errors))
         if k_new is not None:
             bump_versions(cache[0], cache[1], *((ck, cv) if not cmp_by_caller else ()))
         return o, selected, errors
@@ -845,22 +850,11 @@ if HAS_CUSTOM_OP:
                 float(scale or 0.0), bool(causal), int(window[0]), int(window[1]), float(softcap or 0.0))
         if not plain_eager(q, cache[0], cache[1], k_new, v_new, sinks):
             return attention_step_op(*args)
-        tensors = args[:9]
-        key = _direct_key("attention_step", tensors, args[9:] + (bool(want_lse), bool(want_errors)), q.device) \
-            if q.is_cuda else None
-        out = _direct_run(key, tensors) if key is not None else None
-        if out is not None:
-            o, rest = out[0], out[1:]
-            lse = rest.pop(0) if want_lse else None
-            errors = rest[0] if want_errors else None
-        else:
-            rec = _Recorder(q.device)
-            o, lse, errors = _core.attention_step(rec, q, (cache[0], cache[1], bt), args[4], args[5], k_new, v_new,
-                                                  args[9], args[10], (args[11], args[12]), args[13], sinks, want_lse,
-                                                  want_errors)
-            outs = (("o", o.shape, o.dtype),) + ((("lse", lse.shape, torch.float32),) if lse is not None else ()) \
-                + ((("errors", errors.shape, torch.int32),) if errors is not None else ())
-            _direct_record(key, tensors, _ATTENTION_STEP_FIELDS, rec, "attention_step", outs)
+        o, lse, errors = _direct_call(
+            "attention_step", q, args[:9], args[9:] + (bool(want_lse), bool(want_errors)), _ATTENTION_STEP_FIELDS,
+            ("o", "lse", "errors"),
+            lambda rec: _core.attention_step(rec, q, (cache[0], cache[1], bt), args[4], args[5], k_new, v_new, args[9],
+                                             args[10], (args[11], args[12]), args[13], sinks, want_lse, want_errors))
         if k_new is not None:
             bump_versions(cache[0], cache[1])
         return o, lse, errors

@@ -181,7 +181,6 @@ static float dot(const float *x, const float *y, int64_t n)
     return s;
 }
 
-/* Query i of sequence b, kv head h: its G heads' outputs and (selection on) its blocks. */
 /* Query slot i of sequence b that no query fills (i >= n_b): kv head h's G rows of o zero, of
  * lse -inf (lse NULL for nsa_step), its selection -1 -- every output row is defined after a
  * step (the CUDA backend writes the same, and blanks a sequence it skips). */
@@ -199,6 +198,7 @@ static void step_blank(const nsa_tensor *o, const nsa_tensor *lse, const nsa_ten
     }
 }
 
+/* Query i of sequence b, kv head h: its G heads' outputs and (selection on) its blocks. */
 static void step_query(const nsa_step_args *a, const nsa_problem *p, int64_t b, int64_t i, int64_t h, step_scratch *t)
 {
     const nsa_config *c = &p->cfg;
