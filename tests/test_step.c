@@ -300,10 +300,15 @@ static void run_steps(nsa_context *ctx, const nsa_config *cfg, seqdata *s, int g
         } else if (gates & 2) {
             a.selected = nsa_tensor_4d(idx, NSA_DTYPE_I32, ST_B, Tq, ST_H, n);
         }
+        /* a step that does not select ignores selected, whatever its shape: a one-element
+         * tensor there must come back untouched (and nothing past it written) */
+        int32_t stray = 12345;
+        if (!a.selected.data) a.selected = nsa_tensor_4d(&stray, NSA_DTYPE_I32, 1, 1, 1, 1);
         a.errors = nsa_tensor_make(errors, NSA_DTYPE_I32, 1, (int64_t[]){ST_B});
         a.config = *cfg;
         CHECK_STATUS(step_call(ctx, &a, c), NSA_STATUS_SUCCESS);
         CHECK(errors[0] == NSA_STEP_OK && errors[1] == NSA_STEP_OK && errors[2] == NSA_STEP_OK);
+        blank_bad += stray != 12345;
         for (int64_t b = 0; b < ST_B; b++)
             for (int64_t i = 0; i < cnt[b]; i++) {
                 const int64_t t = L[b] + i;

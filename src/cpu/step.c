@@ -182,8 +182,9 @@ static float dot(const float *x, const float *y, int64_t n)
 }
 
 /* Query slot i of sequence b that no query fills (i >= n_b): kv head h's G rows of o zero, of
- * lse -inf (lse NULL for nsa_step), its selection -1 -- every output row is defined after a
- * step (the CUDA backend writes the same, and blanks a sequence it skips). */
+ * lse -inf (lse NULL for nsa_step), its selection -1 (selected NULL unless the step selects:
+ * only then is it validated) -- every output row is defined after a step (the CUDA backend
+ * writes the same, and blanks a sequence it skips). */
 static void step_blank(const nsa_tensor *o, const nsa_tensor *lse, const nsa_tensor *selected, const nsa_problem *p, int64_t b,
                        int64_t i, int64_t h)
 {
@@ -253,7 +254,7 @@ static void step_query(const nsa_step_args *a, const nsa_problem *p, int64_t b, 
             t->imp[j] = acc * (1.0f / (float)d);
         }
         kept = select_top_n(t->imp, cur, c, t->sel);
-        if (nsa_present(&a->selected)) {
+        if (nsa_present(&a->selected)) { /* (validated: the step selects) */
             int32_t *out = (int32_t *)a->selected.data + io_off(&a->selected, b, i, h);
             for (int64_t e = 0; e < c->slc_topk; e++) out[e] = t->sel[e];
         }
@@ -316,7 +317,7 @@ static void step_query(const nsa_step_args *a, const nsa_problem *p, int64_t b, 
 
 nsa_status nsa_cpu_step(const nsa_context *ctx, const nsa_problem *p, const nsa_step_args *a, void *ws)
 {
-    const int cmp = nsa_present(&a->g_cmp) || (nsa_present(&a->g_slc) && !nsa_present(&a->block_indices));
+    const int selects = nsa_present(&a->g_slc) && !nsa_present(&a->block_indices), cmp = nsa_present(&a->g_cmp) || selects;
     nsa_status st = step_check(a, p, cmp);
     if (st != NSA_STATUS_SUCCESS) return st;
     ws_arena one = {NULL, 0}, all = {(char *)ws, 0};
@@ -341,7 +342,7 @@ nsa_status nsa_cpu_step(const nsa_context *ctx, const nsa_problem *p, const nsa_
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t h = task % p->H, i = (task / p->H) % p->T, b = task / (p->H * p->T);
             if (i < seq_of(a, p, b).n) step_query(a, p, b, i, h, &t);
-            else step_blank(&a->o, NULL, &a->selected, p, b, i, h);
+            else step_blank(&a->o, NULL, selects ? &a->selected : NULL, p, b, i, h);
         }
     }
     return NSA_STATUS_SUCCESS;

@@ -385,10 +385,13 @@ static void run_step(grun *g, const nsa_step_args *a)
     if (!cu_step_supported(g, a)) return;
     step_params P;
     params_common(&P, p, a);
-    P.gc = dv_of(&a->g_cmp), P.gs = dv_of(&a->g_slc), P.gw = dv_of(&a->g_swa), P.idx = dv_of(&a->selected);
+    P.gc = dv_of(&a->g_cmp), P.gs = dv_of(&a->g_slc), P.gw = dv_of(&a->g_swa);
     P.bi = dv_of(&a->block_indices), P.bc = dv_of(&a->block_counts);
     P.use_cmp = nsa_present(&a->g_cmp), P.use_slc = nsa_present(&a->g_slc), P.use_swa = nsa_present(&a->g_swa);
     P.selects = P.use_slc && !nsa_present(&a->block_indices);
+    /* selected is validated, and written, only when the step selects: otherwise a caller's
+     * stale tensor there is not ours to touch */
+    if (P.selects) P.idx = dv_of(&a->selected);
     if (P.use_cmp || P.selects) P.ckv = cache_view(&a->cmp_cache, p->cmp_cap);
     const nsa_config *c = &p->cfg;
     P.l = c->cmp_len, P.d = c->cmp_stride, P.lp = c->slc_block, P.n = c->slc_topk, P.n_init = c->n_init, P.n_local = c->n_local;
