@@ -534,7 +534,7 @@ typedef struct nsa_step_args {
     nsa_tensor block_counts;     /* in, optional [B, Tq, H] I32 (with block_indices only) */
     nsa_tensor o;                /* out [B, Tq, HQ, DV]: rows 0 .. n_b - 1 of each sequence, zero after */
     nsa_tensor selected;         /* out, optional [B, Tq, H, n] I32: the selection the step made
-                                    (selection branch on and no caller indices) */
+                                    (selection branch on and no caller indices; else ignored) */
     nsa_tensor errors;           /* out, optional [B] I32: per sequence NSA_STEP_OK or the nsa_step_error
                                     of the first problem found (CUDA: that sequence skipped) */
     nsa_config config;
