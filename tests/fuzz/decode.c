@@ -265,6 +265,15 @@ static nsa_tensor mk(reader *r, tspec s, nsa_dtype dt, int rank, int64_t d0, int
     return t;
 }
 
+/* An output the call ignores in this configuration (a selection output when the caller gives
+ * the indices, the saved output of a branch that is off): its buffer becomes an input, so that
+ * any write to it is a violation, not only one past its view. */
+static void ignored(const nsa_tensor *t)
+{
+    for (int i = 0; t->data && i < nbufs; i++)
+        if (call_ptr(&bufs[i]) == t->data) bufs[i].is_out = 0;
+}
+
 /* An optional tensor: absent with NULL data and an empty view, unless the presence bit says so. */
 static nsa_tensor opt(reader *r, int present, tspec s, nsa_dtype dt, int rank, int64_t d0, int64_t d1, int64_t d2,
                       int64_t d3)
@@ -615,7 +624,13 @@ static void build_nsa(reader *r, dims *D, nsa_backward_args *a, int bwd, uint8_t
     s->lse_cmp = opt(r, gc || gsl || (p2 & 4), o, F32, 3, D->B, D->T, D->HQ, 0);
     s->lse_slc = opt(r, gsl || (p2 & 4), o, F32, 3, D->B, D->T, D->HQ, 0);
     s->lse_swa = opt(r, gsw || (p2 & 4), o, F32, 3, D->B, D->T, D->HQ, 0);
-    if (!bwd) return;
+    if (!bwd) { /* what a branch that is off, or a selection the caller made, leaves alone */
+        if (!gsl || nsa_present(&f->block_indices)) ignored(&s->block_indices);
+        if (!gc) ignored(&s->o_cmp), ignored(&s->lse_cmp);
+        if (!gsl) ignored(&s->o_slc), ignored(&s->lse_slc);
+        if (!gsw) ignored(&s->o_swa), ignored(&s->lse_swa);
+        return;
+    }
     a->dout = mk(r, IN, D->dt, 4, D->B, D->T, D->HQ, D->DV);
     a->dq = mk(r, OUT, D->dt, 4, D->B, D->T, D->HQ, D->DK);
     a->dk = mk(r, OUT, D->dt, 4, D->B, key_rows(D), D->H, D->DK);
@@ -664,6 +679,7 @@ static void build_step(reader *r, dims *D, nsa_step_args *a, uint8_t pres)
     tspec idx = {0, (int)D->nb, 0}, cnt = {0, (int)D->M, 0};
     a->block_indices = opt(r, ci & 1, idx, I32, 4, D->B, Tq, D->H, D->M);
     a->block_counts = opt(r, (ci & 1) && (ci & 2), cnt, I32, 3, D->B, Tq, D->H, 0);
+    if (!nsa_present(&a->g_slc) || nsa_present(&a->block_indices)) ignored(&a->selected); /* the step selects nothing */
 }
 
 /* The dense step: nsa_step's caches and lengths (build_step's draws), the attention options
