@@ -21,7 +21,7 @@ CFLAGS_BASE := -std=c11 -Wall -Wextra -Werror -fPIC -fopenmp -ffp-contract=fast 
 LDLIBS := -fopenmp -lm
 
 # The CUDA planners are plain C: built in every configuration, so the CPU suite tests them.
-LIB_SRC := src/api.c src/validate.c $(sort $(wildcard src/mod/*.c)) $(sort $(wildcard src/cpu/*.c)) src/cuda/plan.c $(sort $(wildcard src/cuda/*/plan.c))
+LIB_SRC := src/api.c src/flex_route.c src/validate.c $(sort $(wildcard src/mod/*.c)) $(sort $(wildcard src/cpu/*.c)) src/cuda/plan.c $(sort $(wildcard src/cuda/*/plan.c))
 LIB_OBJ := $(LIB_SRC:%.c=$(B)/obj/%.o)
 KIT_SRC := $(sort $(wildcard tests/kit/*.c))
 KIT_OBJ := $(KIT_SRC:%.c=$(B)/obj/%.o)

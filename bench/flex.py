@@ -10,8 +10,11 @@ per pair forward, 2.5x that for forward + backward), from closed forms per mod. 
 events after warm-up, the L2 flushed before each run, median of --reps runs. A failing row
 (out of memory, not supported) is recorded as skipped with its reason, never fatal.
 
-Rows {"impl": "nsa"|"flex", "mod", "T", "HQ", "H", "pass": "fwd"|"fwd+bwd", "ms", "tflops",
-"gpu"} go to <out>/<date>-<gpu>-flex.json with a meta file.
+Rows {"impl": "nsa"|"nsa-fixed"|"flex", "mod", "T", "HQ", "H", "pass": "fwd"|"fwd+bwd", "ms",
+"tflops", "gpu"} go to <out>/<date>-<gpu>-flex.json with a meta file. "nsa-fixed" is nsa's own
+attention op with the mod's fixed options (causal, window, softcap; documents as varlen
+sequences), where the mod is one: nsa.flex_attention takes that path itself for such mods (the
+dense route, docs/spec.md 14), so its rows there should read as nsa-fixed's.
 
   python3 bench/flex.py --out bench/results
   python3 bench/flex.py --self-test                    # the pair counts and the table, no GPU
@@ -32,7 +35,21 @@ import peers as harness  # noqa: E402  (device_description, gpu_slug, parse_T, f
 D = 128
 WINDOW, PREFIX, DOC = 1024, 2048, 4096
 MODS = ("causal", "window", "prefix", "document", "alibi", "softcap", "relbias")
-IMPLS = ("nsa", "flex")
+IMPLS = ("nsa", "nsa-fixed", "flex")
+FIXED = ("causal", "window", "document", "softcap")  # the mods nsa.attention's options express
+
+
+def fixed_options(mod, T):
+    """nsa.attention's options for a mod that has them (B = 1; documents of DOC tokens as varlen)."""
+    if mod == "causal":
+        return dict(causal=True)
+    if mod == "window":  # q - k < WINDOW and k <= q
+        return dict(causal=True, window=(WINDOW - 1, -1))
+    if mod == "softcap":
+        return dict(causal=True, softcap=30.0)
+    if mod == "document":
+        return dict(causal=True, cu_seqlens=list(range(0, T, DOC)) + [T])
+    raise ValueError(mod)
 
 
 def visible_pairs(mod, T):
@@ -63,17 +80,18 @@ def make_row(impl, mod, T, HQ, H, pass_name, ms, gpu):
 
 
 def format_table(rows, skipped=()):
-    lines = ["%-5s %-9s %6s %7s %-8s %10s %8s %10s" % ("impl", "mod", "T", "HQ/H", "pass", "ms", "TFLOP/s", "nsa/flex")]
+    lines = ["%-9s %-9s %6s %7s %-8s %10s %8s %10s" % ("impl", "mod", "T", "HQ/H", "pass", "ms", "TFLOP/s", "/ flex")]
     ref = {(r["mod"], r["T"], r["HQ"], r["pass"]): r["ms"] for r in rows if r["impl"] == "flex"}
     for r in sorted(rows, key=lambda r: (MODS.index(r["mod"]), r["T"], -r["HQ"], r["pass"], IMPLS.index(r["impl"]))):
         peer = ref.get((r["mod"], r["T"], r["HQ"], r["pass"]))
-        ratio = "%.3f" % (r["ms"] / peer) if r["impl"] == "nsa" and peer else ""
-        lines.append("%-5s %-9s %6s %7s %-8s %10.3f %8.1f %10s" % (r["impl"], r["mod"], harness.fmt_T(r["T"]),
+        ratio = "%.3f" % (r["ms"] / peer) if r["impl"] != "flex" and peer else ""
+        lines.append("%-9s %-9s %6s %7s %-8s %10.3f %8.1f %10s" % (r["impl"], r["mod"], harness.fmt_T(r["T"]),
                                                                    "%d/%d" % (r["HQ"], r["H"]), r["pass"], r["ms"],
                                                                    r["tflops"], ratio))
     for s in skipped:
         lines.append("skipped: %s" % s)
-    lines.append("TFLOP/s: visible pairs only (4 D flops each forward, 2.5x for fwd+bwd); nsa/flex < 1: nsa faster")
+    lines.append("TFLOP/s: visible pairs only (4 D flops each forward, 2.5x for fwd+bwd); / flex < 1: faster than "
+                 "FlexAttention")
     return "\n".join(lines)
 
 
@@ -111,7 +129,9 @@ def self_test():
     t = format_table([r, make_row("flex", "causal", 16384, 16, 16, "fwd", 2.5, "H100")], ["nsa fwd+bwd: no CUDA backward"])
     check("0.800" in t and "skipped: nsa" in t, "table ratio and skips")
     check(json.loads(json.dumps([r]))[0] == r, "JSON round trip")
-    total = 4 * 4 * len(MODS) + 3
+    check(fixed_options("window", 100)["window"] == (WINDOW - 1, -1) and
+          fixed_options("document", 2 * DOC + 5)["cu_seqlens"] == [0, DOC, 2 * DOC, 2 * DOC + 5], "fixed options")
+    total = 4 * 4 * len(MODS) + 4
     print("%d passed, %d failed" % (total - fails, fails))
     return 1 if fails else 0
 
@@ -173,6 +193,15 @@ class Bench:
                 o = nsa.flex_attention(q, k, v, score_mod=sm, block_mask=bm, enable_gqa=H != HQ)
                 if grad:
                     o.backward(torch.ones_like(o))
+        elif impl == "nsa-fixed":
+            import nsa
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, T, H, D] views of the same tensors
+            opts = fixed_options(mod, T)
+
+            def run():
+                o = nsa.attention(qt, kt, vt, **opts).o
+                if grad:
+                    o.backward(torch.ones_like(o))
         else:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
             harness.raise_compile_limits(torch)  # (a compile per mod, T and pass)
@@ -198,6 +227,8 @@ def run(args):
             for HQ, H in args.heads:
                 for pass_name in args.passes:
                     for impl in args.impl:
+                        if impl == "nsa-fixed" and mod not in FIXED:
+                            continue  # (no fixed option expresses the mod)
                         what = "%s %s T=%s %d/%d %s" % (impl, mod, harness.fmt_T(T), HQ, H, pass_name)
                         try:
                             fn = bench.closure(impl, mod, T, HQ, H, pass_name)

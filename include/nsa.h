@@ -656,7 +656,10 @@ NSA_API nsa_status nsa_create_block_mask(const nsa_mod *mask_mod, int64_t Tq, in
 
 /* CPU and CUDA backends: every form (CUDA: kernels generated per mod pair and compiled by NVRTC
  * on first use; NOT_SUPPORTED saying why where NVRTC is missing). The CUDA backward is
- * deterministic too: its tensor gradients are summed exactly (spec 14). */
+ * deterministic too: its tensor gradients are summed exactly (spec 14). Mods that are
+ * nsa_attention options (causal, windows, a document mask, a softcap) with Tq == Tk and a block
+ * mask that visits what they see run on nsa_attention's kernels (spec 14, "the dense route";
+ * NSA_FLEX_ROUTE=0 turns it off). */
 NSA_API nsa_status nsa_flex_attention_workspace_size(nsa_context *ctx, const nsa_flex_args *args, size_t *bytes);
 NSA_API nsa_status nsa_flex_attention(nsa_context *ctx, const nsa_flex_args *args, void *workspace, size_t workspace_bytes);
 NSA_API nsa_status nsa_flex_attention_bwd_workspace_size(nsa_context *ctx, const nsa_flex_bwd_args *args, size_t *bytes);

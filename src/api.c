@@ -2,6 +2,7 @@
  * strings, tensor views, configuration helpers, contexts, and the one dispatch place
  * (validate -> workspace check -> backend) shared by every operation. */
 #include "internal.h"
+#include "flex_route.h"
 #include "rules.h"
 #include "cpu/cpu.h"
 #ifdef NSA_WITH_CUDA
@@ -372,7 +373,7 @@ static size_t op_workspace(const nsa_context *ctx, const nsa_problem *p, op_call
 }
 
 /* The backend's run of a validated call with enough workspace. */
-static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_call c, void *ws)
+static nsa_status backend_run(const nsa_context *ctx, const nsa_problem *p, op_call c, void *ws)
 {
 #ifdef NSA_WITH_CUDA
     if (ctx->backend == NSA_BACKEND_CUDA) {
@@ -418,6 +419,157 @@ static nsa_status op_backend(const nsa_context *ctx, const nsa_problem *p, op_ca
     case OP_FLEX_BWD: return nsa_cpu_flex_bwd(ctx, p, (const nsa_flex_bwd_args *)c.args, ws);
     }
     return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "op: unknown operation %d", (int)c.op);
+}
+
+/* ---- block-sparse attention's dense route (flex_route.h, spec 14) ---------------------------- */
+/* A flex call whose mods are attention options, whose block mask visits what they see and whose
+ * q, k are finite (or whose score_mod is a softcap) runs as nsa_attention / nsa_attention_bwd on
+ * the same backend, in the same workspace: the attention's own need first, then (a forward
+ * without lse) a scratch lse. Whether the lists and document ids allow it is known only at run
+ * time, so a query sizes the workspace for both paths. */
+
+enum { ROUTE_ALIGN = 256 };
+
+static size_t route_align(size_t n) { return nsa_size_add(n, ROUTE_ALIGN - 1) / ROUTE_ALIGN * ROUTE_ALIGN; }
+
+static const nsa_flex_args *flex_fwd_of(op_call c)
+{
+    return c.op == OP_FLEX_BWD ? &((const nsa_flex_bwd_args *)c.args)->fwd : (const nsa_flex_args *)c.args;
+}
+
+/* The route's plan: the mods and shapes allow it, and a backward asks no tensor gradient. */
+static int route_plan(op_call c, const nsa_problem *p, flex_route *r)
+{
+    if (c.op != OP_FLEX && c.op != OP_FLEX_BWD) return 0;
+    if (c.op == OP_FLEX_BWD)
+        for (int t = 0; t < NSA_MOD_MAX_TENSORS; t++)
+            if (nsa_present(&((const nsa_flex_bwd_args *)c.args)->dscore_tensors[t])) return 0;
+    return flex_route_plan(flex_fwd_of(c), p, r);
+}
+
+/* The attention call of the route (args in *fa / *ba), lse a scratch at `scratch` in a forward
+ * without one. @return the op_call, or one with args NULL when the mapped call is refused. */
+static op_call route_call(op_call c, const nsa_problem *p, const flex_route *r, const int32_t *cu, int64_t nseq, void *scratch,
+                          nsa_attention_args *fa, nsa_attention_bwd_args *ba, nsa_problem *p2)
+{
+    const nsa_flex_args *a = flex_fwd_of(c);
+    nsa_tensor lse = a->lse;
+    if (!nsa_present(&lse)) lse = nsa_tensor_make(scratch, NSA_DTYPE_F32, 3, (int64_t[]){p->B, p->T, p->HQ});
+    op_call out = {OP_ATTENTION, fa};
+    flex_route_args(r, a, &lse, cu, nseq, fa);
+    if (c.op == OP_FLEX_BWD) {
+        const nsa_flex_bwd_args *fb = (const nsa_flex_bwd_args *)c.args;
+        memset(ba, 0, sizeof *ba);
+        ba->fwd = *fa, ba->dout = fb->dout, ba->dq = fb->dq, ba->dk = fb->dk, ba->dv = fb->dv;
+        out = (op_call){OP_ATTENTION_BWD, ba};
+    }
+    if (op_validate(out, p2) != NSA_STATUS_SUCCESS) out.args = NULL;
+    return out;
+}
+
+static size_t op_workspace(const nsa_context *ctx, const nsa_problem *p, op_call c);
+
+/* The route's need (0: no route): the attention's, over the document runs' extremes (one
+ * document, T of them) when the runs are not known yet, then the scratch lse. */
+static size_t route_need(const nsa_context *ctx, op_call c, const nsa_problem *p, const flex_route *r)
+{
+    static char dummy[ROUTE_ALIGN]; /* a scratch lse's address in a query: never read */
+    const int64_t T = p->T;
+    int32_t one[2] = {0, (int32_t)T}, *each = NULL;
+    if (r->doc) {
+        each = (int32_t *)malloc((size_t)(T + 1) * sizeof(int32_t));
+        if (!each) return 0;
+        for (int64_t i = 0; i <= T; i++) each[i] = (int32_t)i;
+    }
+    size_t need = 0;
+    for (int form = 0; form < (r->doc ? 2 : 1); form++) {
+        nsa_attention_args fa;
+        nsa_attention_bwd_args ba;
+        nsa_problem p2;
+        const op_call ac = route_call(c, p, r, r->doc ? (form ? each : one) : NULL, r->doc ? (form ? T : 1) : 0, dummy, &fa,
+                                      &ba, &p2);
+        const size_t n = ac.args ? op_workspace(ctx, &p2, ac) : SIZE_MAX;
+        if (n == SIZE_MAX) {
+            free(each);
+            nsa_detail_clear(); /* (a refused mapping: the engine's path, no route) */
+            return 0;
+        }
+        need = n > need ? n : need;
+    }
+    free(each);
+    if (c.op == OP_FLEX && !nsa_present(&flex_fwd_of(c)->lse))
+        need = nsa_size_add(route_align(need), nsa_size_mul(nsa_size_elems(p->B, p->T, p->HQ, 1), sizeof(float)));
+    return need > ROUTE_ALIGN ? need : ROUTE_ALIGN; /* (CUDA: the scan's flag) */
+}
+
+static nsa_status backend_run(const nsa_context *ctx, const nsa_problem *p, op_call c, void *ws);
+
+/* Runs the route when the call's data allow it (*taken), else leaves everything untouched. */
+static nsa_status route_run(const nsa_context *ctx, op_call c, const nsa_problem *p, const flex_route *r, void *ws, int *taken)
+{
+    *taken = 0;
+    const nsa_flex_args *a = flex_fwd_of(c);
+    flex_route_host h;
+    memset(&h, 0, sizeof h);
+    nsa_status st;
+#ifdef NSA_WITH_CUDA
+    if (ctx->backend == NSA_BACKEND_CUDA) st = nsa_cuda_flex_route_read(ctx, p, a, r, ws, &h);
+    else
+#endif
+        st = flex_route_host_cpu(a, p, r, &h);
+    nsa_flex_args hl = *a; /* the lists' contents, checked as the engine checks them: a bad list is refused either way */
+    hl.block_mask = h.lists;
+    if (st == NSA_STATUS_SUCCESS) st = nsa_flex_lists_check(&hl, p);
+    int32_t *cu = st == NSA_STATUS_SUCCESS && r->doc ? (int32_t *)malloc((size_t)(p->T + 1) * sizeof(int32_t)) : NULL;
+    int64_t nseq = 0;
+    const int go = st == NSA_STATUS_SUCCESS && (!r->doc || cu) && flex_route_decide(r, &h, p, cu, &nseq) == 1;
+    flex_route_host_free(&h);
+    if (st != NSA_STATUS_SUCCESS || !go) {
+        free(cu);
+        return st;
+    }
+    /* the scratch lse after the attention's own workspace (route_need's layout) */
+    nsa_attention_args fa;
+    nsa_attention_bwd_args ba;
+    nsa_problem p2;
+    op_call ac = route_call(c, p, r, cu, nseq, ws, &fa, &ba, &p2);
+    if (ac.args && c.op == OP_FLEX && !nsa_present(&a->lse)) {
+        const size_t own = op_workspace(ctx, &p2, ac);
+        ac = route_call(c, p, r, cu, nseq, (char *)ws + route_align(own), &fa, &ba, &p2);
+    }
+    if (ac.args) {
+        st = backend_run(ctx, &p2, ac, ws);
+        *taken = st != NSA_STATUS_NOT_SUPPORTED; /* (a backend that cannot take the mapped call: the engine's path) */
+        if (*taken) flex_route_note_taken();
+    }
+    if (!*taken) {
+        nsa_detail_clear();
+        st = NSA_STATUS_SUCCESS;
+    }
+    free(cu);
+    return st;
+}
+
+/* The workspace of a validated call: the backend's, and for a flex call that may take the dense
+ * route, that route's if larger. */
+static size_t op_need(const nsa_context *ctx, const nsa_problem *p, op_call c)
+{
+    const size_t own = op_workspace(ctx, p, c);
+    flex_route r;
+    if (own == SIZE_MAX || !route_plan(c, p, &r)) return own;
+    const size_t route = route_need(ctx, c, p, &r);
+    return route > own ? route : own;
+}
+
+static nsa_status op_run(const nsa_context *ctx, const nsa_problem *p, op_call c, void *ws)
+{
+    flex_route r;
+    if (route_plan(c, p, &r)) {
+        int taken = 0;
+        const nsa_status st = route_run(ctx, c, p, &r, ws, &taken);
+        if (st != NSA_STATUS_SUCCESS || taken) return st;
+    }
+    return backend_run(ctx, p, c, ws);
 }
 
 /* Both halves of every public op: validate everything (once), size the workspace, then
@@ -467,7 +619,7 @@ static nsa_status op_dispatch(nsa_context *ctx, op_call c, op_mode mode, size_t 
     nsa_status st = op_validate(c, &p);
     if (st != NSA_STATUS_SUCCESS) return st;
     const int empty = no_heads(c, &p);
-    const size_t need = empty ? 0 : op_workspace(ctx, &p, c);
+    const size_t need = empty ? 0 : op_need(ctx, &p, c);
     /* the backends size with size.h's saturating arithmetic: SIZE_MAX is a need that
      * overflowed somewhere on the way, refused here for every op and both backends */
     if (need == SIZE_MAX)
@@ -481,7 +633,7 @@ static nsa_status op_dispatch(nsa_context *ctx, op_call c, op_mode mode, size_t 
         return nsa_fail(NSA_STATUS_WORKSPACE_TOO_SMALL, "workspace_bytes: %zu < %zu needed", workspace_bytes, need);
     if (need > 0 && !workspace)
         return nsa_fail(NSA_STATUS_NULL_POINTER, "workspace: NULL but %zu bytes are needed", need);
-    return done(empty ? run_no_heads(ctx, c) : op_backend(ctx, &p, c, workspace));
+    return done(empty ? run_no_heads(ctx, c) : op_run(ctx, &p, c, workspace));
 }
 
 /* ---- the public ops: each a query and a call through op_dispatch ----------------------- */

@@ -11,13 +11,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "flex_route.h" /* the dense route's switch and count */
 #include "harness.h"
 #include "nsa.h"
 #include "sweep.h" /* sweep_memory: the device's memory hooks (test_flex_on) */
 
 enum { FB = 2, FHQ = 4, FH = 2, FDK = 12, FDV = 10, QBLK = 8, KBLK = 16 };
 
-static int32_t g_doc[64];
+static int32_t g_doc[64], g_docs[64]; /* ids that come back; one run per id */
 static float g_slope[FHQ], g_rel[FHQ][41];
 
 typedef int (*mask_ref)(int64_t b, int64_t h, int64_t q, int64_t k);
@@ -27,6 +28,10 @@ static int m_causal(int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void
 static int m_window(int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void)h; return q >= k && q - k < 10; }
 static int m_prefix(int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void)h; return k < 7 || q >= k; }
 static int m_doc(int64_t b, int64_t h, int64_t q, int64_t k) { (void)h; return g_doc[q + b] == g_doc[k + b]; }
+static int m_docs(int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void)h; return g_docs[q] == g_docs[k]; }
+static int m_docs_causal(int64_t b, int64_t h, int64_t q, int64_t k) { return m_docs(b, h, q, k) && q >= k; }
+static int m_strict(int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void)h; return q > k; }
+static int m_band(int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void)h; return llabs(q - k) <= 6; }
 static double s_alibi(double s, int64_t b, int64_t h, int64_t q, int64_t k) { (void)b; return s - g_slope[h] * (double)llabs(q - k); }
 static double s_softcap(double s, int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void)h, (void)q, (void)k; return 3.0 * tanh(s / 3.0); }
 static double s_rel(double s, int64_t b, int64_t h, int64_t q, int64_t k)
@@ -75,11 +80,14 @@ typedef struct flex_case {
     const char *mask_text, *score_text;
     mask_ref mask;
     score_ref score;
-    int blocks;      /* 0: no block mask; 1: random partial / full lists */
+    int blocks;      /* 0: no block mask; 1: random partial / full lists; 2: nsa_create_block_mask's from the mask_mod;
+                        3: that one less a needed block; 4: that one with a partial block listed as full */
     int64_t Tq, Tk;
     int bm, hm;      /* block-mask batch and head dims: 1 or full */
     dscore_ref dscore; /* NULL: the identity */
     dcap_ref dcap;     /* NULL: no tensor gradient */
+    int64_t B;         /* 0: FB */
+    int route;         /* the dense route: 0 not checked, 1 taken by the forward and the backward, 2 by neither */
 } flex_case;
 
 static double rnd_u(test_rng *r) { return rng_uniform(r) * 2.0 - 1.0; }
@@ -128,15 +136,15 @@ static int listed(const bmask *m, int64_t b, int64_t h, int64_t qb, int64_t j)
 
 static void run_case(nsa_context *ctx, const flex_case *c, test_rng *r)
 {
-    const int64_t Tq = c->Tq, Tk = c->Tk, G = FHQ / FH, nqb = (Tq + QBLK - 1) / QBLK, nkb = (Tk + KBLK - 1) / KBLK;
-    float *q = (float *)malloc(sizeof(float) * (size_t)(FB * Tq * FHQ * FDK + 1));
-    float *k = (float *)malloc(sizeof(float) * (size_t)(FB * Tk * FH * FDK + 1));
-    float *v = (float *)malloc(sizeof(float) * (size_t)(FB * Tk * FH * FDV + 1));
-    float *o = (float *)malloc(sizeof(float) * (size_t)(FB * Tq * FHQ * FDV + 1));
-    float *lse = (float *)malloc(sizeof(float) * (size_t)(FB * Tq * FHQ + 1));
-    for (int64_t i = 0; i < FB * Tq * FHQ * FDK; i++) q[i] = (float)rnd_u(r);
-    for (int64_t i = 0; i < FB * Tk * FH * FDK; i++) k[i] = (float)rnd_u(r);
-    for (int64_t i = 0; i < FB * Tk * FH * FDV; i++) v[i] = (float)rnd_u(r);
+    const int64_t B = c->B ? c->B : FB, Tq = c->Tq, Tk = c->Tk, G = FHQ / FH, nqb = (Tq + QBLK - 1) / QBLK, nkb = (Tk + KBLK - 1) / KBLK;
+    float *q = (float *)malloc(sizeof(float) * (size_t)(B * Tq * FHQ * FDK + 1));
+    float *k = (float *)malloc(sizeof(float) * (size_t)(B * Tk * FH * FDK + 1));
+    float *v = (float *)malloc(sizeof(float) * (size_t)(B * Tk * FH * FDV + 1));
+    float *o = (float *)malloc(sizeof(float) * (size_t)(B * Tq * FHQ * FDV + 1));
+    float *lse = (float *)malloc(sizeof(float) * (size_t)(B * Tq * FHQ + 1));
+    for (int64_t i = 0; i < B * Tq * FHQ * FDK; i++) q[i] = (float)rnd_u(r);
+    for (int64_t i = 0; i < B * Tk * FH * FDK; i++) k[i] = (float)rnd_u(r);
+    for (int64_t i = 0; i < B * Tk * FH * FDV; i++) v[i] = (float)rnd_u(r);
     bmask m;
     bmask_make(&m, r, c->bm, c->hm, nqb, nkb);
     const int64_t dsl = 64;
@@ -144,17 +152,33 @@ static void run_case(nsa_context *ctx, const flex_case *c, test_rng *r)
         {"doc", nsa_tensor_make(g_doc, NSA_DTYPE_I32, 1, &dsl)},
         {"slope", nsa_tensor_make(g_slope, NSA_DTYPE_F32, 1, (int64_t[]){FHQ})},
         {"rel", nsa_tensor_make(g_rel, NSA_DTYPE_F32, 2, (int64_t[]){FHQ, 41})},
+        {"docs", nsa_tensor_make(g_docs, NSA_DTYPE_I32, 1, &dsl)},
     };
     nsa_mod *mm = NULL, *sm = NULL;
-    if (c->mask_text) CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, c->mask_text, tens, 3), NSA_STATUS_SUCCESS);
-    if (c->score_text) CHECK_STATUS(nsa_mod_create(&sm, NSA_MOD_SCORE, c->score_text, tens, 3), NSA_STATUS_SUCCESS);
+    if (c->mask_text) CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, c->mask_text, tens, 4), NSA_STATUS_SUCCESS);
+    if (c->score_text) CHECK_STATUS(nsa_mod_create(&sm, NSA_MOD_SCORE, c->score_text, tens, 4), NSA_STATUS_SUCCESS);
+    if (c->blocks >= 2) { /* the exact lists of the mask_mod, as FlexAttention's create_block_mask makes them */
+        nsa_block_mask bm = {QBLK, KBLK, nsa_tensor_3d(m.num, NSA_DTYPE_I32, c->bm, c->hm, nqb),
+                             nsa_tensor_4d(m.idx, NSA_DTYPE_I32, c->bm, c->hm, nqb, nkb),
+                             nsa_tensor_3d(m.fnum, NSA_DTYPE_I32, c->bm, c->hm, nqb),
+                             nsa_tensor_4d(m.fidx, NSA_DTYPE_I32, c->bm, c->hm, nqb, nkb)};
+        CHECK_STATUS(nsa_create_block_mask(mm, Tq, Tk, &bm), NSA_STATUS_SUCCESS);
+        const int64_t row = nqb / 2; /* a middle query block of (b, h) = (0, 0) */
+        if (c->blocks == 3) { /* drop a block some pair of it is visible in: the lists no longer cover the mod */
+            if (m.num[row] > 0) m.num[row]--;
+            else if (m.fnum[row] > 0) m.fnum[row]--;
+        }
+        if (c->blocks == 4 && m.num[row] > 0) { /* a partial block listed as full: its hidden pairs become visible */
+            m.fidx[row * nkb + m.fnum[row]++] = m.idx[row * nkb + --m.num[row]];
+        }
+    }
     nsa_flex_args a;
     memset(&a, 0, sizeof a);
-    a.q = nsa_tensor_4d(q, NSA_DTYPE_F32, FB, Tq, FHQ, FDK);
-    a.k = nsa_tensor_4d(k, NSA_DTYPE_F32, FB, Tk, FH, FDK);
-    a.v = nsa_tensor_4d(v, NSA_DTYPE_F32, FB, Tk, FH, FDV);
-    a.o = nsa_tensor_4d(o, NSA_DTYPE_F32, FB, Tq, FHQ, FDV);
-    a.lse = nsa_tensor_3d(lse, NSA_DTYPE_F32, FB, Tq, FHQ);
+    a.q = nsa_tensor_4d(q, NSA_DTYPE_F32, B, Tq, FHQ, FDK);
+    a.k = nsa_tensor_4d(k, NSA_DTYPE_F32, B, Tk, FH, FDK);
+    a.v = nsa_tensor_4d(v, NSA_DTYPE_F32, B, Tk, FH, FDV);
+    a.o = nsa_tensor_4d(o, NSA_DTYPE_F32, B, Tq, FHQ, FDV);
+    a.lse = nsa_tensor_3d(lse, NSA_DTYPE_F32, B, Tq, FHQ);
     a.block_mask.q_block = QBLK, a.block_mask.kv_block = KBLK;
     if (c->blocks) {
         a.block_mask.kv_num_blocks = nsa_tensor_3d(m.num, NSA_DTYPE_I32, c->bm, c->hm, nqb);
@@ -164,14 +188,16 @@ static void run_case(nsa_context *ctx, const flex_case *c, test_rng *r)
     }
     a.mask_mod = mm, a.score_mod = sm, a.scale = 0.4f;
     size_t need = 0;
+    const long routed0 = flex_route_taken();
     CHECK_STATUS(nsa_flex_attention_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
     void *ws = malloc(need ? need : 1);
     CHECK_STATUS(nsa_flex_attention(ctx, &a, ws, need), NSA_STATUS_SUCCESS);
     free(ws);
+    const long routed_fwd = flex_route_taken() - routed0;
     double worst = 0.0;
     long empty = 0, lse_bad = 0;
     double *s = (double *)malloc(sizeof(double) * (size_t)Tk);
-    for (int64_t b = 0; b < FB; b++)
+    for (int64_t b = 0; b < B; b++)
         for (int64_t hq = 0; hq < FHQ; hq++)
             for (int64_t i = 0; i < Tq; i++) {
                 double mx = -INFINITY;
@@ -214,7 +240,7 @@ static void run_case(nsa_context *ctx, const flex_case *c, test_rng *r)
     if (g_tests_verbose) printf("  %s\n", msg);
 
     /* the backward: dq, dk, dv and the score_mod's tensor gradients against the float64 chain rule */
-    const size_t nq = (size_t)(FB * Tq * FHQ), nk = (size_t)(FB * Tk * FH);
+    const size_t nq = (size_t)(B * Tq * FHQ), nk = (size_t)(B * Tk * FH);
     float *dout = (float *)malloc(sizeof(float) * (nq * FDV + 1)), *dq = (float *)malloc(sizeof(float) * (nq * FDK + 1));
     float *dk = (float *)malloc(sizeof(float) * (nk * FDK + 1)), *dv = (float *)malloc(sizeof(float) * (nk * FDV + 1));
     double *rq = (double *)calloc(nq * FDK + 1, sizeof(double)), *rk = (double *)calloc(nk * FDK + 1, sizeof(double));
@@ -225,19 +251,27 @@ static void run_case(nsa_context *ctx, const flex_case *c, test_rng *r)
     nsa_flex_bwd_args g;
     memset(&g, 0, sizeof g);
     g.fwd = a;
-    g.dout = nsa_tensor_4d(dout, NSA_DTYPE_F32, FB, Tq, FHQ, FDV);
-    g.dq = nsa_tensor_4d(dq, NSA_DTYPE_F32, FB, Tq, FHQ, FDK);
-    g.dk = nsa_tensor_4d(dk, NSA_DTYPE_F32, FB, Tk, FH, FDK);
-    g.dv = nsa_tensor_4d(dv, NSA_DTYPE_F32, FB, Tk, FH, FDV);
-    if (sm) {
+    g.dout = nsa_tensor_4d(dout, NSA_DTYPE_F32, B, Tq, FHQ, FDV);
+    g.dq = nsa_tensor_4d(dq, NSA_DTYPE_F32, B, Tq, FHQ, FDK);
+    g.dk = nsa_tensor_4d(dk, NSA_DTYPE_F32, B, Tk, FH, FDK);
+    g.dv = nsa_tensor_4d(dv, NSA_DTYPE_F32, B, Tk, FH, FDV);
+    const int want_dt = sm && c->route != 1; /* (a tensor gradient asked keeps the engine) */
+    if (want_dt) {
         g.dscore_tensors[1] = nsa_tensor_make(dslope, NSA_DTYPE_F32, 1, (int64_t[]){FHQ});
         g.dscore_tensors[2] = nsa_tensor_make(drel, NSA_DTYPE_F32, 2, (int64_t[]){FHQ, 41});
     }
     CHECK_STATUS(nsa_flex_attention_bwd_workspace_size(ctx, &g, &need), NSA_STATUS_SUCCESS);
     ws = malloc(need ? need : 1);
+    const long routed1 = flex_route_taken();
     CHECK_STATUS(nsa_flex_attention_bwd(ctx, &g, ws, need), NSA_STATUS_SUCCESS);
     free(ws);
-    for (int64_t b = 0; b < FB; b++)
+    if (c->route) { /* which path each call took */
+        const long want = c->route == 1 && flex_route_enabled();
+        snprintf(msg, sizeof msg, "flex, %s: the dense route taken by the forward %ld, the backward %ld (want %ld)", c->name,
+                 routed_fwd, flex_route_taken() - routed1, want);
+        CHECK_MSG(routed_fwd == want && flex_route_taken() - routed1 == want, msg);
+    }
+    for (int64_t b = 0; b < B; b++)
         for (int64_t hq = 0; hq < FHQ; hq++)
             for (int64_t i = 0; i < Tq; i++) {
                 double mx = -INFINITY, den = 0.0, u[64], P[64], o_row[FDV] = {0}, D = 0.0;
@@ -287,7 +321,7 @@ static void run_case(nsa_context *ctx, const flex_case *c, test_rng *r)
             gworst = d > gworst || d != d ? d : gworst;
             gmax = fabs(cmp[t].y[e]) > gmax ? fabs(cmp[t].y[e]) : gmax;
         }
-    if (sm) {
+    if (want_dt) {
         for (int e = 0; e < FHQ; e++) {
             const double d = fabs((double)dslope[e] - rcap[1][e]);
             gworst = d > gworst || d != d ? d : gworst;
@@ -328,7 +362,7 @@ static void run_case(nsa_context *ctx, const flex_case *c, test_rng *r)
 /* The tensors the cases' mods read: document ids, ALiBi slopes, a relative-bias table. */
 static void fill_mod_tables(void)
 {
-    for (int i = 0; i < 64; i++) g_doc[i] = (i * 7 / 23) % 4;
+    for (int i = 0; i < 64; i++) g_doc[i] = (i * 7 / 23) % 4, g_docs[i] = 9 - i / 11; /* (runs of 11, ids falling) */
     for (int h = 0; h < FHQ; h++) {
         g_slope[h] = 1.0f / (float)(1 << (h + 1));
         for (int j = 0; j < 41; j++) g_rel[h][j] = (float)((j * 5 + h) % 11 - 5) * 0.1f;
@@ -340,19 +374,88 @@ static void test_flex_equals_reference(nsa_context *ctx)
     test_rng r = {20261128};
     fill_mod_tables();
     const flex_case cases[] = {
-        {"causal mask_mod, no block mask", "q_idx >= kv_idx", NULL, m_causal, NULL, 0, 37, 37, 1, 1, NULL, NULL},
-        {"sliding window 10", "q_idx >= kv_idx && q_idx - kv_idx < 10", NULL, m_window, NULL, 0, 45, 45, 1, 1, NULL, NULL},
-        {"prefix-LM, Tq != Tk", "kv_idx < 7 || q_idx >= kv_idx", NULL, m_prefix, NULL, 0, 29, 45, 1, 1, NULL, NULL},
+        {"causal mask_mod, no block mask", "q_idx >= kv_idx", NULL, m_causal, NULL, 0, 37, 37, 1, 1, NULL, NULL, 0, 0},
+        {"sliding window 10", "q_idx >= kv_idx && q_idx - kv_idx < 10", NULL, m_window, NULL, 0, 45, 45, 1, 1, NULL, NULL, 0, 0},
+        {"prefix-LM, Tq != Tk", "kv_idx < 7 || q_idx >= kv_idx", NULL, m_prefix, NULL, 0, 29, 45, 1, 1, NULL, NULL, 0, 0},
         {"documents + ALiBi, random blocks", "doc[q_idx + b] == doc[kv_idx + b]", "score - slope[h] * abs(q_idx - kv_idx)",
-         m_doc, s_alibi, 1, 37, 45, FB, FHQ, d_one, c_alibi},
+         m_doc, s_alibi, 1, 37, 45, FB, FHQ, d_one, c_alibi, 0, 0},
         {"softcap, random blocks broadcast over b", NULL, "3.0 * tanh(score / 3.0)", NULL, s_softcap, 1, 40, 33, 1, FHQ, d_softcap,
-         NULL},
+         NULL, 0, 0},
         {"relative bias table (clamped), blocks broadcast over h", "q_idx >= kv_idx", "score + rel[h, q_idx - kv_idx + 20]",
-         m_causal, s_rel, 1, 45, 45, FB, 1, d_one, c_rel},
+         m_causal, s_rel, 1, 45, 45, FB, 1, d_one, c_rel, 0, 0},
         {"scores sent to -inf, empty rows", NULL, "where(kv_idx % 3 == 0 || q_idx == 5, -exp(1000.0), score * 2)", NULL, s_hide, 1,
-         23, 30, 1, 1, d_two, NULL},
+         23, 30, 1, 1, d_two, NULL, 0, 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(ctx, &cases[i], &r);
+}
+
+/* The dense route (spec 14): mods that are nsa_attention options, with block masks that visit
+ * what they see, run on the attention kernels -- each case twice, route on and off, both against
+ * the float64 reference, the path each call took counted; near misses keep the engine. */
+static void test_flex_dense_route(nsa_context *ctx)
+{
+    fill_mod_tables();
+    const flex_case cases[] = {
+        {"route: causal, create_block_mask's lists", "q_idx >= kv_idx", NULL, m_causal, NULL, 2, 45, 45, 1, 1, NULL, NULL, 0, 1},
+        {"route: window 10 as FlexAttention writes it, lists per (b, h)", "(q_idx >= kv_idx) & ((q_idx - kv_idx) < 10)", NULL,
+         m_window, NULL, 2, 45, 45, FB, FHQ, NULL, NULL, 0, 1},
+        {"route: window 10, the other operand order", "kv_idx <= q_idx && kv_idx - q_idx > -10", NULL, m_window, NULL, 2, 37, 37, 1,
+         1, NULL, NULL, 0, 1},
+        {"route: both sides, abs(q_idx - kv_idx) <= 6, no block mask", "abs(q_idx - kv_idx) <= 6", NULL, m_band, NULL, 0, 41, 41, 1,
+         1, NULL, NULL, 0, 1},
+        {"route: documents (one run each), causal", "(docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)", NULL, m_docs_causal, NULL,
+         2, 50, 50, 1, 1, NULL, NULL, 1, 1},
+        {"route: documents, both directions, no block mask", "docs[kv_idx] == docs[q_idx]", NULL, m_docs, NULL, 0, 43, 43, 1, 1,
+         NULL, NULL, 1, 1},
+        {"route: softcap, causal lists", "q_idx >= kv_idx", "3.0 * tanh(score / 3.0)", m_causal, s_softcap, 2, 40, 40, 1, 1,
+         d_softcap, NULL, 0, 1},
+        {"route: softcap with int constants, no mask", NULL, "tanh(score / 3) * 3", NULL, s_softcap, 0, 33, 33, 1, 1, d_softcap,
+         NULL, 0, 1},
+        {"no route: a needed block dropped", "q_idx >= kv_idx", NULL, m_causal, NULL, 3, 45, 45, 1, 1, NULL, NULL, 0, 2},
+        {"no route: a partial block listed as full", "q_idx >= kv_idx", NULL, m_causal, NULL, 4, 45, 45, 1, 1, NULL, NULL, 0, 2},
+        {"no route: document ids that come back", "doc[q_idx] == doc[kv_idx]", NULL, m_doc, NULL, 0, 40, 40, 1, 1, NULL, NULL, 1,
+         2},
+        {"no route: documents with B = 2", "docs[q_idx] == docs[kv_idx]", NULL, m_docs, NULL, 0, 40, 40, 1, 1, NULL, NULL, 2, 2},
+        {"no route: Tq != Tk", "q_idx >= kv_idx", NULL, m_causal, NULL, 2, 29, 45, 1, 1, NULL, NULL, 0, 2},
+        {"no route: q_idx > kv_idx", "q_idx > kv_idx", NULL, m_strict, NULL, 2, 37, 37, 1, 1, NULL, NULL, 0, 2},
+    };
+    const int was = flex_route_enabled();
+    flex_route_set_enabled(1);
+    { /* an infinite q keeps the engine without a softcap (a row of -inf scores is empty there, NaN in dense
+         attention) and takes the route with one (every score finite or NaN, the same either way) */
+        enum { T = 24 };
+        static float q[T * FHQ * FDK], k[T * FH * FDK], v[T * FH * FDV], o[T * FHQ * FDV];
+        test_rng r = {5};
+        for (int i = 0; i < T * FHQ * FDK; i++) q[i] = (float)rnd_u(&r);
+        for (int i = 0; i < T * FH * FDK; i++) k[i] = (float)rnd_u(&r);
+        for (int i = 0; i < T * FH * FDV; i++) v[i] = (float)rnd_u(&r);
+        q[5 * FHQ * FDK + 3] = INFINITY;
+        nsa_mod *mm = NULL, *sm = NULL;
+        CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, "q_idx >= kv_idx", NULL, 0), NSA_STATUS_SUCCESS);
+        CHECK_STATUS(nsa_mod_create(&sm, NSA_MOD_SCORE, "2.0 * tanh(score / 2.0)", NULL, 0), NSA_STATUS_SUCCESS);
+        nsa_flex_args a;
+        memset(&a, 0, sizeof a);
+        a.q = nsa_tensor_4d(q, NSA_DTYPE_F32, 1, T, FHQ, FDK), a.k = nsa_tensor_4d(k, NSA_DTYPE_F32, 1, T, FH, FDK);
+        a.v = nsa_tensor_4d(v, NSA_DTYPE_F32, 1, T, FH, FDV), a.o = nsa_tensor_4d(o, NSA_DTYPE_F32, 1, T, FHQ, FDV);
+        a.block_mask.q_block = QBLK, a.block_mask.kv_block = KBLK, a.mask_mod = mm;
+        for (int with_cap = 0; with_cap < 2; with_cap++) {
+            a.score_mod = with_cap ? sm : NULL;
+            size_t need = 0;
+            CHECK_STATUS(nsa_flex_attention_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
+            void *ws = malloc(need ? need : 1);
+            const long before = flex_route_taken();
+            CHECK_STATUS(nsa_flex_attention(ctx, &a, ws, need), NSA_STATUS_SUCCESS);
+            CHECK(flex_route_taken() - before == with_cap);
+            free(ws);
+        }
+        nsa_mod_destroy(mm), nsa_mod_destroy(sm);
+    }
+    for (int on = 1; on >= 0; on--) {
+        flex_route_set_enabled(on);
+        test_rng r = {20261127};
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(ctx, &cases[i], &r);
+    }
+    flex_route_set_enabled(was);
 }
 
 /* Bad block masks and mods: the status, the detail naming the argument, o untouched. */
@@ -610,6 +713,7 @@ void test_flex_all(void)
     CHECK_STATUS(nsa_context_create(&ctx, &d), NSA_STATUS_SUCCESS);
     if (!ctx) return;
     test_flex_equals_reference(ctx);
+    test_flex_dense_route(ctx);
     test_flex_refuses(ctx);
     test_flex_bwd_refuses(ctx);
     test_create_block_mask(ctx);
@@ -630,8 +734,8 @@ static void *dev_copy(const sweep_memory *mem, const void *host, size_t bytes)
  * the same bits (deterministic). */
 static void flex_device_case(nsa_context *cpu, nsa_context *gpu, const sweep_memory *mem, const flex_case *c, test_rng *r)
 {
-    const int64_t Tq = c->Tq, Tk = c->Tk, nqb = (Tq + QBLK - 1) / QBLK, nkb = (Tk + KBLK - 1) / KBLK;
-    const size_t nq = (size_t)(FB * Tq * FHQ), nk = (size_t)(FB * Tk * FH);
+    const int64_t B = c->B ? c->B : FB, Tq = c->Tq, Tk = c->Tk, nqb = (Tq + QBLK - 1) / QBLK, nkb = (Tk + KBLK - 1) / KBLK;
+    const size_t nq = (size_t)(B * Tq * FHQ), nk = (size_t)(B * Tk * FH);
     float *q = (float *)malloc(4 * (nq * FDK + 1)), *k = (float *)malloc(4 * (nk * FDK + 1)), *v = (float *)malloc(4 * (nk * FDV + 1));
     float *o[2], *lse[2];
     for (int x = 0; x < 2; x++) o[x] = (float *)malloc(4 * (nq * FDV + 1)), lse[x] = (float *)malloc(4 * (nq + 1));
@@ -644,6 +748,18 @@ static void flex_device_case(nsa_context *cpu, nsa_context *gpu, const sweep_mem
         dq[x] = (float *)malloc(4 * (nq * FDK + 1)), dk[x] = (float *)malloc(4 * (nk * FDK + 1)), dv[x] = (float *)malloc(4 * (nk * FDV + 1));
     bmask m;
     bmask_make(&m, r, c->bm, c->hm, nqb, nkb);
+    if (c->blocks >= 2) { /* the mask_mod's own lists (host tensors) */
+        const int64_t dsl = 64;
+        const nsa_mod_tensor host_tens[] = {{"docs", nsa_tensor_make(g_docs, NSA_DTYPE_I32, 1, &dsl)}};
+        nsa_mod *hm = NULL;
+        CHECK_STATUS(nsa_mod_create(&hm, NSA_MOD_MASK, c->mask_text, host_tens, 1), NSA_STATUS_SUCCESS);
+        nsa_block_mask bm = {QBLK, KBLK, nsa_tensor_3d(m.num, NSA_DTYPE_I32, c->bm, c->hm, nqb),
+                             nsa_tensor_4d(m.idx, NSA_DTYPE_I32, c->bm, c->hm, nqb, nkb),
+                             nsa_tensor_3d(m.fnum, NSA_DTYPE_I32, c->bm, c->hm, nqb),
+                             nsa_tensor_4d(m.fidx, NSA_DTYPE_I32, c->bm, c->hm, nqb, nkb)};
+        CHECK_STATUS(nsa_create_block_mask(hm, Tq, Tk, &bm), NSA_STATUS_SUCCESS);
+        nsa_mod_destroy(hm);
+    }
     const size_t rows = (size_t)(c->bm * c->hm * nqb);
     void *dev[32] = {0};
     int nd = 0;
@@ -655,18 +771,19 @@ static void flex_device_case(nsa_context *cpu, nsa_context *gpu, const sweep_mem
             {"doc", nsa_tensor_make(PLACE(g_doc, sizeof g_doc), NSA_DTYPE_I32, 1, &dsl)},
             {"slope", nsa_tensor_make(PLACE(g_slope, sizeof g_slope), NSA_DTYPE_F32, 1, (int64_t[]){FHQ})},
             {"rel", nsa_tensor_make(PLACE(g_rel, sizeof g_rel), NSA_DTYPE_F32, 2, (int64_t[]){FHQ, 41})},
+            {"docs", nsa_tensor_make(PLACE(g_docs, sizeof g_docs), NSA_DTYPE_I32, 1, &dsl)},
         };
         nsa_mod *mm = NULL, *sm = NULL;
-        if (c->mask_text) CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, c->mask_text, tens, 3), NSA_STATUS_SUCCESS);
-        if (c->score_text) CHECK_STATUS(nsa_mod_create(&sm, NSA_MOD_SCORE, c->score_text, tens, 3), NSA_STATUS_SUCCESS);
+        if (c->mask_text) CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, c->mask_text, tens, 4), NSA_STATUS_SUCCESS);
+        if (c->score_text) CHECK_STATUS(nsa_mod_create(&sm, NSA_MOD_SCORE, c->score_text, tens, 4), NSA_STATUS_SUCCESS);
         nsa_flex_args a;
         memset(&a, 0, sizeof a);
-        a.q = nsa_tensor_4d(PLACE(q, 4 * nq * FDK), NSA_DTYPE_F32, FB, Tq, FHQ, FDK);
-        a.k = nsa_tensor_4d(PLACE(k, 4 * nk * FDK), NSA_DTYPE_F32, FB, Tk, FH, FDK);
-        a.v = nsa_tensor_4d(PLACE(v, 4 * nk * FDV), NSA_DTYPE_F32, FB, Tk, FH, FDV);
+        a.q = nsa_tensor_4d(PLACE(q, 4 * nq * FDK), NSA_DTYPE_F32, B, Tq, FHQ, FDK);
+        a.k = nsa_tensor_4d(PLACE(k, 4 * nk * FDK), NSA_DTYPE_F32, B, Tk, FH, FDK);
+        a.v = nsa_tensor_4d(PLACE(v, 4 * nk * FDV), NSA_DTYPE_F32, B, Tk, FH, FDV);
         void *od = on_dev ? (dev[nd++] = mem->alloc(4 * nq * FDV)) : o[0], *ld = on_dev ? (dev[nd++] = mem->alloc(4 * nq)) : lse[0];
-        a.o = nsa_tensor_4d(od, NSA_DTYPE_F32, FB, Tq, FHQ, FDV);
-        a.lse = nsa_tensor_3d(ld, NSA_DTYPE_F32, FB, Tq, FHQ);
+        a.o = nsa_tensor_4d(od, NSA_DTYPE_F32, B, Tq, FHQ, FDV);
+        a.lse = nsa_tensor_3d(ld, NSA_DTYPE_F32, B, Tq, FHQ);
         a.block_mask.q_block = QBLK, a.block_mask.kv_block = KBLK;
         if (c->blocks) {
             a.block_mask.kv_num_blocks = nsa_tensor_3d(PLACE(m.num, 4 * rows), NSA_DTYPE_I32, c->bm, c->hm, nqb);
@@ -680,10 +797,16 @@ static void flex_device_case(nsa_context *cpu, nsa_context *gpu, const sweep_mem
         size_t need = 0;
         CHECK_STATUS(nsa_flex_attention_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
         void *ws = on_dev ? mem->alloc(need ? need : 1) : malloc(need ? need : 1);
+        const long routed0 = flex_route_taken();
         const nsa_status st = nsa_flex_attention(ctx, &a, ws, need);
         char msg[300];
         snprintf(msg, sizeof msg, "flex on %s, %s: %s", on_dev ? "CUDA" : "CPU", c->name, nsa_last_error_detail());
         CHECK_MSG(st == NSA_STATUS_SUCCESS, msg);
+        if (c->route) { /* the forward's path, on each backend */
+            snprintf(msg, sizeof msg, "flex on %s, %s: the dense route taken %ld times, want %d", on_dev ? "CUDA" : "CPU", c->name,
+                     flex_route_taken() - routed0, c->route == 1 && flex_route_enabled());
+            CHECK_MSG(flex_route_taken() - routed0 == (c->route == 1 && flex_route_enabled()), msg);
+        }
         if (on_dev) {
             mem->download(o[1], od, 4 * nq * FDV), mem->download(lse[1], ld, 4 * nq);
             mem->release(ws);
@@ -695,12 +818,12 @@ static void flex_device_case(nsa_context *cpu, nsa_context *gpu, const sweep_mem
             nsa_flex_bwd_args g;
             memset(&g, 0, sizeof g);
             g.fwd = a;
-            g.dout = nsa_tensor_4d(on_dev ? (dev[nd++] = dev_copy(mem, dout, 4 * nq * FDV)) : dout, NSA_DTYPE_F32, FB, Tq, FHQ, FDV);
+            g.dout = nsa_tensor_4d(on_dev ? (dev[nd++] = dev_copy(mem, dout, 4 * nq * FDV)) : dout, NSA_DTYPE_F32, B, Tq, FHQ, FDV);
             void *gq = on_dev ? (dev[nd++] = mem->alloc(4 * nq * FDK)) : dq[0], *gk = on_dev ? (dev[nd++] = mem->alloc(4 * nk * FDK)) : dk[0];
             void *gv = on_dev ? (dev[nd++] = mem->alloc(4 * nk * FDV)) : dv[0], *gt = on_dev ? (dev[nd++] = mem->alloc(sizeof dt[0])) : dt[0];
-            g.dq = nsa_tensor_4d(gq, NSA_DTYPE_F32, FB, Tq, FHQ, FDK);
-            g.dk = nsa_tensor_4d(gk, NSA_DTYPE_F32, FB, Tk, FH, FDK);
-            g.dv = nsa_tensor_4d(gv, NSA_DTYPE_F32, FB, Tk, FH, FDV);
+            g.dq = nsa_tensor_4d(gq, NSA_DTYPE_F32, B, Tq, FHQ, FDK);
+            g.dk = nsa_tensor_4d(gk, NSA_DTYPE_F32, B, Tk, FH, FDK);
+            g.dv = nsa_tensor_4d(gv, NSA_DTYPE_F32, B, Tk, FH, FDV);
             if (sm) {
                 g.dscore_tensors[1] = nsa_tensor_make(gt, NSA_DTYPE_F32, 1, (int64_t[]){FHQ});
                 g.dscore_tensors[2] = nsa_tensor_make((float *)gt + FHQ, NSA_DTYPE_F32, 2, (int64_t[]){FHQ, 41});
@@ -809,15 +932,27 @@ void test_flex_on(nsa_backend be, const sweep_memory *mem)
         test_rng r = {20261129};
         fill_mod_tables();
         const flex_case cases[] = {
-            {"causal, no block mask", "q_idx >= kv_idx", NULL, NULL, NULL, 0, 37, 37, 1, 1, NULL, NULL},
+            {"causal, no block mask", "q_idx >= kv_idx", NULL, NULL, NULL, 0, 37, 37, 1, 1, NULL, NULL, 0, 0},
             {"documents + ALiBi, random blocks", "doc[q_idx + b] == doc[kv_idx + b]", "score - slope[h] * abs(q_idx - kv_idx)",
-             NULL, NULL, 1, 37, 45, FB, FHQ, NULL, NULL},
+             NULL, NULL, 1, 37, 45, FB, FHQ, NULL, NULL, 0, 0},
             {"relative bias, blocks broadcast over h", "q_idx >= kv_idx", "score + rel[h, q_idx - kv_idx + 20]", NULL, NULL, 1, 45,
-             45, FB, 1, NULL, NULL},
+             45, FB, 1, NULL, NULL, 0, 0},
             {"scores to -inf, empty rows", NULL, "where(kv_idx % 3 == 0 || q_idx == 5, -exp(1000.0), score * 2)", NULL, NULL, 1,
-             23, 30, 1, 1, NULL, NULL},
+             23, 30, 1, 1, NULL, NULL, 0, 0},
+            {"route: causal, create_block_mask's lists", "q_idx >= kv_idx", NULL, NULL, NULL, 2, 45, 45, 1, 1, NULL, NULL, 0, 1},
+            {"route: window 10, lists per (b, h)", "(q_idx >= kv_idx) & ((q_idx - kv_idx) < 10)", NULL, NULL, NULL, 2, 45, 45, FB,
+             FHQ, NULL, NULL, 0, 1},
+            {"route: documents, causal", "(docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)", NULL, NULL, NULL, 2, 50, 50, 1, 1,
+             NULL, NULL, 1, 1},
+            {"route: softcap, no mask", NULL, "3.0 * tanh(score / 3.0)", NULL, NULL, 0, 33, 33, 1, 1, NULL, NULL, 0, 1},
         };
-        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) flex_device_case(cpu, gpu, mem, &cases[i], &r);
+        /* each case on both paths of the dense route (the engine's kernels for the routed mods too) */
+        const int was = flex_route_enabled();
+        for (int on = 1; on >= 0; on--) {
+            flex_route_set_enabled(on);
+            for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) flex_device_case(cpu, gpu, mem, &cases[i], &r);
+        }
+        flex_route_set_enabled(was);
         flex_host_tensor_refused(gpu, mem);
     }
     nsa_context_destroy(gpu);

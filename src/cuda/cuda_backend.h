@@ -12,6 +12,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#include "../flex_route.h" /* (C declarations, expr.h's among them) */
 
 /* @return nonzero when the CUDA runtime sees at least one device (0, quietly, without a
  *         driver or a GPU). */
@@ -55,6 +56,10 @@ size_t nsa_cuda_flex_workspace(const nsa_context *ctx, const nsa_problem *p, con
 nsa_status nsa_cuda_flex(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_args *a, void *ws);
 size_t nsa_cuda_flex_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_bwd_args *a);
 nsa_status nsa_cuda_flex_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_bwd_args *a, void *ws);
+/* The dense route's inputs (flex_route.h): the block lists and the document ids in host memory,
+ * q and k scanned for non-finite values when the route needs it; ws holds at least 256 bytes. */
+nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_args *a, const flex_route *r,
+                                    void *ws, flex_route_host *h);
 void *nsa_cuda_flex_cache_new(void);
 void nsa_cuda_flex_cache_free(void *cache);
 /* The generated kernel of (mask, score, elem 0 f32 / 1 f16 / 2 bf16) compiled by NVRTC for a

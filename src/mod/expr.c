@@ -1124,3 +1124,144 @@ size_t expr_grad_to_c(const expr_program *p, char *buf, size_t size)
     free(pc_of);
     return w.len;
 }
+
+/* ---- mods that nsa_attention's options express ------------------------------------------------ */
+/* Recognised by the shape of the tree, as FlexAttention's examples (and nsa.flex's tracer) write
+ * them; anything else is left to the block-sparse engine. */
+
+static int int_const(const expr_program *p, int k, int64_t *v)
+{
+    const node *n = &p->tree[k];
+    if (n->op == O_INT && n->type == T_INT) {
+        *v = n->i;
+        return 1;
+    }
+    if (n->op == O_NEG && int_const(p, n->kid[0], v) && *v != INT64_MIN) {
+        *v = -*v;
+        return 1;
+    }
+    return 0;
+}
+
+static int float_const(const expr_program *p, int k, float *v)
+{
+    const node *n = &p->tree[k];
+    int64_t i;
+    if (n->op == O_FLOAT) {
+        *v = n->f;
+        return 1;
+    }
+    if (n->op == O_TO_FLOAT && int_const(p, n->kid[0], &i) && i > -(1 << 24) && i < (1 << 24)) {
+        *v = (float)i; /* (exact) */
+        return 1;
+    }
+    if (n->op == O_NEG && float_const(p, n->kid[0], v)) {
+        *v = -*v;
+        return 1;
+    }
+    return 0;
+}
+
+static int is_op(const expr_program *p, int k, opcode op) { return p->tree[k].op == op; }
+
+/* q_idx - kv_idx (sign 1) or kv_idx - q_idx (sign -1); 0 otherwise */
+static int diff_sign(const expr_program *p, int k)
+{
+    const node *n = &p->tree[k];
+    if (n->op != O_SUB) return 0;
+    if (is_op(p, n->kid[0], O_VAR_Q) && is_op(p, n->kid[1], O_VAR_K)) return 1;
+    if (is_op(p, n->kid[0], O_VAR_K) && is_op(p, n->kid[1], O_VAR_Q)) return -1;
+    return 0;
+}
+
+/* One comparison of the conjunction into *a; 0 when it is not one of the forms. */
+static int attention_atom(const expr_program *p, int k, expr_attention *a)
+{
+    const node *n = &p->tree[k];
+    if (n->op == O_INT && n->type == T_BOOL) return n->i != 0; /* true: no condition */
+    if (n->op < O_LT || n->op > O_EQ || n->nkid != 2) return 0;
+    int x = n->kid[0], y = n->kid[1];
+    opcode op = n->op;
+    if (op == O_EQ) { /* doc[q_idx] == doc[kv_idx] (either order): one rank-1 int32 tensor */
+        const node *l = &p->tree[x], *r = &p->tree[y];
+        if (l->op != O_READ || r->op != O_READ || l->cap != r->cap || l->nkid != 1 || r->nkid != 1) return 0;
+        if (p->cap[l->cap].tensor.dtype != NSA_DTYPE_I32) return 0;
+        const int qk = is_op(p, l->kid[0], O_VAR_Q) && is_op(p, r->kid[0], O_VAR_K);
+        const int kq = is_op(p, l->kid[0], O_VAR_K) && is_op(p, r->kid[0], O_VAR_Q);
+        if (!qk && !kq) return 0;
+        if (a->doc >= 0 && a->doc != l->cap) return 0;
+        a->doc = l->cap;
+        return 1;
+    }
+    /* the variable side on the left: c OP e becomes e OP' c */
+    int64_t c;
+    if (int_const(p, x, &c) || (is_op(p, y, O_VAR_Q) && is_op(p, x, O_VAR_K))) {
+        const int t = x;
+        x = y, y = t;
+        op = op == O_LT ? O_GT : op == O_LE ? O_GE : op == O_GT ? O_LT : O_LE;
+    }
+    if ((is_op(p, x, O_VAR_Q) && is_op(p, y, O_VAR_K) && op == O_GE) || /* q_idx >= kv_idx */
+        (is_op(p, x, O_VAR_K) && is_op(p, y, O_VAR_Q) && op == O_LE)) {  /* kv_idx <= q_idx */
+        a->causal = 1;
+        return 1;
+    }
+    if (!int_const(p, y, &c)) return 0;
+    int64_t w = -2; /* the bound's window, inclusive */
+    const int s = diff_sign(p, x);
+    if (s == 1 && op == O_GE && c == 0) { /* q_idx - kv_idx >= 0 */
+        a->causal = 1;
+        return 1;
+    }
+    if (s == 1 && (op == O_LT || op == O_LE)) { /* q_idx - kv_idx < c: keys down to q_idx - (c - 1) */
+        w = op == O_LT ? c - 1 : c;
+        if (w < 0) return 0;
+        a->window_left = a->window_left < 0 || w < a->window_left ? w : a->window_left;
+        return 1;
+    }
+    if (s == -1 && (op == O_GT || op == O_GE)) { /* kv_idx - q_idx > -c: the same bound */
+        w = op == O_GT ? -c - 1 : -c;
+        if (w < 0 || c == INT64_MIN) return 0;
+        a->window_left = a->window_left < 0 || w < a->window_left ? w : a->window_left;
+        return 1;
+    }
+    if (is_op(p, x, O_ABS) && diff_sign(p, p->tree[x].kid[0]) != 0 && (op == O_LT || op == O_LE)) { /* |q - k| < c */
+        w = op == O_LT ? c - 1 : c;
+        if (w < 0) return 0;
+        a->window_left = a->window_left < 0 || w < a->window_left ? w : a->window_left;
+        a->window_right = a->window_right < 0 || w < a->window_right ? w : a->window_right;
+        return 1;
+    }
+    return 0;
+}
+
+/* Every operand of a tree of logical ands (&&, or & on bools). */
+static int attention_conj(const expr_program *p, int k, expr_attention *a)
+{
+    const node *n = &p->tree[k];
+    if ((n->op == O_AND || n->op == O_BAND) && n->type == T_BOOL)
+        return attention_conj(p, n->kid[0], a) && attention_conj(p, n->kid[1], a);
+    return attention_atom(p, k, a);
+}
+
+int expr_as_attention(const expr_program *mask, const expr_program *score, expr_attention *out)
+{
+    expr_attention a = {0, -1, -1, -1, 0.0f};
+    if (mask && (mask->kind != EXPR_MASK || !attention_conj(mask, mask->root, &a))) return 0;
+    if (score) {
+        if (score->kind != EXPR_SCORE) return 0;
+        const node *n = &score->tree[score->root];
+        if (n->op != O_VAR_SCORE) { /* C * tanh(score / C), either factor first */
+            if (n->op != O_MUL) return 0;
+            int t = n->kid[1], cf = n->kid[0];
+            if (is_op(score, n->kid[0], O_TANH)) t = n->kid[0], cf = n->kid[1];
+            float c1, c2;
+            if (!is_op(score, t, O_TANH) || !float_const(score, cf, &c1)) return 0;
+            const node *d = &score->tree[score->tree[t].kid[0]];
+            if (d->op != O_DIV || !is_op(score, d->kid[0], O_VAR_SCORE) || !float_const(score, d->kid[1], &c2)) return 0;
+            if (!(c1 == c2 && c1 > 0.0f && c1 <= 3.0e38f)) return 0;
+            a.softcap = c1;
+        }
+    }
+    *out = a;
+    return 1;
+}

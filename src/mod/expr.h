@@ -82,6 +82,22 @@ void expr_caps(const expr_program *p, nsa_mod_caps *caps);
 /* Helper functions and the nsa_mod_caps type for generated code (C and CUDA alike). */
 extern const char EXPR_C_PRELUDE[];
 
+/* The mods as nsa_attention's options (spec 14, the dense route): a mask_mod that is a
+ * conjunction (&&, or & of bools) of q_idx >= kv_idx (causal), q_idx - kv_idx < c or <= c (a left
+ * window), abs(q_idx - kv_idx) < c or <= c (both sides) and doc[q_idx] == doc[kv_idx] (a rank-1
+ * int32 tensor: a document mask), in either operand order; a score_mod that is score or
+ * c * tanh(score / c) (a softcap, c > 0). Either mod may be NULL. Positions are FlexAttention's
+ * (top-left), so the options hold for Tq == Tk only; the caller checks the rest. */
+typedef struct expr_attention {
+    int causal;            /* keys kv_idx <= q_idx */
+    int64_t window_left;   /* keys kv_idx >= q_idx - window_left; -1: unbounded */
+    int64_t window_right;  /* keys kv_idx <= q_idx + window_right; -1: unbounded */
+    int doc;               /* the mask's capture of a document mask, -1: none */
+    float softcap;         /* 0: none */
+} expr_attention;
+/* @return 1 and *out when both mods are of those forms, else 0. */
+int expr_as_attention(const expr_program *mask, const expr_program *score, expr_attention *out);
+
 /* Which of the variables the expression reads (bits: 1 b, 2 h, 4 q_idx, 8 kv_idx, 16 score). */
 unsigned expr_uses(const expr_program *p);
 

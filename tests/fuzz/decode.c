@@ -722,7 +722,7 @@ static void build_flex(reader *r, dims *D, nsa_flex_bwd_args *a, int bwd, uint8_
 {
     static const char *const MASKS[] = {"q_idx >= kv_idx", "doc[q_idx] == doc[kv_idx]", "kv_idx % 3 != 1 || h == 0",
                                         "q_idx - kv_idx < 4 && q_idx >= kv_idx"};
-    static const char *const SCORES[] = {"score + tab[h]", "tanh(score) * 3.0", "where(kv_idx % 2 == 0, score, -exp(1000.0))",
+    static const char *const SCORES[] = {"score + tab[h]", "3.0 * tanh(score / 3.0)", "where(kv_idx % 2 == 0, score, -exp(1000.0))",
                                          "score - tab[q_idx - kv_idx] * abs(q_idx - kv_idx)"};
     for (int i = 0; i < 16; i++) g_flex_doc[i] = i / 3;
     for (int i = 0; i < 8; i++) g_flex_tab[i] = 0.25f * (float)(i - 3);

@@ -23,6 +23,7 @@
 #include "../cuda_backend.h"
 extern "C" {
 #include "../../mod/expr.h"
+#include "../../flex_route.h"
 }
 
 /* ---- the parameter block: one definition for the host and for the generated source ---------- */
@@ -1448,6 +1449,72 @@ static void check_mod_memory(grun *g, const nsa_mod *m, const char *which)
         }
     }
 }
+
+/* ---- the dense route's inputs (flex_route.h; api.c decides) ------------------------------------ */
+/* The elements a view spans (its largest offset + 1; validated strides are >= 0), 0 when empty. */
+static int64_t view_span(const nsa_tensor *t)
+{
+    int64_t span = 1;
+    for (int d = 0; d < t->rank; d++) {
+        if (t->shape[d] == 0) return 0;
+        span += (t->shape[d] - 1) * t->stride[d];
+    }
+    return span;
+}
+
+/* The block lists and a document mask's ids copied to the host, and (when the route needs it) a
+ * scan of q and k for non-finite values, its flag read back: one synchronisation of the stream.
+ * ws: at least 256 bytes (the flag). */
+extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_args *a,
+                                               const flex_route *r, void *ws, flex_route_host *h)
+{
+    memset(h, 0, sizeof *h);
+    h->lists = a->block_mask;
+    grun g;
+    g_init(&g, ctx, p, ws, 0);
+    if (g.err != NSA_STATUS_SUCCESS) return g.err;
+    check_mod_memory(&g, a->mask_mod, "mask_mod"); /* (host memory refused as the engine refuses it) */
+    check_mod_memory(&g, a->score_mod, "score_mod");
+    if (g.err != NSA_STATUS_SUCCESS) return g.err;
+    int *flag = NULL;
+    if (flex_route_needs_scan(r)) {
+        flag = g_nf(&g);
+        const dview qv = dv_of(&a->q), kv = dv_of(&a->k);
+        cu_scan_nonfinite(&g, &qv, p->B, p->T, p->HQ, p->DK);
+        cu_scan_nonfinite(&g, &kv, p->B, p->Tk, p->H, p->DK);
+    }
+    nsa_tensor *lists[4] = {&h->lists.kv_num_blocks, &h->lists.kv_indices, &h->lists.full_kv_num_blocks, &h->lists.full_kv_indices};
+    for (int t = 0; t < 4 && g_live(&g); t++) {
+        const int64_t span = nsa_present(lists[t]) ? view_span(lists[t]) : 0;
+        if (span == 0) continue;
+        h->owned[t] = malloc((size_t)span * 4);
+        if (!h->owned[t]) {
+            g_fail(&g, NSA_STATUS_OUT_OF_MEMORY, "block_mask: no host memory for the lists");
+            break;
+        }
+        g_check(&g, cudaMemcpyAsync(h->owned[t], lists[t]->data, (size_t)span * 4, cudaMemcpyDeviceToHost, g.st));
+        lists[t]->data = h->owned[t];
+    }
+    const int64_t dspan = r->doc ? view_span(r->doc) : 0, dn = dspan > p->T ? dspan : p->T;
+    if (r->doc && g_live(&g)) {
+        h->doc = (int32_t *)malloc((size_t)dn * 4);
+        h->owned[4] = h->doc;
+        if (!h->doc) g_fail(&g, NSA_STATUS_OUT_OF_MEMORY, "mask_mod: no host memory for the document ids");
+        else g_check(&g, cudaMemcpyAsync(h->doc, r->doc->data, (size_t)dspan * 4, cudaMemcpyDeviceToHost, g.st));
+    }
+    int nonfinite = 0;
+    if (flag && g_live(&g)) g_check(&g, cudaMemcpyAsync(&nonfinite, flag, sizeof(int), cudaMemcpyDeviceToHost, g.st));
+    if (g_live(&g)) g_check(&g, cudaStreamSynchronize(g.st));
+    if (g.err != NSA_STATUS_SUCCESS) {
+        flex_route_host_free(h);
+        return g.err;
+    }
+    if (r->doc) /* doc[0 .. T) gathered from the strided copy, in place (i * stride >= i) */
+        for (int64_t i = 0; i < p->T; i++) h->doc[i] = h->doc[i * r->doc->stride[0]];
+    h->nonfinite = nonfinite != 0;
+    return NSA_STATUS_SUCCESS;
+}
+
 
 /* Whether the tensor-core kernel takes the call: f16 / bf16, DK and DV in {64, 128}, block sizes
  * multiples of 16 (a warp's 16 query rows in one q block, a 16-key slice in one key block), Q
