@@ -56,7 +56,8 @@ static nsa_status flex_check(const nsa_flex_args *a, const nsa_problem *p, unsig
                     if (cnt < 0 || cnt > width)
                         return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "block_mask.%s[%" PRId64 ", %" PRId64 ", %" PRId64 "]: %d, must be "
                                         "in [0, %" PRId64 "] (the list width)", nn, b, h, qb, (int)cnt, width);
-                    const int32_t *ix = list_at(it, b, h, qb);
+                    /* (an empty list's strides are not checked: no pointer into it unless it has entries) */
+                    const int32_t *ix = cnt > 0 ? list_at(it, b, h, qb) : NULL;
                     for (int64_t e = 0; e < cnt; e++) {
                         const int32_t j = ix[e * it->stride[3]];
                         if (j < 0 || j >= nkb)
@@ -138,7 +139,7 @@ static int64_t flex_visible(const nsa_flex_args *a, const nsa_problem *p, int64_
         const nsa_tensor *it = full ? &m->full_kv_indices : &m->kv_indices;
         if (!nsa_present(nt)) continue;
         const int32_t cnt = count_at(nt, b, hq, qb);
-        const int32_t *ix = list_at(it, b, hq, qb);
+        const int32_t *ix = cnt > 0 ? list_at(it, b, hq, qb) : NULL;
         for (int64_t e = 0; e < cnt; e++) n = flex_block(a, p, b, hq, i, ix[e * it->stride[3]], !full, key, n);
     }
     return n;
@@ -403,7 +404,9 @@ nsa_status nsa_create_block_mask(const nsa_mod *mask_mod, int64_t Tq, int64_t Tk
         for (int64_t h = 0; h < Hm; h++)
             for (int64_t qb = 0; qb < nqb; qb++) {
                 int32_t *np = (int32_t *)list_at(&mask->kv_num_blocks, b, h, qb), *fp = (int32_t *)list_at(&mask->full_kv_num_blocks, b, h, qb);
-                int32_t *ip = (int32_t *)list_at(&mask->kv_indices, b, h, qb), *fip = (int32_t *)list_at(&mask->full_kv_indices, b, h, qb);
+                /* (lists of width 0 -- no key blocks -- get no pointer: an empty view's strides are unchecked) */
+                int32_t *ip = nkb > 0 ? (int32_t *)list_at(&mask->kv_indices, b, h, qb) : NULL;
+                int32_t *fip = nkb > 0 ? (int32_t *)list_at(&mask->full_kv_indices, b, h, qb) : NULL;
                 int32_t n = 0, nf = 0;
                 const int64_t q0 = qb * mask->q_block, q1 = q0 + mask->q_block < Tq ? q0 + mask->q_block : Tq;
                 for (int64_t j = 0; j < nkb; j++) {

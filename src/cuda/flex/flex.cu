@@ -1396,6 +1396,16 @@ static void caps_of(const nsa_mod *m, nsa_mod_caps *c)
     else memset(c, 0, sizeof *c);
 }
 
+/* The elements a view spans (its largest offset + 1; validated strides are >= 0), 0 when empty. */
+static int64_t view_span(const nsa_tensor *t)
+{
+    for (int d = 0; d < t->rank; d++)
+        if (t->shape[d] == 0) return 0; /* (first: an empty view's strides are unchecked) */
+    int64_t span = 1;
+    for (int d = 0; d < t->rank; d++) span += (t->shape[d] - 1) * t->stride[d];
+    return span;
+}
+
 /* The block lists copied to the host and checked as the CPU checks them (before any write). */
 static void check_lists(grun *g, const nsa_flex_args *a)
 {
@@ -1408,11 +1418,8 @@ static void check_lists(grun *g, const nsa_flex_args *a)
     void *host[4] = {NULL, NULL, NULL, NULL};
     for (int t = 0; t < 4 && g_live(g); t++) {
         if (!nsa_present(src[t])) continue;
-        int64_t span = 1; /* elements the view spans (max offset + 1) */
-        for (int d = 0; d < src[t]->rank; d++) span += (src[t]->shape[d] - 1) * src[t]->stride[d];
-        int empty = 0;
-        for (int d = 0; d < src[t]->rank; d++) empty |= src[t]->shape[d] == 0;
-        if (empty) continue;
+        const int64_t span = view_span(src[t]);
+        if (span == 0) continue;
         host[t] = malloc((size_t)span * 4);
         if (!host[t]) {
             g_fail(g, NSA_STATUS_OUT_OF_MEMORY, "block_mask: no host memory to check the lists");
@@ -1451,16 +1458,6 @@ static void check_mod_memory(grun *g, const nsa_mod *m, const char *which)
 }
 
 /* ---- the dense route's inputs (flex_route.h; api.c decides) ------------------------------------ */
-/* The elements a view spans (its largest offset + 1; validated strides are >= 0), 0 when empty. */
-static int64_t view_span(const nsa_tensor *t)
-{
-    int64_t span = 1;
-    for (int d = 0; d < t->rank; d++) {
-        if (t->shape[d] == 0) return 0;
-        span += (t->shape[d] - 1) * t->stride[d];
-    }
-    return span;
-}
 
 /* The block lists and a document mask's ids copied to the host, and (when the route needs it) a
  * scan of q and k for non-finite values, its flag read back: one synchronisation of the stream.
