@@ -519,7 +519,7 @@ static nsa_status route_run(const nsa_context *ctx, op_call c, const nsa_problem
         st = flex_route_host_cpu(a, p, r, &h);
     nsa_flex_args hl = *a; /* the lists' contents, checked as the engine checks them: a bad list is refused either way */
     hl.block_mask = h.lists;
-    if (st == NSA_STATUS_SUCCESS) st = nsa_flex_lists_check(&hl, p);
+    if (st == NSA_STATUS_SUCCESS && !h.decline) st = nsa_flex_lists_check(&hl, p); /* (declined: the lists are not here) */
     int32_t *cu = st == NSA_STATUS_SUCCESS && r->doc ? (int32_t *)malloc((size_t)(p->T + 1) * sizeof(int32_t)) : NULL;
     int64_t nseq = 0;
     const int go = st == NSA_STATUS_SUCCESS && (!r->doc || cu) && flex_route_decide(r, &h, p, cu, &nseq) == 1;

@@ -131,7 +131,7 @@ int flex_route_decide(const flex_route *r, const flex_route_host *h, const nsa_p
 {
     const int64_t T = p->T;
     *nseq = 0;
-    if (h->nonfinite) return 0;
+    if (h->nonfinite || h->decline) return 0;
     if (r->doc) {
         const int64_t n = doc_runs(h->doc, T, cu);
         if (n <= 0) return (int)n;

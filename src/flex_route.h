@@ -34,6 +34,7 @@ typedef struct flex_route_host {
     nsa_block_mask lists;  /* the call's block mask, its four tensors in host memory */
     int32_t *doc;          /* doc[0 .. T) gathered, or NULL without a document mask */
     int nonfinite;         /* q or k holds a NaN or an infinity (set only when asked) */
+    int decline;           /* the backend cannot read them now (CUDA: a stream being captured) */
     void *owned[5];        /* host buffers to free */
 } flex_route_host;
 void flex_route_host_free(flex_route_host *h);

@@ -1473,6 +1473,17 @@ extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa
     check_mod_memory(&g, a->mask_mod, "mask_mod"); /* (host memory refused as the engine refuses it) */
     check_mod_memory(&g, a->score_mod, "score_mod");
     if (g.err != NSA_STATUS_SUCCESS) return g.err;
+    /* what the decision reads needs a synchronisation, which a stream being captured into a CUDA
+     * graph does not allow: there the engine's path runs (as it would have) */
+    const int reads = flex_route_needs_scan(r) || r->doc || nsa_present(&a->block_mask.kv_num_blocks);
+    if (!reads) return NSA_STATUS_SUCCESS;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    g_check(&g, cudaStreamIsCapturing(g.st, &capture));
+    if (g.err != NSA_STATUS_SUCCESS) return g.err;
+    if (capture != cudaStreamCaptureStatusNone) {
+        h->decline = 1;
+        return NSA_STATUS_SUCCESS;
+    }
     int *flag = NULL;
     if (flex_route_needs_scan(r)) {
         flag = g_nf(&g);
