@@ -454,7 +454,10 @@ def flex_attention(query: Array, key: Array, value: Array, score_mod: ModLike = 
     enable_gqa), score_mod(score, b, h, q_idx, kv_idx) a callable or expression string,
     block_mask from create_block_mask (its mask_mod applies to partial blocks). Returns o
     [B, HQ, Tq, Dv] (and lse [B, HQ, Tq] float32 with return_lse). numpy on the CPU, or torch
-    tensors on the CPU or a GPU with autograd (q, k, v and the float tensors the score_mod reads)."""
+    tensors on the CPU or a GPU with autograd (q, k, v and the float tensors the score_mod reads).
+    Mods that are nsa.attention options -- causal, sliding or two-sided windows, documents
+    (doc[q_idx] == doc[kv_idx]), a tanh softcap -- with Tq == Tk and the block mask
+    create_block_mask makes run on nsa.attention's kernels (docs/spec.md 14, the dense route)."""
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError("query has %d heads, key %d: pass enable_gqa=True" % (query.shape[1], key.shape[1]))
     score = score_mod if isinstance(score_mod, Mod) or score_mod is None else Mod(score_mod, "score_mod", tensors)
