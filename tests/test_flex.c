@@ -651,6 +651,14 @@ static void test_create_block_mask(nsa_context *ctx)
     bm.kv_indices.shape[3] = NKB + 1;
     CHECK_STATUS(nsa_create_block_mask(mm, TQ, TK, &bm), NSA_STATUS_BAD_SHAPE);
     CHECK_DETAIL("mask->kv_indices: dim 3 is 4, must be 3");
+    bm.kv_indices.shape[3] = NKB;
+    const int64_t keep = bm.kv_indices.stride[0];
+    bm.kv_indices.stride[0] = INT64_MAX; /* an output whose last offset overflows: refused, nothing written */
+    num[0][0] = -7;
+    CHECK_STATUS(nsa_create_block_mask(mm, TQ, TK, &bm), NSA_STATUS_SIZE_OVERFLOW);
+    CHECK_DETAIL("mask->kv_indices");
+    CHECK(num[0][0] == -7);
+    bm.kv_indices.stride[0] = keep;
     nsa_mod_destroy(mm);
 }
 

@@ -372,6 +372,14 @@ static nsa_status list_view_check(const nsa_tensor *t, const char *name, int ran
         if (t->stride[d] < 0 || (t->shape[d] > 1 && t->stride[d] == 0) || (d == rank - 1 && t->stride[d] != 1 && t->shape[d] > 1))
             return nsa_fail(NSA_STATUS_BAD_STRIDE, "mask->%s: stride[%d] is %" PRId64, name, d, t->stride[d]);
     }
+    int64_t last = 0; /* the largest element offset, which every write stays within */
+    for (int d = 0; d < rank; d++) {
+        if (t->shape[d] == 0) return NSA_STATUS_SUCCESS; /* (empty: nothing is written) */
+        if (t->shape[d] > 1 && t->stride[d] > (INT64_MAX - last) / (t->shape[d] - 1))
+            return nsa_fail(NSA_STATUS_SIZE_OVERFLOW, "mask->%s: stride[%d] %" PRId64 " over dim %" PRId64 " overflows int64 offsets",
+                            name, d, t->stride[d], t->shape[d]);
+        last += (t->shape[d] - 1) * t->stride[d];
+    }
     return NSA_STATUS_SUCCESS;
 }
 

@@ -768,6 +768,41 @@ static void build_flex(reader *r, dims *D, nsa_flex_bwd_args *a, int bwd, uint8_
     a->dscore_tensors[1] = opt(r, pres & 16, OUT, F32, 1, 8, 0, 0, 0);
 }
 
+/* nsa_create_block_mask: the four list tensors drawn around the shapes the lengths and block
+ * sizes make (they are its outputs), lengths and block sizes sometimes out of range, the mask_mod
+ * one of build_flex's (its tensors in host memory), none, or a score_mod in its place. */
+static const nsa_mod *build_block_mask(reader *r, dims *D, uint8_t pres, nsa_block_mask *m, int64_t *Tq, int64_t *Tk)
+{
+    static const char *const MASKS[] = {"q_idx >= kv_idx", "doc[q_idx] == doc[kv_idx]", "kv_idx % 3 != 1 || h == 0",
+                                        "q_idx - kv_idx < 4 && q_idx >= kv_idx && b == 0"};
+    for (int i = 0; i < 16; i++) g_flex_doc[i] = i / 3;
+    nsa_config cfg = nsa_config_default();
+    mk_dims(r, D, &cfg);
+    *Tq = D->T, *Tk = D->Tk;
+    const uint8_t x = u8(r);
+    if (x == 255) *Tq = -1;
+    if (x == 254) *Tk = INT64_MAX;
+    m->q_block = 1 + upto(r, 7), m->kv_block = 1 + upto(r, 7);
+    const int64_t nqb = *Tq > 0 ? *Tq / m->q_block + (*Tq % m->q_block != 0) : 0;
+    const int64_t nkb = *Tk > 0 && *Tk <= MAX_T ? *Tk / m->kv_block + (*Tk % m->kv_block != 0) : 1;
+    if (x == 253) m->q_block = 0;
+    if (x == 252) m->kv_block = -3;
+    const int64_t Bm = pres & 1 ? 1 : D->B, Hm = pres & 2 ? 1 : D->HQ;
+    m->kv_num_blocks = mk(r, OUT, NSA_DTYPE_I32, 3, Bm, Hm, nqb, 0);
+    m->kv_indices = mk(r, OUT, NSA_DTYPE_I32, 4, Bm, Hm, nqb, nkb);
+    m->full_kv_num_blocks = mk(r, OUT, NSA_DTYPE_I32, 3, Bm, Hm, nqb, 0);
+    m->full_kv_indices = mk(r, OUT, NSA_DTYPE_I32, 4, Bm, Hm, nqb, nkb);
+    const int64_t nd = 16;
+    buffer *bd = guarded_alloc(sizeof g_flex_doc, 0, NULL, 1);
+    memcpy(host_ptr(bd), g_flex_doc, sizeof g_flex_doc);
+    const nsa_mod_tensor tens[1] = {{"doc", nsa_tensor_make(call_ptr(bd), NSA_DTYPE_I32, 1, &nd)}};
+    const uint8_t which = u8(r);
+    if (pres & 4) return NULL;
+    nsa_mod_create(&g_flex_mods[0], pres & 8 ? NSA_MOD_SCORE : NSA_MOD_MASK, pres & 8 ? "score * 2.0" : MASKS[which % 4], tens,
+                   1);
+    return g_flex_mods[0];
+}
+
 /* Marks the bytes an output view may write; returns 0 when the view is unknown (write anywhere). */
 static int mark_view(const buffer *b, unsigned char *ok)
 {
@@ -816,6 +851,18 @@ static void free_all(void)
     nbufs = 0;
 }
 
+/* Every buffer's bytes kept before the call (check_after compares), and sent to the backend. */
+static void snapshot_all(void)
+{
+    for (int i = 0; i < nbufs; i++) {
+        buffer *b = &bufs[i];
+        b->snap = (unsigned char *)malloc(b->size + 1);
+        if (!b->snap) abort();
+        memcpy(b->snap, b->base + GUARD, b->size);
+        if (b->dev) mem->upload(b->dev, b->base, b->size + 2 * GUARD);
+    }
+}
+
 /* The workspace query, a workspace of some size, the call, the checks; fills res. */
 static void run_op(reader *r, nsa_context *ctx, const void *a, op_ws_fn qs, op_run_fn call, fuzz_result *res)
 {
@@ -840,13 +887,7 @@ static void run_op(reader *r, nsa_context *ctx, const void *a, op_ws_fn qs, op_r
     unsigned char *wsd = mem ? (unsigned char *)mem->alloc(ws + 2 * GUARD) : NULL;
     if (wsd) mem->upload(wsd, wsb, ws + 2 * GUARD);
     void *wp = (w % 16 == 15) ? NULL : (wsd ? wsd : wsb) + GUARD;
-    for (int i = 0; i < nbufs; i++) {
-        buffer *b = &bufs[i];
-        b->snap = (unsigned char *)malloc(b->size + 1);
-        if (!b->snap) abort();
-        memcpy(b->snap, b->base + GUARD, b->size);
-        if (b->dev) mem->upload(b->dev, b->base, b->size + 2 * GUARD);
-    }
+    snapshot_all();
     if (verbose()) fprintf(stderr, "query status %d need %zu, workspace %zu%s\n", (int)qst, need, ws, wp ? "" : " (NULL)");
     nsa_status st = call(nul == 252 ? NULL : ctx, nul == 251 ? NULL : a, wp, ws);
     check_detail(st);
@@ -868,7 +909,8 @@ static void run_op(reader *r, nsa_context *ctx, const void *a, op_ws_fn qs, op_r
 static const char *const op_names[N_OPS_ALL] = {"compress", "compress_bwd", "cmp_attn", "cmp_attn_bwd", "select",
                                                 "slc_attn", "slc_attn_bwd", "attention", "attention_bwd", "gate",
                                                 "gate_bwd", "forward", "backward", "config_validate", "step",
-                                                "attention_step", "expr", "flex_attention", "flex_attention_bwd"};
+                                                "attention_step", "expr", "flex_attention", "flex_attention_bwd",
+                                                "create_block_mask"};
 
 const char *fuzz_op_name(int op) { return op >= 0 && op < N_OPS_ALL ? op_names[op] : "?"; }
 
@@ -877,7 +919,7 @@ fuzz_result fuzz_run(const uint8_t *data, size_t size, nsa_context *ctx, const f
     reader r = {data, size, 0};
     fuzz_result res = {0, 0, 0, 0, 0};
     const uint8_t first = u8(&r);
-    int op = first == 0xFF ? OP_STEP : first == 0xFE ? OP_ATTENTION_STEP : first == 0xFD ? OP_EXPR : first == 0xFC ? OP_FLEX
+    int op = first == 0xF9 ? OP_BLOCK_MASK : first == 0xFF ? OP_STEP : first == 0xFE ? OP_ATTENTION_STEP : first == 0xFD ? OP_EXPR : first == 0xFC ? OP_FLEX
              : first == 0xFB ? OP_FLEX_BWD : first % N_OPS;
     g_chunk = first == 0xFA;
     if (g_chunk) { /* a query chunk of one of the NSA ops */
@@ -928,6 +970,22 @@ fuzz_result fuzz_run(const uint8_t *data, size_t size, nsa_context *ctx, const f
         }
         free(text);
         res.ran = 1;
+        res.status = st;
+        break;
+    }
+    case OP_BLOCK_MASK: { /* a host function: its tensors stay in host memory on either replay */
+        mem = NULL;
+        nsa_block_mask bm;
+        memset(&bm, 0, sizeof bm);
+        int64_t Tq = 0, Tk = 0;
+        const nsa_mod *mm = build_block_mask(&r, &D, pres, &bm, &Tq, &Tk);
+        snapshot_all();
+        nsa_detail_clear();
+        const nsa_status st = nsa_create_block_mask(mm, Tq, Tk, (pres & 16) && u8(&r) == 255 ? NULL : &bm);
+        check_detail(st);
+        check_after(st);
+        res.ran = 1;
+        res.query = NSA_STATUS_SUCCESS;
         res.status = st;
         break;
     }

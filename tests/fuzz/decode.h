@@ -11,13 +11,14 @@
 #include <stdint.h>
 
 /* The op an input's first byte picks: 0xFF the inference step, 0xFE the dense step, 0xFD a
- * mod expression, 0xFC / 0xFB block-sparse attention with mods (forward / backward), 0xFA a
+ * mod expression, 0xFC / 0xFB block-sparse attention with mods (forward / backward), 0xF9
+ * nsa_create_block_mask (host memory, on either replay), 0xFA a
  * query chunk of an NSA op (the next byte picks cmp_attn, its backward, select, slc_attn, its
  * backward, forward or backward), else the byte modulo N_OPS (those came later; no stored input
- * starts with 0xFA-0xFF, so they all keep their meaning). */
+ * starts with 0xF9-0xFF, so they all keep their meaning). */
 enum { OP_COMPRESS, OP_COMPRESS_BWD, OP_CMP_ATTN, OP_CMP_ATTN_BWD, OP_SELECT, OP_SLC_ATTN, OP_SLC_ATTN_BWD,
        OP_ATTENTION, OP_ATTENTION_BWD, OP_GATE, OP_GATE_BWD, OP_FORWARD, OP_BACKWARD, OP_CONFIG, N_OPS,
-       OP_STEP = N_OPS, OP_ATTENTION_STEP, OP_EXPR, OP_FLEX, OP_FLEX_BWD, N_OPS_ALL };
+       OP_STEP = N_OPS, OP_ATTENTION_STEP, OP_EXPR, OP_FLEX, OP_FLEX_BWD, OP_BLOCK_MASK, N_OPS_ALL };
 
 /* Backend memory for the tensors and the workspace; alloc never returns NULL (it exits
  * instead), upload / download copy whole buffers, sync waits for the backend's queued work. */
