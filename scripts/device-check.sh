@@ -348,7 +348,7 @@ if [ -n "$EXTRA" ]; then
             ;;
         flex) # nsa.flex_attention beside torch's compiled FlexAttention (needs torch)
             NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python PYTHONUNBUFFERED=1 timeout 420 python3 bench/flex.py \
-                --T "${FLEX_T:-16k}" --heads "${FLEX_HEADS:-16/16}" --mods "${FLEX_MODS:-causal,window,document,alibi,relbias}" \
+                --T "${FLEX_T:-16k}" --heads "${FLEX_HEADS:-16/16}" --mods "${FLEX_MODS:-causal,window,document,softcap,alibi,relbias}" \
                 --passes "${FLEX_PASSES:-fwd,fwd+bwd}" --out "$FULLDIR" > "$FULLDIR/flex.txt" 2>&1
             note "flex rc $?:"
             grep -vE '^(#|$)' "$FULLDIR/flex.txt" | tail -30 | tee -a "$SUMMARY"
