@@ -19,6 +19,7 @@ dense route, docs/spec.md 14), so its rows there should read as nsa-fixed's.
   python3 bench/flex.py --out bench/results
   python3 bench/flex.py --self-test                    # the pair counts and the table, no GPU
   python3 bench/flex.py --device cpu --T 512 --impl nsa --mods causal,alibi --reps 1
+  python3 bench/flex.py --first-call --T 16k --heads 16/16 --mods alibi,relbias  # compile / cached load
 """
 import argparse
 import json
@@ -254,6 +255,68 @@ def run(args):
     return 0
 
 
+# ---- the first call of a new mod: compile (a fresh kernel cache) and load (the disk cache) ---------
+
+def first_call_child(args):
+    """One process's first nsa.flex_attention forward, then its first backward, on a mod (args.mods[0]),
+    each timed to completion; prints one JSON line {"fwd_ms", "bwd_ms"}."""
+    import time
+    import torch
+    import nsa
+    import nsa.flex
+    dev = torch.device(args.device)
+    T, (HQ, H), mod = args.T[0], args.heads[0], args.mods[0]
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    q = torch.randn(1, HQ, T, D, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(1, H, T, D, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(1, H, T, D, device=dev, dtype=dt, requires_grad=True)
+    mask_mod, score_mod = mods_for(mod, T, torch, dev, HQ)
+    bm = nsa.create_block_mask(mask_mod, None, None, T, T, device=dev, BLOCK_SIZE=128)
+    sm = nsa.flex.Mod(score_mod, "score_mod") if score_mod else None
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    # the library, its context and torch's op machinery warmed up on a call that compiles nothing
+    # (no mods: the dense route), so the times below are the mod's own
+    w = torch.randn(1, 1, 16, D, device=dev, dtype=dt, requires_grad=True)
+    nsa.flex_attention(w, w, w).sum().backward()
+    sync()
+    t0 = time.perf_counter()
+    o = nsa.flex_attention(q, k, v, score_mod=sm, block_mask=bm, enable_gqa=H != HQ)
+    sync()
+    t1 = time.perf_counter()
+    o.backward(torch.ones_like(o))
+    sync()
+    t2 = time.perf_counter()
+    print(json.dumps({"fwd_ms": (t1 - t0) * 1e3, "bwd_ms": (t2 - t1) * 1e3}))
+    return 0
+
+
+def first_calls(args):
+    """Per mod, two processes in turn sharing one fresh NSA_CACHE_DIR: the first compiles the
+    mod's kernels (cold), the second loads them from the disk cache. (NVRTC may keep a cache of
+    its own across processes, which only a fresh machine's first run avoids.)"""
+    import subprocess
+    import tempfile
+    rows = []
+    T, (HQ, H) = args.T[0], args.heads[0]
+    for mod in args.mods:
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, NSA_CACHE_DIR=cache, PYTHONPATH=os.path.join(REPO, "python"))
+            for kind in ("cold", "disk"):
+                cmd = [sys.executable, os.path.abspath(__file__), "--first-call-child", "--mods", mod, "--T", str(T),
+                       "--heads", "%d/%d" % (HQ, H), "--device", args.device]
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                line = (out.stdout.strip().splitlines() or [""])[-1]
+                if out.returncode != 0 or not line.startswith("{"):
+                    print("  %s %s: failed: %s" % (mod, kind, (out.stderr.strip().splitlines() or ["?"])[-1][:200]))
+                    continue
+                got = json.loads(line)
+                rows.append({"mod": mod, "cache": kind, "T": T, "HQ": HQ, "H": H, "fwd_ms": round(got["fwd_ms"], 2),
+                             "bwd_ms": round(got["bwd_ms"], 2)})
+                print("  %-9s %-5s first forward %9.2f ms, first backward %9.2f ms" % (mod, kind, got["fwd_ms"],
+                                                                                       got["bwd_ms"]), flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", default="4k,16k,64k")
@@ -267,6 +330,10 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--self-test", action="store_true")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--first-call", action="store_true",
+                    help="time each mod's first forward and backward in a fresh process, compiling (a fresh kernel "
+                         "cache) and then loading from the disk cache (the first --T and --heads)")
+    ap.add_argument("--first-call-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.self_test:
         return self_test()
@@ -278,6 +345,17 @@ def main(argv=None):
     bad = [m for m in args.mods if m not in MODS] + [i for i in args.impl if i not in IMPLS]
     if bad:
         ap.error("unknown mod or impl: %s" % ", ".join(bad))
+    if args.first_call_child:
+        return first_call_child(args)
+    if args.first_call:
+        rows = first_calls(args)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            path = os.path.join(args.out, "flex-first-call.json")
+            with open(path, "w") as f:
+                json.dump(rows, f, indent=1)
+            print("wrote %s" % path)
+        return 0
     return run(args)
 
 

@@ -24,7 +24,8 @@
 #      (carry peers/; see below; several minutes each); "python" the Python binding's CUDA
 #      tests and examples/generate.py on the GPU, "decode" bench/decode.py (one decode step beside
 #      mdy666 and dense; DECODE_B, DECODE_CTX), "flex" bench/flex.py (beside torch's FlexAttention;
-#      FLEX_T, FLEX_HEADS, FLEX_MODS, FLEX_PASSES).
+#      FLEX_T, FLEX_HEADS, FLEX_MODS, FLEX_PASSES; then each of FLEX_FIRST_MODS's first calls,
+#      compiled and loaded from the disk cache).
 # ONLY="stage ..." runs only those of sweep, variants, nonfinite, memcheck, cp, fuzz, fla, bench
 # (cp: build/nsa_cp_tests, context parallelism over NCCL on every GPU, nothing on one).
 # AB=1 sweeps the mma.sync tiles (NSA_CUDA_WGMMA=0) on all CASES and times them for comparison;
@@ -352,6 +353,12 @@ if [ -n "$EXTRA" ]; then
                 --passes "${FLEX_PASSES:-fwd,fwd+bwd}" --out "$FULLDIR" > "$FULLDIR/flex.txt" 2>&1
             note "flex rc $?:"
             grep -vE '^(#|$)' "$FULLDIR/flex.txt" | tail -30 | tee -a "$SUMMARY"
+            # a new mod's first forward and backward: compiled (a fresh kernel cache), then loaded from disk
+            NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python PYTHONUNBUFFERED=1 timeout 240 python3 bench/flex.py \
+                --first-call --T 16k --heads 16/16 --mods "${FLEX_FIRST_MODS:-alibi,relbias,prefix}" --out "$FULLDIR" \
+                > "$FULLDIR/flex-first.txt" 2>&1
+            note "flex first calls rc $?:"
+            tail -8 "$FULLDIR/flex-first.txt" | tee -a "$SUMMARY"
             ;;
         esac
     done
