@@ -7,7 +7,7 @@ import pytest
 
 import nsa
 import nsa.flex as F
-from conftest import TORCH
+from conftest import TORCH, devices
 
 B, HQ, H, T, D = 2, 4, 2, 37, 16
 DOC = np.arange(64) // 9
@@ -428,3 +428,39 @@ def test_torch_tensor_gradients_only_where_wanted():
     assert rel.grad is not None and rel.grad.abs().sum() > 0
     for got, x in zip(grads, (q, k, v, slope)):
         assert torch.equal(got, x.grad)
+
+
+@pytest.mark.skipif(TORCH is None, reason="torch is not installed")
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("case", ["causal", "window", "documents", "softcap"])
+def test_dense_route_is_nsa_attention(device, case):
+    """Mods that are attention options (spec 14, the dense route) run as nsa.attention with those
+    options: on the CPU the same kernel on the same inputs, so the output and every gradient are
+    equal bit for bit; on CUDA equal within bf16 rounding (the two calls' output layouts may pick
+    different tiles)."""
+    torch = TORCH
+    Tn, Hn, Dn, W = 75, 2, 32, 20
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    docs = (torch.arange(Tn, dtype=torch.int32) // 17).to(device)
+    mask = {"causal": lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
+            "window": lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < W),
+            "documents": lambda b, h, q_idx, kv_idx: (docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx),
+            "softcap": lambda b, h, q_idx, kv_idx: q_idx >= kv_idx}[case]
+    score = (lambda s, b, h, q_idx, kv_idx: 20.0 * torch.tanh(s / 20.0)) if case == "softcap" else None
+    opts = {"causal": dict(causal=True), "window": dict(causal=True, window=(W - 1, -1)),
+            "documents": dict(causal=True, cu_seqlens=[0, 17, 34, 51, 68, Tn]),
+            "softcap": dict(causal=True, softcap=20.0)}[case]
+    g = torch.Generator().manual_seed(11)
+    base = [torch.randn(1, Hn, Tn, Dn, generator=g).to(device, dt) for _ in range(4)]
+    bm = nsa.create_block_mask(mask, None, None, Tn, Tn, device=device, BLOCK_SIZE=16)
+    q, k, v = (x.clone().requires_grad_() for x in base[:3])
+    o = nsa.flex_attention(q, k, v, score_mod=score, block_mask=bm)
+    (o.float() * base[3].float()).sum().backward()
+    q2, k2, v2 = (x.clone().requires_grad_() for x in base[:3])
+    o2 = nsa.attention(q2.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2), **opts).o.transpose(1, 2)
+    (o2.float() * base[3].float()).sum().backward()
+    for got, want in ((o, o2), (q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
+        if device == "cpu":
+            assert torch.equal(got, want)
+        else:
+            assert (got.float() - want.float()).abs().max().item() <= 2e-2 * max(1.0, want.float().abs().max().item())
