@@ -504,8 +504,10 @@ static size_t route_need(const nsa_context *ctx, op_call c, const nsa_problem *p
 
 static nsa_status backend_run(const nsa_context *ctx, const nsa_problem *p, op_call c, void *ws);
 
-/* Runs the route when the call's data allow it (*taken), else leaves everything untouched. */
-static nsa_status route_run(const nsa_context *ctx, op_call c, const nsa_problem *p, const flex_route *r, void *ws, int *taken)
+/* Runs the route when the call's data allow it and the attention's workspace for them fits the
+ * caller's (*taken), else leaves everything untouched. */
+static nsa_status route_run(const nsa_context *ctx, op_call c, const nsa_problem *p, const flex_route *r, void *ws,
+                            size_t ws_bytes, int *taken)
 {
     *taken = 0;
     const nsa_flex_args *a = flex_fwd_of(c);
@@ -533,9 +535,14 @@ static nsa_status route_run(const nsa_context *ctx, op_call c, const nsa_problem
     nsa_attention_bwd_args ba;
     nsa_problem p2;
     op_call ac = route_call(c, p, r, cu, nseq, ws, &fa, &ba, &p2);
+    const size_t own = ac.args ? op_workspace(ctx, &p2, ac) : SIZE_MAX;
     if (ac.args && c.op == OP_FLEX && !nsa_present(&a->lse)) {
-        const size_t own = op_workspace(ctx, &p2, ac);
-        ac = route_call(c, p, r, cu, nseq, (char *)ws + route_align(own), &fa, &ba, &p2);
+        const size_t lse_bytes = nsa_size_mul(nsa_size_elems(p->B, p->T, p->HQ, 1), sizeof(float));
+        ac = nsa_size_add(route_align(own), lse_bytes) <= ws_bytes
+                 ? route_call(c, p, r, cu, nseq, (char *)ws + route_align(own), &fa, &ba, &p2)
+                 : (op_call){OP_ATTENTION, NULL};
+    } else if (own > ws_bytes) { /* (the query sized the documents' extremes: these runs need more) */
+        ac.args = NULL;
     }
     if (ac.args) {
         st = backend_run(ctx, &p2, ac, ws);
@@ -561,12 +568,12 @@ static size_t op_need(const nsa_context *ctx, const nsa_problem *p, op_call c)
     return route > own ? route : own;
 }
 
-static nsa_status op_run(const nsa_context *ctx, const nsa_problem *p, op_call c, void *ws)
+static nsa_status op_run(const nsa_context *ctx, const nsa_problem *p, op_call c, void *ws, size_t ws_bytes)
 {
     flex_route r;
     if (route_plan(c, p, &r)) {
         int taken = 0;
-        const nsa_status st = route_run(ctx, c, p, &r, ws, &taken);
+        const nsa_status st = route_run(ctx, c, p, &r, ws, ws_bytes, &taken);
         if (st != NSA_STATUS_SUCCESS || taken) return st;
     }
     return backend_run(ctx, p, c, ws);
@@ -633,7 +640,7 @@ static nsa_status op_dispatch(nsa_context *ctx, op_call c, op_mode mode, size_t 
         return nsa_fail(NSA_STATUS_WORKSPACE_TOO_SMALL, "workspace_bytes: %zu < %zu needed", workspace_bytes, need);
     if (need > 0 && !workspace)
         return nsa_fail(NSA_STATUS_NULL_POINTER, "workspace: NULL but %zu bytes are needed", need);
-    return done(empty ? run_no_heads(ctx, c) : op_run(ctx, &p, c, workspace));
+    return done(empty ? run_no_heads(ctx, c) : op_run(ctx, &p, c, workspace, workspace_bytes));
 }
 
 /* ---- the public ops: each a query and a call through op_dispatch ----------------------- */
