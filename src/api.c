@@ -438,9 +438,12 @@ static const nsa_flex_args *flex_fwd_of(op_call c)
 }
 
 /* The route's plan: the mods and shapes allow it, and a backward asks no tensor gradient. */
-static int route_plan(op_call c, const nsa_problem *p, flex_route *r)
+static int route_plan(const nsa_context *ctx, op_call c, const nsa_problem *p, flex_route *r)
 {
     if (c.op != OP_FLEX && c.op != OP_FLEX_BWD) return 0;
+    /* CUDA's attention and engine both take head dims up to 256; beyond, the engine refuses the
+       call (NOT_SUPPORTED) before it reads the lists, and so does the route by not planning */
+    if (ctx->backend == NSA_BACKEND_CUDA && (p->DK > 256 || p->DV > 256)) return 0;
     if (c.op == OP_FLEX_BWD)
         for (int t = 0; t < NSA_MOD_MAX_TENSORS; t++)
             if (nsa_present(&((const nsa_flex_bwd_args *)c.args)->dscore_tensors[t])) return 0;
@@ -473,7 +476,7 @@ static size_t op_workspace(const nsa_context *ctx, const nsa_problem *p, op_call
  * document, T of them) when the runs are not known yet, then the scratch lse. */
 static size_t route_need(const nsa_context *ctx, op_call c, const nsa_problem *p, const flex_route *r)
 {
-    static char dummy[ROUTE_ALIGN]; /* a scratch lse's address in a query: never read */
+    static float dummy[ROUTE_ALIGN / sizeof(float)]; /* a scratch lse's address in a query: never read */
     const int64_t T = p->T;
     int32_t one[2] = {0, (int32_t)T}, *each = NULL;
     if (r->doc) {
@@ -519,6 +522,11 @@ static nsa_status route_run(const nsa_context *ctx, op_call c, const nsa_problem
     else
 #endif
         st = flex_route_host_cpu(a, p, r, &h);
+    if (st == NSA_STATUS_OUT_OF_MEMORY) { /* the decision's host buffers: without them, the engine's path */
+        nsa_detail_clear();
+        st = NSA_STATUS_SUCCESS;
+        h.decline = 1;
+    }
     nsa_flex_args hl = *a; /* the lists' contents, checked as the engine checks them: a bad list is refused either way */
     hl.block_mask = h.lists;
     if (st == NSA_STATUS_SUCCESS && !h.decline) st = nsa_flex_lists_check(&hl, p); /* (declined: the lists are not here) */
@@ -563,7 +571,7 @@ static size_t op_need(const nsa_context *ctx, const nsa_problem *p, op_call c)
 {
     const size_t own = op_workspace(ctx, p, c);
     flex_route r;
-    if (own == SIZE_MAX || !route_plan(c, p, &r)) return own;
+    if (own == SIZE_MAX || !route_plan(ctx, c, p, &r)) return own;
     const size_t route = route_need(ctx, c, p, &r);
     return route > own ? route : own;
 }
@@ -571,7 +579,7 @@ static size_t op_need(const nsa_context *ctx, const nsa_problem *p, op_call c)
 static nsa_status op_run(const nsa_context *ctx, const nsa_problem *p, op_call c, void *ws, size_t ws_bytes)
 {
     flex_route r;
-    if (route_plan(c, p, &r)) {
+    if (route_plan(ctx, c, p, &r)) {
         int taken = 0;
         const nsa_status st = route_run(ctx, c, p, &r, ws, ws_bytes, &taken);
         if (st != NSA_STATUS_SUCCESS || taken) return st;

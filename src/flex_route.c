@@ -1,21 +1,28 @@
 /* flex_route.c -- the dense route of block-sparse attention (flex_route.h, docs/spec.md 14). */
 #include "flex_route.h"
 
+#include <float.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-static int g_route = -1; /* -1: NSA_FLEX_ROUTE not read yet */
+#include "dtype.h"
+
+static int g_route = -1; /* -1: NSA_FLEX_ROUTE not read yet (atomics: calls may come from several threads) */
 
 int flex_route_enabled(void)
 {
-    if (g_route < 0) {
+    int on = __atomic_load_n(&g_route, __ATOMIC_RELAXED);
+    if (on < 0) {
         const char *e = getenv("NSA_FLEX_ROUTE");
-        g_route = !(e && e[0] == '0' && e[1] == 0);
+        on = !(e && e[0] == '0' && e[1] == 0);
+        int unset = -1; /* (a switch set meanwhile wins) */
+        if (!__atomic_compare_exchange_n(&g_route, &unset, on, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) on = unset;
     }
-    return g_route;
+    return on;
 }
 
-void flex_route_set_enabled(int on) { g_route = on != 0; }
+void flex_route_set_enabled(int on) { __atomic_store_n(&g_route, on != 0, __ATOMIC_RELAXED); }
 
 static long g_taken;
 long flex_route_taken(void) { return __atomic_load_n(&g_taken, __ATOMIC_RELAXED); }
@@ -42,22 +49,26 @@ void flex_route_host_free(flex_route_host *h)
     h->doc = NULL;
 }
 
-/* Whether any element of a [B, T, H, D] view is a NaN or an infinity (its exponent bits all set). */
-static int view_nonfinite(const nsa_tensor *t)
+/* The largest |element| of a [B, T, H, D] view (NaN when one is NaN). */
+static float view_absmax(const nsa_tensor *t)
 {
     const int es = (int)nsa_dtype_size(t->dtype);
-    const uint32_t em = t->dtype == NSA_DTYPE_F32 ? 0x7F800000u : t->dtype == NSA_DTYPE_F16 ? 0x7C00u : 0x7F80u;
+    float mx = 0.0f;
     for (int64_t i0 = 0; i0 < t->shape[0]; i0++)
         for (int64_t i1 = 0; i1 < t->shape[1]; i1++)
             for (int64_t i2 = 0; i2 < t->shape[2]; i2++) {
                 const char *row = (const char *)t->data + (i0 * t->stride[0] + i1 * t->stride[1] + i2 * t->stride[2]) * es;
                 for (int64_t e = 0; e < t->shape[3]; e++) {
-                    uint32_t w = 0;
-                    memcpy(&w, row + e * es, (size_t)es);
-                    if ((w & em) == em) return 1;
+                    uint16_t h = 0;
+                    float x;
+                    if (es == 4) memcpy(&x, row + e * 4, 4);
+                    else memcpy(&h, row + e * 2, 2), x = t->dtype == NSA_DTYPE_F16 ? nsa_f16_to_f32(h) : nsa_bf16_to_f32(h);
+                    x = fabsf(x);
+                    if (x != x) return x;
+                    mx = x > mx ? x : mx;
                 }
             }
-    return 0;
+    return mx;
 }
 
 nsa_status flex_route_host_cpu(const nsa_flex_args *a, const nsa_problem *p, const flex_route *r, flex_route_host *h)
@@ -70,7 +81,7 @@ nsa_status flex_route_host_cpu(const nsa_flex_args *a, const nsa_problem *p, con
         h->owned[0] = h->doc;
         for (int64_t i = 0; i < p->T; i++) h->doc[i] = ((const int32_t *)r->doc->data)[i * r->doc->stride[0]];
     }
-    if (flex_route_needs_scan(r)) h->nonfinite = view_nonfinite(&a->q) || view_nonfinite(&a->k);
+    if (flex_route_needs_scan(r)) h->qmax = view_absmax(&a->q), h->kmax = view_absmax(&a->k);
     return NSA_STATUS_SUCCESS;
 }
 
@@ -131,7 +142,11 @@ int flex_route_decide(const flex_route *r, const flex_route_host *h, const nsa_p
 {
     const int64_t T = p->T;
     *nseq = 0;
-    if (h->nonfinite || h->decline) return 0;
+    if (h->decline) return 0;
+    if (flex_route_needs_scan(r)) { /* (NaN fails the comparison too) */
+        const double bound = (double)p->scale * (double)p->DK * (double)h->qmax * (double)h->kmax;
+        if (!(bound < (double)FLT_MAX / 4.0)) return 0;
+    }
     if (r->doc) {
         const int64_t n = doc_runs(h->doc, T, cu);
         if (n <= 0) return (int)n;
@@ -145,7 +160,14 @@ int flex_route_decide(const flex_route *r, const flex_route_host *h, const nsa_p
     int64_t *seen = (int64_t *)malloc((size_t)nkb * sizeof(int64_t));
     if (!seen) return -1;
     for (int64_t j = 0; j < nkb; j++) seen[j] = -1;
-    const int64_t Bm = m->kv_num_blocks.shape[0], Hm = m->kv_num_blocks.shape[1];
+    /* every (batch, head) any of the four tensors tells apart (each broadcasts its own size-1 dims) */
+    const nsa_tensor *all[4] = {&m->kv_num_blocks, &m->kv_indices, &m->full_kv_num_blocks, &m->full_kv_indices};
+    int64_t Bm = 1, Hm = 1;
+    for (int t = 0; t < 4; t++)
+        if (nsa_present(all[t])) {
+            Bm = all[t]->shape[0] > Bm ? all[t]->shape[0] : Bm;
+            Hm = all[t]->shape[1] > Hm ? all[t]->shape[1] : Hm;
+        }
     const int32_t *cuv = r->doc ? cu : NULL;
     int ok = 1;
     int64_t stamp = 0;

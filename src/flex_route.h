@@ -33,19 +33,22 @@ void flex_route_note_taken(void);
 typedef struct flex_route_host {
     nsa_block_mask lists;  /* the call's block mask, its four tensors in host memory */
     int32_t *doc;          /* doc[0 .. T) gathered, or NULL without a document mask */
-    int nonfinite;         /* q or k holds a NaN or an infinity (set only when asked) */
+    float qmax, kmax;      /* the largest |element| of q and of k (+inf or NaN: a non-finite one; set only when asked) */
     int decline;           /* the backend cannot read them now (CUDA: a stream being captured) */
     void *owned[5];        /* host buffers to free */
 } flex_route_host;
 void flex_route_host_free(flex_route_host *h);
 
-/* Whether q or k must be scanned for non-finite values: without a softcap a score is the scaled
- * product, and a row whose visible scores are all -inf (infinite inputs) is empty for the
- * block-sparse engine but NaN for dense attention, so such calls keep the engine. */
+/* Whether q and k must be scanned: without a softcap a score is the scaled product, and a row
+ * whose visible scores are all -inf is empty for the block-sparse engine but NaN for dense
+ * attention. Such scores need an infinite or NaN input, or finite ones whose product overflows
+ * f32; the route is taken only when scale * DK * max|q| * max|k| stays below FLT_MAX / 4 (no
+ * product, partial sum or score can reach infinity then). A softcap keeps every score finite or
+ * NaN, the same on both paths. */
 static inline int flex_route_needs_scan(const flex_route *r) { return r->m.softcap == 0.0f; }
 
 /* The CPU's flex_route_host: the caller's own lists, doc gathered, q and k scanned when asked.
- * @return SUCCESS or OUT_OF_MEMORY. */
+ * @return SUCCESS or OUT_OF_MEMORY (then the engine's path runs). */
 nsa_status flex_route_host_cpu(const nsa_flex_args *a, const nsa_problem *p, const flex_route *r, flex_route_host *h);
 
 /* The decision, on lists already checked (nsa_flex_lists_check): the document ids form one run

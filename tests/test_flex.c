@@ -430,6 +430,9 @@ static void test_flex_dense_route(nsa_context *ctx)
         for (int i = 0; i < T * FH * FDK; i++) k[i] = (float)rnd_u(&r);
         for (int i = 0; i < T * FH * FDV; i++) v[i] = (float)rnd_u(&r);
         q[5 * FHQ * FDK + 3] = INFINITY;
+        static float big[T * FHQ * FDK]; /* finite, but scale * DK * max|q| * max|k| past FLT_MAX / 4 */
+        memcpy(big, q, sizeof big);
+        big[5 * FHQ * FDK + 3] = 1e38f;
         nsa_mod *mm = NULL, *sm = NULL;
         CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, "q_idx >= kv_idx", NULL, 0), NSA_STATUS_SUCCESS);
         CHECK_STATUS(nsa_mod_create(&sm, NSA_MOD_SCORE, "2.0 * tanh(score / 2.0)", NULL, 0), NSA_STATUS_SUCCESS);
@@ -438,8 +441,10 @@ static void test_flex_dense_route(nsa_context *ctx)
         a.q = nsa_tensor_4d(q, NSA_DTYPE_F32, 1, T, FHQ, FDK), a.k = nsa_tensor_4d(k, NSA_DTYPE_F32, 1, T, FH, FDK);
         a.v = nsa_tensor_4d(v, NSA_DTYPE_F32, 1, T, FH, FDV), a.o = nsa_tensor_4d(o, NSA_DTYPE_F32, 1, T, FHQ, FDV);
         a.block_mask.q_block = QBLK, a.block_mask.kv_block = KBLK, a.mask_mod = mm;
-        for (int with_cap = 0; with_cap < 2; with_cap++) {
+        for (int form = 0; form < 4; form++) { /* infinite / huge q, without / with the softcap */
+            const int with_cap = form & 1;
             a.score_mod = with_cap ? sm : NULL;
+            a.q.data = form < 2 ? (void *)q : (void *)big;
             size_t need = 0;
             CHECK_STATUS(nsa_flex_attention_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
             void *ws = malloc(need ? need : 1);
@@ -448,7 +453,47 @@ static void test_flex_dense_route(nsa_context *ctx)
             CHECK(flex_route_taken() - before == with_cap);
             free(ws);
         }
+        a.q.data = q;
         nsa_mod_destroy(mm), nsa_mod_destroy(sm);
+    }
+    { /* block lists whose four tensors broadcast differently: the counts shared by every head, the
+         indices per head, head 1 listing a later block instead of the diagonal one -- declined,
+         so the output is the engine's bit for bit */
+        enum { T = 32, NQB = T / QBLK, NKB = T / KBLK };
+        static float q[T * FHQ * FDK], k[T * FH * FDK], v[T * FH * FDV], o[2][T * FHQ * FDV];
+        test_rng r = {9};
+        for (int i = 0; i < T * FHQ * FDK; i++) q[i] = (float)rnd_u(&r);
+        for (int i = 0; i < T * FH * FDK; i++) k[i] = (float)rnd_u(&r);
+        for (int i = 0; i < T * FH * FDV; i++) v[i] = (float)rnd_u(&r);
+        int32_t num[NQB], idx[FHQ][NQB][NKB];
+        for (int i = 0; i < NQB; i++) {
+            num[i] = (int32_t)(i * QBLK / KBLK + 1); /* the causal blocks, all partial */
+            for (int h = 0; h < FHQ; h++)
+                for (int j = 0; j < NKB; j++) idx[h][i][j] = j < num[i] ? j : -1;
+        }
+        idx[1][0][0] = 1; /* head 1, query block 0: the future block instead of the diagonal one */
+        nsa_mod *mm = NULL;
+        CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, "q_idx >= kv_idx", NULL, 0), NSA_STATUS_SUCCESS);
+        nsa_flex_args a;
+        memset(&a, 0, sizeof a);
+        a.q = nsa_tensor_4d(q, NSA_DTYPE_F32, 1, T, FHQ, FDK), a.k = nsa_tensor_4d(k, NSA_DTYPE_F32, 1, T, FH, FDK);
+        a.v = nsa_tensor_4d(v, NSA_DTYPE_F32, 1, T, FH, FDV);
+        a.block_mask.q_block = QBLK, a.block_mask.kv_block = KBLK, a.mask_mod = mm;
+        a.block_mask.kv_num_blocks = nsa_tensor_3d(num, NSA_DTYPE_I32, 1, 1, NQB);
+        a.block_mask.kv_indices = nsa_tensor_4d(idx, NSA_DTYPE_I32, 1, FHQ, NQB, NKB);
+        const long before = flex_route_taken();
+        for (int on = 1; on >= 0; on--) {
+            flex_route_set_enabled(on);
+            a.o = nsa_tensor_4d(o[on], NSA_DTYPE_F32, 1, T, FHQ, FDV);
+            size_t need = 0;
+            CHECK_STATUS(nsa_flex_attention_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
+            void *ws = malloc(need ? need : 1);
+            CHECK_STATUS(nsa_flex_attention(ctx, &a, ws, need), NSA_STATUS_SUCCESS);
+            free(ws);
+        }
+        CHECK(flex_route_taken() == before);
+        CHECK(memcmp(o[0], o[1], sizeof o[0]) == 0);
+        nsa_mod_destroy(mm);
     }
     for (int on = 1; on >= 0; on--) {
         flex_route_set_enabled(on);

@@ -1219,8 +1219,9 @@ static int attention_atom(const expr_program *p, int k, expr_attention *a)
         return 1;
     }
     if (s == -1 && (op == O_GT || op == O_GE)) { /* kv_idx - q_idx > -c: the same bound */
+        if (c == INT64_MIN) return 0;
         w = op == O_GT ? -c - 1 : -c;
-        if (w < 0 || c == INT64_MIN) return 0;
+        if (w < 0) return 0;
         a->window_left = a->window_left < 0 || w < a->window_left ? w : a->window_left;
         return 1;
     }

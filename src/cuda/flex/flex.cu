@@ -1459,9 +1459,37 @@ static void check_mod_memory(grun *g, const nsa_mod *m, const char *which)
 
 /* ---- the dense route's inputs (flex_route.h; api.c decides) ------------------------------------ */
 
-/* The block lists and a document mask's ids copied to the host, and (when the route needs it) a
- * scan of q and k for non-finite values, its flag read back: one synchronisation of the stream.
- * ws: at least 256 bytes (the flag). */
+/* The largest |element| of a [n0, n1, n2, D] view into *out as float bits: a non-negative
+ * float's bits order as its value, and a NaN's lie above +inf's, so one atomicMax a warp keeps
+ * the largest magnitude and reports a NaN as larger than any. */
+__global__ void route_absmax_kernel(dview t, int64_t n1, int64_t n2, int64_t D, int64_t total, unsigned *out)
+{
+    unsigned mx = 0;
+    for (int64_t x = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = x / D, e = x % D, i2 = row % n2, i1 = (row / n2) % n1, i0 = row / n2 / n1;
+        const unsigned bits = __float_as_uint(fabsf(ld_any(t.p, t.dt, i0 * t.s0 + i1 * t.s1 + i2 * t.s2 + e)));
+        mx = bits > mx ? bits : mx;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned y = __shfl_xor_sync(0xffffffffu, mx, o);
+        mx = y > mx ? y : mx;
+    }
+    if ((threadIdx.x & 31) == 0 && mx) atomicMax(out, mx);
+}
+
+static void route_absmax(grun *g, const nsa_tensor *t, unsigned *out)
+{
+    const int64_t total = t->shape[0] * t->shape[1] * t->shape[2] * t->shape[3];
+    if (total <= 0 || !g_live(g)) return;
+    const int64_t blocks = (total + 255) / 256;
+    route_absmax_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, g->st>>>(dv_of(t), t->shape[1], t->shape[2],
+                                                                                     t->shape[3], total, out);
+    g_launched(g);
+}
+
+/* The block lists and a document mask's ids copied to the host, and (when the route needs them)
+ * the largest magnitudes of q and k read back: one synchronisation of the stream. ws: at least
+ * 256 bytes (the two maxima). */
 extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_args *a,
                                                const flex_route *r, void *ws, flex_route_host *h)
 {
@@ -1484,12 +1512,12 @@ extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa
         h->decline = 1;
         return NSA_STATUS_SUCCESS;
     }
-    int *flag = NULL;
+    unsigned *maxima = NULL;
     if (flex_route_needs_scan(r)) {
-        flag = g_nf(&g);
-        const dview qv = dv_of(&a->q), kv = dv_of(&a->k);
-        cu_scan_nonfinite(&g, &qv, p->B, p->T, p->HQ, p->DK);
-        cu_scan_nonfinite(&g, &kv, p->B, p->Tk, p->H, p->DK);
+        maxima = (unsigned *)g_take(&g, 2 * sizeof(unsigned));
+        g_zero(&g, maxima, 2 * sizeof(unsigned));
+        route_absmax(&g, &a->q, maxima);
+        route_absmax(&g, &a->k, maxima + 1);
     }
     nsa_tensor *lists[4] = {&h->lists.kv_num_blocks, &h->lists.kv_indices, &h->lists.full_kv_num_blocks, &h->lists.full_kv_indices};
     for (int t = 0; t < 4 && g_live(&g); t++) {
@@ -1510,8 +1538,8 @@ extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa
         if (!h->doc) g_fail(&g, NSA_STATUS_OUT_OF_MEMORY, "mask_mod: no host memory for the document ids");
         else g_check(&g, cudaMemcpyAsync(h->doc, r->doc->data, (size_t)dspan * 4, cudaMemcpyDeviceToHost, g.st));
     }
-    int nonfinite = 0;
-    if (flag && g_live(&g)) g_check(&g, cudaMemcpyAsync(&nonfinite, flag, sizeof(int), cudaMemcpyDeviceToHost, g.st));
+    unsigned got[2] = {0, 0};
+    if (maxima && g_live(&g)) g_check(&g, cudaMemcpyAsync(got, maxima, sizeof got, cudaMemcpyDeviceToHost, g.st));
     if (g_live(&g)) g_check(&g, cudaStreamSynchronize(g.st));
     if (g.err != NSA_STATUS_SUCCESS) {
         flex_route_host_free(h);
@@ -1519,7 +1547,8 @@ extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa
     }
     if (r->doc) /* doc[0 .. T) gathered from the strided copy, in place (i * stride >= i) */
         for (int64_t i = 0; i < p->T; i++) h->doc[i] = h->doc[i * r->doc->stride[0]];
-    h->nonfinite = nonfinite != 0;
+    memcpy(&h->qmax, &got[0], sizeof(float)); /* (bits above +inf's read as NaN) */
+    memcpy(&h->kmax, &got[1], sizeof(float));
     return NSA_STATUS_SUCCESS;
 }
 
