@@ -162,7 +162,7 @@ int flex_route_decide(const flex_route *r, const flex_route_host *h, const nsa_p
     for (int64_t j = 0; j < nkb; j++) seen[j] = -1;
     /* every (batch, head) any of the four tensors tells apart (each broadcasts its own size-1 dims) */
     const nsa_tensor *all[4] = {&m->kv_num_blocks, &m->kv_indices, &m->full_kv_num_blocks, &m->full_kv_indices};
-    int64_t Bm = 1, Hm = 1;
+    int64_t Bm = 0, Hm = 0; /* (0 with an empty batch or head dim: nothing to walk, nothing to compute) */
     for (int t = 0; t < 4; t++)
         if (nsa_present(all[t])) {
             Bm = all[t]->shape[0] > Bm ? all[t]->shape[0] : Bm;
