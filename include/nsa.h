@@ -650,7 +650,9 @@ typedef struct nsa_flex_bwd_args {
  * partial, the others unlisted; ascending block order; entries past a count are -1. The caller
  * gives q_block, kv_block and the four tensors (host memory, I32): counts [Bm, Hm, NQB], lists
  * [Bm, Hm, NQB, NKB], NKB = ceil(Tk / kv_block). mask_mod NULL: every block full. The mod's
- * tensors must be in host memory. @return SUCCESS, NULL_POINTER, BAD_ARGUMENT, BAD_RANK,
+ * tensors must be in host memory. Mods that are attention options (spec 14, the dense route;
+ * Tq == Tk) get the same lists from each row's key interval, without evaluating every pair;
+ * other mods are evaluated in OpenMP threads, a block's evaluation stopping once it is partial. @return SUCCESS, NULL_POINTER, BAD_ARGUMENT, BAD_RANK,
  * BAD_SHAPE, BAD_STRIDE or BAD_DTYPE (nothing written). */
 NSA_API nsa_status nsa_create_block_mask(const nsa_mod *mask_mod, int64_t Tq, int64_t Tk, nsa_block_mask *mask);
 

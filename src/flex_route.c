@@ -91,9 +91,7 @@ static int cmp_i32(const void *x, const void *y)
     return (a > b) - (a < b);
 }
 
-/* The runs of equal ids of doc[0 .. T) as bounds cu[0 .. n] (cu: T + 1 entries): n, 0 when an id
- * comes back after another (two runs of one document would see each other), -1 without memory. */
-static int64_t doc_runs(const int32_t *doc, int64_t T, int32_t *cu)
+int64_t flex_route_doc_runs(const int32_t *doc, int64_t T, int32_t *cu)
 {
     int64_t n = 0;
     cu[0] = 0;
@@ -109,9 +107,7 @@ static int64_t doc_runs(const int32_t *doc, int64_t T, int32_t *cu)
     return distinct ? n : 0;
 }
 
-/* The keys row i sees under the options, [*lo, *hi]: its document's span (cu, n), cut by the
- * left window and by causality or the right window. Both ends grow with i. */
-static void row_keys(const flex_route *r, int64_t T, const int32_t *cu, int64_t n, int64_t i, int64_t *lo, int64_t *hi)
+void flex_route_row_keys(const expr_attention *m, int64_t T, const int32_t *cu, int64_t n, int64_t i, int64_t *lo, int64_t *hi)
 {
     int64_t l = 0, h = T - 1;
     if (cu) {
@@ -123,11 +119,11 @@ static void row_keys(const flex_route *r, int64_t T, const int32_t *cu, int64_t 
         }
         l = cu[a], h = cu[a + 1] - 1;
     }
-    if (r->m.window_left >= 0 && i - r->m.window_left > l) l = i - r->m.window_left;
-    if (r->m.causal) {
+    if (m->window_left >= 0 && i - m->window_left > l) l = i - m->window_left;
+    if (m->causal) {
         if (i < h) h = i;
-    } else if (r->m.window_right >= 0 && r->m.window_right < h - i) {
-        h = i + r->m.window_right;
+    } else if (m->window_right >= 0 && m->window_right < h - i) {
+        h = i + m->window_right;
     }
     *lo = l, *hi = h;
 }
@@ -148,7 +144,7 @@ int flex_route_decide(const flex_route *r, const flex_route_host *h, const nsa_p
         if (!(bound < (double)FLT_MAX / 4.0)) return 0;
     }
     if (r->doc) {
-        const int64_t n = doc_runs(h->doc, T, cu);
+        const int64_t n = flex_route_doc_runs(h->doc, T, cu);
         if (n <= 0) return (int)n;
         *nseq = n;
     }
@@ -185,8 +181,8 @@ int flex_route_decide(const flex_route *r, const flex_route_host *h, const nsa_p
                 }
                 const int64_t r0 = i * qb, r1 = (i + 1) * qb < T ? (i + 1) * qb - 1 : T - 1;
                 int64_t lo0, hi0, lo1, hi1;
-                row_keys(r, T, cuv, *nseq, r0, &lo0, &hi0);
-                row_keys(r, T, cuv, *nseq, r1, &lo1, &hi1);
+                flex_route_row_keys(&r->m, T, cuv, *nseq, r0, &lo0, &hi0);
+                flex_route_row_keys(&r->m, T, cuv, *nseq, r1, &lo1, &hi1);
                 /* the rows' spans overlap or touch (each holds its own row), so the keys some row
                  * sees are [lo0, hi1], and a block's pairs are all shown when it lies in [lo1, hi0] */
                 for (int64_t j = lo0 / kb; j <= hi1 / kb && ok; j++) ok = seen[j] == stamp;

@@ -58,6 +58,17 @@ nsa_status flex_route_host_cpu(const nsa_flex_args *a, const nsa_problem *p, con
  * the engine) or -1 (no host memory: keep the engine). */
 int flex_route_decide(const flex_route *r, const flex_route_host *h, const nsa_problem *p, int32_t *cu, int64_t *nseq);
 
+/* The runs of equal ids of doc[0 .. T) as bounds cu[0 .. n] (cu: T + 1 entries). @return n; 0 when
+ * an id comes back after another (two runs of one document would see each other); -1 without
+ * memory. */
+int64_t flex_route_doc_runs(const int32_t *doc, int64_t T, int32_t *cu);
+
+/* The keys row i of T sees under the options m, [*lo, *hi]: its document's span (cu[0 .. n], or
+ * NULL: all T), cut by the left window and by causality or the right window. Each row sees
+ * itself, and both ends grow with i: the keys rows r0 .. r1 see together are [lo(r0), hi(r1)],
+ * and a key block is seen by every one of them iff it lies in [lo(r1), hi(r0)]. */
+void flex_route_row_keys(const expr_attention *m, int64_t T, const int32_t *cu, int64_t n, int64_t i, int64_t *lo, int64_t *hi);
+
 /* The nsa_attention args of the route: a's tensors and scale, lse (the forward's, or a scratch
  * the caller provides), the options, and the document runs as varlen when cu is given. */
 void flex_route_args(const flex_route *r, const nsa_flex_args *a, const nsa_tensor *lse, const int32_t *cu, int64_t nseq,

@@ -707,6 +707,56 @@ static void test_create_block_mask(nsa_context *ctx)
     nsa_mod_destroy(mm);
 }
 
+/* nsa_create_block_mask's lists for mods that are attention options come from each row's key
+ * interval, not from evaluating every pair: they must be the lists every pair's evaluation gives
+ * (a brute force here), for odd lengths and block sizes, and documents whose ids come back
+ * (evaluated pair by pair) as well as one run each. */
+static void test_create_block_mask_intervals(void)
+{
+    fill_mod_tables();
+    const int64_t dsl = 64;
+    const nsa_mod_tensor tens[] = {{"doc", nsa_tensor_make(g_doc, NSA_DTYPE_I32, 1, &dsl)},
+                                   {"docs", nsa_tensor_make(g_docs, NSA_DTYPE_I32, 1, &dsl)}};
+    static const struct { const char *text; mask_ref ref; } mods[] = {
+        {"q_idx >= kv_idx", m_causal}, {"(q_idx >= kv_idx) & ((q_idx - kv_idx) < 10)", m_window},
+        {"abs(q_idx - kv_idx) <= 6", m_band}, {"docs[q_idx] == docs[kv_idx]", m_docs},
+        {"(docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)", m_docs_causal}, {"doc[q_idx] == doc[kv_idx]", m_doc},
+        {"q_idx > kv_idx", m_strict}};
+    static const int64_t sizes[][3] = {{45, 8, 16}, {37, 5, 3}, {50, 16, 16}, {23, 1, 7}};
+    long bad = 0, cases = 0;
+    for (size_t mi = 0; mi < sizeof mods / sizeof mods[0]; mi++)
+        for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
+            const int64_t T = sizes[si][0], qb = sizes[si][1], kb = sizes[si][2], nqb = (T + qb - 1) / qb, nkb = (T + kb - 1) / kb;
+            nsa_mod *mm = NULL;
+            CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, mods[mi].text, tens, 2), NSA_STATUS_SUCCESS);
+            int32_t *num = (int32_t *)malloc(4 * (size_t)nqb), *fnum = (int32_t *)malloc(4 * (size_t)nqb);
+            int32_t *idx = (int32_t *)malloc(4 * (size_t)(nqb * nkb)), *fidx = (int32_t *)malloc(4 * (size_t)(nqb * nkb));
+            nsa_block_mask bm = {qb, kb, nsa_tensor_3d(num, NSA_DTYPE_I32, 1, 1, nqb), nsa_tensor_4d(idx, NSA_DTYPE_I32, 1, 1, nqb, nkb),
+                                 nsa_tensor_3d(fnum, NSA_DTYPE_I32, 1, 1, nqb), nsa_tensor_4d(fidx, NSA_DTYPE_I32, 1, 1, nqb, nkb)};
+            CHECK_STATUS(nsa_create_block_mask(mm, T, T, &bm), NSA_STATUS_SUCCESS);
+            for (int64_t i = 0; i < nqb; i++) {
+                int32_t n = 0, nf = 0;
+                for (int64_t j = 0; j < nkb; j++) {
+                    int64_t seen = 0, all = 0;
+                    for (int64_t r = i * qb; r < (i + 1) * qb && r < T; r++)
+                        for (int64_t c = j * kb; c < (j + 1) * kb && c < T; c++) seen += mods[mi].ref(0, 0, r, c), all++;
+                    if (seen == all) bad += nf >= fnum[i] || fidx[i * nkb + nf++] != j;
+                    else if (seen) bad += n >= num[i] || idx[i * nkb + n++] != j;
+                }
+                bad += n != num[i] || nf != fnum[i];
+                for (int64_t e = n; e < nkb; e++) bad += idx[i * nkb + e] != -1;
+                for (int64_t e = nf; e < nkb; e++) bad += fidx[i * nkb + e] != -1;
+            }
+            cases++;
+            free(num), free(fnum), free(idx), free(fidx);
+            nsa_mod_destroy(mm);
+        }
+    char msg[160];
+    snprintf(msg, sizeof msg, "create_block_mask, %ld mods x sizes: %ld list entries differ from every pair's evaluation", cases, bad);
+    CHECK_MSG(bad == 0, msg);
+    if (g_tests_verbose) printf("  %s\n", msg);
+}
+
 /* The CUDA backend's generated kernels (src/cuda/flex/flex.cu), forward and backward, compile
  * with NVRTC for sm_80 and sm_90a, for every element type, with and without mods -- no GPU
  * needed; the compile times are what a new mod costs on first use. A weak reference: absent
@@ -770,6 +820,7 @@ void test_flex_all(void)
     test_flex_refuses(ctx);
     test_flex_bwd_refuses(ctx);
     test_create_block_mask(ctx);
+    test_create_block_mask_intervals();
     test_cuda_kernels_compile();
     nsa_context_destroy(ctx);
 }

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../flex_route.h"
 #include "../mod/expr.h"
 
 /* A block-mask list entry as this call reads it (broadcast dims of size 1 read entry 0). */
@@ -408,26 +409,58 @@ nsa_status nsa_create_block_mask(const nsa_mod *mask_mod, int64_t Tq, int64_t Tk
         (st = list_view_check(&mask->full_kv_num_blocks, "full_kv_num_blocks", 3, wc)) != NSA_STATUS_SUCCESS ||
         (st = list_view_check(&mask->full_kv_indices, "full_kv_indices", 4, wl)) != NSA_STATUS_SUCCESS)
         return st;
-    for (int64_t b = 0; b < Bm; b++)
-        for (int64_t h = 0; h < Hm; h++)
-            for (int64_t qb = 0; qb < nqb; qb++) {
-                int32_t *np = (int32_t *)list_at(&mask->kv_num_blocks, b, h, qb), *fp = (int32_t *)list_at(&mask->full_kv_num_blocks, b, h, qb);
-                /* (lists of width 0 -- no key blocks -- get no pointer: an empty view's strides are unchecked) */
-                int32_t *ip = nkb > 0 ? (int32_t *)list_at(&mask->kv_indices, b, h, qb) : NULL;
-                int32_t *fip = nkb > 0 ? (int32_t *)list_at(&mask->full_kv_indices, b, h, qb) : NULL;
-                int32_t n = 0, nf = 0;
-                const int64_t q0 = qb * mask->q_block, q1 = q0 + mask->q_block < Tq ? q0 + mask->q_block : Tq;
-                for (int64_t j = 0; j < nkb; j++) {
-                    const int64_t k0 = j * mask->kv_block, k1 = k0 + mask->kv_block < Tk ? k0 + mask->kv_block : Tk;
-                    int64_t seen = 0;
-                    for (int64_t i = q0; i < q1; i++)
-                        for (int64_t kv = k0; kv < k1; kv++) seen += !mask_mod || expr_eval(mask_mod, b, h, i, kv, 0.0f) != 0.0f;
-                    if (seen == (q1 - q0) * (k1 - k0)) fip[(nf++) * mask->full_kv_indices.stride[3]] = (int32_t)j;
-                    else if (seen > 0) ip[(n++) * mask->kv_indices.stride[3]] = (int32_t)j;
-                }
-                for (int32_t e = n; e < nkb; e++) ip[e * mask->kv_indices.stride[3]] = -1;
-                for (int32_t e = nf; e < nkb; e++) fip[e * mask->full_kv_indices.stride[3]] = -1;
-                *np = n, *fp = nf;
+    /* mods that are attention options (the dense route's forms, Tq == Tk): each row sees one
+       interval of keys, so a block's class follows from its first and last rows -- no pair is
+       evaluated; documents need their ids as one run each (else every pair is) */
+    expr_attention opt;
+    int32_t *cu = NULL;
+    int64_t nseq = 0;
+    int analytic = Tq == Tk && Tq >= 1 && expr_as_attention(mask_mod, NULL, &opt);
+    if (analytic && opt.doc >= 0) {
+        const nsa_tensor *d = expr_capture_tensor(mask_mod, opt.doc);
+        int32_t *ids = d->shape[0] >= Tq ? (int32_t *)malloc((size_t)Tq * sizeof(int32_t)) : NULL;
+        cu = ids ? (int32_t *)malloc((size_t)(Tq + 1) * sizeof(int32_t)) : NULL;
+        if (cu)
+            for (int64_t i = 0; i < Tq; i++) ids[i] = ((const int32_t *)d->data)[i * d->stride[0]];
+        nseq = cu ? flex_route_doc_runs(ids, Tq, cu) : 0;
+        analytic = nseq > 0;
+        free(ids);
+    }
+    const int64_t rows = Bm * Hm * nqb;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t row = 0; row < rows; row++) {
+        const int64_t qb = row % nqb, h = row / nqb % Hm, b = row / nqb / Hm;
+        int32_t *np = (int32_t *)list_at(&mask->kv_num_blocks, b, h, qb), *fp = (int32_t *)list_at(&mask->full_kv_num_blocks, b, h, qb);
+        /* (lists of width 0 -- no key blocks -- get no pointer: an empty view's strides are unchecked) */
+        int32_t *ip = nkb > 0 ? (int32_t *)list_at(&mask->kv_indices, b, h, qb) : NULL;
+        int32_t *fip = nkb > 0 ? (int32_t *)list_at(&mask->full_kv_indices, b, h, qb) : NULL;
+        int32_t n = 0, nf = 0;
+        const int64_t q0 = qb * mask->q_block, q1 = q0 + mask->q_block < Tq ? q0 + mask->q_block : Tq;
+        int64_t lo0 = 0, hi0 = 0, lo1 = 0, hi1 = 0;
+        if (analytic) {
+            flex_route_row_keys(&opt, Tq, cu, nseq, q0, &lo0, &hi0);
+            flex_route_row_keys(&opt, Tq, cu, nseq, q1 - 1, &lo1, &hi1);
+        }
+        for (int64_t j = 0; j < nkb; j++) {
+            const int64_t k0 = j * mask->kv_block, k1 = k0 + mask->kv_block < Tk ? k0 + mask->kv_block : Tk;
+            int shown = 0, hidden = 0; /* some pair visible, some hidden: enough for a partial block */
+            if (analytic) {
+                shown = k0 <= hi1 && k1 - 1 >= lo0;
+                hidden = !(lo1 <= k0 && k1 - 1 <= hi0);
+            } else {
+                for (int64_t i = q0; i < q1 && !(shown && hidden); i++)
+                    for (int64_t kv = k0; kv < k1 && !(shown && hidden); kv++) {
+                        const int v = !mask_mod || expr_eval(mask_mod, b, h, i, kv, 0.0f) != 0.0f;
+                        shown |= v, hidden |= !v;
+                    }
             }
+            if (shown && !hidden) fip[(nf++) * mask->full_kv_indices.stride[3]] = (int32_t)j;
+            else if (shown) ip[(n++) * mask->kv_indices.stride[3]] = (int32_t)j;
+        }
+        for (int32_t e = n; e < nkb; e++) ip[e * mask->kv_indices.stride[3]] = -1;
+        for (int32_t e = nf; e < nkb; e++) fip[e * mask->full_kv_indices.stride[3]] = -1;
+        *np = n, *fp = nf;
+    }
+    free(cu);
     return NSA_STATUS_SUCCESS;
 }
