@@ -32,7 +32,7 @@ int flex_route_plan(const nsa_flex_args *a, const nsa_problem *p, flex_route *r)
 {
     memset(r, 0, sizeof *r);
     if (!flex_route_enabled() || p->T != p->Tk || p->T < 1 || p->T > INT32_MAX) return 0;
-    if (!expr_as_attention(a->mask_mod, a->score_mod, &r->m)) return 0;
+    if (!expr_as_attention(a->mask_mod, a->score_mod, &r->m) || r->m.prefix > 0) return 0; /* (prefix-LM: no option) */
     if (r->m.doc >= 0) {
         /* one packed batch of documents (varlen needs B = 1); ids for every row, so that no read
          * of the mod's clamps and the runs are those of doc[0 .. T) */
@@ -125,6 +125,7 @@ void flex_route_row_keys(const expr_attention *m, int64_t T, const int32_t *cu, 
     } else if (m->window_right >= 0 && m->window_right < h - i) {
         h = i + m->window_right;
     }
+    if (m->prefix > 0 && h < (m->prefix < T ? m->prefix : T) - 1) h = (m->prefix < T ? m->prefix : T) - 1; /* (alone: l = 0) */
     *lo = l, *hi = h;
 }
 

@@ -32,6 +32,7 @@ static int m_docs(int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void)h
 static int m_docs_causal(int64_t b, int64_t h, int64_t q, int64_t k) { return m_docs(b, h, q, k) && q >= k; }
 static int m_strict(int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void)h; return q > k; }
 static int m_band(int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void)h; return llabs(q - k) <= 6; }
+static int m_prefix_strict(int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void)h; return k < 7 || q > k; }
 static double s_alibi(double s, int64_t b, int64_t h, int64_t q, int64_t k) { (void)b; return s - g_slope[h] * (double)llabs(q - k); }
 static double s_softcap(double s, int64_t b, int64_t h, int64_t q, int64_t k) { (void)b, (void)h, (void)q, (void)k; return 3.0 * tanh(s / 3.0); }
 static double s_rel(double s, int64_t b, int64_t h, int64_t q, int64_t k)
@@ -418,6 +419,8 @@ static void test_flex_dense_route(nsa_context *ctx)
         {"no route: documents with B = 2", "docs[q_idx] == docs[kv_idx]", NULL, m_docs, NULL, 0, 40, 40, 1, 1, NULL, NULL, 2, 2},
         {"no route: Tq != Tk", "q_idx >= kv_idx", NULL, m_causal, NULL, 2, 29, 45, 1, 1, NULL, NULL, 0, 2},
         {"no route: q_idx > kv_idx", "q_idx > kv_idx", NULL, m_strict, NULL, 2, 37, 37, 1, 1, NULL, NULL, 0, 2},
+        {"no route: prefix-LM (its lists from the rows' intervals)", "kv_idx < 7 || q_idx >= kv_idx", NULL, m_prefix, NULL, 2, 37,
+         37, 1, 1, NULL, NULL, 0, 2},
     };
     const int was = flex_route_enabled();
     flex_route_set_enabled(1);
@@ -721,7 +724,8 @@ static void test_create_block_mask_intervals(void)
         {"q_idx >= kv_idx", m_causal}, {"(q_idx >= kv_idx) & ((q_idx - kv_idx) < 10)", m_window},
         {"abs(q_idx - kv_idx) <= 6", m_band}, {"docs[q_idx] == docs[kv_idx]", m_docs},
         {"(docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)", m_docs_causal}, {"doc[q_idx] == doc[kv_idx]", m_doc},
-        {"q_idx > kv_idx", m_strict}};
+        {"q_idx > kv_idx", m_strict}, {"(kv_idx < 7) | (q_idx >= kv_idx)", m_prefix}, {"q_idx >= kv_idx || 7 > kv_idx", m_prefix},
+        {"kv_idx <= 6 || q_idx >= kv_idx", m_prefix}, {"kv_idx < 7 || q_idx > kv_idx", m_prefix_strict}};
     static const int64_t sizes[][3] = {{45, 8, 16}, {37, 5, 3}, {50, 16, 16}, {23, 1, 7}};
     long bad = 0, cases = 0;
     for (size_t mi = 0; mi < sizeof mods / sizeof mods[0]; mi++)

@@ -1244,10 +1244,47 @@ static int attention_conj(const expr_program *p, int k, expr_attention *a)
     return attention_atom(p, k, a);
 }
 
+/* kv_idx < c, c > kv_idx, kv_idx <= c - 1 or c - 1 >= kv_idx: *c, the keys every row sees. */
+static int prefix_atom(const expr_program *p, int k, int64_t *c)
+{
+    const node *n = &p->tree[k];
+    if (n->nkid != 2 || (n->op != O_LT && n->op != O_LE && n->op != O_GT && n->op != O_GE)) return 0;
+    int64_t v;
+    if (is_op(p, n->kid[0], O_VAR_K) && int_const(p, n->kid[1], &v) && (n->op == O_LT || n->op == O_LE)) {
+        if (n->op == O_LE && v == INT64_MAX) return 0;
+        *c = n->op == O_LT ? v : v + 1;
+        return 1;
+    }
+    if (is_op(p, n->kid[1], O_VAR_K) && int_const(p, n->kid[0], &v) && (n->op == O_GT || n->op == O_GE)) {
+        if (n->op == O_GE && v == INT64_MAX) return 0;
+        *c = n->op == O_GT ? v : v + 1;
+        return 1;
+    }
+    return 0;
+}
+
+/* A prefix-LM mask: (kv_idx < c) || (q_idx >= kv_idx), | of bools too, either order. */
+static int attention_prefix(const expr_program *p, int k, expr_attention *a)
+{
+    const node *n = &p->tree[k];
+    if (!(n->op == O_OR || (n->op == O_BOR && n->type == T_BOOL))) return 0;
+    for (int side = 0; side < 2; side++) {
+        int64_t c;
+        expr_attention causal = {0, -1, -1, -1, 0.0f, 0};
+        if (prefix_atom(p, n->kid[side], &c) && c >= 1 && attention_atom(p, n->kid[1 - side], &causal) && causal.causal &&
+            causal.window_left < 0 && causal.window_right < 0 && causal.doc < 0) {
+            a->causal = 1, a->prefix = c;
+            return 1;
+        }
+    }
+    return 0;
+}
+
 int expr_as_attention(const expr_program *mask, const expr_program *score, expr_attention *out)
 {
-    expr_attention a = {0, -1, -1, -1, 0.0f};
-    if (mask && (mask->kind != EXPR_MASK || !attention_conj(mask, mask->root, &a))) return 0;
+    expr_attention a = {0, -1, -1, -1, 0.0f, 0};
+    if (mask && (mask->kind != EXPR_MASK || !(attention_prefix(mask, mask->root, &a) || attention_conj(mask, mask->root, &a))))
+        return 0;
     if (score) {
         if (score->kind != EXPR_SCORE) return 0;
         const node *n = &score->tree[score->root];

@@ -87,13 +87,17 @@ extern const char EXPR_C_PRELUDE[];
  * window), abs(q_idx - kv_idx) < c or <= c (both sides) and doc[q_idx] == doc[kv_idx] (a rank-1
  * int32 tensor: a document mask), in either operand order; a score_mod that is score or
  * c * tanh(score / c) (a softcap, c > 0). Either mod may be NULL. Positions are FlexAttention's
- * (top-left), so the options hold for Tq == Tk only; the caller checks the rest. */
+ * (top-left), so the options hold for Tq == Tk only; the caller checks the rest. Also
+ * recognised: prefix-LM, (kv_idx < c) || (q_idx >= kv_idx) (| of bools too, either order). */
 typedef struct expr_attention {
     int causal;            /* keys kv_idx <= q_idx */
     int64_t window_left;   /* keys kv_idx >= q_idx - window_left; -1: unbounded */
     int64_t window_right;  /* keys kv_idx <= q_idx + window_right; -1: unbounded */
     int doc;               /* the mask's capture of a document mask, -1: none */
     float softcap;         /* 0: none */
+    int64_t prefix;        /* prefix-LM, kv_idx < prefix || q_idx >= kv_idx (alone, and causal set): keys
+                              below prefix seen by every row; 0: none. No nsa_attention option: the
+                              route refuses it, block masks use the rows' intervals it still gives */
 } expr_attention;
 /* @return 1 and *out when both mods are of those forms, else 0. */
 int expr_as_attention(const expr_program *mask, const expr_program *score, expr_attention *out);

@@ -773,7 +773,7 @@ static void build_flex(reader *r, dims *D, nsa_flex_bwd_args *a, int bwd, uint8_
  * one of build_flex's (its tensors in host memory), none, or a score_mod in its place. */
 static const nsa_mod *build_block_mask(reader *r, dims *D, uint8_t pres, nsa_block_mask *m, int64_t *Tq, int64_t *Tk)
 {
-    static const char *const MASKS[] = {"q_idx >= kv_idx", "doc[q_idx] == doc[kv_idx]", "kv_idx % 3 != 1 || h == 0",
+    static const char *const MASKS[] = {"q_idx >= kv_idx", "doc[q_idx] == doc[kv_idx]", "kv_idx < 5 || q_idx >= kv_idx",
                                         "q_idx - kv_idx < 4 && q_idx >= kv_idx && b == 0"};
     for (int i = 0; i < 16; i++) g_flex_doc[i] = i / 3;
     nsa_config cfg = nsa_config_default();
