@@ -423,7 +423,7 @@ static nsa_status backend_run(const nsa_context *ctx, const nsa_problem *p, op_c
 
 /* ---- block-sparse attention's dense route (flex_route.h, spec 14) ---------------------------- */
 /* A flex call whose mods are attention options, whose block mask visits what they see and whose
- * q, k are finite (or whose score_mod is a softcap) runs as nsa_attention / nsa_attention_bwd on
+ * scores cannot overflow (flex_route.h) runs as nsa_attention / nsa_attention_bwd on
  * the same backend, in the same workspace: the attention's own need first, then (a forward
  * without lse) a scratch lse. Whether the lists and document ids allow it is known only at run
  * time, so a query sizes the workspace for both paths. */
@@ -502,7 +502,7 @@ static size_t route_need(const nsa_context *ctx, op_call c, const nsa_problem *p
     free(each);
     if (c.op == OP_FLEX && !nsa_present(&flex_fwd_of(c)->lse))
         need = nsa_size_add(route_align(need), nsa_size_mul(nsa_size_elems(p->B, p->T, p->HQ, 1), sizeof(float)));
-    return need > ROUTE_ALIGN ? need : ROUTE_ALIGN; /* (CUDA: the scan's flag) */
+    return need > ROUTE_ALIGN ? need : ROUTE_ALIGN; /* (CUDA: the decision's q, k maxima) */
 }
 
 static nsa_status backend_run(const nsa_context *ctx, const nsa_problem *p, op_call c, void *ws);

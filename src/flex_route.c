@@ -79,7 +79,7 @@ nsa_status flex_route_host_cpu(const nsa_flex_args *a, const nsa_problem *p, con
         h->doc = (int32_t *)malloc((size_t)p->T * sizeof(int32_t));
         if (!h->doc) return nsa_fail(NSA_STATUS_OUT_OF_MEMORY, "mask_mod: no host memory for the document ids");
         h->owned[0] = h->doc;
-        for (int64_t i = 0; i < p->T; i++) h->doc[i] = ((const int32_t *)r->doc->data)[i * r->doc->stride[0]];
+        flex_route_gather_doc(r->doc, p->T, h->doc);
     }
     if (flex_route_needs_scan(r)) h->qmax = view_absmax(&a->q), h->kmax = view_absmax(&a->k);
     return NSA_STATUS_SUCCESS;
@@ -107,7 +107,13 @@ int64_t flex_route_doc_runs(const int32_t *doc, int64_t T, int32_t *cu)
     return distinct ? n : 0;
 }
 
-void flex_route_row_keys(const expr_attention *m, int64_t T, const int32_t *cu, int64_t n, int64_t i, int64_t *lo, int64_t *hi)
+void flex_route_gather_doc(const nsa_tensor *doc, int64_t T, int32_t *out)
+{
+    for (int64_t i = 0; i < T; i++) out[i] = ((const int32_t *)doc->data)[i * doc->stride[0]];
+}
+
+/* The keys row i sees under the options, [*lo, *hi]. */
+static void row_keys(const expr_attention *m, int64_t T, const int32_t *cu, int64_t n, int64_t i, int64_t *lo, int64_t *hi)
 {
     int64_t l = 0, h = T - 1;
     if (cu) {
@@ -127,6 +133,15 @@ void flex_route_row_keys(const expr_attention *m, int64_t T, const int32_t *cu, 
     }
     if (m->prefix > 0 && h < (m->prefix < T ? m->prefix : T) - 1) h = (m->prefix < T ? m->prefix : T) - 1; /* (alone: l = 0) */
     *lo = l, *hi = h;
+}
+
+void flex_route_block_keys(const expr_attention *m, int64_t T, const int32_t *cu, int64_t n, int64_t r0, int64_t r1,
+                           int64_t *some_lo, int64_t *some_hi, int64_t *all_lo, int64_t *all_hi)
+{
+    int64_t lo0, hi0, lo1, hi1;
+    row_keys(m, T, cu, n, r0, &lo0, &hi0);
+    row_keys(m, T, cu, n, r1, &lo1, &hi1);
+    *some_lo = lo0, *some_hi = hi1, *all_lo = lo1, *all_hi = hi0;
 }
 
 static int32_t list_at(const nsa_tensor *t, int64_t b, int64_t h, int64_t i, int64_t e)
@@ -181,16 +196,14 @@ int flex_route_decide(const flex_route *r, const flex_route_host *h, const nsa_p
                     seen[j] = stamp;
                 }
                 const int64_t r0 = i * qb, r1 = (i + 1) * qb < T ? (i + 1) * qb - 1 : T - 1;
-                int64_t lo0, hi0, lo1, hi1;
-                flex_route_row_keys(&r->m, T, cuv, *nseq, r0, &lo0, &hi0);
-                flex_route_row_keys(&r->m, T, cuv, *nseq, r1, &lo1, &hi1);
-                /* the rows' spans overlap or touch (each holds its own row), so the keys some row
-                 * sees are [lo0, hi1], and a block's pairs are all shown when it lies in [lo1, hi0] */
-                for (int64_t j = lo0 / kb; j <= hi1 / kb && ok; j++) ok = seen[j] == stamp;
+                int64_t some_lo, some_hi, all_lo, all_hi;
+                flex_route_block_keys(&r->m, T, cuv, *nseq, r0, r1, &some_lo, &some_hi, &all_lo, &all_hi);
+                /* every block some row sees listed; a full block's pairs all shown */
+                for (int64_t j = some_lo / kb; j <= some_hi / kb && ok; j++) ok = seen[j] == stamp;
                 for (int64_t e = 0; e < nf && ok; e++) {
                     const int64_t j = list_at(&m->full_kv_indices, b, hh, i, e);
                     const int64_t k0 = j * kb, k1 = (j + 1) * kb < T ? (j + 1) * kb - 1 : T - 1;
-                    ok = lo1 <= k0 && k1 <= hi0;
+                    ok = all_lo <= k0 && k1 <= all_hi;
                 }
             }
     free(seen);

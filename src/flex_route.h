@@ -63,11 +63,16 @@ int flex_route_decide(const flex_route *r, const flex_route_host *h, const nsa_p
  * memory. */
 int64_t flex_route_doc_runs(const int32_t *doc, int64_t T, int32_t *cu);
 
-/* The keys row i of T sees under the options m, [*lo, *hi]: its document's span (cu[0 .. n], or
- * NULL: all T), cut by the left window and by causality or the right window. Each row sees
- * itself, and both ends grow with i: the keys rows r0 .. r1 see together are [lo(r0), hi(r1)],
- * and a key block is seen by every one of them iff it lies in [lo(r1), hi(r0)]. */
-void flex_route_row_keys(const expr_attention *m, int64_t T, const int32_t *cu, int64_t n, int64_t i, int64_t *lo, int64_t *hi);
+/* Rows r0 .. r1 of T under the options m (documents: the runs cu[0 .. n], or cu NULL): the keys
+ * some row sees, [*some_lo, *some_hi], and the keys every row sees, [*all_lo, *all_hi] (empty when
+ * all_lo > all_hi). Each row sees one interval -- its document's span cut by the windows, causality
+ * and a prefix -- that holds the row itself and whose ends grow with the row, so both follow from
+ * the first and the last row. */
+void flex_route_block_keys(const expr_attention *m, int64_t T, const int32_t *cu, int64_t n, int64_t r0, int64_t r1,
+                           int64_t *some_lo, int64_t *some_hi, int64_t *all_lo, int64_t *all_hi);
+
+/* doc[0 .. T) of a rank-1 int32 view with at least T elements, into out (host memory). */
+void flex_route_gather_doc(const nsa_tensor *doc, int64_t T, int32_t *out);
 
 /* The nsa_attention args of the route: a's tensors and scale, lse (the forward's, or a scratch
  * the caller provides), the options, and the document runs as varlen when cu is given. */

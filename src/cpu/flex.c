@@ -420,8 +420,7 @@ nsa_status nsa_create_block_mask(const nsa_mod *mask_mod, int64_t Tq, int64_t Tk
         const nsa_tensor *d = expr_capture_tensor(mask_mod, opt.doc);
         int32_t *ids = d->shape[0] >= Tq ? (int32_t *)malloc((size_t)Tq * sizeof(int32_t)) : NULL;
         cu = ids ? (int32_t *)malloc((size_t)(Tq + 1) * sizeof(int32_t)) : NULL;
-        if (cu)
-            for (int64_t i = 0; i < Tq; i++) ids[i] = ((const int32_t *)d->data)[i * d->stride[0]];
+        if (cu) flex_route_gather_doc(d, Tq, ids);
         nseq = cu ? flex_route_doc_runs(ids, Tq, cu) : 0;
         analytic = nseq > 0;
         free(ids);
@@ -436,17 +435,14 @@ nsa_status nsa_create_block_mask(const nsa_mod *mask_mod, int64_t Tq, int64_t Tk
         int32_t *fip = nkb > 0 ? (int32_t *)list_at(&mask->full_kv_indices, b, h, qb) : NULL;
         int32_t n = 0, nf = 0;
         const int64_t q0 = qb * mask->q_block, q1 = q0 + mask->q_block < Tq ? q0 + mask->q_block : Tq;
-        int64_t lo0 = 0, hi0 = 0, lo1 = 0, hi1 = 0;
-        if (analytic) {
-            flex_route_row_keys(&opt, Tq, cu, nseq, q0, &lo0, &hi0);
-            flex_route_row_keys(&opt, Tq, cu, nseq, q1 - 1, &lo1, &hi1);
-        }
+        int64_t some_lo = 0, some_hi = 0, all_lo = 0, all_hi = 0;
+        if (analytic) flex_route_block_keys(&opt, Tq, cu, nseq, q0, q1 - 1, &some_lo, &some_hi, &all_lo, &all_hi);
         for (int64_t j = 0; j < nkb; j++) {
             const int64_t k0 = j * mask->kv_block, k1 = k0 + mask->kv_block < Tk ? k0 + mask->kv_block : Tk;
             int shown = 0, hidden = 0; /* some pair visible, some hidden: enough for a partial block */
             if (analytic) {
-                shown = k0 <= hi1 && k1 - 1 >= lo0;
-                hidden = !(lo1 <= k0 && k1 - 1 <= hi0);
+                shown = k0 <= some_hi && k1 - 1 >= some_lo;
+                hidden = !(all_lo <= k0 && k1 - 1 <= all_hi);
             } else {
                 for (int64_t i = q0; i < q1 && !(shown && hidden); i++)
                     for (int64_t kv = k0; kv < k1 && !(shown && hidden); kv++) {

@@ -1406,28 +1406,31 @@ static int64_t view_span(const nsa_tensor *t)
     return span;
 }
 
-/* The block lists copied to the host and checked as the CPU checks them (before any write). */
-static void check_lists(grun *g, const nsa_flex_args *a)
+/* Copies of a block mask's four lists queued into host buffers (host[t], malloc'd; free them),
+ * m's tensors pointed at them: complete once the stream is synchronised. */
+static void lists_to_host(grun *g, nsa_block_mask *m, void *host[4])
 {
-    const nsa_block_mask *m = &a->block_mask;
-    if (!nsa_present(&m->kv_num_blocks)) return;
-    nsa_flex_args h = *a;
-    const nsa_tensor *src[4] = {&m->kv_num_blocks, &m->kv_indices, &m->full_kv_num_blocks, &m->full_kv_indices};
-    nsa_tensor *dst[4] = {&h.block_mask.kv_num_blocks, &h.block_mask.kv_indices, &h.block_mask.full_kv_num_blocks,
-                          &h.block_mask.full_kv_indices};
-    void *host[4] = {NULL, NULL, NULL, NULL};
+    nsa_tensor *lists[4] = {&m->kv_num_blocks, &m->kv_indices, &m->full_kv_num_blocks, &m->full_kv_indices};
     for (int t = 0; t < 4 && g_live(g); t++) {
-        if (!nsa_present(src[t])) continue;
-        const int64_t span = view_span(src[t]);
+        const int64_t span = nsa_present(lists[t]) ? view_span(lists[t]) : 0;
         if (span == 0) continue;
         host[t] = malloc((size_t)span * 4);
         if (!host[t]) {
             g_fail(g, NSA_STATUS_OUT_OF_MEMORY, "block_mask: no host memory to check the lists");
             break;
         }
-        g_check(g, cudaMemcpyAsync(host[t], src[t]->data, (size_t)span * 4, cudaMemcpyDeviceToHost, g->st));
-        dst[t]->data = host[t];
+        g_check(g, cudaMemcpyAsync(host[t], lists[t]->data, (size_t)span * 4, cudaMemcpyDeviceToHost, g->st));
+        lists[t]->data = host[t];
     }
+}
+
+/* The block lists copied to the host and checked as the CPU checks them (before any write). */
+static void check_lists(grun *g, const nsa_flex_args *a)
+{
+    if (!nsa_present(&a->block_mask.kv_num_blocks)) return;
+    nsa_flex_args h = *a;
+    void *host[4] = {NULL, NULL, NULL, NULL};
+    lists_to_host(g, &h.block_mask, host);
     if (g_live(g)) g_check(g, cudaStreamSynchronize(g->st));
     if (g_live(g)) {
         const nsa_status st = nsa_flex_lists_check(&h, g->p);
@@ -1519,18 +1522,7 @@ extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa
         route_absmax(&g, &a->q, maxima);
         route_absmax(&g, &a->k, maxima + 1);
     }
-    nsa_tensor *lists[4] = {&h->lists.kv_num_blocks, &h->lists.kv_indices, &h->lists.full_kv_num_blocks, &h->lists.full_kv_indices};
-    for (int t = 0; t < 4 && g_live(&g); t++) {
-        const int64_t span = nsa_present(lists[t]) ? view_span(lists[t]) : 0;
-        if (span == 0) continue;
-        h->owned[t] = malloc((size_t)span * 4);
-        if (!h->owned[t]) {
-            g_fail(&g, NSA_STATUS_OUT_OF_MEMORY, "block_mask: no host memory for the lists");
-            break;
-        }
-        g_check(&g, cudaMemcpyAsync(h->owned[t], lists[t]->data, (size_t)span * 4, cudaMemcpyDeviceToHost, g.st));
-        lists[t]->data = h->owned[t];
-    }
+    lists_to_host(&g, &h->lists, h->owned);
     const int64_t dspan = r->doc ? view_span(r->doc) : 0, dn = dspan > p->T ? dspan : p->T;
     if (r->doc && g_live(&g)) {
         h->doc = (int32_t *)malloc((size_t)dn * 4);
