@@ -415,11 +415,13 @@ def _forward(q, k, v, block_mask, score, scale):
     mask = block_mask.mask_mod if block_mask is not None else None
     _fill(call, a, q, k, v, block_mask, score, mask, scale)
     B, HQ, Tq = q.shape[0], q.shape[1], q.shape[2]
-    o = call.empty((B, Tq, HQ, v.shape[3]), call.dtype(q))
+    # o allocated in the layout returned ([B, HQ, Tq, Dv]) and written through its [B, T, H, D]
+    # view, so no copy follows the call (lse's rows need a unit last stride: [B, T, H])
+    o = call.empty((B, HQ, Tq, v.shape[3]), call.dtype(q))
     lse = call.empty((B, Tq, HQ), "f32")
-    a.o, a.lse = call.view(o, "o", output=True), call.view(lse, "lse", output=True)
+    a.o, a.lse = call.view(_bthd(o), "o", output=True), call.view(lse, "lse", output=True)
     call.run("flex_attention", a)
-    return _bthd(o), _bthd_rows(lse)
+    return o, _bthd_rows(lse)
 
 
 def _bthd_rows(lse):
@@ -436,15 +438,15 @@ def _backward(q, k, v, o, lse, dout, block_mask, score, scale, want):
     g.fwd.o, g.fwd.lse = call.view(_bthd(o), "fwd.o"), call.view(lse.transpose(1, 2) if _is_torch_tensor(lse)
                                                                   else lse.transpose(0, 2, 1), "fwd.lse")
     g.dout = call.view(_bthd(dout), "dout")
-    grads = [call.empty(tuple(_bthd(x).shape), call.dtype(x)) for x in (q, k, v)]
-    g.dq, g.dk, g.dv = (call.view(x, n, output=True) for x, n in zip(grads, ("dq", "dk", "dv")))
+    grads = [call.empty(tuple(x.shape), call.dtype(x)) for x in (q, k, v)]  # (as the forward's o)
+    g.dq, g.dk, g.dv = (call.view(_bthd(x), n, output=True) for x, n in zip(grads, ("dq", "dk", "dv")))
     tens = {}
     for i in want:
         t = call.empty(tuple(score._arrays[i].shape), "f32")
         tens[i] = t
         g.dscore_tensors[i] = call.view(t, "dscore_tensors[%d]" % i, output=True)
     call.run("flex_attention_bwd", g)
-    return tuple(_bthd(x) for x in grads), tens
+    return tuple(grads), tens
 
 
 def flex_attention(query: Array, key: Array, value: Array, score_mod: ModLike = None,
