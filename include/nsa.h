@@ -359,7 +359,8 @@ NSA_API nsa_status nsa_slc_attn_bwd(nsa_context *ctx, const nsa_slc_attn_bwd_arg
  * kernels, 300-450x slower), head dims up to 256;
  * deterministic (no atomics). Calls with none of softcap, sinks, segment ids, bias, mask,
  * dropout, varlen_qk, Tq != Tk run the tuned tiles (so does the forward with only softcap,
- * sinks and / or Tq != Tk in a dense batch); the others general kernels (src/cuda/attention). */
+ * sinks and / or Tq != Tk in a dense batch, and the backward with a softcap alone); the others
+ * general kernels (src/cuda/attention). */
 typedef struct nsa_varlen_qk {
     const int64_t *cu_seqlens_q;  /* HOST [num_seqs + 1] or NULL: packed query rows, cu[N] == Tq */
     const int64_t *cu_seqlens_k;  /* HOST [num_seqs + 1]: packed key rows, cu[N] == Tk (both or neither) */

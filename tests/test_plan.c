@@ -420,7 +420,7 @@ static void test_plan_attention(void)
 {
     grid_counts g = {0, 0, ""};
     for (int ki = 0; ki < N_OF(DIMS); ki++)
-        for (int opt = 0; opt < 64; opt++) {
+        for (int opt = 0; opt < 256; opt++) {
             nsa_problem p = problem(4, DIMS[ki][0], DIMS[ki][1], 1000, 2);
             nsa_attention_args a;
             memset(&a, 0, sizeof a);
@@ -431,15 +431,19 @@ static void test_plan_attention(void)
             if (opt & 4) a.bias.data = dummy;
             if (opt & 8) a.mask.data = dummy;
             if (opt & 16) a.dropout_p = 0.25f;
-            if (opt & 32) p.extended = 1;
-            /* the old routing of the attention op's forward and backward */
+            if (opt & 32) a.softcap = 30.0f;
+            if (opt & 64) a.sinks.data = dummy, a.sinks.rank = 1, a.sinks.shape[0] = 4;
+            if (opt & 128) p.Tk = 2 * p.T;
+            p.extended = p.T != p.Tk || a.softcap != 0.0f || a.sinks.data || a.q_segment_ids.data || a.bias.data ||
+                         a.mask.data || a.dropout_p != 0.0f || p.cu_seqlens_q;
+            /* the forward's tiles take softcap, sinks and Tq != Tk; the backward's a softcap alone */
             const int cls = cu_dims_class(p.DK, p.DV);
-            const int old_fwd_tiles = cls && !p.cu_seqlens_q && !a.q_segment_ids.data && !a.bias.data && !a.mask.data &&
-                                      a.dropout_p == 0.0f;
-            const int old_bwd_general = p.extended || !cls;
-            note(&g, (cu_plan_attention_fwd(&p, &a) == CU_ATTN_TILES) == old_fwd_tiles, "attention forward plan", &p,
+            const int fwd_tiles = cls && !p.cu_seqlens_q && !a.q_segment_ids.data && !a.bias.data && !a.mask.data &&
+                                  a.dropout_p == 0.0f;
+            const int bwd_tiles = fwd_tiles && !a.sinks.data && p.Tk == p.T;
+            note(&g, (cu_plan_attention_fwd(&p, &a) == CU_ATTN_TILES) == fwd_tiles, "attention forward plan", &p,
                  &DEVS[0], &ENVS[0], 0, 0, 1);
-            note(&g, (cu_plan_attention_bwd(&p) == CU_ATTN_GENERAL) == old_bwd_general, "attention backward plan", &p,
+            note(&g, (cu_plan_attention_bwd(&p, &a) == CU_ATTN_TILES) == bwd_tiles, "attention backward plan", &p,
                  &DEVS[0], &ENVS[0], 1, 0, 1);
         }
     CHECK_MSG(g.bad == 0, g.bad ? g.first : "attention plan");

@@ -42,13 +42,14 @@ nsa_status nsa_cuda_attention(const nsa_context *ctx, const nsa_problem *p, cons
 static void run_attention_bwd(grun *g, const nsa_attention_bwd_args *a)
 {
     const nsa_attention_args *f = &a->fwd;
-    if (f->q.dtype == NSA_DTYPE_F32 || cu_plan_attention_bwd(g->p) == CU_ATTN_GENERAL) {
+    if (f->q.dtype == NSA_DTYPE_F32 || cu_plan_attention_bwd(g->p, f) == CU_ATTN_GENERAL) {
         if (cu_xattn_supported(g, f->q.dtype)) cu_xattn_bwd(g, a);
         return;
     }
     if (!cu_attn_supported(g, f->q.dtype)) return;
     g_seq_setup(g, 0);
-    const rule_t r = cu_rule_window(f->window_left, f->window_right, f->causal);
+    rule_t r = cu_rule_window(f->window_left, f->window_right, f->causal);
+    r.cap = f->softcap; /* (the tiles' backward takes a softcap alone: the planner) */
     cu_range_bwd_op(g, &r, &f->q, &f->k, &f->v, &f->o, &f->lse, &a->dout, g->p->T, &a->dq, &a->dk, &a->dv);
 }
 

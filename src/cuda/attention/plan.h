@@ -16,8 +16,9 @@ enum { CU_ATTN_TILES = 0, CU_ATTN_GENERAL = 1 };
  * window bounds); everything else (segments, bias, mask, dropout, varlen_qk, head dims beyond
  * the tiles') the general kernels. */
 int cu_plan_attention_fwd(const nsa_problem *p, const nsa_attention_args *a);
-/* Backward: the tuned tiles only without any option (p->extended) on the tiles' head dims. */
-int cu_plan_attention_bwd(const nsa_problem *p);
+/* Backward: the tuned tiles without any option (p->extended) or with a softcap alone, on the
+ * tiles' head dims; a: the forward's arguments. */
+int cu_plan_attention_bwd(const nsa_problem *p, const nsa_attention_args *a);
 
 #ifdef __cplusplus
 }

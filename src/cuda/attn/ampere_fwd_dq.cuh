@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
             rseen[x] |= mlo[x] <= mhi[x] && mlo[x] < c1 && mhi[x] >= c0;
         }
         sc_mask_scale<NT>(S, sc_chunk_whole(c0, c1, BN, mlo, mhi), c0, c1, mlo, mhi, lane,
-                          MODE == MODE_FWD ? sc_softcap<NT>(S, P.rule, P.scale, P.sl2) : P.sl2);
+                          sc_softcap<NT>(S, P.rule, P.scale, P.sl2));
 
         if constexpr (MODE == MODE_FWD) {
             sc_softmax<NT, DVP / 8>(S, m_, l_, acc);
@@ -353,6 +353,13 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) dP[nt][e] = S[nt][e] * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
+            if (P.rule.cap > 0.0f) { /* the softcap's factor, read back from P (P = 2^(c2 tanh - l2)) */
+                const float ic2 = sc_capbw_of(P.rule, P.scale).ic2;
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) dP[nt][e] *= sc_cap_grad(lg2(S[nt][e]) + rl2[e >> 1], ic2);
+            }
             const T *Kp = Ks + st * BN * LDK;
 #pragma unroll
             for (int k2 = 0; k2 < NT / 2; k2++) {

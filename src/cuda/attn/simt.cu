@@ -114,11 +114,15 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) simt_q_kernel(const qparams P
             simt_load(dO, P.dout, b * P.dout.s0 + t * P.dout.s1 + hq * P.dout.s2, P.DV, lane);
             walk([&](int j) {
                 simt_load(x, P.k, kb + (kr0 + j) * P.k.s1, P.DK, lane);
-                const float s = simt_dot(q, x, P.DK, lane) * P.scale;
+                float s = simt_dot(q, x, P.DK, lane) * P.scale, f = 1.0f;
+                if (P.rule.cap > 0.0f) { /* the softcap and its factor on dS: 1 - tanh^2 */
+                    const float th = tanhf(s / P.rule.cap);
+                    s = P.rule.cap * th, f = 1.0f - th * th;
+                }
                 const float p = lse == -INFINITY ? 0.0f : expf(s - lse); /* -inf: the row saw no key */
                 float y[SIMT_COLS];
                 simt_load(y, P.v, vb + (kr0 + j) * P.v.s1, P.DV, lane);
-                const float ds = p * (g * simt_dot(dO, y, P.DV, lane) - D);
+                const float ds = p * (g * simt_dot(dO, y, P.DV, lane) - D) * f;
 #pragma unroll
                 for (int i = 0; i < SIMT_COLS; i++) acc[i] = fmaf(ds, x[i], acc[i]);
             });
@@ -196,9 +200,13 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) simt_k_kernel(const kparams P
                 const float D = P.Dw[flat], gt = P.gw ? P.gw[flat] : 1.0f;
                 simt_load(x, P.q, b * P.q.s0 + t * P.q.s1 + hq * P.q.s2, P.DK, lane);
                 simt_load(y, P.dout, b * P.dout.s0 + t * P.dout.s1 + hq * P.dout.s2, P.DV, lane);
-                const float sc = simt_dot(x, kx, P.DK, lane) * P.scale;
+                float sc = simt_dot(x, kx, P.DK, lane) * P.scale, f = 1.0f;
+                if (P.rule.cap > 0.0f) { /* as the dq kernel */
+                    const float th = tanhf(sc / P.rule.cap);
+                    sc = P.rule.cap * th, f = 1.0f - th * th;
+                }
                 const float p = lse == -INFINITY ? 0.0f : expf(sc - lse);
-                const float ds = p * (gt * simt_dot(y, vx, P.DV, lane) - D), gp = gt * p;
+                const float ds = p * (gt * simt_dot(y, vx, P.DV, lane) - D) * f, gp = gt * p;
 #pragma unroll
                 for (int i = 0; i < SIMT_COLS; i++) {
                     dK[i] = fmaf(ds, x[i], dK[i]);

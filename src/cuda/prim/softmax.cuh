@@ -65,6 +65,50 @@ __device__ __forceinline__ float sc_softcap(float (&S)[NT][4], const rule_t &r, 
     return 1.0f;
 }
 
+/* The softcap in the backward tiles. The forward's scores are c2 tanh(k s) in the log2 domain
+ * (sc_softcap: k = scale / cap, c2 = cap log2(e)); the backward recomputes them the same way,
+ * so P matches the saved lse, and dS takes the cap's derivative d(cap tanh(x / cap)) / dx =
+ * 1 - tanh^2 (x = scale q.k; the scale itself is applied to dQ and dK as without a cap). */
+struct sc_capbw {
+    float k, c2, ic2; /* all 0 without a cap */
+};
+
+__device__ __forceinline__ sc_capbw sc_capbw_of(const rule_t &r, float scale)
+{
+    sc_capbw c = {0.0f, 0.0f, 0.0f};
+    if (r.cap > 0.0f) c.k = scale / r.cap, c.c2 = r.cap * NSA_LOG2E, c.ic2 = 1.0f / c.c2;
+    return c;
+}
+
+/* P = 2^(score - l2) of a raw product s (score = s sl2 without a cap, c2 tanh(k s) with one)
+ * and the factor *f dS takes (1, or 1 - tanh^2). */
+template <bool CAP>
+__device__ __forceinline__ float sc_bw_prob(float s, float sl2, float l2, const sc_capbw &c, float *f)
+{
+    if (!CAP) {
+        *f = 1.0f;
+        return ex2(s * sl2 - l2);
+    }
+    const float t = tanh_fast(c.k * s);
+    *f = 1.0f - t * t;
+    return ex2(c.c2 * t - l2);
+}
+
+/* dS's factor 1 - tanh^2 from a capped log2-domain score S = c2 tanh (-inf where masked, and
+ * for a P that underflowed to 0: factor 0, so dS = 0 as P = 0 makes it without a cap). */
+__device__ __forceinline__ float sc_cap_grad(float S, float ic2)
+{
+    const float t = S * ic2;
+    return fmaxf(1.0f - t * t, 0.0f);
+}
+
+__device__ __forceinline__ float lg2(float x)
+{
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 /* Whether every row of the warp sees all keys [c0, c1) of a chunk of `width` keys (rows' ranges
  * lo / hi): such a chunk skips sc_mask_scale's per-element compares. */
 __device__ __forceinline__ int sc_chunk_whole(int c0, int c1, int width, const int lo[2], const int hi[2])

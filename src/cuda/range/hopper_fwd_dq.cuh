@@ -334,12 +334,24 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                 wg_commit();
                 wg_wait<0>();
 
-                sc_mask_scale<NT>(S, sc_chunk_whole(c0, c1, BN, rlo, rhi), c0, c1, rlo, rhi, lane, P.sl2);
-                /* P from the saved lse; dS = P (g dP - D) */
+                sc_mask_scale<NT>(S, sc_chunk_whole(c0, c1, BN, rlo, rhi), c0, c1, rlo, rhi, lane,
+                                  sc_softcap<NT>(S, P.rule, P.scale, P.sl2));
+                /* P from the saved lse; dS = P (g dP - D) (times the softcap's factor) */
+                if (P.rule.cap > 0.0f) {
+                    const float ic2 = sc_capbw_of(P.rule, P.scale).ic2;
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++)
+                    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) S[nt][e] = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
+                        for (int e = 0; e < 4; e++)
+                            S[nt][e] = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]) *
+                                       sc_cap_grad(S[nt][e], ic2);
+                } else {
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            S[nt][e] = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
+                }
                 /* dQ += dS K: the A fragments from S (its accumulator layout is the A-fragment layout) */
                 uint32_t pa[BN / 16][4];
 #pragma unroll
