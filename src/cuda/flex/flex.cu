@@ -1462,32 +1462,11 @@ static void check_mod_memory(grun *g, const nsa_mod *m, const char *which)
 
 /* ---- the dense route's inputs (flex_route.h; api.c decides) ------------------------------------ */
 
-/* The largest |element| of a [n0, n1, n2, D] view into *out as float bits: a non-negative
- * float's bits order as its value, and a NaN's lie above +inf's, so one atomicMax a warp keeps
- * the largest magnitude and reports a NaN as larger than any. */
-__global__ void route_absmax_kernel(dview t, int64_t n1, int64_t n2, int64_t D, int64_t total, unsigned *out)
-{
-    unsigned mx = 0;
-    for (int64_t x = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t row = x / D, e = x % D, i2 = row % n2, i1 = (row / n2) % n1, i0 = row / n2 / n1;
-        const unsigned bits = __float_as_uint(fabsf(ld_any(t.p, t.dt, i0 * t.s0 + i1 * t.s1 + i2 * t.s2 + e)));
-        mx = bits > mx ? bits : mx;
-    }
-    for (int o = 16; o > 0; o >>= 1) {
-        const unsigned y = __shfl_xor_sync(0xffffffffu, mx, o);
-        mx = y > mx ? y : mx;
-    }
-    if ((threadIdx.x & 31) == 0 && mx) atomicMax(out, mx);
-}
-
+/* The largest |element| of a [n0, n1, n2, D] tensor into *out as float bits (prim/nonfinite.cu). */
 static void route_absmax(grun *g, const nsa_tensor *t, unsigned *out)
 {
-    const int64_t total = t->shape[0] * t->shape[1] * t->shape[2] * t->shape[3];
-    if (total <= 0 || !g_live(g)) return;
-    const int64_t blocks = (total + 255) / 256;
-    route_absmax_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, g->st>>>(dv_of(t), t->shape[1], t->shape[2],
-                                                                                     t->shape[3], total, out);
-    g_launched(g);
+    const dview v = dv_of(t);
+    cu_scan_absmax(g, &v, t->shape[0], t->shape[1], t->shape[2], t->shape[3], out);
 }
 
 /* The block lists and a document mask's ids copied to the host, and (when the route needs them)

@@ -167,6 +167,9 @@ void cu_scan_nonfinite(grun *g, const dview *t, int64_t n0, int64_t n1, int64_t 
 /* The same for a saved lse [B, T, HQ] (f32), where -inf marks a row that saw no key (it gives
  * P = 0) and only a NaN is a non-finite input to the tiles. */
 void cu_scan_lse(grun *g, const dview *lse, int64_t B, int64_t T, int64_t HQ);
+/* The largest |element| of view t ([n0, n1, n2, D]) as float bits, atomicMax'ed into *out
+ * (zeroed by the caller; a NaN reads as larger than +inf). */
+void cu_scan_absmax(grun *g, const dview *t, int64_t n0, int64_t n1, int64_t n2, int64_t D, unsigned *out);
 
 /* The two entry points of every op around its run function: the workspace size (the dry
  * pass's bytes plus alignment slack) and the live call (its first error, or SUCCESS). */
