@@ -131,8 +131,32 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
          * range rule are whole (every row sees all BK keys: the compressed branch's rows past
          * the first ~BK * d positions, the window's interior): those skip the per-element
          * bounds (two shared loads and compares each) for the same values. */
-        kt_prob_ds_any<NT>(S, dP, k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1], P.sl2, cap, l2, gr, Dr, lo, hi, kr,
-                           k1, lane);
+        const bool whole = k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1];
+        if (cap.k != 0.0f) { /* a softcap: its factor on dS */
+            if (whole) kt_prob_ds<true, true, NT>(S, dP, P.sl2, cap, l2, gr, Dr, lo, hi, kr, k1, lane);
+            else kt_prob_ds<true, false, NT>(S, dP, P.sl2, cap, l2, gr, Dr, lo, hi, kr, k1, lane);
+        } else if (whole) { /* (written out: through kt_prob_ds the tile spilled) */
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
+                    const float p = ex2(S[nt][e] * P.sl2 - kt_l2(l2[n]));
+                    dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
+                    S[nt][e] = p * gr[n];
+                }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
+                    const int vis = key < k1 && key >= lo[n] && key <= hi[n];
+                    const float p = vis ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
+                    dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
+                    S[nt][e] = p * gr[n];
+                }
+        }
         /* dV += (g P)^T dO, dK += dS^T Q */
 #pragma unroll
         for (int k2 = 0; k2 < NT / 2; k2++) {

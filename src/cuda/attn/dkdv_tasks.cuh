@@ -277,21 +277,6 @@ __device__ __forceinline__ void kt_prob_ds(float (&S)[NT][4], float (&dP)[NT][4]
         }
 }
 
-/* kt_prob_ds with the chunk's two run-time choices made template arguments */
-template <int NT>
-__device__ __forceinline__ void kt_prob_ds_any(float (&S)[NT][4], float (&dP)[NT][4], bool whole, float sl2,
-                                               const sc_capbw &c, const float *l2, const float *gr, const float *Dr,
-                                               const int *lo, const int *hi, const int kr[2], int k1, int lane)
-{
-    if (c.k != 0.0f) {
-        if (whole) kt_prob_ds<true, true, NT>(S, dP, sl2, c, l2, gr, Dr, lo, hi, kr, k1, lane);
-        else kt_prob_ds<true, false, NT>(S, dP, sl2, c, l2, gr, Dr, lo, hi, kr, k1, lane);
-    } else {
-        if (whole) kt_prob_ds<false, true, NT>(S, dP, sl2, c, l2, gr, Dr, lo, hi, kr, k1, lane);
-        else kt_prob_ds<false, false, NT>(S, dP, sl2, c, l2, gr, Dr, lo, hi, kr, k1, lane);
-    }
-}
-
 #endif /* __CUDACC__ */
 
 #endif

@@ -165,8 +165,32 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
         wg_wait<0>();
 
         /* P^T (masked), dS^T = P^T (g dP^T - D); S becomes g P^T for dV (as ktile) */
-        kt_prob_ds_any<NT>(S, dP, k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1], P.sl2, cap, l2, gr, Dr, lo, hi, kr,
-                           k1, lane);
+        const bool whole = k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1];
+        if (cap.k != 0.0f) { /* a softcap: its factor on dS */
+            if (whole) kt_prob_ds<true, true, NT>(S, dP, P.sl2, cap, l2, gr, Dr, lo, hi, kr, k1, lane);
+            else kt_prob_ds<true, false, NT>(S, dP, P.sl2, cap, l2, gr, Dr, lo, hi, kr, k1, lane);
+        } else if (whole) { /* (written out: through kt_prob_ds the tile spilled) */
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
+                    const float p = ex2(S[nt][e] * P.sl2 - kt_l2(l2[n]));
+                    dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
+                    S[nt][e] = p * gr[n];
+                }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
+                    const int vis = key < k1 && key >= lo[n] && key <= hi[n];
+                    const float p = vis ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
+                    dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
+                    S[nt][e] = p * gr[n];
+                }
+        }
         /* dV += (g P)^T dO, dK += dS^T Q: 16 rows per step, B MN-major (8-row groups 1024
          * bytes apart, 64-column blocks BQ * 128 bytes apart) */
         uint32_t pa[BQ / 16][4], da[BQ / 16][4];
@@ -355,7 +379,8 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
     kr[0] = k0 + (SLC ? cwarp & 3 : cwarp) * 16 + (lane >> 2);
     kr[1] = kr[0] + 8;
     const int aoff = SLC ? 0 : cw * 64 * 128; /* this warpgroup's 64 rows of the key tile */
-    const sc_capbw cap = sc_capbw_of(P.rule, P.scale); /* (all 0 without a softcap) */
+    /* the softcap's constants (all 0 without one; the selected rule never has one) */
+    const sc_capbw cap = SLC ? sc_capbw{0.0f, 0.0f, 0.0f} : sc_capbw_of(P.rule, P.scale);
 
     for (int64_t c = SLC ? cw : 0; c < nchunks; c += SLC ? 2 : 1) {
         const int s = (int)(c % NS);
@@ -371,12 +396,26 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         /* P^T (masked) in S; (g P)^T as the A fragments of dV */
         const bool whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
         uint32_t pa[BQ / 16][4], da[BQ / 16][4];
-        if (SLC || cap.k == 0.0f) { /* (the selected rule has no softcap) */
-            if (whole) kt_prob<false, true, NT>(S, P.sl2, cap, l2, lo, hi, kr, k1, lane);
-            else kt_prob<false, false, NT>(S, P.sl2, cap, l2, lo, hi, kr, k1, lane);
-        } else {
+        if (!SLC && cap.k != 0.0f) { /* a softcap (the selected rule has none) */
             if (whole) kt_prob<true, true, NT>(S, P.sl2, cap, l2, lo, hi, kr, k1, lane);
             else kt_prob<true, false, NT>(S, P.sl2, cap, l2, lo, hi, kr, k1, lane);
+        } else if (whole) { /* (written out, not through kt_prob: that form spilled the selected tile) */
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
+                    S[nt][e] = ex2(S[nt][e] * P.sl2 - kt_l2(l2[n]));
+                }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
+                    const int vis = key < k1 && key >= lo[n] && key <= hi[n];
+                    S[nt][e] = vis ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
+                }
         }
 #pragma unroll
         for (int k2 = 0; k2 < BQ / 16; k2++) {
@@ -396,8 +435,17 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         wg_wait<1>(); /* dP^T ready, dV on the tensor cores */
 
         /* dS^T = P^T (g dP^T - D) (times the softcap's factor) */
-        if (SLC || cap.k == 0.0f) kt_ds<false, NT>(dP, S, cap, l2, gr, Dr, lane);
-        else kt_ds<true, NT>(dP, S, cap, l2, gr, Dr, lane);
+        if (!SLC && cap.k != 0.0f) {
+            kt_ds<true, NT>(dP, S, cap, l2, gr, Dr, lane);
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
+                    dP[nt][e] = S[nt][e] * (dP[nt][e] * gr[n] - Dr[n]);
+                }
+        }
 #pragma unroll
         for (int k2 = 0; k2 < BQ / 16; k2++) sc_frag_a<T>(da[k2], dP[2 * k2], dP[2 * k2 + 1]);
         wg_fence();
