@@ -16,7 +16,8 @@ typedef struct rule_t {
     int causal;
     int cl, cd, lp;
     /* attention options the range forward tiles (qtile, qwg) apply themselves; 0 / NULL = off
-     * (their backward runs the general kernels of attention/kernels.cuh) */
+     * (the backward tiles take cap alone; sinks and shift send the backward to the general
+     * kernels of attention/kernels.cuh) */
     float cap;            /* logit softcap */
     const float *sinks;   /* [HQ] sink logits at stride sinks_s */
     int64_t sinks_s;
