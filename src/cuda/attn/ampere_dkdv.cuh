@@ -133,9 +133,9 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
          * bounds (two shared loads and compares each) for the same values. */
         const bool whole = k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1];
         if (cap.k != 0.0f) { /* a softcap: its factor on dS */
-            if (whole) kt_prob_ds<true, true, NT>(S, dP, P.sl2, cap, l2, gr, Dr, lo, hi, kr, k1, lane);
-            else kt_prob_ds<true, false, NT>(S, dP, P.sl2, cap, l2, gr, Dr, lo, hi, kr, k1, lane);
-        } else if (whole) { /* (written out: through kt_prob_ds the tile spilled) */
+            if (whole) kt_cap_prob_ds<true, NT>(S, dP, cap, l2, gr, Dr, lo, hi, kr, k1, lane);
+            else kt_cap_prob_ds<false, NT>(S, dP, cap, l2, gr, Dr, lo, hi, kr, k1, lane);
+        } else if (whole) { /* (written out: dkdv_tasks.cuh says why) */
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll

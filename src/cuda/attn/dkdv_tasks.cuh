@@ -215,15 +215,16 @@ __device__ __forceinline__ void kt_fill(const kparams &P, const kt_task &t, cons
  * key, lse -inf, gets +inf: p = 0; rows past the task end were filled with +inf). */
 __device__ __forceinline__ float kt_l2(float lse) { return lse == -INFINITY ? INFINITY : __fmul_rn(lse, NSA_LOG2E); }
 
-/* The element steps of the dK / dV tiles on S^T and dP^T in the accumulator layout (key rows
- * kr, query columns n): P^T from the raw products -- masked to the rows' visible keys unless
- * the chunk is WHOLE, softcapped when CAP (sc_bw_prob) --, dS^T = P^T (g dP^T - D) (times the
- * cap's factor), and g P^T for dV. kt_prob_ds does all three in place (S becomes g P^T, dP
- * dS^T); a tile that multiplies dV while dP is still on the tensor cores takes kt_prob first
- * (S becomes P^T) and kt_ds later (dP becomes dS^T; the cap's factor read back from P). */
-template <bool CAP, bool WHOLE, int NT>
-__device__ __forceinline__ void kt_prob(float (&S)[NT][4], float sl2, const sc_capbw &c, const float *l2, const int *lo,
-                                        const int *hi, const int kr[2], int k1, int lane)
+/* The element steps of the dK / dV tiles with a softcap, on S^T and dP^T in the accumulator
+ * layout (key rows kr, query columns n): P^T from the raw products (sc_cap_prob), masked to the
+ * rows' visible keys unless the chunk is WHOLE; dS^T = P^T (g dP^T - D) times the cap's factor;
+ * g P^T for dV. kt_cap_prob_ds does all three in place (S becomes g P^T, dP dS^T); a tile that
+ * multiplies dV while dP is still on the tensor cores takes kt_cap_prob first (S becomes P^T)
+ * and kt_cap_ds later (dP becomes dS^T, the factor read back from P). The tiles' steps without
+ * a cap stay written out in each kernel: through shared helpers ptxas spilled them. */
+template <bool WHOLE, int NT>
+__device__ __forceinline__ void kt_cap_prob(float (&S)[NT][4], const sc_capbw &c, const float *l2, const int *lo, const int *hi,
+                                            const int kr[2], int k1, int lane)
 {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -232,17 +233,17 @@ __device__ __forceinline__ void kt_prob(float (&S)[NT][4], float sl2, const sc_c
             const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
             float f;
             if (WHOLE) {
-                S[nt][e] = sc_bw_prob<CAP>(S[nt][e], sl2, kt_l2(l2[n]), c, &f);
+                S[nt][e] = sc_cap_prob(S[nt][e], kt_l2(l2[n]), c, &f);
             } else {
                 const int vis = key < k1 && key >= lo[n] && key <= hi[n];
-                S[nt][e] = vis ? sc_bw_prob<CAP>(S[nt][e], sl2, kt_l2(l2[n]), c, &f) : 0.0f;
+                S[nt][e] = vis ? sc_cap_prob(S[nt][e], kt_l2(l2[n]), c, &f) : 0.0f;
             }
         }
 }
 
-template <bool CAP, int NT>
-__device__ __forceinline__ void kt_ds(float (&dP)[NT][4], const float (&S)[NT][4], const sc_capbw &c, const float *l2,
-                                      const float *gr, const float *Dr, int lane)
+template <int NT>
+__device__ __forceinline__ void kt_cap_ds(float (&dP)[NT][4], const float (&S)[NT][4], const sc_capbw &c, const float *l2,
+                                          const float *gr, const float *Dr, int lane)
 {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -250,14 +251,14 @@ __device__ __forceinline__ void kt_ds(float (&dP)[NT][4], const float (&S)[NT][4
         for (int e = 0; e < 4; e++) {
             const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
             dP[nt][e] = S[nt][e] * (dP[nt][e] * gr[n] - Dr[n]);
-            if (CAP) dP[nt][e] *= sc_cap_grad(lg2(S[nt][e]) + kt_l2(l2[n]), c.ic2);
+            dP[nt][e] *= sc_cap_grad(lg2(S[nt][e]) + kt_l2(l2[n]), c.ic2);
         }
 }
 
-template <bool CAP, bool WHOLE, int NT>
-__device__ __forceinline__ void kt_prob_ds(float (&S)[NT][4], float (&dP)[NT][4], float sl2, const sc_capbw &c,
-                                           const float *l2, const float *gr, const float *Dr, const int *lo, const int *hi,
-                                           const int kr[2], int k1, int lane)
+template <bool WHOLE, int NT>
+__device__ __forceinline__ void kt_cap_prob_ds(float (&S)[NT][4], float (&dP)[NT][4], const sc_capbw &c, const float *l2,
+                                               const float *gr, const float *Dr, const int *lo, const int *hi,
+                                               const int kr[2], int k1, int lane)
 {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -266,13 +267,13 @@ __device__ __forceinline__ void kt_prob_ds(float (&S)[NT][4], float (&dP)[NT][4]
             const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
             float f = 1.0f, p;
             if (WHOLE) {
-                p = sc_bw_prob<CAP>(S[nt][e], sl2, kt_l2(l2[n]), c, &f);
+                p = sc_cap_prob(S[nt][e], kt_l2(l2[n]), c, &f);
             } else {
                 const int vis = key < k1 && key >= lo[n] && key <= hi[n];
-                p = vis ? sc_bw_prob<CAP>(S[nt][e], sl2, kt_l2(l2[n]), c, &f) : 0.0f;
+                p = vis ? sc_cap_prob(S[nt][e], kt_l2(l2[n]), c, &f) : 0.0f;
             }
             dP[nt][e] = p * (dP[nt][e] * gr[n] - Dr[n]);
-            if (CAP) dP[nt][e] *= f;
+            dP[nt][e] *= f;
             S[nt][e] = p * gr[n];
         }
 }

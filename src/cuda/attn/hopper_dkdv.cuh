@@ -167,9 +167,9 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
         /* P^T (masked), dS^T = P^T (g dP^T - D); S becomes g P^T for dV (as ktile) */
         const bool whole = k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1];
         if (cap.k != 0.0f) { /* a softcap: its factor on dS */
-            if (whole) kt_prob_ds<true, true, NT>(S, dP, P.sl2, cap, l2, gr, Dr, lo, hi, kr, k1, lane);
-            else kt_prob_ds<true, false, NT>(S, dP, P.sl2, cap, l2, gr, Dr, lo, hi, kr, k1, lane);
-        } else if (whole) { /* (written out: through kt_prob_ds the tile spilled) */
+            if (whole) kt_cap_prob_ds<true, NT>(S, dP, cap, l2, gr, Dr, lo, hi, kr, k1, lane);
+            else kt_cap_prob_ds<false, NT>(S, dP, cap, l2, gr, Dr, lo, hi, kr, k1, lane);
+        } else if (whole) { /* (written out: dkdv_tasks.cuh says why) */
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -397,9 +397,9 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         const bool whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
         uint32_t pa[BQ / 16][4], da[BQ / 16][4];
         if (!SLC && cap.k != 0.0f) { /* a softcap (the selected rule has none) */
-            if (whole) kt_prob<true, true, NT>(S, P.sl2, cap, l2, lo, hi, kr, k1, lane);
-            else kt_prob<true, false, NT>(S, P.sl2, cap, l2, lo, hi, kr, k1, lane);
-        } else if (whole) { /* (written out, not through kt_prob: that form spilled the selected tile) */
+            if (whole) kt_cap_prob<true, NT>(S, cap, l2, lo, hi, kr, k1, lane);
+            else kt_cap_prob<false, NT>(S, cap, l2, lo, hi, kr, k1, lane);
+        } else if (whole) { /* (written out: dkdv_tasks.cuh says why) */
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
 
         /* dS^T = P^T (g dP^T - D) (times the softcap's factor) */
         if (!SLC && cap.k != 0.0f) {
-            kt_ds<true, NT>(dP, S, cap, l2, gr, Dr, lane);
+            kt_cap_ds<NT>(dP, S, cap, l2, gr, Dr, lane);
         } else {
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)

@@ -50,27 +50,11 @@ __device__ __forceinline__ void sc_mask_scale(float (&S)[NT][4], int full, int c
  * absolute (e^2x -> inf gives 1, -> 0 gives -1); the softcap of every attention path. */
 __device__ __forceinline__ float tanh_fast(float x) { return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f); }
 
-/* The logit softcap of the attention op on raw scores q.k: S -> softcap * tanh(scale q.k /
- * softcap) in the log2 domain. @return the factor sc_mask_scale must still apply: 1 after the
- * cap, scale * log2(e) without one. */
-template <int NT>
-__device__ __forceinline__ float sc_softcap(float (&S)[NT][4], const rule_t &r, float scale, float sl2)
-{
-    if (!(r.cap > 0.0f)) return sl2;
-    const float k = scale / r.cap, c2 = r.cap * NSA_LOG2E;
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) S[nt][e] = c2 * tanh_fast(k * S[nt][e]);
-    return 1.0f;
-}
-
-/* The softcap in the backward tiles. The forward's scores are c2 tanh(k s) in the log2 domain
- * (sc_softcap: k = scale / cap, c2 = cap log2(e)); the backward recomputes them the same way,
- * so P matches the saved lse, and dS takes the cap's derivative d(cap tanh(x / cap)) / dx =
- * 1 - tanh^2 (x = scale q.k; the scale itself is applied to dQ and dK as without a cap). */
+/* The softcap's constants in the backward tiles: a raw product s becomes the log2-domain
+ * score c2 tanh(k s) (k = scale / cap, c2 = cap log2(e): sc_softcap's), ic2 = 1 / c2. All 0
+ * without a cap. */
 struct sc_capbw {
-    float k, c2, ic2; /* all 0 without a cap */
+    float k, c2, ic2;
 };
 
 __device__ __forceinline__ sc_capbw sc_capbw_of(const rule_t &r, float scale)
@@ -80,15 +64,28 @@ __device__ __forceinline__ sc_capbw sc_capbw_of(const rule_t &r, float scale)
     return c;
 }
 
-/* P = 2^(score - l2) of a raw product s (score = s sl2 without a cap, c2 tanh(k s) with one)
- * and the factor *f dS takes (1, or 1 - tanh^2). */
-template <bool CAP>
-__device__ __forceinline__ float sc_bw_prob(float s, float sl2, float l2, const sc_capbw &c, float *f)
+/* The logit softcap of the attention op on raw scores q.k: S -> softcap * tanh(scale q.k /
+ * softcap) in the log2 domain. @return the factor sc_mask_scale must still apply: 1 after the
+ * cap, scale * log2(e) without one. */
+template <int NT>
+__device__ __forceinline__ float sc_softcap(float (&S)[NT][4], const rule_t &r, float scale, float sl2)
 {
-    if (!CAP) {
-        *f = 1.0f;
-        return ex2(s * sl2 - l2);
-    }
+    if (!(r.cap > 0.0f)) return sl2;
+    /* sc_capbw_of's k and c2, derived here: through it the tiles kept its unused 1 / c2 */
+    const float k = scale / r.cap, c2 = r.cap * NSA_LOG2E;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) S[nt][e] = c2 * tanh_fast(k * S[nt][e]);
+    return 1.0f;
+}
+
+/* The softcap in the backward tiles: they recompute the forward's capped scores the same way,
+ * so P matches the saved lse, and dS takes the cap's derivative d(cap tanh(x / cap)) / dx =
+ * 1 - tanh^2 (x = scale q.k; the scale itself is applied to dQ and dK as without a cap).
+ * sc_cap_prob: P = 2^(c2 tanh(k s) - l2) of a raw product s, and that factor in *f. */
+__device__ __forceinline__ float sc_cap_prob(float s, float l2, const sc_capbw &c, float *f)
+{
     const float t = tanh_fast(c.k * s);
     *f = 1.0f - t * t;
     return ex2(c.c2 * t - l2);
