@@ -269,13 +269,15 @@ static void test_generated_source(void)
     for (int i = 0; i < g_nchecked; i++) {
         CHECK_STATUS(expr_compile(g_checked[i].text, g_checked[i].kind, caps, 5, NULL, &progs[i]), NSA_STATUS_SUCCESS);
         if (!progs[i]) continue;
-        const size_t need = expr_to_c(progs[i], NULL, 0);
-        char *code = (char *)malloc(need + 1);
-        CHECK(expr_to_c(progs[i], code, need + 1) == need && strlen(code) == need);
-        fprintf(f, "float mod_%d(const nsa_mod_caps *caps, long long b, long long h, long long q_idx, long long kv_idx, "
-                   "float score)\n{\n    (void)caps, (void)b, (void)h, (void)q_idx, (void)kv_idx, (void)score;\n"
-                   "    return (float)(%s);\n}\n", i, code);
-        free(code);
+        for (int idx32 = 0; idx32 < 2; idx32++) { /* mod_<i>: 64-bit ints; mod32_<i>: 32 bits where exact */
+            const size_t need = expr_to_c(progs[i], idx32, NULL, 0);
+            char *code = (char *)malloc(need + 1);
+            CHECK(expr_to_c(progs[i], idx32, code, need + 1) == need && strlen(code) == need);
+            fprintf(f, "float mod%s_%d(const nsa_mod_caps *caps, long long b, long long h, long long q_idx, long long kv_idx, "
+                       "float score)\n{\n    (void)caps, (void)b, (void)h, (void)q_idx, (void)kv_idx, (void)score;\n"
+                       "    return (float)(%s);\n}\n", idx32 ? "32" : "", i, code);
+            free(code);
+        }
         if (g_checked[i].kind == EXPR_SCORE) { /* its reverse mode, under its own name */
             const size_t gneed = expr_grad_to_c(progs[i], NULL, 0);
             char *gcode = (char *)malloc(gneed + 1);
@@ -292,27 +294,41 @@ static void test_generated_source(void)
     void *lib = rc == 0 ? dlopen(so, RTLD_NOW | RTLD_LOCAL) : NULL;
     CHECK_MSG(rc != 0 || lib != NULL, "dlopen of the generated object failed");
     const float scores[] = {-3.5f, -0.25f, 0.0f, 0.75f, 2.0f, 41.0f};
+    /* indices near 2^31 as well (the 32-bit form's promise is [0, 2^31)): where a product or a sum
+     * could leave 32 bits, the range analysis must have kept 64 */
+    const int64_t big[] = {0, 1, 5, 46341, 65536, 2147483000, 2147483646, 2147483647};
+    const int nbig = (int)(sizeof big / sizeof big[0]);
     for (int i = 0; lib && i < g_nchecked; i++) {
-        char name[16];
-        snprintf(name, sizeof name, "mod_%d", i);
-        gen_fn fn;
-        void *sym = dlsym(lib, name);
-        memcpy(&fn, &sym, sizeof fn);
-        if (!fn || !progs[i]) continue;
-        nsa_mod_caps mc;
-        expr_caps(progs[i], &mc);
-        long bad = 0;
-        for (int64_t b = 0; b < NB; b++)
-            for (int64_t h = 0; h < NH; h++)
-                for (int64_t q = 0; q < NQ; q++)
-                    for (int64_t k = 0; k < NK; k++) {
-                        const float s = scores[(q + k + h) % 6];
-                        const float x = fn(&mc, b, h, q, k, s), y = expr_eval(progs[i], b, h, q, k, s);
-                        bad += !(fabs((double)x - (double)y) <= 1e-6 * (1.0 + fabs((double)y)));
-                    }
-        char msg[300];
-        snprintf(msg, sizeof msg, "generated C of '%s': %ld values differ from the evaluator", g_checked[i].text, bad);
-        CHECK_MSG(bad == 0, msg);
+        for (int idx32 = 0; idx32 < 2; idx32++) {
+            char name[16];
+            snprintf(name, sizeof name, "mod%s_%d", idx32 ? "32" : "", i);
+            gen_fn fn;
+            void *sym = dlsym(lib, name);
+            memcpy(&fn, &sym, sizeof fn);
+            if (!fn || !progs[i]) continue;
+            nsa_mod_caps mc;
+            expr_caps(progs[i], &mc);
+            long bad = 0;
+            for (int64_t b = 0; b < NB; b++)
+                for (int64_t h = 0; h < NH; h++)
+                    for (int64_t q = 0; q < NQ; q++)
+                        for (int64_t k = 0; k < NK; k++) {
+                            const float s = scores[(q + k + h) % 6];
+                            const float x = fn(&mc, b, h, q, k, s), y = expr_eval(progs[i], b, h, q, k, s);
+                            bad += !(fabs((double)x - (double)y) <= 1e-6 * (1.0 + fabs((double)y)));
+                        }
+            for (int e = 0; e < nbig * nbig * 4; e++) {
+                const int64_t q = big[e % nbig], k = big[(e / nbig) % nbig], b = (e / (nbig * nbig)) & 1 ? big[nbig - 1] : 1;
+                const int64_t h = (e / (nbig * nbig)) & 2 ? big[nbig - 2] : 2;
+                const float s = scores[e % 6];
+                const float x = fn(&mc, b, h, q, k, s), y = expr_eval(progs[i], b, h, q, k, s);
+                bad += !(fabs((double)x - (double)y) <= 1e-6 * (1.0 + fabs((double)y))) && !(x != x && y != y);
+            }
+            char msg[300];
+            snprintf(msg, sizeof msg, "generated C (%s ints) of '%s': %ld values differ from the evaluator", idx32 ? "32-bit" : "64-bit",
+                     g_checked[i].text, bad);
+            CHECK_MSG(bad == 0, msg);
+        }
         if (g_checked[i].kind == EXPR_SCORE) check_generated_grad(lib, i, progs[i]);
     }
     if (lib) dlclose(lib);

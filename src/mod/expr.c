@@ -631,6 +631,7 @@ void expr_free(expr_program *p)
 }
 
 unsigned expr_uses(const expr_program *p) { return p ? p->uses : 0; }
+int expr_size(const expr_program *p) { return p ? p->n : 0; }
 expr_kind expr_kind_of(const expr_program *p) { return p->kind; }
 int expr_num_captures(const expr_program *p) { return p->ncap; }
 const nsa_tensor *expr_capture_tensor(const expr_program *p, int c) { return &p->cap[c].tensor; }
@@ -824,6 +825,24 @@ const char EXPR_C_PRELUDE[] =
     "NSA_MOD_FN long long nsa_mod_imin(long long a, long long b) { return a < b ? a : b; }\n"
     "NSA_MOD_FN long long nsa_mod_imax(long long a, long long b) { return a > b ? a : b; }\n"
     "NSA_MOD_FN long long nsa_mod_iabs(long long a) { return a < 0 ? nsa_mod_sub(0, a) : a; }\n"
+    "NSA_MOD_FN int nsa_mod_iabs32(int a) { return a < 0 ? -a : a; }\n"
+    "NSA_MOD_FN int nsa_mod_imin32(int a, int b) { return a < b ? a : b; }\n"
+    "NSA_MOD_FN int nsa_mod_imax32(int a, int b) { return a > b ? a : b; }\n"
+    "NSA_MOD_FN int nsa_mod_floordiv32(int a, int b)\n"
+    "{\n"
+    "    if (b == 0) return 0;\n"
+    "    if (b == -1) return -a;\n"
+    "    int q = a / b;\n"
+    "    if (a % b != 0 && ((a < 0) != (b < 0))) q--;\n"
+    "    return q;\n"
+    "}\n"
+    "NSA_MOD_FN int nsa_mod_mod32(int a, int b)\n"
+    "{\n"
+    "    if (b == 0 || b == -1) return 0;\n"
+    "    int r = a % b;\n"
+    "    if (r != 0 && ((r < 0) != (b < 0))) r += b;\n"
+    "    return r;\n"
+    "}\n"
     "NSA_MOD_FN float nsa_mod_fmin(float a, float b) { return a < b || a != a ? a : b; }\n"
     "NSA_MOD_FN float nsa_mod_fmax(float a, float b) { return a > b || a != a ? a : b; }\n"
     "NSA_MOD_FN float nsa_mod_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }\n"
@@ -889,7 +908,110 @@ typedef struct writer {
     char *buf;
     size_t size, len;
     const int *pc_of; /* NULL: a kid is printed as its subtree; else as v<its instruction> (the program as statements) */
+    const unsigned char *narrow; /* per tree node, 1: an int computed in 32 bits (expr_to_c's idx32); NULL: none */
 } writer;
+
+/* ---- 32-bit integers where they are exact ----------------------------------------------------
+ * The language's integers are 64-bit. Where every value an int node (and each int operand of it)
+ * can take fits in 32 bits, the generated code may compute it in 32-bit arithmetic with the same
+ * result: q_idx - kv_idx, abs of it, a document id compared, the index of a bias table -- the
+ * per-score work of most mods, and on a GPU half the instructions (64-bit adds, compares and
+ * int64 -> float conversions are several each). The ranges are intervals from the operands' ranges,
+ * with b, h, q_idx, kv_idx in [0, 2^31) (the caller's guarantee) and i32 reads in int32; anything
+ * that could leave int64 is "unknown". */
+typedef struct irange {
+    int64_t lo, hi;
+    int known;
+} irange;
+
+static irange ir_make(int64_t lo, int64_t hi) { irange r = {lo, hi, 1}; return r; }
+static const irange IR_UNKNOWN = {0, 0, 0};
+
+/* the interval of a op b for + - * from the four corner values (exact in __int128-free form:
+ * each corner checked for int64 overflow) */
+static irange ir_arith(opcode op, irange a, irange b)
+{
+    if (!a.known || !b.known) return IR_UNKNOWN;
+    const int64_t xs[2] = {a.lo, a.hi}, ys[2] = {b.lo, b.hi};
+    int64_t lo = 0, hi = 0;
+    for (int i = 0; i < 4; i++) {
+        const int64_t x = xs[i >> 1], y = ys[i & 1];
+        int64_t v;
+        const int over = op == O_ADD ? __builtin_add_overflow(x, y, &v) : op == O_SUB ? __builtin_sub_overflow(x, y, &v)
+                                                                                      : __builtin_mul_overflow(x, y, &v);
+        if (over) return IR_UNKNOWN;
+        if (i == 0 || v < lo) lo = v;
+        if (i == 0 || v > hi) hi = v;
+    }
+    return ir_make(lo, hi);
+}
+
+static int ir_fits32(irange r) { return r.known && r.lo >= INT32_MIN && r.hi <= INT32_MAX; }
+
+/* The range of tree node k (ints and bools), memoised in r[] / done[]. */
+static irange ir_of(const expr_program *p, int k, int idx32, irange *r, unsigned char *done)
+{
+    if (done[k]) return r[k];
+    const node *n = &p->tree[k];
+    irange a = IR_UNKNOWN, b = IR_UNKNOWN, out = IR_UNKNOWN;
+    for (int i = 0; i < n->nkid; i++) { /* every kid (an int below a float node too); a and b: the int operands' */
+        const irange x = ir_of(p, n->kid[i], idx32, r, done);
+        if (i < 2 && p->tree[n->kid[i]].type != T_FLOAT) *(i ? &b : &a) = x;
+    }
+    if (n->type == T_BOOL) out = ir_make(0, 1);
+    else if (n->type == T_INT) switch (n->op) {
+        case O_INT: out = ir_make(n->i, n->i); break;
+        case O_VAR_B: case O_VAR_H: case O_VAR_Q: case O_VAR_K: out = idx32 ? ir_make(0, INT32_MAX) : IR_UNKNOWN; break;
+        case O_READ: out = ir_make(INT32_MIN, INT32_MAX); break; /* an i32 capture */
+        case O_ADD: case O_SUB: case O_MUL: out = ir_arith((opcode)n->op, a, b); break;
+        case O_NEG: out = ir_arith(O_SUB, ir_make(0, 0), a); break;
+        case O_ABS:
+            if (a.known && a.lo > INT64_MIN) {
+                const int64_t m = -a.lo > a.hi ? -a.lo : a.hi;
+                out = a.lo >= 0 ? a : a.hi <= 0 ? ir_make(-a.hi, -a.lo) : ir_make(0, m);
+            }
+            break;
+        case O_MIN: if (a.known && b.known) out = ir_make(a.lo < b.lo ? a.lo : b.lo, a.hi < b.hi ? a.hi : b.hi); break;
+        case O_MAX: if (a.known && b.known) out = ir_make(a.lo > b.lo ? a.lo : b.lo, a.hi > b.hi ? a.hi : b.hi); break;
+        case O_FLOORDIV: /* |a // b| <= |a| (b = 0 gives 0, b = -1 gives -a) */
+            if (a.known && a.lo > INT64_MIN) {
+                const int64_t m = -a.lo > a.hi ? -a.lo : a.hi;
+                out = ir_make(-m, m);
+            }
+            break;
+        case O_MOD: /* Python's a % b: |r| < |b|, 0 for b in {0, -1} */
+            if (b.known && b.lo > INT64_MIN) {
+                const int64_t m = -b.lo > b.hi ? -b.lo : b.hi;
+                out = ir_make(m > 0 ? -(m - 1) : 0, m > 0 ? m - 1 : 0);
+            }
+            break;
+        case O_WHERE: {
+            const irange c = r[n->kid[2]];
+            if (b.known && c.known) out = ir_make(b.lo < c.lo ? b.lo : c.lo, b.hi > c.hi ? b.hi : c.hi);
+            break;
+        }
+        case O_BAND: case O_BOR: case O_BXOR: /* sign-extended 32-bit operands give a sign-extended result */
+            if (ir_fits32(a) && ir_fits32(b)) out = ir_make(INT32_MIN, INT32_MAX);
+            break;
+        case O_BNOT: if (ir_fits32(a)) out = ir_make(INT32_MIN, INT32_MAX); break;
+        default: break;
+        }
+    r[k] = out, done[k] = 1;
+    return out;
+}
+
+/* narrow[k] = 1 for the int nodes computed in 32 bits: the node's range fits and so does every
+ * int operand's (a read's indices excepted: they are passed as 64-bit indices either way). */
+static void ir_mark(const expr_program *p, int k, const irange *r, unsigned char *narrow)
+{
+    const node *n = &p->tree[k];
+    int ok = n->type == T_INT && ir_fits32(r[k]);
+    for (int i = 0; i < n->nkid; i++) {
+        ir_mark(p, n->kid[i], r, narrow);
+        if (n->op != O_READ && p->tree[n->kid[i]].type == T_INT && !narrow[n->kid[i]]) ok = 0;
+    }
+    narrow[k] = (unsigned char)ok;
+}
 
 #if defined(__GNUC__)
 __attribute__((format(printf, 2, 3)))
@@ -912,6 +1034,20 @@ static void print_kid(writer *w, const expr_program *p, int k)
     else print_node(w, p, k);
 }
 
+/* A read of a capture: the capture's dtype as a literal (fixed when the mod was made): after
+ * inlining, a read is one load, not a branch over every dtype at each of a kernel's unrolled reads. */
+static void print_read(writer *w, const expr_program *p, int k)
+{
+    const node *n = &p->tree[k];
+    put(w, "nsa_mod_read%c(caps, %d, %d, %d", n->type == T_FLOAT ? 'f' : 'i', n->cap, n->nkid, (int)p->cap[n->cap].tensor.dtype);
+    for (int i = 0; i < 4; i++) {
+        put(w, ", ");
+        if (i < n->nkid) print_kid(w, p, n->kid[i]);
+        else put(w, "0LL");
+    }
+    put(w, ")");
+}
+
 static void print_node(writer *w, const expr_program *p, int k)
 {
     const node *n = &p->tree[k];
@@ -919,6 +1055,40 @@ static void print_node(writer *w, const expr_program *p, int k)
     static const char *const CMP_OP[] = {"<", "<=", ">", ">=", "==", "!="};
     static const char *const LOGIC_OP[] = {"&&", "||"};
     static const char *const BIT_OP[] = {"&", "|", "^"};
+    if (w->narrow && w->narrow[k]) { /* an int in 32 bits: its exact value fits, so plain int arithmetic */
+        const char *fn32 = n->op == O_ABS ? "nsa_mod_iabs32" : n->op == O_MIN ? "nsa_mod_imin32" : n->op == O_MAX ? "nsa_mod_imax32"
+                         : n->op == O_FLOORDIV ? "nsa_mod_floordiv32" : n->op == O_MOD ? "nsa_mod_mod32" : NULL;
+        const char *op32 = n->op == O_ADD ? "+" : n->op == O_SUB ? "-" : n->op == O_MUL ? "*" : n->op == O_BAND ? "&"
+                         : n->op == O_BOR ? "|" : n->op == O_BXOR ? "^" : NULL;
+        switch (n->op) {
+        case O_INT: put(w, "((int)%" PRId64 "LL)", n->i); return;
+        case O_VAR_B: put(w, "((int)b)"); return;
+        case O_VAR_H: put(w, "((int)h)"); return;
+        case O_VAR_Q: put(w, "((int)q_idx)"); return;
+        case O_VAR_K: put(w, "((int)kv_idx)"); return;
+        case O_READ: put(w, "((int)"); print_read(w, p, k); put(w, ")"); return;
+        case O_NEG: put(w, "(-("); print_kid(w, p, n->kid[0]); put(w, "))"); return;
+        case O_BNOT: put(w, "(~("); print_kid(w, p, n->kid[0]); put(w, "))"); return;
+        case O_WHERE:
+            put(w, "(("); print_kid(w, p, n->kid[0]); put(w, ") ? (");
+            print_kid(w, p, n->kid[1]); put(w, ") : ("); print_kid(w, p, n->kid[2]); put(w, "))");
+            return;
+        default: break;
+        }
+        if (fn32) {
+            put(w, "%s(", fn32);
+            for (int i = 0; i < n->nkid; i++) {
+                if (i) put(w, ", ");
+                print_kid(w, p, n->kid[i]);
+            }
+            put(w, ")");
+            return;
+        }
+        if (op32) {
+            put(w, "(("); print_kid(w, p, n->kid[0]); put(w, ") %s (", op32); print_kid(w, p, n->kid[1]); put(w, "))");
+            return;
+        }
+    }
     switch (n->op) {
     case O_INT:
         if (n->type == T_BOOL) put(w, "%d", n->i ? 1 : 0);
@@ -935,17 +1105,7 @@ static void print_node(writer *w, const expr_program *p, int k)
     case O_VAR_Q: put(w, "q_idx"); return;
     case O_VAR_K: put(w, "kv_idx"); return;
     case O_VAR_SCORE: put(w, "score"); return;
-    case O_READ:
-        /* the capture's dtype as a literal (fixed when the mod was made): after inlining, a read
-         * is one load, not a branch over every dtype at each of a kernel's unrolled reads */
-        put(w, "nsa_mod_read%c(caps, %d, %d, %d", n->type == T_FLOAT ? 'f' : 'i', n->cap, n->nkid, (int)p->cap[n->cap].tensor.dtype);
-        for (int i = 0; i < 4; i++) {
-            put(w, ", ");
-            if (i < n->nkid) print_kid(w, p, n->kid[i]);
-            else put(w, "0LL");
-        }
-        put(w, ")");
-        return;
+    case O_READ: print_read(w, p, k); return;
     default: break;
     }
     const char *fn = NULL;
@@ -997,11 +1157,19 @@ static void print_node(writer *w, const expr_program *p, int k)
     put(w, "(("); print_kid(w, p, n->kid[0]); put(w, ") %s (", op ? op : "?"); print_kid(w, p, n->kid[1]); put(w, "))");
 }
 
-size_t expr_to_c(const expr_program *p, char *buf, size_t size)
+size_t expr_to_c(const expr_program *p, int idx32, char *buf, size_t size)
 {
-    writer w = {buf, size, 0, NULL};
+    writer w = {buf, size, 0, NULL, NULL};
     if (size) buf[0] = 0;
+    irange *r = idx32 ? (irange *)calloc((size_t)p->root + 1, sizeof *r) : NULL;
+    unsigned char *done = idx32 ? (unsigned char *)calloc((size_t)p->root + 1, 2) : NULL;
+    if (r && done) { /* (without memory: every int in 64 bits, the same values) */
+        ir_of(p, p->root, 1, r, done);
+        ir_mark(p, p->root, r, done + p->root + 1);
+        w.narrow = done + p->root + 1;
+    }
     print_node(&w, p, p->root);
+    free(r), free(done);
     return w.len;
 }
 
@@ -1074,7 +1242,7 @@ float expr_grad(const expr_program *p, int64_t b, int64_t h, int64_t q_idx, int6
 size_t expr_grad_to_c(const expr_program *p, char *buf, size_t size)
 {
     int *pc_of = (int *)calloc((size_t)MAX_NODES, sizeof(int));
-    writer w = {buf, size, 0, pc_of};
+    writer w = {buf, size, 0, pc_of, NULL};
     if (size) buf[0] = 0;
     if (!pc_of) return 0;
     for (int pc = 0; pc < p->n; pc++) pc_of[p->code[pc].node] = pc;

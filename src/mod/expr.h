@@ -54,9 +54,11 @@ float expr_eval(const expr_program *p, int64_t b, int64_t h, int64_t q_idx, int6
  * score (float) and caps (const nsa_mod_caps *: the captured tensors' pointers, dtypes, shapes
  * and strides, filled by expr_caps()), using the helpers of EXPR_C_PRELUDE (define NSA_MOD_FN
  * first: "static inline" for C, "__device__ __forceinline__" for CUDA). A mask_mod's value is an
- * int (0 / 1), a score_mod's a float. Writes at most `size` bytes (NUL included).
- * @return the length it needs (without the NUL), as snprintf. */
-size_t expr_to_c(const expr_program *p, char *buf, size_t size);
+ * int (0 / 1), a score_mod's a float. idx32 = 1 promises b, h, q_idx and kv_idx in [0, 2^31):
+ * the int subexpressions whose every possible value (and every int operand's) then fits in 32
+ * bits are computed in 32-bit ints -- the same values as in 64 bits. Writes at most `size` bytes
+ * (NUL included). @return the length it needs (without the NUL), as snprintf. */
+size_t expr_to_c(const expr_program *p, int idx32, char *buf, size_t size);
 
 /* The reverse mode of a score_mod (expr_grad) as one C / CUDA function of the program's
  * instructions, after EXPR_C_PRELUDE:
@@ -104,5 +106,7 @@ int expr_as_attention(const expr_program *mask, const expr_program *score, expr_
 
 /* Which of the variables the expression reads (bits: 1 b, 2 h, 4 q_idx, 8 kv_idx, 16 score). */
 unsigned expr_uses(const expr_program *p);
+/* Its instruction count (0 for NULL): how much code each inlined copy of it is. */
+int expr_size(const expr_program *p);
 
 #endif /* NSA_MOD_EXPR_H */

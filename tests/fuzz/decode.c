@@ -961,10 +961,10 @@ fuzz_result fuzz_run(const uint8_t *data, size_t size, nsa_context *ctx, const f
             for (int i = 0; i < 7; i++)
                 for (int j = 0; j < 7; j++) (void)expr_eval(prog, pts[j] & 3, pts[i] % 5, pts[i], pts[j], (float)i - 3.5f);
             char buf[64];
-            const size_t need = expr_to_c(prog, buf, sizeof buf);
+            const size_t need = expr_to_c(prog, 1, buf, sizeof buf);
             char *code = (char *)malloc(need + 1);
             if (!code) abort();
-            if (expr_to_c(prog, code, need + 1) != need || strlen(code) != need) violation("expr_to_c: lengths disagree", -1);
+            if (expr_to_c(prog, 1, code, need + 1) != need || strlen(code) != need) violation("expr_to_c: lengths disagree", -1);
             free(code);
             expr_free(prog);
         }

@@ -239,12 +239,14 @@ def _dense_torch(q, k, v, mask, score, scale):
                     reason="needs torch with a CUDA device and libnsa's CUDA backend")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("case", ["causal", "documents_alibi", "window_softcap", "hidden_scores"])
+@pytest.mark.parametrize("case", ["causal", "documents_alibi", "window_softcap", "hidden_scores", "prefix_alibi"])
 def test_cuda_tensor_core_forward_within_the_tolerance_rule(dtype, D, case):
-    """The CUDA forward of f16 / bf16 inputs with head dims 64 / 128 (the tensor-core kernel):
-    o and lse against float64 dense attention within 2x the error of the same computation in
-    the inputs' precision (the tolerance rule), GQA, lengths that are not multiples of 16 or of
-    the blocks, partial and full blocks, captured GPU tensors, rows that see nothing."""
+    """The CUDA forward of f16 / bf16 inputs with head dims 64 / 128 (the tensor-core kernels:
+    on sm_90 the Hopper one where the q block is 128 rows -- no block mask, window_softcap,
+    prefix_alibi with 64-key slices), o and lse against float64 dense attention within 2x the
+    error of the same computation in the inputs' precision (the tolerance rule), GQA, lengths
+    that are not multiples of 16 or of the blocks, partial and full blocks, captured GPU tensors,
+    rows that see nothing."""
     torch = TORCH
     dt = getattr(torch, dtype)
     Bn, HQn, Hn, Tq, Tk = 2, 4, 2, 300, 333
@@ -271,6 +273,13 @@ def test_cuda_tensor_core_forward_within_the_tolerance_rule(dtype, D, case):
         def score(s, b, h, q_idx, kv_idx):
             return 2.0 * torch.tanh(s / 2.0)
         blocks = 128
+    elif case == "prefix_alibi":  # the engine's own (not a dense-route) mods, q blocks of 128, key blocks of 64
+        def mask(b, h, q_idx, kv_idx):
+            return (kv_idx < 50) | (q_idx >= kv_idx)
+
+        def score(s, b, h, q_idx, kv_idx):
+            return s - slope[h] * torch.abs(q_idx - kv_idx)
+        blocks = (128, 64)
     else:  # scores set to -inf (a row whose scores are all -inf sees nothing), no block mask
         mask, blocks = None, None
         score_text = "where(kv_idx % 3 == 0 || q_idx == 5, -exp(1000.0), score * 2)"

@@ -20,6 +20,7 @@
 
 #include "../prim/run.h"
 #include "../prim/simt.cuh"
+#include "../prim/tmap.h"
 #include "../cuda_backend.h"
 extern "C" {
 #include "../../mod/expr.h"
@@ -66,6 +67,17 @@ struct flex_sink {
  * and TC_STAGES (one value for the kernels and for the host's grid and shared-memory sizes). */
 #define FLEX_TC_WARPS 4
 #define FLEX_TC_STAGES 3
+/* The Hopper forward's K / V stages (WG_NS), and its shared memory: Q's 128 rows, the stages of
+ * bn keys, the 2 stages + 1 mbarriers and the slack that aligns the swizzled tiles to 1024 bytes. */
+#define FLEX_WG_STAGES 2
+/* Mods of at most this many instructions (both together) are unrolled over a slice's every
+ * score in the tensor-core kernels (NSA_MOD_UNROLL); larger ones run in a rolled loop that keeps
+ * their code, and a new mod's compile time, small. */
+#define FLEX_MOD_UNROLL_MAX 24
+static size_t flex_wg_smem(int64_t dk, int64_t dv, int bn)
+{
+    return (size_t)(128 * dk * 2 + FLEX_WG_STAGES * bn * (dk + dv) * 2) + (2 * FLEX_WG_STAGES + 1) * 8 + 1024;
+}
 
 /* What every generated source holds after the prelude and the two mod functions (nsa_flex_mask,
  * nsa_flex_score): the parameter block, element loads and stores, the walk over a row's keys. */
@@ -209,6 +221,11 @@ static const char FLEX_KERNEL[] =
  * units, expf, NaN propagating as in the scalar kernel), P rounded to the storage type for P V.
  * Compiled with NSA_DK / NSA_DV defined. */
 static const char FLEX_TC_COMMON[] = R"NSA(
+#if NSA_IDX32
+typedef int flex_idx; /* a query row or key index handed to the mods (flex_idx32: all below 2^31) */
+#else
+typedef long long flex_idx;
+#endif
 #define LDK (NSA_DK + 8)
 #define LDV (NSA_DV + 8)
 #if NSA_ELEM == 1
@@ -336,9 +353,276 @@ struct tc_pipe {
     }
 };
 
+/* One slice's scores to probabilities, for a warp's two rows `row` and `row + 8` (fragments s
+ * in the mma C order: key 8 n8 + 2 (lane % 4) + e % 2 of the slice's first k0, n of them real):
+ * scaled into the log2 domain (the exponentials are one ex2 each), the mask_mod on a partial
+ * block's keys and the score_mod on every visible score, then the online softmax -- the running
+ * maxima mrun, sums lsum and the NQ accumulator fragments rescaled when a maximum moves. */
+template <int NS, int NQ>
+__device__ __forceinline__ void tc_scores_to_p(const flex_params &P, const nsa_mod_caps &mc, const nsa_mod_caps &sc,
+                                               float (&s)[NS][4], long long b, long long hq, long long row, long long k0,
+                                               int n, int full, int lane, float mrun[2], float lsum[2], float (&acc)[NQ][4])
+{
+    const float NEG_INF = nsa_mod_fbits(0xff800000u);
+    /* scores kept in the log2 domain (s * scale * log2(e)): the exponentials are one ex2 each */
+    float mx[2] = {NEG_INF, NEG_INF};
+    if (NSA_SCORE_ID && full && n == 8 * NS) {
+        /* a full block's whole slice and no score_mod: no mod code, no index (most of a
+         * causal, window or document mask's slices) */
+        const float scale2 = P.scale * TC_LOG2E;
+#pragma unroll
+        for (int n8 = 0; n8 < NS; n8++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                s[n8][e] *= scale2;
+                mx[e >> 1] = tc_max(mx[e >> 1], s[n8][e]);
+            }
+    } else {
+        /* the mods on 16 keys at a time in a loop that is not unrolled: the fragments in
+         * s[0], s[1], then s rotated by two (constant indices: s stays in registers), NS / 2
+         * times (the order back as it was). The mods' code then stands 8 times in the
+         * kernel where full unrolling put it NS * 4 times (32 in the wide layout): half the
+         * compile time of a new mod, the first call's wait. Both mods are evaluated on every
+         * key and the hidden ones dropped after (their reads clamp, their divisions are
+         * guarded: a mod has no fault to skip): straight-line code, in which the compiler
+         * shares what the eight scores have in common -- a read of slope[h], doc[q_idx] --
+         * where a branch a score had kept each read apart. */
+        const flex_idx r0 = (flex_idx)(row < P.Tq ? row : P.Tq - 1), r1 = (flex_idx)(row + 8 < P.Tq ? row + 8 : P.Tq - 1);
+        /* score x of key `key` (of the slice) and row r0 or r1 (e >= 2; rows past Tq: any valid
+         * index, their results are dropped) */
+        auto mod_one = [&](float &x, int key, int e) {
+            const flex_idx qi = e >> 1 ? r1 : r0, kv = (flex_idx)k0 + key;
+            const int seen = (key < n) & (full | nsa_flex_mask(&mc, b, hq, qi, kv));
+            const float v = nsa_flex_score(&sc, b, hq, qi, kv, x * P.scale) * TC_LOG2E;
+            x = seen ? v : NEG_INF;
+            mx[e >> 1] = tc_max(mx[e >> 1], x);
+        };
+#if NSA_MOD_UNROLL
+        /* small mods (NSA_MOD_UNROLL: the host's choice by their size) unrolled over every
+         * fragment: no rotation, whose moves cost as much as a small mod's own instructions */
+#pragma unroll
+        for (int n8 = 0; n8 < NS; n8++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) mod_one(s[n8][e], n8 * 8 + 2 * (lane & 3) + (e & 1), e);
+#else
+#pragma unroll 1
+        for (int q2 = 0; q2 < NS / 2; q2++) {
+#pragma unroll
+            for (int n8 = 0; n8 < 2; n8++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) mod_one(s[n8][e], (2 * q2 + n8) * 8 + 2 * (lane & 3) + (e & 1), e);
+            float t2[2][4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) t2[0][e] = s[0][e], t2[1][e] = s[1][e];
+#pragma unroll
+            for (int m = 0; m + 2 < NS; m++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[m][e] = s[m + 2][e];
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[NS - 2][e] = t2[0][e], s[NS - 1][e] = t2[1][e];
+        }
+#endif
+    }
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = tc_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = tc_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float mn = tc_max(mrun[r], mx[r]);
+        alpha[r] = mrun[r] == NEG_INF ? 0.0f : tc_exp2(mrun[r] - mn);
+        mrun[r] = mn;
+    }
+    float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n8 = 0; n8 < NS; n8++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float m = mrun[e >> 1];
+            const float p = m == NEG_INF ? 0.0f : tc_exp2(s[n8][e] - m);
+            s[n8][e] = p;
+            ps[e >> 1] += p;
+        }
+    lsum[0] = lsum[0] * alpha[0] + ps[0], lsum[1] = lsum[1] * alpha[1] + ps[1];
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) /* the max moved (mostly in the first slices) */
+#pragma unroll
+        for (int q = 0; q < NQ; q++) acc[q][0] *= alpha[0], acc[q][1] *= alpha[0], acc[q][2] *= alpha[1], acc[q][3] *= alpha[1];
+}
+
+/* A warp's rows `row` and `row + 8` finished: o = acc / lsum and lse (the quads' partial sums
+ * added first), rows past Tq dropped; a row that saw no key (or only -inf scores) gets 0 and -inf. */
+template <int NQ>
+__device__ __forceinline__ void tc_store_rows(const flex_params &P, const float (&acc)[NQ][4], const float mrun[2], float lsum[2],
+                                              long long b, long long hq, long long row, int lane)
+{
+    const float NEG_INF = nsa_mod_fbits(0xff800000u);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], 1);
+        lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], 2);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const long long i = row + 8 * r;
+        if (i >= P.Tq) continue;
+        const int empty = mrun[r] == NEG_INF; /* no key, or only -inf scores: 0 and -inf */
+        const float inv = empty ? 0.0f : 1.0f / lsum[r];
+        const long long ob = b * P.os0 + i * P.os1 + hq * P.os2;
+#pragma unroll
+        for (int q = 0; q < NQ; q++) {
+            const int col = q * 8 + 2 * (lane & 3);
+            st_elem(P.o, ob + col, empty ? 0.0f : acc[q][2 * r] * inv);
+            st_elem(P.o, ob + col + 1, empty ? 0.0f : acc[q][2 * r + 1] * inv);
+        }
+        if (P.lse && (lane & 3) == 0) P.lse[b * P.ls0 + i * P.ls1 + hq * P.ls2] = empty ? NEG_INF : mrun[r] * TC_LN2 + logf(lsum[r]);
+    }
+}
+
 )NSA";
 
 /* The tensor-core forward (after FLEX_TC_COMMON). */
+/* The Hopper forward (after FLEX_TC_COMMON and flex_wgmma_source's wrappers). */
+static const char FLEX_WG_KERNEL[] = R"NSA(
+/* The Hopper forward (sm_90a; after FLEX_TC_COMMON, the tc_* helpers, and the wgmma wrappers
+ * wg_ss_s / wg_rs_o the host generates for N = WG_BN and NSA_DV). A CTA takes 128 query rows
+ * of one (batch entry, query head) -- inside one q block, so one list of key blocks -- in two
+ * consumer warpgroups of 64 rows, and a producer warp that copies Q once and each WG_BN-key
+ * slice of K and V by TMA (128-byte swizzle, rows past Tk as zeros) into WG_NS stages guarded
+ * by full / empty mbarriers: no CTA barrier a slice. Per warpgroup: S = Q K^T by wgmma from
+ * shared memory, the mods and the online softmax on the accumulator fragments (the mma.sync C
+ * order, as the mma.sync kernel's: tc_scores_to_p), O += P V by wgmma with P from registers. */
+#define WG_BM 128
+#define WG_QB (WG_BM * NSA_DK * 2)
+#define WG_KB (WG_BN * NSA_DK * 2)
+#define WG_VB (WG_BN * NSA_DV * 2)
+struct __align__(64) wg_tmap { unsigned long long w[16]; };
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+/* shared-memory matrix descriptor, 128-byte swizzle (layout type 1 in bits 62-63) */
+__device__ __forceinline__ unsigned long long wg_desc(const void *p, unsigned lbo, unsigned sbo)
+{
+    const unsigned long long a = tc_smem(p);
+    return ((a & 0x3FFFFull) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
+           ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void mb_init(unsigned long long *bar, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(tc_smem(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mb_expect(unsigned long long *bar, unsigned bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(tc_smem(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mb_arrive(unsigned long long *bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(tc_smem(bar)) : "memory");
+}
+__device__ __forceinline__ void mb_wait(unsigned long long *bar, int parity)
+{
+    asm volatile("{\n.reg .pred p;\nWG_MB_WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra WG_MB_WAIT_%=;\n}\n" ::"r"(tc_smem(bar)), "r"(parity) : "memory");
+}
+/* the box at (c0 innermost .. c3) of a 4-D tensor map into dst, completing on bar */
+__device__ __forceinline__ void tma_load4(void *dst, const wg_tmap *map, int c0, int c1, int c2, int c3, unsigned long long *bar)
+{
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+                 ::"r"(tc_smem(dst)), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(tc_smem(bar))
+                 : "memory");
+}
+
+#if NSA_KERNEL == 1
+extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_fwd_tc(const flex_params P, const nsa_mod_caps mc,
+                                                                    const nsa_mod_caps sc, const __grid_constant__ wg_tmap tq,
+                                                                    const __grid_constant__ wg_tmap tk,
+                                                                    const __grid_constant__ wg_tmap tv)
+{
+    constexpr int NS = WG_BN / 8;
+    /* a non-finite value in V: the scalar kernel beside this one computes the call */
+    if (P.nf_role == 1 && *(const volatile int *)P.nf != 0) return;
+    extern __shared__ unsigned char wg_raw[];
+    unsigned char *sm = wg_raw + ((1024u - (tc_smem(wg_raw) & 1023u)) & 1023u); /* the swizzle's 1024-byte alignment */
+    unsigned char *Qs = sm, *Ks = Qs + WG_QB, *Vs = Ks + WG_NS * WG_KB;
+    unsigned long long *full = (unsigned long long *)(Vs + WG_NS * WG_VB), *empty = full + WG_NS, *qfull = empty + WG_NS;
+
+    /* the CTA's rows: the last query tiles first (the longest lists of a causal-like mask) */
+    const long long ntile = (P.Tq + WG_BM - 1) / WG_BM, bh = P.B * P.HQ;
+    const long long w = blockIdx.x, tile = ntile - 1 - w / bh, hq = (w % bh) % P.HQ, b = (w % bh) / P.HQ, h = hq / P.G;
+    const long long u0 = WG_BM * tile;
+    const block_list L = block_list_of(P, b, hq, u0 / P.q_block);
+    const long long per_block = P.kv_block / WG_BN, nt = (L.n_part + L.n_full) * per_block;
+
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < WG_NS; i++) mb_init(&full[i], 1), mb_init(&empty[i], 256);
+        mb_init(qfull, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (threadIdx.x >= 256) { /* the producer warpgroup: one thread issues every copy */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (threadIdx.x != 256) return;
+        mb_expect(qfull, WG_QB);
+#pragma unroll
+        for (int cb = 0; cb < NSA_DK / 64; cb++) tma_load4(Qs + cb * WG_BM * 128, &tq, cb * 64, (int)hq, (int)u0, (int)b, qfull);
+        for (long long t = 0; t < nt; t++) {
+            const int st = (int)(t % WG_NS);
+            if (t >= WG_NS) mb_wait(&empty[st], (int)((t / WG_NS) & 1) ^ 1);
+            const long long e = t / per_block, k0 = L.block(e) * P.kv_block + WG_BN * (t - e * per_block);
+            mb_expect(&full[st], WG_KB + WG_VB);
+#pragma unroll
+            for (int cb = 0; cb < NSA_DK / 64; cb++)
+                tma_load4(Ks + st * WG_KB + cb * WG_BN * 128, &tk, cb * 64, (int)h, (int)k0, (int)b, &full[st]);
+#pragma unroll
+            for (int cb = 0; cb < NSA_DV / 64; cb++)
+                tma_load4(Vs + st * WG_VB + cb * WG_BN * 128, &tv, cb * 64, (int)h, (int)k0, (int)b, &full[st]);
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int lane = threadIdx.x & 31, wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3;
+    const long long row = u0 + 64 * wg + 16 * warp + (lane >> 2); /* this thread's rows: row, row + 8 */
+    const float NEG_INF = nsa_mod_fbits(0xff800000u);
+    float acc[NSA_DV / 8][4];
+#pragma unroll
+    for (int n = 0; n < NSA_DV / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    float mrun[2] = {NEG_INF, NEG_INF}, lsum[2] = {0.0f, 0.0f};
+    const unsigned char *Qw = Qs + wg * 64 * 128; /* the warpgroup's 64 rows in each 64-column block */
+    mb_wait(qfull, 0);
+    for (long long t = 0; t < nt; t++) {
+        const int st = (int)(t % WG_NS);
+        const long long e = t / per_block, k0 = L.block(e) * P.kv_block + WG_BN * (t - e * per_block), left = P.Tk - k0;
+        const int n = (int)(left <= 0 ? 0 : left < WG_BN ? left : WG_BN); /* real keys (a slice lies inside its block) */
+        const unsigned char *Kp = Ks + st * WG_KB, *Vp = Vs + st * WG_VB;
+        mb_wait(&full[st], (int)((t / WG_NS) & 1));
+        float s[NS][4];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < NSA_DK / 16; kk++)
+            wg_ss_s(&s[0][0], wg_desc(Qw + (kk >> 2) * WG_BM * 128 + (kk & 3) * 32, 16, 1024),
+                    wg_desc(Kp + (kk >> 2) * WG_BN * 128 + (kk & 3) * 32, 16, 1024), kk > 0);
+        wg_commit();
+        wg_wait0();
+        tc_scores_to_p<NS, NSA_DV / 8>(P, mc, sc, s, b, hq, row, k0, n, e >= L.n_part, lane, mrun, lsum, acc);
+        unsigned pa[WG_BN / 16][4];
+#pragma unroll
+        for (int k16 = 0; k16 < WG_BN / 16; k16++) {
+            pa[k16][0] = tc_pack(s[2 * k16][0], s[2 * k16][1]), pa[k16][1] = tc_pack(s[2 * k16][2], s[2 * k16][3]);
+            pa[k16][2] = tc_pack(s[2 * k16 + 1][0], s[2 * k16 + 1][1]), pa[k16][3] = tc_pack(s[2 * k16 + 1][2], s[2 * k16 + 1][3]);
+        }
+        wg_fence();
+#pragma unroll
+        for (int k16 = 0; k16 < WG_BN / 16; k16++) /* V MN-major: 64-column blocks WG_BN rows apart */
+            wg_rs_o(&acc[0][0], pa[k16], wg_desc(Vp + k16 * 16 * 128, WG_BN * 128, 1024));
+        wg_commit();
+        wg_wait0();
+        mb_arrive(&empty[st]); /* this thread is done with the stage */
+    }
+    tc_store_rows<NSA_DV / 8>(P, acc, mrun, lsum, b, hq, row, lane);
+}
+#endif
+)NSA";
+
 static const char FLEX_TC_KERNEL[] = R"NSA(
 /* ROWS query rows a unit (a CTA of TC_WARPS warps sharing KS-key slices, or a warp alone), the
  * warp's 16 of them computed here */
@@ -387,77 +671,8 @@ __device__ __forceinline__ void tc_body(const flex_params &P, const nsa_mod_caps
                 tc_mma(s[2 * n2], qf[k], bb[0], bb[1]);
                 tc_mma(s[2 * n2 + 1], qf[k], bb[2], bb[3]);
             }
-        const long long k0 = pipe.kb[buf];
-        const int n = pipe.nk[buf], full = pipe.fl[buf];
-        /* scores kept in the log2 domain (s * scale * log2(e)): the exponentials are one ex2 each */
-        float mx[2] = {NEG_INF, NEG_INF};
-        if (NSA_SCORE_ID && full && n == KS) {
-            /* a full block's whole slice and no score_mod: no mod code, no index (most of a
-             * causal, window or document mask's slices) */
-            const float scale2 = P.scale * TC_LOG2E;
-#pragma unroll
-            for (int n8 = 0; n8 < NS; n8++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    s[n8][e] *= scale2;
-                    mx[e >> 1] = tc_max(mx[e >> 1], s[n8][e]);
-                }
-        } else {
-            /* the mods on 16 keys at a time in a loop that is not unrolled: the fragments in
-             * s[0], s[1], then s rotated by two (constant indices: s stays in registers), NS / 2
-             * times (the order back as it was). The mods' code then stands 8 times in the
-             * kernel where full unrolling put it NS * 4 times (32 in the wide layout): half the
-             * compile time of a new mod, the first call's wait. */
-#pragma unroll 1
-            for (int q2 = 0; q2 < NS / 2; q2++) {
-#pragma unroll
-                for (int n8 = 0; n8 < 2; n8++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int key = (2 * q2 + n8) * 8 + 2 * (lane & 3) + (e & 1);
-                        long long qi = i0 + r0 + 8 * (e >> 1);
-                        qi = qi < P.Tq ? qi : P.Tq - 1; /* rows past Tq: any valid index (their results are dropped) */
-                        const long long kv = k0 + key;
-                        float v = NEG_INF;
-                        if (key < n && (full || nsa_flex_mask(&mc, b, hq, qi, kv)))
-                            v = nsa_flex_score(&sc, b, hq, qi, kv, s[n8][e] * P.scale) * TC_LOG2E;
-                        s[n8][e] = v;
-                        mx[e >> 1] = tc_max(mx[e >> 1], v);
-                    }
-                float t2[2][4];
-#pragma unroll
-                for (int e = 0; e < 4; e++) t2[0][e] = s[0][e], t2[1][e] = s[1][e];
-#pragma unroll
-                for (int m = 0; m + 2 < NS; m++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) s[m][e] = s[m + 2][e];
-#pragma unroll
-                for (int e = 0; e < 4; e++) s[NS - 2][e] = t2[0][e], s[NS - 1][e] = t2[1][e];
-            }
-        }
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            mx[r] = tc_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = tc_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float mn = tc_max(mrun[r], mx[r]);
-            alpha[r] = mrun[r] == NEG_INF ? 0.0f : tc_exp2(mrun[r] - mn);
-            mrun[r] = mn;
-        }
-        float ps[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int n8 = 0; n8 < NS; n8++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float m = mrun[e >> 1];
-                const float p = m == NEG_INF ? 0.0f : tc_exp2(s[n8][e] - m);
-                s[n8][e] = p;
-                ps[e >> 1] += p;
-            }
-        lsum[0] = lsum[0] * alpha[0] + ps[0], lsum[1] = lsum[1] * alpha[1] + ps[1];
-        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) /* the max moved (mostly in the first slices) */
-#pragma unroll
-            for (int q = 0; q < NSA_DV / 8; q++) acc[q][0] *= alpha[0], acc[q][1] *= alpha[0], acc[q][2] *= alpha[1], acc[q][3] *= alpha[1];
+        tc_scores_to_p<NS, NSA_DV / 8>(P, mc, sc, s, b, hq, i0 + r0, pipe.kb[buf], pipe.nk[buf], pipe.fl[buf], lane, mrun, lsum,
+                                       acc);
 #pragma unroll
         for (int k16 = 0; k16 < KS / 16; k16++) { /* P's 16-key steps as A fragments */
             unsigned a[4];
@@ -472,26 +687,7 @@ __device__ __forceinline__ void tc_body(const flex_params &P, const nsa_mod_caps
             }
         }
     }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], 1);
-        lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], 2);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const long long i = i0 + r0 + 8 * r;
-        if (i >= P.Tq) continue;
-        const int empty = mrun[r] == NEG_INF; /* no key, or only -inf scores: 0 and -inf */
-        const float inv = empty ? 0.0f : 1.0f / lsum[r];
-        const long long ob = b * P.os0 + i * P.os1 + hq * P.os2;
-#pragma unroll
-        for (int q = 0; q < NSA_DV / 8; q++) {
-            const int col = q * 8 + 2 * (lane & 3);
-            st_elem(P.o, ob + col, empty ? 0.0f : acc[q][2 * r] * inv);
-            st_elem(P.o, ob + col + 1, empty ? 0.0f : acc[q][2 * r + 1] * inv);
-        }
-        if (P.lse && (lane & 3) == 0) P.lse[b * P.ls0 + i * P.ls1 + hq * P.ls2] = empty ? NEG_INF : mrun[r] * TC_LN2 + logf(lsum[r]);
-    }
+    tc_store_rows<NSA_DV / 8>(P, acc, mrun, lsum, b, hq, i0 + r0, lane);
 }
 
 /* one layout a source (NSA_TC_WIDE): each compile builds only the kernel the call runs */
@@ -1091,45 +1287,85 @@ static int nvrtc_open(nvrtc_api *api, char *why, size_t n)
     return 1;
 }
 
+/* The Hopper forward's two wgmma wrappers, m64nNk16 with f32 accumulators d[N / 2] (the mma.sync
+ * C order) in the type TC_T names: wg_ss_s (N = ns: S = Q K^T, both operands K-major in shared
+ * memory; scale_d 0 overwrites d) and wg_rs_o (N = no: O += P V, P's A fragments from registers,
+ * V MN-major). Written into buf (size bytes, NUL included); @return the length needed, as snprintf. */
+static size_t flex_wgmma_source(char *buf, size_t size, int ns, int no)
+{
+    size_t at = 0;
+#define WG_PUT(...) at += (size_t)snprintf(buf ? buf + (at < size ? at : size) : NULL, buf && at < size ? size - at : 0, __VA_ARGS__)
+    for (int form = 0; form < 2; form++) {
+        const int n = form == 0 ? ns : no, nd = n / 2;
+        if (form == 0)
+            WG_PUT("__device__ __forceinline__ void wg_ss_s(float *d, unsigned long long da, unsigned long long db, int scale_d)\n{\n"
+                   "    asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %%%d, 0;\\n\"\n"
+                   "                 \"wgmma.mma_async.sync.aligned.m64n%dk16.f32.\" TC_T \".\" TC_T \" {", nd + 2, n);
+        else
+            WG_PUT("__device__ __forceinline__ void wg_rs_o(float *d, const unsigned a[4], unsigned long long db)\n{\n"
+                   "    asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %%%d, 0;\\n\"\n"
+                   "                 \"wgmma.mma_async.sync.aligned.m64n%dk16.f32.\" TC_T \".\" TC_T \" {", nd + 5, n);
+        for (int i = 0; i < nd; i++) WG_PUT("%s%%%d", i ? ", " : "", i);
+        if (form == 0) WG_PUT("}, %%%d, %%%d, p, 1, 1, 0, 0;\\n}\\n\"\n                 : ", nd, nd + 1);
+        else WG_PUT("}, {%%%d, %%%d, %%%d, %%%d}, %%%d, p, 1, 1, 1;\\n}\\n\"\n                 : ", nd, nd + 1, nd + 2, nd + 3, nd + 4);
+        for (int i = 0; i < nd; i++) WG_PUT("%s\"+f\"(d[%d])", i ? ", " : "", i);
+        if (form == 0) WG_PUT("\n                 : \"l\"(da), \"l\"(db), \"r\"(scale_d));\n}\n");
+        else WG_PUT("\n                 : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(db), \"r\"(1));\n}\n");
+    }
+#undef WG_PUT
+    return at;
+}
+
 /* The source of one (mask, score, element type): the expressions' prelude, the element type, the
  * two mods, then for the forward (bwd 0) the scalar kernel and, with head dims dk, dv (0: none),
- * the tensor-core kernel of 64 rows a CTA (wide) or 16 a warp; for the backward (bwd 1) the
- * score_mod's reverse mode, the two scalar kernels and, with dk, dv, the two tensor-core ones. */
-static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv, int wide, int bwd)
+ * the tensor-core kernel in the layout `wide`: 0 16 rows a warp, 1 64 rows a CTA, 2 / 3 the
+ * Hopper kernel with 64- / 128-key slices; for the backward (bwd 1) the score_mod's reverse mode,
+ * the two scalar kernels and, with dk, dv, the two tensor-core ones (wide 0 or 1). idx32: the call's
+ * b, h, q_idx and kv_idx all lie in [0, 2^31) (expr_to_c's 32-bit ints; NSA_IDX32 in the kernels). */
+static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv, int wide, int bwd, int idx32)
 {
     static const char NO_SCORE_GRAD[] =
         "NSA_MOD_FN float nsa_mod_score_grad(const nsa_mod_caps *caps, const nsa_mod_sink *sink, long long b, long long h,\n"
         "                                    long long q_idx, long long kv_idx, float score, float g, float *dscore)\n"
         "{\n    *dscore = g;\n    return score;\n}\n";
-    const size_t nm = mask ? expr_to_c(mask, NULL, 0) : 0, ns = score ? expr_to_c(score, NULL, 0) : 0;
+    const size_t nm = mask ? expr_to_c(mask, idx32, NULL, 0) : 0, ns = score ? expr_to_c(score, idx32, NULL, 0) : 0;
     const size_t ng = bwd && score ? expr_grad_to_c(score, NULL, 0) : sizeof NO_SCORE_GRAD;
+    const int hopper = dk > 0 && !bwd && wide >= 2, wg_bn = wide == 3 ? 128 : 64;
+    const size_t nw = hopper ? flex_wgmma_source(NULL, 0, wg_bn, dv) : 0;
     const size_t cap = strlen(EXPR_C_PRELUDE) + sizeof FLEX_COMMON + sizeof FLEX_KERNEL + sizeof FLEX_TC_COMMON +
-                       sizeof FLEX_TC_KERNEL + sizeof FLEX_BWD_SINK + sizeof FLEX_BWD_KERNEL + sizeof FLEX_TC_BWD + nm + ns + ng +
-                       1024;
+                       sizeof FLEX_TC_KERNEL + sizeof FLEX_WG_KERNEL + sizeof FLEX_BWD_SINK + sizeof FLEX_BWD_KERNEL +
+                       sizeof FLEX_TC_BWD + nm + ns + ng + nw + 1024;
     char *src = (char *)malloc(cap), *me = (char *)malloc(nm + 1), *se = (char *)malloc(ns + 1), *ge = (char *)malloc(ng + 1);
     if (!src || !me || !se || !ge || (bwd && score && ng == 0)) {
         free(src), free(me), free(se), free(ge);
         return NULL;
     }
-    if (mask) expr_to_c(mask, me, nm + 1);
-    if (score) expr_to_c(score, se, ns + 1);
+    if (mask) expr_to_c(mask, idx32, me, nm + 1);
+    if (score) expr_to_c(score, idx32, se, ns + 1);
     if (bwd && score) expr_grad_to_c(score, ge, ng + 1);
     snprintf(src, cap,
-             "#define NSA_MOD_FN __device__ __forceinline__\n#define NSA_ELEM %d\n#define NSA_SCORE_ID %d\n%s"
+             "#define NSA_MOD_FN __device__ __forceinline__\n#define NSA_ELEM %d\n#define NSA_SCORE_ID %d\n#define NSA_IDX32 %d\n"
+             "#define NSA_MOD_UNROLL %d\n%s"
              "NSA_MOD_FN int nsa_flex_mask(const nsa_mod_caps *caps, long long b, long long h, long long q_idx, "
              "long long kv_idx)\n{\n    (void)caps, (void)b, (void)h, (void)q_idx, (void)kv_idx;\n    return %s;\n}\n"
              "NSA_MOD_FN float nsa_flex_score(const nsa_mod_caps *caps, long long b, long long h, long long q_idx, "
              "long long kv_idx, float score)\n{\n    (void)caps, (void)b, (void)h, (void)q_idx, (void)kv_idx;\n"
              "    return (float)(%s);\n}\n%s",
-             elem, score ? 0 : 1, EXPR_C_PRELUDE, mask ? me : "1", score ? se : "score", FLEX_COMMON);
+             elem, score ? 0 : 1, idx32, expr_size(mask) + expr_size(score) <= FLEX_MOD_UNROLL_MAX, EXPR_C_PRELUDE, mask ? me : "1", score ? se : "score", FLEX_COMMON);
     size_t at = strlen(src);
     if (bwd) snprintf(src + at, cap - at, "%s%s%s", FLEX_BWD_SINK, score ? ge : NO_SCORE_GRAD, FLEX_BWD_KERNEL);
     else snprintf(src + at, cap - at, "%s", FLEX_KERNEL);
     if (dk > 0) {
         at = strlen(src);
         snprintf(src + at, cap - at, "#define NSA_DK %d\n#define NSA_DV %d\n#define NSA_TC_WIDE %d\n#define TC_WARPS %d\n"
-                 "#define TC_STAGES %d\n%s%s", dk, dv, wide, FLEX_TC_WARPS, FLEX_TC_STAGES, FLEX_TC_COMMON,
-                 bwd ? FLEX_TC_BWD : FLEX_TC_KERNEL);
+                 "#define TC_STAGES %d\n%s", dk, dv, wide, FLEX_TC_WARPS, FLEX_TC_STAGES, FLEX_TC_COMMON);
+        at = strlen(src);
+        if (hopper) {
+            at += (size_t)snprintf(src + at, cap - at, "#define WG_BN %d\n#define WG_NS %d\n", wg_bn, FLEX_WG_STAGES);
+            flex_wgmma_source(src + at, cap - at, wg_bn, dv);
+            at = strlen(src);
+        }
+        snprintf(src + at, cap - at, "%s", bwd ? FLEX_TC_BWD : hopper ? FLEX_WG_KERNEL : FLEX_TC_KERNEL);
     }
     free(me), free(se), free(ge);
     return src;
@@ -1231,7 +1467,7 @@ extern "C" nsa_status nsa_cuda_flex_compile_check(const nsa_mod *mask, const nsa
     char why[256];
     if (!nvrtc_open(&api, why, sizeof why)) return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "ctx: %s", why);
     const int dk = elem ? 128 : 0; /* (both head dims; a layout an arch) */
-    char *src = flex_source(mask, score, elem, dk, 64, major == 9, bwd);
+    char *src = flex_source(mask, score, elem, dk, 64, major == 9 && minor == 0 ? 3 : 1, bwd, 1);
     if (!src) {
         dlclose(api.handle);
         return nsa_fail(NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel source");
@@ -1309,12 +1545,12 @@ static int cache_dir(char *buf, size_t n)
  * tensor-core ones for head dims dk, dv (NULL with dk 0), the forward's in the layout `wide`.
  * @return whether k[0] is there (else the failure is in g). */
 static int flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv, int wide,
-                       int bwd, cudaKernel_t k[4])
+                       int bwd, int idx32, cudaKernel_t k[4])
 {
     static const char *const NAMES[2][4] = {{"nsa_flex_fwd", "nsa_flex_fwd_tc", NULL, NULL},
                                             {"nsa_flex_bwd_dq", "nsa_flex_bwd_dkdv", "nsa_flex_bwd_dq_tc", "nsa_flex_bwd_dkdv_tc"}};
     k[0] = k[1] = k[2] = k[3] = NULL;
-    char *src = flex_source(mask, score, elem, dk, dv, wide, bwd);
+    char *src = flex_source(mask, score, elem, dk, dv, wide, bwd, idx32);
     if (!src) {
         g_fail(g, NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel source");
         return 0;
@@ -1544,6 +1780,41 @@ static int flex_tc_fits(const grun *g, const nsa_flex_args *a, const nsa_problem
     return 1;
 }
 
+/* Whether the Hopper forward takes a call the tensor-core kernels take: an sm_90 device (the
+ * sm_90a build NVRTC makes), the sm_90a tiles allowed (NSA_CUDA_WGMMA), a q block of whole
+ * 128-row tiles, key blocks of whole 64-key slices, and TMA maps over Q, K and V (16-byte aligned
+ * rows and strides; every coordinate in 32 bits). @return the keys a slice (128 where the key
+ * block allows, else 64) with maps[] made for Q, K and V, or 0. */
+static int flex_wg_bn(const grun *g, const nsa_flex_args *a, const nsa_problem *p, CUtensorMap maps[3])
+{
+    int dev = 0, major = 0, minor = 0;
+    if (!g->ovr->wgmma || cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess || major != 9 || minor != 0) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    const nsa_block_mask *m = &a->block_mask;
+    if (m->q_block % 128 != 0 || m->kv_block % 64 != 0) return 0;
+    if (p->B * p->HQ * ((p->T + 127) / 128) > INT32_MAX || p->T + 128 > INT32_MAX || p->Tk + m->kv_block > INT32_MAX) return 0;
+    const int bn = m->kv_block % 128 == 0 ? 128 : 64;
+    const dview qv = dv_of(&a->q), kv = dv_of(&a->k), vv = dv_of(&a->v);
+    const nsa_dtype dt = a->q.dtype;
+    if (!tmap_make(&maps[0], &qv, dt, p->B, p->T, p->HQ, p->DK, 128) || !tmap_make(&maps[1], &kv, dt, p->B, p->Tk, p->H, p->DK, bn) ||
+        !tmap_make(&maps[2], &vv, dt, p->B, p->Tk, p->H, p->DV, bn))
+        return 0;
+    return bn;
+}
+
+/* Whether every (b, h, q_idx, kv_idx) a kernel hands the mods lies in [0, 2^31): batch entries,
+ * query heads, query rows, and keys up to the end of the last key block (the tiles evaluate the
+ * mods on a slice's every key, the real ones kept). Then the mods' ints may run in 32 bits. */
+static int flex_idx32(const nsa_problem *p, const nsa_block_mask *m)
+{
+    const int64_t kv_end = (p->Tk + m->kv_block - 1) / m->kv_block * m->kv_block;
+    return p->B <= INT32_MAX && p->HQ <= INT32_MAX && p->T <= INT32_MAX && kv_end <= INT32_MAX;
+}
+
 /* The generated kernels' element type: 0 f32, 1 f16, 2 bf16 (NSA_ELEM). */
 static int elem_of(const nsa_flex_args *a) { return a->q.dtype == NSA_DTYPE_F32 ? 0 : a->q.dtype == NSA_DTYPE_F16 ? 1 : 2; }
 
@@ -1607,10 +1878,15 @@ static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
         return;
     }
     const int elem = elem_of(a);
-    /* 64 rows a CTA sharing 64-key slices where both block sizes allow, else 16 rows a warp */
-    const int wide = a->block_mask.q_block % 64 == 0 && a->block_mask.kv_block % 64 == 0;
+    /* on sm_90a, the Hopper kernel where its tensor maps can be made; else 64 rows a CTA sharing
+     * 64-key slices where both block sizes allow, else 16 rows a warp */
+    CUtensorMap maps[3];
+    const int wg_bn = tc ? flex_wg_bn(g, a, p, maps) : 0;
+    const int wide = wg_bn ? (wg_bn == 128 ? 3 : 2) : a->block_mask.q_block % 64 == 0 && a->block_mask.kv_block % 64 == 0;
     cudaKernel_t kk[4];
-    if (!flex_kernel(g, c, a->mask_mod, a->score_mod, elem, tc ? (int)p->DK : 0, tc ? (int)p->DV : 0, wide, 0, kk)) return;
+    if (!flex_kernel(g, c, a->mask_mod, a->score_mod, elem, tc ? (int)p->DK : 0, tc ? (int)p->DV : 0, wide, 0,
+                     flex_idx32(p, &a->block_mask), kk))
+        return;
     const cudaKernel_t k = kk[0], ktc = kk[1];
     if (tc && !ktc) return;
     flex_params P;
@@ -1619,8 +1895,17 @@ static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
     caps_of(a->mask_mod, &mc), caps_of(a->score_mod, &sc);
     const int64_t items = p->B * p->HQ * p->T;
     if (items == 0) return;
-    void *args[] = {&P, &mc, &sc};
-    if (tc) {
+    void *args[] = {&P, &mc, &sc, &maps[0], &maps[1], &maps[2]};
+    if (wg_bn) {
+        const size_t smem = flex_wg_smem(p->DK, p->DV, wg_bn);
+        P.nf = nf, P.nf_role = nf ? 1 : 0;
+        g_check(g, cudaFuncSetAttribute((const void *)ktc, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        if (g_live(g))
+            g_check(g, cudaLaunchKernel((const void *)ktc, dim3((unsigned)(p->B * p->HQ * ((p->T + 127) / 128))), dim3(384), args,
+                                        smem, g->st));
+        if (!nf || !g_live(g)) return;
+        P.nf_role = 2;
+    } else if (tc) {
         const int64_t units = wide ? p->B * p->HQ * ((p->T + 63) / 64) : cdiv64(p->B * p->HQ * ((p->T + 15) / 16), FLEX_TC_WARPS);
         /* 64 rows of K and V a stage either way: a CTA's shared slice, or four warps' own */
         const size_t smem = (size_t)FLEX_TC_STAGES * 64 * (size_t)(p->DK + 8 + p->DV + 8) * 2;
@@ -1741,7 +2026,8 @@ static void run_flex_bwd(grun *g, const nsa_flex_bwd_args *a, flex_cache *c)
     cudaKernel_t k[4];
     /* 64 rows (dq) or keys (dk / dv) a CTA sharing 64-row or 64-key slices where both block sizes allow */
     const int wide = f->block_mask.q_block % 64 == 0 && f->block_mask.kv_block % 64 == 0;
-    if (!flex_kernel(g, c, f->mask_mod, f->score_mod, elem_of(f), tc ? (int)p->DK : 0, tc ? (int)p->DV : 0, wide, 1, k) || !k[1] ||
+    if (!flex_kernel(g, c, f->mask_mod, f->score_mod, elem_of(f), tc ? (int)p->DK : 0, tc ? (int)p->DV : 0, wide, 1,
+                     flex_idx32(p, &f->block_mask), k) || !k[1] ||
         (tc && (!k[2] || !k[3])))
         return;
     flex_params P;
