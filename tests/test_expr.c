@@ -210,10 +210,10 @@ static int close_or_same(float x, float y)
     return fabs((double)x - (double)y) <= 1e-6 * (1.0 + fabs((double)y));
 }
 
-static void check_generated_grad(void *lib, int i, const expr_program *p)
+static void check_generated_grad(void *lib, int i, const expr_program *p, int idx32)
 {
     char name[32];
-    snprintf(name, sizeof name, "grad_%d", i);
+    snprintf(name, sizeof name, "grad%s_%d", idx32 ? "32" : "", i);
     grad_fn fn;
     void *sym = dlsym(lib, name);
     memcpy(&fn, &sym, sizeof fn);
@@ -239,7 +239,8 @@ static void check_generated_grad(void *lib, int i, const expr_program *p)
                 }
     for (size_t e = 0; e < 16 * GRAD_ELEMS; e++) bad += !close_or_same(mine[e], theirs[e]);
     char msg[300];
-    snprintf(msg, sizeof msg, "generated reverse mode of '%s': %ld values or gradients differ from expr_grad", g_checked[i].text, bad);
+    snprintf(msg, sizeof msg, "generated reverse mode (%s ints) of '%s': %ld values or gradients differ from expr_grad",
+             idx32 ? "32-bit" : "64-bit", g_checked[i].text, bad);
     CHECK_MSG(bad == 0, msg);
     free(scratch), free(mine);
 }
@@ -278,12 +279,12 @@ static void test_generated_source(void)
                        "    return (float)(%s);\n}\n", idx32 ? "32" : "", i, code);
             free(code);
         }
-        if (g_checked[i].kind == EXPR_SCORE) { /* its reverse mode, under its own name */
-            const size_t gneed = expr_grad_to_c(progs[i], NULL, 0);
+        for (int idx32 = 0; g_checked[i].kind == EXPR_SCORE && idx32 < 2; idx32++) { /* its reverse mode, under its own name */
+            const size_t gneed = expr_grad_to_c(progs[i], idx32, NULL, 0);
             char *gcode = (char *)malloc(gneed + 1);
-            CHECK(gneed > 0 && expr_grad_to_c(progs[i], gcode, gneed + 1) == gneed && strlen(gcode) == gneed);
-            fprintf(f, "#define nsa_mod_score_grad grad_%d\n#undef NSA_MOD_FN\n#define NSA_MOD_FN\n%s#undef NSA_MOD_FN\n"
-                       "#define NSA_MOD_FN static inline\n#undef nsa_mod_score_grad\n", i, gcode);
+            CHECK(gneed > 0 && expr_grad_to_c(progs[i], idx32, gcode, gneed + 1) == gneed && strlen(gcode) == gneed);
+            fprintf(f, "#define nsa_mod_score_grad grad%s_%d\n#undef NSA_MOD_FN\n#define NSA_MOD_FN\n%s#undef NSA_MOD_FN\n"
+                       "#define NSA_MOD_FN static inline\n#undef nsa_mod_score_grad\n", idx32 ? "32" : "", i, gcode);
             free(gcode);
         }
     }
@@ -329,7 +330,7 @@ static void test_generated_source(void)
                      g_checked[i].text, bad);
             CHECK_MSG(bad == 0, msg);
         }
-        if (g_checked[i].kind == EXPR_SCORE) check_generated_grad(lib, i, progs[i]);
+        for (int idx32 = 0; g_checked[i].kind == EXPR_SCORE && idx32 < 2; idx32++) check_generated_grad(lib, i, progs[i], idx32);
     }
     if (lib) dlclose(lib);
     for (int i = 0; i < g_nchecked; i++) expr_free(progs[i]);

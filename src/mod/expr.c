@@ -1157,19 +1157,32 @@ static void print_node(writer *w, const expr_program *p, int k)
     put(w, "(("); print_kid(w, p, n->kid[0]); put(w, ") %s (", op ? op : "?"); print_kid(w, p, n->kid[1]); put(w, "))");
 }
 
+/* The 32-bit int nodes of p (idx32: see expr_to_c) as a malloc'd array indexed by tree node (a
+ * node's kids come before it, so root + 1 entries), or NULL: none (no idx32, or no memory: every
+ * int in 64 bits, the same values). */
+static unsigned char *narrow_nodes(const expr_program *p, int idx32)
+{
+    if (!idx32) return NULL;
+    irange *r = (irange *)calloc((size_t)p->root + 1, sizeof *r);
+    unsigned char *done = (unsigned char *)calloc((size_t)p->root + 1, 1), *narrow = (unsigned char *)calloc((size_t)p->root + 1, 1);
+    if (r && done && narrow) {
+        ir_of(p, p->root, 1, r, done);
+        ir_mark(p, p->root, r, narrow);
+    } else {
+        free(narrow);
+        narrow = NULL;
+    }
+    free(r), free(done);
+    return narrow;
+}
+
 size_t expr_to_c(const expr_program *p, int idx32, char *buf, size_t size)
 {
-    writer w = {buf, size, 0, NULL, NULL};
+    unsigned char *narrow = narrow_nodes(p, idx32);
+    writer w = {buf, size, 0, NULL, narrow};
     if (size) buf[0] = 0;
-    irange *r = idx32 ? (irange *)calloc((size_t)p->root + 1, sizeof *r) : NULL;
-    unsigned char *done = idx32 ? (unsigned char *)calloc((size_t)p->root + 1, 2) : NULL;
-    if (r && done) { /* (without memory: every int in 64 bits, the same values) */
-        ir_of(p, p->root, 1, r, done);
-        ir_mark(p, p->root, r, done + p->root + 1);
-        w.narrow = done + p->root + 1;
-    }
     print_node(&w, p, p->root);
-    free(r), free(done);
+    free(narrow);
     return w.len;
 }
 
@@ -1239,18 +1252,22 @@ float expr_grad(const expr_program *p, int64_t b, int64_t h, int64_t q_idx, int6
 /* The reverse mode above as C: the forward as one statement an instruction (v<pc>), then the
  * adjoints (a<pc>, float results only) from the root down, each pushed only when nonzero as
  * expr_grad does, so that a zero adjoint never meets an infinite partial derivative. */
-size_t expr_grad_to_c(const expr_program *p, char *buf, size_t size)
+size_t expr_grad_to_c(const expr_program *p, int idx32, char *buf, size_t size)
 {
     int *pc_of = (int *)calloc((size_t)MAX_NODES, sizeof(int));
-    writer w = {buf, size, 0, pc_of, NULL};
+    unsigned char *narrow = narrow_nodes(p, idx32);
+    writer w = {buf, size, 0, pc_of, narrow};
     if (size) buf[0] = 0;
-    if (!pc_of) return 0;
+    if (!pc_of) {
+        free(narrow);
+        return 0;
+    }
     for (int pc = 0; pc < p->n; pc++) pc_of[p->code[pc].node] = pc;
     put(&w, "NSA_MOD_FN float nsa_mod_score_grad(const nsa_mod_caps *caps, const nsa_mod_sink *sink, long long b, long long h,\n"
             "                                    long long q_idx, long long kv_idx, float score, float g, float *dscore)\n{\n");
     for (int pc = 0; pc < p->n; pc++) {
-        const int fl = p->tree[p->code[pc].node].type == T_FLOAT;
-        put(&w, "    const %s v%d = ", fl ? "float" : "long long", pc);
+        const int node = p->code[pc].node, fl = p->tree[node].type == T_FLOAT;
+        put(&w, "    const %s v%d = ", fl ? "float" : narrow && narrow[node] ? "int" : "long long", pc);
         print_node(&w, p, p->code[pc].node);
         put(&w, ";\n");
     }
@@ -1289,7 +1306,7 @@ size_t expr_grad_to_c(const expr_program *p, char *buf, size_t size)
         put(&w, " }\n");
     }
     put(&w, "    *dscore = ds;\n    return v%d;\n}\n", p->n - 1);
-    free(pc_of);
+    free(pc_of), free(narrow);
     return w.len;
 }
 

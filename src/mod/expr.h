@@ -68,9 +68,9 @@ size_t expr_to_c(const expr_program *p, int idx32, char *buf, size_t size);
  * returns score_mod's value, sets *dscore = g * d(value)/d(score) and, for each float read of
  * capture c, calls nsa_mod_grad(sink, c, element, g * d(value)/d(element)) with the element's
  * row-major index over the capture's shape (the clamped index the read read). The includer
- * declares the type nsa_mod_sink and the function nsa_mod_grad before it. @return the length
- * it needs (without the NUL), as snprintf; 0 without memory. */
-size_t expr_grad_to_c(const expr_program *p, char *buf, size_t size);
+ * declares the type nsa_mod_sink and the function nsa_mod_grad before it. idx32: as expr_to_c's.
+ * @return the length it needs (without the NUL), as snprintf; 0 without memory. */
+size_t expr_grad_to_c(const expr_program *p, int idx32, char *buf, size_t size);
 
 /* The captured tensors as generated code reads them (the layout EXPR_C_PRELUDE declares). */
 typedef struct nsa_mod_caps {

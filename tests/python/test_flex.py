@@ -328,15 +328,17 @@ def test_cuda_forward_hides_a_nan_in_a_key_a_row_does_not_see():
 @pytest.mark.skipif(TORCH is None or not TORCH.cuda.is_available() or not nsa.backend_available("cuda"),
                     reason="needs torch with a CUDA device and libnsa's CUDA backend")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("case", ["documents_rel_bias", "window_softcap", "hidden_no_block_mask"])
+@pytest.mark.parametrize("case", ["documents_rel_bias", "window_softcap", "hidden_no_block_mask", "prefix_alibi"])
 def test_cuda_backward_within_the_tolerance_rule(dtype, case):
     """The CUDA backward through autograd: dq, dk, dv and a learnable bias table's gradient against
     float64 dense attention, within 2x the error of the same computation in the inputs' precision
     (f32: within 2e-5 of the largest); GQA, Tq != Tk, partial and full blocks, no block mask with
-    scores sent to -inf (an expression string with its tensor); deterministic."""
+    scores sent to -inf (an expression string with its tensor); deterministic. On sm_90 the 128
+    blocks (hidden_no_block_mask, prefix_alibi with D = 128: listed partial and full blocks) take
+    the Hopper kernels."""
     torch = TORCH
     dt = getattr(torch, dtype)
-    Bn, HQn, Hn, Tq, Tk, D = 2, 4, 2, 150, 173, 64
+    Bn, HQn, Hn, Tq, Tk, D = 2, 4, 2, 150, 173, 128 if case == "prefix_alibi" else 64
     g = torch.Generator().manual_seed(13)
     q0, k0, v0 = (torch.randn(Bn, n, t, D, generator=g) for n, t in ((HQn, Tq), (Hn, Tk), (Hn, Tk)))
     rel0 = torch.randn(HQn, 2 * Tk + 1, generator=g) * 0.3
@@ -360,6 +362,13 @@ def test_cuda_backward_within_the_tolerance_rule(dtype, case):
             def score(s, b, h, q_idx, kv_idx):
                 return 2.0 * torch.tanh(s / 2.0) + rel[h, 0]
             blocks = 64
+        elif case == "prefix_alibi":  # a learnable ALiBi slope on a prefix-LM mask
+            def mask(b, h, q_idx, kv_idx):
+                return (kv_idx < 40) | (q_idx + (Tk - Tq) >= kv_idx)
+
+            def score(s, b, h, q_idx, kv_idx):
+                return s - rel[h, 2] * torch.abs(q_idx - kv_idx)
+            blocks = 128
         else:  # every key block partial (FlexAttention's 128 blocks), a third of the keys hidden by the score
             mask, blocks = None, None
 

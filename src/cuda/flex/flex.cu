@@ -50,7 +50,8 @@ struct flex_params {
 #define FLEX_GRAD_FIELDS                                                                           \
     const void *dout; void *dq; void *dk; void *dv; float *D;                                      \
     long long dos0, dos1, dos2, dqs0, dqs1, dqs2, dks0, dks1, dks2, dvs0, dvs1, dvs2;              \
-    int scatter;
+    int scatter;                                                                                   \
+    float *L2; long long tpad; const unsigned char *kinds; long long kB, kH;
 struct flex_grads {
     FLEX_GRAD_FIELDS
 };
@@ -209,6 +210,391 @@ static const char FLEX_KERNEL[] =
     "    }\n"
     "}\n"
     "#endif\n";
+
+/* The Hopper backward (after FLEX_WG_COMMON; the same scores, probabilities and dU as the
+ * mma.sync backward, on wgmma tiles). Two kernels, each CTA owning what it writes (deterministic):
+ * nsa_flex_bwd_dq_tc, 128 query rows of one (b, hq) in two consumer warpgroups, Q and dout loaded
+ * once, 64-key slices of K and V from the row block's list: S = Q K^T and dP = dout V^T by wgmma,
+ * dQ += dU K with dU from registers; it also writes each row's D = dout . o and lse in log2 units
+ * (+inf for a row that saw no key, and for the rows past Tq) into R.D and R.L2, [B, HQ, R.tpad].
+ * nsa_flex_bwd_dkdv_tc, 128 keys of one key block and kv head (K, V loaded once), walking the
+ * query blocks that list the key block (R.kinds, the transposed lists: 0 not listed, 1 partial,
+ * 2 full; NULL: every block partial) over the group's query heads in 64-row slices of Q, dout,
+ * lse and D: S^T = K Q^T, dP^T = V dout^T, dV += P^T dout, dK += dU^T Q. */
+static const char FLEX_WG_BWD[] = R"NSA(
+#define WB_SR 64  /* keys a dq slice, query rows a dk / dv slice */
+#define WB_BM 128 /* query rows a dq CTA, keys a dk / dv CTA */
+#define WB_SS WG_CAT(wg_ss, 64)
+#define WB_RS_K WG_CAT(wg_rs, NSA_DK)
+#define WB_RS_V WG_CAT(wg_rs, NSA_DV)
+#define WB_INF nsa_mod_fbits(0x7f800000u)
+/* the A fragments of 16-column steps of an accumulator x[NF][4] (rounded to the storage type) */
+template <int NF>
+__device__ __forceinline__ void wb_frags(unsigned (&pa)[NF / 2][4], const float (&x)[NF][4])
+{
+#pragma unroll
+    for (int k = 0; k < NF / 2; k++) {
+        pa[k][0] = tc_pack(x[2 * k][0], x[2 * k][1]), pa[k][1] = tc_pack(x[2 * k][2], x[2 * k][3]);
+        pa[k][2] = tc_pack(x[2 * k + 1][0], x[2 * k + 1][1]), pa[k][3] = tc_pack(x[2 * k + 1][2], x[2 * k + 1][3]);
+    }
+}
+/* x (NF fragments) = A B^T over D columns: A 64 rows of a tile of RA rows at a, B 64 rows of a tile at b */
+template <int NF, int D, int RA, int RB>
+__device__ __forceinline__ void wb_abt(float (&x)[NF][4], const unsigned char *a, const unsigned char *b)
+{
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++)
+        WB_SS(&x[0][0], wg_desc(a + (kk >> 2) * RA * 128 + (kk & 3) * 32, 16, 1024), wg_desc(b + (kk >> 2) * RB * 128 + (kk & 3) * 32, 16, 1024),
+              kk > 0);
+}
+/* One pair's probability p (0 when hidden) and dU = dS d(score_mod)/d(score), dS = p (dp - D),
+ * from the scaled product u, the row's lse in log2 units l2 and D; a scattering call (R.scatter:
+ * the score_mod's tensor gradients) pushes dS through the reverse mode into the sink. */
+__device__ __forceinline__ void wb_pair(const flex_grads &R, const nsa_mod_caps &sc, const nsa_mod_sink *sink, long long b,
+                                        long long hq, flex_idx qi, flex_idx kv, int seen, float u, float dp, float l2, float Dr,
+                                        float *p_out, float *du_out)
+{
+    float d1 = 1.0f;
+    const float val = NSA_SCORE_ID ? u : nsa_mod_score_grad(&sc, 0, b, hq, qi, kv, u, 1.0f, &d1);
+    const float p = seen && l2 != WB_INF ? tc_exp2(val * TC_LOG2E - l2) : 0.0f;
+    const float ds = p * (dp - Dr);
+    float du = ds == 0.0f ? 0.0f : ds * d1; /* (0 whatever d1: the reverse mode's rule) */
+    if (sink && R.scatter && p != 0.0f) nsa_mod_score_grad(&sc, sink, b, hq, qi, kv, u, ds, &du);
+    *p_out = p, *du_out = du;
+}
+
+#if NSA_KERNEL == 2
+extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_bwd_dq_tc(const flex_params P, const flex_grads R,
+                                                                       const nsa_mod_caps mc, const nsa_mod_caps sc,
+                                                                       const nsa_mod_sink sink, const __grid_constant__ wg_tmap tq,
+                                                                       const __grid_constant__ wg_tmap tdo,
+                                                                       const __grid_constant__ wg_tmap tk,
+                                                                       const __grid_constant__ wg_tmap tv)
+{
+    constexpr int NS = WB_SR / 8, QB = WB_BM * NSA_DK * 2, OB = WB_BM * NSA_DV * 2, KB = WB_SR * NSA_DK * 2, VB = WB_SR * NSA_DV * 2;
+    if (P.nf && *(const volatile int *)P.nf != 0) return; /* a non-finite input: the scalar kernels compute the call */
+    extern __shared__ unsigned char wg_raw[];
+    unsigned char *Qs = wg_align(wg_raw), *Os = Qs + QB, *Ks = Os + OB, *Vs = Ks + WG_NS * KB;
+    unsigned long long *full = (unsigned long long *)(Vs + WG_NS * VB), *empty = full + WG_NS, *qfull = empty + WG_NS;
+    const long long ntile = (P.Tq + WB_BM - 1) / WB_BM, bh = P.B * P.HQ;
+    const long long w = blockIdx.x, tile = ntile - 1 - w / bh, hq = (w % bh) % P.HQ, b = (w % bh) / P.HQ, h = hq / P.G;
+    const long long u0 = WB_BM * tile;
+    const block_list L = block_list_of(P, b, hq, u0 / P.q_block);
+    const long long per_block = P.kv_block / WB_SR, nt = (L.n_part + L.n_full) * per_block;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < WG_NS; i++) mb_init(&full[i], 1), mb_init(&empty[i], 256);
+        mb_init(qfull, 1);
+        mb_init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x >= 256) { /* the producer warpgroup: one thread issues every copy */
+        WG_REGS_PRODUCER();
+        if (threadIdx.x != 256) return;
+        mb_expect(qfull, QB + OB);
+        tma_tile(Qs, &tq, NSA_DK, WB_BM, u0, hq, b, qfull);
+        tma_tile(Os, &tdo, NSA_DV, WB_BM, u0, hq, b, qfull);
+        for (long long t = 0; t < nt; t++) {
+            const int st = (int)(t % WG_NS);
+            if (t >= WG_NS) mb_wait(&empty[st], (int)((t / WG_NS) & 1) ^ 1);
+            const long long e = t / per_block, k0 = L.block(e) * P.kv_block + WB_SR * (t - e * per_block);
+            mb_expect(&full[st], KB + VB);
+            tma_tile(Ks + st * KB, &tk, NSA_DK, WB_SR, k0, h, b, &full[st]);
+            tma_tile(Vs + st * VB, &tv, NSA_DV, WB_SR, k0, h, b, &full[st]);
+        }
+        return;
+    }
+    WG_REGS_CONSUMER();
+    const int lane = threadIdx.x & 31, wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3;
+    const long long row = u0 + 64 * wg + 16 * warp + (lane >> 2); /* this thread's rows: row, row + 8 */
+    const flex_idx r0 = (flex_idx)(row < P.Tq ? row : P.Tq - 1), r1 = (flex_idx)(row + 8 < P.Tq ? row + 8 : P.Tq - 1);
+    /* the rows' D = dout . o (the quad's columns, then summed over it) and lse in log2 units */
+    float l2[2], Dr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const long long i = row + 8 * r;
+        float d = 0.0f;
+        if (i < P.Tq)
+#pragma unroll
+            for (int q = 0; q < NSA_DV / 8; q++)
+#pragma unroll
+                for (int x = 0; x < 2; x++) {
+                    const int col = q * 8 + 2 * (lane & 3) + x;
+                    d += ld_elem(R.dout, b * R.dos0 + i * R.dos1 + hq * R.dos2 + col) * ld_elem(P.o, b * P.os0 + i * P.os1 + hq * P.os2 + col);
+                }
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        d += __shfl_xor_sync(0xffffffffu, d, 2);
+        const float lse = i < P.Tq ? P.lse[b * P.ls0 + i * P.ls1 + hq * P.ls2] : -WB_INF;
+        Dr[r] = d, l2[r] = lse == -WB_INF ? WB_INF : lse * TC_LOG2E;
+        if ((lane & 3) == 0) R.D[(b * P.HQ + hq) * R.tpad + i] = d, R.L2[(b * P.HQ + hq) * R.tpad + i] = l2[r];
+    }
+    float acc[NSA_DK / 8][4];
+#pragma unroll
+    for (int n = 0; n < NSA_DK / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    const unsigned char *Qw = Qs + wg * 64 * 128, *Ow = Os + wg * 64 * 128; /* the warpgroup's 64 rows */
+    mb_wait(qfull, 0);
+    for (long long t = 0; t < nt; t++) {
+        const int st = (int)(t % WG_NS);
+        const long long e = t / per_block, k0 = L.block(e) * P.kv_block + WB_SR * (t - e * per_block), left = P.Tk - k0;
+        const int n = (int)(left <= 0 ? 0 : left < WB_SR ? left : WB_SR), full_block = e >= L.n_part;
+        const unsigned char *Kp = Ks + st * KB, *Vp = Vs + st * VB;
+        mb_wait(&full[st], (int)((t / WG_NS) & 1));
+        float s[NS][4], dp[NS][4];
+        wg_fence();
+        wb_abt<NS, NSA_DK, WB_BM, WB_SR>(s, Qw, Kp);  /* S = Q K^T */
+        wb_abt<NS, NSA_DV, WB_BM, WB_SR>(dp, Ow, Vp); /* dP = dout V^T */
+        wg_commit();
+        wg_wait0();
+        /* score (row r0 or r1 by e, key k0 + key): dU into x; snk: the sink of a scattering call */
+        auto one = [&](float &x, float y, int key, int e, const nsa_mod_sink *snk) {
+            const int r = e >> 1;
+            const flex_idx qi = r ? r1 : r0, kv = (flex_idx)k0 + key;
+            const int seen = (key < n) & (full_block | nsa_flex_mask(&mc, b, hq, qi, kv));
+            float p;
+            wb_pair(R, sc, snk, b, hq, qi, kv, seen, x * P.scale, y, l2[r], Dr[r], &p, &x);
+        };
+        /* two fragments a turn, the others rotated into place (the forward's reason) */
+        auto rolled = [&](const nsa_mod_sink *snk) {
+#pragma unroll 1
+            for (int q2 = 0; q2 < NS / 2; q2++) {
+#pragma unroll
+                for (int n8 = 0; n8 < 2; n8++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) one(s[n8][e], dp[n8][e], (2 * q2 + n8) * 8 + 2 * (lane & 3) + (e & 1), e, snk);
+                float t2[2][4], t3[2][4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) t2[0][e] = s[0][e], t2[1][e] = s[1][e], t3[0][e] = dp[0][e], t3[1][e] = dp[1][e];
+#pragma unroll
+                for (int m = 0; m + 2 < NS; m++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) s[m][e] = s[m + 2][e], dp[m][e] = dp[m + 2][e];
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    s[NS - 2][e] = t2[0][e], s[NS - 1][e] = t2[1][e], dp[NS - 2][e] = t3[0][e], dp[NS - 1][e] = t3[1][e];
+            }
+        };
+        if (NSA_SCORE_ID && full_block && n == WB_SR) {
+            /* a full block's whole slice and no score_mod: no mod code */
+#pragma unroll
+            for (int n8 = 0; n8 < NS; n8++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float p;
+                    wb_pair(R, sc, 0, b, hq, 0, 0, 1, s[n8][e] * P.scale, dp[n8][e], l2[e >> 1], Dr[e >> 1], &p, &s[n8][e]);
+                }
+        } else if (R.scatter) {
+            /* the score_mod's tensor gradients too: a loop of its own (its scatter code, unrolled
+             * into the common path, spread that path over four times the instruction memory) */
+            rolled(&sink);
+        } else {
+#if NSA_MOD_UNROLL
+#pragma unroll
+            for (int n8 = 0; n8 < NS; n8++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) one(s[n8][e], dp[n8][e], n8 * 8 + 2 * (lane & 3) + (e & 1), e, 0);
+#else
+            rolled(0);
+#endif
+        }
+        unsigned pa[NS / 2][4];
+        wb_frags<NS>(pa, s);
+        wg_fence();
+#pragma unroll
+        for (int k16 = 0; k16 < NS / 2; k16++) /* dQ += dU K, K MN-major: 64-column blocks WB_SR rows apart */
+            WB_RS_K(&acc[0][0], pa[k16], wg_desc(Kp + k16 * 16 * 128, WB_SR * 128, 1024));
+        wg_commit();
+        wg_wait0();
+        mb_arrive(&empty[st]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const long long i = row + 8 * r;
+        if (i >= P.Tq) continue;
+        const long long ob = b * R.dqs0 + i * R.dqs1 + hq * R.dqs2;
+#pragma unroll
+        for (int q = 0; q < NSA_DK / 8; q++) {
+            const int col = q * 8 + 2 * (lane & 3);
+            st_elem(R.dq, ob + col, acc[q][2 * r] * P.scale);
+            st_elem(R.dq, ob + col + 1, acc[q][2 * r + 1] * P.scale);
+        }
+    }
+}
+#endif
+
+#if NSA_KERNEL == 3
+/* a 1-D bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) completing on bar */
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes, unsigned long long *bar)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(tc_smem(dst)), "l"(src), "r"(bytes), "r"(tc_smem(bar)) : "memory");
+}
+extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_bwd_dkdv_tc(const flex_params P, const flex_grads R,
+                                                                         const nsa_mod_caps mc, const nsa_mod_caps sc,
+                                                                         const __grid_constant__ wg_tmap tq,
+                                                                         const __grid_constant__ wg_tmap tdo,
+                                                                         const __grid_constant__ wg_tmap tk,
+                                                                         const __grid_constant__ wg_tmap tv)
+{
+    constexpr int NS = WB_SR / 8, KB = WB_BM * NSA_DK * 2, VB = WB_BM * NSA_DV * 2, QB = WB_SR * NSA_DK * 2, OB = WB_SR * NSA_DV * 2;
+    if (P.nf && *(const volatile int *)P.nf != 0) return;
+    extern __shared__ unsigned char wg_raw[];
+    unsigned char *Ks = wg_align(wg_raw), *Vs = Ks + KB, *Qs = Vs + VB, *Os = Qs + WG_NS * QB;
+    float *LD = (float *)(Os + WG_NS * OB);               /* [WG_NS][2][WB_SR]: the slice's lse (log2) and D */
+    int *meta = (int *)(LD + WG_NS * 2 * WB_SR);         /* [WG_NS][4]: query head (-1: the end), first row, row end, kind */
+    unsigned long long *full = (unsigned long long *)(meta + WG_NS * 4), *empty = full + WG_NS, *kvfull = empty + WG_NS;
+    const long long H = P.HQ / P.G, bh = P.B * H;
+    const long long w = blockIdx.x, tile = w / bh, h = (w % bh) % H, b = (w % bh) / H; /* the first key tiles first */
+    const long long k0 = WB_BM * tile, kb = k0 / P.kv_block, nqb = (P.Tq + P.q_block - 1) / P.q_block;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < WG_NS; i++) mb_init(&full[i], 1), mb_init(&empty[i], 256);
+        mb_init(kvfull, 1);
+        mb_init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x >= 256) { /* the producer warp: the walk's kinds 32 query blocks at a time, lane 0 issuing */
+        WG_REGS_PRODUCER();
+        if (threadIdx.x >= 288) return;
+        const int pl = threadIdx.x & 31;
+        if (pl == 0) {
+            mb_expect(kvfull, KB + VB);
+            tma_tile(Ks, &tk, NSA_DK, WB_BM, k0, h, b, kvfull);
+            tma_tile(Vs, &tv, NSA_DV, WB_BM, k0, h, b, kvfull);
+        }
+        long long c = 0;
+        for (long long hq = h * P.G; hq < (h + 1) * P.G; hq++) {
+            const unsigned char *kr = R.kinds ? R.kinds + (((R.kB == 1 ? 0 : b) * R.kH + (R.kH == 1 ? 0 : hq)) * P.nkb + kb) * nqb : 0;
+            for (long long qb0 = 0; qb0 < nqb; qb0 += 32) {
+                const int mine = qb0 + pl < nqb ? (kr ? kr[qb0 + pl] : 1) : 0;
+                unsigned m = __ballot_sync(0xffffffffu, mine != 0);
+                while (m) {
+                    const int bit = __ffs(m) - 1, kind = __shfl_sync(0xffffffffu, mine, bit);
+                    m &= m - 1;
+                    if (pl != 0) continue;
+                    const long long qb = qb0 + bit, i1 = (qb + 1) * P.q_block < P.Tq ? (qb + 1) * P.q_block : P.Tq;
+                    for (long long i0 = qb * P.q_block; i0 < i1; i0 += WB_SR, c++) {
+                        const int st = (int)(c % WG_NS);
+                        if (c >= WG_NS) mb_wait(&empty[st], (int)((c / WG_NS) & 1) ^ 1);
+                        meta[st * 4 + 0] = (int)hq, meta[st * 4 + 1] = (int)i0, meta[st * 4 + 2] = (int)i1, meta[st * 4 + 3] = kind;
+                        mb_expect(&full[st], QB + OB + 2 * WB_SR * 4);
+                        tma_tile(Qs + st * QB, &tq, NSA_DK, WB_SR, i0, hq, b, &full[st]);
+                        tma_tile(Os + st * OB, &tdo, NSA_DV, WB_SR, i0, hq, b, &full[st]);
+                        const long long at = (b * P.HQ + hq) * R.tpad + i0;
+                        bulk_load(LD + st * 2 * WB_SR, R.L2 + at, WB_SR * 4, &full[st]);
+                        bulk_load(LD + st * 2 * WB_SR + WB_SR, R.D + at, WB_SR * 4, &full[st]);
+                    }
+                }
+                __syncwarp();
+            }
+        }
+        if (pl == 0) { /* the end of the walk */
+            const int st = (int)(c % WG_NS);
+            if (c >= WG_NS) mb_wait(&empty[st], (int)((c / WG_NS) & 1) ^ 1);
+            meta[st * 4] = -1;
+            mb_arrive(&full[st]);
+        }
+        return;
+    }
+    WG_REGS_CONSUMER();
+    const int lane = threadIdx.x & 31, wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3;
+    const long long key = k0 + 64 * wg + 16 * warp + (lane >> 2); /* this thread's keys: key, key + 8 */
+    float dk[NSA_DK / 8][4], dv[NSA_DV / 8][4];
+#pragma unroll
+    for (int n = 0; n < NSA_DK / 8; n++) dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < NSA_DV / 8; n++) dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
+    const unsigned char *Kw = Ks + wg * 64 * 128, *Vw = Vs + wg * 64 * 128; /* the warpgroup's 64 keys */
+    mb_wait(kvfull, 0);
+    /* the walk's stages until the producer's end record; the wait for each stage at the loop's
+     * bottom, so that the loop leaves at its head (ptxas serialises every wgmma of a kernel whose
+     * loop leaves from between two of them) */
+    long long c = 0;
+    mb_wait(&full[0], 0);
+    while (meta[(c % WG_NS) * 4] >= 0) {
+        const int st = (int)(c % WG_NS);
+        const int hq = meta[st * 4 + 0], i0 = meta[st * 4 + 1], i1 = meta[st * 4 + 2], kind = meta[st * 4 + 3];
+        const unsigned char *Qp = Qs + st * QB, *Op = Os + st * OB;
+        const float *l2s = LD + st * 2 * WB_SR, *Ds = l2s + WB_SR;
+        float s[NS][4], dp[NS][4];
+        wg_fence();
+        wb_abt<NS, NSA_DK, WB_BM, WB_SR>(s, Kw, Qp);  /* S^T = K Q^T */
+        wb_abt<NS, NSA_DV, WB_BM, WB_SR>(dp, Vw, Op); /* dP^T = V dout^T */
+        wg_commit();
+        wg_wait0();
+        /* score (key + 8 (e / 2), query i0 + col): p into x, dU into y */
+        auto one = [&](float &x, float &y, int col, int e) {
+            const flex_idx kv = (flex_idx)(key + 8 * (e >> 1)), qi = (flex_idx)(i0 + col);
+            const int seen = (kv < P.Tk) & (i0 + col < i1) & ((kind == 2) | nsa_flex_mask(&mc, b, hq, qi, kv));
+            wb_pair(R, sc, 0, b, hq, qi, kv, seen, x * P.scale, y, l2s[col], Ds[col], &x, &y);
+        };
+        if (NSA_SCORE_ID && kind == 2 && k0 + WB_BM <= P.Tk && i0 + WB_SR <= i1) {
+            /* a full block's keys and rows, no score_mod: no mod code, no index */
+#pragma unroll
+            for (int n8 = 0; n8 < NS; n8++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int col = n8 * 8 + 2 * (lane & 3) + (e & 1);
+                    wb_pair(R, sc, 0, b, hq, 0, 0, 1, s[n8][e] * P.scale, dp[n8][e], l2s[col], Ds[col], &s[n8][e], &dp[n8][e]);
+                }
+        } else {
+#if NSA_MOD_UNROLL
+#pragma unroll
+        for (int n8 = 0; n8 < NS; n8++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) one(s[n8][e], dp[n8][e], n8 * 8 + 2 * (lane & 3) + (e & 1), e);
+#else
+#pragma unroll 1
+        for (int q2 = 0; q2 < NS / 2; q2++) {
+#pragma unroll
+            for (int n8 = 0; n8 < 2; n8++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) one(s[n8][e], dp[n8][e], (2 * q2 + n8) * 8 + 2 * (lane & 3) + (e & 1), e);
+            float t2[2][4], t3[2][4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) t2[0][e] = s[0][e], t2[1][e] = s[1][e], t3[0][e] = dp[0][e], t3[1][e] = dp[1][e];
+#pragma unroll
+            for (int m = 0; m + 2 < NS; m++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[m][e] = s[m + 2][e], dp[m][e] = dp[m + 2][e];
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                s[NS - 2][e] = t2[0][e], s[NS - 1][e] = t2[1][e], dp[NS - 2][e] = t3[0][e], dp[NS - 1][e] = t3[1][e];
+        }
+#endif
+        }
+        unsigned pp[NS / 2][4], pu[NS / 2][4];
+        wb_frags<NS>(pp, s);
+        wb_frags<NS>(pu, dp);
+        wg_fence();
+#pragma unroll
+        for (int k16 = 0; k16 < NS / 2; k16++) { /* dout and Q MN-major: 64-column blocks WB_SR rows apart */
+            WB_RS_V(&dv[0][0], pp[k16], wg_desc(Op + k16 * 16 * 128, WB_SR * 128, 1024));
+            WB_RS_K(&dk[0][0], pu[k16], wg_desc(Qp + k16 * 16 * 128, WB_SR * 128, 1024));
+        }
+        wg_commit();
+        wg_wait0();
+        mb_arrive(&empty[st]);
+        c++;
+        mb_wait(&full[c % WG_NS], (int)((c / WG_NS) & 1));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const long long kv = key + 8 * r;
+        if (kv >= P.Tk) continue;
+#pragma unroll
+        for (int q = 0; q < NSA_DK / 8; q++) {
+            const int col = q * 8 + 2 * (lane & 3);
+            st_elem(R.dk, b * R.dks0 + kv * R.dks1 + h * R.dks2 + col, dk[q][2 * r] * P.scale);
+            st_elem(R.dk, b * R.dks0 + kv * R.dks1 + h * R.dks2 + col + 1, dk[q][2 * r + 1] * P.scale);
+        }
+#pragma unroll
+        for (int q = 0; q < NSA_DV / 8; q++) {
+            const int col = q * 8 + 2 * (lane & 3);
+            st_elem(R.dv, b * R.dvs0 + kv * R.dvs1 + h * R.dvs2 + col, dv[q][2 * r]);
+            st_elem(R.dv, b * R.dvs0 + kv * R.dvs1 + h * R.dvs2 + col + 1, dv[q][2 * r + 1]);
+        }
+    }
+}
+#endif
+)NSA";
 
 /* The tensor-core kernels (f16 / bf16, DK and DV in {64, 128}, block sizes multiples of 16), one
  * body in two layouts. nsa_flex_fwd_tc64 (q and kv blocks multiples of 64): a CTA takes 64 query
@@ -480,20 +866,13 @@ __device__ __forceinline__ void tc_store_rows(const flex_params &P, const float 
 )NSA";
 
 /* The tensor-core forward (after FLEX_TC_COMMON). */
-/* The Hopper forward (after FLEX_TC_COMMON and flex_wgmma_source's wrappers). */
-static const char FLEX_WG_KERNEL[] = R"NSA(
-/* The Hopper forward (sm_90a; after FLEX_TC_COMMON, the tc_* helpers, and the wgmma wrappers
- * wg_ss_s / wg_rs_o the host generates for N = WG_BN and NSA_DV). A CTA takes 128 query rows
- * of one (batch entry, query head) -- inside one q block, so one list of key blocks -- in two
- * consumer warpgroups of 64 rows, and a producer warp that copies Q once and each WG_BN-key
- * slice of K and V by TMA (128-byte swizzle, rows past Tk as zeros) into WG_NS stages guarded
- * by full / empty mbarriers: no CTA barrier a slice. Per warpgroup: S = Q K^T by wgmma from
- * shared memory, the mods and the online softmax on the accumulator fragments (the mma.sync C
- * order, as the mma.sync kernel's: tc_scores_to_p), O += P V by wgmma with P from registers. */
-#define WG_BM 128
-#define WG_QB (WG_BM * NSA_DK * 2)
-#define WG_KB (WG_BN * NSA_DK * 2)
-#define WG_VB (WG_BN * NSA_DV * 2)
+/* The Hopper kernels' primitives (after FLEX_TC_COMMON and flex_wgmma_source's wrappers): wgmma
+ * fences and descriptors, mbarriers, TMA loads. The kernels have a producer warp that copies tiles
+ * by TMA (128-byte swizzle, rows past a tensor as zeros) into stages guarded by full / empty
+ * mbarriers, and two consumer warpgroups of 64 rows doing the products and the elementwise work. */
+static const char FLEX_WG_COMMON[] = R"NSA(
+#define WG_CAT2(a, b) a##b
+#define WG_CAT(a, b) WG_CAT2(a, b)
 struct __align__(64) wg_tmap { unsigned long long w[16]; };
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -505,10 +884,15 @@ __device__ __forceinline__ unsigned long long wg_desc(const void *p, unsigned lb
     return ((a & 0x3FFFFull) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
            ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
+/* the first 1024-byte boundary in the dynamic shared memory (the swizzled tiles' alignment) */
+__device__ __forceinline__ unsigned char *wg_align(unsigned char *raw) { return raw + ((1024u - (tc_smem(raw) & 1023u)) & 1023u); }
 __device__ __forceinline__ void mb_init(unsigned long long *bar, int count)
 {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(tc_smem(bar)), "r"(count) : "memory");
 }
+__device__ __forceinline__ void mb_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+/* one arrival that also expects `bytes` of copies (release: the thread's earlier shared-memory
+ * stores are seen by whoever waits on the phase it completes) */
 __device__ __forceinline__ void mb_expect(unsigned long long *bar, unsigned bytes)
 {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(tc_smem(bar)), "r"(bytes) : "memory");
@@ -530,7 +914,30 @@ __device__ __forceinline__ void tma_load4(void *dst, const wg_tmap *map, int c0,
                  ::"r"(tc_smem(dst)), "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(tc_smem(bar))
                  : "memory");
 }
+/* the rows of a [R, D] tile (D / 64 boxes of 64 columns, R * 128 bytes apart) at (row, head h, batch b) */
+__device__ __forceinline__ void tma_tile(unsigned char *dst, const wg_tmap *map, int D, int R, long long row, long long h, long long b,
+                                         unsigned long long *bar)
+{
+    for (int cb = 0; cb < D / 64; cb++) tma_load4(dst + cb * R * 128, map, cb * 64, (int)h, (int)row, (int)b, bar);
+}
+#define WG_REGS_PRODUCER() asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n")
+#define WG_REGS_CONSUMER() asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n")
+)NSA";
 
+/* The Hopper forward (after FLEX_WG_COMMON). */
+static const char FLEX_WG_FWD[] = R"NSA(
+/* The Hopper forward (sm_90a). A CTA takes 128 query rows of one (batch entry, query head) --
+ * inside one q block, so one list of key blocks -- in two consumer warpgroups of 64 rows, and a
+ * producer warp that copies Q once and each WG_BN-key slice of K and V into WG_NS stages. Per
+ * warpgroup: S = Q K^T by wgmma from shared memory, the mods and the online softmax on the
+ * accumulator fragments (the mma.sync C order, as the mma.sync kernel's: tc_scores_to_p),
+ * O += P V by wgmma with P from registers. */
+#define WG_BM 128
+#define WG_QB (WG_BM * NSA_DK * 2)
+#define WG_KB (WG_BN * NSA_DK * 2)
+#define WG_VB (WG_BN * NSA_DV * 2)
+#define WG_SS_S WG_CAT(wg_ss, WG_BN)
+#define WG_RS_O WG_CAT(wg_rs, NSA_DV)
 #if NSA_KERNEL == 1
 extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_fwd_tc(const flex_params P, const nsa_mod_caps mc,
                                                                     const nsa_mod_caps sc, const __grid_constant__ wg_tmap tq,
@@ -541,8 +948,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_fwd_tc(const flex_
     /* a non-finite value in V: the scalar kernel beside this one computes the call */
     if (P.nf_role == 1 && *(const volatile int *)P.nf != 0) return;
     extern __shared__ unsigned char wg_raw[];
-    unsigned char *sm = wg_raw + ((1024u - (tc_smem(wg_raw) & 1023u)) & 1023u); /* the swizzle's 1024-byte alignment */
-    unsigned char *Qs = sm, *Ks = Qs + WG_QB, *Vs = Ks + WG_NS * WG_KB;
+    unsigned char *Qs = wg_align(wg_raw), *Ks = Qs + WG_QB, *Vs = Ks + WG_NS * WG_KB;
     unsigned long long *full = (unsigned long long *)(Vs + WG_NS * WG_VB), *empty = full + WG_NS, *qfull = empty + WG_NS;
 
     /* the CTA's rows: the last query tiles first (the longest lists of a causal-like mask) */
@@ -555,31 +961,26 @@ extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_fwd_tc(const flex_
     if (threadIdx.x == 0) {
         for (int i = 0; i < WG_NS; i++) mb_init(&full[i], 1), mb_init(&empty[i], 256);
         mb_init(qfull, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mb_init_fence();
     }
     __syncthreads();
 
     if (threadIdx.x >= 256) { /* the producer warpgroup: one thread issues every copy */
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        WG_REGS_PRODUCER();
         if (threadIdx.x != 256) return;
         mb_expect(qfull, WG_QB);
-#pragma unroll
-        for (int cb = 0; cb < NSA_DK / 64; cb++) tma_load4(Qs + cb * WG_BM * 128, &tq, cb * 64, (int)hq, (int)u0, (int)b, qfull);
+        tma_tile(Qs, &tq, NSA_DK, WG_BM, u0, hq, b, qfull);
         for (long long t = 0; t < nt; t++) {
             const int st = (int)(t % WG_NS);
             if (t >= WG_NS) mb_wait(&empty[st], (int)((t / WG_NS) & 1) ^ 1);
             const long long e = t / per_block, k0 = L.block(e) * P.kv_block + WG_BN * (t - e * per_block);
             mb_expect(&full[st], WG_KB + WG_VB);
-#pragma unroll
-            for (int cb = 0; cb < NSA_DK / 64; cb++)
-                tma_load4(Ks + st * WG_KB + cb * WG_BN * 128, &tk, cb * 64, (int)h, (int)k0, (int)b, &full[st]);
-#pragma unroll
-            for (int cb = 0; cb < NSA_DV / 64; cb++)
-                tma_load4(Vs + st * WG_VB + cb * WG_BN * 128, &tv, cb * 64, (int)h, (int)k0, (int)b, &full[st]);
+            tma_tile(Ks + st * WG_KB, &tk, NSA_DK, WG_BN, k0, h, b, &full[st]);
+            tma_tile(Vs + st * WG_VB, &tv, NSA_DV, WG_BN, k0, h, b, &full[st]);
         }
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    WG_REGS_CONSUMER();
     const int lane = threadIdx.x & 31, wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3;
     const long long row = u0 + 64 * wg + 16 * warp + (lane >> 2); /* this thread's rows: row, row + 8 */
     const float NEG_INF = nsa_mod_fbits(0xff800000u);
@@ -599,7 +1000,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_fwd_tc(const flex_
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < NSA_DK / 16; kk++)
-            wg_ss_s(&s[0][0], wg_desc(Qw + (kk >> 2) * WG_BM * 128 + (kk & 3) * 32, 16, 1024),
+            WG_SS_S(&s[0][0], wg_desc(Qw + (kk >> 2) * WG_BM * 128 + (kk & 3) * 32, 16, 1024),
                     wg_desc(Kp + (kk >> 2) * WG_BN * 128 + (kk & 3) * 32, 16, 1024), kk > 0);
         wg_commit();
         wg_wait0();
@@ -613,7 +1014,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_fwd_tc(const flex_
         wg_fence();
 #pragma unroll
         for (int k16 = 0; k16 < WG_BN / 16; k16++) /* V MN-major: 64-column blocks WG_BN rows apart */
-            wg_rs_o(&acc[0][0], pa[k16], wg_desc(Vp + k16 * 16 * 128, WG_BN * 128, 1024));
+            WG_RS_O(&acc[0][0], pa[k16], wg_desc(Vp + k16 * 16 * 128, WG_BN * 128, 1024));
         wg_commit();
         wg_wait0();
         mb_arrive(&empty[st]); /* this thread is done with the stage */
@@ -1287,24 +1688,28 @@ static int nvrtc_open(nvrtc_api *api, char *why, size_t n)
     return 1;
 }
 
-/* The Hopper forward's two wgmma wrappers, m64nNk16 with f32 accumulators d[N / 2] (the mma.sync
- * C order) in the type TC_T names: wg_ss_s (N = ns: S = Q K^T, both operands K-major in shared
- * memory; scale_d 0 overwrites d) and wg_rs_o (N = no: O += P V, P's A fragments from registers,
- * V MN-major). Written into buf (size bytes, NUL included); @return the length needed, as snprintf. */
-static size_t flex_wgmma_source(char *buf, size_t size, int ns, int no)
+/* The Hopper kernels' wgmma wrappers, m64nNk16 with f32 accumulators d[N / 2] (the mma.sync C
+ * order) in the type TC_T names: wg_ss<N> (D = A B^T, both operands K-major in shared memory;
+ * scale_d 0 overwrites d) for N in ss[0 .. nss), and wg_rs<N> (D += A B, A's fragments from
+ * registers, B MN-major) for N in rs[0 .. nrs) (a repeated N written once). Written into buf
+ * (size bytes, NUL included); @return the length needed, as snprintf. */
+static size_t flex_wgmma_source(char *buf, size_t size, const int *ss, int nss, const int *rs, int nrs)
 {
     size_t at = 0;
 #define WG_PUT(...) at += (size_t)snprintf(buf ? buf + (at < size ? at : size) : NULL, buf && at < size ? size - at : 0, __VA_ARGS__)
-    for (int form = 0; form < 2; form++) {
-        const int n = form == 0 ? ns : no, nd = n / 2;
+    for (int x = 0; x < nss + nrs; x++) {
+        const int form = x >= nss, n = form ? rs[x - nss] : ss[x], nd = n / 2;
+        int seen = 0;
+        for (int y = form ? nss : 0; y < x; y++) seen |= (y >= nss ? rs[y - nss] : ss[y]) == n;
+        if (seen) continue;
         if (form == 0)
-            WG_PUT("__device__ __forceinline__ void wg_ss_s(float *d, unsigned long long da, unsigned long long db, int scale_d)\n{\n"
+            WG_PUT("__device__ __forceinline__ void wg_ss%d(float *d, unsigned long long da, unsigned long long db, int scale_d)\n{\n"
                    "    asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %%%d, 0;\\n\"\n"
-                   "                 \"wgmma.mma_async.sync.aligned.m64n%dk16.f32.\" TC_T \".\" TC_T \" {", nd + 2, n);
+                   "                 \"wgmma.mma_async.sync.aligned.m64n%dk16.f32.\" TC_T \".\" TC_T \" {", n, nd + 2, n);
         else
-            WG_PUT("__device__ __forceinline__ void wg_rs_o(float *d, const unsigned a[4], unsigned long long db)\n{\n"
+            WG_PUT("__device__ __forceinline__ void wg_rs%d(float *d, const unsigned a[4], unsigned long long db)\n{\n"
                    "    asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %%%d, 0;\\n\"\n"
-                   "                 \"wgmma.mma_async.sync.aligned.m64n%dk16.f32.\" TC_T \".\" TC_T \" {", nd + 5, n);
+                   "                 \"wgmma.mma_async.sync.aligned.m64n%dk16.f32.\" TC_T \".\" TC_T \" {", n, nd + 5, n);
         for (int i = 0; i < nd; i++) WG_PUT("%s%%%d", i ? ", " : "", i);
         if (form == 0) WG_PUT("}, %%%d, %%%d, p, 1, 1, 0, 0;\\n}\\n\"\n                 : ", nd, nd + 1);
         else WG_PUT("}, {%%%d, %%%d, %%%d, %%%d}, %%%d, p, 1, 1, 1;\\n}\\n\"\n                 : ", nd, nd + 1, nd + 2, nd + 3, nd + 4);
@@ -1329,11 +1734,13 @@ static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, in
         "                                    long long q_idx, long long kv_idx, float score, float g, float *dscore)\n"
         "{\n    *dscore = g;\n    return score;\n}\n";
     const size_t nm = mask ? expr_to_c(mask, idx32, NULL, 0) : 0, ns = score ? expr_to_c(score, idx32, NULL, 0) : 0;
-    const size_t ng = bwd && score ? expr_grad_to_c(score, NULL, 0) : sizeof NO_SCORE_GRAD;
-    const int hopper = dk > 0 && !bwd && wide >= 2, wg_bn = wide == 3 ? 128 : 64;
-    const size_t nw = hopper ? flex_wgmma_source(NULL, 0, wg_bn, dv) : 0;
+    const size_t ng = bwd && score ? expr_grad_to_c(score, idx32, NULL, 0) : sizeof NO_SCORE_GRAD;
+    const int hopper = dk > 0 && wide >= 2, wg_bn = wide == 3 ? 128 : 64;
+    /* the wgmma shapes: forward S (wg_bn keys) and O (dv); backward S, dP (64) and dQ, dK, dV */
+    const int ss[1] = {bwd ? 64 : wg_bn}, rs[2] = {bwd ? dk : dv, dv};
+    const size_t nw = hopper ? flex_wgmma_source(NULL, 0, ss, 1, rs, 1 + bwd) : 0;
     const size_t cap = strlen(EXPR_C_PRELUDE) + sizeof FLEX_COMMON + sizeof FLEX_KERNEL + sizeof FLEX_TC_COMMON +
-                       sizeof FLEX_TC_KERNEL + sizeof FLEX_WG_KERNEL + sizeof FLEX_BWD_SINK + sizeof FLEX_BWD_KERNEL +
+                       sizeof FLEX_TC_KERNEL + sizeof FLEX_WG_COMMON + sizeof FLEX_WG_FWD + sizeof FLEX_WG_BWD + sizeof FLEX_BWD_SINK + sizeof FLEX_BWD_KERNEL +
                        sizeof FLEX_TC_BWD + nm + ns + ng + nw + 1024;
     char *src = (char *)malloc(cap), *me = (char *)malloc(nm + 1), *se = (char *)malloc(ns + 1), *ge = (char *)malloc(ng + 1);
     if (!src || !me || !se || !ge || (bwd && score && ng == 0)) {
@@ -1342,7 +1749,7 @@ static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, in
     }
     if (mask) expr_to_c(mask, idx32, me, nm + 1);
     if (score) expr_to_c(score, idx32, se, ns + 1);
-    if (bwd && score) expr_grad_to_c(score, ge, ng + 1);
+    if (bwd && score) expr_grad_to_c(score, idx32, ge, ng + 1);
     snprintf(src, cap,
              "#define NSA_MOD_FN __device__ __forceinline__\n#define NSA_ELEM %d\n#define NSA_SCORE_ID %d\n#define NSA_IDX32 %d\n"
              "#define NSA_MOD_UNROLL %d\n%s"
@@ -1362,10 +1769,11 @@ static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, in
         at = strlen(src);
         if (hopper) {
             at += (size_t)snprintf(src + at, cap - at, "#define WG_BN %d\n#define WG_NS %d\n", wg_bn, FLEX_WG_STAGES);
-            flex_wgmma_source(src + at, cap - at, wg_bn, dv);
+            flex_wgmma_source(src + at, cap - at, ss, 1, rs, 1 + bwd);
             at = strlen(src);
         }
-        snprintf(src + at, cap - at, "%s", bwd ? FLEX_TC_BWD : hopper ? FLEX_WG_KERNEL : FLEX_TC_KERNEL);
+        snprintf(src + at, cap - at, "%s%s", hopper ? FLEX_WG_COMMON : "",
+                 bwd ? (hopper ? FLEX_WG_BWD : FLEX_TC_BWD) : hopper ? FLEX_WG_FWD : FLEX_TC_KERNEL);
     }
     free(me), free(se), free(ge);
     return src;
@@ -1980,6 +2388,81 @@ static int flex_bwd_tc_fits(const grun *g, const nsa_flex_bwd_args *a, const nsa
     return p->B * p->H * ((p->Tk + 15) / 16) <= INT32_MAX; /* (a grid dimension, as the forward's rows) */
 }
 
+/* The transposed lists of the Hopper dk / dv walk: kinds[((b, h) of the lists' batch and head
+ * extents kB, kH, key block, query block] = 1 (listed partial), 2 (listed full), 0 (not listed);
+ * one thread a (b, h, query block) row of the lists, which are checked (a block listed once). */
+__global__ void flex_kinds_kernel(const flex_params P, unsigned char *kinds, int64_t kB, int64_t kH, int64_t nqb)
+{
+    const int64_t rows = kB * kH * nqb;
+    for (int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t qb = r % nqb, hh = (r / nqb) % kH, bb = r / (nqb * kH);
+        unsigned char *row = kinds + (bb * kH + hh) * P.nkb * nqb + qb;
+        const int *num = P.num + (P.nB == 1 ? 0 : bb) * P.ns0 + (P.nH == 1 ? 0 : hh) * P.ns1 + qb * P.ns2;
+        const int *idx = P.idx + (P.iB == 1 ? 0 : bb) * P.is0 + (P.iH == 1 ? 0 : hh) * P.is1 + qb * P.is2;
+        for (int e = 0; e < *num; e++) row[(int64_t)idx[e * P.is3] * nqb] = 1;
+        if (!P.fnum) continue;
+        num = P.fnum + (P.fnB == 1 ? 0 : bb) * P.fns0 + (P.fnH == 1 ? 0 : hh) * P.fns1 + qb * P.fns2;
+        idx = P.fidx + (P.fiB == 1 ? 0 : bb) * P.fis0 + (P.fiH == 1 ? 0 : hh) * P.fis1 + qb * P.fis2;
+        for (int e = 0; e < *num; e++) row[(int64_t)idx[e * P.fis3] * nqb] = 2;
+    }
+}
+
+/* Whether the Hopper backward takes a call the tensor-core backward takes (its shape rules,
+ * independent of the data, so the sizing pass decides alike): an sm_90 device, the sm_90a tiles
+ * allowed, q and key blocks of whole 128-row tiles, every coordinate in 32 bits, and the
+ * transposed lists' map (one byte a key block a query block a listed (b, h)) at most 1 GiB. */
+static int flex_bwd_wg_fits(const grun *g, const nsa_flex_bwd_args *a, const nsa_problem *p, int64_t *kB, int64_t *kH)
+{
+    const nsa_flex_args *f = &a->fwd;
+    const nsa_block_mask *m = &f->block_mask;
+    *kB = *kH = 0;
+    int dev = 0, major = 0, minor = 0;
+    if (!g->ovr->wgmma || cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess || major != 9 || minor != 0) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    if (m->q_block % 128 != 0 || m->kv_block % 128 != 0 || p->T + 256 > INT32_MAX || p->Tk + m->kv_block > INT32_MAX ||
+        p->B * p->HQ * ((p->T + 127) / 128) > INT32_MAX || p->B * p->H * ((p->Tk + 127) / 128) > INT32_MAX)
+        return 0;
+    if (nsa_present(&m->kv_num_blocks)) {
+        const int fl = nsa_present(&m->full_kv_num_blocks);
+        *kB = m->kv_num_blocks.shape[0] > 1 || (fl && m->full_kv_num_blocks.shape[0] > 1) ? p->B : 1;
+        *kH = m->kv_num_blocks.shape[1] > 1 || (fl && m->full_kv_num_blocks.shape[1] > 1) ? p->HQ : 1;
+        const int64_t nqb = (p->T + m->q_block - 1) / m->q_block, nkb = (p->Tk + m->kv_block - 1) / m->kv_block;
+        if ((double)*kB * (double)*kH * (double)nqb * (double)nkb > (double)(1 << 30)) return 0;
+    }
+    return 1;
+}
+
+/* The Hopper backward's tensor maps: Q and dout in boxes of 128 rows (dq) and 64 (dk / dv), K and
+ * V in boxes of 64 (dq) and 128 (dk / dv). @return 0 when one cannot be made. */
+static int flex_bwd_maps(const nsa_flex_bwd_args *a, const nsa_problem *p, CUtensorMap dq_maps[4], CUtensorMap kv_maps[4])
+{
+    const nsa_flex_args *f = &a->fwd;
+    const dview qv = dv_of(&f->q), ov = dv_of(&a->dout), kv = dv_of(&f->k), vv = dv_of(&f->v);
+    const nsa_dtype dt = f->q.dtype;
+    int ok = 1;
+    for (int x = 0; x < 2; x++) {
+        CUtensorMap *m = x ? kv_maps : dq_maps;
+        const int rows = x ? 64 : 128, keys = x ? 128 : 64;
+        ok = ok && tmap_make(&m[0], &qv, dt, p->B, p->T, p->HQ, p->DK, rows) && tmap_make(&m[1], &ov, dt, p->B, p->T, p->HQ, p->DV, rows) &&
+             tmap_make(&m[2], &kv, dt, p->B, p->Tk, p->H, p->DK, keys) && tmap_make(&m[3], &vv, dt, p->B, p->Tk, p->H, p->DV, keys);
+    }
+    return ok;
+}
+
+/* The Hopper backward's shared memory: dq (Q and dout of 128 rows, 2 stages of 64 keys of K and
+ * V, 3 barriers) and dk / dv (K and V of 128 keys, 2 stages of 64 rows of Q and dout with their
+ * lse and D, the stages' records, 5 barriers), each with the 1024-byte alignment's slack. */
+static size_t flex_wb_smem(int64_t dk, int64_t dv, int dkdv)
+{
+    if (!dkdv) return (size_t)(128 * (dk + dv) * 2 + FLEX_WG_STAGES * 64 * (dk + dv) * 2) + (2 * FLEX_WG_STAGES + 1) * 8 + 1024;
+    return (size_t)(128 * (dk + dv) * 2 + FLEX_WG_STAGES * (64 * (dk + dv) * 2 + 2 * 64 * 4 + 4 * 4)) + (2 * FLEX_WG_STAGES + 1) * 8 +
+           1024;
+}
+
 static void run_flex_bwd(grun *g, const nsa_flex_bwd_args *a, flex_cache *c)
 {
     const nsa_problem *p = g->p;
@@ -1994,7 +2477,17 @@ static void run_flex_bwd(grun *g, const nsa_flex_bwd_args *a, flex_cache *c)
     check_lists(g, f);
     flex_grads R;
     memset(&R, 0, sizeof R);
-    R.D = (float *)g_take_n(g, (size_t)(p->B * p->HQ * p->T), sizeof(float));
+    /* the rows' D (and, for the Hopper kernels, lse in log2 units) in rows of tpad: the Hopper
+       kernels' layout, which the others' [B, HQ, T] fits inside */
+    int64_t kB = 0, kH = 0;
+    const int wg_shape = flex_bwd_tc_fits(g, a, p) && flex_bwd_wg_fits(g, a, p, &kB, &kH);
+    R.tpad = (p->T + 127) / 128 * 128;
+    R.D = (float *)g_take_n(g, (size_t)(p->B * p->HQ * R.tpad), sizeof(float));
+    if (wg_shape) R.L2 = (float *)g_take_n(g, (size_t)(p->B * p->HQ * R.tpad), sizeof(float));
+    const int64_t nqb = (p->T + f->block_mask.q_block - 1) / f->block_mask.q_block;
+    const int64_t nkb = (p->Tk + f->block_mask.kv_block - 1) / f->block_mask.kv_block;
+    unsigned char *kinds = NULL;
+    if (wg_shape && kB > 0) kinds = (unsigned char *)g_take(g, (size_t)(kB * kH * nkb * nqb));
     flex_sink sink;
     memset(&sink, 0, sizeof sink);
     int64_t elems[NSA_MOD_MAX_TENSORS] = {0};
@@ -2024,8 +2517,11 @@ static void run_flex_bwd(grun *g, const nsa_flex_bwd_args *a, flex_cache *c)
         return;
     }
     cudaKernel_t k[4];
-    /* 64 rows (dq) or keys (dk / dv) a CTA sharing 64-row or 64-key slices where both block sizes allow */
-    const int wide = f->block_mask.q_block % 64 == 0 && f->block_mask.kv_block % 64 == 0;
+    /* the Hopper kernels where their maps can be made; else 64 rows (dq) or keys (dk / dv) a CTA
+       sharing 64-row or 64-key slices where both block sizes allow */
+    CUtensorMap dq_maps[4], kv_maps[4];
+    const int hopper = wg_shape && flex_bwd_maps(a, p, dq_maps, kv_maps);
+    const int wide = hopper ? 2 : f->block_mask.q_block % 64 == 0 && f->block_mask.kv_block % 64 == 0;
     if (!flex_kernel(g, c, f->mask_mod, f->score_mod, elem_of(f), tc ? (int)p->DK : 0, tc ? (int)p->DV : 0, wide, 1,
                      flex_idx32(p, &f->block_mask), k) || !k[1] ||
         (tc && (!k[2] || !k[3])))
@@ -2041,10 +2537,34 @@ static void run_flex_bwd(grun *g, const nsa_flex_bwd_args *a, flex_cache *c)
     nsa_mod_caps mc, sc;
     caps_of(f->mask_mod, &mc), caps_of(f->score_mod, &sc);
     const int64_t rows = p->B * p->HQ * p->T, keys = p->B * p->H * p->Tk;
-    void *dq_args[] = {&P, &R, &mc, &sc, &sink}, *dkdv_args[] = {&P, &R, &mc, &sc};
+    void *dq_args[] = {&P, &R, &mc, &sc, &sink, &dq_maps[0], &dq_maps[1], &dq_maps[2], &dq_maps[3]};
+    void *dkdv_args[] = {&P, &R, &mc, &sc, &kv_maps[0], &kv_maps[1], &kv_maps[2], &kv_maps[3]};
     /* dq first: it writes the rows' D that dk / dv read. With the tensor-core kernels, each pair of
        kernels launches and the flag lets one of them compute (no host round trip). */
-    if (tc) {
+    if (hopper) {
+        P.nf = nf, P.nf_role = nf ? 2 : 0;
+        if (kinds) { /* the transposed lists */
+            R.kinds = kinds, R.kB = kB, R.kH = kH;
+            g_zero(g, kinds, (size_t)(kB * kH * nkb * nqb));
+            const int64_t lrows = kB * kH * nqb;
+            if (g_live(g) && lrows > 0) {
+                flex_kinds_kernel<<<(unsigned)(lrows / 128 + 1 < 65536 ? lrows / 128 + 1 : 65536), 128, 0, g->st>>>(P, kinds, kB, kH, nqb);
+                g_launched(g);
+            }
+        }
+        const size_t smem_dq = flex_wb_smem(p->DK, p->DV, 0), smem_kv = flex_wb_smem(p->DK, p->DV, 1);
+        const int64_t dq_units = p->B * p->HQ * ((p->T + 127) / 128), kv_units = p->B * p->H * ((p->Tk + 127) / 128);
+        g_check(g, cudaFuncSetAttribute((const void *)k[2], cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_dq));
+        if (g_live(g)) g_check(g, cudaFuncSetAttribute((const void *)k[3], cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_kv));
+        if (rows > 0 && g_live(g))
+            g_check(g, cudaLaunchKernel((const void *)k[2], dim3((unsigned)dq_units), dim3(384), dq_args, smem_dq, g->st));
+        if (rows > 0 && nf && g_live(g))
+            g_check(g, cudaLaunchKernel((const void *)k[0], dim3(simt_grid(rows)), dim3(32 * SIMT_WARPS), dq_args, 0, g->st));
+        if (keys > 0 && g_live(g))
+            g_check(g, cudaLaunchKernel((const void *)k[3], dim3((unsigned)kv_units), dim3(384), dkdv_args, smem_kv, g->st));
+        if (keys > 0 && nf && g_live(g))
+            g_check(g, cudaLaunchKernel((const void *)k[1], dim3(simt_grid(keys)), dim3(32 * SIMT_WARPS), dkdv_args, 0, g->st));
+    } else if (tc) {
         P.nf = nf, P.nf_role = nf ? 2 : 0;
         /* 64 rows of K and V (dq) or of Q and dout (dk / dv) a stage either way: a CTA's shared slice or
            four warps' own */
