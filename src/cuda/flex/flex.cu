@@ -4,12 +4,15 @@
  * and gets NOT_SUPPORTED here, with the reason), loaded with cudaLibraryLoadData and cached per
  * context in memory and on disk by a hash of its source and the architecture.
  *
- * Three kernels. The tensor-core ones (FLEX_TC_KERNEL: f16 / bf16, head dims 64 / 128, block
- * sizes multiples of 16) take 64 query rows a CTA or 16 a warp. The scalar one takes every other call and
- * the calls whose V holds a non-finite value: one warp per (batch entry, query head, query
- * row), the visible keys walked twice (the max, then the weights) as the CPU's flex_row does.
- * The lists are checked on the host first (copied back: the same check as the CPU's, so a bad
- * list is a status and nothing is written). */
+ * The forward's kernels, in the order a call looks for them: on sm_90 the Hopper one
+ * (FLEX_WG_FWD: f16 / bf16, head dims 64 / 128, q blocks of whole 128-row tiles, key blocks of
+ * whole 64-key slices; TMA and wgmma); else the mma.sync ones (FLEX_TC_KERNEL: block sizes
+ * multiples of 16; 64 query rows a CTA or 16 a warp); the scalar one takes every other call and
+ * the calls whose V holds a non-finite value: one warp per (batch entry, query head, query row),
+ * the visible keys walked twice (the max, then the weights) as the CPU's flex_row does. The
+ * backward likewise: FLEX_WG_BWD (q and key blocks of whole 128-row tiles), FLEX_TC_BWD, the
+ * scalar pair. The lists are checked on the host first (copied back: the same check as the
+ * CPU's, so a bad list is a status and nothing is written). */
 #include <dlfcn.h>
 #include <nvrtc.h>
 #include <pthread.h>
