@@ -1034,6 +1034,26 @@ static void print_kid(writer *w, const expr_program *p, int k)
     else print_node(w, p, k);
 }
 
+/* fn(kids...), (a) op (b), and (c) ? (a) : (b) */
+static void print_call(writer *w, const expr_program *p, const node *n, const char *fn)
+{
+    put(w, "%s(", fn);
+    for (int i = 0; i < n->nkid; i++) {
+        if (i) put(w, ", ");
+        print_kid(w, p, n->kid[i]);
+    }
+    put(w, ")");
+}
+static void print_infix(writer *w, const expr_program *p, const node *n, const char *op)
+{
+    put(w, "(("); print_kid(w, p, n->kid[0]); put(w, ") %s (", op); print_kid(w, p, n->kid[1]); put(w, "))");
+}
+static void print_where(writer *w, const expr_program *p, const node *n)
+{
+    put(w, "(("); print_kid(w, p, n->kid[0]); put(w, ") ? (");
+    print_kid(w, p, n->kid[1]); put(w, ") : ("); print_kid(w, p, n->kid[2]); put(w, "))");
+}
+
 /* A read of a capture: the capture's dtype as a literal (fixed when the mod was made): after
  * inlining, a read is one load, not a branch over every dtype at each of a kernel's unrolled reads. */
 static void print_read(writer *w, const expr_program *p, int k)
@@ -1069,23 +1089,15 @@ static void print_node(writer *w, const expr_program *p, int k)
         case O_READ: put(w, "((int)"); print_read(w, p, k); put(w, ")"); return;
         case O_NEG: put(w, "(-("); print_kid(w, p, n->kid[0]); put(w, "))"); return;
         case O_BNOT: put(w, "(~("); print_kid(w, p, n->kid[0]); put(w, "))"); return;
-        case O_WHERE:
-            put(w, "(("); print_kid(w, p, n->kid[0]); put(w, ") ? (");
-            print_kid(w, p, n->kid[1]); put(w, ") : ("); print_kid(w, p, n->kid[2]); put(w, "))");
-            return;
+        case O_WHERE: print_where(w, p, n); return;
         default: break;
         }
         if (fn32) {
-            put(w, "%s(", fn32);
-            for (int i = 0; i < n->nkid; i++) {
-                if (i) put(w, ", ");
-                print_kid(w, p, n->kid[i]);
-            }
-            put(w, ")");
+            print_call(w, p, n, fn32);
             return;
         }
         if (op32) {
-            put(w, "(("); print_kid(w, p, n->kid[0]); put(w, ") %s (", op32); print_kid(w, p, n->kid[1]); put(w, "))");
+            print_infix(w, p, n, op32);
             return;
         }
     }
@@ -1117,10 +1129,7 @@ static void print_node(writer *w, const expr_program *p, int k)
         return;
     case O_NOT: put(w, "(!("); print_kid(w, p, n->kid[0]); put(w, "))"); return;
     case O_BNOT: put(w, "(~("); print_kid(w, p, n->kid[0]); put(w, "))"); return;
-    case O_WHERE:
-        put(w, "(("); print_kid(w, p, n->kid[0]); put(w, ") ? (");
-        print_kid(w, p, n->kid[1]); put(w, ") : ("); print_kid(w, p, n->kid[2]); put(w, "))");
-        return;
+    case O_WHERE: print_where(w, p, n); return;
     case O_ABS: fn = fl ? "fabsf" : "nsa_mod_iabs"; break;
     case O_EXP: fn = "expf"; break;
     case O_LOG: fn = "logf"; break;
@@ -1138,12 +1147,7 @@ static void print_node(writer *w, const expr_program *p, int k)
     default: break;
     }
     if (fn) {
-        put(w, "%s(", fn);
-        for (int i = 0; i < n->nkid; i++) {
-            if (i) put(w, ", ");
-            print_kid(w, p, n->kid[i]);
-        }
-        put(w, ")");
+        print_call(w, p, n, fn);
         return;
     }
     const char *op = n->op == O_ADD ? "+" : n->op == O_SUB ? "-" : n->op == O_MUL ? "*" : n->op == O_DIV ? "/" : NULL;
@@ -1154,7 +1158,7 @@ static void print_node(writer *w, const expr_program *p, int k)
         put(w, "floorf(("); print_kid(w, p, n->kid[0]); put(w, ") / ("); print_kid(w, p, n->kid[1]); put(w, "))");
         return;
     }
-    put(w, "(("); print_kid(w, p, n->kid[0]); put(w, ") %s (", op ? op : "?"); print_kid(w, p, n->kid[1]); put(w, "))");
+    print_infix(w, p, n, op ? op : "?");
 }
 
 /* The 32-bit int nodes of p (idx32: see expr_to_c) as a malloc'd array indexed by tree node (a

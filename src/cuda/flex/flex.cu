@@ -214,6 +214,49 @@ static const char FLEX_KERNEL[] =
     "}\n"
     "#endif\n";
 
+/* What both tensor-core backward forms end with (after FLEX_TC_COMMON): a thread's two rows of dq,
+ * and its two keys of dk and dv, from the accumulator fragments (the mma C order; rows or keys
+ * `first` and `first + 8`), dq and dk times the scale. */
+static const char FLEX_TB_COMMON[] = R"NSA(
+__device__ __forceinline__ void tb_store_dq(const flex_params &P, const flex_grads &R, const float (&acc)[NSA_DK / 8][4], long long b,
+                                            long long hq, long long first, int lane)
+{
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const long long i = first + 8 * r;
+        if (i >= P.Tq) continue;
+        const long long ob = b * R.dqs0 + i * R.dqs1 + hq * R.dqs2;
+#pragma unroll
+        for (int q = 0; q < NSA_DK / 8; q++) {
+            const int col = q * 8 + 2 * (lane & 3);
+            st_elem(R.dq, ob + col, acc[q][2 * r] * P.scale);
+            st_elem(R.dq, ob + col + 1, acc[q][2 * r + 1] * P.scale);
+        }
+    }
+}
+__device__ __forceinline__ void tb_store_dkdv(const flex_params &P, const flex_grads &R, const float (&dk)[NSA_DK / 8][4],
+                                              const float (&dv)[NSA_DV / 8][4], long long b, long long h, long long first, int lane)
+{
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const long long kv = first + 8 * r;
+        if (kv >= P.Tk) continue;
+#pragma unroll
+        for (int q = 0; q < NSA_DK / 8; q++) {
+            const int col = q * 8 + 2 * (lane & 3);
+            st_elem(R.dk, b * R.dks0 + kv * R.dks1 + h * R.dks2 + col, dk[q][2 * r] * P.scale);
+            st_elem(R.dk, b * R.dks0 + kv * R.dks1 + h * R.dks2 + col + 1, dk[q][2 * r + 1] * P.scale);
+        }
+#pragma unroll
+        for (int q = 0; q < NSA_DV / 8; q++) {
+            const int col = q * 8 + 2 * (lane & 3);
+            st_elem(R.dv, b * R.dvs0 + kv * R.dvs1 + h * R.dvs2 + col, dv[q][2 * r]);
+            st_elem(R.dv, b * R.dvs0 + kv * R.dvs1 + h * R.dvs2 + col + 1, dv[q][2 * r + 1]);
+        }
+    }
+}
+)NSA";
+
 /* The Hopper backward (after FLEX_WG_COMMON; the same scores, probabilities and dU as the
  * mma.sync backward, on wgmma tiles). Two kernels, each CTA owning what it writes (deterministic):
  * nsa_flex_bwd_dq_tc, 128 query rows of one (b, hq) in two consumer warpgroups, Q and dout loaded
@@ -266,6 +309,39 @@ __device__ __forceinline__ void wb_pair(const flex_grads &R, const nsa_mod_caps 
     *p_out = p, *du_out = du;
 }
 
+/* f(x, y, col, e) on each score x of a slice's NS fragments and its partner y (column col =
+ * 8 n8 + 2 (lane % 4) + e % 2 of the fragment's 8, row by e / 2): unrolled (UNROLL), or two
+ * fragments a turn with the others rotated into place (the forward's reason: the mods' code
+ * 8 times in the kernel, not 4 NS) */
+template <int NS, bool UNROLL, class F>
+__device__ __forceinline__ void wb_walk(float (&x)[NS][4], float (&y)[NS][4], int lane, F f)
+{
+    if (UNROLL) {
+#pragma unroll
+        for (int n8 = 0; n8 < NS; n8++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) f(x[n8][e], y[n8][e], n8 * 8 + 2 * (lane & 3) + (e & 1), e);
+        return;
+    }
+#pragma unroll 1
+    for (int q2 = 0; q2 < NS / 2; q2++) {
+#pragma unroll
+        for (int n8 = 0; n8 < 2; n8++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) f(x[n8][e], y[n8][e], (2 * q2 + n8) * 8 + 2 * (lane & 3) + (e & 1), e);
+        float t2[2][4], t3[2][4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) t2[0][e] = x[0][e], t2[1][e] = x[1][e], t3[0][e] = y[0][e], t3[1][e] = y[1][e];
+#pragma unroll
+        for (int m = 0; m + 2 < NS; m++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) x[m][e] = x[m + 2][e], y[m][e] = y[m + 2][e];
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            x[NS - 2][e] = t2[0][e], x[NS - 1][e] = t2[1][e], y[NS - 2][e] = t3[0][e], y[NS - 1][e] = t3[1][e];
+    }
+}
+
 #if NSA_KERNEL == 2
 extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_bwd_dq_tc(const flex_params P, const flex_grads R,
                                                                        const nsa_mod_caps mc, const nsa_mod_caps sc,
@@ -279,31 +355,16 @@ extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_bwd_dq_tc(const fl
     extern __shared__ unsigned char wg_raw[];
     unsigned char *Qs = wg_align(wg_raw), *Os = Qs + QB, *Ks = Os + OB, *Vs = Ks + WG_NS * KB;
     unsigned long long *full = (unsigned long long *)(Vs + WG_NS * VB), *empty = full + WG_NS, *qfull = empty + WG_NS;
-    const long long ntile = (P.Tq + WB_BM - 1) / WB_BM, bh = P.B * P.HQ;
-    const long long w = blockIdx.x, tile = ntile - 1 - w / bh, hq = (w % bh) % P.HQ, b = (w % bh) / P.HQ, h = hq / P.G;
-    const long long u0 = WB_BM * tile;
-    const block_list L = block_list_of(P, b, hq, u0 / P.q_block);
-    const long long per_block = P.kv_block / WB_SR, nt = (L.n_part + L.n_full) * per_block;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < WG_NS; i++) mb_init(&full[i], 1), mb_init(&empty[i], 256);
-        mb_init(qfull, 1);
-        mb_init_fence();
-    }
-    __syncthreads();
+    const wg_rows W = wg_rows_of(P, WB_SR);
+    const long long hq = W.hq, b = W.b, u0 = W.u0, nt = W.nt;
+    wg_init_barriers(full, empty, qfull);
     if (threadIdx.x >= 256) { /* the producer warpgroup: one thread issues every copy */
         WG_REGS_PRODUCER();
         if (threadIdx.x != 256) return;
         mb_expect(qfull, QB + OB);
         tma_tile(Qs, &tq, NSA_DK, WB_BM, u0, hq, b, qfull);
         tma_tile(Os, &tdo, NSA_DV, WB_BM, u0, hq, b, qfull);
-        for (long long t = 0; t < nt; t++) {
-            const int st = (int)(t % WG_NS);
-            if (t >= WG_NS) mb_wait(&empty[st], (int)((t / WG_NS) & 1) ^ 1);
-            const long long e = t / per_block, k0 = L.block(e) * P.kv_block + WB_SR * (t - e * per_block);
-            mb_expect(&full[st], KB + VB);
-            tma_tile(Ks + st * KB, &tk, NSA_DK, WB_SR, k0, h, b, &full[st]);
-            tma_tile(Vs + st * VB, &tv, NSA_DV, WB_SR, k0, h, b, &full[st]);
-        }
+        wg_produce_kv(P, W, WB_SR, Ks, Vs, KB, VB, &tk, &tv, full, empty);
         return;
     }
     WG_REGS_CONSUMER();
@@ -337,8 +398,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_bwd_dq_tc(const fl
     mb_wait(qfull, 0);
     for (long long t = 0; t < nt; t++) {
         const int st = (int)(t % WG_NS);
-        const long long e = t / per_block, k0 = L.block(e) * P.kv_block + WB_SR * (t - e * per_block), left = P.Tk - k0;
-        const int n = (int)(left <= 0 ? 0 : left < WB_SR ? left : WB_SR), full_block = e >= L.n_part;
+        long long e;
+        const long long k0 = W.key0(P, t, WB_SR, &e), left = P.Tk - k0;
+        const int n = (int)(left <= 0 ? 0 : left < WB_SR ? left : WB_SR), full_block = e >= W.L.n_part;
         const unsigned char *Kp = Ks + st * KB, *Vp = Vs + st * VB;
         mb_wait(&full[st], (int)((t / WG_NS) & 1));
         float s[NS][4], dp[NS][4];
@@ -348,32 +410,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_bwd_dq_tc(const fl
         wg_commit();
         wg_wait0();
         /* score (row r0 or r1 by e, key k0 + key): dU into x; snk: the sink of a scattering call */
-        auto one = [&](float &x, float y, int key, int e, const nsa_mod_sink *snk) {
+        auto one = [&](float &x, float &y, int key, int e, const nsa_mod_sink *snk) {
             const int r = e >> 1;
             const flex_idx qi = r ? r1 : r0, kv = (flex_idx)k0 + key;
             const int seen = (key < n) & (full_block | nsa_flex_mask(&mc, b, hq, qi, kv));
             float p;
             wb_pair(R, sc, snk, b, hq, qi, kv, seen, x * P.scale, y, l2[r], Dr[r], &p, &x);
-        };
-        /* two fragments a turn, the others rotated into place (the forward's reason) */
-        auto rolled = [&](const nsa_mod_sink *snk) {
-#pragma unroll 1
-            for (int q2 = 0; q2 < NS / 2; q2++) {
-#pragma unroll
-                for (int n8 = 0; n8 < 2; n8++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) one(s[n8][e], dp[n8][e], (2 * q2 + n8) * 8 + 2 * (lane & 3) + (e & 1), e, snk);
-                float t2[2][4], t3[2][4];
-#pragma unroll
-                for (int e = 0; e < 4; e++) t2[0][e] = s[0][e], t2[1][e] = s[1][e], t3[0][e] = dp[0][e], t3[1][e] = dp[1][e];
-#pragma unroll
-                for (int m = 0; m + 2 < NS; m++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) s[m][e] = s[m + 2][e], dp[m][e] = dp[m + 2][e];
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    s[NS - 2][e] = t2[0][e], s[NS - 1][e] = t2[1][e], dp[NS - 2][e] = t3[0][e], dp[NS - 1][e] = t3[1][e];
-            }
         };
         if (NSA_SCORE_ID && full_block && n == WB_SR) {
             /* a full block's whole slice and no score_mod: no mod code */
@@ -387,16 +429,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_bwd_dq_tc(const fl
         } else if (R.scatter) {
             /* the score_mod's tensor gradients too: a loop of its own (its scatter code, unrolled
              * into the common path, spread that path over four times the instruction memory) */
-            rolled(&sink);
+            wb_walk<NS, false>(s, dp, lane, [&](float &x, float &y, int key, int e) { one(x, y, key, e, &sink); });
         } else {
-#if NSA_MOD_UNROLL
-#pragma unroll
-            for (int n8 = 0; n8 < NS; n8++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) one(s[n8][e], dp[n8][e], n8 * 8 + 2 * (lane & 3) + (e & 1), e, 0);
-#else
-            rolled(0);
-#endif
+            wb_walk<NS, NSA_MOD_UNROLL != 0>(s, dp, lane, [&](float &x, float &y, int key, int e) { one(x, y, key, e, 0); });
         }
         unsigned pa[NS / 2][4];
         wb_frags<NS>(pa, s);
@@ -408,18 +443,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_bwd_dq_tc(const fl
         wg_wait0();
         mb_arrive(&empty[st]);
     }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const long long i = row + 8 * r;
-        if (i >= P.Tq) continue;
-        const long long ob = b * R.dqs0 + i * R.dqs1 + hq * R.dqs2;
-#pragma unroll
-        for (int q = 0; q < NSA_DK / 8; q++) {
-            const int col = q * 8 + 2 * (lane & 3);
-            st_elem(R.dq, ob + col, acc[q][2 * r] * P.scale);
-            st_elem(R.dq, ob + col + 1, acc[q][2 * r + 1] * P.scale);
-        }
-    }
+    tb_store_dq(P, R, acc, b, hq, row, lane);
 }
 #endif
 
@@ -447,12 +471,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_bwd_dkdv_tc(const 
     const long long H = P.HQ / P.G, bh = P.B * H;
     const long long w = blockIdx.x, tile = w / bh, h = (w % bh) % H, b = (w % bh) / H; /* the first key tiles first */
     const long long k0 = WB_BM * tile, kb = k0 / P.kv_block, nqb = (P.Tq + P.q_block - 1) / P.q_block;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < WG_NS; i++) mb_init(&full[i], 1), mb_init(&empty[i], 256);
-        mb_init(kvfull, 1);
-        mb_init_fence();
-    }
-    __syncthreads();
+    wg_init_barriers(full, empty, kvfull);
     if (threadIdx.x >= 256) { /* the producer warp: the walk's kinds 32 query blocks at a time, lane 0 issuing */
         WG_REGS_PRODUCER();
         if (threadIdx.x >= 288) return;
@@ -538,30 +557,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_bwd_dkdv_tc(const 
                     wb_pair(R, sc, 0, b, hq, 0, 0, 1, s[n8][e] * P.scale, dp[n8][e], l2s[col], Ds[col], &s[n8][e], &dp[n8][e]);
                 }
         } else {
-#if NSA_MOD_UNROLL
-#pragma unroll
-        for (int n8 = 0; n8 < NS; n8++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) one(s[n8][e], dp[n8][e], n8 * 8 + 2 * (lane & 3) + (e & 1), e);
-#else
-#pragma unroll 1
-        for (int q2 = 0; q2 < NS / 2; q2++) {
-#pragma unroll
-            for (int n8 = 0; n8 < 2; n8++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) one(s[n8][e], dp[n8][e], (2 * q2 + n8) * 8 + 2 * (lane & 3) + (e & 1), e);
-            float t2[2][4], t3[2][4];
-#pragma unroll
-            for (int e = 0; e < 4; e++) t2[0][e] = s[0][e], t2[1][e] = s[1][e], t3[0][e] = dp[0][e], t3[1][e] = dp[1][e];
-#pragma unroll
-            for (int m = 0; m + 2 < NS; m++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) s[m][e] = s[m + 2][e], dp[m][e] = dp[m + 2][e];
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                s[NS - 2][e] = t2[0][e], s[NS - 1][e] = t2[1][e], dp[NS - 2][e] = t3[0][e], dp[NS - 1][e] = t3[1][e];
-        }
-#endif
+            wb_walk<NS, NSA_MOD_UNROLL != 0>(s, dp, lane, one);
         }
         unsigned pp[NS / 2][4], pu[NS / 2][4];
         wb_frags<NS>(pp, s);
@@ -578,23 +574,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_bwd_dkdv_tc(const 
         c++;
         mb_wait(&full[c % WG_NS], (int)((c / WG_NS) & 1));
     }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const long long kv = key + 8 * r;
-        if (kv >= P.Tk) continue;
-#pragma unroll
-        for (int q = 0; q < NSA_DK / 8; q++) {
-            const int col = q * 8 + 2 * (lane & 3);
-            st_elem(R.dk, b * R.dks0 + kv * R.dks1 + h * R.dks2 + col, dk[q][2 * r] * P.scale);
-            st_elem(R.dk, b * R.dks0 + kv * R.dks1 + h * R.dks2 + col + 1, dk[q][2 * r + 1] * P.scale);
-        }
-#pragma unroll
-        for (int q = 0; q < NSA_DV / 8; q++) {
-            const int col = q * 8 + 2 * (lane & 3);
-            st_elem(R.dv, b * R.dvs0 + kv * R.dvs1 + h * R.dvs2 + col, dv[q][2 * r]);
-            st_elem(R.dv, b * R.dvs0 + kv * R.dvs1 + h * R.dvs2 + col + 1, dv[q][2 * r + 1]);
-        }
-    }
+    tb_store_dkdv(P, R, dk, dv, b, h, key, lane);
 }
 #endif
 )NSA";
@@ -925,6 +905,55 @@ __device__ __forceinline__ void tma_tile(unsigned char *dst, const wg_tmap *map,
 }
 #define WG_REGS_PRODUCER() asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n")
 #define WG_REGS_CONSUMER() asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n")
+/* The stages' full / empty barriers (one arrival of the producer; the 256 consumer threads) and
+ * the once-loaded tile's, initialised by thread 0 before every thread goes on. */
+__device__ __forceinline__ void wg_init_barriers(unsigned long long *full, unsigned long long *empty, unsigned long long *once)
+{
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < WG_NS; i++) mb_init(&full[i], 1), mb_init(&empty[i], 256);
+        mb_init(once, 1);
+        mb_init_fence();
+    }
+    __syncthreads();
+}
+/* A row CTA's work (the forward, dq): 128 query rows from u0 of (b, hq) -- the last tiles first,
+ * the longest lists of a causal-like mask -- and its query block's key blocks in nt slices of bn
+ * keys, per_block a block. */
+struct wg_rows {
+    long long hq, b, h, u0, per_block, nt;
+    block_list L;
+    /* slice t's first key, and its list entry (full blocks come after the partial ones) */
+    __device__ __forceinline__ long long key0(const flex_params &P, long long t, int bn, long long *e) const
+    {
+        *e = t / per_block;
+        return L.block(*e) * P.kv_block + bn * (t - *e * per_block);
+    }
+};
+__device__ __forceinline__ wg_rows wg_rows_of(const flex_params &P, int bn)
+{
+    wg_rows r;
+    const long long ntile = (P.Tq + 127) / 128, bh = P.B * P.HQ, w = blockIdx.x;
+    r.hq = (w % bh) % P.HQ, r.b = (w % bh) / P.HQ, r.h = r.hq / P.G, r.u0 = 128 * (ntile - 1 - w / bh);
+    r.L = block_list_of(P, r.b, r.hq, r.u0 / P.q_block);
+    r.per_block = P.kv_block / bn, r.nt = (r.L.n_part + r.L.n_full) * r.per_block;
+    return r;
+}
+/* The producer's walk of a row CTA's slices: K and V of bn keys into the WG_NS stages (kb, vb
+ * bytes apart), each once the consumers released it. */
+__device__ __forceinline__ void wg_produce_kv(const flex_params &P, const wg_rows &r, int bn, unsigned char *Ks, unsigned char *Vs,
+                                              int kb, int vb, const wg_tmap *tk, const wg_tmap *tv, unsigned long long *full,
+                                              unsigned long long *empty)
+{
+    for (long long t = 0; t < r.nt; t++) {
+        const int st = (int)(t % WG_NS);
+        if (t >= WG_NS) mb_wait(&empty[st], (int)((t / WG_NS) & 1) ^ 1);
+        long long e;
+        const long long k0 = r.key0(P, t, bn, &e);
+        mb_expect(&full[st], kb + vb);
+        tma_tile(Ks + st * kb, tk, NSA_DK, bn, k0, r.h, r.b, &full[st]);
+        tma_tile(Vs + st * vb, tv, NSA_DV, bn, k0, r.h, r.b, &full[st]);
+    }
+}
 )NSA";
 
 /* The Hopper forward (after FLEX_WG_COMMON). */
@@ -954,33 +983,15 @@ extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_fwd_tc(const flex_
     unsigned char *Qs = wg_align(wg_raw), *Ks = Qs + WG_QB, *Vs = Ks + WG_NS * WG_KB;
     unsigned long long *full = (unsigned long long *)(Vs + WG_NS * WG_VB), *empty = full + WG_NS, *qfull = empty + WG_NS;
 
-    /* the CTA's rows: the last query tiles first (the longest lists of a causal-like mask) */
-    const long long ntile = (P.Tq + WG_BM - 1) / WG_BM, bh = P.B * P.HQ;
-    const long long w = blockIdx.x, tile = ntile - 1 - w / bh, hq = (w % bh) % P.HQ, b = (w % bh) / P.HQ, h = hq / P.G;
-    const long long u0 = WG_BM * tile;
-    const block_list L = block_list_of(P, b, hq, u0 / P.q_block);
-    const long long per_block = P.kv_block / WG_BN, nt = (L.n_part + L.n_full) * per_block;
-
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < WG_NS; i++) mb_init(&full[i], 1), mb_init(&empty[i], 256);
-        mb_init(qfull, 1);
-        mb_init_fence();
-    }
-    __syncthreads();
-
+    const wg_rows W = wg_rows_of(P, WG_BN);
+    const long long hq = W.hq, b = W.b, u0 = W.u0, nt = W.nt;
+    wg_init_barriers(full, empty, qfull);
     if (threadIdx.x >= 256) { /* the producer warpgroup: one thread issues every copy */
         WG_REGS_PRODUCER();
         if (threadIdx.x != 256) return;
         mb_expect(qfull, WG_QB);
         tma_tile(Qs, &tq, NSA_DK, WG_BM, u0, hq, b, qfull);
-        for (long long t = 0; t < nt; t++) {
-            const int st = (int)(t % WG_NS);
-            if (t >= WG_NS) mb_wait(&empty[st], (int)((t / WG_NS) & 1) ^ 1);
-            const long long e = t / per_block, k0 = L.block(e) * P.kv_block + WG_BN * (t - e * per_block);
-            mb_expect(&full[st], WG_KB + WG_VB);
-            tma_tile(Ks + st * WG_KB, &tk, NSA_DK, WG_BN, k0, h, b, &full[st]);
-            tma_tile(Vs + st * WG_VB, &tv, NSA_DV, WG_BN, k0, h, b, &full[st]);
-        }
+        wg_produce_kv(P, W, WG_BN, Ks, Vs, WG_KB, WG_VB, &tk, &tv, full, empty);
         return;
     }
     WG_REGS_CONSUMER();
@@ -995,7 +1006,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_fwd_tc(const flex_
     mb_wait(qfull, 0);
     for (long long t = 0; t < nt; t++) {
         const int st = (int)(t % WG_NS);
-        const long long e = t / per_block, k0 = L.block(e) * P.kv_block + WG_BN * (t - e * per_block), left = P.Tk - k0;
+        long long e;
+        const long long k0 = W.key0(P, t, WG_BN, &e), left = P.Tk - k0;
         const int n = (int)(left <= 0 ? 0 : left < WG_BN ? left : WG_BN); /* real keys (a slice lies inside its block) */
         const unsigned char *Kp = Ks + st * WG_KB, *Vp = Vs + st * WG_VB;
         mb_wait(&full[st], (int)((t / WG_NS) & 1));
@@ -1007,7 +1019,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) nsa_flex_fwd_tc(const flex_
                     wg_desc(Kp + (kk >> 2) * WG_BN * 128 + (kk & 3) * 32, 16, 1024), kk > 0);
         wg_commit();
         wg_wait0();
-        tc_scores_to_p<NS, NSA_DV / 8>(P, mc, sc, s, b, hq, row, k0, n, e >= L.n_part, lane, mrun, lsum, acc);
+        tc_scores_to_p<NS, NSA_DV / 8>(P, mc, sc, s, b, hq, row, k0, n, e >= W.L.n_part, lane, mrun, lsum, acc);
         unsigned pa[WG_BN / 16][4];
 #pragma unroll
         for (int k16 = 0; k16 < WG_BN / 16; k16++) {
@@ -1294,18 +1306,7 @@ __device__ __forceinline__ void tb_dq(const flex_params &P, const flex_grads &R,
             tb_xb<NSA_DK>(acc, s, Kb, LDK, lane);
         }
     }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const long long i = i0 + r0 + 8 * r;
-        if (i >= P.Tq) continue;
-        const long long ob = b * R.dqs0 + i * R.dqs1 + hq * R.dqs2;
-#pragma unroll
-        for (int q = 0; q < NSA_DK / 8; q++) {
-            const int col = q * 8 + 2 * (lane & 3);
-            st_elem(R.dq, ob + col, acc[q][2 * r] * P.scale);
-            st_elem(R.dq, ob + col + 1, acc[q][2 * r + 1] * P.scale);
-        }
-    }
+    tb_store_dq(P, R, acc, b, hq, i0 + r0, lane);
 }
 
 /* The dk / dv walk: (query head, query block, first row) of the next SR-row slice of a query
@@ -1440,23 +1441,7 @@ __device__ __forceinline__ void tb_dkdv(const flex_params &P, const flex_grads &
         else __syncwarp();
         cur = nxt, buf ^= 1, have = more;
     }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const long long kv = k0 + r0 + 8 * r;
-        if (kv >= P.Tk) continue;
-#pragma unroll
-        for (int q = 0; q < NSA_DK / 8; q++) {
-            const int col = q * 8 + 2 * (lane & 3);
-            st_elem(R.dk, b * R.dks0 + kv * R.dks1 + h * R.dks2 + col, dk[q][2 * r] * P.scale);
-            st_elem(R.dk, b * R.dks0 + kv * R.dks1 + h * R.dks2 + col + 1, dk[q][2 * r + 1] * P.scale);
-        }
-#pragma unroll
-        for (int q = 0; q < NSA_DV / 8; q++) {
-            const int col = q * 8 + 2 * (lane & 3);
-            st_elem(R.dv, b * R.dvs0 + kv * R.dvs1 + h * R.dvs2 + col, dv[q][2 * r]);
-            st_elem(R.dv, b * R.dvs0 + kv * R.dvs1 + h * R.dvs2 + col + 1, dv[q][2 * r + 1]);
-        }
-    }
+    tb_store_dkdv(P, R, dk, dv, b, h, k0 + r0, lane);
 }
 
 /* one layout a source (NSA_TC_WIDE), as the forward */
@@ -1743,7 +1728,7 @@ static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, in
     const int ss[1] = {bwd ? 64 : wg_bn}, rs[2] = {bwd ? dk : dv, dv};
     const size_t nw = hopper ? flex_wgmma_source(NULL, 0, ss, 1, rs, 1 + bwd) : 0;
     const size_t cap = strlen(EXPR_C_PRELUDE) + sizeof FLEX_COMMON + sizeof FLEX_KERNEL + sizeof FLEX_TC_COMMON +
-                       sizeof FLEX_TC_KERNEL + sizeof FLEX_WG_COMMON + sizeof FLEX_WG_FWD + sizeof FLEX_WG_BWD + sizeof FLEX_BWD_SINK + sizeof FLEX_BWD_KERNEL +
+                       sizeof FLEX_TC_KERNEL + sizeof FLEX_WG_COMMON + sizeof FLEX_WG_FWD + sizeof FLEX_WG_BWD + sizeof FLEX_TB_COMMON + sizeof FLEX_BWD_SINK + sizeof FLEX_BWD_KERNEL +
                        sizeof FLEX_TC_BWD + nm + ns + ng + nw + 1024;
     char *src = (char *)malloc(cap), *me = (char *)malloc(nm + 1), *se = (char *)malloc(ns + 1), *ge = (char *)malloc(ng + 1);
     if (!src || !me || !se || !ge || (bwd && score && ng == 0)) {
@@ -1775,7 +1760,7 @@ static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, in
             flex_wgmma_source(src + at, cap - at, ss, 1, rs, 1 + bwd);
             at = strlen(src);
         }
-        snprintf(src + at, cap - at, "%s%s", hopper ? FLEX_WG_COMMON : "",
+        snprintf(src + at, cap - at, "%s%s%s", hopper ? FLEX_WG_COMMON : "", bwd ? FLEX_TB_COMMON : "",
                  bwd ? (hopper ? FLEX_WG_BWD : FLEX_TC_BWD) : hopper ? FLEX_WG_FWD : FLEX_TC_KERNEL);
     }
     free(me), free(se), free(ge);
