@@ -239,7 +239,7 @@ def _dense_torch(q, k, v, mask, score, scale):
                     reason="needs torch with a CUDA device and libnsa's CUDA backend")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("case", ["causal", "documents_alibi", "window_softcap", "hidden_scores", "prefix_alibi"])
+@pytest.mark.parametrize("case", ["causal", "documents_alibi", "window_softcap", "hidden_scores", "prefix_alibi", "large_mod"])
 def test_cuda_tensor_core_forward_within_the_tolerance_rule(dtype, D, case):
     """The CUDA forward of f16 / bf16 inputs with head dims 64 / 128 (the tensor-core kernels:
     on sm_90 the Hopper one where the q block is 128 rows -- no block mask, window_softcap,
@@ -280,6 +280,14 @@ def test_cuda_tensor_core_forward_within_the_tolerance_rule(dtype, D, case):
         def score(s, b, h, q_idx, kv_idx):
             return s - slope[h] * torch.abs(q_idx - kv_idx)
         blocks = (128, 64)
+    elif case == "large_mod":  # mods too large to unroll over a tile's scores: the kernels' rolled loops
+        def mask(b, h, q_idx, kv_idx):
+            return ((q_idx >= kv_idx) & (doc[q_idx] == doc[kv_idx])) | (kv_idx < 20)
+
+        def score(s, b, h, q_idx, kv_idx):
+            return torch.where(kv_idx % 3 == 0, s * 0.5, s * 2.0 + slope[h]) - 0.01 * torch.abs(q_idx - kv_idx) \
+                + slope[(h + 1) % 4] * torch.tanh(s / 4.0)
+        blocks = 128
     else:  # scores set to -inf (a row whose scores are all -inf sees nothing), no block mask
         mask, blocks = None, None
         score_text = "where(kv_idx % 3 == 0 || q_idx == 5, -exp(1000.0), score * 2)"
@@ -328,14 +336,14 @@ def test_cuda_forward_hides_a_nan_in_a_key_a_row_does_not_see():
 @pytest.mark.skipif(TORCH is None or not TORCH.cuda.is_available() or not nsa.backend_available("cuda"),
                     reason="needs torch with a CUDA device and libnsa's CUDA backend")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("case", ["documents_rel_bias", "window_softcap", "hidden_no_block_mask", "prefix_alibi"])
+@pytest.mark.parametrize("case", ["documents_rel_bias", "window_softcap", "hidden_no_block_mask", "prefix_alibi", "large_mod"])
 def test_cuda_backward_within_the_tolerance_rule(dtype, case):
     """The CUDA backward through autograd: dq, dk, dv and a learnable bias table's gradient against
     float64 dense attention, within 2x the error of the same computation in the inputs' precision
     (f32: within 2e-5 of the largest); GQA, Tq != Tk, partial and full blocks, no block mask with
     scores sent to -inf (an expression string with its tensor); deterministic. On sm_90 the 128
-    blocks (hidden_no_block_mask, prefix_alibi with D = 128: listed partial and full blocks) take
-    the Hopper kernels."""
+    blocks (hidden_no_block_mask, prefix_alibi with D = 128: listed partial and full blocks;
+    large_mod, whose mods the kernels walk in their rolled loops) take the Hopper kernels."""
     torch = TORCH
     dt = getattr(torch, dtype)
     Bn, HQn, Hn, Tq, Tk, D = 2, 4, 2, 150, 173, 128 if case == "prefix_alibi" else 64
@@ -368,6 +376,14 @@ def test_cuda_backward_within_the_tolerance_rule(dtype, case):
 
             def score(s, b, h, q_idx, kv_idx):
                 return s - rel[h, 2] * torch.abs(q_idx - kv_idx)
+            blocks = 128
+        elif case == "large_mod":  # mods too large to unroll: the rolled loops, a learnable table read twice
+            def mask(b, h, q_idx, kv_idx):
+                return ((q_idx + (Tk - Tq) >= kv_idx) & (doc[q_idx] == doc[kv_idx])) | (kv_idx < 20)
+
+            def score(s, b, h, q_idx, kv_idx):
+                return torch.where(kv_idx % 3 == 0, s * 0.5, s * 2.0 + rel[h, 1]) - 0.01 * torch.abs(q_idx - kv_idx) \
+                    + rel[h, 3] * torch.tanh(s / 4.0)
             blocks = 128
         else:  # every key block partial (FlexAttention's 128 blocks), a third of the keys hidden by the score
             mask, blocks = None, None
