@@ -9,6 +9,7 @@
 #include <dlfcn.h>
 #include <inttypes.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -433,10 +434,145 @@ static void test_program_details(void)
     expr_free(NULL);
 }
 
+
+/* Random int expressions (every int operator, literals up to 2^40, reads of an i32 capture,
+ * comparisons choosing between ints), printed with 64-bit ints and with 32-bit ones where the range analysis allows,
+ * compiled and loaded: both equal the evaluator bit for bit at indices from 0 to 2^31 - 1. A node
+ * the analysis wrongly narrowed would wrap in 32 bits at the large indices. */
+static const char *const RND_LIT[] = {"0", "1", "2", "3", "7", "100", "4096", "46341", "65536", "2147483647", "2147483648",
+                                      "4294967296", "1099511627776"};
+
+/* printf into buf (n bytes; a long expression is cut, which only shortens the test's input) */
+#if defined(__GNUC__)
+__attribute__((format(printf, 3, 4)))
+#endif
+static void rnd_put(char *buf, size_t n, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, n, fmt, ap);
+    va_end(ap);
+}
+
+static void rnd_expr(test_rng *r, char *buf, size_t n, int depth)
+{
+    const int pick = depth <= 0 ? (int)rng_int(r, 0, 5) : (int)rng_int(r, 0, 21);
+    char a[2048], b[2048], c[2048];
+    switch (pick) {
+    case 0: rnd_put(buf, n, "q_idx"); return;
+    case 1: rnd_put(buf, n, "kv_idx"); return;
+    case 2: rnd_put(buf, n, "b"); return;
+    case 3: rnd_put(buf, n, "h"); return;
+    case 4: case 5: rnd_put(buf, n, "%s%s", rng_int(r, 0, 3) == 0 ? "-" : "", RND_LIT[rng_int(r, 0, 12)]); return;
+    default: break;
+    }
+    rnd_expr(r, a, sizeof a, depth - 1);
+    rnd_expr(r, b, sizeof b, depth - 1);
+    static const char *const BIN[] = {"+", "-", "*", "//", "%", "&", "|", "^"};
+    static const char *const CMP[] = {"<", "<=", ">", ">=", "==", "!="};
+    switch (pick) {
+    case 6: case 7: case 8: case 9: case 10: case 11: case 12: case 13:
+        rnd_put(buf, n, "(%s %s %s)", a, BIN[pick - 6], b); return;
+    case 14: rnd_put(buf, n, "(-%s)", a); return;
+    case 15: rnd_put(buf, n, "abs(%s)", a); return;
+    case 16: rnd_put(buf, n, "min(%s, %s)", a, b); return;
+    case 17: rnd_put(buf, n, "max(%s, %s)", a, b); return;
+    case 18: rnd_put(buf, n, "(~%s)", a); return;
+    case 19: rnd_put(buf, n, "doc[%s]", a); return;
+    case 20: rnd_put(buf, n, "((%s %% 7) * %s)", a, b); return;
+    default:
+        rnd_expr(r, c, sizeof c, depth - 1);
+        rnd_put(buf, n, "where(%s %s %s, %s, %s)", a, CMP[rng_int(r, 0, 5)], b, b, c);
+        return;
+    }
+}
+
+static void test_random_int_expressions(void)
+{
+    if (system("cc --version > /dev/null 2>&1") != 0) {
+        printf("  expr: no C compiler (cc): the random int expressions are skipped\n");
+        return;
+    }
+    enum { NEXPR = 160 };
+    char dir[] = "/tmp/nsa_expr_XXXXXX";
+    if (!mkdtemp(dir)) {
+        CHECK_MSG(0, "mkdtemp failed");
+        return;
+    }
+    char src[64], so[64], cmd[256];
+    snprintf(src, sizeof src, "%s/rnd.c", dir), snprintf(so, sizeof so, "%s/rnd.so", dir);
+    FILE *f = fopen(src, "w");
+    CHECK_MSG(f != NULL, "cannot write the generated source");
+    if (!f) return;
+    fprintf(f, "#include <math.h>\n#define NSA_MOD_FN static inline\n%s", EXPR_C_PRELUDE);
+    expr_capture caps[5];
+    captures(caps);
+    test_rng r = {20261127};
+    expr_program *progs[NEXPR] = {0};
+    char text[NEXPR][4096];
+    int narrowed = 0;
+    for (int i = 0; i < NEXPR; i++) {
+        char e[4096 - 16];
+        rnd_expr(&r, e, sizeof e, 2 + i % 4);
+        snprintf(text[i], sizeof text[i], "score + %s", e);
+        CHECK_STATUS(expr_compile(text[i], EXPR_SCORE, caps, 5, NULL, &progs[i]), NSA_STATUS_SUCCESS);
+        if (!progs[i]) continue;
+        for (int idx32 = 0; idx32 < 2; idx32++) {
+            const size_t need = expr_to_c(progs[i], idx32, NULL, 0);
+            char *code = (char *)malloc(need + 1);
+            CHECK(expr_to_c(progs[i], idx32, code, need + 1) == need);
+            narrowed += idx32 && strstr(code, "(int)") != NULL;
+            fprintf(f, "float rnd%s_%d(const nsa_mod_caps *caps, long long b, long long h, long long q_idx, long long kv_idx, "
+                       "float score)\n{\n    (void)caps, (void)b, (void)h, (void)q_idx, (void)kv_idx, (void)score;\n"
+                       "    return (float)(%s);\n}\n", idx32 ? "32" : "", i, code);
+            free(code);
+        }
+    }
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "cc -std=c11 -O1 -fwrapv -w -shared -fPIC -o %s %s -lm", so, src); /* (random text: x == x and the like; a wrongly narrowed int wraps) */
+    const int rc = system(cmd);
+    CHECK_MSG(rc == 0, "the random expressions' source does not compile (kept in /tmp/nsa_expr_*)");
+    void *lib = rc == 0 ? dlopen(so, RTLD_NOW | RTLD_LOCAL) : NULL;
+    const int64_t pts[] = {0, 1, 5, 46341, 65536, 2147483000, 2147483646, 2147483647};
+    const int np = (int)(sizeof pts / sizeof pts[0]);
+    long bad = 0;
+    for (int i = 0; lib && i < NEXPR; i++) {
+        if (!progs[i]) continue;
+        nsa_mod_caps mc;
+        expr_caps(progs[i], &mc);
+        for (int idx32 = 0; idx32 < 2; idx32++) {
+            char name[16];
+            snprintf(name, sizeof name, "rnd%s_%d", idx32 ? "32" : "", i);
+            gen_fn fn;
+            void *sym = dlsym(lib, name);
+            memcpy(&fn, &sym, sizeof fn);
+            if (!fn) continue;
+            long here = 0;
+            for (int e = 0; e < np * np * 4; e++) {
+                const int64_t q = pts[e % np], k = pts[(e / np) % np], b = (e / (np * np)) & 1 ? 2147483647 : 1;
+                const int64_t h = (e / (np * np)) & 2 ? 2147483646 : 2;
+                const float x = fn(&mc, b, h, q, k, 0.5f), y = expr_eval(progs[i], b, h, q, k, 0.5f);
+                here += memcmp(&x, &y, sizeof x) != 0 && !(x != x && y != y);
+            }
+            if (here && bad < 3) printf("  expr: '%s' (%s ints) differs from the evaluator at %ld points\n", text[i], idx32 ? "32-bit" : "64-bit", here);
+            bad += here;
+        }
+    }
+    char msg[200];
+    snprintf(msg, sizeof msg, "random int expressions: %ld values differ from the evaluator (%d of %d printed with 32-bit ints)", bad,
+             narrowed, NEXPR);
+    CHECK_MSG(lib != NULL && bad == 0 && narrowed > NEXPR / 4, msg);
+    if (g_tests_verbose) printf("  %s\n", msg);
+    if (lib) dlclose(lib);
+    for (int i = 0; i < NEXPR; i++) expr_free(progs[i]);
+    if (rc == 0) remove(so), remove(src), rmdir(dir);
+}
+
 void test_expr_all(void)
 {
     test_mods_equal_reference();
     test_generated_source();
+    test_random_int_expressions();
     test_bad_expressions();
     test_program_details();
 }
