@@ -24,7 +24,7 @@
 #      (carry peers/; see below; several minutes each); "python" the Python binding's CUDA
 #      tests and examples/generate.py on the GPU, "decode" bench/decode.py (one decode step beside
 #      mdy666 and dense; DECODE_B, DECODE_CTX), "flex" bench/flex.py (beside torch's FlexAttention;
-#      FLEX_T, FLEX_HEADS, FLEX_MODS, FLEX_PASSES; then each of FLEX_FIRST_MODS's first calls,
+#      FLEX_T, FLEX_HEADS, FLEX_MODS, FLEX_PASSES, FLEX_REPS; then each of FLEX_FIRST_MODS's first calls,
 #      compiled and loaded from the disk cache).
 # ONLY="stage ..." runs only those of sweep, variants, nonfinite, memcheck, cp, fuzz, fla, bench
 # (cp: build/nsa_cp_tests, context parallelism over NCCL on every GPU, nothing on one).
@@ -349,8 +349,8 @@ if [ -n "$EXTRA" ]; then
             ;;
         flex) # nsa.flex_attention beside torch's compiled FlexAttention (needs torch)
             NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python PYTHONUNBUFFERED=1 timeout 420 python3 bench/flex.py \
-                --T "${FLEX_T:-16k}" --heads "${FLEX_HEADS:-16/16}" --mods "${FLEX_MODS:-causal,window,document,softcap,alibi,relbias}" \
-                --passes "${FLEX_PASSES:-fwd,fwd+bwd}" --out "$FULLDIR" > "$FULLDIR/flex.txt" 2>&1
+                --T "${FLEX_T:-16k}" --heads "${FLEX_HEADS:-16/16}" --mods "${FLEX_MODS:-causal,window,document,softcap,prefix,alibi,relbias}" \
+                --passes "${FLEX_PASSES:-fwd,fwd+bwd}" --reps "${FLEX_REPS:-20}" --out "$FULLDIR" > "$FULLDIR/flex.txt" 2>&1
             note "flex rc $?:"
             grep -vE '^(#|$)' "$FULLDIR/flex.txt" | tail -30 | tee -a "$SUMMARY"
             # a new mod's first forward and backward: compiled (a fresh kernel cache), then loaded from disk
