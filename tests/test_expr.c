@@ -246,23 +246,95 @@ static void check_generated_grad(void *lib, int i, const expr_program *p, int id
     free(scratch), free(mine);
 }
 
+/* ---- generated C, compiled by the system's C compiler and loaded ------------------------------ */
+typedef struct gen_obj {
+    char dir[32], src[64], so[64];
+    FILE *f;
+} gen_obj;
+
+/* A temporary folder and <stem>.c in it, opened with EXPR_C_PRELUDE written. @return 0 (and says
+ * why: no C compiler means `skipped` is printed) when the check cannot run. */
+static int gen_open(gen_obj *g, const char *stem, const char *skipped)
+{
+    memset(g, 0, sizeof *g);
+    if (system("cc --version > /dev/null 2>&1") != 0) {
+        printf("  expr: no C compiler (cc): %s\n", skipped);
+        return 0;
+    }
+    snprintf(g->dir, sizeof g->dir, "/tmp/nsa_expr_XXXXXX");
+    if (!mkdtemp(g->dir)) {
+        CHECK_MSG(0, "mkdtemp failed");
+        return 0;
+    }
+    snprintf(g->src, sizeof g->src, "%s/%s.c", g->dir, stem), snprintf(g->so, sizeof g->so, "%s/%s.so", g->dir, stem);
+    g->f = fopen(g->src, "w");
+    CHECK_MSG(g->f != NULL, "cannot write the generated source");
+    if (g->f) fprintf(g->f, "#include <math.h>\n#define NSA_MOD_FN static inline\n%s", EXPR_C_PRELUDE);
+    return g->f != NULL;
+}
+
+/* float <prefix>[32]_<i>(caps, b, h, q_idx, kv_idx, score): p printed with expr_to_c(idx32).
+ * @return whether the text holds a 32-bit int. */
+static int gen_mod(gen_obj *g, const char *prefix, int i, const expr_program *p, int idx32)
+{
+    const size_t need = expr_to_c(p, idx32, NULL, 0);
+    char *code = (char *)malloc(need + 1);
+    CHECK(expr_to_c(p, idx32, code, need + 1) == need && strlen(code) == need);
+    fprintf(g->f, "float %s%s_%d(const nsa_mod_caps *caps, long long b, long long h, long long q_idx, long long kv_idx, "
+                  "float score)\n{\n    (void)caps, (void)b, (void)h, (void)q_idx, (void)kv_idx, (void)score;\n"
+                  "    return (float)(%s);\n}\n", prefix, idx32 ? "32" : "", i, code);
+    const int narrow = strstr(code, "(int)") != NULL;
+    free(code);
+    return narrow;
+}
+
+/* The source compiled (cc with `flags`) and loaded; NULL on failure (checked, the files kept). */
+static void *gen_load(gen_obj *g, const char *flags)
+{
+    fclose(g->f);
+    g->f = NULL;
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "cc -std=c11 -O1 %s -shared -fPIC -o %s %s -lm", flags, g->so, g->src);
+    const int rc = system(cmd);
+    CHECK_MSG(rc == 0, "the generated source does not compile (kept in /tmp/nsa_expr_*)");
+    void *lib = rc == 0 ? dlopen(g->so, RTLD_NOW | RTLD_LOCAL) : NULL;
+    CHECK_MSG(rc != 0 || lib != NULL, "dlopen of the generated object failed");
+    return lib;
+}
+
+/* The function <prefix>[32]_<i> of a loaded object, or NULL. */
+static gen_fn gen_get(void *lib, const char *prefix, int i, int idx32)
+{
+    char name[32];
+    snprintf(name, sizeof name, "%s%s_%d", prefix, idx32 ? "32" : "", i);
+    gen_fn fn;
+    void *sym = dlsym(lib, name);
+    memcpy(&fn, &sym, sizeof fn);
+    return fn;
+}
+
+static void gen_close(gen_obj *g, void *lib)
+{
+    if (lib) dlclose(lib);
+    if (lib) remove(g->so), remove(g->src), rmdir(g->dir);
+}
+
+/* Point e of NBIG_POINTS with indices near 2^31 (the 32-bit form's promise is [0, 2^31)): where a
+ * product or a sum could leave 32 bits, the range analysis must have kept 64. */
+static const int64_t BIG[] = {0, 1, 5, 46341, 65536, 2147483000, 2147483646, 2147483647};
+enum { NBIG = (int)(sizeof BIG / sizeof BIG[0]), NBIG_POINTS = NBIG * NBIG * 4 };
+static void big_point(int e, int64_t *b, int64_t *h, int64_t *q, int64_t *k)
+{
+    *q = BIG[e % NBIG], *k = BIG[(e / NBIG) % NBIG];
+    *b = (e / (NBIG * NBIG)) & 1 ? BIG[NBIG - 1] : 1;
+    *h = (e / (NBIG * NBIG)) & 2 ? BIG[NBIG - 2] : 2;
+}
+
 static void test_generated_source(void)
 {
-    if (system("cc --version > /dev/null 2>&1") != 0) {
-        printf("  expr: no C compiler (cc): the generated-source check is skipped\n");
-        return;
-    }
-    char dir[] = "/tmp/nsa_expr_XXXXXX";
-    if (!mkdtemp(dir)) {
-        CHECK_MSG(0, "mkdtemp failed");
-        return;
-    }
-    char src[64], so[64], cmd[256];
-    snprintf(src, sizeof src, "%s/gen.c", dir), snprintf(so, sizeof so, "%s/gen.so", dir);
-    FILE *f = fopen(src, "w");
-    CHECK_MSG(f != NULL, "cannot write the generated source");
-    if (!f) return;
-    fprintf(f, "#include <math.h>\n#define NSA_MOD_FN static inline\n%s", EXPR_C_PRELUDE);
+    gen_obj g;
+    if (!gen_open(&g, "gen", "the generated-source check is skipped")) return;
+    FILE *f = g.f;
     fprintf(f, "typedef struct nsa_mod_sink { float *g[16]; } nsa_mod_sink;\n"
                "static void nsa_mod_grad(const nsa_mod_sink *s, int c, long long lin, float a) { s->g[c][lin] += a; }\n");
     expr_capture caps[5];
@@ -271,15 +343,7 @@ static void test_generated_source(void)
     for (int i = 0; i < g_nchecked; i++) {
         CHECK_STATUS(expr_compile(g_checked[i].text, g_checked[i].kind, caps, 5, NULL, &progs[i]), NSA_STATUS_SUCCESS);
         if (!progs[i]) continue;
-        for (int idx32 = 0; idx32 < 2; idx32++) { /* mod_<i>: 64-bit ints; mod32_<i>: 32 bits where exact */
-            const size_t need = expr_to_c(progs[i], idx32, NULL, 0);
-            char *code = (char *)malloc(need + 1);
-            CHECK(expr_to_c(progs[i], idx32, code, need + 1) == need && strlen(code) == need);
-            fprintf(f, "float mod%s_%d(const nsa_mod_caps *caps, long long b, long long h, long long q_idx, long long kv_idx, "
-                       "float score)\n{\n    (void)caps, (void)b, (void)h, (void)q_idx, (void)kv_idx, (void)score;\n"
-                       "    return (float)(%s);\n}\n", idx32 ? "32" : "", i, code);
-            free(code);
-        }
+        for (int idx32 = 0; idx32 < 2; idx32++) gen_mod(&g, "mod", i, progs[i], idx32); /* mod32_<i>: 32 bits where exact */
         for (int idx32 = 0; g_checked[i].kind == EXPR_SCORE && idx32 < 2; idx32++) { /* its reverse mode, under its own name */
             const size_t gneed = expr_grad_to_c(progs[i], idx32, NULL, 0);
             char *gcode = (char *)malloc(gneed + 1);
@@ -289,24 +353,11 @@ static void test_generated_source(void)
             free(gcode);
         }
     }
-    fclose(f);
-    snprintf(cmd, sizeof cmd, "cc -std=c11 -O1 -ffp-contract=off -Wall -Werror -shared -fPIC -o %s %s -lm", so, src);
-    const int rc = system(cmd);
-    CHECK_MSG(rc == 0, "the generated source does not compile (kept in /tmp/nsa_expr_*)");
-    void *lib = rc == 0 ? dlopen(so, RTLD_NOW | RTLD_LOCAL) : NULL;
-    CHECK_MSG(rc != 0 || lib != NULL, "dlopen of the generated object failed");
+    void *lib = gen_load(&g, "-ffp-contract=off -Wall -Werror");
     const float scores[] = {-3.5f, -0.25f, 0.0f, 0.75f, 2.0f, 41.0f};
-    /* indices near 2^31 as well (the 32-bit form's promise is [0, 2^31)): where a product or a sum
-     * could leave 32 bits, the range analysis must have kept 64 */
-    const int64_t big[] = {0, 1, 5, 46341, 65536, 2147483000, 2147483646, 2147483647};
-    const int nbig = (int)(sizeof big / sizeof big[0]);
     for (int i = 0; lib && i < g_nchecked; i++) {
         for (int idx32 = 0; idx32 < 2; idx32++) {
-            char name[16];
-            snprintf(name, sizeof name, "mod%s_%d", idx32 ? "32" : "", i);
-            gen_fn fn;
-            void *sym = dlsym(lib, name);
-            memcpy(&fn, &sym, sizeof fn);
+            const gen_fn fn = gen_get(lib, "mod", i, idx32);
             if (!fn || !progs[i]) continue;
             nsa_mod_caps mc;
             expr_caps(progs[i], &mc);
@@ -319,9 +370,9 @@ static void test_generated_source(void)
                             const float x = fn(&mc, b, h, q, k, s), y = expr_eval(progs[i], b, h, q, k, s);
                             bad += !(fabs((double)x - (double)y) <= 1e-6 * (1.0 + fabs((double)y)));
                         }
-            for (int e = 0; e < nbig * nbig * 4; e++) {
-                const int64_t q = big[e % nbig], k = big[(e / nbig) % nbig], b = (e / (nbig * nbig)) & 1 ? big[nbig - 1] : 1;
-                const int64_t h = (e / (nbig * nbig)) & 2 ? big[nbig - 2] : 2;
+            for (int e = 0; e < NBIG_POINTS; e++) { /* and near 2^31 */
+                int64_t b, h, q, k;
+                big_point(e, &b, &h, &q, &k);
                 const float s = scores[e % 6];
                 const float x = fn(&mc, b, h, q, k, s), y = expr_eval(progs[i], b, h, q, k, s);
                 bad += !(fabs((double)x - (double)y) <= 1e-6 * (1.0 + fabs((double)y))) && !(x != x && y != y);
@@ -333,11 +384,8 @@ static void test_generated_source(void)
         }
         for (int idx32 = 0; g_checked[i].kind == EXPR_SCORE && idx32 < 2; idx32++) check_generated_grad(lib, i, progs[i], idx32);
     }
-    if (lib) dlclose(lib);
+    gen_close(&g, lib);
     for (int i = 0; i < g_nchecked; i++) expr_free(progs[i]);
-    if (rc == 0) {
-        remove(so), remove(src), rmdir(dir);
-    }
 }
 
 /* The call fails with `want` and its detail contains `needle` (position and message). */
@@ -489,22 +537,9 @@ static void rnd_expr(test_rng *r, char *buf, size_t n, int depth)
 
 static void test_random_int_expressions(void)
 {
-    if (system("cc --version > /dev/null 2>&1") != 0) {
-        printf("  expr: no C compiler (cc): the random int expressions are skipped\n");
-        return;
-    }
     enum { NEXPR = 160 };
-    char dir[] = "/tmp/nsa_expr_XXXXXX";
-    if (!mkdtemp(dir)) {
-        CHECK_MSG(0, "mkdtemp failed");
-        return;
-    }
-    char src[64], so[64], cmd[256];
-    snprintf(src, sizeof src, "%s/rnd.c", dir), snprintf(so, sizeof so, "%s/rnd.so", dir);
-    FILE *f = fopen(src, "w");
-    CHECK_MSG(f != NULL, "cannot write the generated source");
-    if (!f) return;
-    fprintf(f, "#include <math.h>\n#define NSA_MOD_FN static inline\n%s", EXPR_C_PRELUDE);
+    gen_obj g;
+    if (!gen_open(&g, "rnd", "the random int expressions are skipped")) return;
     expr_capture caps[5];
     captures(caps);
     test_rng r = {20261127};
@@ -517,40 +552,23 @@ static void test_random_int_expressions(void)
         snprintf(text[i], sizeof text[i], "score + %s", e);
         CHECK_STATUS(expr_compile(text[i], EXPR_SCORE, caps, 5, NULL, &progs[i]), NSA_STATUS_SUCCESS);
         if (!progs[i]) continue;
-        for (int idx32 = 0; idx32 < 2; idx32++) {
-            const size_t need = expr_to_c(progs[i], idx32, NULL, 0);
-            char *code = (char *)malloc(need + 1);
-            CHECK(expr_to_c(progs[i], idx32, code, need + 1) == need);
-            narrowed += idx32 && strstr(code, "(int)") != NULL;
-            fprintf(f, "float rnd%s_%d(const nsa_mod_caps *caps, long long b, long long h, long long q_idx, long long kv_idx, "
-                       "float score)\n{\n    (void)caps, (void)b, (void)h, (void)q_idx, (void)kv_idx, (void)score;\n"
-                       "    return (float)(%s);\n}\n", idx32 ? "32" : "", i, code);
-            free(code);
-        }
+        gen_mod(&g, "rnd", i, progs[i], 0);
+        narrowed += gen_mod(&g, "rnd", i, progs[i], 1);
     }
-    fclose(f);
-    snprintf(cmd, sizeof cmd, "cc -std=c11 -O1 -fwrapv -w -shared -fPIC -o %s %s -lm", so, src); /* (random text: x == x and the like; a wrongly narrowed int wraps) */
-    const int rc = system(cmd);
-    CHECK_MSG(rc == 0, "the random expressions' source does not compile (kept in /tmp/nsa_expr_*)");
-    void *lib = rc == 0 ? dlopen(so, RTLD_NOW | RTLD_LOCAL) : NULL;
-    const int64_t pts[] = {0, 1, 5, 46341, 65536, 2147483000, 2147483646, 2147483647};
-    const int np = (int)(sizeof pts / sizeof pts[0]);
+    /* (-w: random text holds x == x and the like; -fwrapv: a wrongly narrowed int wraps, visibly) */
+    void *lib = gen_load(&g, "-fwrapv -w");
     long bad = 0;
     for (int i = 0; lib && i < NEXPR; i++) {
         if (!progs[i]) continue;
         nsa_mod_caps mc;
         expr_caps(progs[i], &mc);
         for (int idx32 = 0; idx32 < 2; idx32++) {
-            char name[16];
-            snprintf(name, sizeof name, "rnd%s_%d", idx32 ? "32" : "", i);
-            gen_fn fn;
-            void *sym = dlsym(lib, name);
-            memcpy(&fn, &sym, sizeof fn);
+            const gen_fn fn = gen_get(lib, "rnd", i, idx32);
             if (!fn) continue;
             long here = 0;
-            for (int e = 0; e < np * np * 4; e++) {
-                const int64_t q = pts[e % np], k = pts[(e / np) % np], b = (e / (np * np)) & 1 ? 2147483647 : 1;
-                const int64_t h = (e / (np * np)) & 2 ? 2147483646 : 2;
+            for (int e = 0; e < NBIG_POINTS; e++) {
+                int64_t b, h, q, k;
+                big_point(e, &b, &h, &q, &k);
                 const float x = fn(&mc, b, h, q, k, 0.5f), y = expr_eval(progs[i], b, h, q, k, 0.5f);
                 here += memcmp(&x, &y, sizeof x) != 0 && !(x != x && y != y);
             }
@@ -563,9 +581,8 @@ static void test_random_int_expressions(void)
              narrowed, NEXPR);
     CHECK_MSG(lib != NULL && bad == 0 && narrowed > NEXPR / 4, msg);
     if (g_tests_verbose) printf("  %s\n", msg);
-    if (lib) dlclose(lib);
+    gen_close(&g, lib);
     for (int i = 0; i < NEXPR; i++) expr_free(progs[i]);
-    if (rc == 0) remove(so), remove(src), rmdir(dir);
 }
 
 void test_expr_all(void)
