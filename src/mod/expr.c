@@ -949,19 +949,19 @@ static irange ir_arith(opcode op, irange a, irange b)
 static int ir_fits32(irange r) { return r.known && r.lo >= INT32_MIN && r.hi <= INT32_MAX; }
 
 /* The range of tree node k (ints and bools), memoised in r[] / done[]. */
-static irange ir_of(const expr_program *p, int k, int idx32, irange *r, unsigned char *done)
+static irange ir_of(const expr_program *p, int k, irange *r, unsigned char *done)
 {
     if (done[k]) return r[k];
     const node *n = &p->tree[k];
     irange a = IR_UNKNOWN, b = IR_UNKNOWN, out = IR_UNKNOWN;
     for (int i = 0; i < n->nkid; i++) { /* every kid (an int below a float node too); a and b: the int operands' */
-        const irange x = ir_of(p, n->kid[i], idx32, r, done);
+        const irange x = ir_of(p, n->kid[i], r, done);
         if (i < 2 && p->tree[n->kid[i]].type != T_FLOAT) *(i ? &b : &a) = x;
     }
     if (n->type == T_BOOL) out = ir_make(0, 1);
     else if (n->type == T_INT) switch (n->op) {
         case O_INT: out = ir_make(n->i, n->i); break;
-        case O_VAR_B: case O_VAR_H: case O_VAR_Q: case O_VAR_K: out = idx32 ? ir_make(0, INT32_MAX) : IR_UNKNOWN; break;
+        case O_VAR_B: case O_VAR_H: case O_VAR_Q: case O_VAR_K: out = ir_make(0, INT32_MAX); break; /* (idx32) */
         case O_READ: out = ir_make(INT32_MIN, INT32_MAX); break; /* an i32 capture */
         case O_ADD: case O_SUB: case O_MUL: out = ir_arith((opcode)n->op, a, b); break;
         case O_NEG: out = ir_arith(O_SUB, ir_make(0, 0), a); break;
@@ -1075,11 +1075,11 @@ static void print_node(writer *w, const expr_program *p, int k)
     static const char *const CMP_OP[] = {"<", "<=", ">", ">=", "==", "!="};
     static const char *const LOGIC_OP[] = {"&&", "||"};
     static const char *const BIT_OP[] = {"&", "|", "^"};
-    if (w->narrow && w->narrow[k]) { /* an int in 32 bits: its exact value fits, so plain int arithmetic */
+    if (w->narrow && w->narrow[k]) { /* an int in 32 bits: its exact value fits, so plain int arithmetic
+                                         (where, ~, & | ^ print as in 64 bits, on 32-bit operands) */
         const char *fn32 = n->op == O_ABS ? "nsa_mod_iabs32" : n->op == O_MIN ? "nsa_mod_imin32" : n->op == O_MAX ? "nsa_mod_imax32"
                          : n->op == O_FLOORDIV ? "nsa_mod_floordiv32" : n->op == O_MOD ? "nsa_mod_mod32" : NULL;
-        const char *op32 = n->op == O_ADD ? "+" : n->op == O_SUB ? "-" : n->op == O_MUL ? "*" : n->op == O_BAND ? "&"
-                         : n->op == O_BOR ? "|" : n->op == O_BXOR ? "^" : NULL;
+        const char *op32 = n->op == O_ADD ? "+" : n->op == O_SUB ? "-" : n->op == O_MUL ? "*" : NULL;
         switch (n->op) {
         case O_INT: put(w, "((int)%" PRId64 "LL)", n->i); return;
         case O_VAR_B: put(w, "((int)b)"); return;
@@ -1088,8 +1088,6 @@ static void print_node(writer *w, const expr_program *p, int k)
         case O_VAR_K: put(w, "((int)kv_idx)"); return;
         case O_READ: put(w, "((int)"); print_read(w, p, k); put(w, ")"); return;
         case O_NEG: put(w, "(-("); print_kid(w, p, n->kid[0]); put(w, "))"); return;
-        case O_BNOT: put(w, "(~("); print_kid(w, p, n->kid[0]); put(w, "))"); return;
-        case O_WHERE: print_where(w, p, n); return;
         default: break;
         }
         if (fn32) {
@@ -1170,7 +1168,7 @@ static unsigned char *narrow_nodes(const expr_program *p, int idx32)
     irange *r = (irange *)calloc((size_t)p->root + 1, sizeof *r);
     unsigned char *done = (unsigned char *)calloc((size_t)p->root + 1, 1), *narrow = (unsigned char *)calloc((size_t)p->root + 1, 1);
     if (r && done && narrow) {
-        ir_of(p, p->root, 1, r, done);
+        ir_of(p, p->root, r, done);
         ir_mark(p, p->root, r, narrow);
     } else {
         free(narrow);
