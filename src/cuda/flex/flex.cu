@@ -2176,6 +2176,21 @@ static int flex_tc_fits(const grun *g, const nsa_flex_args *a, const nsa_problem
     return 1;
 }
 
+/* Whether the Hopper kernels may run: an sm_90 device (the sm_90a build NVRTC makes) and the
+ * sm_90a tiles allowed (NSA_CUDA_WGMMA). Asked of the device itself, since the sizing pass, which
+ * must decide alike, has no device limits in g. */
+static int flex_hopper(const grun *g)
+{
+    int dev = 0, major = 0, minor = 0;
+    if (!g->ovr->wgmma || cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return major == 9 && minor == 0;
+}
+
 /* Whether the Hopper forward takes a call the tensor-core kernels take: an sm_90 device (the
  * sm_90a build NVRTC makes), the sm_90a tiles allowed (NSA_CUDA_WGMMA), a q block of whole
  * 128-row tiles, key blocks of whole 64-key slices, and TMA maps over Q, K and V (16-byte aligned
@@ -2183,13 +2198,7 @@ static int flex_tc_fits(const grun *g, const nsa_flex_args *a, const nsa_problem
  * block allows, else 64) with maps[] made for Q, K and V, or 0. */
 static int flex_wg_bn(const grun *g, const nsa_flex_args *a, const nsa_problem *p, CUtensorMap maps[3])
 {
-    int dev = 0, major = 0, minor = 0;
-    if (!g->ovr->wgmma || cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess || major != 9 || minor != 0) {
-        (void)cudaGetLastError();
-        return 0;
-    }
+    if (!flex_hopper(g)) return 0;
     const nsa_block_mask *m = &a->block_mask;
     if (m->q_block % 128 != 0 || m->kv_block % 64 != 0) return 0;
     if (p->B * p->HQ * ((p->T + 127) / 128) > INT32_MAX || p->T + 128 > INT32_MAX || p->Tk + m->kv_block > INT32_MAX) return 0;
@@ -2404,13 +2413,7 @@ static int flex_bwd_wg_fits(const grun *g, const nsa_flex_bwd_args *a, const nsa
     const nsa_flex_args *f = &a->fwd;
     const nsa_block_mask *m = &f->block_mask;
     *kB = *kH = 0;
-    int dev = 0, major = 0, minor = 0;
-    if (!g->ovr->wgmma || cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess || major != 9 || minor != 0) {
-        (void)cudaGetLastError();
-        return 0;
-    }
+    if (!flex_hopper(g)) return 0;
     if (m->q_block % 128 != 0 || m->kv_block % 128 != 0 || p->T + 256 > INT32_MAX || p->Tk + m->kv_block > INT32_MAX ||
         p->B * p->HQ * ((p->T + 127) / 128) > INT32_MAX || p->B * p->H * ((p->Tk + 127) / 128) > INT32_MAX)
         return 0;
