@@ -668,6 +668,14 @@ NSA_API nsa_status nsa_flex_attention(nsa_context *ctx, const nsa_flex_args *arg
 NSA_API nsa_status nsa_flex_attention_bwd_workspace_size(nsa_context *ctx, const nsa_flex_bwd_args *args, size_t *bytes);
 NSA_API nsa_status nsa_flex_attention_bwd(nsa_context *ctx, const nsa_flex_bwd_args *args, void *workspace,
                                           size_t workspace_bytes);
+/* 1 when a call with these mods (and Tq == Tk) takes the dense route from its mods alone, whatever
+ * its data: they are nsa_attention options without a document mask (causal, windows, a softcap),
+ * and the route is on. Such a call computes the same function whether or not it is given a block
+ * mask that visits what the mods see (the lists nsa_create_block_mask makes for them); given
+ * one, CUDA copies and checks its lists (a synchronisation of the stream), given none it reads
+ * nothing on the host. A caller that holds such lists, unchanged, may therefore leave them out
+ * (nsa.flex_attention does). NULL mods are plain attention (1). 0 otherwise. */
+NSA_API int nsa_flex_route_without_lists(const nsa_mod *mask_mod, const nsa_mod *score_mod);
 
 /* ---- 10. Context parallelism over NCCL (spec 15) ---------------------------------------- */
 /* The NSA forward / backward of sequences of seq_len positions split over the ranks of an NCCL

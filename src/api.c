@@ -437,6 +437,13 @@ static const nsa_flex_args *flex_fwd_of(op_call c)
     return c.op == OP_FLEX_BWD ? &((const nsa_flex_bwd_args *)c.args)->fwd : (const nsa_flex_args *)c.args;
 }
 
+int nsa_flex_route_without_lists(const nsa_mod *mask_mod, const nsa_mod *score_mod)
+{
+    expr_attention m;
+    /* (prefix-LM: no option; a document mask: its ids decide) */
+    return flex_route_enabled() && expr_as_attention(mask_mod, score_mod, &m) && m.prefix <= 0 && m.doc < 0;
+}
+
 /* The route's plan: the mods and shapes allow it, and a backward asks no tensor gradient. */
 static int route_plan(const nsa_context *ctx, op_call c, const nsa_problem *p, flex_route *r)
 {
@@ -467,6 +474,7 @@ static op_call route_call(op_call c, const nsa_problem *p, const flex_route *r, 
         out = (op_call){OP_ATTENTION_BWD, ba};
     }
     if (op_validate(out, p2) != NSA_STATUS_SUCCESS) out.args = NULL;
+    p2->flex_rows = 1; /* (a row of all -inf scores stays empty, as in the engine) */
     return out;
 }
 
@@ -502,7 +510,7 @@ static size_t route_need(const nsa_context *ctx, op_call c, const nsa_problem *p
     free(each);
     if (c.op == OP_FLEX && !nsa_present(&flex_fwd_of(c)->lse))
         need = nsa_size_add(route_align(need), nsa_size_mul(nsa_size_elems(p->B, p->T, p->HQ, 1), sizeof(float)));
-    return need > ROUTE_ALIGN ? need : ROUTE_ALIGN; /* (CUDA: the decision's q, k maxima) */
+    return need > ROUTE_ALIGN ? need : ROUTE_ALIGN;
 }
 
 static nsa_status backend_run(const nsa_context *ctx, const nsa_problem *p, op_call c, void *ws);

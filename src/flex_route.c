@@ -155,7 +155,7 @@ int flex_route_decide(const flex_route *r, const flex_route_host *h, const nsa_p
     const int64_t T = p->T;
     *nseq = 0;
     if (h->decline) return 0;
-    if (flex_route_needs_scan(r)) { /* (NaN fails the comparison too) */
+    if (flex_route_needs_scan(r) && !h->scores_on_device) { /* (NaN fails the comparison too) */
         const double bound = (double)p->scale * (double)p->DK * (double)h->qmax * (double)h->kmax;
         if (!(bound < (double)FLT_MAX / 4.0)) return 0;
     }

@@ -34,17 +34,20 @@ typedef struct flex_route_host {
     nsa_block_mask lists;  /* the call's block mask, its four tensors in host memory */
     int32_t *doc;          /* doc[0 .. T) gathered, or NULL without a document mask */
     float qmax, kmax;      /* the largest |element| of q and of k (+inf or NaN: a non-finite one; set only when asked) */
+    int scores_on_device;  /* the backend's attention keeps a row of all -inf scores empty itself (nsa_problem.flex_rows:
+                              CUDA), so qmax, kmax are not read and no magnitude declines the route */
     int decline;           /* the backend cannot read them now (CUDA: a stream being captured) */
     void *owned[5];        /* host buffers to free */
 } flex_route_host;
 void flex_route_host_free(flex_route_host *h);
 
-/* Whether q and k must be scanned: without a softcap a score is the scaled product, and a row
- * whose visible scores are all -inf is empty for the block-sparse engine but NaN for dense
+/* Whether q and k must be scanned (CPU): without a softcap a score is the scaled product, and a
+ * row whose visible scores are all -inf is empty for the block-sparse engine but NaN for dense
  * attention. Such scores need an infinite or NaN input, or finite ones whose product overflows
- * f32; the route is taken only when scale * DK * max|q| * max|k| stays below FLT_MAX / 4 (no
+ * f32; the CPU route is taken only when scale * DK * max|q| * max|k| stays below FLT_MAX / 4 (no
  * product, partial sum or score can reach infinity then). A softcap keeps every score finite or
- * NaN, the same on both paths. */
+ * NaN, the same on both paths. CUDA's attention kernels are told instead (nsa_problem.flex_rows):
+ * no scan, no synchronisation. */
 static inline int flex_route_needs_scan(const flex_route *r) { return r->m.softcap == 0.0f; }
 
 /* The CPU's flex_route_host: the caller's own lists, doc gathered, q and k scanned when asked.

@@ -22,6 +22,11 @@ typedef struct nsa_problem {
     const int64_t *cu_seqlens_q, *cu_seqlens_k; /* host, varlen_qk only; else NULL */
     int extended;              /* the attention call uses an option beyond causal / windows / scale
                                   (CUDA: the general kernels of src/cuda/attention instead of the tuned tiles) */
+    int flex_rows;             /* an attention call of block-sparse attention's dense route: a row whose
+                                  visible scores are all -inf is empty (o = 0, lse = -inf), as the
+                                  block-sparse engine has it, not NaN as in dense attention. CUDA's kernels
+                                  honour it (and their backward sends q, k that could overflow a score to
+                                  the scalar kernels); the CPU route is taken only where no such row arises */
     /* the step op's: rows per sequence its token cache and its compressed cache can hold */
     int64_t cache_cap, cmp_cap;
 } nsa_problem;

@@ -424,6 +424,35 @@ static void test_flex_dense_route(nsa_context *ctx)
     };
     const int was = flex_route_enabled();
     flex_route_set_enabled(1);
+    { /* which mods the route takes without lists: options without a document mask */
+        static const struct { const char *mask, *score; int want; } forms[] = {
+            {NULL, NULL, 1},
+            {"q_idx >= kv_idx", NULL, 1},
+            {"(q_idx >= kv_idx) & ((q_idx - kv_idx) < 10)", "3.0 * tanh(score / 3.0)", 1},
+            {"abs(q_idx - kv_idx) <= 6", NULL, 1},
+            {"(docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)", NULL, 0}, /* (the ids decide) */
+            {"kv_idx < 7 || q_idx >= kv_idx", NULL, 0},                       /* prefix-LM: no option */
+            {"q_idx > kv_idx", NULL, 0},
+            {"q_idx >= kv_idx", "score - slope[h] * abs(q_idx - kv_idx)", 0},
+        };
+        int32_t docs[4] = {0, 0, 1, 1};
+        float slope[FHQ] = {0.5f, 0.25f, 0.125f, 0.0625f};
+        const nsa_mod_tensor tens[] = {{"docs", nsa_tensor_make(docs, NSA_DTYPE_I32, 1, (int64_t[]){4})},
+                                       {"slope", nsa_tensor_make(slope, NSA_DTYPE_F32, 1, (int64_t[]){FHQ})}};
+        for (size_t i = 0; i < sizeof forms / sizeof forms[0]; i++) {
+            nsa_mod *mm = NULL, *sm = NULL;
+            if (forms[i].mask) CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, forms[i].mask, tens, 2), NSA_STATUS_SUCCESS);
+            if (forms[i].score) CHECK_STATUS(nsa_mod_create(&sm, NSA_MOD_SCORE, forms[i].score, tens, 2), NSA_STATUS_SUCCESS);
+            char msg[200];
+            snprintf(msg, sizeof msg, "nsa_flex_route_without_lists(%s, %s) is %d", forms[i].mask ? forms[i].mask : "NULL",
+                     forms[i].score ? forms[i].score : "NULL", forms[i].want);
+            CHECK_MSG(nsa_flex_route_without_lists(mm, sm) == forms[i].want, msg);
+            flex_route_set_enabled(0);
+            CHECK_MSG(nsa_flex_route_without_lists(mm, sm) == 0, "nsa_flex_route_without_lists: 0 with the route off");
+            flex_route_set_enabled(1);
+            nsa_mod_destroy(mm), nsa_mod_destroy(sm);
+        }
+    }
     { /* an infinite q keeps the engine without a softcap (a row of -inf scores is empty there, NaN in dense
          attention) and takes the route with one (every score finite or NaN, the same either way) */
         enum { T = 24 };
@@ -986,6 +1015,110 @@ static void flex_device_case(nsa_context *cpu, nsa_context *gpu, const sweep_mem
     for (int x = 0; x < 3; x++) free(dq[x]), free(dk[x]), free(dv[x]);
 }
 
+/* Whether two outputs agree where non-finite values are concerned -- NaN at the same elements,
+ * the same infinities -- and elsewhere within tol of the larger of 1 and the reference's size. */
+static int same_nonfinite_close(const float *ref, const float *got, size_t n, double tol, double *worst)
+{
+    int ok = 1;
+    for (size_t e = 0; e < n; e++) {
+        if (isnan(ref[e]) || isnan(got[e]) || isinf(ref[e]) || isinf(got[e])) {
+            ok &= isnan(ref[e]) ? isnan(got[e]) != 0 : ref[e] == got[e];
+            continue;
+        }
+        const double d = fabs((double)ref[e] - got[e]) / fmax(1.0, fabs((double)ref[e]));
+        *worst = d > *worst ? d : *worst;
+        ok &= d <= tol;
+    }
+    return ok;
+}
+
+/* The dense route with scores that reach infinity (spec 14): on CUDA the route is taken whatever
+ * the magnitudes of q and k, and the attention kernels keep a row whose scores are all -inf empty
+ * (o = 0, lse = -inf, no gradient) as the engine does; rows of +inf scores are NaN on both. The
+ * CPU, which scans q and k and keeps the engine for these inputs, is the reference: the same
+ * non-finite elements in o, lse, dq, dk and dv, the rest within fp32 rounding. */
+static void flex_device_overflowing_scores(nsa_context *cpu, nsa_context *gpu, const sweep_memory *mem)
+{
+    enum { T = 24 };
+    const size_t nq = (size_t)T * FHQ, nk = (size_t)T * FH;
+    float *q = (float *)malloc(4 * nq * FDK), *k = (float *)malloc(4 * nk * FDK), *v = (float *)malloc(4 * nk * FDV);
+    float *dout = (float *)malloc(4 * nq * FDV), *out[2][5];
+    const size_t sizes[5] = {nq * FDV, nq, nq * FDK, nk * FDK, nk * FDV}; /* o, lse, dq, dk, dv */
+    for (int x = 0; x < 2; x++)
+        for (int t = 0; t < 5; t++) out[x][t] = (float *)malloc(4 * sizes[t]);
+    test_rng r = {271};
+    for (size_t e = 0; e < nq * FDK; e++) q[e] = (float)rnd_u(&r);
+    for (size_t e = 0; e < nk * FDK; e++) k[e] = 0.1f + (float)fabs(rnd_u(&r)); /* positive: the signs of q decide */
+    for (size_t e = 0; e < nk * FDV; e++) v[e] = (float)rnd_u(&r);
+    for (size_t e = 0; e < nq * FDV; e++) dout[e] = (float)rnd_u(&r);
+    for (int d = 0; d < FDK; d++) {
+        q[(5 * FHQ + 0) * FDK + d] = -3e38f; /* finite; every score of row 5, head 0 overflows to -inf: empty */
+        q[(9 * FHQ + 1) * FDK + d] = 3e38f;  /* +inf scores: NaN */
+    }
+    q[(7 * FHQ + 2) * FDK + 4] = -INFINITY; /* an infinite element: -inf scores, empty */
+    nsa_mod *mm = NULL;
+    CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, "q_idx >= kv_idx", NULL, 0), NSA_STATUS_SUCCESS);
+    const int was = flex_route_enabled();
+    flex_route_set_enabled(1);
+    for (int on_dev = 0; on_dev <= 1; on_dev++) {
+        nsa_context *ctx = on_dev ? gpu : cpu;
+        void *dev[10];
+        int nd = 0;
+#define PLACE(p, bytes) (on_dev ? (dev[nd++] = dev_copy(mem, p, bytes)) : (void *)(p))
+#define OUT(t) (on_dev ? (dev[nd++] = mem->alloc(4 * sizes[t])) : (void *)out[0][t])
+        nsa_flex_bwd_args g;
+        memset(&g, 0, sizeof g);
+        nsa_flex_args *a = &g.fwd;
+        a->q = nsa_tensor_4d(PLACE(q, 4 * nq * FDK), NSA_DTYPE_F32, 1, T, FHQ, FDK);
+        a->k = nsa_tensor_4d(PLACE(k, 4 * nk * FDK), NSA_DTYPE_F32, 1, T, FH, FDK);
+        a->v = nsa_tensor_4d(PLACE(v, 4 * nk * FDV), NSA_DTYPE_F32, 1, T, FH, FDV);
+        a->o = nsa_tensor_4d(OUT(0), NSA_DTYPE_F32, 1, T, FHQ, FDV);
+        a->lse = nsa_tensor_3d(OUT(1), NSA_DTYPE_F32, 1, T, FHQ);
+        a->block_mask.q_block = QBLK, a->block_mask.kv_block = KBLK, a->mask_mod = mm;
+        g.dout = nsa_tensor_4d(PLACE(dout, 4 * nq * FDV), NSA_DTYPE_F32, 1, T, FHQ, FDV);
+        g.dq = nsa_tensor_4d(OUT(2), NSA_DTYPE_F32, 1, T, FHQ, FDK);
+        g.dk = nsa_tensor_4d(OUT(3), NSA_DTYPE_F32, 1, T, FH, FDK);
+        g.dv = nsa_tensor_4d(OUT(4), NSA_DTYPE_F32, 1, T, FH, FDV);
+#undef PLACE
+#undef OUT
+        size_t need = 0, bneed = 0;
+        CHECK_STATUS(nsa_flex_attention_workspace_size(ctx, a, &need), NSA_STATUS_SUCCESS);
+        CHECK_STATUS(nsa_flex_attention_bwd_workspace_size(ctx, &g, &bneed), NSA_STATUS_SUCCESS);
+        need = need > bneed ? need : bneed;
+        void *ws = on_dev ? mem->alloc(need ? need : 1) : malloc(need ? need : 1);
+        const long before = flex_route_taken();
+        CHECK_STATUS(nsa_flex_attention(ctx, a, ws, need), NSA_STATUS_SUCCESS);
+        CHECK_STATUS(nsa_flex_attention_bwd(ctx, &g, ws, need), NSA_STATUS_SUCCESS);
+        char msg[200];
+        snprintf(msg, sizeof msg, "flex, overflowing scores on %s: the dense route taken %ld times, want %d",
+                 on_dev ? "CUDA" : "CPU", flex_route_taken() - before, on_dev ? 2 : 0);
+        CHECK_MSG(flex_route_taken() - before == (on_dev ? 2 : 0), msg);
+        if (on_dev) {
+            for (int t = 0; t < 5; t++) mem->download(out[1][t], (t == 0 ? a->o : t == 1 ? a->lse : t == 2 ? g.dq : t == 3 ? g.dk : g.dv).data, 4 * sizes[t]);
+            mem->release(ws);
+            for (int i = 0; i < nd; i++) mem->release(dev[i]);
+        } else {
+            free(ws);
+        }
+    }
+    flex_route_set_enabled(was);
+    /* the rows the inputs make: empty, NaN, empty */
+    CHECK(out[0][1][5 * FHQ + 0] == -INFINITY && out[0][1][7 * FHQ + 2] == -INFINITY && isnan(out[0][1][9 * FHQ + 1]));
+    static const char *names[5] = {"o", "lse", "dq", "dk", "dv"};
+    for (int t = 0; t < 5; t++) {
+        double worst = 0.0;
+        const int ok = same_nonfinite_close(out[0][t], out[1][t], sizes[t], 2e-5, &worst);
+        char msg[200];
+        snprintf(msg, sizeof msg, "flex, overflowing scores: CUDA's %s against the CPU's (non-finite elements alike, worst %.3g)",
+                 names[t], worst);
+        CHECK_MSG(ok, msg);
+    }
+    nsa_mod_destroy(mm);
+    free(q), free(k), free(v), free(dout);
+    for (int x = 0; x < 2; x++)
+        for (int t = 0; t < 5; t++) free(out[x][t]);
+}
+
 /* A mod whose tensor is host memory, on the CUDA backend: refused (BAD_ARGUMENT, naming the
  * tensor) before any write, where the kernel would have faulted. */
 static void flex_host_tensor_refused(nsa_context *gpu, const sweep_memory *mem)
@@ -1061,6 +1194,7 @@ void test_flex_on(nsa_backend be, const sweep_memory *mem)
             for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) flex_device_case(cpu, gpu, mem, &cases[i], &r);
         }
         flex_route_set_enabled(was);
+        flex_device_overflowing_scores(cpu, gpu, mem);
         flex_host_tensor_refused(gpu, mem);
     }
     nsa_context_destroy(gpu);

@@ -358,6 +358,7 @@ def _declare(lib):
     fn("nsa_mod_create", c_int, POINTER(c_void_p), c_int, c_char_p, POINTER(ModTensor), c_int32)
     fn("nsa_mod_destroy", None, c_void_p)
     fn("nsa_create_block_mask", c_int, c_void_p, c_int64, c_int64, POINTER(BlockMask))
+    fn("nsa_flex_route_without_lists", c_int, c_void_p, c_void_p)
     for op, args in OPS.items():
         fn("nsa_%s_workspace_size" % op, c_int, c_void_p, POINTER(args), POINTER(c_size_t))
         fn("nsa_" + op, c_int, c_void_p, POINTER(args), c_void_p, c_size_t)

@@ -360,7 +360,29 @@ def create_block_mask(mask_mod: ModLike, B: Optional[int], H: Optional[int], Q_L
     if _wants_torch(device):
         import torch
         arrs = [torch.from_numpy(a).to(device) for a in arrs]
+        # these lists are exactly the mask_mod's as long as nobody writes into them (_version):
+        # noted on the counts tensor, which the custom ops receive as the same object
+        arrs[0]._nsa_made = (mod.handle if mod is not None else 0, Q_LEN, KV_LEN, arrs[1:], [a._version for a in arrs])
     return BlockMask(arrs[0], arrs[1], arrs[2], arrs[3], (qb, kb), mod, (Q_LEN, KV_LEN))
+
+
+def _lists_add_nothing(block_mask, q, k, mask, score):
+    """Whether this call may leave out block_mask's lists: create_block_mask made them on a GPU for
+    this mask_mod and these lengths, none has been written since, and the mods are attention
+    options that the dense route takes from the mods alone (nsa_flex_route_without_lists). The
+    lists then add nothing to what the mask_mod shows, and passing them would cost the call a copy
+    to the host and a synchronisation of the stream."""
+    counts = block_mask.kv_num_blocks
+    made = getattr(counts, "_nsa_made", None) if _is_torch_tensor(counts) else None
+    if made is None or not _is_torch_tensor(q) or q.device.type != "cuda":
+        return False
+    handle, Tq, Tk, others, versions = made
+    lists = (counts, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    if handle != (mask.handle if mask is not None else 0) or (Tq, Tk) != (q.shape[2], k.shape[2]) or Tq != Tk:
+        return False
+    if any(x is not a for x, a in zip(lists[1:], others)) or any(x._version != v for x, v in zip(lists, versions)):
+        return False
+    return bool(_L.nsa_flex_route_without_lists(mask.ptr if mask else None, score.ptr if score else None))
 
 
 def _wants_torch(device):
@@ -395,7 +417,9 @@ def _int32_like(x, q):
 def _fill(call, a, q, k, v, block_mask, score, mask, scale):
     a.q, a.k, a.v = call.view(_bthd(q), "q"), call.view(_bthd(k), "k"), call.view(_bthd(v), "v")
     bm = a.block_mask
-    if block_mask is not None:
+    if block_mask is not None and _lists_add_nothing(block_mask, q, k, mask, score):
+        bm.q_block, bm.kv_block = block_mask.BLOCK_SIZE
+    elif block_mask is not None:
         bm.q_block, bm.kv_block = block_mask.BLOCK_SIZE
         lists = [_int32_like(x, q) for x in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
                                               block_mask.full_kv_indices)]

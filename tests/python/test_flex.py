@@ -498,3 +498,64 @@ def test_dense_route_is_nsa_attention(device, case):
             assert torch.equal(got, want)
         else:
             assert (got.float() - want.float()).abs().max().item() <= 2e-2 * max(1.0, want.float().abs().max().item())
+
+
+@pytest.mark.skipif(TORCH is None or not TORCH.cuda.is_available() or not nsa.backend_available("cuda"),
+                    reason="needs torch with a CUDA device and libnsa's CUDA backend")
+def test_cuda_dense_route_leaves_out_unchanged_lists():
+    """create_block_mask's lists for a mask the dense route takes from the mods alone add nothing
+    to the mask_mod: nsa.flex_attention leaves them out (no copy to the host, no synchronisation).
+    Written into afterwards (their _version moves), they are passed again and the call follows
+    them: here a query block's diagonal block dropped, so its rows see only the first block."""
+    torch = TORCH
+    Tn, Hn, Dn = 300, 2, 128
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, Hn, Tn, Dn, generator=g).to("cuda", torch.bfloat16) for _ in range(3))
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    bm = nsa.create_block_mask(causal, None, None, Tn, Tn, device="cuda", BLOCK_SIZE=128)
+    assert F._lists_add_nothing(bm, q, k, bm.mask_mod, None)
+    assert not F._lists_add_nothing(bm, q, k[:, :, :200], bm.mask_mod, None)  # other lengths: the lists count
+    o = nsa.flex_attention(q, k, v, block_mask=bm)
+    want = nsa.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True).o.transpose(1, 2)
+    assert (o.float() - want.float()).abs().max().item() <= 2e-2
+    assert bm.full_kv_indices[0, 0, 1, 0].item() == 0 and bm.kv_indices[0, 0, 1, 0].item() == 1
+    bm.kv_num_blocks[0, 0, 1] = 0  # query block 1 (rows 128..255): its partial diagonal block dropped
+    assert not F._lists_add_nothing(bm, q, k, bm.mask_mod, None)
+    o = nsa.flex_attention(q, k, v, block_mask=bm)
+    ref, _ = _dense_torch(q.double(), k.double(), v.double(),
+                          lambda b, h, i, j: torch.where((i >= 128) & (i < 256), j < 128, i >= j), None, Dn ** -0.5)
+    assert (o.float() - ref.float()).abs().max().item() <= 2e-2
+
+
+@pytest.mark.skipif(TORCH is None or not TORCH.cuda.is_available() or not nsa.backend_available("cuda"),
+                    reason="needs torch with a CUDA device and libnsa's CUDA backend")
+def test_cuda_dense_route_keeps_rows_of_minus_inf_scores_empty():
+    """bf16, head dim 128 (the attention tiles): finite q rows whose every score overflows to -inf
+    make an empty row on the dense route as in the engine (o = 0, lse = -inf, dq = 0), +inf
+    scores a NaN row (whose keys' dk, dv are NaN), and the other rows are plain causal attention."""
+    torch = TORCH
+    Tn, Hn, Dn = 300, 2, 128
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, Hn, Tn, Dn, generator=g)
+    k = torch.rand(1, Hn, Tn, Dn, generator=g) + 0.1  # positive: the signs of q decide
+    v = torch.randn(1, Hn, Tn, Dn, generator=g)
+    q[0, 0, 200] = -1e37  # every score of row 200, head 0: -inf
+    q[0, 1, 3] = 1e37     # row 3, head 1: +inf scores
+    q, k, v = (x.to("cuda", torch.bfloat16).requires_grad_() for x in (q, k, v))
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    bm = nsa.create_block_mask(causal, None, None, Tn, Tn, device="cuda", BLOCK_SIZE=128)
+    o, lse = nsa.flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    assert lse[0, 0, 200].item() == float("-inf") and (o[0, 0, 200] == 0).all()
+    assert torch.isnan(lse[0, 1, 3]) and torch.isnan(o[0, 1, 3]).all()
+    keep = torch.ones(Hn, Tn, dtype=torch.bool, device="cuda")
+    keep[0, 200] = keep[1, 3] = False
+    ref, _ = _dense_torch(q.detach().double(), k.detach().double(), v.detach().double(), causal, None, Dn ** -0.5)
+    assert (o[0][keep].float() - ref[0][keep].float()).abs().max().item() <= 2e-2
+    o.float().sum().backward()
+    assert (q.grad[0, 0, 200] == 0).all()
+    assert torch.isfinite(k.grad[0, 1, 4:]).all() and torch.isfinite(v.grad[0, 1, 4:]).all()
+    assert torch.isnan(v.grad[0, 1, :4]).any() and torch.isfinite(k.grad[0, 0]).all()

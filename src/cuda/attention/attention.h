@@ -42,6 +42,7 @@ typedef struct xparams {
     int loop_b, loop_h;            /* XK_DQ with a broadcast dbias: batch / heads looped in a CTA */
     int which;                     /* XK_DKV: XW_DV | XW_DK */
     const int *nf;                 /* the call's non-finite flag (run.h; NULL: never set) */
+    int flex_rows;                 /* a row whose visible scores are all -inf is empty (nsa_problem.flex_rows) */
 } xparams;
 
 #define XQ_BM 64 /* query rows per forward / dQ CTA; keys per dK / dV CTA */

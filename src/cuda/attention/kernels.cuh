@@ -411,7 +411,7 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xpara
     int64_t ooff[2];
     for (int x = 0; x < 2; x++) {
         const float l = sc_quad_sum(l_[x]);
-        const int seen_row = sc_quad_sum((float)seen[x]) > 0.0f;
+        const int seen_row = sc_quad_sum((float)seen[x]) > 0.0f && !(P.flex_rows && l == 0.0f); /* (all -inf: empty) */
         float lse;
         const float w = sc_row_finish(m_[x], l, seen_row, P.sinks, P.sinks_s, hq, &lse);
         sc_row_clear(acc, x, seen_row);

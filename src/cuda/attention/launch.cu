@@ -24,6 +24,7 @@ static void run_attention(grun *g, const nsa_attention_args *a)
     const dview q = dv_of(&a->q), k = dv_of(&a->k), v = dv_of(&a->v), o = dv_of(&a->o), lse = dv_of(&a->lse);
     rule_t r = cu_rule_window(a->window_left, a->window_right, a->causal);
     r.cap = a->softcap;
+    r.flex_rows = g->p->flex_rows;
     if (a->sinks.data) r.sinks = (const float *)a->sinks.data, r.sinks_s = a->sinks.stride[0];
     if (g->p->Tk != g->p->T) r.shift = (int)nsa_rule_diag(0, g->p->T, g->p->Tk), r.nk = (int)g->p->Tk;
     cu_fwd_range(g, &r, &q, a->q.dtype, &k, &v, &o, &lse);
@@ -50,6 +51,7 @@ static void run_attention_bwd(grun *g, const nsa_attention_bwd_args *a)
     g_seq_setup(g, 0);
     rule_t r = cu_rule_window(f->window_left, f->window_right, f->causal);
     r.cap = f->softcap; /* (the tiles' backward takes a softcap alone: the planner) */
+    r.flex_rows = g->p->flex_rows;
     cu_range_bwd_op(g, &r, &f->q, &f->k, &f->v, &f->o, &f->lse, &a->dout, g->p->T, &a->dq, &a->dk, &a->dv);
 }
 
@@ -130,6 +132,7 @@ static void x_fill(grun *g, const nsa_attention_args *a, xparams *P, int64_t *nq
     P->rp = 1.0f / (1.0f - a->dropout_p);
     P->seed = a->dropout_seed, P->offset = a->dropout_offset;
     P->which = XW_DV | XW_DK;
+    P->flex_rows = p->flex_rows;
     *qfirst = *kfirst = NULL;
     if (!p->cu_seqlens_q && !p->cu_seqlens) {
         P->nseq = p->B;
@@ -217,8 +220,8 @@ void cu_xattn_bwd(grun *g, const nsa_attention_bwd_args *ba)
         cu_scan_nonfinite(g, &P.dout, p->B, p->T, p->HQ, p->DV);
         cu_scan_nonfinite(g, &P.o, p->B, p->T, p->HQ, p->DV);
     }
-    cu_scan_nonfinite(g, &P.q, p->B, p->T, p->HQ, p->DK);
-    cu_scan_nonfinite(g, &P.k, p->B, p->Tk, p->H, p->DK);
+    cu_scan_score_operand(g, &P.q, p->B, p->T, p->HQ, p->DK);
+    cu_scan_score_operand(g, &P.k, p->B, p->Tk, p->H, p->DK);
     cu_scan_nonfinite(g, &P.v, p->B, p->Tk, p->H, p->DV);
     cu_scan_lse(g, &P.lse, p->B, p->T, p->HQ);
     P.nf = g_nf_tiles(g);

@@ -120,6 +120,7 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) xs_fwd_kernel(const xparams P
 #pragma unroll
             for (int c = 0; c < SIMT_COLS; c++) acc[c] = fmaf(p * z, x[c], acc[c]);
         }
+        if (P.flex_rows && l == 0.0f) seen = false; /* scores all -inf: an empty row (xparams.flex_rows) */
         const bool nan_row = l == 0.0f && seen && !P.sinks;
         float lse = l != 0.0f ? m + logf(l) : nan_row ? NAN : -INFINITY;
         float wgt = l != 0.0f ? 1.0f / l : nan_row ? NAN : 0.0f;
@@ -160,6 +161,7 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) xs_dq_kernel(const xparams P,
                 simt_load(dO, P.dout, b * P.dout.s0 + t * P.dout.s1 + hq * P.dout.s2, P.DV, lane);
                 const float lse = ((const float *)P.lse.p)[b * P.lse.s0 + t * P.lse.s1 + hq * P.lse.s2];
                 const int64_t flat = (b * P.Tq + t) * P.HQ + hq;
+                if (lse == -INFINITY) hi = lo - 1; /* a row that saw no key (flex_rows: or only -inf scores): no gradient */
                 /* P, dP~ of a shown pair (false: hidden) */
                 auto pair = [&](int j, float *p, float *dpt, float *dc, float *z) {
                     const int64_t kr = sq.k0 + j;
@@ -233,7 +235,8 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) xs_dkv_kernel(const xparams P
                                         &dc, &z);
                 if (!shown) continue;
                 const float lse = ((const float *)P.lse.p)[b * P.lse.s0 + t * P.lse.s1 + hq * P.lse.s2];
-                const float p = lse == -INFINITY ? 0.0f : expf(s - lse);
+                if (lse == -INFINITY) continue; /* a row that saw no key (flex_rows: or only -inf scores): no gradient */
+                const float p = expf(s - lse);
                 simt_load(y, P.dout, b * P.dout.s0 + t * P.dout.s1 + hq * P.dout.s2, P.DV, lane);
                 const float ds = p * (z * simt_dot(y, vx, P.DV, lane) - P.Dw[(b * P.Tq + t) * P.HQ + hq]) * dc, pz = p * z;
 #pragma unroll

@@ -403,8 +403,9 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
         const int64_t rr = r0 + r, pos = rr / G, g = rr % G, hq = h * G + g;
         if constexpr (MODE == MODE_FWD) {
             float lse;
-            const float inv = sc_row_finish(m_[x], l, rseen[x], P.rule.sinks, P.rule.sinks_s, hq, &lse);
-            sc_row_clear(acc, x, rseen[x]);
+            const int seen = rseen[x] && !(P.rule.flex_rows && l == 0.0f); /* (flex_rows: all -inf, empty) */
+            const float inv = sc_row_finish(m_[x], l, seen, P.rule.sinks, P.rule.sinks_s, hq, &lse);
+            sc_row_clear(acc, x, seen);
             if (P.o.p) {
                 const int64_t ob = sq.b * P.o.s0 + (sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
 #pragma unroll

@@ -3,25 +3,38 @@
 #include "tiles.h"
 #include "../prim/rowwise.cuh"
 
+/* lpr lanes a row (row_lanes: D 128 in 16-byte loads, 16 lanes, two rows a warp); rows past the
+ * end stay for the shuffles */
 __global__ void dprep_kernel(dview dout, dview o, dview gate, float *Dw, float *gw, int64_t T, int64_t HQ, int64_t DV,
-                             int64_t rows, int *nf)
+                             int64_t rows, int lpr, int vec, int *nf)
 {
-    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (row >= rows) return;
-    int64_t hq, t, b;
-    split_row(row, HQ, T, rows, &b, &t, &hq);
+    const int64_t gt = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t row = gt / lpr;
+    const int sub = (int)(gt & (lpr - 1));
+    const bool live = row < rows;
+    int64_t hq = 0, t = 0, b = 0;
+    if (live) split_row(row, HQ, T, rows, &b, &t, &hq);
     const int64_t db = b * dout.s0 + t * dout.s1 + hq * dout.s2, obase = b * o.s0 + t * o.s1 + hq * o.s2;
     float acc = 0.0f;
     int seen = 0; /* o is exactly 0 for a row that saw no key: its D is 0, even from inf dout */
-    for (int64_t d = lane; d < DV; d += 32) {
-        const float ov = ld_any(o.p, o.dt, obase + d);
-        acc += ld_any(dout.p, dout.dt, db + d) * ov;
-        seen |= ov != 0.0f;
+    if (live && vec) {
+        for (int64_t d = 8 * sub; d < DV; d += 8 * lpr) {
+            float dd[8], ov[8];
+            ld8_any(dout.p, dout.dt, db + d, dd);
+            ld8_any(o.p, o.dt, obase + d, ov);
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc += dd[i] * ov[i], seen |= ov[i] != 0.0f;
+        }
+    } else if (live) {
+        for (int64_t d = sub; d < DV; d += lpr) {
+            const float ov = ld_any(o.p, o.dt, obase + d);
+            acc += ld_any(dout.p, dout.dt, db + d) * ov;
+            seen |= ov != 0.0f;
+        }
     }
-    acc = warp_sum(acc);
-    seen = __any_sync(0xffffffffu, seen);
-    if (lane == 0) {
+    acc = group_sum(acc, lpr);
+    seen = group_sum((float)seen, lpr) != 0.0f;
+    if (live && sub == 0) {
         const float gv = gate.p ? ld_any(gate.p, gate.dt, b * gate.s0 + t * gate.s1 + hq * gate.s2) : 1.0f;
         Dw[row] = seen ? gv * acc : 0.0f;
         if (gw) gw[row] = gv;
@@ -39,8 +52,10 @@ void nsa_cu_dprep(grun *g, const dview *dout, const dview *o, const dview *gate,
     if (!g_live(g) || rows == 0) return;
     dview none;
     memset(&none, 0, sizeof none);
-    dprep_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(*dout, *o, gate ? *gate : none, Dw, gw, T,
-                                                                           HQ, DV, rows, nf);
+    const dview v[2] = {*dout, *o};
+    const int vec = vec8_ok(v, 2, DV), lpr = row_lanes(vec, DV);
+    dprep_kernel<<<grid1(rows * lpr, PREP_THREADS), PREP_THREADS, 0, g->st>>>(*dout, *o, gate ? *gate : none, Dw, gw, T,
+                                                                            HQ, DV, rows, lpr, vec, nf);
     g_launched(g);
 }
 

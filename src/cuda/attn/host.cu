@@ -55,8 +55,8 @@ void cu_dq_params(qparams *P, const nsa_problem *p, const bwd_io *io)
 void cu_bwd_scan(grun *g, const bwd_io *io)
 {
     const nsa_problem *p = g->p;
-    cu_scan_nonfinite(g, io->q, p->B, p->T, p->HQ, p->DK);
-    cu_scan_nonfinite(g, io->k, p->B, io->KR, p->H, p->DK);
+    cu_scan_score_operand(g, io->q, p->B, p->T, p->HQ, p->DK);
+    cu_scan_score_operand(g, io->k, p->B, io->KR, p->H, p->DK);
     cu_scan_nonfinite(g, io->v, p->B, io->KR, p->H, p->DV);
     cu_scan_lse(g, io->lse, p->B, p->T, p->HQ);
 }

@@ -85,7 +85,9 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) simt_q_kernel(const qparams P
                 }
             });
             /* as the tiles' row finish (softmax.cuh): a row that saw keys whose weights are all
-             * 0 is 0 / 0 in dense attention, NaN; a row that saw none is o = 0, lse = -inf */
+             * 0 is 0 / 0 in dense attention, NaN (under flex_rows: empty); a row that saw none is
+             * o = 0, lse = -inf */
+            if (P.rule.flex_rows && l == 0.0f) seen = 0;
             const bool nan_row = l == 0.0f && seen && !P.rule.sinks;
             float lse = l != 0.0f ? m + logf(l) : nan_row ? NAN : -INFINITY;
             float wgt = l != 0.0f ? 1.0f / l : nan_row ? NAN : 0.0f;
@@ -112,6 +114,7 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) simt_q_kernel(const qparams P
             const float D = P.Dw[flat], g = P.gw ? P.gw[flat] : 1.0f;
             float dO[SIMT_COLS];
             simt_load(dO, P.dout, b * P.dout.s0 + t * P.dout.s1 + hq * P.dout.s2, P.DV, lane);
+            if (lse == -INFINITY) lo = 0, hi = -1, ucnt = 0; /* a row that saw no key (flex_rows: or only -inf scores): dq = 0 */
             walk([&](int j) {
                 simt_load(x, P.k, kb + (kr0 + j) * P.k.s1, P.DK, lane);
                 float s = simt_dot(q, x, P.DK, lane) * P.scale, f = 1.0f;
@@ -197,6 +200,7 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) simt_k_kernel(const kparams P
             for (int64_t g = 0; g < P.G; g++) {
                 const int64_t hq = h * P.G + g, flat = (b * P.T + t) * P.HQ + hq;
                 const float lse = ((const float *)P.lse.p)[b * P.lse.s0 + t * P.lse.s1 + hq * P.lse.s2];
+                if (lse == -INFINITY) continue; /* a row that saw no key (or, flex_rows, only -inf scores): no gradient */
                 const float D = P.Dw[flat], gt = P.gw ? P.gw[flat] : 1.0f;
                 simt_load(x, P.q, b * P.q.s0 + t * P.q.s1 + hq * P.q.s2, P.DK, lane);
                 simt_load(y, P.dout, b * P.dout.s0 + t * P.dout.s1 + hq * P.dout.s2, P.DV, lane);

@@ -2094,16 +2094,9 @@ static void check_mod_memory(grun *g, const nsa_mod *m, const char *which)
 
 /* ---- the dense route's inputs (flex_route.h; api.c decides) ------------------------------------ */
 
-/* The largest |element| of a [n0, n1, n2, D] tensor into *out as float bits (prim/nonfinite.cu). */
-static void route_absmax(grun *g, const nsa_tensor *t, unsigned *out)
-{
-    const dview v = dv_of(t);
-    cu_scan_absmax(g, &v, t->shape[0], t->shape[1], t->shape[2], t->shape[3], out);
-}
-
-/* The block lists and a document mask's ids copied to the host, and (when the route needs them)
- * the largest magnitudes of q and k read back: one synchronisation of the stream. ws: at least
- * 256 bytes (the two maxima). */
+/* The block lists and a document mask's ids copied to the host: one synchronisation of the
+ * stream, none when the call has neither. The magnitudes of q and k are not read: the attention
+ * kernels keep a row of all -inf scores empty themselves (nsa_problem.flex_rows). */
 extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_args *a,
                                                const flex_route *r, void *ws, flex_route_host *h)
 {
@@ -2117,7 +2110,8 @@ extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa
     if (g.err != NSA_STATUS_SUCCESS) return g.err;
     /* what the decision reads needs a synchronisation, which a stream being captured into a CUDA
      * graph does not allow: there the engine's path runs (as it would have) */
-    const int reads = flex_route_needs_scan(r) || r->doc || nsa_present(&a->block_mask.kv_num_blocks);
+    h->scores_on_device = 1;
+    const int reads = r->doc || nsa_present(&a->block_mask.kv_num_blocks);
     if (!reads) return NSA_STATUS_SUCCESS;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     g_check(&g, cudaStreamIsCapturing(g.st, &capture));
@@ -2125,13 +2119,6 @@ extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa
     if (capture != cudaStreamCaptureStatusNone) {
         h->decline = 1;
         return NSA_STATUS_SUCCESS;
-    }
-    unsigned *maxima = NULL;
-    if (flex_route_needs_scan(r)) {
-        maxima = (unsigned *)g_take(&g, 2 * sizeof(unsigned));
-        g_zero(&g, maxima, 2 * sizeof(unsigned));
-        route_absmax(&g, &a->q, maxima);
-        route_absmax(&g, &a->k, maxima + 1);
     }
     lists_to_host(&g, &h->lists, h->owned);
     const int64_t dspan = r->doc ? view_span(r->doc) : 0, dn = dspan > p->T ? dspan : p->T;
@@ -2141,8 +2128,6 @@ extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa
         if (!h->doc) g_fail(&g, NSA_STATUS_OUT_OF_MEMORY, "mask_mod: no host memory for the document ids");
         else g_check(&g, cudaMemcpyAsync(h->doc, r->doc->data, (size_t)dspan * 4, cudaMemcpyDeviceToHost, g.st));
     }
-    unsigned got[2] = {0, 0};
-    if (maxima && g_live(&g)) g_check(&g, cudaMemcpyAsync(got, maxima, sizeof got, cudaMemcpyDeviceToHost, g.st));
     if (g_live(&g)) g_check(&g, cudaStreamSynchronize(g.st));
     if (g.err != NSA_STATUS_SUCCESS) {
         flex_route_host_free(h);
@@ -2150,8 +2135,6 @@ extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa
     }
     if (r->doc) /* doc[0 .. T) gathered from the strided copy, in place (i * stride >= i) */
         for (int64_t i = 0; i < p->T; i++) h->doc[i] = h->doc[i * r->doc->stride[0]];
-    memcpy(&h->qmax, &got[0], sizeof(float)); /* (bits above +inf's read as NaN) */
-    memcpy(&h->kmax, &got[1], sizeof(float));
     return NSA_STATUS_SUCCESS;
 }
 

@@ -77,16 +77,9 @@ void nsa_cu_gate(grun *g, const dview os[3], const dview gs[3], const dview *o, 
     for (int x = 0; x < 3; x++) a.o[x] = os[x], a.g[x] = gs[x];
     dview v[4] = {*o};
     for (int x = 0; x < 3; x++) v[x + 1] = gs[x].p ? os[x] : dview();
-    const int vec = vec8_ok(v, 4, DV), lpr = gate_lanes(vec, DV);
+    const int vec = vec8_ok(v, 4, DV), lpr = row_lanes(vec, DV);
     gate_kernel<<<grid_resident(rows * lpr, PREP_THREADS), PREP_THREADS, 0, g->st>>>(a, *o, T, HQ, DV, rows, vec, lpr);
     g_launched(g);
-}
-
-/* Sum over the lpr lanes of a row (aligned groups of a power of two). */
-__device__ __forceinline__ float group_sum(float x, int lpr)
-{
-    for (int o = lpr >> 1; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
 }
 
 /* lpr lanes per (b, t, hq) row: per present gate, dg = rowsum(dout * o_x) (also the branch's
@@ -159,7 +152,7 @@ void nsa_cu_gate_bwd(grun *g, const dview *dout, const dview os[3], const dview 
         if (Dw && gs[x].p) a.Dw[x] = Dw[x], a.gw[x] = gw[x];
         if (gs[x].p) v[1 + x] = os[x], v[4 + x] = a.d[x];
     }
-    const int vec = vec8_ok(v, 7, DV), lpr = gate_lanes(vec, DV);
+    const int vec = vec8_ok(v, 7, DV), lpr = row_lanes(vec, DV);
     gate_bwd_kernel<<<grid1(rows * lpr, PREP_THREADS), PREP_THREADS, 0, g->st>>>(a, *dout, T, HQ, DV, rows, vec, lpr, nf);
     g_launched(g);
 }

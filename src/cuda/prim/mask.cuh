@@ -25,6 +25,7 @@ typedef struct rule_t {
                              diagonal key, and the position the compressed and selected rules read
                              (a query chunk of the NSA ops: shift = Tk - Tq) */
     int nk;               /* window rule: key count (Tk, 0 allowed); -1: the sequence's keys */
+    int flex_rows;        /* a row whose visible scores are all -inf is empty, not NaN (nsa_problem.flex_rows) */
 } rule_t;
 
 #if defined(__CUDACC__)

@@ -135,11 +135,19 @@ static int vec8_ok(const dview *v, int n, int64_t D)
     return 1;
 }
 
-/* Lanes per row of the gate kernels: vectorised, the power of two covering D / 8 elements
+/* Sum over the lpr lanes of a row (aligned groups of a power of two; every lane of the warp
+ * calls it). */
+__device__ __forceinline__ float group_sum(float x, int lpr)
+{
+    for (int o = lpr >> 1; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+/* Lanes per row of the row-wise kernels (the gates, D = rowsum(dout * o)): vectorised, the power of two covering D / 8 elements
  * (D 128: 16 lanes, two rows per warp, every lane one 16-byte access per tensor); else 32
  * lanes of one element. Rows of a few hundred bytes leave a whole warp per row mostly idle
  * behind its index arithmetic and latency. */
-static int gate_lanes(int vec, int64_t D)
+static int row_lanes(int vec, int64_t D)
 {
     int l = 1;
     while (vec && l < 32 && l * 8 < D) l <<= 1;

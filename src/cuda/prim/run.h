@@ -167,9 +167,11 @@ void cu_scan_nonfinite(grun *g, const dview *t, int64_t n0, int64_t n1, int64_t 
 /* The same for a saved lse [B, T, HQ] (f32), where -inf marks a row that saw no key (it gives
  * P = 0) and only a NaN is a non-finite input to the tiles. */
 void cu_scan_lse(grun *g, const dview *lse, int64_t B, int64_t T, int64_t HQ);
-/* The largest |element| of view t ([n0, n1, n2, D]) as float bits, atomicMax'ed into *out
- * (zeroed by the caller; a NaN reads as larger than +inf). */
-void cu_scan_absmax(grun *g, const dview *t, int64_t n0, int64_t n1, int64_t n2, int64_t D, unsigned *out);
+/* The scan of q or k, the operands of the scores: cu_scan_nonfinite, and under the problem's
+ * flex_rows (block-sparse attention's dense route) also any magnitude that could make a score
+ * overflow f32 (|x| above L, scale DK L^2 = FLT_MAX / 4): the scalar kernels then compute the
+ * call, and they keep a row of all -inf scores empty as the block-sparse engine does. */
+void cu_scan_score_operand(grun *g, const dview *t, int64_t n0, int64_t n1, int64_t n2, int64_t D);
 
 /* The two entry points of every op around its run function: the workspace size (the dry
  * pass's bytes plus alignment slack) and the live call (its first error, or SUCCESS). */

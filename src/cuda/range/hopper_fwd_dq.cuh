@@ -400,9 +400,11 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                 continue;
             }
             float lse;
-            /* the tiles walk the union of the rows' ranges: a row with a range saw a key */
-            const float inv = sc_row_finish(m_[x], l, rlo[x] <= rhi[x], P.rule.sinks, P.rule.sinks_s, hq, &lse);
-            sc_row_clear(acc, x, rlo[x] <= rhi[x]);
+            /* the tiles walk the union of the rows' ranges: a row with a range saw a key (under
+             * flex_rows, one whose scores were all -inf saw none) */
+            const int seen = rlo[x] <= rhi[x] && !(P.rule.flex_rows && l == 0.0f);
+            const float inv = sc_row_finish(m_[x], l, seen, P.rule.sinks, P.rule.sinks_s, hq, &lse);
+            sc_row_clear(acc, x, seen);
             if (obox) {
                 /* 4 bytes of row r in its swizzled 16-byte chunk: the warp's 8 rows x 16 bytes
                  * fall in 8 different chunk slots (no bank conflicts) */
