@@ -629,6 +629,11 @@ typedef struct nsa_flex_args {
     const nsa_mod *mask_mod;      /* NULL: every pair of a listed block is visible */
     const nsa_mod *score_mod;     /* NULL: the scaled product */
     float scale;                  /* 0 = 1 / sqrt(DK) */
+    const int32_t *doc_runs;      /* optional, host: for a mask_mod that is a document mask of the dense route (spec 14),
+                                     the runs of its ids as bounds 0 = doc_runs[0] < ... < doc_runs[num_doc_runs] = Tq
+                                     (nsa_flex_doc_runs), so that the route reads no ids from the device; they must be
+                                     the runs of the ids the mask_mod reads. Ignored by every other call. */
+    int64_t num_doc_runs;         /* with doc_runs: its runs (num_doc_runs + 1 bounds); else 0 */
 } nsa_flex_args;
 
 /* The backward: dq, dk, dv and, for each float tensor t the score_mod reads whose gradient is
@@ -670,12 +675,20 @@ NSA_API nsa_status nsa_flex_attention_bwd(nsa_context *ctx, const nsa_flex_bwd_a
                                           size_t workspace_bytes);
 /* 1 when a call with these mods (and Tq == Tk) takes the dense route from its mods alone, whatever
  * its data: they are nsa_attention options without a document mask (causal, windows, a softcap),
- * and the route is on. Such a call computes the same function whether or not it is given a block
- * mask that visits what the mods see (the lists nsa_create_block_mask makes for them); given
- * one, CUDA copies and checks its lists (a synchronisation of the stream), given none it reads
- * nothing on the host. A caller that holds such lists, unchanged, may therefore leave them out
- * (nsa.flex_attention does). NULL mods are plain attention (1). 0 otherwise. */
+ * and the route is on; 2 when they are such options with a document mask, which the route takes
+ * from the mods and doc_runs alone. Such a call computes the same function whether or not it is
+ * given a block mask that visits what the mods see (the lists nsa_create_block_mask makes for
+ * them); given one, CUDA copies and checks its lists (a synchronisation of the stream), given none
+ * (and doc_runs for a document mask) it reads nothing on the host. A caller that holds such
+ * lists, unchanged, may therefore leave them out (nsa.flex_attention does). NULL mods are plain
+ * attention (1). 0 otherwise. */
 NSA_API int nsa_flex_route_without_lists(const nsa_mod *mask_mod, const nsa_mod *score_mod);
+/* For doc_runs: the runs of the ids of a document mask (nsa_flex_route_without_lists(mask_mod, ..)
+ * is 2) whose tensors are in host memory, doc[0 .. T) as bounds into runs (T + 1 entries), and
+ * (ids_tensor not NULL) the ids' index among the mod's tensors. @return the number of runs; 0
+ * when the mod is no such mask, T is outside [1, INT32_MAX], the ids are fewer than T, or an id
+ * comes back after another (no route then); -1 without host memory. */
+NSA_API int64_t nsa_flex_doc_runs(const nsa_mod *mask_mod, int64_t T, int32_t *runs, int32_t *ids_tensor);
 
 /* ---- 10. Context parallelism over NCCL (spec 15) ---------------------------------------- */
 /* The NSA forward / backward of sequences of seq_len positions split over the ranks of an NCCL

@@ -440,8 +440,25 @@ static const nsa_flex_args *flex_fwd_of(op_call c)
 int nsa_flex_route_without_lists(const nsa_mod *mask_mod, const nsa_mod *score_mod)
 {
     expr_attention m;
-    /* (prefix-LM: no option; a document mask: its ids decide) */
-    return flex_route_enabled() && expr_as_attention(mask_mod, score_mod, &m) && m.prefix <= 0 && m.doc < 0;
+    /* (prefix-LM: no option) */
+    if (!flex_route_enabled() || !expr_as_attention(mask_mod, score_mod, &m) || m.prefix > 0) return 0;
+    return m.doc < 0 ? 1 : 2;
+}
+
+int64_t nsa_flex_doc_runs(const nsa_mod *mask_mod, int64_t T, int32_t *runs, int32_t *ids_tensor)
+{
+    expr_attention m;
+    if (!mask_mod || !runs || T < 1 || T > INT32_MAX || !expr_as_attention(mask_mod, NULL, &m) || m.prefix > 0 || m.doc < 0)
+        return 0;
+    const nsa_tensor *d = expr_capture_tensor(mask_mod, m.doc);
+    if (d->rank != 1 || d->shape[0] < T) return 0;
+    int32_t *ids = (int32_t *)malloc((size_t)T * sizeof(int32_t));
+    if (!ids) return -1;
+    flex_route_gather_doc(d, T, ids);
+    const int64_t n = flex_route_doc_runs(ids, T, runs);
+    free(ids);
+    if (n > 0 && ids_tensor) *ids_tensor = m.doc;
+    return n;
 }
 
 /* The route's plan: the mods and shapes allow it, and a backward asks no tensor gradient. */
@@ -535,6 +552,7 @@ static nsa_status route_run(const nsa_context *ctx, op_call c, const nsa_problem
         st = NSA_STATUS_SUCCESS;
         h.decline = 1;
     }
+    if (r->doc && a->doc_runs) h.runs = a->doc_runs, h.nruns = a->num_doc_runs;
     nsa_flex_args hl = *a; /* the lists' contents, checked as the engine checks them: a bad list is refused either way */
     hl.block_mask = h.lists;
     if (st == NSA_STATUS_SUCCESS && !h.decline) st = nsa_flex_lists_check(&hl, p); /* (declined: the lists are not here) */

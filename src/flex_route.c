@@ -75,7 +75,7 @@ nsa_status flex_route_host_cpu(const nsa_flex_args *a, const nsa_problem *p, con
 {
     memset(h, 0, sizeof *h);
     h->lists = a->block_mask;
-    if (r->doc) {
+    if (r->doc && !a->doc_runs) {
         h->doc = (int32_t *)malloc((size_t)p->T * sizeof(int32_t));
         if (!h->doc) return nsa_fail(NSA_STATUS_OUT_OF_MEMORY, "mask_mod: no host memory for the document ids");
         h->owned[0] = h->doc;
@@ -159,7 +159,10 @@ int flex_route_decide(const flex_route *r, const flex_route_host *h, const nsa_p
         const double bound = (double)p->scale * (double)p->DK * (double)h->qmax * (double)h->kmax;
         if (!(bound < (double)FLT_MAX / 4.0)) return 0;
     }
-    if (r->doc) {
+    if (r->doc && h->runs) { /* (validated: bounds from 0 to T, increasing) */
+        memcpy(cu, h->runs, (size_t)(h->nruns + 1) * sizeof(int32_t));
+        *nseq = h->nruns;
+    } else if (r->doc) {
         const int64_t n = flex_route_doc_runs(h->doc, T, cu);
         if (n <= 0) return (int)n;
         *nseq = n;

@@ -32,7 +32,9 @@ void flex_route_note_taken(void);
  * tensors, CUDA copies them). */
 typedef struct flex_route_host {
     nsa_block_mask lists;  /* the call's block mask, its four tensors in host memory */
-    int32_t *doc;          /* doc[0 .. T) gathered, or NULL without a document mask */
+    int32_t *doc;          /* doc[0 .. T) gathered, or NULL without a document mask (or with the caller's runs) */
+    const int32_t *runs;   /* the caller's doc_runs (n + 1 bounds, nruns = n), or NULL: the runs come from doc */
+    int64_t nruns;
     float qmax, kmax;      /* the largest |element| of q and of k (+inf or NaN: a non-finite one; set only when asked) */
     int scores_on_device;  /* the backend's attention keeps a row of all -inf scores empty itself (nsa_problem.flex_rows:
                               CUDA), so qmax, kmax are not read and no magnitude declines the route */

@@ -1083,6 +1083,21 @@ static int flex_specs(const nsa_flex_args *a, int bwd, tspec *s)
 
 static nsa_status flex_finish(const nsa_flex_args *a, int bwd, const nsa_problem *p)
 {
+    if (!a->doc_runs && a->num_doc_runs != 0)
+        return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%snum_doc_runs: %" PRId64 " without doc_runs", PRE(bwd), a->num_doc_runs);
+    if (a->doc_runs) { /* (host memory: bounds 0 = r_0 < r_1 < ... < r_n = Tq) */
+        const int64_t n = a->num_doc_runs;
+        if (n < 1 || n > p->T)
+            return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%snum_doc_runs: %" PRId64 ", must be in [1, Tq = %" PRId64 "]", PRE(bwd), n,
+                            p->T);
+        if (a->doc_runs[0] != 0 || a->doc_runs[n] != p->T)
+            return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%sdoc_runs: the bounds run from %" PRId32 " to %" PRId32 ", must run from 0 "
+                            "to Tq = %" PRId64, PRE(bwd), a->doc_runs[0], a->doc_runs[n], p->T);
+        for (int64_t s = 0; s < n; s++)
+            if (a->doc_runs[s + 1] <= a->doc_runs[s])
+                return nsa_fail(NSA_STATUS_BAD_ARGUMENT, "%sdoc_runs[%" PRId64 "]: %" PRId32 " after %" PRId32 ", the bounds must "
+                                "increase", PRE(bwd), s + 1, a->doc_runs[s + 1], a->doc_runs[s]);
+    }
     const nsa_block_mask *m = &a->block_mask;
     const int64_t nqb = p->T / m->q_block + (p->T % m->q_block != 0);
     if (nsa_present(&m->kv_num_blocks) && m->kv_num_blocks.shape[2] != nqb)

@@ -424,13 +424,13 @@ static void test_flex_dense_route(nsa_context *ctx)
     };
     const int was = flex_route_enabled();
     flex_route_set_enabled(1);
-    { /* which mods the route takes without lists: options without a document mask */
+    { /* which mods the route takes without lists: options (2: with a document mask, given its runs) */
         static const struct { const char *mask, *score; int want; } forms[] = {
             {NULL, NULL, 1},
             {"q_idx >= kv_idx", NULL, 1},
             {"(q_idx >= kv_idx) & ((q_idx - kv_idx) < 10)", "3.0 * tanh(score / 3.0)", 1},
             {"abs(q_idx - kv_idx) <= 6", NULL, 1},
-            {"(docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)", NULL, 0}, /* (the ids decide) */
+            {"(docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)", NULL, 2}, /* (with the ids' runs) */
             {"kv_idx < 7 || q_idx >= kv_idx", NULL, 0},                       /* prefix-LM: no option */
             {"q_idx > kv_idx", NULL, 0},
             {"q_idx >= kv_idx", "score - slope[h] * abs(q_idx - kv_idx)", 0},
@@ -452,6 +452,48 @@ static void test_flex_dense_route(nsa_context *ctx)
             flex_route_set_enabled(1);
             nsa_mod_destroy(mm), nsa_mod_destroy(sm);
         }
+    }
+    { /* a document mask given its runs (doc_runs, from nsa_flex_doc_runs): the route takes them instead of
+         reading the ids, and computes what it computes from the ids, bit for bit */
+        enum { T = 50 };
+        const int64_t dsl = 64;
+        const nsa_mod_tensor tens[] = {{"doc", nsa_tensor_make(g_doc, NSA_DTYPE_I32, 1, &dsl)},
+                                       {"docs", nsa_tensor_make(g_docs, NSA_DTYPE_I32, 1, &dsl)}};
+        nsa_mod *mm = NULL, *ret = NULL, *plain = NULL;
+        CHECK_STATUS(nsa_mod_create(&mm, NSA_MOD_MASK, "(docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)", tens, 2),
+                     NSA_STATUS_SUCCESS);
+        CHECK_STATUS(nsa_mod_create(&ret, NSA_MOD_MASK, "doc[q_idx] == doc[kv_idx]", tens, 2), NSA_STATUS_SUCCESS);
+        CHECK_STATUS(nsa_mod_create(&plain, NSA_MOD_MASK, "q_idx >= kv_idx", tens, 2), NSA_STATUS_SUCCESS);
+        int32_t runs[T + 1], ids = -1;
+        CHECK(nsa_flex_doc_runs(mm, T, runs, &ids) == 5 && ids == 1);
+        CHECK(runs[0] == 0 && runs[1] == 11 && runs[4] == 44 && runs[5] == T);
+        CHECK(nsa_flex_doc_runs(ret, T, runs, NULL) == 0);   /* ids that come back: no runs */
+        CHECK(nsa_flex_doc_runs(plain, T, runs, NULL) == 0); /* no document mask */
+        CHECK(nsa_flex_doc_runs(mm, 65, runs, NULL) == 0);   /* fewer ids than rows */
+        CHECK(nsa_flex_doc_runs(mm, T, runs, NULL) == 5);
+        static float q[T * FHQ * FDK], k[T * FH * FDK], v[T * FH * FDV], o[2][T * FHQ * FDV];
+        test_rng r = {17};
+        for (int i = 0; i < T * FHQ * FDK; i++) q[i] = (float)rnd_u(&r);
+        for (int i = 0; i < T * FH * FDK; i++) k[i] = (float)rnd_u(&r);
+        for (int i = 0; i < T * FH * FDV; i++) v[i] = (float)rnd_u(&r);
+        nsa_flex_args a;
+        memset(&a, 0, sizeof a);
+        a.q = nsa_tensor_4d(q, NSA_DTYPE_F32, 1, T, FHQ, FDK), a.k = nsa_tensor_4d(k, NSA_DTYPE_F32, 1, T, FH, FDK);
+        a.v = nsa_tensor_4d(v, NSA_DTYPE_F32, 1, T, FH, FDV);
+        a.block_mask.q_block = QBLK, a.block_mask.kv_block = KBLK, a.mask_mod = mm;
+        for (int given = 0; given < 2; given++) {
+            a.o = nsa_tensor_4d(o[given], NSA_DTYPE_F32, 1, T, FHQ, FDV);
+            a.doc_runs = given ? runs : NULL, a.num_doc_runs = given ? 5 : 0;
+            size_t need = 0;
+            CHECK_STATUS(nsa_flex_attention_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
+            void *ws = malloc(need ? need : 1);
+            const long before = flex_route_taken();
+            CHECK_STATUS(nsa_flex_attention(ctx, &a, ws, need), NSA_STATUS_SUCCESS);
+            CHECK(flex_route_taken() - before == 1);
+            free(ws);
+        }
+        CHECK_MSG(memcmp(o[0], o[1], sizeof o[0]) == 0, "flex: the route with doc_runs computes what it computes from the ids");
+        nsa_mod_destroy(mm), nsa_mod_destroy(ret), nsa_mod_destroy(plain);
     }
     { /* an infinite q keeps the engine without a softcap (a row of -inf scores is empty there, NaN in dense
          attention) and takes the route with one (every score finite or NaN, the same either way) */
@@ -574,7 +616,12 @@ static void test_flex_refuses(nsa_context *ctx)
         {8, NSA_STATUS_BAD_DTYPE, "block_mask.kv_indices"},
         {9, NSA_STATUS_BAD_SHAPE, "block_mask.kv_num_blocks: dim 0 (B or 1) is 3"},
         {10, NSA_STATUS_BAD_ARGUMENT, "score_mod: a mask_mod"},
+        {11, NSA_STATUS_BAD_ARGUMENT, "num_doc_runs: 2 without doc_runs"},
+        {12, NSA_STATUS_BAD_ARGUMENT, "num_doc_runs: 10, must be in [1, Tq = 9]"},
+        {13, NSA_STATUS_BAD_ARGUMENT, "doc_runs: the bounds run from 0 to 8, must run from 0 to Tq = 9"},
+        {14, NSA_STATUS_BAD_ARGUMENT, "doc_runs[2]: 4 after 5, the bounds must increase"},
     };
+    static const int32_t runs_short[] = {0, 5, 8}, runs_down[] = {0, 5, 4, 9};
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
         nsa_flex_args a = base;
         int32_t save_num[2], save_idx[4], save_fidx[4];
@@ -591,6 +638,10 @@ static void test_flex_refuses(nsa_context *ctx)
         case 8: a.block_mask.kv_indices.dtype = NSA_DTYPE_F32; break;
         case 9: a.block_mask.kv_num_blocks.shape[0] = 3; break;
         case 10: a.score_mod = mm; break;
+        case 11: a.num_doc_runs = 2; break;
+        case 12: a.doc_runs = runs_down, a.num_doc_runs = 10; break;
+        case 13: a.doc_runs = runs_short, a.num_doc_runs = 2; break;
+        case 14: a.doc_runs = runs_down, a.num_doc_runs = 3; break;
         }
         for (size_t e = 0; e < sizeof o / sizeof o[0]; e++) o[e] = 7.0f;
         CHECK_STATUS(nsa_flex_attention(ctx, &a, ws, need + 4096), cases[ci].want);

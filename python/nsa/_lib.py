@@ -267,6 +267,7 @@ class FlexArgs(Structure):
         ("block_mask", BlockMask),
         ("mask_mod", c_void_p), ("score_mod", c_void_p),
         ("scale", c_float),
+        ("doc_runs", c_void_p), ("num_doc_runs", c_int64),
     ]
 
 
@@ -359,6 +360,7 @@ def _declare(lib):
     fn("nsa_mod_destroy", None, c_void_p)
     fn("nsa_create_block_mask", c_int, c_void_p, c_int64, c_int64, POINTER(BlockMask))
     fn("nsa_flex_route_without_lists", c_int, c_void_p, c_void_p)
+    fn("nsa_flex_doc_runs", c_int64, c_void_p, c_int64, c_void_p, POINTER(c_int32))
     for op, args in OPS.items():
         fn("nsa_%s_workspace_size" % op, c_int, c_void_p, POINTER(args), POINTER(c_size_t))
         fn("nsa_" + op, c_int, c_void_p, POINTER(args), c_void_p, c_size_t)

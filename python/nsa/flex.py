@@ -349,7 +349,8 @@ def create_block_mask(mask_mod: ModLike, B: Optional[int], H: Optional[int], Q_L
     if mod is not None and any(_is_torch_tensor(t) and t.device.type != "cpu" for t in mod.tensors.values()):
         # the mask is evaluated on the host: a twin of the mod reading host copies of its tensors
         # (the BlockMask keeps the original, whose tensors the GPU call reads)
-        host_mod = Mod(mod.text, "mask_mod", {n: (t.cpu() if _is_torch_tensor(t) else t) for n, t in mod.tensors.items()})
+        # (host copies of the tensors the GPU call reads: the mod's converted ones)
+        host_mod = Mod(mod.text, "mask_mod", {n: (a.cpu() if _is_torch_tensor(a) else a) for n, a in zip(mod.names, mod._arrays)})
     m = _lib.BlockMask()
     m.q_block, m.kv_block = qb, kb
     call = _core.NumpyCall()
@@ -361,28 +362,44 @@ def create_block_mask(mask_mod: ModLike, B: Optional[int], H: Optional[int], Q_L
         import torch
         arrs = [torch.from_numpy(a).to(device) for a in arrs]
         # these lists are exactly the mask_mod's as long as nobody writes into them (_version):
-        # noted on the counts tensor, which the custom ops receive as the same object
-        arrs[0]._nsa_made = (mod.handle if mod is not None else 0, Q_LEN, KV_LEN, arrs[1:], [a._version for a in arrs])
+        # noted on the counts tensor, which the custom ops receive as the same object; a document
+        # mask's runs too, as long as its ids are not written into
+        doc = None
+        if host_mod is not None and Q_LEN == KV_LEN and _L.nsa_flex_route_without_lists(host_mod.ptr, None) == 2:
+            runs, idx = np.zeros(Q_LEN + 1, np.int32), ctypes.c_int32(-1)
+            n = _L.nsa_flex_doc_runs(host_mod.ptr, Q_LEN, runs.ctypes.data, ctypes.byref(idx))
+            ids = mod._arrays[idx.value] if n > 0 else None
+            if _is_torch_tensor(ids):
+                doc = (ids, ids._version, runs[:n + 1], n)
+        arrs[0]._nsa_made = (mod.handle if mod is not None else 0, Q_LEN, KV_LEN, arrs[1:], [a._version for a in arrs], doc)
     return BlockMask(arrs[0], arrs[1], arrs[2], arrs[3], (qb, kb), mod, (Q_LEN, KV_LEN))
 
 
 def _lists_add_nothing(block_mask, q, k, mask, score):
     """Whether this call may leave out block_mask's lists: create_block_mask made them on a GPU for
     this mask_mod and these lengths, none has been written since, and the mods are attention
-    options that the dense route takes from the mods alone (nsa_flex_route_without_lists). The
-    lists then add nothing to what the mask_mod shows, and passing them would cost the call a copy
-    to the host and a synchronisation of the stream."""
+    options that the dense route takes from the mods alone (nsa_flex_route_without_lists), or
+    with a document mask from the mods and its ids' runs, known since create_block_mask read the
+    ids and unchanged since. The lists then add nothing to what the mask_mod shows, and passing
+    them (or no runs) would cost the call a copy to the host and a synchronisation of the stream.
+    @return None (pass the lists), () (leave them out) or (runs, n) (leave them out, pass the
+    runs as doc_runs)."""
     counts = block_mask.kv_num_blocks
     made = getattr(counts, "_nsa_made", None) if _is_torch_tensor(counts) else None
     if made is None or not _is_torch_tensor(q) or q.device.type != "cuda":
-        return False
-    handle, Tq, Tk, others, versions = made
+        return None
+    handle, Tq, Tk, others, versions, doc = made
     lists = (counts, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
     if handle != (mask.handle if mask is not None else 0) or (Tq, Tk) != (q.shape[2], k.shape[2]) or Tq != Tk:
-        return False
+        return None
     if any(x is not a for x, a in zip(lists[1:], others)) or any(x._version != v for x, v in zip(lists, versions)):
-        return False
-    return bool(_L.nsa_flex_route_without_lists(mask.ptr if mask else None, score.ptr if score else None))
+        return None
+    kind = _L.nsa_flex_route_without_lists(mask.ptr if mask else None, score.ptr if score else None)
+    if kind == 1:
+        return ()
+    if kind == 2 and doc is not None and any(doc[0] is a for a in mask._arrays) and doc[0]._version == doc[1]:
+        return (doc[2], doc[3])
+    return None
 
 
 def _wants_torch(device):
@@ -417,8 +434,11 @@ def _int32_like(x, q):
 def _fill(call, a, q, k, v, block_mask, score, mask, scale):
     a.q, a.k, a.v = call.view(_bthd(q), "q"), call.view(_bthd(k), "k"), call.view(_bthd(v), "v")
     bm = a.block_mask
-    if block_mask is not None and _lists_add_nothing(block_mask, q, k, mask, score):
+    spare = _lists_add_nothing(block_mask, q, k, mask, score) if block_mask is not None else None
+    if spare is not None:
         bm.q_block, bm.kv_block = block_mask.BLOCK_SIZE
+        if spare:
+            a.doc_runs, a.num_doc_runs = spare[0].ctypes.data, spare[1]
     elif block_mask is not None:
         bm.q_block, bm.kv_block = block_mask.BLOCK_SIZE
         lists = [_int32_like(x, q) for x in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,

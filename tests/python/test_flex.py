@@ -515,14 +515,14 @@ def test_cuda_dense_route_leaves_out_unchanged_lists():
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
     bm = nsa.create_block_mask(causal, None, None, Tn, Tn, device="cuda", BLOCK_SIZE=128)
-    assert F._lists_add_nothing(bm, q, k, bm.mask_mod, None)
-    assert not F._lists_add_nothing(bm, q, k[:, :, :200], bm.mask_mod, None)  # other lengths: the lists count
+    assert F._lists_add_nothing(bm, q, k, bm.mask_mod, None) == ()
+    assert F._lists_add_nothing(bm, q, k[:, :, :200], bm.mask_mod, None) is None  # other lengths: the lists count
     o = nsa.flex_attention(q, k, v, block_mask=bm)
     want = nsa.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True).o.transpose(1, 2)
     assert (o.float() - want.float()).abs().max().item() <= 2e-2
     assert bm.full_kv_indices[0, 0, 1, 0].item() == 0 and bm.kv_indices[0, 0, 1, 0].item() == 1
     bm.kv_num_blocks[0, 0, 1] = 0  # query block 1 (rows 128..255): its partial diagonal block dropped
-    assert not F._lists_add_nothing(bm, q, k, bm.mask_mod, None)
+    assert F._lists_add_nothing(bm, q, k, bm.mask_mod, None) is None
     o = nsa.flex_attention(q, k, v, block_mask=bm)
     ref, _ = _dense_torch(q.double(), k.double(), v.double(),
                           lambda b, h, i, j: torch.where((i >= 128) & (i < 256), j < 128, i >= j), None, Dn ** -0.5)
@@ -559,3 +559,32 @@ def test_cuda_dense_route_keeps_rows_of_minus_inf_scores_empty():
     assert (q.grad[0, 0, 200] == 0).all()
     assert torch.isfinite(k.grad[0, 1, 4:]).all() and torch.isfinite(v.grad[0, 1, 4:]).all()
     assert torch.isnan(v.grad[0, 1, :4]).any() and torch.isfinite(k.grad[0, 0]).all()
+
+
+@pytest.mark.skipif(TORCH is None or not TORCH.cuda.is_available() or not nsa.backend_available("cuda"),
+                    reason="needs torch with a CUDA device and libnsa's CUDA backend")
+def test_cuda_document_route_takes_the_runs_create_block_mask_read():
+    """A document mask: create_block_mask reads the ids once, and while neither they nor the lists
+    are written into, calls pass the ids' runs (doc_runs) instead of the lists, and the route reads
+    nothing from the device. Ids written into afterwards are read again: the result follows them."""
+    torch = TORCH
+    Tn, Hn, Dn = 400, 2, 128
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, Hn, Tn, Dn, generator=g).to("cuda", torch.bfloat16).requires_grad_() for _ in range(3))
+    doc = (torch.arange(Tn, dtype=torch.int32) // 90).cuda()
+
+    def docs(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+    bm = nsa.create_block_mask(docs, None, None, Tn, Tn, device="cuda", BLOCK_SIZE=128)
+    spare = F._lists_add_nothing(bm, q, k, bm.mask_mod, None)
+    assert spare is not None and spare[1] == 5 and list(spare[0]) == [0, 90, 180, 270, 360, 400]
+    for step in range(2):
+        o = nsa.flex_attention(q, k, v, block_mask=bm)
+        ref, _ = _dense_torch(q.detach().double(), k.detach().double(), v.detach().double(),
+                              lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j), None, Dn ** -0.5)
+        assert (o.float() - ref.float()).abs().max().item() <= 2e-2
+        o.float().sum().backward()
+        assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+        doc[150:] += 10  # a new document starts at 150 (the mod reads doc's storage)
+        assert F._lists_add_nothing(bm, q, k, bm.mask_mod, None) is None
+        q.grad = k.grad = v.grad = None

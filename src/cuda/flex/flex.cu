@@ -2111,7 +2111,7 @@ extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa
     /* what the decision reads needs a synchronisation, which a stream being captured into a CUDA
      * graph does not allow: there the engine's path runs (as it would have) */
     h->scores_on_device = 1;
-    const int reads = r->doc || nsa_present(&a->block_mask.kv_num_blocks);
+    const int reads = (r->doc && !a->doc_runs) || nsa_present(&a->block_mask.kv_num_blocks);
     if (!reads) return NSA_STATUS_SUCCESS;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     g_check(&g, cudaStreamIsCapturing(g.st, &capture));
@@ -2121,8 +2121,9 @@ extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa
         return NSA_STATUS_SUCCESS;
     }
     lists_to_host(&g, &h->lists, h->owned);
-    const int64_t dspan = r->doc ? view_span(r->doc) : 0, dn = dspan > p->T ? dspan : p->T;
-    if (r->doc && g_live(&g)) {
+    const int ids = r->doc && !a->doc_runs; /* (the caller's runs: no ids to read) */
+    const int64_t dspan = ids ? view_span(r->doc) : 0, dn = dspan > p->T ? dspan : p->T;
+    if (ids && g_live(&g)) {
         h->doc = (int32_t *)malloc((size_t)dn * 4);
         h->owned[4] = h->doc;
         if (!h->doc) g_fail(&g, NSA_STATUS_OUT_OF_MEMORY, "mask_mod: no host memory for the document ids");
@@ -2133,7 +2134,7 @@ extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa
         flex_route_host_free(h);
         return g.err;
     }
-    if (r->doc) /* doc[0 .. T) gathered from the strided copy, in place (i * stride >= i) */
+    if (ids) /* doc[0 .. T) gathered from the strided copy, in place (i * stride >= i) */
         for (int64_t i = 0; i < p->T; i++) h->doc[i] = h->doc[i * r->doc->stride[0]];
     return NSA_STATUS_SUCCESS;
 }
