@@ -497,25 +497,27 @@ static op_call route_call(op_call c, const nsa_problem *p, const flex_route *r, 
 
 static size_t op_workspace(const nsa_context *ctx, const nsa_problem *p, op_call c);
 
-/* The route's need (0: no route): the attention's, over the document runs' extremes (one
- * document, T of them) when the runs are not known yet, then the scratch lse. */
+/* The route's need (0: no route): the attention's, for the caller's document runs, or over the
+ * runs' extremes (one document, T of them) when the runs are not known yet, then the scratch lse. */
 static size_t route_need(const nsa_context *ctx, op_call c, const nsa_problem *p, const flex_route *r)
 {
     static float dummy[ROUTE_ALIGN / sizeof(float)]; /* a scratch lse's address in a query: never read */
     const int64_t T = p->T;
+    const nsa_flex_args *fa0 = flex_fwd_of(c);
     int32_t one[2] = {0, (int32_t)T}, *each = NULL;
-    if (r->doc) {
+    const int given = r->doc && fa0->doc_runs; /* (validated) */
+    if (r->doc && !given) {
         each = (int32_t *)malloc((size_t)(T + 1) * sizeof(int32_t));
         if (!each) return 0;
         for (int64_t i = 0; i <= T; i++) each[i] = (int32_t)i;
     }
     size_t need = 0;
-    for (int form = 0; form < (r->doc ? 2 : 1); form++) {
+    for (int form = 0; form < (r->doc && !given ? 2 : 1); form++) {
         nsa_attention_args fa;
         nsa_attention_bwd_args ba;
         nsa_problem p2;
-        const op_call ac = route_call(c, p, r, r->doc ? (form ? each : one) : NULL, r->doc ? (form ? T : 1) : 0, dummy, &fa,
-                                      &ba, &p2);
+        const int32_t *cu = given ? fa0->doc_runs : r->doc ? (form ? each : one) : NULL;
+        const op_call ac = route_call(c, p, r, cu, given ? fa0->num_doc_runs : r->doc ? (form ? T : 1) : 0, dummy, &fa, &ba, &p2);
         const size_t n = ac.args ? op_workspace(ctx, &p2, ac) : SIZE_MAX;
         if (n == SIZE_MAX) {
             free(each);

@@ -1715,12 +1715,35 @@ static size_t flex_wgmma_source(char *buf, size_t size, const int *ss, int nss, 
  * Hopper kernel with 64- / 128-key slices; for the backward (bwd 1) the score_mod's reverse mode,
  * the two scalar kernels and, with dk, dv, the two tensor-core ones (wide 0 or 1). idx32: the call's
  * b, h, q_idx and kv_idx all lie in [0, 2^31) (expr_to_c's 32-bit ints; NSA_IDX32 in the kernels). */
-static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv, int wide, int bwd, int idx32)
+static const char NO_SCORE_GRAD[] =
+    "NSA_MOD_FN float nsa_mod_score_grad(const nsa_mod_caps *caps, const nsa_mod_sink *sink, long long b, long long h,\n"
+    "                                    long long q_idx, long long kv_idx, float score, float g, float *dscore)\n"
+    "{\n    *dscore = g;\n    return score;\n}\n";
+
+/* The fixed texts of a kernel's source. A cache key hashes the source with each of them written
+ * as a marker (flex_source with full 0: the mods' C, the defines and the wgmma wrappers, a few
+ * KB) and, once per process, the texts themselves (flex_texts_hash): a call that finds its
+ * kernels cached never writes or hashes the whole source (~100 KB). */
+static const char *const FLEX_TEXTS[] = {EXPR_C_PRELUDE, FLEX_COMMON,    FLEX_KERNEL,     FLEX_TC_COMMON, FLEX_TC_KERNEL,
+                                         FLEX_WG_COMMON, FLEX_WG_FWD,    FLEX_WG_BWD,     FLEX_TB_COMMON, FLEX_BWD_SINK,
+                                         FLEX_BWD_KERNEL, FLEX_TC_BWD,   NO_SCORE_GRAD};
+
+/* t, or (full 0) the marker of a fixed text in buf (16 bytes). */
+static const char *flex_text(const char *t, int full, char *buf)
 {
-    static const char NO_SCORE_GRAD[] =
-        "NSA_MOD_FN float nsa_mod_score_grad(const nsa_mod_caps *caps, const nsa_mod_sink *sink, long long b, long long h,\n"
-        "                                    long long q_idx, long long kv_idx, float score, float g, float *dscore)\n"
-        "{\n    *dscore = g;\n    return score;\n}\n";
+    if (full) return t;
+    for (size_t i = 0; i < sizeof FLEX_TEXTS / sizeof FLEX_TEXTS[0]; i++)
+        if (FLEX_TEXTS[i] == t) {
+            snprintf(buf, 16, "#%u\n", (unsigned)i);
+            return buf;
+        }
+    return t;
+}
+
+static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, int dk, int dv, int wide, int bwd, int idx32,
+                         int full)
+{
+    char mk[4][16];
     const size_t nm = mask ? expr_to_c(mask, idx32, NULL, 0) : 0, ns = score ? expr_to_c(score, idx32, NULL, 0) : 0;
     const size_t ng = bwd && score ? expr_grad_to_c(score, idx32, NULL, 0) : sizeof NO_SCORE_GRAD;
     const int hopper = dk > 0 && wide >= 2, wg_bn = wide == 3 ? 128 : 64;
@@ -1746,22 +1769,26 @@ static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, in
              "NSA_MOD_FN float nsa_flex_score(const nsa_mod_caps *caps, long long b, long long h, long long q_idx, "
              "long long kv_idx, float score)\n{\n    (void)caps, (void)b, (void)h, (void)q_idx, (void)kv_idx;\n"
              "    return (float)(%s);\n}\n%s",
-             elem, score ? 0 : 1, idx32, expr_size(mask) + expr_size(score) <= FLEX_MOD_UNROLL_MAX, EXPR_C_PRELUDE, mask ? me : "1", score ? se : "score", FLEX_COMMON);
+             elem, score ? 0 : 1, idx32, expr_size(mask) + expr_size(score) <= FLEX_MOD_UNROLL_MAX,
+             flex_text(EXPR_C_PRELUDE, full, mk[0]), mask ? me : "1", score ? se : "score", flex_text(FLEX_COMMON, full, mk[1]));
     size_t at = strlen(src);
-    if (bwd) snprintf(src + at, cap - at, "%s%s%s", FLEX_BWD_SINK, score ? ge : NO_SCORE_GRAD, FLEX_BWD_KERNEL);
-    else snprintf(src + at, cap - at, "%s", FLEX_KERNEL);
+    if (bwd)
+        snprintf(src + at, cap - at, "%s%s%s", flex_text(FLEX_BWD_SINK, full, mk[0]),
+                 score ? ge : flex_text(NO_SCORE_GRAD, full, mk[1]), flex_text(FLEX_BWD_KERNEL, full, mk[2]));
+    else snprintf(src + at, cap - at, "%s", flex_text(FLEX_KERNEL, full, mk[0]));
     if (dk > 0) {
         at = strlen(src);
         snprintf(src + at, cap - at, "#define NSA_DK %d\n#define NSA_DV %d\n#define NSA_TC_WIDE %d\n#define TC_WARPS %d\n"
-                 "#define TC_STAGES %d\n%s", dk, dv, wide, FLEX_TC_WARPS, FLEX_TC_STAGES, FLEX_TC_COMMON);
+                 "#define TC_STAGES %d\n%s", dk, dv, wide, FLEX_TC_WARPS, FLEX_TC_STAGES, flex_text(FLEX_TC_COMMON, full, mk[0]));
         at = strlen(src);
         if (hopper) {
             at += (size_t)snprintf(src + at, cap - at, "#define WG_BN %d\n#define WG_NS %d\n", wg_bn, FLEX_WG_STAGES);
             flex_wgmma_source(src + at, cap - at, ss, 1, rs, 1 + bwd);
             at = strlen(src);
         }
-        snprintf(src + at, cap - at, "%s%s%s", hopper ? FLEX_WG_COMMON : "", bwd ? FLEX_TB_COMMON : "",
-                 bwd ? (hopper ? FLEX_WG_BWD : FLEX_TC_BWD) : hopper ? FLEX_WG_FWD : FLEX_TC_KERNEL);
+        snprintf(src + at, cap - at, "%s%s%s", hopper ? flex_text(FLEX_WG_COMMON, full, mk[0]) : "",
+                 bwd ? flex_text(FLEX_TB_COMMON, full, mk[1]) : "",
+                 flex_text(bwd ? (hopper ? FLEX_WG_BWD : FLEX_TC_BWD) : hopper ? FLEX_WG_FWD : FLEX_TC_KERNEL, full, mk[2]));
     }
     free(me), free(se), free(ge);
     return src;
@@ -1770,6 +1797,20 @@ static char *flex_source(const nsa_mod *mask, const nsa_mod *score, int elem, in
 static uint64_t fnv1a(const char *s, uint64_t h)
 {
     for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    return h;
+}
+
+/* The hash of FLEX_TEXTS, once per process (a race computes the same value twice). */
+static uint64_t flex_texts_hash(void)
+{
+    static uint64_t done;
+    uint64_t h = __atomic_load_n(&done, __ATOMIC_RELAXED);
+    if (!h) {
+        h = 1469598103934665603ull;
+        for (size_t i = 0; i < sizeof FLEX_TEXTS / sizeof FLEX_TEXTS[0]; i++) h = fnv1a(FLEX_TEXTS[i], h);
+        h |= 1; /* (never 0: 0 means not yet) */
+        __atomic_store_n(&done, h, __ATOMIC_RELAXED);
+    }
     return h;
 }
 
@@ -1863,7 +1904,7 @@ extern "C" nsa_status nsa_cuda_flex_compile_check(const nsa_mod *mask, const nsa
     char why[256];
     if (!nvrtc_open(&api, why, sizeof why)) return nsa_fail(NSA_STATUS_NOT_SUPPORTED, "ctx: %s", why);
     const int dk = elem ? 128 : 0; /* (both head dims; a layout an arch) */
-    char *src = flex_source(mask, score, elem, dk, 64, major == 9 && minor == 0 ? 3 : 1, bwd, 1);
+    char *src = flex_source(mask, score, elem, dk, 64, major == 9 && minor == 0 ? 3 : 1, bwd, 1, 1);
     if (!src) {
         dlclose(api.handle);
         return nsa_fail(NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel source");
@@ -1946,8 +1987,8 @@ static int flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, const nsa_mo
     static const char *const NAMES[2][4] = {{"nsa_flex_fwd", "nsa_flex_fwd_tc", NULL, NULL},
                                             {"nsa_flex_bwd_dq", "nsa_flex_bwd_dkdv", "nsa_flex_bwd_dq_tc", "nsa_flex_bwd_dkdv_tc"}};
     k[0] = k[1] = k[2] = k[3] = NULL;
-    char *src = flex_source(mask, score, elem, dk, dv, wide, bwd, idx32);
-    if (!src) {
+    char *key = flex_source(mask, score, elem, dk, dv, wide, bwd, idx32, 0), *src = NULL;
+    if (!key) {
         g_fail(g, NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel source");
         return 0;
     }
@@ -1957,11 +1998,14 @@ static int flex_kernel(grun *g, flex_cache *c, const nsa_mod *mask, const nsa_mo
     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
     char tag[32];
     snprintf(tag, sizeof tag, "sm_%d%d", major, minor);
-    const uint64_t hash = fnv1a(tag, fnv1a(src, 1469598103934665603ull));
+    const uint64_t hash = fnv1a(tag, fnv1a(key, flex_texts_hash()));
+    free(key);
     pthread_mutex_lock(&c->lock);
     for (int i = 0; i < c->n && !k[0]; i++)
         if (c->e[i].hash == hash) memcpy(k, c->e[i].k, sizeof c->e[i].k);
-    if (!k[0]) {
+    if (!k[0] && !(src = flex_source(mask, score, elem, dk, dv, wide, bwd, idx32, 1)))
+        g_fail(g, NSA_STATUS_OUT_OF_MEMORY, "ctx: no memory for the kernel source");
+    if (!k[0] && src) {
         char dir[512], path[4][600], why[256];
         const int have_dir = cache_dir(dir, sizeof dir), n = flex_kernel_count(dk, bwd);
         flex_job jobs[4];
