@@ -491,6 +491,30 @@ def _att_grads(ctx, g, bias):
             dbias.to(bias.dtype) if ctx.want_bias else None)
 
 
+class _AttentionFunction(torch.autograd.Function):
+    """nsa_attention forward / nsa_attention_bwd backward; sinks and bias come in as inputs so
+    that autograd hands their gradients back (dsinks float32 [HQ], dbias in bias's dtype and
+    shape, summed over the broadcast dimensions by the library); lse has no gradient. The eager
+    path (the custom ops' dispatch costs a few hundred microseconds a forward and backward, a
+    small call's whole budget), and torch < 2.4's only one."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, bias, ts, sc):
+        o, lse = _att_fwd_impl(q, k, v, ts, sc)
+        ctx.ts, ctx.sc = ts, sc
+        ctx.want_sinks, ctx.want_bias = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dout = grad_o if grad_o.dtype == o.dtype else grad_o.to(o.dtype)
+        g = _att_bwd_impl(dout, q, k, v, o, lse, ctx.ts, ctx.sc, ctx.want_bias)
+        return _att_grads(ctx, g, ctx.ts[1]) + (None, None)
+
+
 if HAS_CUSTOM_OP:
     @torch.library.custom_op("nsa::attention", mutates_args=())
     def attention_op(q: Tensor, k: Tensor, v: Tensor,
@@ -552,32 +576,14 @@ if HAS_CUSTOM_OP:
     attention_op.register_autograd(_att_backward, setup_context=_att_setup_context)
 
     def attention(q, k, v, opts):
-        """(o, lse) of nsa_attention through torch.ops.nsa.attention: autograd and torch.compile."""
+        """(o, lse) of nsa_attention through torch.ops.nsa.attention (autograd and torch.compile),
+        or in plain eager calls the same functions through _AttentionFunction."""
         ts, sc = _att_args(opts)
+        if plain_eager(q, k, v, *(t for t in ts if t is not None)):
+            return _AttentionFunction.apply(q, k, v, ts[0], ts[1], ts, sc)
         return attention_op(q, k, v, *ts, *sc)
 
-else:  # torch < 2.4: an autograd.Function (eager only)
-
-    class _AttentionFunction(torch.autograd.Function):
-        """nsa_attention forward / nsa_attention_bwd backward; sinks and bias come in as inputs so
-        that autograd hands their gradients back (dsinks float32 [HQ], dbias in bias's dtype and
-        shape, summed over the broadcast dimensions by the library); lse has no gradient."""
-
-        @staticmethod
-        def forward(ctx, q, k, v, sinks, bias, ts, sc):
-            o, lse = _att_fwd_impl(q, k, v, ts, sc)
-            ctx.ts, ctx.sc = ts, sc
-            ctx.want_sinks, ctx.want_bias = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-            ctx.save_for_backward(q, k, v, o, lse)
-            ctx.mark_non_differentiable(lse)
-            return o, lse
-
-        @staticmethod
-        def backward(ctx, grad_o, grad_lse):
-            q, k, v, o, lse = ctx.saved_tensors
-            dout = grad_o if grad_o.dtype == o.dtype else grad_o.to(o.dtype)
-            g = _att_bwd_impl(dout, q, k, v, o, lse, ctx.ts, ctx.sc, ctx.want_bias)
-            return _att_grads(ctx, g, ctx.ts[1]) + (None, None)
+else:  # torch < 2.4: the autograd.Function (eager only)
 
     def attention(q, k, v, opts):
         """(o, lse) of nsa_attention with autograd."""
@@ -599,7 +605,7 @@ _dispatch_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
 
 
 def plain_eager(*tensors):
-    """Whether a step may call the library directly instead of through its custom op: plain
+    """Whether a call may reach the library directly instead of through its custom op: plain
     tensors (no subclass, no fake or functional tensor), no torch.compile or jit trace, no
     dispatch mode. The op's dispatch costs tens of microseconds a call, a decode step's budget;
     the direct call runs the same code (a CUDA graph captures the same kernels)."""

@@ -8,8 +8,65 @@ import torch
 from torch import Tensor
 
 from .flex import BlockMask, _backward, _forward, _mod_of
+from ._torch import plain_eager
 
 _OPS = None
+
+
+def _block_mask_of(lists, mask_handle, q_block, kv_block):
+    if lists[0] is None and not mask_handle:
+        return None
+    return BlockMask(lists[0], lists[1], lists[2], lists[3], (q_block, kv_block), _mod_of(mask_handle))
+
+
+def _fwd_impl(q, k, v, lists, mask_handle, score_handle, q_block, kv_block, scale):
+    o, lse = _forward(q, k, v, _block_mask_of(lists, mask_handle, q_block, kv_block), _mod_of(score_handle), scale)
+    return o.contiguous(), lse.contiguous()
+
+
+def _bwd_impl(dout, q, k, v, o, lse, lists, floats, mask_handle, score_handle, q_block, kv_block, scale, want):
+    """dq, dk, dv and the gradients of the floats whose bit is set in `want` (in their order: a
+    tensor that needs none costs no scatter)."""
+    bm = _block_mask_of(lists, mask_handle, q_block, kv_block)
+    score = _mod_of(score_handle)
+    wanted = [(i, t) for n, (i, t) in enumerate(zip(score.float_idx, floats)) if want >> n & 1] if score else []
+    (dq, dk, dv), tens = _backward(q, k, v, o, lse, dout, bm, score, scale, [i for i, _ in wanted])
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), [tens[i].to(t.dtype) for i, t in wanted]
+
+
+class _FlexFunction(torch.autograd.Function):
+    """The eager path: what nsa::flex_fwd / nsa::flex_bwd compute, without the custom ops'
+    dispatch (a few hundred microseconds a forward and backward, a small call's whole budget).
+    Inputs: q, k, v, the four lists, the mod handles, the block sizes, the scale, then the
+    score_mod's float tensors (their gradients where they require one)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, n, i, fn, fi, mask_handle, score_handle, q_block, kv_block, scale, *floats):
+        lists = (n, i, fn, fi)
+        o, lse = _fwd_impl(q, k, v, lists, mask_handle, score_handle, q_block, kv_block, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.lists, ctx.floats = lists, floats
+        ctx.scalars = (mask_handle, score_handle, q_block, kv_block, scale)
+        ctx.mods = (_mod_of(mask_handle), _mod_of(score_handle))  # alive until the backward has run
+        ctx.want = sum(1 << x for x, t in enumerate(floats) if t.requires_grad)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv, dts = _bwd_impl(do.contiguous(), q, k, v, o, lse, ctx.lists, ctx.floats, *ctx.scalars, ctx.want)
+        it = iter(dts)
+        dfloats = [next(it) if ctx.want >> x & 1 else None for x in range(len(ctx.floats))]
+        return (dq, dk, dv) + (None,) * 9 + tuple(dfloats)
+
+
+def flex_eager(q, k, v, lists, floats, mask_handle, score_handle, q_block, kv_block, scale):
+    """(o, lse) through _FlexFunction when the call is plain eager (nsa._torch.plain_eager; the
+    score_mod's tensors may also be parameters, as learnable biases are), else None."""
+    if not plain_eager(q, k, v, *lists) or any(type(t) not in (Tensor, torch.nn.Parameter) for t in floats):
+        return None
+    return _FlexFunction.apply(q, k, v, *lists, mask_handle, score_handle, q_block, kv_block, scale, *floats)
 
 
 def flex_op():
@@ -19,18 +76,12 @@ def flex_op():
     if _OPS is not None:
         return _OPS
 
-    def block_mask_of(lists, mask_handle, q_block, kv_block):
-        if lists[0] is None and not mask_handle:
-            return None
-        return BlockMask(lists[0], lists[1], lists[2], lists[3], (q_block, kv_block), _mod_of(mask_handle))
-
     @torch.library.custom_op("nsa::flex_fwd", mutates_args=())
     def flex_fwd(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor],
                  full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor], floats: List[Tensor],
                  mask_handle: int, score_handle: int, q_block: int, kv_block: int, scale: float) -> Tuple[Tensor, Tensor]:
-        bm = block_mask_of((kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), mask_handle, q_block, kv_block)
-        o, lse = _forward(q, k, v, bm, _mod_of(score_handle), scale)
-        return o.contiguous(), lse.contiguous()
+        return _fwd_impl(q, k, v, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), mask_handle,
+                         score_handle, q_block, kv_block, scale)
 
     @flex_fwd.register_fake
     def _(q, k, v, *rest):
@@ -42,14 +93,9 @@ def flex_op():
                  kv_indices: Optional[Tensor], full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor],
                  floats: List[Tensor], mask_handle: int, score_handle: int, q_block: int, kv_block: int,
                  scale: float, want: int) -> Tuple[Tensor, Tensor, Tensor, List[Tensor]]:
-        """The gradients of q, k, v and of the floats whose bit is set in `want` (in their order:
-        a tensor that needs none costs no scatter)."""
-        bm = block_mask_of((kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), mask_handle, q_block, kv_block)
-        score = _mod_of(score_handle)
-        wanted = [(i, t) for n, (i, t) in enumerate(zip(score.float_idx, floats)) if want >> n & 1] if score else []
-        (dq, dk, dv), tens = _backward(q, k, v, o, lse, dout, bm, score, scale, [i for i, _ in wanted])
-        grads = [tens[i].to(t.dtype) for i, t in wanted]
-        return dq.contiguous(), dk.contiguous(), dv.contiguous(), grads
+        """The gradients of q, k, v and of the floats whose bit is set in `want` (_bwd_impl)."""
+        return _bwd_impl(dout, q, k, v, o, lse, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), floats,
+                         mask_handle, score_handle, q_block, kv_block, scale, want)
 
     @flex_bwd.register_fake
     def _(dout, q, k, v, o, lse, a, b, c, d, floats, mask_handle, score_handle, q_block, kv_block, scale, want):

@@ -515,8 +515,8 @@ def flex_attention(query: Array, key: Array, value: Array, score_mod: ModLike = 
 
 def _flex_torch(q, k, v, score, block_mask, scale, return_lse):
     """torch tensors: the custom op nsa::flex_fwd (autograd to q, k, v and the score_mod's float tensors)."""
-    from ._torch_flex import flex_op
-    op = flex_op()
+    from ._torch_flex import flex_eager, flex_op
+    op = flex_op()  # (registered on the first call, eager or not: a compiled call cannot register it)
     lists = [None] * 4
     mask_handle, qb, kb = 0, 128, 128
     if block_mask is not None:
@@ -525,6 +525,8 @@ def _flex_torch(q, k, v, score, block_mask, scale, return_lse):
                                             block_mask.full_kv_indices)]
         mask_handle = block_mask.mask_mod.handle if block_mask.mask_mod is not None else 0
     floats = list(score.float_list) if score is not None else []
-    o, lse = op(q, k, v, *lists, floats, mask_handle, score.handle if score is not None else 0, int(qb), int(kb),
-                float(scale or 0.0))
+    score_handle = score.handle if score is not None else 0
+    got = flex_eager(q, k, v, lists, floats, mask_handle, score_handle, int(qb), int(kb), float(scale or 0.0))
+    o, lse = got if got is not None else op(q, k, v, *lists, floats, mask_handle, score_handle, int(qb), int(kb),
+                                            float(scale or 0.0))
     return (o, lse) if return_lse else o
