@@ -3,17 +3,14 @@
 #include "tiles.h"
 #include "../prim/rowwise.cuh"
 
-/* lpr lanes a row (row_lanes: D 128 in 16-byte loads, 16 lanes, two rows a warp); rows past the
- * end stay for the shuffles */
+/* lpr lanes a row (row_lanes: D 128 in 16-byte loads, 16 lanes, two rows a warp) */
 __global__ void dprep_kernel(dview dout, dview o, dview gate, float *Dw, float *gw, int64_t T, int64_t HQ, int64_t DV,
                              int64_t rows, int lpr, int vec, int *nf)
 {
-    const int64_t gt = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const int64_t row = gt / lpr;
-    const int sub = (int)(gt & (lpr - 1));
-    const bool live = row < rows;
-    int64_t hq = 0, t = 0, b = 0;
-    if (live) split_row(row, HQ, T, rows, &b, &t, &hq);
+    const lane_row lr = lane_row_of(T, HQ, rows, lpr);
+    const int64_t row = lr.row, b = lr.b, t = lr.t, hq = lr.hq;
+    const int sub = lr.sub;
+    const bool live = lr.live;
     const int64_t db = b * dout.s0 + t * dout.s1 + hq * dout.s2, obase = b * o.s0 + t * o.s1 + hq * o.s2;
     float acc = 0.0f;
     int seen = 0; /* o is exactly 0 for a row that saw no key: its D is 0, even from inf dout */

@@ -87,13 +87,10 @@ void nsa_cu_gate(grun *g, const dview os[3], const dview gs[3], const dview *o, 
 __global__ void gate_bwd_kernel(gate3 a, dview dout, int64_t T, int64_t HQ, int64_t DV, int64_t rows, int vec, int lpr,
                                 int *nf)
 {
-    const int64_t gt = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const int64_t row = gt / lpr;
-    const int sub = (int)(gt & (lpr - 1));
-    /* rows past the end stay for the shuffles (a warp may hold two rows, one of them past) */
-    const bool live = row < rows;
-    int64_t hq = 0, t = 0, b = 0;
-    if (live) split_row(row, HQ, T, rows, &b, &t, &hq);
+    const lane_row lr = lane_row_of(T, HQ, rows, lpr); /* (rows past the end stay for the shuffles) */
+    const int64_t row = lr.row, b = lr.b, t = lr.t, hq = lr.hq;
+    const int sub = lr.sub;
+    const bool live = lr.live;
     const int64_t ob = b * dout.s0 + t * dout.s1 + hq * dout.s2;
     /* branch by branch (dout is re-read from L1 / L2): faster than one pass holding all three
      * branches' state (bench/NOTES.md) */

@@ -135,6 +135,24 @@ static int vec8_ok(const dview *v, int n, int64_t D)
     return 1;
 }
 
+/* This thread's [B, T, HQ] row and lane in a grid of lpr lanes a row (row_lanes, below). Rows past
+ * the end stay live = false for the shuffles: a warp may hold two rows, one of them past it. */
+typedef struct lane_row {
+    int64_t row, b, t, hq;
+    int sub;
+    bool live;
+} lane_row;
+
+__device__ __forceinline__ lane_row lane_row_of(int64_t T, int64_t HQ, int64_t rows, int lpr)
+{
+    lane_row r;
+    const int64_t gt = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    r.row = gt / lpr, r.sub = (int)(gt & (lpr - 1)), r.live = r.row < rows;
+    r.b = r.t = r.hq = 0;
+    if (r.live) split_row(r.row, HQ, T, rows, &r.b, &r.t, &r.hq);
+    return r;
+}
+
 /* Sum over the lpr lanes of a row (aligned groups of a power of two; every lane of the warp
  * calls it). */
 __device__ __forceinline__ float group_sum(float x, int lpr)
