@@ -676,7 +676,7 @@ NSA_API nsa_status nsa_flex_attention_bwd(nsa_context *ctx, const nsa_flex_bwd_a
 /* 1 when a call with these mods (and Tq == Tk) takes the dense route from its mods alone, whatever
  * its data: they are nsa_attention options without a document mask (causal, windows, a softcap),
  * and the route is on; 2 when they are such options with a document mask, which the route takes
- * from the mods and doc_runs alone. Such a call computes the same function whether or not it is
+ * from the mods and doc_runs alone (with B = 1; on CUDA not while the stream is captured). Such a call computes the same function whether or not it is
  * given a block mask that visits what the mods see (the lists nsa_create_block_mask makes for
  * them); given one, CUDA copies and checks its lists (a synchronisation of the stream), given none
  * (and doc_runs for a document mask) it reads nothing on the host. A caller that holds such

@@ -501,18 +501,22 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, bias, ts, sc):
         o, lse = _att_fwd_impl(q, k, v, ts, sc)
-        ctx.ts, ctx.sc = ts, sc
+        ctx.sc = sc
         ctx.want_sinks, ctx.want_bias = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-        ctx.save_for_backward(q, k, v, o, lse)
+        # (the optional tensors saved too: a write into one before the backward is an error, as
+        # with the custom ops)
+        ctx.save_for_backward(q, k, v, o, lse, *ts)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
-        q, k, v, o, lse = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        q, k, v, o, lse = saved[:5]
+        ts = tuple(saved[5:])
         dout = grad_o if grad_o.dtype == o.dtype else grad_o.to(o.dtype)
-        g = _att_bwd_impl(dout, q, k, v, o, lse, ctx.ts, ctx.sc, ctx.want_bias)
-        return _att_grads(ctx, g, ctx.ts[1]) + (None, None)
+        g = _att_bwd_impl(dout, q, k, v, o, lse, ts, ctx.sc, ctx.want_bias)
+        return _att_grads(ctx, g, ts[1]) + (None, None)
 
 
 if HAS_CUSTOM_OP:

@@ -44,8 +44,9 @@ class _FlexFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, n, i, fn, fi, mask_handle, score_handle, q_block, kv_block, scale, *floats):
         lists = (n, i, fn, fi)
         o, lse = _fwd_impl(q, k, v, lists, mask_handle, score_handle, q_block, kv_block, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.lists, ctx.floats = lists, floats
+        # (lists and tensors saved too: a write into one before the backward is an error, as with
+        # the custom ops)
+        ctx.save_for_backward(q, k, v, o, lse, *lists, *floats)
         ctx.scalars = (mask_handle, score_handle, q_block, kv_block, scale)
         ctx.mods = (_mod_of(mask_handle), _mod_of(score_handle))  # alive until the backward has run
         ctx.want = sum(1 << x for x, t in enumerate(floats) if t.requires_grad)
@@ -54,10 +55,12 @@ class _FlexFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv, dts = _bwd_impl(do.contiguous(), q, k, v, o, lse, ctx.lists, ctx.floats, *ctx.scalars, ctx.want)
+        saved = ctx.saved_tensors
+        q, k, v, o, lse = saved[:5]
+        lists, floats = tuple(saved[5:9]), list(saved[9:])
+        dq, dk, dv, dts = _bwd_impl(do.contiguous(), q, k, v, o, lse, lists, floats, *ctx.scalars, ctx.want)
         it = iter(dts)
-        dfloats = [next(it) if ctx.want >> x & 1 else None for x in range(len(ctx.floats))]
+        dfloats = [next(it) if ctx.want >> x & 1 else None for x in range(len(floats))]
         return (dq, dk, dv) + (None,) * 9 + tuple(dfloats)
 
 

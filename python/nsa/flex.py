@@ -361,18 +361,29 @@ def create_block_mask(mask_mod: ModLike, B: Optional[int], H: Optional[int], Q_L
     if _wants_torch(device):
         import torch
         arrs = [torch.from_numpy(a).to(device) for a in arrs]
-        # these lists are exactly the mask_mod's as long as nobody writes into them (_version):
-        # noted on the counts tensor, which the custom ops receive as the same object; a document
-        # mask's runs too, as long as its ids are not written into
+        _note_made(arrs, mod, host_mod, (qb, kb), Q_LEN, KV_LEN)
+    return BlockMask(arrs[0], arrs[1], arrs[2], arrs[3], (qb, kb), mod, (Q_LEN, KV_LEN))
+
+
+def _note_made(arrs, mod, host_mod, block, Q_LEN, KV_LEN):
+    """Notes on the counts tensor (which the custom ops receive as the same object) what made these
+    lists: the mask_mod itself (a reference: its handle could be reused once it is freed), the
+    block sizes and lengths, the four tensors and their versions, and a document mask's runs with
+    its ids' version. The lists are the mask_mod's exactly as long as nobody writes into them.
+    Tensors without version counters (made under inference mode) get no note."""
+    try:
+        versions = [a._version for a in arrs]
         doc = None
         if host_mod is not None and Q_LEN == KV_LEN and _L.nsa_flex_route_without_lists(host_mod.ptr, None) == 2:
+            import numpy as np
             runs, idx = np.zeros(Q_LEN + 1, np.int32), ctypes.c_int32(-1)
             n = _L.nsa_flex_doc_runs(host_mod.ptr, Q_LEN, runs.ctypes.data, ctypes.byref(idx))
             ids = mod._arrays[idx.value] if n > 0 else None
             if _is_torch_tensor(ids):
                 doc = (ids, ids._version, runs[:n + 1], n)
-        arrs[0]._nsa_made = (mod.handle if mod is not None else 0, Q_LEN, KV_LEN, arrs[1:], [a._version for a in arrs], doc)
-    return BlockMask(arrs[0], arrs[1], arrs[2], arrs[3], (qb, kb), mod, (Q_LEN, KV_LEN))
+    except RuntimeError:  # (inference tensors have no version counter)
+        return
+    arrs[0]._nsa_made = (mod, tuple(block), Q_LEN, KV_LEN, arrs[1:], versions, doc)
 
 
 def _lists_add_nothing(block_mask, q, k, mask, score):
@@ -388,17 +399,25 @@ def _lists_add_nothing(block_mask, q, k, mask, score):
     made = getattr(counts, "_nsa_made", None) if _is_torch_tensor(counts) else None
     if made is None or not _is_torch_tensor(q) or q.device.type != "cuda":
         return None
-    handle, Tq, Tk, others, versions, doc = made
+    made_mod, block, Tq, Tk, others, versions, doc = made
     lists = (counts, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-    if handle != (mask.handle if mask is not None else 0) or (Tq, Tk) != (q.shape[2], k.shape[2]) or Tq != Tk:
+    if made_mod is not mask or tuple(block_mask.BLOCK_SIZE) != block or (Tq, Tk) != (q.shape[2], k.shape[2]) or Tq != Tk:
         return None
-    if any(x is not a for x, a in zip(lists[1:], others)) or any(x._version != v for x, v in zip(lists, versions)):
+    # (the lists' batch and head dims as the call checks them: a mismatch is refused there)
+    if counts.shape[0] not in (1, q.shape[0]) or counts.shape[1] not in (1, q.shape[1]):
         return None
-    kind = _L.nsa_flex_route_without_lists(mask.ptr if mask else None, score.ptr if score else None)
-    if kind == 1:
-        return ()
-    if kind == 2 and doc is not None and any(doc[0] is a for a in mask._arrays) and doc[0]._version == doc[1]:
-        return (doc[2], doc[3])
+    try:
+        if any(x is not a for x, a in zip(lists[1:], others)) or any(x._version != v for x, v in zip(lists, versions)):
+            return None
+        kind = _L.nsa_flex_route_without_lists(mask.ptr if mask else None, score.ptr if score else None)
+        if kind == 1:
+            return ()
+        # a document mask: one batch entry (varlen), its ids those create_block_mask read
+        if kind == 2 and doc is not None and q.shape[0] == 1 and any(doc[0] is a for a in mask._arrays) and \
+                doc[0]._version == doc[1]:
+            return (doc[2], doc[3])
+    except RuntimeError:
+        return None
     return None
 
 

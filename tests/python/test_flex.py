@@ -517,6 +517,14 @@ def test_cuda_dense_route_leaves_out_unchanged_lists():
     bm = nsa.create_block_mask(causal, None, None, Tn, Tn, device="cuda", BLOCK_SIZE=128)
     assert F._lists_add_nothing(bm, q, k, bm.mask_mod, None) == ()
     assert F._lists_add_nothing(bm, q, k[:, :, :200], bm.mask_mod, None) is None  # other lengths: the lists count
+    lists = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    other = nsa.BlockMask(*lists, BLOCK_SIZE=128, mask_mod=lambda b, h, q_idx, kv_idx: q_idx - kv_idx < 64)
+    assert F._lists_add_nothing(other, q, k, other.mask_mod, None) is None  # the same lists, another mask_mod
+    resized = nsa.BlockMask(*lists, BLOCK_SIZE=64, mask_mod=bm.mask_mod)
+    assert F._lists_add_nothing(resized, q, k, bm.mask_mod, None) is None  # other block sizes: the call checks them
+    q3 = q.expand(3, -1, -1, -1)
+    bm2 = nsa.create_block_mask(causal, 2, None, Tn, Tn, device="cuda", BLOCK_SIZE=128)
+    assert F._lists_add_nothing(bm2, q3, k, bm2.mask_mod, None) is None  # lists of 2 batch entries, q of 3: refused
     o = nsa.flex_attention(q, k, v, block_mask=bm)
     want = nsa.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True).o.transpose(1, 2)
     assert (o.float() - want.float()).abs().max().item() <= 2e-2
@@ -588,3 +596,16 @@ def test_cuda_document_route_takes_the_runs_create_block_mask_read():
         doc[150:] += 10  # a new document starts at 150 (the mod reads doc's storage)
         assert F._lists_add_nothing(bm, q, k, bm.mask_mod, None) is None
         q.grad = k.grad = v.grad = None
+
+
+@pytest.mark.skipif(TORCH is None, reason="torch is not installed")
+def test_create_block_mask_under_inference_mode():
+    """Tensors made under torch.inference_mode have no version counter: create_block_mask still
+    works there (its lists are then always passed)."""
+    torch = TORCH
+    with torch.inference_mode():
+        bm = nsa.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 64, 64, device="cpu",
+                                   BLOCK_SIZE=16)
+        q = torch.randn(1, 2, 64, 16)
+        o = nsa.flex_attention(q, q, q, block_mask=bm)
+    assert o.shape == (1, 2, 64, 16) and torch.isfinite(o).all()

@@ -2152,11 +2152,12 @@ extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa
     check_mod_memory(&g, a->mask_mod, "mask_mod"); /* (host memory refused as the engine refuses it) */
     check_mod_memory(&g, a->score_mod, "score_mod");
     if (g.err != NSA_STATUS_SUCCESS) return g.err;
-    /* what the decision reads needs a synchronisation, which a stream being captured into a CUDA
-     * graph does not allow: there the engine's path runs (as it would have) */
+    /* what the decision reads needs a synchronisation, and a document mask's varlen call uploads
+     * its sequence tables from host memory; a stream being captured into a CUDA graph allows
+     * neither: there the engine's path runs (as it would have) */
     h->scores_on_device = 1;
     const int reads = (r->doc && !a->doc_runs) || nsa_present(&a->block_mask.kv_num_blocks);
-    if (!reads) return NSA_STATUS_SUCCESS;
+    if (!reads && !r->doc) return NSA_STATUS_SUCCESS;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     g_check(&g, cudaStreamIsCapturing(g.st, &capture));
     if (g.err != NSA_STATUS_SUCCESS) return g.err;
@@ -2164,6 +2165,7 @@ extern "C" nsa_status nsa_cuda_flex_route_read(const nsa_context *ctx, const nsa
         h->decline = 1;
         return NSA_STATUS_SUCCESS;
     }
+    if (!reads) return NSA_STATUS_SUCCESS;
     lists_to_host(&g, &h->lists, h->owned);
     const int ids = r->doc && !a->doc_runs; /* (the caller's runs: no ids to read) */
     const int64_t dspan = ids ? view_span(r->doc) : 0, dn = dspan > p->T ? dspan : p->T;

@@ -179,9 +179,9 @@ void cu_scan_score_operand(grun *g, const dview *t, int64_t n0, int64_t n1, int6
     const nsa_problem *p = g->p;
     uint32_t lim = 0;
     if (p->flex_rows) {
-        /* |q|, |k| <= L with scale DK L^2 <= FLT_MAX / 4: no product, partial sum or score reaches
-         * infinity; L rounded down to a float */
-        const double bound = sqrt((double)FLT_MAX / 4.0 / (fabs((double)p->scale) * (double)p->DK));
+        /* |q|, |k| <= L with max(scale, 1) DK L^2 <= FLT_MAX / 4: no product, partial sum (the
+         * tiles sum before they scale) or score reaches infinity; L rounded down to a float */
+        const double bound = sqrt((double)FLT_MAX / 4.0 / (fmax(fabs((double)p->scale), 1.0) * (double)p->DK));
         float L = bound >= (double)FLT_MAX ? FLT_MAX : (float)bound;
         if ((double)L > bound) L = nextafterf(L, 0.0f);
         memcpy(&lim, &L, sizeof lim);

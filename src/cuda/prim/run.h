@@ -169,7 +169,7 @@ void cu_scan_nonfinite(grun *g, const dview *t, int64_t n0, int64_t n1, int64_t 
 void cu_scan_lse(grun *g, const dview *lse, int64_t B, int64_t T, int64_t HQ);
 /* The scan of q or k, the operands of the scores: cu_scan_nonfinite, and under the problem's
  * flex_rows (block-sparse attention's dense route) also any magnitude that could make a score
- * overflow f32 (|x| above L, scale DK L^2 = FLT_MAX / 4): the scalar kernels then compute the
+ * overflow f32 (|x| above L, max(scale, 1) DK L^2 = FLT_MAX / 4): the scalar kernels then compute the
  * call, and they keep a row of all -inf scores empty as the block-sparse engine does. */
 void cu_scan_score_operand(grun *g, const dview *t, int64_t n0, int64_t n1, int64_t n2, int64_t D);
 
