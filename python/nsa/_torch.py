@@ -491,6 +491,23 @@ def _att_grads(ctx, g, bias):
             dbias.to(bias.dtype) if ctx.want_bias else None)
 
 
+def _att_save(ctx, q, k, v, o, lse, ts, sc):
+    """What both backwards read: q, k, v, o, lse and the optional tensors saved (None where absent;
+    a write into one before the backward is an error), the scalars, and whether sinks (input 3)
+    and bias (input 4) want gradients."""
+    ctx.sc = tuple(sc)
+    ctx.want_sinks, ctx.want_bias = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+    ctx.save_for_backward(q, k, v, o, lse, *ts)
+    ctx.mark_non_differentiable(lse)
+
+
+def _att_saved(ctx, grad_o):
+    """(dout in o's dtype, q, k, v, o, lse, the optional tensors) as _att_save left them."""
+    saved = ctx.saved_tensors
+    o = saved[3]
+    return (grad_o if grad_o.dtype == o.dtype else grad_o.to(o.dtype),) + tuple(saved[:5]) + (tuple(saved[5:]),)
+
+
 class _AttentionFunction(torch.autograd.Function):
     """nsa_attention forward / nsa_attention_bwd backward; sinks and bias come in as inputs so
     that autograd hands their gradients back (dsinks float32 [HQ], dbias in bias's dtype and
@@ -501,20 +518,12 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, bias, ts, sc):
         o, lse = _att_fwd_impl(q, k, v, ts, sc)
-        ctx.sc = sc
-        ctx.want_sinks, ctx.want_bias = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-        # (the optional tensors saved too: a write into one before the backward is an error, as
-        # with the custom ops)
-        ctx.save_for_backward(q, k, v, o, lse, *ts)
-        ctx.mark_non_differentiable(lse)
+        _att_save(ctx, q, k, v, o, lse, ts, sc)
         return o, lse
 
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
-        saved = ctx.saved_tensors
-        q, k, v, o, lse = saved[:5]
-        ts = tuple(saved[5:])
-        dout = grad_o if grad_o.dtype == o.dtype else grad_o.to(o.dtype)
+        dout, q, k, v, o, lse, ts = _att_saved(ctx, grad_o)
         g = _att_bwd_impl(dout, q, k, v, o, lse, ts, ctx.sc, ctx.want_bias)
         return _att_grads(ctx, g, ts[1]) + (None, None)
 
@@ -562,18 +571,10 @@ if HAS_CUSTOM_OP:
     _N_ATT_IN = 3 + len(_ATT_TENSORS)
 
     def _att_setup_context(ctx, inputs, output):
-        ctx.sc = tuple(inputs[_N_ATT_IN:])
-        ctx.want_sinks = ctx.needs_input_grad[3]
-        ctx.want_bias = ctx.needs_input_grad[4]
-        # q, k, v, o, lse and the optional tensors (None where absent)
-        ctx.save_for_backward(*inputs[:3], *output, *inputs[3:_N_ATT_IN])
-        ctx.mark_non_differentiable(output[1])
+        _att_save(ctx, *inputs[:3], *output, inputs[3:_N_ATT_IN], inputs[_N_ATT_IN:])
 
     def _att_backward(ctx, grad_o, grad_lse):
-        saved = ctx.saved_tensors
-        q, k, v, o, lse = saved[:5]
-        ts = tuple(saved[5:])
-        dout = grad_o if grad_o.dtype == o.dtype else grad_o.to(o.dtype)
+        dout, q, k, v, o, lse, ts = _att_saved(ctx, grad_o)
         g = attention_bwd_op(dout, q, k, v, o, lse, *ts, *ctx.sc, ctx.want_bias)
         return _att_grads(ctx, g, ts[1]) + (None,) * (len(_ATT_TENSORS) - 2 + len(_ATT_SCALARS))
 

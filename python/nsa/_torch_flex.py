@@ -34,6 +34,33 @@ def _bwd_impl(dout, q, k, v, o, lse, lists, floats, mask_handle, score_handle, q
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), [tens[i].to(t.dtype) for i, t in wanted]
 
 
+def _save(ctx, q, k, v, o, lse, lists, floats, scalars):
+    """What both backwards read: q, k, v, o, lse, the present lists and the floats saved (a write
+    into one before the backward is an error), which floats want a gradient, the scalars, and the
+    mods kept alive until the backward has run."""
+    ctx.save_for_backward(q, k, v, o, lse, *[x for x in lists if x is not None], *floats)
+    ctx.present = tuple(x is not None for x in lists)
+    ctx.nfloats = len(floats)
+    ctx.want = sum(1 << n for n, t in enumerate(floats) if t.requires_grad)
+    ctx.scalars = tuple(scalars)
+    ctx.mods = (_mod_of(scalars[0]), _mod_of(scalars[1]))
+    ctx.mark_non_differentiable(lse)
+
+
+def _saved(ctx):
+    """(q, k, v, o, lse, the four lists, the floats) as _save left them."""
+    saved = list(ctx.saved_tensors)
+    rest = saved[5:]
+    lists = tuple(rest.pop(0) if p else None for p in ctx.present)
+    return tuple(saved[:5]) + (lists, rest[:ctx.nfloats])
+
+
+def _float_grads(ctx, dts):
+    """The floats' gradients in their order: dts for those that want one, None for the others."""
+    it = iter(dts)
+    return [next(it) if ctx.want >> n & 1 else None for n in range(ctx.nfloats)]
+
+
 class _FlexFunction(torch.autograd.Function):
     """The eager path: what nsa::flex_fwd / nsa::flex_bwd compute, without the custom ops'
     dispatch (a few hundred microseconds a forward and backward, a small call's whole budget).
@@ -42,26 +69,16 @@ class _FlexFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, n, i, fn, fi, mask_handle, score_handle, q_block, kv_block, scale, *floats):
-        lists = (n, i, fn, fi)
-        o, lse = _fwd_impl(q, k, v, lists, mask_handle, score_handle, q_block, kv_block, scale)
-        # (lists and tensors saved too: a write into one before the backward is an error, as with
-        # the custom ops)
-        ctx.save_for_backward(q, k, v, o, lse, *lists, *floats)
-        ctx.scalars = (mask_handle, score_handle, q_block, kv_block, scale)
-        ctx.mods = (_mod_of(mask_handle), _mod_of(score_handle))  # alive until the backward has run
-        ctx.want = sum(1 << x for x, t in enumerate(floats) if t.requires_grad)
-        ctx.mark_non_differentiable(lse)
+        lists, scalars = (n, i, fn, fi), (mask_handle, score_handle, q_block, kv_block, scale)
+        o, lse = _fwd_impl(q, k, v, lists, *scalars)
+        _save(ctx, q, k, v, o, lse, lists, floats, scalars)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        saved = ctx.saved_tensors
-        q, k, v, o, lse = saved[:5]
-        lists, floats = tuple(saved[5:9]), list(saved[9:])
+        q, k, v, o, lse, lists, floats = _saved(ctx)
         dq, dk, dv, dts = _bwd_impl(do.contiguous(), q, k, v, o, lse, lists, floats, *ctx.scalars, ctx.want)
-        it = iter(dts)
-        dfloats = [next(it) if ctx.want >> x & 1 else None for x in range(len(floats))]
-        return (dq, dk, dv) + (None,) * 9 + tuple(dfloats)
+        return (dq, dk, dv) + (None,) * 9 + tuple(_float_grads(ctx, dts))
 
 
 def flex_eager(q, k, v, lists, floats, mask_handle, score_handle, q_block, kv_block, scale):
@@ -106,27 +123,12 @@ def flex_op():
                 [torch.empty_like(t) for n, t in enumerate(floats) if want >> n & 1])
 
     def setup_context(ctx, inputs, output):
-        q, k, v, n, i, fn, fi, floats = inputs[:8]
-        ctx.save_for_backward(q, k, v, output[0], output[1], *[x for x in (n, i, fn, fi) if x is not None], *floats)
-        ctx.present = tuple(x is not None for x in (n, i, fn, fi))
-        ctx.nfloats = len(floats)
-        ctx.want = sum(1 << n for n, t in enumerate(floats) if t.requires_grad)
-        ctx.scalars = tuple(inputs[8:])
-        ctx.mods = (_mod_of(inputs[8]), _mod_of(inputs[9]))  # alive until the backward has run
-        ctx.mark_non_differentiable(output[1])
+        _save(ctx, *inputs[:3], output[0], output[1], inputs[3:7], inputs[7], inputs[8:])
 
     def backward(ctx, do, dlse):
-        saved = list(ctx.saved_tensors)
-        q, k, v, o, lse = saved[:5]
-        rest = saved[5:]
-        lists = []
-        for p in ctx.present:
-            lists.append(rest.pop(0) if p else None)
-        floats = rest[:ctx.nfloats]
+        q, k, v, o, lse, lists, floats = _saved(ctx)
         dq, dk, dv, dts = flex_bwd(do.contiguous(), q, k, v, o, lse, *lists, floats, *ctx.scalars, ctx.want)
-        it = iter(dts)
-        dfloats = [next(it) if ctx.want >> n & 1 else None for n in range(ctx.nfloats)]
-        return (dq, dk, dv, None, None, None, None, dfloats) + (None,) * len(ctx.scalars)
+        return (dq, dk, dv, None, None, None, None, _float_grads(ctx, dts)) + (None,) * len(ctx.scalars)
 
     flex_fwd.register_autograd(backward, setup_context=setup_context)
     _OPS = flex_fwd

@@ -453,20 +453,16 @@ def _int32_like(x, q):
 def _fill(call, a, q, k, v, block_mask, score, mask, scale):
     a.q, a.k, a.v = call.view(_bthd(q), "q"), call.view(_bthd(k), "k"), call.view(_bthd(v), "v")
     bm = a.block_mask
+    bm.q_block, bm.kv_block = block_mask.BLOCK_SIZE if block_mask is not None else (128, 128)
     spare = _lists_add_nothing(block_mask, q, k, mask, score) if block_mask is not None else None
-    if spare is not None:
-        bm.q_block, bm.kv_block = block_mask.BLOCK_SIZE
-        if spare:
-            a.doc_runs, a.num_doc_runs = spare[0].ctypes.data, spare[1]
-    elif block_mask is not None:
-        bm.q_block, bm.kv_block = block_mask.BLOCK_SIZE
+    if spare:  # (a document mask's runs instead of the lists)
+        a.doc_runs, a.num_doc_runs = spare[0].ctypes.data, spare[1]
+    elif spare is None and block_mask is not None:
         lists = [_int32_like(x, q) for x in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
                                               block_mask.full_kv_indices)]
         for name, x in zip(("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"), lists):
             if x is not None:
                 setattr(bm, name, call.view(x, "block_mask." + name))
-    else:
-        bm.q_block = bm.kv_block = 128
     a.mask_mod = mask.ptr if mask else None
     a.score_mod = score.ptr if score else None
     a.scale = float(scale or 0.0)
