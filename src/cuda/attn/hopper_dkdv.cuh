@@ -34,10 +34,18 @@ __device__ __forceinline__ void kw_products(float (*S)[4], float (*dP)[4], const
     wg_commit();
 }
 
+/* Two neighbouring columns of a dK / dV output row: the tile's dtype T, or f32. */
+template <typename T>
+__device__ __forceinline__ void kw_put2(const dview &o, int64_t off, float a, float b)
+{
+    if (o.dt == NSA_DTYPE_F32) *(float2 *)((float *)o.p + off) = make_float2(a, b);
+    else *(uint32_t *)((T *)o.p + off) = dtraits<T>::pack(a, b);
+}
+
 /* The dK / dV tiles' epilogue (as ktile's): this thread's two keys' fp32 sums added into
  * dk / dv, or, for a further row segment, its partial of BK keys written whole (scale folded
- * into dK). */
-template <int DP, int BK>
+ * into dK); with dko / dvo set, the sums are the keys' whole gradient, stored once. */
+template <int DP, int BK, typename T>
 __device__ __forceinline__ void kwg_store(const kparams &P, const kt_task &t, const int kr[2], const float (*dK)[4],
                                           const float (*dV)[4], int lane)
 {
@@ -46,6 +54,17 @@ __device__ __forceinline__ void kwg_store(const kparams &P, const kt_task &t, co
     for (int x = 0; x < 2; x++) {
         const int key = kr[x];
         if (key >= k1) continue;
+        if (P.dko.p) {
+            const int64_t row = t.sq.b * P.dko.s0 + (t.key_row0 + key) * P.dko.s1 + (int64_t)h * P.dko.s2;
+            const int64_t rowv = t.sq.b * P.dvo.s0 + (t.key_row0 + key) * P.dvo.s1 + (int64_t)h * P.dvo.s2;
+#pragma unroll
+            for (int d = 0; d < DP / 8; d++) {
+                const int col = d * 8 + 2 * (lane & 3);
+                kw_put2<T>(P.dko, row + col, dK[d][2 * x] * P.scale, dK[d][2 * x + 1] * P.scale);
+                kw_put2<T>(P.dvo, rowv + col, dV[d][2 * x], dV[d][2 * x + 1]);
+            }
+            continue;
+        }
         float *pk, *pv;
         const int64_t slot = t.slot;
         if (slot >= 0) {
@@ -210,7 +229,7 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
     }
     cp_wait<0>();
 
-    kwg_store<DP, KWG_BK>(P, t, kr, dK, dV, lane);
+    kwg_store<DP, KWG_BK, T>(P, t, kr, dK, dV, lane);
 #endif
 }
 
@@ -476,7 +495,7 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
             dV[d][0] += v.x, dV[d][1] += v.y, dV[d][2] += v.z, dV[d][3] += v.w;
         }
     }
-    kwg_store<DP, BK>(P, t, kr, dK, dV, lane);
+    kwg_store<DP, BK, T>(P, t, kr, dK, dV, lane);
 #endif
 }
 

@@ -164,6 +164,25 @@ __device__ __forceinline__ void simt_rows_of_key(const rule_t &r, int j, int n, 
     *t1 = a;
 }
 
+/* One key row's dK, dV sums (this lane's columns): added into the fp32 buffers, or, with dko /
+ * dvo set, stored as the row's whole gradient. */
+static __device__ void simt_k_store(const kparams &P, int64_t b, int64_t kr, int64_t h, const float *dK, const float *dV,
+                                    int lane)
+{
+    const int64_t ob = (b * P.KR + kr) * P.H + h;
+#pragma unroll
+    for (int i = 0; i < SIMT_COLS; i++) {
+        const int d = lane + 32 * i;
+        if (P.dko.p) {
+            if (d < P.DK) st_any(P.dko.p, P.dko.dt, b * P.dko.s0 + kr * P.dko.s1 + h * P.dko.s2 + d, dK[i] * P.scale);
+            if (d < P.DV) st_any(P.dvo.p, P.dvo.dt, b * P.dvo.s0 + kr * P.dvo.s1 + h * P.dvo.s2 + d, dV[i]);
+            continue;
+        }
+        if (d < P.DK) P.dk[ob * P.DK + d] += dK[i] * P.scale;
+        if (d < P.DV) P.dv[ob * P.DV + d] += dV[i];
+    }
+}
+
 /* dK, dV of key rows [B, KR, H], one warp per key row. */
 __global__ void __launch_bounds__(32 * SIMT_WARPS) simt_k_kernel(const kparams P, int64_t B, const int *only_if)
 {
@@ -188,13 +207,17 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) simt_k_kernel(const kparams P
         const seqinfo sq = seq_get(P.sm, s);
         const int nkeys = rule_nkeys(P.rule, sq);
         const int64_t j64 = kr - (cmp ? sq.cmp0 : sq.row0);
-        if (j64 < 0 || j64 >= nkeys) continue;
-        const int j = (int)j64;
-        float kx[SIMT_COLS], vx[SIMT_COLS], dK[SIMT_COLS], dV[SIMT_COLS], x[SIMT_COLS], y[SIMT_COLS];
-        simt_load(kx, P.k, b * P.k.s0 + kr * P.k.s1 + h * P.k.s2, P.DK, lane);
-        simt_load(vx, P.v, b * P.v.s0 + kr * P.v.s1 + h * P.v.s2, P.DV, lane);
+        float dK[SIMT_COLS], dV[SIMT_COLS];
 #pragma unroll
         for (int i = 0; i < SIMT_COLS; i++) dK[i] = dV[i] = 0.0f;
+        if (j64 < 0 || j64 >= nkeys) { /* no rule's key: nothing to add, zeros to store */
+            if (P.dko.p) simt_k_store(P, b, kr, h, dK, dV, lane);
+            continue;
+        }
+        const int j = (int)j64;
+        float kx[SIMT_COLS], vx[SIMT_COLS], x[SIMT_COLS], y[SIMT_COLS];
+        simt_load(kx, P.k, b * P.k.s0 + kr * P.k.s1 + h * P.k.s2, P.DK, lane);
+        simt_load(vx, P.v, b * P.v.s0 + kr * P.v.s1 + h * P.v.s2, P.DV, lane);
         auto query = [&](int pos) { /* the G heads of position pos, in order */
             const int64_t t = sq.row0 + pos;
             for (int64_t g = 0; g < P.G; g++) {
@@ -231,13 +254,7 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) simt_k_kernel(const kparams P
             simt_rows_of_key(P.rule, j, sq.len, nkeys, &t0, &t1);
             for (int pos = t0; pos <= t1; pos++) query(pos);
         }
-        const int64_t ob = (b * P.KR + kr) * P.H + h;
-#pragma unroll
-        for (int i = 0; i < SIMT_COLS; i++) {
-            const int d = lane + 32 * i;
-            if (d < P.DK) P.dk[ob * P.DK + d] += dK[i] * P.scale;
-            if (d < P.DV) P.dv[ob * P.DV + d] += dV[i];
-        }
+        simt_k_store(P, b, kr, h, dK, dV, lane);
     }
 }
 

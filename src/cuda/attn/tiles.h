@@ -62,6 +62,10 @@ typedef struct kparams {
      * partial of slot (task, head), added in order by nsa_cu_seg_reduce. */
     int nseg;
     int bk;                               /* keys per task: 64 (ktile), KWG_BK (kwg_kernel) */
+    /* kwg / kwp and the scalar kernels, a range rule whose tasks each own all rows of their keys
+     * (one row segment): .p set = dK / dV written here once (k's dtype or f32), instead of added
+     * into dk / dv; keys no query sees get zeros */
+    dview dko, dvo;
     seqmap sm;
     const int *nf; /* the call's non-finite flag (run.h; NULL: never set) */
 } kparams;
@@ -123,6 +127,10 @@ typedef struct bwd_io {
      * writes dq_out itself (the wgmma dQ tile: returns 1) or zeroes dq32 and adds into it as
      * usual (returns 0; the caller stores it). NULL: dq32 is zeroed and shared (returns 0). */
     const dview *dq_out;
+    /* the same for dk / dv (both or neither): dk32 / dv32 come unzeroed, and cu_bwd_range
+     * either has the dK / dV tiles write dk_out / dv_out (sets CU_BWD_WROTE_DKDV) or zeroes
+     * the buffers and adds into them */
+    const dview *dk_out, *dv_out;
 } bwd_io;
 
 /* The backward's inputs read by its tiles (q, k, v, lse) scanned into the call's non-finite

@@ -149,11 +149,27 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     cu_simt_standby_q(g, &P, MODE_FWD);
 }
 
+/* dk_out / dv_out can take the dK / dV tiles' direct stores: aligned rows, k's dtype or f32. */
+static int cu_dkdv_out_ok(const bwd_io *io)
+{
+    const dview *a = io->dk_out, *b = io->dv_out;
+    return a && b && a->al && b->al && (a->dt == (int)io->dt || a->dt == NSA_DTYPE_F32) &&
+           (b->dt == (int)io->dt || b->dt == NSA_DTYPE_F32);
+}
+
+static void cu_zero_dkdv32(grun *g, const bwd_io *io)
+{
+    const nsa_problem *p = g->p;
+    g_zero(g, io->dk32, nsa_size_mul(nsa_size_elems(p->B, io->KR, p->H, p->DK), sizeof(float)));
+    g_zero(g, io->dv32, nsa_size_mul(nsa_size_elems(p->B, io->KR, p->H, p->DV), sizeof(float)));
+}
+
 int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
 {
     const nsa_problem *p = g->p;
     if (!io->D_ready) nsa_cu_dprep(g, io->dout, io->o, io->gate, io->Dw, io->gate ? io->gw : NULL, p->B, p->T, p->HQ, p->DV);
     if (io->dt == NSA_DTYPE_F32) { /* float32 storage: the scalar kernels (attn/simt.cu) */
+        if (io->dk_out) cu_zero_dkdv32(g, io);
         cu_bwd_simt(g, rule, io, NULL);
         return 0;
     }
@@ -207,11 +223,17 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
         const size_t row = nsa_size_mul(nsa_size_of(p->H), nsa_size_add(nsa_size_of(p->DK), nsa_size_of(p->DV)));
         K.part = cu_take_f32(g, nsa_size_mul(n64 > n128 ? n64 : n128, row), 0);
     }
+    CUtensorMap kmaps[4];
+    if (kp.kernel == CU_DKDV_KWP && g_live(g) && ktiles > 0 && !cu_kwp_maps(g, &K, io->dt, 0, kmaps))
+        kp = cu_plan_dkdv(p, &g->dev, g->ovr, &kv, 0, wg, 1);
+    /* dK / dV written once, in their own dtype, where each task owns every row of its keys
+     * (the wgmma tiles, one row segment): no fp32 buffers to zero, add into and convert */
+    const int dkv_direct = kp.kernel != CU_DKDV_KTILE && K.nseg <= 1 && cu_dkdv_out_ok(io);
+    if (dkv_direct) K.dko = *io->dk_out, K.dvo = *io->dv_out;
+    else if (io->dk_out) cu_zero_dkdv32(g, io);
     if (kp.kernel == CU_DKDV_KTILE) {
         cu_run_ktile(g, &K, ktiles, io->dt);
     } else if (g_live(g) && ktiles > 0) {
-        CUtensorMap kmaps[4];
-        if (kp.kernel == CU_DKDV_KWP && !cu_kwp_maps(g, &K, io->dt, 0, kmaps)) kp = cu_plan_dkdv(p, &g->dev, g->ovr, &kv, 0, wg, 1);
         const int bf16 = io->dt == NSA_DTYPE_BF16;
         if (kp.kernel == CU_DKDV_KWP) {
             if (K.DK == 64) nsa_cu_kwp_64(g, &K, bf16, 0, ktiles, kmaps);
@@ -228,7 +250,7 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
         const seqmap tm = g_seqmap(g, ut, &ntiles);
         nsa_cu_seg_reduce(g, &K, tm, ntiles);
     }
-    return direct;
+    return (direct ? CU_BWD_WROTE_DQ : 0) | (dkv_direct ? CU_BWD_WROTE_DKDV : 0);
 }
 
 void cu_range_bwd_op(grun *g, const rule_t *r, const nsa_tensor *q_t, const nsa_tensor *k_t, const nsa_tensor *v_t,
@@ -244,11 +266,15 @@ void cu_range_bwd_op(grun *g, const rule_t *r, const nsa_tensor *q_t, const nsa_
     io.KR = KR;
     io.Dw = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->HQ, 1), 0);
     io.dq32 = cu_take_f32(g, nsa_size_elems(p->B, p->T, p->HQ, p->DK), 0); /* zeroed by cu_bwd_range if it adds */
-    io.dk32 = cu_take_f32(g, nsa_size_elems(p->B, KR, p->H, p->DK), 1);
-    io.dv32 = cu_take_f32(g, nsa_size_elems(p->B, KR, p->H, p->DV), 1);
+    /* zeroed by cu_bwd_range if it adds */
+    io.dk32 = cu_take_f32(g, nsa_size_elems(p->B, KR, p->H, p->DK), 0);
+    io.dv32 = cu_take_f32(g, nsa_size_elems(p->B, KR, p->H, p->DV), 0);
     const dview dq = dv_of(dq_t), dk = dv_of(dk_t), dv = dv_of(dv_t);
-    io.dq_out = &dq;
-    if (!cu_bwd_range(g, r, &io)) nsa_cu_store32(g, io.dq32, &dq, p->B, p->T, p->HQ, p->DK);
-    nsa_cu_store32(g, io.dk32, &dk, p->B, KR, p->H, p->DK);
-    nsa_cu_store32(g, io.dv32, &dv, p->B, KR, p->H, p->DV);
+    io.dq_out = &dq, io.dk_out = &dk, io.dv_out = &dv;
+    const int wrote = cu_bwd_range(g, r, &io);
+    if (!(wrote & CU_BWD_WROTE_DQ)) nsa_cu_store32(g, io.dq32, &dq, p->B, p->T, p->HQ, p->DK);
+    if (!(wrote & CU_BWD_WROTE_DKDV)) {
+        nsa_cu_store32(g, io.dk32, &dk, p->B, KR, p->H, p->DK);
+        nsa_cu_store32(g, io.dv32, &dv, p->B, KR, p->H, p->DV);
+    }
 }

@@ -25,7 +25,9 @@ rule_t cu_rule_cmp(const nsa_problem *p);
  * no data): lse only, V unread). */
 void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, const dview *k, const dview *v,
                   const dview *o, const dview *lse);
-/* dQ, dK, dV of a range branch (see bwd_io). @return 1 when the dQ tile wrote io->dq_out itself. */
+/* dQ, dK, dV of a range branch (see bwd_io). @return which outputs the tiles wrote themselves
+ * (the others are in the fp32 buffers for the caller to store). */
+enum { CU_BWD_WROTE_DQ = 1, CU_BWD_WROTE_DKDV = 2 };
 int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io);
 /* The backward of a range branch on its own: fp32 accumulators from the workspace, then dq
  * [B, T, HQ, DK], dk / dv [B, KR, H, D] stored. KR: cmp_rows for the compressed branch, Tk for
