@@ -29,9 +29,10 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
  * (the others are in the fp32 buffers for the caller to store). */
 enum { CU_BWD_WROTE_DQ = 1, CU_BWD_WROTE_DKDV = 2 };
 int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io);
-/* The backward of a range branch on its own: fp32 accumulators from the workspace, then dq
- * [B, T, HQ, DK], dk / dv [B, KR, H, D] stored. KR: cmp_rows for the compressed branch, Tk for
- * the window. */
+/* The backward of a range branch on its own: dq [B, T, HQ, DK], dk / dv [B, KR, H, D], each
+ * written directly by the tiles that own its rows where they can (cu_bwd_range), else summed
+ * in fp32 accumulators from the workspace and stored. KR: cmp_rows for the compressed branch,
+ * Tk for the window. */
 void cu_range_bwd_op(grun *g, const rule_t *r, const nsa_tensor *q_t, const nsa_tensor *k_t, const nsa_tensor *v_t,
                      const nsa_tensor *o_t, const nsa_tensor *lse_t, const nsa_tensor *dout_t, int64_t KR,
                      const nsa_tensor *dq_t, const nsa_tensor *dk_t, const nsa_tensor *dv_t);
