@@ -6,6 +6,15 @@ its config, as bench/workload.py writes it). A selected-attention kernel that
 loads a block once for the neighbouring queries that chose it pays off as this grows; random
 inputs are its worst case.
 
+What such a kernel would move and compute is measured too (--tiles): for query tiles of P
+consecutive positions (per batch entry and kv head), the union U of their selected sets against
+the sum of the set sizes. A union tile loads each of U blocks once for its P positions (bytes
+ratio U / sum |S_t| against loading every position's set), but multiplies all P positions with
+every block of U under a membership mask (products ratio P U / sum |S_t|). The selected branch
+is bound by its bytes on an H100 / H200 (about 6x its products' time at the paper's
+configuration), so a union tile pays while its bytes ratio falls by more than its products
+ratio leaves room for.
+
   python3 bench/overlap.py --T 4096                  # random q, k, the paper's configuration
   python3 bench/overlap.py --workload layer.npz      # q, k saved from an attention layer
   python3 bench/overlap.py --device cuda --T 65536   # torch on a GPU
@@ -37,6 +46,38 @@ def neighbour_jaccard(idx):
     both = (na > 0) & (nb > 0)
     j = inter[both] / (na + nb - inter)[both]
     return (float(j.mean()), int(j.size)) if j.size else (float("nan"), 0)
+
+
+def tile_unions(idx, P):
+    """idx [B, T, H, n] as above; query tiles of P consecutive positions (a last partial tile
+    included). Returns (sum over tiles of the union size, sum of the set sizes, tiles): the
+    blocks a union tile loads against those its positions load each for itself."""
+    idx = np.asarray(idx)
+    if idx.ndim != 4:
+        raise ValueError("block indices must be [B, T, H, n], got shape %s" % (idx.shape,))
+    if P < 1:
+        raise ValueError("tile positions must be >= 1, got %d" % P)
+    B, T, H, n = idx.shape
+    pad = (-T) % P
+    if pad:
+        idx = np.concatenate([idx, np.full((B, pad, H, n), -1, idx.dtype)], axis=1)
+    tiles = np.sort(idx.reshape(B, -1, P, H, n).transpose(0, 1, 3, 2, 4).reshape(B, -1, H, P * n), axis=-1)
+    fresh = np.ones(tiles.shape, bool)
+    fresh[..., 1:] = tiles[..., 1:] != tiles[..., :-1]
+    union = ((tiles >= 0) & fresh).sum()
+    return int(union), int((idx >= 0).sum()), B * tiles.shape[1] * H
+
+
+def tile_figures(idx, sizes=(8, 16)):
+    """{P: the union tile's figures} for query tiles of each size P (tile_unions): mean union
+    and set sizes in blocks, its bytes and products against loading each position's set."""
+    out = {}
+    for P in sizes:
+        union, loads, ntiles = tile_unions(idx, P)
+        if loads:
+            out[P] = dict(union_per_tile=union / ntiles, set_per_position=loads / (ntiles * P), bytes_ratio=union / loads,
+                          products_ratio=P * union / loads)
+    return out
 
 
 def selection(q, k, config, k_cmp=None):
@@ -89,7 +130,14 @@ def self_test():
     two_heads = np.array([[[[0, 1], [4, -1]], [[0, 1], [5, -1]]]])
     check(neighbour_jaccard(two_heads) == (0.5, 2), "heads averaged: (1 + 0) / 2")
     check(neighbour_jaccard(np.zeros((1, 1, 1, 2), np.int32))[1] == 0, "one position: no pair")
-    print("%d passed, %d failed" % (6 - fails, fails))
+    # tile unions: three positions [0 1 2] [2 3 -1] [2 3 4] in tiles of 2: {0 1 2 3} and {2 3 4}
+    t3 = np.array([[[[0, 1, 2]], [[2, 3, -1]], [[2, 3, 4]]]])
+    check(tile_unions(t3, 2) == (7, 8, 2), "unions 4 + 3 of sets 3 + 2 + 3 in two tiles")
+    check(tile_unions(t3, 1) == (8, 8, 3), "tiles of one position: the sets themselves")
+    check(tile_unions(same, 2) == (3, 6, 1), "identical sets: loaded once")
+    two = np.array([[[[0, 1], [0, -1]], [[1, 2], [0, 1]]]])
+    check(tile_unions(two, 2) == (5, 7, 2), "kv heads apart: {0 1 2} and {0 1}")
+    print("%d passed, %d failed" % (10 - fails, fails))
     return 1 if fails else 0
 
 
@@ -102,6 +150,8 @@ def main(argv=None):
     ap.add_argument("--workload", default=None, help=".npz with q [B, T, HQ, D] and k [B, T, H, D] instead")
     ap.add_argument("--device", default="cpu", help="cpu (numpy) or a torch device")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiles", default="8,16", help="query-tile sizes P for the union figures ('' for none)")
+    ap.add_argument("--json", default=None, help="also write the figures to this .json")
     ap.add_argument("--self-test", action="store_true")
     args = ap.parse_args(argv)
     if args.self_test:
@@ -121,9 +171,21 @@ def main(argv=None):
         what = "random q, k"
     B, T, HQ, D = q.shape
     H = k.shape[2]
-    mean, count = neighbour_jaccard(selection(q, k, config, k_cmp))
+    idx = selection(q, k, config, k_cmp)
+    mean, count = neighbour_jaccard(idx)
     print("%s: B %d, T %d, HQ %d, H %d, D %d, top-%d of %d-token blocks: neighbour overlap (mean Jaccard) %.4f over %d pairs"
           % (what, B, T, HQ, H, D, config.slc_topk, config.slc_block, mean, count))
+    out = dict(what=what, B=B, T=T, HQ=HQ, H=H, D=D, slc_topk=config.slc_topk, slc_block=config.slc_block,
+               neighbour_overlap=mean, pairs=count, tiles={})
+    out["tiles"] = tile_figures(idx, [int(x) for x in args.tiles.split(",") if x.strip()])
+    for P, t in out["tiles"].items():
+        print("  query tiles of %2d positions: union %.1f blocks against %.1f a position; bytes x%.3f, products x%.2f"
+              " of loading each position's set" % (P, t["union_per_tile"], t["set_per_position"], t["bytes_ratio"],
+                                                   t["products_ratio"]))
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
     return 0
 
 

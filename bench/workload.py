@@ -2,7 +2,8 @@
 example model (examples/train_tiny.py, saved with --save) feeds its NSA call over T tokens of
 held-out text -- q, k, v, the three gates and the layer's compressed keys and values -- written
 to an .npz (float16, with the layer's nsa config) that bench/overlap.py --workload reads, and
-that layer's neighbour overlap (bench/overlap.py) beside random inputs' of the same shapes.
+that layer's neighbour overlap and query-tile unions (bench/overlap.py) beside random inputs' of
+the same shapes.
 Trained models let neighbouring queries choose mostly the same blocks; random inputs do not.
 
   PYTHONPATH=python python3 examples/train_tiny.py --seq-len 8192 --save tiny8k.pt   # on a GPU
@@ -89,12 +90,14 @@ def main(argv=None):
     sel = overlap.selection(overlap.to_device(q, "cpu"), None, cfg, overlap.to_device(arrays["k_cmp"], "cpu"))
     ours, pairs = overlap.neighbour_jaccard(sel)
     rq, rk = overlap.random_qk(*q.shape[:3], arrays["k"].shape[2], q.shape[3], "cpu", 0)
-    rand, _ = overlap.neighbour_jaccard(overlap.selection(rq, rk, cfg))
+    rsel = overlap.selection(rq, rk, cfg)
+    rand, _ = overlap.neighbour_jaccard(rsel)
     meta = {"checkpoint": os.path.basename(opts.checkpoint) if opts.checkpoint else None,
             "trained_here_steps": None if opts.checkpoint else opts.train_steps, "layer": opts.layer, "T": opts.T,
             "text_repeated": bool(repeated), "shapes": {k: list(v.shape) for k, v in arrays.items()},
             "config": arrays["config"].tolist(), "neighbour_overlap": ours, "pairs": pairs,
-            "neighbour_overlap_random": rand, "model": {k: getattr(args, k) for k in ("d_model", "layers", "heads",
+            "neighbour_overlap_random": rand, "tiles": overlap.tile_figures(sel),
+            "tiles_random": overlap.tile_figures(rsel), "model": {k: getattr(args, k) for k in ("d_model", "layers", "heads",
                                                                                       "kv_heads", "head_dim", "seq_len")}}
     with open(os.path.splitext(opts.out)[0] + ".json", "w") as f:
         json.dump(meta, f, indent=1)

@@ -19,14 +19,21 @@ def _run(*args):
 
 
 def test_metric_self_test():
-    assert "6 passed, 0 failed" in _run("--self-test")
+    assert "10 passed, 0 failed" in _run("--self-test")
 
 
 def test_random_and_saved_inputs(tmp_path):
     # 3000 tokens: 47 blocks, more than the 16 a query takes (below 16 every query takes all it sees)
-    out = _run("--T", "3000", "--heads", "4/2", "--dim", "16")
+    out = _run("--T", "3000", "--heads", "4/2", "--dim", "16", "--json", str(tmp_path / "r.json"))
     mean = float(out.split("mean Jaccard) ")[1].split()[0])
     assert 0.0 <= mean < 0.9 and "over 5998 pairs" in out  # (T - 1) positions x H kv heads
+    with open(tmp_path / "r.json") as f:
+        fig = json.load(f)
+    # at most 16 blocks a position (fewer early on); a tile of P loads at least one set's worth
+    # of blocks and at most P sets
+    for P, t in ((8, fig["tiles"]["8"]), (16, fig["tiles"]["16"])):
+        assert 1.0 <= t["set_per_position"] <= 16.0 and 1.0 / P <= t["bytes_ratio"] <= 1.0
+        assert abs(t["products_ratio"] - P * t["bytes_ratio"]) < 1e-9 and "query tiles of %2d" % P in out
     # a saved layer whose queries repeat the previous position's: every neighbour selects alike
     rng = np.random.default_rng(1)
     q = np.repeat(rng.standard_normal((1, 1, 4, 16)), 3000, axis=1).astype(np.float32)
@@ -54,3 +61,5 @@ def test_workload_written_and_read(tmp_path):
     with open(tmp_path / "w.json") as f:
         meta = json.load(f)
     assert 0.0 <= meta["neighbour_overlap"] <= 1.0 and meta["layer"] == 0 and meta["T"] == 300
+    for key in ("tiles", "tiles_random"):
+        assert set(meta[key]) == {"8", "16"} and all(0.0 < t["bytes_ratio"] <= 1.0 for t in meta[key].values())
