@@ -18,12 +18,17 @@ an absent peer is skipped with the reason printed. bench/PEERS.md says how to ru
 row means and the caveats.
 
   python3 bench/peers.py --T 8k,16k,32k,64k,128k --G 16,4 --out DIR
+  python3 bench/peers.py --workload layer.npz   # nsa and mdy666 on one saved layer's inputs
   python3 bench/peers.py --list            # the plan and the FLOP counts, no torch needed
   python3 bench/peers.py --self-test       # the pure functions, no torch needed
 
 Timing: CUDA events around each run after warm-up runs, a 256 MB buffer zeroed before each run to
 flush the L2 (as triton.testing.do_bench), median of --reps runs (fewer when one run is long:
---max-seconds per measurement). Inputs torch.randn (gates torch.rand). An out-of-memory or any
+--max-seconds per measurement). Inputs torch.randn (gates torch.rand), or with --workload those an
+attention layer of a trained model fed its NSA call (bench/workload.py's .npz: q, k, v, the gates,
+the layer's learned compressed keys and values, its NSA configuration): nsa takes all of them;
+mdy666 takes q, k, v and the gates (as its combine weights, their logits) with its own compression
+and the layer's configuration, so its selection is its own. An out-of-memory or any
 other failure of one (impl, G, T) is recorded as skipped, never fatal; after an out-of-memory the
 larger T of that implementation are skipped too.
 
@@ -74,6 +79,13 @@ PLAN = [
     ("cudnn", "sdpa", "dense", False),
     ("fa2", "sdpa", "dense", False),
     ("flex", "flex", "swa", True),
+]
+# --workload: the rows of one saved layer (config "workload": the layer's, B = 1, its T and heads)
+WORKLOAD_PLAN = [
+    ("nsa", "native", "workload", True),
+    ("nsa", "native-noswa", "workload", False),
+    ("mdy666", "hf+flexswa", "workload", True),
+    ("mdy666", "hf-noswa", "workload", False),
 ]
 REFERENCE = {
     ("nsa", "parallel_nsa"): ("native", "fla"),
@@ -160,6 +172,25 @@ def swa_flops(T, HQ, D, window, pass_name, B=1):
     return 4.0 * D * pairs * HQ * B * pass_factor(pass_name)
 
 
+def workload_shape(q_shape, k_shape, config):
+    """(T, HQ, H, D, nsa configuration) of a saved layer: q [1, T, HQ, D], k [1, T, H, D] and
+    its 7 configuration values (cmp_len, cmp_stride, slc_block, slc_topk, n_init, n_local, window,
+    as bench/workload.py writes them). ValueError on anything else."""
+    q_shape, k_shape = tuple(int(x) for x in q_shape), tuple(int(x) for x in k_shape)
+    if len(q_shape) != 4 or len(k_shape) != 4 or q_shape[0] != 1 or k_shape[:2] != q_shape[:2] or k_shape[3] != q_shape[3]:
+        raise ValueError("workload: q must be [1, T, HQ, D] and k [1, T, H, D], got %s and %s" % (q_shape, k_shape))
+    _, T, HQ, D = q_shape
+    H = k_shape[2]
+    if H < 1 or HQ % H:
+        raise ValueError("workload: HQ %d is not a multiple of H %d" % (HQ, H))
+    vals = [int(x) for x in config]
+    if len(vals) != 7 or min(vals[:4]) < 1 or min(vals[4:]) < 0:
+        raise ValueError("workload: config must be 7 values (cmp_len, cmp_stride, slc_block, slc_topk, n_init, n_local, "
+                         "window), got %s" % (vals,))
+    keys = ("cmp_len", "cmp_stride", "slc_block", "slc_topk", "n_init", "n_local", "window")
+    return T, HQ, H, D, dict(zip(keys, vals))
+
+
 def row_flops(impl, config, window, T, HQ, H, D, pass_name):
     if config == "dense":
         return dense_flops(T, HQ, D, pass_name)
@@ -173,7 +204,7 @@ def make_row(impl, variant, config, G, T, pass_name, ms, gpu, HQ, H, D, window, 
     variant, HQ, H, D, runs, note."""
     if impl not in IMPLS:
         raise ValueError("impl %r not in %s" % (impl, IMPLS))
-    if config not in ("paper", "fla", "dense", "swa"):
+    if config not in ("paper", "fla", "dense", "swa", "workload"):
         raise ValueError("config %r" % (config,))
     ms = float(ms)
     flops = row_flops(impl, config, window, T, HQ, H, D, pass_name)
@@ -192,6 +223,8 @@ def find_reference(rows, row):
     ref = REFERENCE.get((row["impl"], row["variant"]))
     if ref is None:
         return None
+    if row["config"] == "workload":  # a saved layer's rows compare among themselves
+        ref = (ref[0], "workload")
     for r in rows:
         if (r["impl"] == "nsa" and r["variant"] == ref[0] and r["config"] == ref[1] and r["G"] == row["G"]
                 and r["T"] == row["T"] and r["pass"] == row["pass"]):
@@ -232,7 +265,7 @@ def _order(row):
 def format_table(rows, skipped=()):
     """The printed table: one line per measured row, grouped by G and pass, with nsa/peer."""
     lines = []
-    head = "%-7s %-13s %-6s %3s %6s %-8s %10s %9s %9s  %s" % (
+    head = "%-7s %-13s %-8s %3s %6s %-8s %10s %9s %9s  %s" % (
         "impl", "variant", "config", "G", "T", "pass", "ms", "TFLOP/s", "nsa/peer", "compared with")
     lines.append(head)
     lines.append("-" * len(head))
@@ -244,7 +277,7 @@ def format_table(rows, skipped=()):
         last = group
         r = ratio(rows, row)
         ref = REFERENCE.get((row["impl"], row["variant"]))
-        lines.append("%-7s %-13s %-6s %3d %6s %-8s %10.3f %9s %9s  %s" % (
+        lines.append("%-7s %-13s %-8s %3d %6s %-8s %10.3f %9s %9s  %s" % (
             row["impl"], row["variant"], row["config"], row["G"], fmt_T(row["T"]), row["pass"], row["ms"],
             "-" if row.get("tflops") is None else "%.1f" % row["tflops"],
             "-" if r is None else "%.3f" % r,
@@ -253,7 +286,7 @@ def format_table(rows, skipped=()):
         lines.append("")
         lines.append("skipped:")
         for s in skipped:
-            lines.append("  %-7s %-13s %-6s G=%-3s T=%-6s %-8s %s" % (
+            lines.append("  %-7s %-13s %-8s G=%-3s T=%-6s %-8s %s" % (
                 s["impl"], s.get("variant", ""), s.get("config", ""), s.get("G", ""),
                 fmt_T(s["T"]) if isinstance(s.get("T"), int) else s.get("T", ""), s.get("pass", ""), s["reason"]))
     lines.append("nsa/peer = nsa ms / peer ms (< 1: nsa faster); TFLOP/s: NSA visible pairs (bench/PEERS.md), "
@@ -340,13 +373,13 @@ def write_png(path, rows, title=""):
     return None
 
 
-def plan_rows(impls, Gs, Ts, passes, H=4):
+def plan_rows(impls, Gs, Ts, passes, H=4, plan=None):
     """The (impl, variant, config, window, G, T, pass) measurements for the given selection,
     before availability is known (native-noswa and hf-noswa are added only at run time)."""
     out = []
     for G in Gs:
         for T in Ts:
-            for impl, variant, config, window in PLAN:
+            for impl, variant, config, window in (PLAN if plan is None else plan):
                 if impl not in impls or variant in ("native-noswa", "hf-noswa"):
                     continue
                 for p in passes:
@@ -464,6 +497,25 @@ def self_test():
             print("png: written (%d bytes)" % size)
         else:
             print("png: " + why)
+    # a saved layer: its shape and configuration, its rows compared among themselves
+    T_, HQ_, H_, D_, wc = workload_shape((1, 16384, 8, 64), (1, 16384, 2, 64), [16, 8, 32, 8, 1, 2, 128])
+    check((T_, HQ_, H_, D_) == (16384, 8, 2, 64) and wc["slc_block"] == 32 and wc["window"] == 128, "workload shape")
+    for bad in (((16384, 8, 64), (1, 16384, 2, 64), [16, 8, 32, 8, 1, 2, 128]),
+                ((1, 16384, 6, 64), (1, 16384, 4, 64), [16, 8, 32, 8, 1, 2, 128]),
+                ((1, 16384, 8, 64), (1, 16384, 2, 64), [16, 8, 32, 8, 1, 2])):
+        try:
+            workload_shape(*bad)
+            check(False, "bad workload accepted %s" % (bad,))
+        except ValueError:
+            pass
+    CONFIGS["workload"] = wc
+    try:
+        wrows = [make_row("nsa", "native", "workload", 4, T_, "fwd", 2.0, gpu, HQ_, H_, D_, True),
+                 make_row("mdy666", "hf+flexswa", "workload", 4, T_, "fwd", 4.0, gpu, HQ_, H_, D_, True)]
+        check(ratio(wrows + rows, wrows[1]) == 0.5 and wrows[0]["tflops"] > 0, "workload rows compared among themselves")
+        check(len(plan_rows(["nsa", "mdy666"], [4], [T_], PASSES, H_, WORKLOAD_PLAN)) == 4, "workload plan")
+    finally:
+        del CONFIGS["workload"]
     print("plan of the default run: %d measurements" % len(plan_rows(IMPLS, [16, 4], parse_T("8k,16k,32k,64k,128k"), PASSES)))
     for f in fails:
         print("FAIL " + f)
@@ -743,10 +795,24 @@ class Runner:
     def gates(self, *shape):
         return self.torch.rand(*shape, dtype=self.torch.bfloat16, device=self.dev).requires_grad_(True)
 
+    def saved(self, name, grad=True):
+        """--workload: the saved layer's array `name` as a bf16 tensor on the GPU."""
+        x = self.torch.from_numpy(self.workload[name].astype("float32")).to(self.dev, self.torch.bfloat16)
+        return x.requires_grad_(grad)
+
     # -- one implementation: returns (forward closure, leaves with grads, note) --
     def setup(self, impl, variant, config, G, T):
         torch, a = self.torch, self.args
         HQ, H, D = a.H * G, a.H, a.D
+        if impl == "nsa" and config == "workload":
+            import nsa
+            names = ("q", "k", "v", "g_cmp", "g_slc", "g_swa", "k_cmp", "v_cmp")
+            q, k, v, g_cmp, g_slc, g_swa, k_cmp, v_cmp = [self.saved(n) for n in names]
+            cfg = nsa.Config(**CONFIGS["workload"])
+            swa_gate = g_swa if variant == "native" else None
+            leaves = [q, k, v, g_cmp, g_slc] + ([g_swa] if swa_gate is not None else []) + [k_cmp, v_cmp]
+            return (lambda: nsa.native_sparse_attention(q, k, v, g_cmp, g_slc, swa_gate, config=cfg, k_cmp=k_cmp,
+                                                        v_cmp=v_cmp)), leaves, "the layer's learned k_cmp / v_cmp"
         if impl == "nsa":
             import nsa
             q, k, v = self.randn(1, T, HQ, D), self.randn(1, T, H, D), self.randn(1, T, H, D)
@@ -777,16 +843,23 @@ class Runner:
                                window_size=0)), [q, k, v, g_cmp, g_slc], None
         if impl == "mdy666":
             hf = self.mdy
-            c = CONFIGS["paper"]
+            c = CONFIGS[config]
             # flash_nsa/config.py NSAConfig; HFNSACore reads kernel_size, stride, block_size, top_n,
             # num_init_blocks, num_local_blocks, window_size (flash_nsa/modules/hf_level_nsa.py)
             ncfg = hf.NSAConfig(head_dim=D, num_heads=HQ, num_kv_heads=H, kernel_size=c["cmp_len"],
                                 stride=c["cmp_stride"], block_size=c["slc_block"], top_n=c["slc_topk"],
-                                num_init_blocks=1, num_local_blocks=2, window_size=c["window"])
+                                num_init_blocks=c.get("n_init", 1), num_local_blocks=c.get("n_local", 2),
+                                window_size=c["window"])
             hf.NSAHelper.x_cu_seqlens = None  # its varlen cache is global: start clean per shape
             core = hf.HFNSACore(ncfg).to(self.dev)
-            q, k, v = self.randn(T, HQ, D), self.randn(T, H, D), self.randn(T, H, D)
-            w = self.randn(T, HQ, 3)  # combine weights, sigmoid applied inside (ops/combine.py)
+            if config == "workload":  # the layer's q, k, v packed; its gates as combine weights (logits)
+                q, k, v = self.saved("q")[0], self.saved("k")[0], self.saved("v")[0]
+                g = torch.stack([self.saved(n, False)[0].float() for n in ("g_cmp", "g_slc", "g_swa")], -1)
+                g = g.clamp(1e-4, 1 - 1e-4)
+                w = torch.log(g / (1 - g)).to(torch.bfloat16).requires_grad_(True)
+            else:
+                q, k, v = self.randn(T, HQ, D), self.randn(T, H, D), self.randn(T, H, D)
+                w = self.randn(T, HQ, 3)  # combine weights, sigmoid applied inside (ops/combine.py)
             cu = torch.tensor([0, T], dtype=torch.int32, device=self.dev)
             note = None
             if variant == "hf+flexswa":
@@ -931,7 +1004,8 @@ def run(args):
         skipped.append(s)
         print("  skip %s %s %s G=%d T=%s %s: %s" % (impl, variant, config, G, fmt_T(T), p, reason), flush=True)
 
-    plan = list(PLAN)
+    plan = list(WORKLOAD_PLAN if args.workload else PLAN)
+    runner.workload = args.workload_arrays
     mdy_variant = "hf+flexswa" if not args.mdy_noswa else "hf-noswa"
     if "flex" in impls or ("mdy666" in impls and mdy_variant == "hf+flexswa"):
         runner.flex_error = runner.probe_flex()
@@ -993,7 +1067,7 @@ def run(args):
                             if args.kernels:
                                 kernel_table(torch, fn if p == "fwd" else step, leaves, args.kernels,
                                              "%s %s %s G=%d T=%s %s" % (impl, variant, config, G, fmt_T(T), p))
-                            print("  %-7s %-13s %-6s G=%-2d T=%-5s %-8s %10.3f ms %8s TFLOP/s  (%d runs)" % (
+                            print("  %-7s %-13s %-8s G=%-2d T=%-5s %-8s %10.3f ms %8s TFLOP/s  (%d runs)" % (
                                 impl, variant, config, G, fmt_T(T), p, ms,
                                 "-" if row["tflops"] is None else "%.1f" % row["tflops"], runs), flush=True)
                         except torch.cuda.OutOfMemoryError:
@@ -1064,6 +1138,9 @@ def parse_args(argv):
     ap.add_argument("--list", action="store_true", help="print the plan and FLOP counts and exit (no torch)")
     ap.add_argument("--self-test", action="store_true", help="check the pure functions and exit (no torch)")
     ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures")
+    ap.add_argument("--workload", default=None, metavar="NPZ",
+                    help="one saved layer's inputs (bench/workload.py) instead of random ones: nsa and mdy666 at its "
+                         "T, heads and NSA configuration (--T, --G, --H, --D, --impl, --nsa-configs are then set from it)")
     args = ap.parse_args(argv)
     args.T = parse_T(args.T)
     args.G = [int(g) for g in args.G.split(",") if g.strip()]
@@ -1081,18 +1158,35 @@ def parse_args(argv):
             ap.error("--nsa-configs: %r is not one of %s,dense,swa" % (c, ",".join(CONFIGS)))
     if not args.T or min(args.T) < 64 or not args.G or min(args.G) < 1:
         ap.error("need T >= 64 and G >= 1")
+    args.workload_arrays = None
+    if args.workload:
+        import numpy as np
+        try:
+            data = np.load(args.workload)
+            missing = [n for n in ("q", "k", "v", "g_cmp", "g_slc", "g_swa", "k_cmp", "v_cmp", "config") if n not in data]
+            if missing:
+                raise ValueError("workload: %s lacks %s (bench/workload.py writes them)" % (args.workload, ", ".join(missing)))
+            T, HQ, H, D, cfg = workload_shape(data["q"].shape, data["k"].shape, data["config"])
+        except (OSError, ValueError) as e:
+            ap.error("--workload: %s" % e)
+        CONFIGS["workload"] = cfg
+        args.T, args.G, args.H, args.D = [T], [HQ // H], H, D
+        args.impl = [i for i in args.impl if i in ("nsa", "mdy666")]
+        args.nsa_configs = ["workload"]
+        args.workload_arrays = data
     return args
 
 
 def list_plan(args):
     """--list: what a run would measure and the FLOPs each row's TFLOP/s divides by."""
-    print("%-7s %-13s %-6s %3s %6s %-8s %14s" % ("impl", "variant", "config", "G", "T", "pass", "TFLOP counted"))
+    print("%-7s %-13s %-8s %3s %6s %-8s %14s" % ("impl", "variant", "config", "G", "T", "pass", "TFLOP counted"))
     n = 0
-    for impl, variant, config, window, G, T, p in plan_rows(args.impl, args.G, args.T, args.passes, args.H):
+    plan = WORKLOAD_PLAN if args.workload else None
+    for impl, variant, config, window, G, T, p in plan_rows(args.impl, args.G, args.T, args.passes, args.H, plan):
         if impl == "nsa" and config not in args.nsa_configs:
             continue
         f = row_flops(impl, config, window, T, args.H * G, args.H, args.D, p) / 1e12
-        print("%-7s %-13s %-6s %3d %6s %-8s %14.3f" % (impl, variant, config, G, fmt_T(T), p, f))
+        print("%-7s %-13s %-8s %3d %6s %-8s %14.3f" % (impl, variant, config, G, fmt_T(T), p, f))
         n += 1
     print("%d measurements (fla skips G not a power of 2 >= 16 at run time)" % n)
     return 0
