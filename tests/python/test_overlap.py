@@ -63,3 +63,21 @@ def test_workload_written_and_read(tmp_path):
     assert 0.0 <= meta["neighbour_overlap"] <= 1.0 and meta["layer"] == 0 and meta["T"] == 300
     for key in ("tiles", "tiles_random"):
         assert set(meta[key]) == {"8", "16"} and all(0.0 < t["bytes_ratio"] <= 1.0 for t in meta[key].values())
+
+
+def test_workload_of_a_paper_config_model(tmp_path):
+    """train_tiny --nsa-config paper saves a model whose layers run the paper's NSA
+    configuration; bench/workload.py records it, so bench/peers.py --workload times that."""
+    pytest.importorskip("torch")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    ck = tmp_path / "paper.pt"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_tiny.py"), "--tiny", "--nsa-config", "paper",
+                        "--steps", "2", "--eval-every", "2", "--device", "cpu", "--out", str(tmp_path), "--save", str(ck)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    out = tmp_path / "w.npz"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "workload.py"), "--checkpoint", str(ck), "--T", "300",
+                        "--device", "cpu", "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # the paper's cmp_len, cmp_stride, slc_block, slc_topk, n_init, n_local; the window cut to --tiny's 128 tokens
+    assert list(np.load(out)["config"]) == [32, 16, 64, 16, 1, 2, 128]
