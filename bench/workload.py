@@ -10,8 +10,8 @@ Trained models let neighbouring queries choose mostly the same blocks; random in
   python3 bench/workload.py --checkpoint tiny8k.pt --T 65536 --layer 1 --out layer1-64k.npz
   python3 bench/workload.py --tiny --train-steps 5 --T 512 --device cpu --out w.npz  # a smoke run
   # the shapes the benchmarks time: the paper's NSA configuration, head dim 128, 16 query heads a kv head
-  PYTHONPATH=python python3 examples/train_tiny.py --seq-len 8192 --batch 4 --nsa-config paper --head-dim 128 \
-      --heads 16 --kv-heads 1 --save paper8k.pt
+  PYTHONPATH=python python3 examples/train_tiny.py --seq-len 8192 --batch 4 --nsa-config paper
+      --head-dim 128 --heads 16 --kv-heads 1 --save paper8k.pt      # (one command)
   python3 bench/workload.py --checkpoint paper8k.pt --T 65536 --layer 1 --out paper-layer1-64k.npz
   python3 bench/peers.py --workload paper-layer1-64k.npz      # nsa and mdy666 on those inputs
 """
