@@ -3,7 +3,8 @@
 #   1. records the GPU (nvidia-smi: name, driver, clocks) and nvcc;
 #   2. builds build/nsa_gpu_tests and the CLI (build/nsa) with the Makefile
 #      (or uses binaries prebuilt elsewhere: NSA_PREBUILT=dir, if they start);
-#   3. the GPU sweep: the random cases of tests/kit/sweep.c against the float64 reference,
+#   3. the GPU sweep: the random cases of tests/kit/sweep.c against the float64 reference
+#      (every call's live workspace takes checked against its sizing pass: NSA_CUDA_CHECK_WORKSPACE=1),
 #      every case in its own process (--jobs in parallel), writing a hash of every output
 #      to $OUT/hashes.txt; then a short pass (CASES/4) on the mma.sync tiles, the fallback of
 #      the wgmma paths (NSA_CUDA_WGMMA=0; AB=1 sweeps all CASES there instead), and one on each
@@ -110,7 +111,9 @@ fi
 if want sweep; then
 say "gpu sweep ($CASES cases, seed $SEED, max T $MAXT, $JOBS jobs)"
 t0=$(date +%s)
-timeout 240 "$BIN/nsa_gpu_tests" --seed "$SEED" --cases "$CASES" --max-T "$MAXT" --jobs "$JOBS" ${HASHES[@]+"${HASHES[@]}"} > "$OUT/sweep.log" 2>&1
+# (with every call's workspace takes checked against its sizing pass: NSA_CUDA_CHECK_WORKSPACE)
+NSA_CUDA_CHECK_WORKSPACE=1 timeout 240 "$BIN/nsa_gpu_tests" --seed "$SEED" --cases "$CASES" --max-T "$MAXT" --jobs "$JOBS" \
+    ${HASHES[@]+"${HASHES[@]}"} > "$OUT/sweep.log" 2>&1
 rc=$?
 grep -E "^FAIL" "$OUT/sweep.log" | head -30
 note "sweep: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$OUT/sweep.log" | tail -1) (rc $rc, $(( $(date +%s) - t0 )) s; $(grep -c ' (crashed)' "$OUT/sweep.log") crashed)"

@@ -89,6 +89,9 @@ nsa_step_args nsa_step_common(const nsa_attention_step_args *a);
 typedef struct nsa_cuda_overrides {
     int wgmma;      /* 0: never the sm_90a tiles (NSA_CUDA_WGMMA=0): the mma.sync tiles everywhere */
     int kwp;        /* 0: dK / dV never on the TMA-producer tile (NSA_CUDA_KWP=0) */
+    int check_ws;   /* 1: each call's live pass refuses to take workspace past the bytes its sizing pass
+                       counted (NSA_CUDA_CHECK_WORKSPACE=1, the GPU checks' setting): a take that
+                       depends on the device would otherwise run past a buffer sized exactly */
     int slc_bn;     /* selected sm_90a tile: keys per chunk, 32 or 64 (NSA_CUDA_SLC_BN=64) */
     int slc_stages; /* ... stages, 2 or 3 (NSA_CUDA_SLC_BN=32x3) */
     int slc_pair;   /* ... two neighbouring positions per CTA (0: NSA_CUDA_SLC_NP=1) */

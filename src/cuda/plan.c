@@ -28,6 +28,8 @@ void cu_overrides_from_env(cu_overrides *o)
     if (e && e[0] == '0') o->wgmma = 0;
     e = getenv("NSA_CUDA_KWP");
     if (e && e[0] == '0') o->kwp = 0;
+    e = getenv("NSA_CUDA_CHECK_WORKSPACE");
+    if (e && e[0] == '1') o->check_ws = 1;
 #if NSA_CUDA_EXPERIMENTAL
     /* NSA_CUDA_SLC_BN: "64" (64 keys in 2 stages) or "32x3" (32 keys in 3 stages); their
      * kernels exist only in a build with EXPERIMENTAL=1 */

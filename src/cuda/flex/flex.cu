@@ -2367,6 +2367,7 @@ extern "C" nsa_status nsa_cuda_flex(const nsa_context *ctx, const nsa_problem *p
     grun g;
     g_init(&g, ctx, p, ws, 0);
     if (g.err != NSA_STATUS_SUCCESS) return g.err;
+    if (ctx->cuda.check_ws) g_limit_to(&g, nsa_cuda_flex_workspace(ctx, p, a));
     run_flex(&g, a, (flex_cache *)ctx->flex_cache);
     if (g.err == NSA_STATUS_SUCCESS) g_check(&g, cudaGetLastError());
     return g.err;
@@ -2633,6 +2634,7 @@ extern "C" nsa_status nsa_cuda_flex_bwd(const nsa_context *ctx, const nsa_proble
     grun g;
     g_init(&g, ctx, p, ws, 0);
     if (g.err != NSA_STATUS_SUCCESS) return g.err;
+    if (ctx->cuda.check_ws) g_limit_to(&g, nsa_cuda_flex_bwd_workspace(ctx, p, a));
     run_flex_bwd(&g, a, (flex_cache *)ctx->flex_cache);
     if (g.err == NSA_STATUS_SUCCESS) g_check(&g, cudaGetLastError());
     return g.err;

@@ -134,6 +134,7 @@ nsa_status nsa_cuda_forward(const nsa_context *ctx, const nsa_problem *p, const 
     grun g;
     g_init(&g, ctx, p, ws, 0);
     if (g.err != NSA_STATUS_SUCCESS) return g.err;
+    if (ctx->cuda.check_ws) g_limit_to(&g, nsa_cuda_forward_workspace(ctx, p, a));
     run_forward(&g, a);
     if (g.err == NSA_STATUS_SUCCESS) g_check(&g, cudaGetLastError());
     return g.err;
@@ -251,6 +252,7 @@ nsa_status nsa_cuda_backward(const nsa_context *ctx, const nsa_problem *p, const
     grun g;
     g_init(&g, ctx, p, ws, 0);
     if (g.err != NSA_STATUS_SUCCESS) return g.err;
+    if (ctx->cuda.check_ws) g_limit_to(&g, nsa_cuda_backward_workspace(ctx, p, a));
     run_backward(&g, a);
     if (g.err == NSA_STATUS_SUCCESS) g_check(&g, cudaGetLastError());
     return g.err;

@@ -13,6 +13,7 @@ void g_init(grun *g, const nsa_context *ctx, const nsa_problem *p, void *ws, int
     g->p = p;
     g->ovr = &ctx->cuda;
     g->device = ctx->device;
+    g->limit = SIZE_MAX;
     if (!dry) {
         g_check(g, cudaSetDevice(ctx->device));
         g_check(g, cudaDeviceGetAttribute(&g->dev.smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device));
@@ -20,6 +21,12 @@ void g_init(grun *g, const nsa_context *ctx, const nsa_problem *p, void *ws, int
         if (g->dev.cc_major == 9)
             for (int i = 0; i < 3; i++) g->dev.sm90_ready[i] = cu_sm90_binary(i == 0 ? 64 : i == 1 ? 128 : 192);
     }
+}
+
+void g_take_past(grun *g)
+{
+    g_fail(g, NSA_STATUS_WORKSPACE_TOO_SMALL, "workspace: this call takes %zu bytes, past the %zu its sizing pass "
+           "counted (an internal error: a workspace take that depends on the device)", g->used, g->limit);
 }
 
 /* The kernels whose shared-memory limit this process has raised, per device (g_smem_optin). */

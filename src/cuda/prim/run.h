@@ -29,6 +29,8 @@ typedef struct grun {
     cudaStream_t st;
     char *base;
     size_t used;
+    size_t limit; /* live pass: the bytes the sizing pass counted, under NSA_CUDA_CHECK_WORKSPACE=1
+                     (g_limit_to); else SIZE_MAX */
     int dry;
     nsa_status err;
     const nsa_problem *p;
@@ -44,10 +46,18 @@ typedef struct grun {
     const void *nf_seen[8];
 } grun;
 
+/* A live take past g->limit: the call fails (WORKSPACE_TOO_SMALL, naming both sizes) and
+ * launches nothing more. */
+void g_take_past(grun *g);
+
 static inline void *g_take(grun *g, size_t bytes)
 {
     const size_t at = nsa_size_align(g->used, 256);
     g->used = nsa_size_add(at, bytes);
+    if (!g->dry && g->used > g->limit) {
+        g_take_past(g);
+        return NULL;
+    }
     return g->dry || g->used == SIZE_MAX ? NULL : (void *)(g->base + at);
 }
 
@@ -185,6 +195,10 @@ static inline size_t cu_op_workspace(const nsa_context *ctx, const nsa_problem *
     return nsa_size_add(g.used, 256);
 }
 
+/* Under NSA_CUDA_CHECK_WORKSPACE=1 (ctx->cuda.check_ws): the live pass g may take only what
+ * its op's workspace query answered, `sized`, less the alignment slack. */
+static inline void g_limit_to(grun *g, size_t sized) { g->limit = sized >= 256 ? sized - 256 : 0; }
+
 template <typename A>
 static inline nsa_status cu_op_run(const nsa_context *ctx, const nsa_problem *p, void (*run)(grun *, const A *),
                                    const A *a, void *ws)
@@ -192,6 +206,7 @@ static inline nsa_status cu_op_run(const nsa_context *ctx, const nsa_problem *p,
     grun g;
     g_init(&g, ctx, p, ws, 0);
     if (g.err != NSA_STATUS_SUCCESS) return g.err;
+    if (ctx->cuda.check_ws) g_limit_to(&g, cu_op_workspace(ctx, p, run, a));
     run(&g, a);
     if (g.err == NSA_STATUS_SUCCESS) g_check(&g, cudaGetLastError());
     return g.err;
