@@ -50,22 +50,29 @@ def neighbour_jaccard(idx):
 
 def tile_unions(idx, P):
     """idx [B, T, H, n] as above; query tiles of P consecutive positions (a last partial tile
-    included). Returns (sum over tiles of the union size, sum of the set sizes, tiles): the
-    blocks a union tile loads against those its positions load each for itself."""
+    included). Returns (sum over tiles of the union size, sum of the set sizes, tiles,
+    positions, products): the blocks a union tile loads against those its positions load each
+    for itself, the (batch entry, position, kv head) rows, and the (row, block) products a union
+    tile runs (each of its positions with every block of its union)."""
     idx = np.asarray(idx)
     if idx.ndim != 4:
         raise ValueError("block indices must be [B, T, H, n], got shape %s" % (idx.shape,))
     if P < 1:
         raise ValueError("tile positions must be >= 1, got %d" % P)
     B, T, H, n = idx.shape
+    if T == 0:
+        return 0, 0, 0, 0, 0
     pad = (-T) % P
     if pad:
         idx = np.concatenate([idx, np.full((B, pad, H, n), -1, idx.dtype)], axis=1)
     tiles = np.sort(idx.reshape(B, -1, P, H, n).transpose(0, 1, 3, 2, 4).reshape(B, -1, H, P * n), axis=-1)
     fresh = np.ones(tiles.shape, bool)
     fresh[..., 1:] = tiles[..., 1:] != tiles[..., :-1]
-    union = ((tiles >= 0) & fresh).sum()
-    return int(union), int((idx >= 0).sum()), B * tiles.shape[1] * H
+    per_tile = ((tiles >= 0) & fresh).sum(-1)  # [B, tiles, H]
+    real = np.full(per_tile.shape[1], P)
+    real[-1] = T - (per_tile.shape[1] - 1) * P  # the last tile's positions
+    products = int((per_tile * real[None, :, None]).sum())
+    return int(per_tile.sum()), int((idx >= 0).sum()), B * per_tile.shape[1] * H, B * T * H, products
 
 
 def tile_figures(idx, sizes=(8, 16)):
@@ -73,10 +80,10 @@ def tile_figures(idx, sizes=(8, 16)):
     and set sizes in blocks, its bytes and products against loading each position's set."""
     out = {}
     for P in sizes:
-        union, loads, ntiles = tile_unions(idx, P)
+        union, loads, ntiles, positions, products = tile_unions(idx, P)
         if loads:
-            out[P] = dict(union_per_tile=union / ntiles, set_per_position=loads / (ntiles * P), bytes_ratio=union / loads,
-                          products_ratio=P * union / loads)
+            out[P] = dict(union_per_tile=union / ntiles, set_per_position=loads / positions, bytes_ratio=union / loads,
+                          products_ratio=products / loads)
     return out
 
 
@@ -131,13 +138,16 @@ def self_test():
     check(neighbour_jaccard(two_heads) == (0.5, 2), "heads averaged: (1 + 0) / 2")
     check(neighbour_jaccard(np.zeros((1, 1, 1, 2), np.int32))[1] == 0, "one position: no pair")
     # tile unions: three positions [0 1 2] [2 3 -1] [2 3 4] in tiles of 2: {0 1 2 3} and {2 3 4}
+    # (the last tile holds one position: its products are 1 x 3)
     t3 = np.array([[[[0, 1, 2]], [[2, 3, -1]], [[2, 3, 4]]]])
-    check(tile_unions(t3, 2) == (7, 8, 2), "unions 4 + 3 of sets 3 + 2 + 3 in two tiles")
-    check(tile_unions(t3, 1) == (8, 8, 3), "tiles of one position: the sets themselves")
-    check(tile_unions(same, 2) == (3, 6, 1), "identical sets: loaded once")
+    check(tile_unions(t3, 2) == (7, 8, 2, 3, 2 * 4 + 1 * 3), "unions 4 + 3 of sets 3 + 2 + 3 in two tiles")
+    check(tile_unions(t3, 1) == (8, 8, 3, 3, 8), "tiles of one position: the sets themselves")
+    check(tile_unions(same, 2) == (3, 6, 1, 2, 6), "identical sets: loaded once")
     two = np.array([[[[0, 1], [0, -1]], [[1, 2], [0, 1]]]])
-    check(tile_unions(two, 2) == (5, 7, 2), "kv heads apart: {0 1 2} and {0 1}")
-    print("%d passed, %d failed" % (10 - fails, fails))
+    check(tile_unions(two, 2) == (5, 7, 2, 4, 10), "kv heads apart: {0 1 2} and {0 1}")
+    odd = tile_figures(np.array([[[[0, 1]], [[0, 1]], [[0, 1]]]]), (2,))[2]
+    check(odd["set_per_position"] == 2.0 and odd["products_ratio"] == 1.0, "a partial last tile: its real positions only")
+    print("%d passed, %d failed" % (11 - fails, fails))
     return 1 if fails else 0
 
 

@@ -172,19 +172,35 @@ def swa_flops(T, HQ, D, window, pass_name, B=1):
     return 4.0 * D * pairs * HQ * B * pass_factor(pass_name)
 
 
-def workload_shape(q_shape, k_shape, config):
-    """(T, HQ, H, D, nsa configuration) of a saved layer: q [1, T, HQ, D], k [1, T, H, D] and
+WORKLOAD_ARRAYS = ("q", "k", "v", "g_cmp", "g_slc", "g_swa", "k_cmp", "v_cmp")
+
+
+def workload_shape(shapes, config):
+    """(T, HQ, H, D, nsa configuration) of a saved layer from its arrays' shapes (name -> shape:
+    q [1, T, HQ, D]; k, v [1, T, H, D]; the gates [1, T, HQ]; k_cmp, v_cmp [1, Nc, H, D]) and
     its 7 configuration values (cmp_len, cmp_stride, slc_block, slc_topk, n_init, n_local, window,
-    as bench/workload.py writes them). ValueError on anything else."""
-    q_shape, k_shape = tuple(int(x) for x in q_shape), tuple(int(x) for x in k_shape)
+    as bench/workload.py writes them). ValueError naming the first array or value that is off."""
+    shapes = {n: tuple(int(x) for x in shapes[n]) for n in WORKLOAD_ARRAYS if n in shapes}
+    missing = [n for n in WORKLOAD_ARRAYS if n not in shapes]
+    if missing:
+        raise ValueError("workload: lacks %s (bench/workload.py writes them)" % ", ".join(missing))
+    q_shape, k_shape = shapes["q"], shapes["k"]
     if len(q_shape) != 4 or len(k_shape) != 4 or q_shape[0] != 1 or k_shape[:2] != q_shape[:2] or k_shape[3] != q_shape[3]:
         raise ValueError("workload: q must be [1, T, HQ, D] and k [1, T, H, D], got %s and %s" % (q_shape, k_shape))
     _, T, HQ, D = q_shape
     H = k_shape[2]
     if H < 1 or HQ % H:
         raise ValueError("workload: HQ %d is not a multiple of H %d" % (HQ, H))
+    want = {"v": (1, T, H, D), "g_cmp": (1, T, HQ), "g_slc": (1, T, HQ), "g_swa": (1, T, HQ)}
+    for n, w in want.items():
+        if shapes[n] != w:
+            raise ValueError("workload: %s must be %s, got %s" % (n, list(w), list(shapes[n])))
+    for n in ("k_cmp", "v_cmp"):
+        s = shapes[n]
+        if len(s) != 4 or s[0] != 1 or s[2] != H or s[3] != D or s[1] != shapes["k_cmp"][1]:
+            raise ValueError("workload: %s must be [1, Nc, %d, %d] (as k_cmp), got %s" % (n, H, D, list(s)))
     vals = [int(x) for x in config]
-    if len(vals) != 7 or min(vals[:4]) < 1 or min(vals[4:]) < 0:
+    if len(vals) != 7 or min(vals[:4]) < 1 or min(vals[4:6]) < 0 or vals[6] < 1:
         raise ValueError("workload: config must be 7 values (cmp_len, cmp_stride, slc_block, slc_topk, n_init, n_local, "
                          "window), got %s" % (vals,))
     keys = ("cmp_len", "cmp_stride", "slc_block", "slc_topk", "n_init", "n_local", "window")
@@ -498,14 +514,20 @@ def self_test():
         else:
             print("png: " + why)
     # a saved layer: its shape and configuration, its rows compared among themselves
-    T_, HQ_, H_, D_, wc = workload_shape((1, 16384, 8, 64), (1, 16384, 2, 64), [16, 8, 32, 8, 1, 2, 128])
+    def layer(T=16384, HQ=8, H=2, D=64, **over):
+        sh = dict(q=(1, T, HQ, D), k=(1, T, H, D), v=(1, T, H, D), g_cmp=(1, T, HQ), g_slc=(1, T, HQ), g_swa=(1, T, HQ),
+                  k_cmp=(1, 2047, H, D), v_cmp=(1, 2047, H, D))
+        sh.update(over)
+        return {n: s for n, s in sh.items() if s is not None}
+    cfg7 = [16, 8, 32, 8, 1, 2, 128]
+    T_, HQ_, H_, D_, wc = workload_shape(layer(), cfg7)
     check((T_, HQ_, H_, D_) == (16384, 8, 2, 64) and wc["slc_block"] == 32 and wc["window"] == 128, "workload shape")
-    for bad in (((16384, 8, 64), (1, 16384, 2, 64), [16, 8, 32, 8, 1, 2, 128]),
-                ((1, 16384, 6, 64), (1, 16384, 4, 64), [16, 8, 32, 8, 1, 2, 128]),
-                ((1, 16384, 8, 64), (1, 16384, 2, 64), [16, 8, 32, 8, 1, 2])):
+    for bad, cfg in ((layer(q=(16384, 8, 64)), cfg7), (layer(HQ=6, H=4), cfg7), (layer(), cfg7[:6]),
+                     (layer(), cfg7[:6] + [0]), (layer(v=(1, 16384, 2, 32)), cfg7), (layer(g_swa=(1, 16384, 4)), cfg7),
+                     (layer(v_cmp=(1, 2046, 2, 64)), cfg7), (layer(k_cmp=None), cfg7)):
         try:
-            workload_shape(*bad)
-            check(False, "bad workload accepted %s" % (bad,))
+            workload_shape(bad, cfg)
+            check(False, "bad workload accepted %s %s" % (bad, cfg))
         except ValueError:
             pass
     CONFIGS["workload"] = wc
@@ -806,8 +828,7 @@ class Runner:
         HQ, H, D = a.H * G, a.H, a.D
         if impl == "nsa" and config == "workload":
             import nsa
-            names = ("q", "k", "v", "g_cmp", "g_slc", "g_swa", "k_cmp", "v_cmp")
-            q, k, v, g_cmp, g_slc, g_swa, k_cmp, v_cmp = [self.saved(n) for n in names]
+            q, k, v, g_cmp, g_slc, g_swa, k_cmp, v_cmp = [self.saved(n) for n in WORKLOAD_ARRAYS]
             cfg = nsa.Config(**CONFIGS["workload"])
             swa_gate = g_swa if variant == "native" else None
             leaves = [q, k, v, g_cmp, g_slc] + ([g_swa] if swa_gate is not None else []) + [k_cmp, v_cmp]
@@ -852,8 +873,8 @@ class Runner:
                                 window_size=c["window"])
             hf.NSAHelper.x_cu_seqlens = None  # its varlen cache is global: start clean per shape
             core = hf.HFNSACore(ncfg).to(self.dev)
-            if config == "workload":  # the layer's q, k, v packed; its gates as combine weights (logits)
-                q, k, v = self.saved("q")[0], self.saved("k")[0], self.saved("v")[0]
+            if config == "workload":  # the layer's q, k, v packed (leaves); its gates as combine weights (logits)
+                q, k, v = [self.saved(n, False)[0].requires_grad_(True) for n in ("q", "k", "v")]
                 g = torch.stack([self.saved(n, False)[0].float() for n in ("g_cmp", "g_slc", "g_swa")], -1)
                 g = g.clamp(1e-4, 1 - 1e-4)
                 w = torch.log(g / (1 - g)).to(torch.bfloat16).requires_grad_(True)
@@ -1163,12 +1184,11 @@ def parse_args(argv):
         import numpy as np
         try:
             data = np.load(args.workload)
-            missing = [n for n in ("q", "k", "v", "g_cmp", "g_slc", "g_swa", "k_cmp", "v_cmp", "config") if n not in data]
-            if missing:
-                raise ValueError("workload: %s lacks %s (bench/workload.py writes them)" % (args.workload, ", ".join(missing)))
-            T, HQ, H, D, cfg = workload_shape(data["q"].shape, data["k"].shape, data["config"])
-        except (OSError, ValueError) as e:
-            ap.error("--workload: %s" % e)
+            if "config" not in data:
+                raise ValueError("workload: lacks config (bench/workload.py writes it)")
+            T, HQ, H, D, cfg = workload_shape({n: data[n].shape for n in data.files if n in WORKLOAD_ARRAYS}, data["config"])
+        except Exception as e:  # noqa: BLE001 -- unreadable files (OSError, zipfile.BadZipFile, pickles refused) too
+            ap.error("--workload: %s: %s" % (args.workload, e))
         CONFIGS["workload"] = cfg
         args.T, args.G, args.H, args.D = [T], [HQ // H], H, D
         args.impl = [i for i in args.impl if i in ("nsa", "mdy666")]

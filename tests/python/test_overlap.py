@@ -19,7 +19,7 @@ def _run(*args):
 
 
 def test_metric_self_test():
-    assert "10 passed, 0 failed" in _run("--self-test")
+    assert "11 passed, 0 failed" in _run("--self-test")
 
 
 def test_random_and_saved_inputs(tmp_path):
@@ -33,7 +33,8 @@ def test_random_and_saved_inputs(tmp_path):
     # of blocks and at most P sets
     for P, t in ((8, fig["tiles"]["8"]), (16, fig["tiles"]["16"])):
         assert 1.0 <= t["set_per_position"] <= 16.0 and 1.0 / P <= t["bytes_ratio"] <= 1.0
-        assert abs(t["products_ratio"] - P * t["bytes_ratio"]) < 1e-9 and "query tiles of %2d" % P in out
+        # each position runs every block of its tile's union (a last partial tile: fewer positions)
+        assert 1.0 <= t["products_ratio"] <= P * t["bytes_ratio"] + 1e-9 and "query tiles of %2d" % P in out
     # a saved layer whose queries repeat the previous position's: every neighbour selects alike
     rng = np.random.default_rng(1)
     q = np.repeat(rng.standard_normal((1, 1, 4, 16)), 3000, axis=1).astype(np.float32)
