@@ -504,20 +504,26 @@ static size_t route_need(const nsa_context *ctx, op_call c, const nsa_problem *p
     static float dummy[ROUTE_ALIGN / sizeof(float)]; /* a scratch lse's address in a query: never read */
     const int64_t T = p->T;
     const nsa_flex_args *fa0 = flex_fwd_of(c);
+    /* the document runs each sizing takes: none; the caller's (validated); or, unknown yet, both
+     * extremes (one document, T of them) */
     int32_t one[2] = {0, (int32_t)T}, *each = NULL;
-    const int given = r->doc && fa0->doc_runs; /* (validated) */
-    if (r->doc && !given) {
+    const int32_t *runs[2] = {NULL, NULL};
+    int64_t nruns[2] = {0, 0};
+    int forms = 1;
+    if (r->doc && fa0->doc_runs) {
+        runs[0] = fa0->doc_runs, nruns[0] = fa0->num_doc_runs;
+    } else if (r->doc) {
         each = (int32_t *)malloc((size_t)(T + 1) * sizeof(int32_t));
         if (!each) return 0;
         for (int64_t i = 0; i <= T; i++) each[i] = (int32_t)i;
+        runs[0] = one, nruns[0] = 1, runs[1] = each, nruns[1] = T, forms = 2;
     }
     size_t need = 0;
-    for (int form = 0; form < (r->doc && !given ? 2 : 1); form++) {
+    for (int form = 0; form < forms; form++) {
         nsa_attention_args fa;
         nsa_attention_bwd_args ba;
         nsa_problem p2;
-        const int32_t *cu = given ? fa0->doc_runs : r->doc ? (form ? each : one) : NULL;
-        const op_call ac = route_call(c, p, r, cu, given ? fa0->num_doc_runs : r->doc ? (form ? T : 1) : 0, dummy, &fa, &ba, &p2);
+        const op_call ac = route_call(c, p, r, runs[form], nruns[form], dummy, &fa, &ba, &p2);
         const size_t n = ac.args ? op_workspace(ctx, &p2, ac) : SIZE_MAX;
         if (n == SIZE_MAX) {
             free(each);
