@@ -1008,7 +1008,10 @@ def run(args):
             "argv": sys.argv, "peers_dir": peers,
             "peer_commits": {n: peer_commit(peers, n) for n in ("fla", "mdy666")}, "imports": how,
             "unavailable": unavailable, "skipped": skipped, "timing": "CUDA events, L2 flushed (256 MB zeroed) "
-            "before each run, median of up to --reps runs after --warmup runs", "args": vars(args)}
+            "before each run, median of up to --reps runs after --warmup runs",
+            "args": {k: v for k, v in vars(args).items() if k != "workload_arrays"}}
+    if args.workload_arrays is not None:  # the saved layer's arrays are not JSON: their shapes stand for them
+        meta["workload_shapes"] = {n: list(args.workload_arrays[n].shape) for n in args.workload_arrays.files}
     try:
         import triton
         meta["triton"] = triton.__version__
