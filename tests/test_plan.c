@@ -102,15 +102,6 @@ static cu_dkdv_plan old_plan_dkdv(const nsa_problem *p, const old_dev *d, const 
     return r;
 }
 
-static int old_cmp_segments(const nsa_problem *p)
-{
-    const int64_t T = p->T, l = p->cfg.cmp_len, dd = p->cfg.cmp_stride;
-    const int64_t nc = T >= l ? (T - l) / dd + 1 : 0, tiles128 = (nc + KWG_BK - 1) / KWG_BK;
-    int nseg = 8;
-    while (nseg < 64 && tiles128 * nseg * p->H < 1024) nseg *= 2;
-    return nseg;
-}
-
 /* ---- selected forward / dQ: sfw_try, run_slc_q ----------------------------------------- */
 
 static cu_slc_plan old_plan_slc(const nsa_problem *p, const old_dev *d, const old_env *e, const cu_views *v, int mode,
@@ -334,22 +325,41 @@ static void test_plan_range_and_dkdv(void)
     CHECK_MSG(gk.cases > 10000 && gk.bad == 0, gk.bad ? gk.first : "dK/dV plan");
 }
 
+/* The compressed dK / dV's row segments: a power of two from 8 to 128, the most that keeps
+ * the tasks (key tiles of 128 x segments x kv heads) at 4096 or under, unless 8 already
+ * passes it; NSA_CUDA_CMP_SEG overrides it. */
 static void test_plan_cmp_segments(void)
 {
     grid_counts g = {0, 0, ""};
     static const int64_t TS[] = {0, 1, 31, 32, 100, 1000, 4096, 16384, 65536, 131072, 1 << 20};
     static const int CFG[][2] = {{32, 16}, {64, 64}, {16, 16}, {32, 32}, {64, 32}};
+    cu_overrides o;
+    cu_overrides_default(&o);
     for (int ti = 0; ti < N_OF(TS); ti++)
         for (int ci = 0; ci < N_OF(CFG); ci++)
             for (int64_t H = 1; H <= 64; H *= 2) {
                 nsa_problem p = problem(4, 64, 64, TS[ti], H);
                 p.cfg.cmp_len = CFG[ci][0], p.cfg.cmp_stride = CFG[ci][1];
+                const int64_t T = p.T, l = p.cfg.cmp_len, dd = p.cfg.cmp_stride;
+                const int64_t nc = T >= l ? (T - l) / dd + 1 : 0, tiles = (nc + 127) / 128;
+                const int n = cu_plan_cmp_segments(&p, &o);
+                const int pow2 = n >= 8 && n <= 128 && (n & (n - 1)) == 0;
+                const int within = n == 8 || tiles * n * H <= 4096;
+                const int most = n == 128 || tiles * n * 2 * H > 4096;
                 g.cases++;
-                if (cu_plan_cmp_segments(&p) != old_cmp_segments(&p) && g.bad++ == 0)
-                    snprintf(g.first, sizeof g.first, "segments differ at T %lld l %d d %d H %lld", (long long)TS[ti],
+                if (!(pow2 && within && most) && g.bad++ == 0)
+                    snprintf(g.first, sizeof g.first, "segments %d at T %lld l %d d %d H %lld", n, (long long)TS[ti],
                              CFG[ci][0], CFG[ci][1], (long long)H);
             }
     CHECK_MSG(g.bad == 0, g.bad ? g.first : "segments");
+    /* the paper configuration at 64k: one kv head 128 segments, four 32 */
+    nsa_problem p = problem(16, 1, 128, 65536, 1);
+    p.cfg.cmp_len = 32, p.cfg.cmp_stride = 16;
+    CHECK(cu_plan_cmp_segments(&p, &o) == 128);
+    p.H = 4, p.HQ = 64;
+    CHECK(cu_plan_cmp_segments(&p, &o) == 32);
+    o.cmp_seg = 2;
+    CHECK(cu_plan_cmp_segments(&p, &o) == 2);
 }
 
 static void test_plan_selected(void)
@@ -465,6 +475,18 @@ static void test_plan_overrides(void)
     e = (old_env){NULL, NULL, "64", NULL, NULL, NULL};
     o = overrides_of(&e);
     CHECK(o.slc_bn == (NSA_CUDA_EXPERIMENTAL ? 64 : 32)); /* the variant's kernels exist only there */
+    /* NSA_CUDA_CMP_SEG: a power of two 1..256, anything else leaves the planner's choice */
+    static const struct {
+        const char *v;
+        int want;
+    } SEG[] = {{"1", 1}, {"64", 64}, {"256", 256}, {"3", 0}, {"512", 0}, {"0", 0}, {"x", 0}, {"-8", 0}};
+    for (int i = 0; i < N_OF(SEG); i++) {
+        set_env("NSA_CUDA_CMP_SEG", SEG[i].v);
+        cu_overrides_from_env(&o);
+        CHECK_MSG(o.cmp_seg == SEG[i].want, SEG[i].v);
+    }
+    set_env("NSA_CUDA_CMP_SEG", NULL);
+    CHECK(d.cmp_seg == 0);
 }
 
 void test_plan_all(void)

@@ -26,14 +26,18 @@ cu_dkdv_plan cu_plan_dkdv(const nsa_problem *p, const cu_device *d, const cu_ove
     return pl;
 }
 
-int cu_plan_cmp_segments(const nsa_problem *p)
+int cu_plan_cmp_segments(const nsa_problem *p, const cu_overrides *o)
 {
-    /* few key tiles, each seen by most queries; tile t has work only in the segments its
-     * queries reach, so too few tasks leave SMs idle (8 key tiles x 8 segments x H = 144 equal
-     * tasks run in two waves on 132 SMs) */
+    if (o->cmp_seg > 0) return o->cmp_seg;
+    /* few key tiles, each seen by most queries: each tile's rows are cut into nseg absolute
+     * row segments, and tile t has work only in the segments its queries reach (about half of
+     * the tasks). Equal tasks still finish unevenly, so ~15 tasks with work per SM keep the
+     * SMs busy to the end (64k, H 1: 32 segments left the SMs idle a third of the kernel, 128
+     * cut the compressed backward by 14 %); each further segment costs its partial's write
+     * and read (bk x (DK + DV) floats), so at most 4096 tasks and 128 segments */
     const int64_t nc = nsa_rule_num_cmp(p->Tk, p->cfg.cmp_len, p->cfg.cmp_stride);
     const int64_t tiles128 = (nc + KWG_BK - 1) / KWG_BK; /* key tiles of 128 of the longest sequence */
     int nseg = 8;
-    while (nseg < 64 && tiles128 * nseg * p->H < 1024) nseg *= 2;
+    while (nseg < 128 && tiles128 * nseg * 2 * p->H <= 4096) nseg *= 2;
     return nseg;
 }

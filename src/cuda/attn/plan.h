@@ -72,7 +72,7 @@ cu_dkdv_plan cu_plan_dkdv(const nsa_problem *p, const cu_device *d, const cu_ove
                           int dq_on_wgmma, int no_tma);
 /* Row segments per compressed key tile of the range dK / dV: enough for ~1024 tasks (8 .. 64;
  * the same in the sizing and the live pass). */
-int cu_plan_cmp_segments(const nsa_problem *p);
+int cu_plan_cmp_segments(const nsa_problem *p, const cu_overrides *o);
 
 #ifdef __cplusplus
 }

@@ -208,7 +208,7 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     K.bk = kp.bk;
     unitspec uk = {UK_KROWS, 1, K.bk, 0, 0}; /* key tiles: the key side's rows */
     if (rule->kind == RULE_CMP) { /* few key tiles, each seen by most queries: row segments */
-        K.nseg = cu_plan_cmp_segments(p);
+        K.nseg = cu_plan_cmp_segments(p, g->ovr);
         uk.kind = UK_CMP_TILES_X, uk.a = K.nseg, uk.b = K.bk, uk.cl = p->cfg.cmp_len, uk.cd = p->cfg.cmp_stride;
     }
     int64_t ktiles;

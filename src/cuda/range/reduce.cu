@@ -2,7 +2,13 @@
 #include "range.h"
 #include "../prim/nonfinite.cuh"
 
-/* per compressed key tile (sequence, tile, head): += the partials of row segments 1.., in order */
+/* The reduction's CTAs per (key tile, head): a tile's partial is bk x (DK + DV) floats (128 KB
+ * at 128 keys, D 128), and the tiles are few (32 at 64k), so one CTA a tile left most SMs idle
+ * and each thread's serial walk over the segments latency-bound. */
+#define SEG_REDUCE_SPLIT 32
+
+/* per compressed key tile (sequence, tile, head) and slice blockIdx.z of its elements:
+ * += the partials of row segments 1.., in segment order (loads issued ahead, adds in order) */
 __global__ void seg_reduce_kernel(kparams P, seqmap tm)
 {
     if (nf_set(P.nf)) return; /* the scalar kernels added dk / dv whole (nonfinite.cuh) */
@@ -16,12 +22,20 @@ __global__ void seg_reduce_kernel(kparams P, seqmap tm)
     if (k0 >= k1) return;
     /* ktile's task of (tile kt, segment sg): segment-major within the sequence */
     const int64_t task0 = (P.sm.first ? P.sm.first[s] : s * P.sm.per_seq) + kt, ntl = (nkeys + bk - 1) / bk;
-    const int64_t W = P.DK + P.DV;
-    for (int64_t i = threadIdx.x; i < (k1 - k0) * W; i += blockDim.x) {
-        const int64_t key = i / W, col = i % W;
-        const int64_t po = col < P.DK ? key * P.DK + col : bk * P.DK + key * P.DV + (col - P.DK);
+    const int64_t W = P.DK + P.DV, n = (k1 - k0) * W, per = (n + SEG_REDUCE_SPLIT - 1) / SEG_REDUCE_SPLIT;
+    const int64_t i0 = blockIdx.z * per, i1 = i0 + per < n ? i0 + per : n;
+    const int64_t step = ntl * P.H * bk * W; /* one segment further: the same element's next partial */
+    for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+        const int key = (int)(i / W), col = (int)(i % W);
+        const int64_t po = col < P.DK ? (int64_t)key * P.DK + col : bk * P.DK + (int64_t)key * P.DV + (col - P.DK);
+        const float *src = P.part + ((task0 + ntl) * P.H + h) * bk * W + po;
         float sum = 0.0f;
-        for (int64_t sg = 1; sg < P.nseg; sg++) sum += P.part[((task0 + sg * ntl) * P.H + h) * bk * W + po];
+        int sg = 1;
+        for (; sg + 4 <= P.nseg; sg += 4, src += 4 * step) {
+            const float a = src[0], b = src[step], c = src[2 * step], d = src[3 * step];
+            sum += a, sum += b, sum += c, sum += d;
+        }
+        for (; sg < P.nseg; sg++, src += step) sum += src[0];
         const int64_t row = (sq.b * P.KR + key_row0 + k0 + key) * P.H + h;
         if (col < P.DK) P.dk[row * P.DK + col] += sum;
         else P.dv[row * P.DV + (col - P.DK)] += sum;
@@ -31,6 +45,6 @@ __global__ void seg_reduce_kernel(kparams P, seqmap tm)
 void nsa_cu_seg_reduce(grun *g, const kparams *P, seqmap tm, int64_t tiles)
 {
     if (!g_live(g) || tiles == 0) return;
-    seg_reduce_kernel<<<dim3((unsigned)tiles, (unsigned)P->H), 256, 0, g->st>>>(*P, tm);
+    seg_reduce_kernel<<<dim3((unsigned)tiles, (unsigned)P->H, SEG_REDUCE_SPLIT), 256, 0, g->st>>>(*P, tm);
     g_launched(g);
 }

@@ -234,8 +234,12 @@ void nsa_cu_slc_segments(grun *g, const inv_index *ix, int64_t nflat, int64_t se
     g_launched(g);
 }
 
-/* per key tile (sequence, block, 64-key sub-tile, head): += the partials of its further
- * segments, summed in segment order */
+/* The reduction's CTAs per (key tile, head): the blocks every position selects (the first, the
+ * local ones) have the longest lists, so one CTA a tile left their sums to a few SMs at the end */
+#define SLC_REDUCE_SPLIT 8
+
+/* per key tile (sequence, block, 64-key sub-tile, head) and slice blockIdx.z of its elements:
+ * += the partials of its further segments, in segment order (loads issued ahead, adds in order) */
 __global__ void slc_reduce_kernel(kparams P)
 {
     if (nf_set(P.nf)) return; /* the scalar kernels added dk / dv whole (nonfinite.cuh) */
@@ -250,12 +254,20 @@ __global__ void slc_reduce_kernel(kparams P)
     const int64_t bend = nsa_rule_slc_end(j, lp, sq.klen);
     const int64_t k0 = nsa_rule_slc_lo(j, lp) + sub * 64, k1 = k0 + 64 < bend ? k0 + 64 : bend;
     if (k0 >= k1) return;
-    const int64_t W = P.DK + P.DV;
-    for (int64_t i = threadIdx.x; i < (k1 - k0) * W; i += blockDim.x) {
-        const int64_t key = i / W, col = i % W;
-        const int64_t po = col < P.DK ? key * P.DK + col : 64 * P.DK + key * P.DV + (col - P.DK);
+    const int64_t W = P.DK + P.DV, n = (k1 - k0) * W, per = (n + SLC_REDUCE_SPLIT - 1) / SLC_REDUCE_SPLIT;
+    const int64_t i0 = blockIdx.z * per, i1 = i0 + per < n ? i0 + per : n;
+    const int64_t step = P.nsub * 64 * W; /* the next segment's partial of the same element */
+    for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+        const int key = (int)(i / W), col = (int)(i % W);
+        const int64_t po = col < P.DK ? (int64_t)key * P.DK + col : 64 * P.DK + (int64_t)key * P.DV + (col - P.DK);
+        const float *src = P.part + (x0 * P.nsub + sub) * 64 * W + po;
         float sum = 0.0f;
-        for (int64_t e = x0; e < x1; e++) sum += P.part[(e * P.nsub + sub) * 64 * W + po];
+        int64_t e = x0;
+        for (; e + 4 <= x1; e += 4, src += 4 * step) {
+            const float a = src[0], b = src[step], c = src[2 * step], d = src[3 * step];
+            sum += a, sum += b, sum += c, sum += d;
+        }
+        for (; e < x1; e++, src += step) sum += src[0];
         const int64_t row = (sq.b * P.KR + sq.row0 + k0 + key) * P.H + h;
         if (col < P.DK) P.dk[row * P.DK + col] += sum;
         else P.dv[row * P.DV + (col - P.DK)] += sum;
@@ -265,6 +277,6 @@ __global__ void slc_reduce_kernel(kparams P)
 void nsa_cu_slc_reduce(grun *g, const kparams *P, int64_t tiles)
 {
     if (!g_live(g) || tiles == 0) return;
-    slc_reduce_kernel<<<dim3((unsigned)tiles, (unsigned)P->H), 256, 0, g->st>>>(*P);
+    slc_reduce_kernel<<<dim3((unsigned)tiles, (unsigned)P->H, SLC_REDUCE_SPLIT), 256, 0, g->st>>>(*P);
     g_launched(g);
 }
