@@ -135,17 +135,17 @@ __device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid
         list = P.list + lreg + offs[j] + first;
         nrows = cnt > 0 ? cnt * G : 0;
     }
-    if (nrows == 0) { /* no query sees these keys here: nothing to add (a partial slot reads 0) */
-        if (P.dko.p) /* ... but a direct store owes them their zeros */
-            for (int64_t i = tid; i < (int64_t)(k1 - k0) * (P.DK + P.DV); i += nthr) {
-                const int64_t key = key_row0 + k0 + i / (P.DK + P.DV), col = i % (P.DK + P.DV);
-                const dview &o = col < P.DK ? P.dko : P.dvo;
-                st_any(o.p, o.dt, sq.b * o.s0 + key * o.s1 + (int64_t)h * o.s2 + (col < P.DK ? col : col - P.DK), 0.0f);
-            }
-        if (slot >= 0)
+    if (nrows == 0) { /* no query sees these keys here: nothing to add, but a partial slot is read
+                       * (zeros) and a direct store owes the keys their zeros */
+        if (P.dko.p || slot >= 0)
             for (int64_t i = tid; i < (int64_t)(k1 - k0) * (P.DK + P.DV); i += nthr) {
                 const int64_t key = i / (P.DK + P.DV), col = i % (P.DK + P.DV);
-                P.part[slot * BK * (P.DK + P.DV) + (col < P.DK ? key * P.DK + col : (int64_t)BK * P.DK + key * P.DV + (col - P.DK))] = 0.0f;
+                if (P.dko.p) {
+                    const dview &o = col < P.DK ? P.dko : P.dvo;
+                    st_any(o.p, o.dt, sq.b * o.s0 + (key_row0 + k0 + key) * o.s1 + (int64_t)h * o.s2 + (col < P.DK ? col : col - P.DK), 0.0f);
+                }
+                if (slot >= 0)
+                    P.part[slot * BK * (P.DK + P.DV) + (col < P.DK ? key * P.DK + col : (int64_t)BK * P.DK + key * P.DV + (col - P.DK))] = 0.0f;
             }
         return 0;
     }

@@ -2289,8 +2289,9 @@ static void params_of(const nsa_flex_args *a, const nsa_problem *p, flex_params 
 }
 
 
-static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
+static void run_flex(grun *g, const nsa_flex_args *a)
 {
+    flex_cache *c = (flex_cache *)g->flex_cache;
     const nsa_problem *p = g->p;
     if (p->DK > 256 || p->DV > 256) {
         g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: DK %lld and DV %lld, the CUDA block-sparse kernel takes head dims up to 256",
@@ -2356,21 +2357,12 @@ static void run_flex(grun *g, const nsa_flex_args *a, flex_cache *c)
 
 extern "C" size_t nsa_cuda_flex_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_args *a)
 {
-    grun g;
-    g_init(&g, ctx, p, NULL, 1);
-    run_flex(&g, a, NULL); /* the sizing pass: only the non-finite flag is taken */
-    return nsa_size_add(g.used, 256);
+    return cu_op_workspace(ctx, p, run_flex, a); /* the sizing pass: only the non-finite flag is taken */
 }
 
 extern "C" nsa_status nsa_cuda_flex(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_args *a, void *ws)
 {
-    grun g;
-    g_init(&g, ctx, p, ws, 0);
-    if (g.err != NSA_STATUS_SUCCESS) return g.err;
-    if (ctx->cuda.check_ws) g_limit_to(&g, nsa_cuda_flex_workspace(ctx, p, a));
-    run_flex(&g, a, (flex_cache *)ctx->flex_cache);
-    if (g.err == NSA_STATUS_SUCCESS) g_check(&g, cudaGetLastError());
-    return g.err;
+    return cu_op_run(ctx, p, run_flex, a, ws);
 }
 
 /* ---- the backward ---------------------------------------------------------------------------- */
@@ -2485,8 +2477,9 @@ static size_t flex_wb_smem(int64_t dk, int64_t dv, int dkdv)
            1024;
 }
 
-static void run_flex_bwd(grun *g, const nsa_flex_bwd_args *a, flex_cache *c)
+static void run_flex_bwd(grun *g, const nsa_flex_bwd_args *a)
 {
+    flex_cache *c = (flex_cache *)g->flex_cache;
     const nsa_problem *p = g->p;
     const nsa_flex_args *f = &a->fwd;
     if (p->DK > 256 || p->DV > 256) {
@@ -2623,19 +2616,10 @@ static void run_flex_bwd(grun *g, const nsa_flex_bwd_args *a, flex_cache *c)
 
 extern "C" size_t nsa_cuda_flex_bwd_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_bwd_args *a)
 {
-    grun g;
-    g_init(&g, ctx, p, NULL, 1);
-    run_flex_bwd(&g, a, NULL); /* the sizing pass: D and the accumulators */
-    return nsa_size_add(g.used, 256);
+    return cu_op_workspace(ctx, p, run_flex_bwd, a); /* the sizing pass: D and the accumulators */
 }
 
 extern "C" nsa_status nsa_cuda_flex_bwd(const nsa_context *ctx, const nsa_problem *p, const nsa_flex_bwd_args *a, void *ws)
 {
-    grun g;
-    g_init(&g, ctx, p, ws, 0);
-    if (g.err != NSA_STATUS_SUCCESS) return g.err;
-    if (ctx->cuda.check_ws) g_limit_to(&g, nsa_cuda_flex_bwd_workspace(ctx, p, a));
-    run_flex_bwd(&g, a, (flex_cache *)ctx->flex_cache);
-    if (g.err == NSA_STATUS_SUCCESS) g_check(&g, cudaGetLastError());
-    return g.err;
+    return cu_op_run(ctx, p, run_flex_bwd, a, ws);
 }

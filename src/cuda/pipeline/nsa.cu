@@ -123,21 +123,12 @@ static void run_forward(grun *g, const nsa_forward_args *a)
 
 size_t nsa_cuda_forward_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_forward_args *a)
 {
-    grun g;
-    g_init(&g, ctx, p, NULL, 1);
-    run_forward(&g, a);
-    return nsa_size_add(g.used, 256);
+    return cu_op_workspace(ctx, p, run_forward, a);
 }
 
 nsa_status nsa_cuda_forward(const nsa_context *ctx, const nsa_problem *p, const nsa_forward_args *a, void *ws)
 {
-    grun g;
-    g_init(&g, ctx, p, ws, 0);
-    if (g.err != NSA_STATUS_SUCCESS) return g.err;
-    if (ctx->cuda.check_ws) g_limit_to(&g, nsa_cuda_forward_workspace(ctx, p, a));
-    run_forward(&g, a);
-    if (g.err == NSA_STATUS_SUCCESS) g_check(&g, cudaGetLastError());
-    return g.err;
+    return cu_op_run(ctx, p, run_forward, a, ws);
 }
 
 static void run_backward(grun *g, const nsa_backward_args *ba)
@@ -241,19 +232,10 @@ static void run_backward(grun *g, const nsa_backward_args *ba)
 
 size_t nsa_cuda_backward_workspace(const nsa_context *ctx, const nsa_problem *p, const nsa_backward_args *a)
 {
-    grun g;
-    g_init(&g, ctx, p, NULL, 1);
-    run_backward(&g, a);
-    return nsa_size_add(g.used, 256);
+    return cu_op_workspace(ctx, p, run_backward, a);
 }
 
 nsa_status nsa_cuda_backward(const nsa_context *ctx, const nsa_problem *p, const nsa_backward_args *a, void *ws)
 {
-    grun g;
-    g_init(&g, ctx, p, ws, 0);
-    if (g.err != NSA_STATUS_SUCCESS) return g.err;
-    if (ctx->cuda.check_ws) g_limit_to(&g, nsa_cuda_backward_workspace(ctx, p, a));
-    run_backward(&g, a);
-    if (g.err == NSA_STATUS_SUCCESS) g_check(&g, cudaGetLastError());
-    return g.err;
+    return cu_op_run(ctx, p, run_backward, a, ws);
 }

@@ -15,6 +15,7 @@ void g_init(grun *g, const nsa_context *ctx, const nsa_problem *p, void *ws, int
     g->device = ctx->device;
     g->limit = SIZE_MAX;
     if (!dry) {
+        g->flex_cache = ctx->flex_cache;
         g_check(g, cudaSetDevice(ctx->device));
         g_check(g, cudaDeviceGetAttribute(&g->dev.smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device));
         g_check(g, cudaDeviceGetAttribute(&g->dev.cc_major, cudaDevAttrComputeCapabilityMajor, ctx->device));

@@ -39,6 +39,7 @@ typedef struct grun {
     cu_device dev;            /* the device's limits (live pass; all zero in the sizing pass) */
     int device;               /* the context's device */
     const cu_overrides *ovr;  /* the context's planner overrides */
+    void *flex_cache;         /* the context's block-sparse kernel cache (live pass; NULL in the sizing pass) */
     /* The call's non-finite flag (one device int, zeroed where first taken: g_nf) and the
      * tensors already scanned into it (cu_scan_nonfinite: each once per call). */
     int *nf;
