@@ -120,18 +120,8 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) xs_fwd_kernel(const xparams P
 #pragma unroll
             for (int c = 0; c < SIMT_COLS; c++) acc[c] = fmaf(p * z, x[c], acc[c]);
         }
-        if (P.flex_rows && l == 0.0f) seen = false; /* scores all -inf: an empty row (xparams.flex_rows) */
-        const bool nan_row = l == 0.0f && seen && !P.sinks;
-        float lse = l != 0.0f ? m + logf(l) : nan_row ? NAN : -INFINITY;
-        float wgt = l != 0.0f ? 1.0f / l : nan_row ? NAN : 0.0f;
-        if (P.sinks) {
-            const float sk = P.sinks[hq * P.sinks_s], mx = lse > sk ? lse : sk;
-            if (mx != -INFINITY) {
-                const float lz = mx + logf(expf(lse - mx) + expf(sk - mx));
-                wgt *= expf(lse - lz);
-                lse = lz;
-            }
-        }
+        float lse;
+        const float wgt = simt_row_finish(m, l, &seen, P.flex_rows, P.sinks, P.sinks_s, hq, &lse);
         simt_store(P.o, b * P.o.s0 + t * P.o.s1 + hq * P.o.s2, P.DV, acc, seen ? wgt : 0.0f, lane); /* none seen: 0 */
         if (lane == 0) ((float *)P.lse.p)[b * P.lse.s0 + t * P.lse.s1 + hq * P.lse.s2] = lse;
     }

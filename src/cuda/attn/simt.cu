@@ -62,12 +62,12 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) simt_q_kernel(const qparams P
         };
         if (mode == MODE_FWD) {
             float m = -INFINITY, l = 0.0f;
-            int seen = 0;
+            bool seen = false;
             walk([&](int j) {
                 simt_load(x, P.k, kb + (kr0 + j) * P.k.s1, P.DK, lane);
                 float s = simt_dot(q, x, P.DK, lane) * P.scale;
                 if (P.rule.cap > 0.0f) s = P.rule.cap * tanhf(s / P.rule.cap);
-                seen = 1;
+                seen = true;
                 if (s > m) { /* a new maximum (a NaN score never is one: it reaches l and acc below) */
                     const float alpha = m == -INFINITY ? 0.0f : expf(m - s);
                     l *= alpha;
@@ -84,21 +84,8 @@ __global__ void __launch_bounds__(32 * SIMT_WARPS) simt_q_kernel(const qparams P
                     for (int i = 0; i < SIMT_COLS; i++) acc[i] = fmaf(p, x[i], acc[i]);
                 }
             });
-            /* as the tiles' row finish (softmax.cuh): a row that saw keys whose weights are all
-             * 0 is 0 / 0 in dense attention, NaN (under flex_rows: empty); a row that saw none is
-             * o = 0, lse = -inf */
-            if (P.rule.flex_rows && l == 0.0f) seen = 0;
-            const bool nan_row = l == 0.0f && seen && !P.rule.sinks;
-            float lse = l != 0.0f ? m + logf(l) : nan_row ? NAN : -INFINITY;
-            float wgt = l != 0.0f ? 1.0f / l : nan_row ? NAN : 0.0f;
-            if (P.rule.sinks) {
-                const float sk = P.rule.sinks[hq * P.rule.sinks_s], mx = lse > sk ? lse : sk;
-                if (mx != -INFINITY) {
-                    const float lz = mx + logf(expf(lse - mx) + expf(sk - mx));
-                    wgt *= expf(lse - lz);
-                    lse = lz;
-                }
-            }
+            float lse; /* as the tiles' row finish (softmax.cuh), in the natural-log domain */
+            const float wgt = simt_row_finish(m, l, &seen, P.rule.flex_rows, P.rule.sinks, P.rule.sinks_s, hq, &lse);
             if (P.o.p) {
                 const int64_t ob = b * P.o.s0 + t * P.o.s1 + hq * P.o.s2;
 #pragma unroll

@@ -25,16 +25,21 @@ __device__ __forceinline__ bool nf_bad(uint32_t w, bool two, int dt, uint32_t em
     return mag(w & 0xFFFFu) > lim || (two && mag(w >> 16) > lim);
 }
 
+/* nf_bad over the four words of a 16-byte load */
+template <int ES>
+__device__ __forceinline__ bool nf_bad4(const uint4 v, int dt, uint32_t em, uint32_t lim, int nan_only)
+{
+    return nf_bad<ES>(v.x, true, dt, em, lim, nan_only) | nf_bad<ES>(v.y, true, dt, em, lim, nan_only) |
+           nf_bad<ES>(v.z, true, dt, em, lim, nan_only) | nf_bad<ES>(v.w, true, dt, em, lim, nan_only);
+}
+
 /* A view that covers one contiguous range (its strides a permutation of a dense tensor's): n16
  * 16-byte words from p, four loads in flight a thread; one atomicOr a warp that finds one. */
 template <int ES>
 __global__ void nf_flat_kernel(const uint4 *p, int64_t n16, int dt, uint32_t em, uint32_t lim, int nan_only, int *flag)
 {
     bool bad = false;
-    auto take = [&](const uint4 v) {
-        bad |= nf_bad<ES>(v.x, true, dt, em, lim, nan_only) | nf_bad<ES>(v.y, true, dt, em, lim, nan_only) |
-               nf_bad<ES>(v.z, true, dt, em, lim, nan_only) | nf_bad<ES>(v.w, true, dt, em, lim, nan_only);
-    };
+    auto take = [&](const uint4 v) { bad |= nf_bad4<ES>(v, dt, em, lim, nan_only); };
     const int64_t step = (int64_t)gridDim.x * blockDim.x;
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     for (; i + 3 * step < n16; i += 4 * step) {
@@ -67,9 +72,7 @@ __global__ void nf_scan_kernel(dview t, int64_t n1, int64_t n2, int64_t D, int64
         const unsigned char *base = (const unsigned char *)t.p + (i0 * t.s0 + i1 * t.s1 + i2 * t.s2) * ES;
         if (vec) {
             for (int64_t c = sub; c < D * ES / 16; c += lpr) {
-                const uint4 v = *(const uint4 *)(base + c * 16);
-                bad |= nf_bad<ES>(v.x, true, t.dt, em, lim, nan_only) | nf_bad<ES>(v.y, true, t.dt, em, lim, nan_only) |
-                       nf_bad<ES>(v.z, true, t.dt, em, lim, nan_only) | nf_bad<ES>(v.w, true, t.dt, em, lim, nan_only);
+                bad |= nf_bad4<ES>(*(const uint4 *)(base + c * 16), t.dt, em, lim, nan_only);
             }
         } else {
             for (int64_t d = sub; d < D; d += lpr) {

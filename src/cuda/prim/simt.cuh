@@ -53,6 +53,30 @@ __device__ __forceinline__ bool simt_stand_aside(const int *only_if)
     return only_if != nullptr && *(const volatile int *)only_if == 0;
 }
 
+/* The scalar kernels' row finish, in the natural-log domain (the tiles' sc_row_finish works in
+ * log2): lse from the running max m and the sum l, and o's multiplier returned. A row that saw
+ * keys whose weights are all 0 (scores all -inf) is 0 / 0 in dense attention, NaN; under
+ * flex_rows it is empty instead, and *seen is cleared. A row that saw none: o = 0, lse = -inf.
+ * A sink (sinks[hq * sinks_s]; NULL: none) adds e^sink to the sum. */
+__device__ __forceinline__ float simt_row_finish(float m, float l, bool *seen, int flex_rows, const float *sinks,
+                                                 int64_t sinks_s, int64_t hq, float *lse_out)
+{
+    if (flex_rows && l == 0.0f) *seen = false;
+    const bool nan_row = l == 0.0f && *seen && !sinks;
+    float lse = l != 0.0f ? m + logf(l) : nan_row ? NAN : -INFINITY;
+    float wgt = l != 0.0f ? 1.0f / l : nan_row ? NAN : 0.0f;
+    if (sinks) {
+        const float sk = sinks[hq * sinks_s], mx = lse > sk ? lse : sk;
+        if (mx != -INFINITY) {
+            const float lz = mx + logf(expf(lse - mx) + expf(sk - mx));
+            wgt *= expf(lse - lz);
+            lse = lz;
+        }
+    }
+    *lse_out = lse;
+    return wgt;
+}
+
 /* the first warp index and the stride of the grid's walk over work items */
 __device__ __forceinline__ int64_t simt_warp0() { return (int64_t)blockIdx.x * SIMT_WARPS + (threadIdx.x >> 5); }
 __device__ __forceinline__ int64_t simt_nwarps() { return (int64_t)gridDim.x * SIMT_WARPS; }
