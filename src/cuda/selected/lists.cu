@@ -54,6 +54,8 @@ typedef struct inv_params {
     const int64_t *cnt_pref, *offs_pref, *list_pref;
     int64_t m, lp, T, H;
     seqmap sm;
+    int64_t nb_max;  /* the cursors' ints in inv_fill's shared memory (the staging follows them) */
+    int stage;       /* inv_fill: positions whose list entries a warp stages at once (0: none) */
 } inv_params;
 
 __device__ __forceinline__ int64_t inv_region(const int64_t *pref, unitspec u, int64_t s, const seqinfo &sq, int64_t H,
@@ -123,7 +125,10 @@ __global__ void inv_scan_kernel(inv_params P)
 }
 
 /* per (sequence, chunk, head), one warp: the chunk's queries in ascending order into the
- * lists (a query's blocks are distinct, so the lanes never share a cursor) */
+ * lists (a query's blocks are distinct, so the lanes never share a cursor). The walk is
+ * serial over the chunk's positions; with P.stage the warp first copies `stage` positions'
+ * counts and entries into shared memory in coalesced loads, so the walk waits on shared
+ * memory only (one global load chain a position made it ~0.34 ms at any length) */
 __global__ void inv_fill_kernel(inv_params P)
 {
     extern __shared__ int cursor[];
@@ -131,7 +136,7 @@ __global__ void inv_fill_kernel(inv_params P)
     seq_decode(P.sm, blockIdx.x, &s, &c);
     const seqinfo sq = seq_get(P.sm, s);
     const int64_t h = blockIdx.y, nb = nsa_rule_num_slc(sq.klen, P.lp);
-    const int lane = threadIdx.x;
+    const int lane = threadIdx.x, m = (int)P.m;
     unitspec uc = {UK_INV_CNT, INV_CHUNK, P.lp, 0, 0}, ul = {UK_LIST, P.m, 1, 0, 0};
     const int32_t *cnt = P.cnt + inv_region(P.cnt_pref, uc, s, sq, P.H, h) + c * nb;
     int32_t *list = P.list + inv_region(P.list_pref, ul, s, sq, P.H, h);
@@ -139,16 +144,30 @@ __global__ void inv_fill_kernel(inv_params P)
     __syncwarp();
     const int64_t p0 = c * INV_CHUNK;
     const int64_t np = sq.len - p0 < INV_CHUNK ? sq.len - p0 : INV_CHUNK;
-    for (int64_t pp = 0; pp < np; pp++) {
-        const int64_t row = (sq.b * P.T + sq.row0 + p0 + pp) * P.H + h;
-        const int k = P.ucnt[row];
+    const int64_t row0 = (sq.b * P.T + sq.row0 + p0) * P.H + h; /* position pp's row: row0 + pp H */
+    auto place = [&](int64_t pp, int k, const int32_t *ent) {
         for (int e = lane; e < k; e += 32) {
-            const int j = P.U[row * P.m + e];
+            const int j = ent[e];
             const int slot = cursor[j];
             cursor[j] = slot + 1;
             list[slot] = (int32_t)(p0 + pp);
         }
         __syncwarp();
+    };
+    if (P.stage) {
+        int *scnt = cursor + P.nb_max, *sent = scnt + P.stage;
+        for (int64_t q0 = 0; q0 < np; q0 += P.stage) {
+            const int n = np - q0 < P.stage ? (int)(np - q0) : P.stage;
+            for (int i = lane; i < n; i += 32) scnt[i] = P.ucnt[row0 + (q0 + i) * P.H];
+            for (int i = lane; i < n * m; i += 32) sent[i] = P.U[(row0 + (q0 + i / m) * P.H) * P.m + i % m];
+            __syncwarp();
+            for (int i = 0; i < n; i++) place(q0 + i, scnt[i], sent + i * m);
+        }
+        return;
+    }
+    for (int64_t pp = 0; pp < np; pp++) {
+        const int64_t row = row0 + pp * P.H;
+        place(pp, P.ucnt[row], P.U + row * P.m);
     }
 }
 
@@ -185,11 +204,14 @@ void nsa_cu_invert(grun *g, const int32_t *U, const int32_t *ucnt, int64_t m, in
     P.U = U, P.ucnt = ucnt, P.cnt = cnt, P.offs = ix->offs, P.list = ix->list;
     P.cnt_pref = cnt_pref, P.offs_pref = ix->offs_pref, P.list_pref = ix->list_pref;
     P.m = m, P.lp = lp, P.T = p->T, P.H = p->H, P.sm = sm;
-    if (hist_bytes > 48 * 1024) {
-        g_smem_optin(g, (const void *)inv_count_kernel, hist_bytes);
-        g_smem_optin(g, (const void *)inv_fill_kernel, hist_bytes);
-        if (!g_live(g)) return;
-    }
+    /* inv_fill stages 32 positions' entries after its cursors where they fit (m <= 64: 8 KB) */
+    P.nb_max = nb_max > 0 ? nb_max : 1;
+    const size_t stage_bytes = (size_t)(32 + 32 * m) * sizeof(int), fill_bytes = hist_bytes + stage_bytes;
+    if (m <= 64 && fill_bytes <= (size_t)g->dev.smem_max) P.stage = 32;
+    const size_t fill_smem = P.stage ? fill_bytes : hist_bytes;
+    if (hist_bytes > 48 * 1024) g_smem_optin(g, (const void *)inv_count_kernel, hist_bytes);
+    if (fill_smem > 48 * 1024) g_smem_optin(g, (const void *)inv_fill_kernel, fill_smem);
+    if (!g_live(g)) return;
     if (nchunks > 0) {
         inv_count_kernel<<<dim3((unsigned)nchunks, (unsigned)p->H), 256, hist_bytes, g->st>>>(P);
         g_launched(g);
@@ -202,7 +224,7 @@ void nsa_cu_invert(grun *g, const int32_t *U, const int32_t *ucnt, int64_t m, in
         P.sm = sm;
     }
     if (nchunks > 0) {
-        inv_fill_kernel<<<dim3((unsigned)nchunks, (unsigned)p->H), 32, hist_bytes, g->st>>>(P);
+        inv_fill_kernel<<<dim3((unsigned)nchunks, (unsigned)p->H), 32, fill_smem, g->st>>>(P);
         g_launched(g);
     }
 }
