@@ -325,38 +325,75 @@ static void test_plan_range_and_dkdv(void)
     CHECK_MSG(gk.cases > 10000 && gk.bad == 0, gk.bad ? gk.first : "dK/dV plan");
 }
 
-/* The compressed dK / dV's row segments: a power of two from 8 to 128, the most that keeps
- * the tasks (key tiles of 128 x segments x kv heads) at 4096 or under, unless 8 already
- * passes it; NSA_CUDA_CMP_SEG overrides it. */
+/* The compressed dK / dV's row segments: a power of two from 8 to 128, the most that keeps the
+ * batch's tasks (key tiles of 128 of every sequence x segments x kv heads) at 4096 or under and
+ * the segments no more than the longest sequence's 64-row chunks, unless 8 already passes a
+ * bound; NSA_CUDA_CMP_SEG overrides it. */
+static int segments_ok(const nsa_problem *p, int n, const int64_t *lens, int64_t nseq)
+{
+    int64_t tiles = 0, chunks = 0;
+    for (int64_t s = 0; s < nseq; s++) {
+        const int64_t T = lens[s], l = p->cfg.cmp_len, dd = p->cfg.cmp_stride;
+        const int64_t nc = T >= l ? (T - l) / dd + 1 : 0;
+        tiles += (nc + 127) / 128;
+        chunks = (T * p->G + 63) / 64 > chunks ? (T * p->G + 63) / 64 : chunks;
+    }
+    const int pow2 = n >= 8 && n <= 128 && (n & (n - 1)) == 0;
+    const int within = n == 8 || (tiles * n * p->H <= 4096 && n <= chunks);
+    const int most = n == 128 || 2 * n > chunks || tiles * n * 2 * p->H > 4096;
+    return pow2 && within && most;
+}
+
 static void test_plan_cmp_segments(void)
 {
     grid_counts g = {0, 0, ""};
     static const int64_t TS[] = {0, 1, 31, 32, 100, 1000, 4096, 16384, 65536, 131072, 1 << 20};
     static const int CFG[][2] = {{32, 16}, {64, 64}, {16, 16}, {32, 32}, {64, 32}};
+    static const int BS[] = {1, 4, 64};
     cu_overrides o;
     cu_overrides_default(&o);
     for (int ti = 0; ti < N_OF(TS); ti++)
         for (int ci = 0; ci < N_OF(CFG); ci++)
-            for (int64_t H = 1; H <= 64; H *= 2) {
-                nsa_problem p = problem(4, 64, 64, TS[ti], H);
-                p.cfg.cmp_len = CFG[ci][0], p.cfg.cmp_stride = CFG[ci][1];
-                const int64_t T = p.T, l = p.cfg.cmp_len, dd = p.cfg.cmp_stride;
-                const int64_t nc = T >= l ? (T - l) / dd + 1 : 0, tiles = (nc + 127) / 128;
-                const int n = cu_plan_cmp_segments(&p, &o);
-                const int pow2 = n >= 8 && n <= 128 && (n & (n - 1)) == 0;
-                const int within = n == 8 || tiles * n * H <= 4096;
-                const int most = n == 128 || tiles * n * 2 * H > 4096;
-                g.cases++;
-                if (!(pow2 && within && most) && g.bad++ == 0)
-                    snprintf(g.first, sizeof g.first, "segments %d at T %lld l %d d %d H %lld", n, (long long)TS[ti],
-                             CFG[ci][0], CFG[ci][1], (long long)H);
-            }
+            for (int bi = 0; bi < N_OF(BS); bi++)
+                for (int G = 1; G <= 16; G *= 4)
+                    for (int64_t H = 1; H <= 64; H *= 2) {
+                        nsa_problem p = problem(G, 64, 64, TS[ti], H);
+                        p.B = p.num_seqs = BS[bi];
+                        p.cfg.cmp_len = CFG[ci][0], p.cfg.cmp_stride = CFG[ci][1];
+                        int64_t lens[64];
+                        for (int s = 0; s < BS[bi]; s++) lens[s] = TS[ti];
+                        const int n = cu_plan_cmp_segments(&p, &o);
+                        g.cases++;
+                        if (!segments_ok(&p, n, lens, BS[bi]) && g.bad++ == 0)
+                            snprintf(g.first, sizeof g.first, "segments %d at T %lld l %d d %d B %d G %d H %lld", n,
+                                     (long long)TS[ti], CFG[ci][0], CFG[ci][1], BS[bi], G, (long long)H);
+                    }
     CHECK_MSG(g.bad == 0, g.bad ? g.first : "segments");
     /* the paper configuration at 64k: one kv head 128 segments, four 32 */
-    nsa_problem p = problem(16, 1, 128, 65536, 1);
-    p.cfg.cmp_len = 32, p.cfg.cmp_stride = 16;
+    nsa_problem p = problem(16, 128, 128, 65536, 1);
     CHECK(cu_plan_cmp_segments(&p, &o) == 128);
     p.H = 4, p.HQ = 64;
+    CHECK(cu_plan_cmp_segments(&p, &o) == 32);
+    /* a batch counts all its sequences' tiles: 64 sequences of 1k at G 16 are 64 tiles (one
+     * sequence would take 128 segments, 256 of them 16) */
+    p = problem(16, 128, 128, 1024, 1);
+    p.B = p.num_seqs = 64;
+    CHECK(cu_plan_cmp_segments(&p, &o) == 64);
+    p.B = p.num_seqs = 256;
+    CHECK(cu_plan_cmp_segments(&p, &o) == 16);
+    p.B = p.num_seqs = 1;
+    CHECK(cu_plan_cmp_segments(&p, &o) == 128);
+    /* short rows: 1k positions at G 1 are 16 chunks of 64 */
+    p = problem(1, 128, 128, 1024, 1);
+    CHECK(cu_plan_cmp_segments(&p, &o) == 16);
+    /* varlen: the sequences' own lengths (cu_seqlens), not the packed T */
+    static const int32_t cu[] = {0, 40000, 65536, 66536};
+    const int64_t lens[] = {40000, 25536, 1000};
+    p = problem(16, 128, 128, 66536, 1);
+    p.num_seqs = 3, p.cu_seqlens = cu;
+    const int n = cu_plan_cmp_segments(&p, &o);
+    CHECK_MSG(segments_ok(&p, n, lens, 3) && n == 64, "varlen segments");
+    p.H = 2;
     CHECK(cu_plan_cmp_segments(&p, &o) == 32);
     o.cmp_seg = 2;
     CHECK(cu_plan_cmp_segments(&p, &o) == 2);
@@ -475,18 +512,19 @@ static void test_plan_overrides(void)
     e = (old_env){NULL, NULL, "64", NULL, NULL, NULL};
     o = overrides_of(&e);
     CHECK(o.slc_bn == (NSA_CUDA_EXPERIMENTAL ? 64 : 32)); /* the variant's kernels exist only there */
-    /* NSA_CUDA_CMP_SEG: a power of two 1..256, anything else leaves the planner's choice */
+    /* NSA_CUDA_CMP_SEG: a power of two 2..256, anything else leaves the planner's choice */
     static const struct {
         const char *v;
         int want;
-    } SEG[] = {{"1", 1}, {"64", 64}, {"256", 256}, {"3", 0}, {"512", 0}, {"0", 0}, {"x", 0}, {"-8", 0}};
+    } SEG[] = {{"2", 2}, {"64", 64}, {"256", 256}, {"1", 0}, {"3", 0}, {"512", 0}, {"0", 0}, {"x", 0}, {"-8", 0}};
     for (int i = 0; i < N_OF(SEG); i++) {
         set_env("NSA_CUDA_CMP_SEG", SEG[i].v);
         cu_overrides_from_env(&o);
         CHECK_MSG(o.cmp_seg == SEG[i].want, SEG[i].v);
     }
     set_env("NSA_CUDA_CMP_SEG", NULL);
-    CHECK(d.cmp_seg == 0);
+    cu_overrides_from_env(&o);
+    CHECK(o.cmp_seg == 0 && d.cmp_seg == 0);
 }
 
 void test_plan_all(void)

@@ -34,10 +34,22 @@ int cu_plan_cmp_segments(const nsa_problem *p, const cu_overrides *o)
      * the tasks). Equal tasks still finish unevenly, so ~15 tasks with work per SM keep the
      * SMs busy to the end (64k, H 1: 32 segments left the SMs idle a third of the kernel, 128
      * cut the compressed backward by 14 %); each further segment costs its partial's write
-     * and read (bk x (DK + DV) floats), so at most 4096 tasks and 128 segments */
-    const int64_t nc = nsa_rule_num_cmp(p->Tk, p->cfg.cmp_len, p->cfg.cmp_stride);
-    const int64_t tiles128 = (nc + KWG_BK - 1) / KWG_BK; /* key tiles of 128 of the longest sequence */
+     * and read (bk x (DK + DV) floats, for every tile of every sequence), so at most 4096
+     * tasks over the whole batch, 128 segments, and no more segments than the longest
+     * sequence has 64-row chunks (a segment holds whole chunks: the rest would be empty) */
+    const int64_t nseq = p->cu_seqlens || p->cu_seqlens_q ? p->num_seqs : p->B;
+    int64_t tiles = 0, rows_max = 0;
+    for (int64_t s = 0; s < nseq; s++) {
+        int64_t lq = p->T, lk = p->Tk;
+        if (p->cu_seqlens_q && p->cu_seqlens_k)
+            lq = p->cu_seqlens_q[s + 1] - p->cu_seqlens_q[s], lk = p->cu_seqlens_k[s + 1] - p->cu_seqlens_k[s];
+        else if (p->cu_seqlens)
+            lq = lk = p->cu_seqlens[s + 1] - p->cu_seqlens[s];
+        tiles += (nsa_rule_num_cmp(lk, p->cfg.cmp_len, p->cfg.cmp_stride) + KWG_BK - 1) / KWG_BK;
+        rows_max = lq * p->G > rows_max ? lq * p->G : rows_max;
+    }
+    const int64_t chunks = (rows_max + 63) / 64;
     int nseg = 8;
-    while (nseg < 128 && tiles128 * nseg * 2 * p->H <= 4096) nseg *= 2;
+    while (nseg < 128 && nseg * 2 <= chunks && tiles * nseg * 2 * p->H <= 4096) nseg *= 2;
     return nseg;
 }

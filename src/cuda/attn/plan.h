@@ -70,8 +70,9 @@ typedef struct cu_dkdv_plan {
  * the same bit for bit; the selected rule ktile). */
 cu_dkdv_plan cu_plan_dkdv(const nsa_problem *p, const cu_device *d, const cu_overrides *o, const cu_views *v, int slc,
                           int dq_on_wgmma, int no_tma);
-/* Row segments per compressed key tile of the range dK / dV: enough for ~1024 tasks (8 .. 64;
- * the same in the sizing and the live pass). */
+/* Row segments per compressed key tile of the range dK / dV: a power of two 8 .. 128, the most
+ * that keeps the batch's tasks at 4096 or under and each segment a 64-row chunk or more (the
+ * same in the sizing and the live pass; NSA_CUDA_CMP_SEG overrides it). */
 int cu_plan_cmp_segments(const nsa_problem *p, const cu_overrides *o);
 
 #ifdef __cplusplus
