@@ -26,7 +26,11 @@
 #      tests and examples/generate.py on the GPU, "decode" bench/decode.py (one decode step beside
 #      mdy666 and dense; DECODE_B, DECODE_CTX), "flex" bench/flex.py (beside torch's FlexAttention;
 #      FLEX_T, FLEX_HEADS, FLEX_MODS, FLEX_PASSES, FLEX_REPS; then each of FLEX_FIRST_MODS's first calls,
-#      compiled and loaded from the disk cache).
+#      compiled and loaded from the disk cache), "workload" the realistic workload (trains
+#      examples/train_tiny.py with the paper's NSA configuration at 8k, HQ 16 / H 1 / D 128,
+#      WORKLOAD_STEPS steps; bench/workload.py saves layer WORKLOAD_LAYER's inputs over
+#      WORKLOAD_T tokens of held-out text with its overlap and tile unions; bench/peers.py
+#      times nsa and mdy666 on them and on random inputs of the same shapes; ~4 minutes).
 # ONLY="stage ..." runs only those of sweep, variants, nonfinite, memcheck, cp, fuzz, fla, bench
 # (cp: build/nsa_cp_tests, context parallelism over NCCL on every GPU, nothing on one).
 # AB=1 sweeps the mma.sync tiles (NSA_CUDA_WGMMA=0) on all CASES and times them for comparison;
@@ -317,6 +321,28 @@ if [ -n "$EXTRA" ]; then
                 --nsa-configs paper,fla --reps 5 --out "$FULLDIR" --tag peers > "$FULLDIR/peers.txt" 2>&1
             note "peers rc $?: $(grep -cE '^(nsa|mdy666|fla) ' "$FULLDIR/peers.txt") rows"
             grep -E '^(nsa|mdy666) .* 64k ' "$FULLDIR/peers.txt" | tee -a "$SUMMARY"
+            ;;
+        workload) # a trained layer's inputs, their overlap, and nsa beside mdy666 on them (torch; peers/ for mdy666)
+            wl_env=(env NSA_LIBRARY="$(cd "$BIN" && pwd)/libnsa.so" PYTHONPATH=python PYTHONUNBUFFERED=1)
+            wl_ckpt="$FULLDIR/paper8k.pt" wl_npz="$FULLDIR/workload-layer.npz" wl_T="${WORKLOAD_T:-65536}"
+            "${wl_env[@]}" timeout 300 python3 examples/train_tiny.py --seq-len 8192 --batch 4 --steps "${WORKLOAD_STEPS:-800}" \
+                --eval-every 200 --nsa-config paper --head-dim 128 --heads 16 --kv-heads 1 --save "$wl_ckpt" \
+                --out "$FULLDIR/train" > "$FULLDIR/workload-train.txt" 2>&1
+            note "workload: train rc $?: $(grep -E '^(nsa|full) *:' "$FULLDIR/workload-train.txt" | tr '\n' ' ')"
+            "${wl_env[@]}" timeout 200 python3 bench/workload.py --checkpoint "$wl_ckpt" --T "$wl_T" \
+                --layer "${WORKLOAD_LAYER:-1}" --out "$wl_npz" > "$FULLDIR/workload.txt" 2>&1
+            note "workload: layer rc $?: $(tail -1 "$FULLDIR/workload.txt")"
+            "${wl_env[@]}" timeout 200 python3 bench/peers.py --workload "$wl_npz" --reps 5 --out "$FULLDIR" --tag peers-workload \
+                > "$FULLDIR/workload-peers.txt" 2>&1
+            note "workload: peers on the layer rc $?:"
+            grep -E '^  (nsa|mdy666) ' "$FULLDIR/workload-peers.txt" | tee -a "$SUMMARY"
+            "${wl_env[@]}" timeout 200 python3 bench/peers.py --T "$wl_T" --G 16 --H 1 --impl nsa,mdy666 --nsa-configs paper --reps 5 \
+                --out "$FULLDIR" --tag peers-random-g16h1 > "$FULLDIR/workload-random.txt" 2>&1
+            note "workload: peers on random inputs of its shapes rc $?:"
+            grep -E '^  (nsa|mdy666) ' "$FULLDIR/workload-random.txt" | tee -a "$SUMMARY"
+            cp "$FULLDIR"/*-peers-*.json "$FULLDIR"/*-peers-*.png "$FULLDIR"/workload-layer.json "$OUT"/ 2>/dev/null
+            cp "$FULLDIR/train/loss.csv" "$OUT/workload-train-loss.csv" 2>/dev/null
+            rm -f "$wl_ckpt" "$wl_npz" # large; the scripts that make them are the product
             ;;
         python) # the Python binding's CUDA tests (torch custom ops, KV caches and the step, CUDA
                 # graphs, nn module) and the cached generation example on the GPU (needs torch)
