@@ -1011,7 +1011,7 @@ def run(args):
             "before each run, median of up to --reps runs after --warmup runs",
             "args": {k: v for k, v in vars(args).items() if k != "workload_arrays"}}
     if args.workload_arrays is not None:  # the saved layer's arrays are not JSON: their shapes stand for them
-        meta["workload_shapes"] = {n: list(args.workload_arrays[n].shape) for n in args.workload_arrays.files}
+        meta["workload_shapes"] = {n: list(a.shape) for n, a in args.workload_arrays.items()}
     try:
         import triton
         meta["triton"] = triton.__version__
@@ -1186,10 +1186,11 @@ def parse_args(argv):
     if args.workload:
         import numpy as np
         try:
-            data = np.load(args.workload)
+            with np.load(args.workload) as npz:  # read once (each lookup in an npz file reads the array again)
+                data = {n: npz[n] for n in npz.files if n in WORKLOAD_ARRAYS + ("config",)}
             if "config" not in data:
                 raise ValueError("workload: lacks config (bench/workload.py writes it)")
-            T, HQ, H, D, cfg = workload_shape({n: data[n].shape for n in data.files if n in WORKLOAD_ARRAYS}, data["config"])
+            T, HQ, H, D, cfg = workload_shape({n: a.shape for n, a in data.items() if n != "config"}, data["config"])
         except Exception as e:  # noqa: BLE001 -- unreadable files (OSError, zipfile.BadZipFile, pickles refused) too
             ap.error("--workload: %s: %s" % (args.workload, e))
         CONFIGS["workload"] = cfg

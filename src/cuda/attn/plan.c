@@ -37,14 +37,10 @@ int cu_plan_cmp_segments(const nsa_problem *p, const cu_overrides *o)
      * and read (bk x (DK + DV) floats, for every tile of every sequence), so at most 4096
      * tasks over the whole batch, 128 segments, and no more segments than the longest
      * sequence has 64-row chunks (a segment holds whole chunks: the rest would be empty) */
-    const int64_t nseq = p->cu_seqlens || p->cu_seqlens_q ? p->num_seqs : p->B;
+    const int64_t nseq = p->cu_seqlens ? p->num_seqs : p->B; /* (as the tasks' seqmap counts them) */
     int64_t tiles = 0, rows_max = 0;
     for (int64_t s = 0; s < nseq; s++) {
-        int64_t lq = p->T, lk = p->Tk;
-        if (p->cu_seqlens_q && p->cu_seqlens_k)
-            lq = p->cu_seqlens_q[s + 1] - p->cu_seqlens_q[s], lk = p->cu_seqlens_k[s + 1] - p->cu_seqlens_k[s];
-        else if (p->cu_seqlens)
-            lq = lk = p->cu_seqlens[s + 1] - p->cu_seqlens[s];
+        const int64_t lq = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T, lk = p->cu_seqlens ? lq : p->Tk;
         tiles += (nsa_rule_num_cmp(lk, p->cfg.cmp_len, p->cfg.cmp_stride) + KWG_BK - 1) / KWG_BK;
         rows_max = lq * p->G > rows_max ? lq * p->G : rows_max;
     }
