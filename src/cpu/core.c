@@ -451,12 +451,16 @@ void core_grad_row_masked(float *p, float *ds, const float *keep, const unsigned
     for (; i + MK_LANES <= n; i += MK_LANES) {
         const vf16 kf = vload(keep + i);
         const vi16 hidden = hidden_lanes(vis + i);
-        vf16 P = vexp(vload(p + i) - lse);
         /* the hidden lanes' marker by a lane loop, not the bitwise blend of core_exp_row_masked:
          * with that blend here GCC 12 at -O3 for AVX-512 (-march=native on a Sapphire Rapids
-         * host) stored P where P * kf was asked, so dV lost the dropout factor */
+         * host) stored P where P * kf was asked, so dV lost the dropout factor. The loop runs
+         * on an array: on a vector's lanes a newer GCC with -march=native warned that P may be
+         * used uninitialized (an error under -Werror) */
+        float pl[MK_LANES];
+        vstore(pl, vexp(vload(p + i) - lse));
         for (int j = 0; j < MK_LANES; j++)
-            if (hidden[j]) P[j] = -0.0f;
+            if (hidden[j]) pl[j] = -0.0f;
+        const vf16 P = vload(pl);
         vstore(ds + i, (vf16)(~hidden & (vi16)(P * (vload(ds + i) * kf - D))));
         vstore(p + i, dropped_p ? P * kf : P);
     }
