@@ -32,6 +32,38 @@ static __device__ int kt_last_starting(const rule_t &r, int len, int nkeys, int 
     return (int)nsa_rule_window_q_last(c, r.wl, len, (int64_t)len + r.shift);
 }
 
+/* Where element (key, col) of a bk-key partial lies (col < DK + DV): the keys' dK rows of DK
+ * floats first, then their dV rows. */
+__host__ __device__ __forceinline__ int64_t kt_part_off(int64_t bk, int64_t DK, int64_t DV, int64_t key, int64_t col)
+{
+    return col < DK ? key * DK + col : bk * DK + key * DV + (col - DK);
+}
+
+/* One reduction CTA's slice (blockIdx.z of gridDim.z) of a key tile's partials: for every
+ * element of keys [0, nk) of the tile, dk / dv (row drow0 + key, kv head h) += its `count`
+ * partials at first, first + step, ..., added in that order (four loads in flight), so the
+ * bits depend neither on the slicing nor on the loads' order. */
+__device__ __forceinline__ void kt_partials_add(const kparams &P, const float *first, int64_t step, int64_t count,
+                                                int64_t bk, int64_t nk, int64_t drow0, int64_t h)
+{
+    const int64_t W = P.DK + P.DV, n = nk * W, per = (n + gridDim.z - 1) / gridDim.z;
+    const int64_t i0 = blockIdx.z * per, i1 = i0 + per < n ? i0 + per : n;
+    for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+        const int64_t key = i / W, col = i % W;
+        const float *src = first + kt_part_off(bk, P.DK, P.DV, key, col);
+        float sum = 0.0f;
+        int64_t e = 0;
+        for (; e + 4 <= count; e += 4, src += 4 * step) {
+            const float a = src[0], b = src[step], c = src[2 * step], d = src[3 * step];
+            sum += a, sum += b, sum += c, sum += d;
+        }
+        for (; e < count; e++, src += step) sum += src[0];
+        const int64_t row = (drow0 + key) * P.H + h;
+        if (col < P.DK) P.dk[row * P.DK + col] += sum;
+        else P.dv[row * P.DV + (col - P.DK)] += sum;
+    }
+}
+
 /* One ktile task (the CTA's blockIdx): keys [k0, k1) of (sequence, head h) and the query
  * rows that see them: flattened rows rbase .. rbase + nrows - 1 (range rules) or the inverted
  * list's positions (selected); slot >= 0: a further segment writing partial `slot`.
@@ -145,7 +177,7 @@ __device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid
                     st_any(o.p, o.dt, sq.b * o.s0 + (key_row0 + k0 + key) * o.s1 + (int64_t)h * o.s2 + (col < P.DK ? col : col - P.DK), 0.0f);
                 }
                 if (slot >= 0)
-                    P.part[slot * BK * (P.DK + P.DV) + (col < P.DK ? key * P.DK + col : (int64_t)BK * P.DK + key * P.DV + (col - P.DK))] = 0.0f;
+                    P.part[slot * BK * (P.DK + P.DV) + kt_part_off(BK, P.DK, P.DV, key, col)] = 0.0f;
             }
         return 0;
     }
@@ -157,7 +189,11 @@ __device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid
 
 /* Per-row slots of the query chunks a ktile task streams: offsets of the q / dout rows (not
  * for a tile fed by TMA: kt_fill<BQ, false>, rq / ro NULL), lse (raw: see kt_l2), D, gate,
- * visible range, and per warp half whether every row sees all keys. */
+ * visible range, and per warp half of 32 rows the KT_* flags of what its rows see: all the
+ * task's keys [k0, k1), all of the first / second 64 of them (H0: [k0, k0 + 64), H1:
+ * [k0 + 64, k1); a 128-key tile's warpgroups take one half each), or none of a half. A chunk
+ * has a flag when both its warp halves have it. */
+enum { KT_ALL = 1, KT_ALL_H0 = 2, KT_ALL_H1 = 4, KT_NONE_H0 = 8, KT_NONE_H1 = 16 };
 typedef struct kt_rows {
     int64_t *rq, *ro;
     float *rl2, *rD, *rg;
@@ -205,8 +241,17 @@ __device__ __forceinline__ void kt_fill_at(const kparams &P, const kt_task &t, c
         R.rl2[i] = INFINITY, R.rD[i] = 0.0f, R.rg[i] = 0.0f;
         R.rlo[i] = 1, R.rhi[i] = 0;
     }
-    const int f = __all_sync(0xffffffffu, R.rlo[i] <= t.k0 && R.rhi[i] >= t.k1 - 1);
-    if ((tid & 31) == 0) R.rfull[stage * 2 + (tid >> 5)] = f;
+    /* the warp half's flags (kt_rows.rfull): whole runs skip the per-element bounds, and a
+     * wgmma tile's warpgroup whose 64 keys no row sees skips the chunk */
+    const int lo = R.rlo[i], hi = R.rhi[i], m = t.k0 + 64, e0 = (m < t.k1 ? m : t.k1) - 1;
+    const int all = __all_sync(0xffffffffu, lo <= t.k0 && hi >= t.k1 - 1);
+    const int all0 = __all_sync(0xffffffffu, lo <= t.k0 && hi >= e0);
+    const int all1 = __all_sync(0xffffffffu, lo <= m && hi >= t.k1 - 1);
+    const int none0 = !__any_sync(0xffffffffu, lo <= hi && lo <= e0 && hi >= t.k0);
+    const int none1 = !__any_sync(0xffffffffu, lo <= hi && lo <= t.k1 - 1 && hi >= m);
+    if ((tid & 31) == 0)
+        R.rfull[stage * 2 + (tid >> 5)] = (all ? KT_ALL : 0) | (all0 ? KT_ALL_H0 : 0) | (all1 ? KT_ALL_H1 : 0) |
+                                          (none0 ? KT_NONE_H0 : 0) | (none1 ? KT_NONE_H1 : 0);
 }
 
 /* ... the row's position looked up here (selected rule: its list entry, a dependent load) */

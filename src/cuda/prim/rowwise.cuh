@@ -9,7 +9,7 @@
 #if defined(__CUDACC__)
 
 #define PREP_THREADS 256
-#define INV_CHUNK 1024 /* positions per inversion task */
+#define INV_CHUNK 256 /* positions per inversion task: the fill walks a chunk serially in one warp */
 
 static inline unsigned grid1(int64_t n, int per) { return (unsigned)((n + per - 1) / per); }
 

@@ -5,6 +5,7 @@
 #include "selected.h"
 #include "../prim/rowwise.cuh"
 #include "../prim/nonfinite.cuh"
+#include "../attn/dkdv_tasks.cuh"
 
 __global__ void usable_kernel(dview idx, dview cnt, int64_t m, int64_t lp, int32_t *U, int32_t *ucnt, seqmap sm,
                               int64_t T, int64_t H, int64_t rows)
@@ -159,7 +160,10 @@ __global__ void inv_fill_kernel(inv_params P)
         for (int64_t q0 = 0; q0 < np; q0 += P.stage) {
             const int n = np - q0 < P.stage ? (int)(np - q0) : P.stage;
             for (int i = lane; i < n; i += 32) scnt[i] = P.ucnt[row0 + (q0 + i) * P.H];
-            for (int i = lane; i < n * m; i += 32) sent[i] = P.U[(row0 + (q0 + i / m) * P.H) * P.m + i % m];
+            __syncwarp();
+            /* only the entries below each position's count: the rest of U may never be written */
+            for (int i = lane; i < n * m; i += 32)
+                if (i % m < scnt[i / m]) sent[i] = P.U[(row0 + (q0 + i / m) * P.H) * P.m + i % m];
             __syncwarp();
             for (int i = 0; i < n; i++) place(q0 + i, scnt[i], sent + i * m);
         }
@@ -276,24 +280,9 @@ __global__ void slc_reduce_kernel(kparams P)
     const int64_t bend = nsa_rule_slc_end(j, lp, sq.klen);
     const int64_t k0 = nsa_rule_slc_lo(j, lp) + sub * 64, k1 = k0 + 64 < bend ? k0 + 64 : bend;
     if (k0 >= k1) return;
-    const int64_t W = P.DK + P.DV, n = (k1 - k0) * W, per = (n + SLC_REDUCE_SPLIT - 1) / SLC_REDUCE_SPLIT;
-    const int64_t i0 = blockIdx.z * per, i1 = i0 + per < n ? i0 + per : n;
-    const int64_t step = P.nsub * 64 * W; /* the next segment's partial of the same element */
-    for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
-        const int key = (int)(i / W), col = (int)(i % W);
-        const int64_t po = col < P.DK ? (int64_t)key * P.DK + col : 64 * P.DK + (int64_t)key * P.DV + (col - P.DK);
-        const float *src = P.part + (x0 * P.nsub + sub) * 64 * W + po;
-        float sum = 0.0f;
-        int64_t e = x0;
-        for (; e + 4 <= x1; e += 4, src += 4 * step) {
-            const float a = src[0], b = src[step], c = src[2 * step], d = src[3 * step];
-            sum += a, sum += b, sum += c, sum += d;
-        }
-        for (; e < x1; e++, src += step) sum += src[0];
-        const int64_t row = (sq.b * P.KR + sq.row0 + k0 + key) * P.H + h;
-        if (col < P.DK) P.dk[row * P.DK + col] += sum;
-        else P.dv[row * P.DV + (col - P.DK)] += sum;
-    }
+    const int64_t step = P.nsub * 64 * (P.DK + P.DV); /* the next segment's partial of the same element */
+    kt_partials_add(P, P.part + (x0 * P.nsub + sub) * 64 * (P.DK + P.DV), step, x1 - x0, 64, k1 - k0,
+                    sq.b * P.KR + sq.row0 + k0, h);
 }
 
 void nsa_cu_slc_reduce(grun *g, const kparams *P, int64_t tiles)
