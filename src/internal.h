@@ -107,6 +107,7 @@ typedef struct nsa_cuda_overrides {
     int step_pdl;   /* 0: the tiled steps' kernels launched one after the other, not as programmatic dependents (NSA_CUDA_STEP_PDL=0) */
     int swg_ws;     /* 0: the sm_90a selection merges each pass in the products' warpgroup, not a warpgroup of its own (NSA_CUDA_SWG_WS=0) */
     int cmp_seg;    /* the compressed dK / dV's row segments, a power of two 2..256 (NSA_CUDA_CMP_SEG); 0: the planner's choice */
+    int range_seg;  /* the window / dense dK / dV's row segments, a power of two 1..128 (NSA_CUDA_RANGE_SEG; 1: none); 0: the planner's choice */
     int cp_overlap; /* 0: context parallelism's collectives on the context's stream, after and before the chunk calls,
                        instead of on the context's communication stream beside them (NSA_CUDA_CP_OVERLAP=0) */
 } nsa_cuda_overrides;

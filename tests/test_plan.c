@@ -399,6 +399,65 @@ static void test_plan_cmp_segments(void)
     CHECK(cu_plan_cmp_segments(&p, &o) == 2);
 }
 
+/* Window / dense dK / dV segments: causal attention with few kv heads is cut (few tasks of
+ * unequal length), a window never (its tasks' rows are the window's whatever the segments),
+ * many kv heads never; always a power of two 1..64 within 4096 tasks; NSA_CUDA_RANGE_SEG
+ * overrides it. */
+static void test_plan_range_segments(void)
+{
+    cu_overrides o;
+    cu_overrides_default(&o);
+    /* causal (wl -1, wr 0), G 16, one kv head: 128 tasks at 16k (the first sees every row)
+     * 2 segments, 64 at 8k 16; four kv heads at 16k, and any at 64k: 512 tasks or more, none;
+     * G 1 with 16 kv heads: none (measured on an H200: 11.2 -> 7.0 ms at 16k, 5.1 -> 2.1 at
+     * 8k; segments were slower where none are taken) */
+    nsa_problem p = problem(16, 128, 128, 16384, 1);
+    CHECK(cu_plan_range_segments(&p, -1, 0, 1, 0, -1, &o) == 2);
+    p.T = p.Tk = 8192;
+    CHECK(cu_plan_range_segments(&p, -1, 0, 1, 0, -1, &o) == 16);
+    p = problem(16, 128, 128, 16384, 4);
+    CHECK(cu_plan_range_segments(&p, -1, 0, 1, 0, -1, &o) == 1);
+    for (int64_t H = 1; H <= 4; H++) {
+        p = problem(16, 128, 128, 65536, H);
+        CHECK(cu_plan_range_segments(&p, -1, 0, 1, 0, -1, &o) == 1);
+    }
+    p = problem(1, 128, 128, 16384, 16);
+    CHECK(cu_plan_range_segments(&p, -1, 0, 1, 0, -1, &o) == 1);
+    /* the window of 512 keys: never where the sequence is longer than a few windows; always a
+     * power of two 1..64, within 4096 tasks and a 64-row chunk a segment */
+    grid_counts g = {0, 0, ""};
+    static const int64_t TS[] = {0, 1, 100, 1000, 4096, 16384, 65536, 1 << 20};
+    for (int ti = 0; ti < N_OF(TS); ti++)
+        for (int G = 1; G <= 16; G *= 4)
+            for (int64_t H = 1; H <= 64; H *= 4)
+                for (int B = 1; B <= 8; B *= 8) {
+                    p = problem(G, 128, 128, TS[ti], H);
+                    p.B = p.num_seqs = B;
+                    const int nw = cu_plan_range_segments(&p, 511, 0, 1, 0, -1, &o);
+                    const int nc = cu_plan_range_segments(&p, -1, 0, 1, 0, -1, &o);
+                    const int nf = cu_plan_range_segments(&p, -1, -1, 0, 0, -1, &o);
+                    const int64_t tiles = B * ((TS[ti] + 127) / 128);
+                    g.cases++;
+                    int ok = TS[ti] < 16384 || nw == 1;
+                    for (int k = 0; k < 3; k++) {
+                        const int n = k == 0 ? nw : k == 1 ? nc : nf;
+                        ok = ok && n >= 1 && n <= 64 && (n & (n - 1)) == 0 && (n == 1 || tiles * n * H <= 4096);
+                        ok = ok && (n == 1 || n * 64 <= TS[ti] * G);
+                    }
+                    if (!ok && g.bad++ == 0)
+                        snprintf(g.first, sizeof g.first, "segments %d / %d / %d at T %lld G %d H %lld B %d", nw, nc, nf,
+                                 (long long)TS[ti], G, (long long)H, B);
+                }
+    CHECK_MSG(g.bad == 0, g.bad ? g.first : "range segments");
+    /* varlen: the sequences' own lengths (one of 8k and two short ones: as one of 8k) */
+    static const int32_t cu[] = {0, 8192, 8292, 8392};
+    p = problem(16, 128, 128, 8392, 1);
+    p.num_seqs = 3, p.cu_seqlens = cu;
+    CHECK(cu_plan_range_segments(&p, -1, 0, 1, 0, -1, &o) == 16);
+    o.range_seg = 1;
+    CHECK(cu_plan_range_segments(&p, -1, 0, 1, 0, -1, &o) == 1);
+}
+
 static void test_plan_selected(void)
 {
     grid_counts g = {0, 0, ""};
@@ -525,6 +584,19 @@ static void test_plan_overrides(void)
     set_env("NSA_CUDA_CMP_SEG", NULL);
     cu_overrides_from_env(&o);
     CHECK(o.cmp_seg == 0 && d.cmp_seg == 0);
+    /* NSA_CUDA_RANGE_SEG: a power of two 1..128 (1: no segments) */
+    static const struct {
+        const char *v;
+        int want;
+    } RSEG[] = {{"1", 1}, {"16", 16}, {"128", 128}, {"3", 0}, {"256", 0}, {"0", 0}, {"x", 0}, {"-4", 0}};
+    for (int i = 0; i < N_OF(RSEG); i++) {
+        set_env("NSA_CUDA_RANGE_SEG", RSEG[i].v);
+        cu_overrides_from_env(&o);
+        CHECK_MSG(o.range_seg == RSEG[i].want, RSEG[i].v);
+    }
+    set_env("NSA_CUDA_RANGE_SEG", NULL);
+    cu_overrides_from_env(&o);
+    CHECK(o.range_seg == 0 && d.range_seg == 0);
 }
 
 void test_plan_all(void)
@@ -532,6 +604,7 @@ void test_plan_all(void)
     test_plan_overrides();
     test_plan_range_and_dkdv();
     test_plan_cmp_segments();
+    test_plan_range_segments();
     test_plan_selected();
     test_plan_select();
     test_plan_attention();

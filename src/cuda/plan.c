@@ -57,6 +57,8 @@ void cu_overrides_from_env(cu_overrides *o)
     if (e && (atoi(e) == 1 || atoi(e) == 2 || atoi(e) == 4)) o->step_hc = atoi(e);
     e = getenv("NSA_CUDA_CMP_SEG");
     if (e && atoi(e) >= 2 && atoi(e) <= 256 && (atoi(e) & (atoi(e) - 1)) == 0) o->cmp_seg = atoi(e);
+    e = getenv("NSA_CUDA_RANGE_SEG");
+    if (e && atoi(e) >= 1 && atoi(e) <= 128 && (atoi(e) & (atoi(e) - 1)) == 0) o->range_seg = atoi(e);
 }
 
 int cu_dims_class(int64_t DK, int64_t DV)

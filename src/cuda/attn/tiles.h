@@ -57,9 +57,11 @@ typedef struct kparams {
     const int32_t *xoff;
     int64_t nflat;
     float *part;
-    /* Compressed keys are few (Nc / 64 tiles) and each is seen by most queries: nseg > 1
-     * splits a tile's rows into nseg tasks; segment 0 adds into dk/dv, the others write the
-     * partial of slot (task, head), added in order by nsa_cu_seg_reduce. */
+    /* Compressed keys are few (Nc / 64 tiles) and each is seen by most queries, and causal
+     * attention with few kv heads has few tasks of unequal length: nseg > 1 splits each
+     * sequence's rows into nseg absolute segments, one task per (tile, segment); segment 0
+     * adds into dk/dv, the others write the partial of slot (task, head), added in order by
+     * nsa_cu_seg_reduce. */
     int nseg;
     int bk;                               /* keys per task: 64 (ktile), KWG_BK (kwg_kernel) */
     /* kwg / kwp and the scalar kernels, a range rule whose tasks each own all rows of their keys

@@ -26,7 +26,8 @@ enum unit_kind {
     UK_INV_OFFS,   /* nb(klen) + 1, nb = ceil(klen / b) */
     UK_LIST,       /* qlen * a */
     UK_CMP_TILES_X,/* ceil(Nc(klen) / b) * a: compressed key tiles, a row segments each */
-    UK_KROWS       /* ceil(klen * a / b): tiles of b key rows */
+    UK_KROWS,      /* ceil(klen * a / b): tiles of b key rows */
+    UK_KROWS_X     /* ceil(klen / b) * a: tiles of b key rows, a row segments each */
 };
 
 typedef struct unitspec {
@@ -46,6 +47,7 @@ NSA_CU_HD int64_t seq_units(unitspec u, int64_t qlen, int64_t klen)
     case UK_INV_CNT: return (qlen + u.a - 1) / u.a * nsa_rule_num_slc(klen, u.b);
     case UK_INV_OFFS: return nsa_rule_num_slc(klen, u.b) + 1;
     case UK_CMP_TILES_X: return (nsa_rule_num_cmp(klen, u.cl, u.cd) + u.b - 1) / u.b * u.a;
+    case UK_KROWS_X: return (klen + u.b - 1) / u.b * u.a;
     default: return qlen * u.a;
     }
 }

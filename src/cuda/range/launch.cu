@@ -210,6 +210,9 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     if (rule->kind == RULE_CMP) { /* few key tiles, each seen by most queries: row segments */
         K.nseg = cu_plan_cmp_segments(p, g->ovr);
         uk.kind = UK_CMP_TILES_X, uk.a = K.nseg, uk.b = K.bk, uk.cl = p->cfg.cmp_len, uk.cd = p->cfg.cmp_stride;
+    } else { /* causal with few kv heads: few tasks of unequal length, cut the same way */
+        K.nseg = cu_plan_range_segments(p, rule->wl, rule->wr, rule->causal, rule->shift, rule->nk, g->ovr);
+        if (K.nseg > 1) uk.kind = UK_KROWS_X, uk.a = K.nseg;
     }
     int64_t ktiles;
     K.sm = g_seqmap(g, uk, &ktiles);
@@ -246,6 +249,7 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     cu_simt_standby_k(g, &K);
     if (K.nseg > 1) {
         unitspec ut = {UK_CMP_TILES, 0, K.bk, p->cfg.cmp_len, p->cfg.cmp_stride};
+        if (rule->kind != RULE_CMP) ut.kind = UK_KROWS, ut.a = 1;
         int64_t ntiles;
         const seqmap tm = g_seqmap(g, ut, &ntiles);
         nsa_cu_seg_reduce(g, &K, tm, ntiles);
