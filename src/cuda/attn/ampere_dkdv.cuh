@@ -21,7 +21,7 @@ template <int DKP, int DVP> struct ktile_layout {
     static constexpr size_t rl2 = ro + 3 * BQ * sizeof(int64_t);  /* [3][BQ] lse */
     static constexpr size_t rD = rl2 + 3 * BQ * 4, rg = rD + 3 * BQ * 4; /* [3][BQ] D, gate */
     static constexpr size_t rlo = rg + 3 * BQ * 4, rhi = rlo + 3 * BQ * 4; /* [3][BQ] visible keys */
-    static constexpr size_t rfull = rhi + 3 * BQ * 4;             /* [3][2] KT_* flags per warp half */
+    static constexpr size_t rfull = rhi + 3 * BQ * 4;             /* [3][2] whole-chunk flags */
     static constexpr size_t bytes = rfull + 3 * 2 * 4;
     static_assert(bytes == ktile_smem(DKP, DVP), "ktile_smem reserves exactly this layout");
 };
@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
     int64_t *rq = (int64_t *)(smem + L::rq), *ro = (int64_t *)(smem + L::ro);
     float *rl2 = (float *)(smem + L::rl2), *rD = (float *)(smem + L::rD), *rg = (float *)(smem + L::rg);
     int *rlo = (int *)(smem + L::rlo), *rhi = (int *)(smem + L::rhi);
-    int *rfull = (int *)(smem + L::rfull); /* [3][2]: KT_* flags per warp half */
+    int *rfull = (int *)(smem + L::rfull); /* [3][2]: every row of the slot's warp half sees all BK keys */
 
     /* the task lives in shared memory: the row fill of every chunk reads it there instead of
      * holding its ~20 registers through the products (spilled otherwise) */
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(128) ktile_kernel(const kparams P)
          * range rule are whole (every row sees all BK keys: the compressed branch's rows past
          * the first ~BK * d positions, the window's interior): those skip the per-element
          * bounds (two shared loads and compares each) for the same values. */
-        const bool whole = k1 - k0 == BK && (rfull[sl * 2] & rfull[sl * 2 + 1] & KT_ALL);
+        const bool whole = k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1];
         if (cap.k != 0.0f) { /* a softcap: its factor on dS */
             if (whole) kt_cap_prob_ds<true, NT>(S, dP, cap, l2, gr, Dr, lo, hi, kr, k1, lane);
             else kt_cap_prob_ds<false, NT>(S, dP, cap, l2, gr, Dr, lo, hi, kr, k1, lane);

@@ -189,11 +189,7 @@ __device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid
 
 /* Per-row slots of the query chunks a ktile task streams: offsets of the q / dout rows (not
  * for a tile fed by TMA: kt_fill<BQ, false>, rq / ro NULL), lse (raw: see kt_l2), D, gate,
- * visible range, and per warp half of 32 rows the KT_* flags of what its rows see: all the
- * task's keys [k0, k1), all of the first / second 64 of them (H0: [k0, k0 + 64), H1:
- * [k0 + 64, k1); a 128-key tile's warpgroups take one half each), or none of a half. A chunk
- * has a flag when both its warp halves have it. */
-enum { KT_ALL = 1, KT_ALL_H0 = 2, KT_ALL_H1 = 4, KT_NONE_H0 = 8, KT_NONE_H1 = 16 };
+ * visible range, and per warp half whether every row sees all keys. */
 typedef struct kt_rows {
     int64_t *rq, *ro;
     float *rl2, *rD, *rg;
@@ -241,17 +237,8 @@ __device__ __forceinline__ void kt_fill_at(const kparams &P, const kt_task &t, c
         R.rl2[i] = INFINITY, R.rD[i] = 0.0f, R.rg[i] = 0.0f;
         R.rlo[i] = 1, R.rhi[i] = 0;
     }
-    /* the warp half's flags (kt_rows.rfull): whole runs skip the per-element bounds, and a
-     * wgmma tile's warpgroup whose 64 keys no row sees skips the chunk */
-    const int lo = R.rlo[i], hi = R.rhi[i], m = t.k0 + 64, e0 = (m < t.k1 ? m : t.k1) - 1;
-    const int all = __all_sync(0xffffffffu, lo <= t.k0 && hi >= t.k1 - 1);
-    const int all0 = __all_sync(0xffffffffu, lo <= t.k0 && hi >= e0);
-    const int all1 = __all_sync(0xffffffffu, lo <= m && hi >= t.k1 - 1);
-    const int none0 = !__any_sync(0xffffffffu, lo <= hi && lo <= e0 && hi >= t.k0);
-    const int none1 = !__any_sync(0xffffffffu, lo <= hi && lo <= t.k1 - 1 && hi >= m);
-    if ((tid & 31) == 0)
-        R.rfull[stage * 2 + (tid >> 5)] = (all ? KT_ALL : 0) | (all0 ? KT_ALL_H0 : 0) | (all1 ? KT_ALL_H1 : 0) |
-                                          (none0 ? KT_NONE_H0 : 0) | (none1 ? KT_NONE_H1 : 0);
+    const int f = __all_sync(0xffffffffu, R.rlo[i] <= t.k0 && R.rhi[i] >= t.k1 - 1);
+    if ((tid & 31) == 0) R.rfull[stage * 2 + (tid >> 5)] = f;
 }
 
 /* ... the row's position looked up here (selected rule: its list entry, a dependent load) */

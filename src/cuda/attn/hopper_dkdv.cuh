@@ -103,7 +103,7 @@ template <int DP> struct kwg_layout {
     static constexpr size_t rl2 = ro + 3 * BQ * sizeof(int64_t); /* [3][BQ] lse */
     static constexpr size_t rD = rl2 + 3 * BQ * 4, rg = rD + 3 * BQ * 4; /* [3][BQ] D, gate */
     static constexpr size_t rlo = rg + 3 * BQ * 4, rhi = rlo + 3 * BQ * 4; /* [3][BQ] visible keys */
-    static constexpr size_t rfull = rhi + 3 * BQ * 4;           /* [3][2] KT_* flags per warp half */
+    static constexpr size_t rfull = rhi + 3 * BQ * 4;           /* [3][2] whole-chunk flags */
     static constexpr size_t bytes = rfull + 3 * 2 * 4;
     static_assert(bytes + 1024 == kwg_smem(DP), "kwg_smem reserves exactly this layout");
 };
@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
         wg_wait<0>();
 
         /* P^T (masked), dS^T = P^T (g dP^T - D); S becomes g P^T for dV (as ktile) */
-        const bool whole = k0 + (wg + 1) * 64 <= k1 && (rfull[sl * 2] & rfull[sl * 2 + 1] & (KT_ALL_H0 << wg));
+        const bool whole = k1 - k0 == BK && rfull[sl * 2] && rfull[sl * 2 + 1];
         if (cap.k != 0.0f) { /* a softcap: its factor on dS */
             if (whole) kt_cap_prob_ds<true, NT>(S, dP, cap, l2, gr, Dr, lo, hi, kr, k1, lane);
             else kt_cap_prob_ds<false, NT>(S, dP, cap, l2, gr, Dr, lo, hi, kr, k1, lane);
@@ -267,7 +267,7 @@ template <int DP, bool SLC> struct kwp_layout {
     static constexpr size_t rl2 = empty + NS * sizeof(uint64_t); /* [NS][BQ] lse */
     static constexpr size_t rD = rl2 + NS * BQ * 4, rg = rD + NS * BQ * 4; /* [NS][BQ] D, gate */
     static constexpr size_t rlo = rg + NS * BQ * 4, rhi = rlo + NS * BQ * 4; /* [NS][BQ] visible keys */
-    static constexpr size_t rfull = rhi + NS * BQ * 4;          /* [NS][2] KT_* flags per warp half */
+    static constexpr size_t rfull = rhi + NS * BQ * 4;          /* [NS][2] whole-chunk flags */
     static constexpr size_t bytes = rfull + NS * 2 * 4;
     static_assert(bytes + 1024 == kwp_smem(DP, SLC), "kwp_smem reserves exactly this layout");
 };
@@ -407,19 +407,13 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         const unsigned char *Qp = Qs + s * TB, *Dp = Ds + s * TB;
         const float *l2 = rl2 + s * BQ, *Dr = rD + s * BQ, *gr = rg + s * BQ;
         const int *lo = rlo + s * BQ, *hi = rhi + s * BQ;
-        const int flags = rfull[s * 2] & rfull[s * 2 + 1];
-        if (!SLC && (flags & (KT_NONE_H0 << cw))) { /* no row sees this warpgroup's keys: P = dS = 0 */
-            mb_arrive(&empty[s]);
-            continue;
-        }
 
         float S[NT][4], dP[NT][4];
         kw_products<T, DP, BK, BQ, true>(S, dP, Ks, Vs, Qp, Dp, aoff);
         wg_wait<1>(); /* S^T ready, dP^T still on the tensor cores */
 
         /* P^T (masked) in S; (g P)^T as the A fragments of dV */
-        const bool whole = SLC ? k1 - k0 == BK && (flags & KT_ALL)
-                               : k0 + (cw + 1) * 64 <= k1 && (flags & (KT_ALL_H0 << cw));
+        const bool whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
         uint32_t pa[BQ / 16][4], da[BQ / 16][4];
         if (!SLC && cap.k != 0.0f) { /* a softcap (the selected rule has none) */
             if (whole) kt_cap_prob<true, NT>(S, cap, l2, lo, hi, kr, k1, lane);
