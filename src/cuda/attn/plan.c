@@ -2,8 +2,6 @@
 #include "plan.h"
 #include "../../rules.h"
 
-#include <stdlib.h>
-
 static int kwp_fits(const nsa_problem *p, const cu_device *d, const cu_overrides *o, const cu_views *v, int slc)
 {
     if (!o->kwp || !cu_sm90(d, o) || p->G > 64 || 64 % p->G) return 0;
@@ -52,70 +50,27 @@ int cu_plan_cmp_segments(const nsa_problem *p, const cu_overrides *o)
     return nseg;
 }
 
-/* The segment planner's model of the window / dense dK / dV tile on an H100 / H200 (the
- * sizing pass does not query the device, and both passes must pick the same segments): 132
- * SMs take one task at a time in launch order; a task costs its 64-row chunks (~2 us each at
- * 128 keys), SEG_TASK chunks more for its K / V loads and its store, and a further segment
- * SEG_PART more for writing its partial (128 KB); the reduction of the partials and the fp32
- * dk / dv that segments need (no direct store: a memset, the adds, the conversion, ~32 bytes
- * an element more) cost their bytes at ~3 TB/s, SEG_BYTES_PER_CHUNK a chunk's time. */
+/* The window / dense dK / dV's segments aim at SEG_TASKS_MIN tasks with work: 5 / 4 of the 132
+ * SMs of an H100 / H200 (a fixed count: the sizing pass does not query the device, and both
+ * passes must pick the same segments). Measured on an H200 (causal, HQ 16 / H 1, backward ms
+ * at 1 / 2 / 4 / 8 / 16 segments): 16k 11.24 / 7.03 / 7.49 / 7.31 / 7.28 (128 tiles: 2 make
+ * 192 tasks), 8k 5.08 / 2.98 / 2.33 / 2.17 / 2.14 (64 tiles: 8 make 288), 4k 2.45 / 1.41 /
+ * 0.88 / 0.80 / 0.89; where the tasks were already 256 or more (16k at H 2, H 4; 64k) the
+ * segments measured slower: each costs its partial's write and read, and the fp32 dk / dv
+ * instead of the direct store. */
+#define SEG_TASKS_MIN 165
 #define SEG_SMS 132
-#define SEG_TASK 2.0
-#define SEG_PART 3.0
-#define SEG_BYTES_PER_CHUNK 6.0e6
-
-typedef struct seg_tile {
-    int64_t seq, rbase, nrows; /* the tile's rows: flattened rows rbase .. rbase + nrows - 1 */
-} seg_tile;
-
-/* The predicted time, in chunks, of the tiles' tasks cut into nseg absolute row segments of
- * each sequence's rows (as kt_task_get cuts them), list-scheduled on SEG_SMS in launch order
- * (kv head, then per sequence segment-major). */
-static double seg_makespan(const nsa_problem *p, const seg_tile *tl, int64_t ntiles, const int64_t *len, int nseg)
-{
-    double sm[SEG_SMS] = {0}; /* a binary min-heap of the SMs' busy-until times */
-    for (int64_t h = 0; h < p->H; h++)
-        for (int64_t i0 = 0; i0 < ntiles;) {
-            int64_t i1 = i0; /* one sequence's tiles i0 .. i1 - 1 */
-            while (i1 < ntiles && tl[i1].seq == tl[i0].seq) i1++;
-            const int64_t all = len[tl[i0].seq] * p->G, sz = ((all + nseg - 1) / nseg + 63) / 64 * 64;
-            for (int sg = 0; sg < nseg; sg++)
-                for (int64_t i = i0; i < i1; i++) {
-                    int64_t lo = tl[i].rbase, hi = tl[i].rbase + tl[i].nrows;
-                    if (nseg > 1) {
-                        lo = lo > sg * sz ? lo : sg * sz;
-                        hi = hi < (sg + 1) * sz ? hi : (sg + 1) * sz;
-                    }
-                    const double cost = (hi > lo ? (double)((hi - lo + 63) / 64) + SEG_TASK : 0.2) + (sg > 0 ? SEG_PART : 0.0);
-                    /* the earliest free SM takes it: replace the heap's root and sift down */
-                    double v = sm[0] + cost;
-                    int at = 0;
-                    for (;;) {
-                        int c = 2 * at + 1;
-                        if (c >= SEG_SMS) break;
-                        if (c + 1 < SEG_SMS && sm[c + 1] < sm[c]) c++;
-                        if (sm[c] >= v) break;
-                        sm[at] = sm[c], at = c;
-                    }
-                    sm[at] = v;
-                }
-            i0 = i1;
-        }
-    double end = 0.0;
-    for (int i = 0; i < SEG_SMS; i++) end = sm[i] > end ? sm[i] : end;
-    return end;
-}
 
 int cu_plan_range_segments(const nsa_problem *p, int64_t wl, int64_t wr, int causal, int64_t shift, int64_t nk,
                            const cu_overrides *o)
 {
     if (o->range_seg > 0) return o->range_seg;
-    /* One task per (key tile, kv head) visits every row that sees its keys. With few tasks of
-     * unequal length (causal attention with one or two kv heads: 128 tasks at 16k, the first
-     * seeing every row, the last a few) the longest sets the kernel's time while most SMs
-     * idle: cut each sequence's rows into absolute segments (as the compressed rule's) where
-     * the model above predicts a tenth or more saved. A window's tasks keep one: their rows
-     * are the window's whatever the segments. */
+    /* One task per (key tile, kv head) visits every row that sees its keys. With fewer tasks
+     * than SMs or a few more (causal attention with one or two kv heads: 128 tasks at 16k, the
+     * first seeing every row, the last a few) the longest sets the kernel's time while most
+     * SMs idle: cut each sequence's rows into absolute segments (as the compressed rule's), the
+     * fewest that give SEG_TASKS_MIN tasks with work (a task is cut only where its rows cross
+     * a segment's border). */
     const int64_t nseq = p->cu_seqlens ? p->num_seqs : p->B, G = p->G, BK = KWG_BK;
     int64_t ntiles = 0, len_max = 0;
     for (int64_t s = 0; s < nseq; s++) {
@@ -124,37 +79,38 @@ int cu_plan_range_segments(const nsa_problem *p, int64_t wl, int64_t wr, int cau
         ntiles += (nkeys + BK - 1) / BK;
         len_max = lq > len_max ? lq : len_max;
     }
-    if (ntiles == 0 || ntiles * p->H > 4096) return 1; /* tasks enough to balance themselves */
-    seg_tile *tl = (seg_tile *)malloc((size_t)ntiles * sizeof *tl);
-    int64_t *len = (int64_t *)malloc((size_t)nseq * sizeof *len);
-    int nseg = 1;
-    if (!tl || !len) goto done;
-    int64_t n = 0, rows_all = 0, longest = 0;
+    /* nor for a window shorter than half the longest sequence (its tasks are about equal;
+     * cutting them only adds partials), nor where the longest task is within 1.5x of an SM's
+     * share of the rows */
+    if (ntiles * p->H >= SEG_TASKS_MIN || (wl >= 0 && 2 * wl < len_max)) return 1;
+    int64_t rows = 0, longest = 0;
     for (int64_t s = 0; s < nseq; s++) {
         const int64_t lq = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T;
         const int64_t nkeys = nk >= 0 ? nk : p->cu_seqlens ? lq : p->Tk;
-        len[s] = lq;
-        for (int64_t k0 = 0; k0 < nkeys; k0 += BK, n++) {
+        for (int64_t k0 = 0; k0 < nkeys; k0 += BK) {
             const int64_t k1 = k0 + BK < nkeys ? k0 + BK : nkeys;
             const int64_t qf = nsa_rule_window_q_first(k0, wr, causal, lq, lq + shift);
             const int64_t ql = nsa_rule_window_q_last(k1 - 1, wl, lq, lq + shift);
-            tl[n].seq = s, tl[n].rbase = qf * G, tl[n].nrows = ql >= qf ? (ql - qf + 1) * G : 0;
-            rows_all += tl[n].nrows;
-            longest = tl[n].nrows > longest ? tl[n].nrows : longest;
+            const int64_t r = ql >= qf ? (ql - qf + 1) * G : 0;
+            rows += r;
+            longest = r > longest ? r : longest;
         }
     }
-    /* the longest task an eighth of an SM's share or less: list scheduling is within ~1/8 */
-    if (longest * SEG_SMS <= rows_all * p->H / 8) goto done;
-    const double fp32_bytes = 32.0 * (double)(p->cu_seqlens ? p->T : p->B * p->Tk) * (double)p->H * (double)(p->DK + p->DV);
-    const double part_bytes = (double)BK * (double)(p->DK + p->DV) * 4.0 * (double)ntiles * (double)p->H;
-    double best = seg_makespan(p, tl, ntiles, len, 1), base = best;
-    for (int k = 2; k <= 64 && (int64_t)k * 64 <= len_max * G && ntiles * k * p->H <= 4096; k *= 2) {
-        const double t = seg_makespan(p, tl, ntiles, len, k) + (fp32_bytes + (k - 1) * part_bytes) / SEG_BYTES_PER_CHUNK;
-        if (t < best) best = t, nseg = k;
+    if (2 * longest * SEG_SMS <= 3 * rows * p->H) return 1;
+    for (int k = 2; k <= 64 && (int64_t)k * 512 <= len_max * G; k *= 2) { /* segments of 8 chunks or more */
+        int64_t work = 0; /* tasks with rows: per tile, the segments its rows cross */
+        for (int64_t s = 0; s < nseq; s++) {
+            const int64_t lq = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T;
+            const int64_t nkeys = nk >= 0 ? nk : p->cu_seqlens ? lq : p->Tk;
+            const int64_t sz = ((lq * G + k - 1) / k + 63) / 64 * 64; /* as kt_task_get cuts them */
+            for (int64_t k0 = 0; k0 < nkeys; k0 += BK) {
+                const int64_t k1 = k0 + BK < nkeys ? k0 + BK : nkeys;
+                const int64_t qf = nsa_rule_window_q_first(k0, wr, causal, lq, lq + shift);
+                const int64_t ql = nsa_rule_window_q_last(k1 - 1, wl, lq, lq + shift);
+                if (ql >= qf && sz > 0) work += (ql + 1) * G / sz - qf * G / sz + ((ql + 1) * G % sz != 0);
+            }
+        }
+        if (work * p->H >= SEG_TASKS_MIN) return k;
     }
-    if (best > 0.9 * base) nseg = 1;
-done:
-    free(tl);
-    free(len);
-    return nseg;
+    return 1;
 }

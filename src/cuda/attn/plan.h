@@ -74,10 +74,11 @@ cu_dkdv_plan cu_plan_dkdv(const nsa_problem *p, const cu_device *d, const cu_ove
  * that keeps the batch's tasks at 4096 or under and each segment a 64-row chunk or more (the
  * same in the sizing and the live pass; NSA_CUDA_CMP_SEG overrides it). */
 int cu_plan_cmp_segments(const nsa_problem *p, const cu_overrides *o);
-/* Row segments per key tile of the window / dense rule's dK / dV (wl, wr, causal, shift, nk as
- * its rule_t): 1, or a power of two up to 64 where few tasks of unequal length would leave SMs
- * idle (causal attention with few kv heads); NSA_CUDA_RANGE_SEG overrides it. Device-free, so
- * the sizing and the live pass agree. */
+/* Row segments of the window / dense rule's dK / dV (wl, wr, causal, shift, nk as its rule_t):
+ * 1, or where the batch's key tiles x kv heads are fewer than 165 and the longest task is more
+ * than 1.5x an SM's share (causal attention with one or two kv heads), the fewest of 2 .. 64
+ * that give 165 tasks with rows. Host-only counting (~1 us), device-free, so the sizing and the
+ * live pass agree; NSA_CUDA_RANGE_SEG overrides it. */
 int cu_plan_range_segments(const nsa_problem *p, int64_t wl, int64_t wr, int causal, int64_t shift, int64_t nk,
                            const cu_overrides *o);
 
