@@ -14,8 +14,10 @@
 #include "cuda/attention/plan.h"
 
 #include <limits.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 
 /* ---- the inputs of the old decisions --------------------------------------------------- */
@@ -561,6 +563,26 @@ static void test_plan_attention(void)
 }
 
 /* The overrides parsed from the environment, one switch at a time. */
+/* An integer override's environment variable: each value parsed into the field at byte offset
+ * off of the overrides (want), and unset again the planner's choice (0). */
+typedef struct env_int {
+    const char *v;
+    int want;
+} env_int;
+
+static void check_env_int(const char *name, const env_int *c, int n, size_t off)
+{
+    cu_overrides o;
+    for (int i = 0; i < n; i++) {
+        set_env(name, c[i].v);
+        cu_overrides_from_env(&o);
+        CHECK_MSG(*(const int *)((const char *)&o + off) == c[i].want, c[i].v);
+    }
+    set_env(name, NULL);
+    cu_overrides_from_env(&o);
+    CHECK_MSG(*(const int *)((const char *)&o + off) == 0, name);
+}
+
 static void test_plan_overrides(void)
 {
     cu_overrides d;
@@ -577,31 +599,13 @@ static void test_plan_overrides(void)
     o = overrides_of(&e);
     CHECK(o.slc_bn == (NSA_CUDA_EXPERIMENTAL ? 64 : 32)); /* the variant's kernels exist only there */
     /* NSA_CUDA_CMP_SEG: a power of two 2..256, anything else leaves the planner's choice */
-    static const struct {
-        const char *v;
-        int want;
-    } SEG[] = {{"2", 2}, {"64", 64}, {"256", 256}, {"1", 0}, {"3", 0}, {"512", 0}, {"0", 0}, {"x", 0}, {"-8", 0}};
-    for (int i = 0; i < N_OF(SEG); i++) {
-        set_env("NSA_CUDA_CMP_SEG", SEG[i].v);
-        cu_overrides_from_env(&o);
-        CHECK_MSG(o.cmp_seg == SEG[i].want, SEG[i].v);
-    }
-    set_env("NSA_CUDA_CMP_SEG", NULL);
-    cu_overrides_from_env(&o);
-    CHECK(o.cmp_seg == 0 && d.cmp_seg == 0);
+    static const env_int CMP[] = {{"2", 2}, {"64", 64}, {"256", 256}, {"1", 0}, {"3", 0},
+                                  {"512", 0}, {"0", 0}, {"x", 0}, {"-8", 0}};
+    check_env_int("NSA_CUDA_CMP_SEG", CMP, N_OF(CMP), offsetof(cu_overrides, cmp_seg));
     /* NSA_CUDA_RANGE_SEG: a power of two 1..128 (1: no segments) */
-    static const struct {
-        const char *v;
-        int want;
-    } RSEG[] = {{"1", 1}, {"16", 16}, {"128", 128}, {"3", 0}, {"256", 0}, {"0", 0}, {"x", 0}, {"-4", 0}};
-    for (int i = 0; i < N_OF(RSEG); i++) {
-        set_env("NSA_CUDA_RANGE_SEG", RSEG[i].v);
-        cu_overrides_from_env(&o);
-        CHECK_MSG(o.range_seg == RSEG[i].want, RSEG[i].v);
-    }
-    set_env("NSA_CUDA_RANGE_SEG", NULL);
-    cu_overrides_from_env(&o);
-    CHECK(o.range_seg == 0 && d.range_seg == 0);
+    static const env_int RANGE[] = {{"1", 1}, {"16", 16}, {"128", 128}, {"3", 0}, {"256", 0}, {"0", 0}, {"x", 0}, {"-4", 0}};
+    check_env_int("NSA_CUDA_RANGE_SEG", RANGE, N_OF(RANGE), offsetof(cu_overrides, range_seg));
+    CHECK(d.cmp_seg == 0 && d.range_seg == 0);
 }
 
 void test_plan_all(void)
