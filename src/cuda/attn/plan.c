@@ -61,6 +61,14 @@ int cu_plan_cmp_segments(const nsa_problem *p, const cu_overrides *o)
 #define SEG_TASKS_MIN 165
 #define SEG_SMS 132
 
+/* Sequence s's queries (lq) and the keys its rule chooses from (nkeys): the window rule's
+ * explicit key count nk where it has one (>= 0), else the sequence's keys. */
+static void seg_lens(const nsa_problem *p, int64_t nk, int64_t s, int64_t *lq, int64_t *nkeys)
+{
+    *lq = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T;
+    *nkeys = nk >= 0 ? nk : p->cu_seqlens ? *lq : p->Tk;
+}
+
 int cu_plan_range_segments(const nsa_problem *p, int64_t wl, int64_t wr, int causal, int64_t shift, int64_t nk,
                            const cu_overrides *o)
 {
@@ -74,8 +82,8 @@ int cu_plan_range_segments(const nsa_problem *p, int64_t wl, int64_t wr, int cau
     const int64_t nseq = p->cu_seqlens ? p->num_seqs : p->B, G = p->G, BK = KWG_BK;
     int64_t ntiles = 0, len_max = 0;
     for (int64_t s = 0; s < nseq; s++) {
-        const int64_t lq = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T;
-        const int64_t nkeys = nk >= 0 ? nk : p->cu_seqlens ? lq : p->Tk;
+        int64_t lq, nkeys;
+        seg_lens(p, nk, s, &lq, &nkeys);
         ntiles += (nkeys + BK - 1) / BK;
         len_max = lq > len_max ? lq : len_max;
     }
@@ -83,32 +91,33 @@ int cu_plan_range_segments(const nsa_problem *p, int64_t wl, int64_t wr, int cau
      * cutting them only adds partials), nor where the longest task is within 1.5x of an SM's
      * share of the rows */
     if (ntiles * p->H >= SEG_TASKS_MIN || (wl >= 0 && 2 * wl < len_max)) return 1;
+    /* (fewer than SEG_TASKS_MIN tiles here) each tile's flattened rows [lo, hi) and its
+     * sequence's rows */
+    struct {
+        int64_t lo, hi, all;
+    } tl[SEG_TASKS_MIN];
+    int n = 0;
     int64_t rows = 0, longest = 0;
     for (int64_t s = 0; s < nseq; s++) {
-        const int64_t lq = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T;
-        const int64_t nkeys = nk >= 0 ? nk : p->cu_seqlens ? lq : p->Tk;
+        int64_t lq, nkeys;
+        seg_lens(p, nk, s, &lq, &nkeys);
         for (int64_t k0 = 0; k0 < nkeys; k0 += BK) {
             const int64_t k1 = k0 + BK < nkeys ? k0 + BK : nkeys;
             const int64_t qf = nsa_rule_window_q_first(k0, wr, causal, lq, lq + shift);
             const int64_t ql = nsa_rule_window_q_last(k1 - 1, wl, lq, lq + shift);
-            const int64_t r = ql >= qf ? (ql - qf + 1) * G : 0;
-            rows += r;
-            longest = r > longest ? r : longest;
+            if (ql < qf) continue;
+            tl[n].lo = qf * G, tl[n].hi = (ql + 1) * G, tl[n].all = lq * G;
+            rows += tl[n].hi - tl[n].lo;
+            longest = tl[n].hi - tl[n].lo > longest ? tl[n].hi - tl[n].lo : longest;
+            n++;
         }
     }
     if (2 * longest * SEG_SMS <= 3 * rows * p->H) return 1;
     for (int k = 2; k <= 64 && (int64_t)k * 512 <= len_max * G; k *= 2) { /* segments of 8 chunks or more */
         int64_t work = 0; /* tasks with rows: per tile, the segments its rows cross */
-        for (int64_t s = 0; s < nseq; s++) {
-            const int64_t lq = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T;
-            const int64_t nkeys = nk >= 0 ? nk : p->cu_seqlens ? lq : p->Tk;
-            const int64_t sz = ((lq * G + k - 1) / k + 63) / 64 * 64; /* as kt_task_get cuts them */
-            for (int64_t k0 = 0; k0 < nkeys; k0 += BK) {
-                const int64_t k1 = k0 + BK < nkeys ? k0 + BK : nkeys;
-                const int64_t qf = nsa_rule_window_q_first(k0, wr, causal, lq, lq + shift);
-                const int64_t ql = nsa_rule_window_q_last(k1 - 1, wl, lq, lq + shift);
-                if (ql >= qf && sz > 0) work += (ql + 1) * G / sz - qf * G / sz + ((ql + 1) * G % sz != 0);
-            }
+        for (int i = 0; i < n; i++) {
+            const int64_t sz = ((tl[i].all + k - 1) / k + 63) / 64 * 64; /* as kt_task_get cuts them */
+            work += (tl[i].hi - 1) / sz - tl[i].lo / sz + 1;
         }
         if (work * p->H >= SEG_TASKS_MIN) return k;
     }
