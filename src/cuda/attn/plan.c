@@ -26,6 +26,14 @@ cu_dkdv_plan cu_plan_dkdv(const nsa_problem *p, const cu_device *d, const cu_ove
     return pl;
 }
 
+/* Sequence s's queries (lq) and the keys its rule chooses from (nkeys): the window rule's
+ * explicit key count nk where it has one (>= 0), else the sequence's keys. */
+static void seg_lens(const nsa_problem *p, int64_t nk, int64_t s, int64_t *lq, int64_t *nkeys)
+{
+    *lq = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T;
+    *nkeys = nk >= 0 ? nk : p->cu_seqlens ? *lq : p->Tk;
+}
+
 int cu_plan_cmp_segments(const nsa_problem *p, const cu_overrides *o)
 {
     if (o->cmp_seg > 0) return o->cmp_seg;
@@ -40,7 +48,8 @@ int cu_plan_cmp_segments(const nsa_problem *p, const cu_overrides *o)
     const int64_t nseq = p->cu_seqlens ? p->num_seqs : p->B; /* (as the tasks' seqmap counts them) */
     int64_t tiles = 0, rows_max = 0;
     for (int64_t s = 0; s < nseq; s++) {
-        const int64_t lq = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T, lk = p->cu_seqlens ? lq : p->Tk;
+        int64_t lq, lk;
+        seg_lens(p, -1, s, &lq, &lk);
         tiles += (nsa_rule_num_cmp(lk, p->cfg.cmp_len, p->cfg.cmp_stride) + KWG_BK - 1) / KWG_BK;
         rows_max = lq * p->G > rows_max ? lq * p->G : rows_max;
     }
@@ -60,14 +69,6 @@ int cu_plan_cmp_segments(const nsa_problem *p, const cu_overrides *o)
  * instead of the direct store. */
 #define SEG_TASKS_MIN 165
 #define SEG_SMS 132
-
-/* Sequence s's queries (lq) and the keys its rule chooses from (nkeys): the window rule's
- * explicit key count nk where it has one (>= 0), else the sequence's keys. */
-static void seg_lens(const nsa_problem *p, int64_t nk, int64_t s, int64_t *lq, int64_t *nkeys)
-{
-    *lq = p->cu_seqlens ? p->cu_seqlens[s + 1] - p->cu_seqlens[s] : p->T;
-    *nkeys = nk >= 0 ? nk : p->cu_seqlens ? *lq : p->Tk;
-}
 
 int cu_plan_range_segments(const nsa_problem *p, int64_t wl, int64_t wr, int causal, int64_t shift, int64_t nk,
                            const cu_overrides *o)
