@@ -144,8 +144,9 @@ note "sweep with NSA_CUDA_WGMMA=0: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$
 # The other fallbacks a planner override selects (src/cuda/plan.h): kwg instead of kwp for the
 # range dK / dV, the selected tile without union rows or without position pairs, the selection
 # with its merge in the products' warpgroup; the compressed dK / dV cut into the fewest (2)
-# and the most (256) row segments; the window / dense dK / dV without row segments (the
-# small cases' planner cuts them) and with 8; and the scalar kernels of non-finite inputs
+# and the most (256) row segments; the window / dense dK / dV without row segments and with 8
+# (the planner cuts them only for few, unequal tasks, which the sweep's small cases seldom
+# are); and the scalar kernels of non-finite inputs
 # (prim/nonfinite.cuh) on finite inputs; a short pass each on the same first cases.
 for v in NSA_CUDA_KWP=0 NSA_CUDA_SLC_RP=1 NSA_CUDA_SLC_NP=1 NSA_CUDA_SWG_WS=0 NSA_CUDA_CMP_SEG=2 NSA_CUDA_CMP_SEG=256 \
     NSA_CUDA_RANGE_SEG=1 NSA_CUDA_RANGE_SEG=8 NSA_CUDA_NONFINITE=1; do
