@@ -248,8 +248,10 @@ int cu_bwd_range(grun *g, const rule_t *rule, const bwd_io *io)
     }
     cu_simt_standby_k(g, &K);
     if (K.nseg > 1) {
-        unitspec ut = {UK_CMP_TILES, 0, K.bk, p->cfg.cmp_len, p->cfg.cmp_stride};
-        if (rule->kind != RULE_CMP) ut.kind = UK_KROWS, ut.a = 1;
+        /* the key tiles alone, one per (tile, kv head): uk without its segments */
+        unitspec ut = uk;
+        if (rule->kind == RULE_CMP) ut.kind = UK_CMP_TILES, ut.a = 0;
+        else ut.kind = UK_KROWS, ut.a = 1;
         int64_t ntiles;
         const seqmap tm = g_seqmap(g, ut, &ntiles);
         nsa_cu_seg_reduce(g, &K, tm, ntiles);
