@@ -1785,6 +1785,25 @@ void sweep_case_next(sweep_case *c, uint64_t *state, long index, nsa_backend bac
             c->H = 2, c->HQ = 8, c->DK = c->DV = 64, c->varlen = 1, c->num_seqs = 3;
             c->lens[0] = 97, c->lens[1] = 1, c->lens[2] = 180, c->T = 278;
         }
+        /* the next two: the paper's G = 16 at head dims 128 / 64, which the draw halves away at
+         * these lengths, with compression strides small enough that a sequence spans several
+         * 128-key chunks of the compressed forward and several passes of the selection, blocks
+         * straddling them (the paper's stride needs T > 2048 for that, past what the reference
+         * affords), and a top-n past 16 (32-entry rank lists) */
+        if (index == 2 || index == 3) {
+            c->cfg = nsa_config_default();
+            c->H = 1, c->HQ = 16;
+            if (index == 2) {
+                c->DK = c->DV = 128, c->T = 250 < max_T ? 250 : max_T;
+                c->cfg.cmp_stride = 1, c->cfg.cmp_len = 2, c->cfg.slc_block = 4;
+                c->cfg.n_init = 1, c->cfg.n_local = 2, c->cfg.slc_topk = 10, c->cfg.window = 40;
+            } else {
+                c->DK = c->DV = 64, c->varlen = 1, c->num_seqs = 3;
+                c->lens[0] = 150, c->lens[1] = 1, c->lens[2] = 200, c->T = 351;
+                c->cfg.cmp_stride = 2, c->cfg.cmp_len = 6, c->cfg.slc_block = 8;
+                c->cfg.n_init = 0, c->cfg.n_local = 1, c->cfg.slc_topk = 27, c->cfg.window = 17;
+            }
+        }
     }
     sweep_case_random(c, state, max_T);
     if (backend == NSA_BACKEND_CUDA) c->dtype = gpu_dt;
