@@ -50,6 +50,139 @@ __global__ void gate_kernel(gate3 a, dview o, int64_t T, int64_t HQ, int64_t DV,
     }
 }
 
+/* ---- the dense form ----------------------------------------------------------------------
+ * Every view in one 16-bit dtype and dense in row-major order ([B, T, HQ, DV] at row * DV, a
+ * gate or dg at row), DV / 8 a power of two up to 32: a 16-byte chunk's row is its index
+ * shifted, and each thread issues all of its loads before the first use, which the general
+ * kernels above (a row's strides, lanes per row, branch after branch) do not; these reach
+ * about twice their share of the HBM bandwidth (bench/NOTES.md). The sums are the same, in
+ * the same order. */
+template <typename T> struct gate_dense {
+    const T *o[3], *g[3]; /* present branches only (NULL: absent gate) */
+    T *out;               /* forward: o */
+    const T *dout;        /* backward */
+    T *dg[3];             /* backward, each when given */
+    float *Dw[3], *gw[3]; /* backward row terms, each when given */
+};
+
+__device__ __forceinline__ void ld8_t(const __nv_bfloat16 *p, float v[8])
+{
+    const uint4 u = *(const uint4 *)p;
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __nv_bfloat162 h = *(const __nv_bfloat162 *)&w[i];
+        const float2 f = __bfloat1622float2(h);
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void ld8_t(const __half *p, float v[8])
+{
+    const uint4 u = *(const uint4 *)p;
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 f = __half22float2(*(const __half2 *)&w[i]);
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+    }
+}
+
+/* o = sum of g_x o_x: thread = 16-byte chunk, two chunks a grid-stride step */
+template <typename T>
+__global__ void gate_dense_kernel(gate_dense<T> a, int64_t chunks, int cshift)
+{
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i0 < chunks; i0 += 2 * stride) {
+        float v[2][3][8], gv[2][3];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int64_t i = i0 + u * stride;
+            if (i >= chunks) continue;
+#pragma unroll
+            for (int x = 0; x < 3; x++)
+                if (a.g[x]) {
+                    gv[u][x] = dtraits<T>::to_f(a.g[x][i >> cshift]);
+                    ld8_t(a.o[x] + i * 8, v[u][x]);
+                }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int64_t i = i0 + u * stride;
+            if (i >= chunks) continue;
+            uint32_t w[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float lo = 0.0f, hi = 0.0f;
+#pragma unroll
+                for (int x = 0; x < 3; x++)
+                    if (a.g[x]) lo += gv[u][x] * v[u][x][2 * e], hi += gv[u][x] * v[u][x][2 * e + 1];
+                w[e] = dtraits<T>::pack(lo, hi);
+            }
+            *(uint4 *)(a.out + i * 8) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+}
+
+/* dg_x = rowsum(dout o_x), Dw_x = g_x dg_x, gw_x = g_x: lpr = DV / 8 lanes a row, one 16-byte
+ * chunk each, dout loaded once for the three branches; whole warps walk the grid (the row
+ * sums' shuffles) */
+template <typename T>
+__global__ void gate_bwd_dense_kernel(gate_dense<T> a, int64_t chunks, int cshift, int *nf)
+{
+    const int lpr = 1 << cshift, lane = threadIdx.x & 31;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t w0 = (int64_t)blockIdx.x * blockDim.x + (threadIdx.x & ~31); w0 < chunks; w0 += stride) {
+        const int64_t i = w0 + lane, row = i >> cshift;
+        const bool live = i < chunks;
+        float dd[8], ov[3][8], gv[3] = {0.0f, 0.0f, 0.0f};
+        if (live) {
+            ld8_t(a.dout + i * 8, dd);
+#pragma unroll
+            for (int x = 0; x < 3; x++)
+                if (a.g[x] && (a.dg[x] || a.Dw[x])) ld8_t(a.o[x] + i * 8, ov[x]);
+        }
+        if (live && (i & (lpr - 1)) == 0)
+#pragma unroll
+            for (int x = 0; x < 3; x++)
+                if (a.g[x]) gv[x] = dtraits<T>::to_f(a.g[x][row]);
+#pragma unroll
+        for (int x = 0; x < 3; x++) {
+            if (!a.g[x]) continue;
+            float dot = 0.0f; /* (nothing asked of the branch: its gate alone is checked) */
+            if (live && (a.dg[x] || a.Dw[x]))
+#pragma unroll
+                for (int e = 0; e < 8; e++) dot += dd[e] * ov[x][e];
+            dot = group_sum(dot, lpr);
+            if (live && (i & (lpr - 1)) == 0) {
+                if (a.dg[x]) a.dg[x][row] = dtraits<T>::from_f(dot);
+                if (a.Dw[x]) a.Dw[x][row] = gv[x] * dot, a.gw[x][row] = gv[x];
+                /* a non-finite element of the row's dout or o_x (or its gate): the call's flag */
+                if (nf && !isfinite(gv[x] * dot)) atomicOr(nf, 1);
+            }
+        }
+    }
+}
+
+/* Whether v is dense in row-major [B, T, HQ, D] order (D = 1: a [B, T, HQ] gate) in dtype dt,
+ * 16-byte aligned where it holds rows of chunks. */
+static int gate_dense_view(const dview *v, int dt, int64_t T, int64_t HQ, int64_t D, int64_t B)
+{
+    if (!v->p || v->dt != dt) return 0;
+    if (D > 1 && ((uintptr_t)v->p % 16)) return 0;
+    return v->s2 == D && v->s1 == HQ * D && (B == 1 || v->s0 == T * HQ * D);
+}
+
+/* log2(DV / 8) when the rows split into a power of two of 16-byte chunks up to 32, else -1 */
+static int gate_dense_shift(int64_t DV)
+{
+    if (DV % 8 || DV / 8 > 32) return -1;
+    const int64_t c = DV / 8;
+    if (c & (c - 1)) return -1;
+    int s = 0;
+    while ((1 << s) < c) s++;
+    return s;
+}
+
 /* CTAs of the grid-stride elementwise kernels: enough for every SM to stay full (n items of
  * `per` threads each CTA), never more than the items need */
 static unsigned grid_resident(int64_t n, int per)
@@ -75,6 +208,31 @@ void nsa_cu_gate(grun *g, const dview os[3], const dview gs[3], const dview *o, 
     gate3 a;
     memset(&a, 0, sizeof a);
     for (int x = 0; x < 3; x++) a.o[x] = os[x], a.g[x] = gs[x];
+    const int cs = gate_dense_shift(DV), dt = o->dt;
+    int dense = cs >= 0 && (dt == NSA_DTYPE_BF16 || dt == NSA_DTYPE_F16) && gate_dense_view(o, dt, T, HQ, DV, B);
+    for (int x = 0; x < 3; x++)
+        if (gs[x].p) dense = dense && gate_dense_view(&gs[x], dt, T, HQ, 1, B) && gate_dense_view(&os[x], dt, T, HQ, DV, B);
+    if (dense) {
+        const int64_t chunks = rows * (DV / 8);
+        const unsigned grid = grid_resident((chunks + 1) / 2, PREP_THREADS);
+        if (dt == NSA_DTYPE_BF16) {
+            gate_dense<__nv_bfloat16> d;
+            memset(&d, 0, sizeof d);
+            for (int x = 0; x < 3; x++)
+                if (gs[x].p) d.o[x] = (const __nv_bfloat16 *)os[x].p, d.g[x] = (const __nv_bfloat16 *)gs[x].p;
+            d.out = (__nv_bfloat16 *)o->p;
+            gate_dense_kernel<__nv_bfloat16><<<grid, PREP_THREADS, 0, g->st>>>(d, chunks, cs);
+        } else {
+            gate_dense<__half> d;
+            memset(&d, 0, sizeof d);
+            for (int x = 0; x < 3; x++)
+                if (gs[x].p) d.o[x] = (const __half *)os[x].p, d.g[x] = (const __half *)gs[x].p;
+            d.out = (__half *)o->p;
+            gate_dense_kernel<__half><<<grid, PREP_THREADS, 0, g->st>>>(d, chunks, cs);
+        }
+        g_launched(g);
+        return;
+    }
     dview v[4] = {*o};
     for (int x = 0; x < 3; x++) v[x + 1] = gs[x].p ? os[x] : dview();
     const int vec = vec8_ok(v, 4, DV), lpr = row_lanes(vec, DV);
@@ -133,6 +291,22 @@ __global__ void gate_bwd_kernel(gate3 a, dview dout, int64_t T, int64_t HQ, int6
     }
 }
 
+template <typename T>
+static void launch_gate_bwd_dense(grun *g, const gate3 &a, const dview &dout, int64_t chunks, int cs, unsigned grid, int *nf)
+{
+    gate_dense<T> d;
+    memset(&d, 0, sizeof d);
+    d.dout = (const T *)dout.p;
+    for (int x = 0; x < 3; x++) {
+        if (!a.g[x].p) continue;
+        d.o[x] = (const T *)a.o[x].p, d.g[x] = (const T *)a.g[x].p;
+        d.dg[x] = (T *)a.dg[x].p;
+        d.Dw[x] = a.Dw[x], d.gw[x] = a.gw[x];
+    }
+    gate_bwd_dense_kernel<T><<<grid, PREP_THREADS, 0, g->st>>>(d, chunks, cs, nf);
+    g_launched(g);
+}
+
 void nsa_cu_gate_bwd(grun *g, const dview *dout, const dview os[3], const dview gs[3], const dview dos[3],
                      const dview dgs[3], float *const Dw[3], float *const gw[3], int64_t B, int64_t T, int64_t HQ,
                      int64_t DV, int *nf)
@@ -148,6 +322,21 @@ void nsa_cu_gate_bwd(grun *g, const dview *dout, const dview os[3], const dview 
         if (dgs) a.dg[x] = dgs[x];
         if (Dw && gs[x].p) a.Dw[x] = Dw[x], a.gw[x] = gw[x];
         if (gs[x].p) v[1 + x] = os[x], v[4 + x] = a.d[x];
+    }
+    /* the dense form: no do_x to write, every view dense in dout's dtype */
+    const int cs = gate_dense_shift(DV), dt = dout->dt;
+    int dense = cs >= 0 && (dt == NSA_DTYPE_BF16 || dt == NSA_DTYPE_F16) && gate_dense_view(dout, dt, T, HQ, DV, B);
+    for (int x = 0; x < 3; x++) {
+        if (dos && dos[x].p) dense = 0;
+        if (dgs && dgs[x].p && !gate_dense_view(&dgs[x], dt, T, HQ, 1, B)) dense = 0;
+        if (gs[x].p) dense = dense && gate_dense_view(&gs[x], dt, T, HQ, 1, B) && gate_dense_view(&os[x], dt, T, HQ, DV, B);
+    }
+    if (dense) {
+        const int64_t chunks = rows * (DV / 8);
+        const unsigned grid = grid_resident(chunks, PREP_THREADS);
+        if (dt == NSA_DTYPE_BF16) launch_gate_bwd_dense<__nv_bfloat16>(g, a, *dout, chunks, cs, grid, nf);
+        else launch_gate_bwd_dense<__half>(g, a, *dout, chunks, cs, grid, nf);
+        return;
     }
     const int vec = vec8_ok(v, 7, DV), lpr = row_lanes(vec, DV);
     gate_bwd_kernel<<<grid1(rows * lpr, PREP_THREADS), PREP_THREADS, 0, g->st>>>(a, *dout, T, HQ, DV, rows, vec, lpr, nf);
