@@ -142,7 +142,8 @@ __device__ __forceinline__ int kt_task_get(const kparams &P, kt_task *t, int tid
         nrows = qlast >= qfirst ? (int64_t)(qlast - qfirst + 1) * G : 0;
         rbase = (int64_t)qfirst * G;
         if (P.nseg > 1) { /* the tile's rows inside absolute segment sg of the sequence's rows */
-            const int64_t all = (int64_t)sq.len * G, sz = ((all + P.nseg - 1) / P.nseg + BQ - 1) / BQ * BQ;
+            static_assert(BQ == 64, "cu_seg_rows cuts segments of whole 64-row chunks");
+            const int64_t all = (int64_t)sq.len * G, sz = cu_seg_rows(all, P.nseg);
             const int64_t a0 = sg * sz, a1 = a0 + sz < all ? a0 + sz : all;
             const int64_t lo = rbase > a0 ? rbase : a0, hi = rbase + nrows < a1 ? rbase + nrows : a1;
             rbase = lo;

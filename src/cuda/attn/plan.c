@@ -117,7 +117,7 @@ int cu_plan_range_segments(const nsa_problem *p, int64_t wl, int64_t wr, int cau
     for (int k = 2; k <= 64 && (int64_t)k * 512 <= len_max * G; k *= 2) { /* segments of 8 chunks or more */
         int64_t work = 0; /* tasks with rows: per tile, the segments its rows cross */
         for (int i = 0; i < n; i++) {
-            const int64_t sz = ((tl[i].all + k - 1) / k + 63) / 64 * 64; /* as kt_task_get cuts them */
+            const int64_t sz = cu_seg_rows(tl[i].all, k);
             work += (tl[i].hi - 1) / sz - tl[i].lo / sz + 1;
         }
         if (work * p->H >= SEG_TASKS_MIN) return k;

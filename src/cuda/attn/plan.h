@@ -70,6 +70,19 @@ typedef struct cu_dkdv_plan {
  * the same bit for bit; the selected rule ktile). */
 cu_dkdv_plan cu_plan_dkdv(const nsa_problem *p, const cu_device *d, const cu_overrides *o, const cu_views *v, int slc,
                           int dq_on_wgmma, int no_tma);
+/* The rows of each row segment when a sequence's `all` dK / dV rows (positions x G) are cut into
+ * nseg segments of whole 64-row chunks (the dK / dV tiles' row chunk): kt_task_get cuts them so
+ * and cu_plan_range_segments counts them so. */
+#ifdef __CUDACC__
+__host__ __device__ __forceinline__
+#else
+static inline
+#endif
+int64_t cu_seg_rows(int64_t all, int64_t nseg)
+{
+    return ((all + nseg - 1) / nseg + 63) / 64 * 64;
+}
+
 /* Row segments per compressed key tile of the range dK / dV: a power of two 8 .. 128, the most
  * that keeps the batch's tasks at 4096 or under and each segment a 64-row chunk or more (the
  * same in the sizing and the live pass; NSA_CUDA_CMP_SEG overrides it). */
