@@ -72,10 +72,46 @@ __global__ void store32_kernel(const float *src, dview dst, int64_t R, int64_t H
     for (int64_t d = lane; d < D; d += 32) st_any(dst.p, dst.dt, base + d, src[row * D + d]);
 }
 
+/* The same where dst is dense in row-major [B, R, H, D] order in a 16-bit dtype (its rows then
+ * follow src's one for one): thread = 8 elements, two float4 loads and one 16-byte store, two
+ * such items a grid-stride step with their loads issued first, no row arithmetic. */
+template <typename T>
+__global__ void store32_dense_kernel(const float *src, T *dst, int64_t n8)
+{
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i0 < n8; i0 += 2 * stride) {
+        float4 v[2][2];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int64_t i = i0 + u * stride;
+            if (i < n8) v[u][0] = *(const float4 *)(src + 8 * i), v[u][1] = *(const float4 *)(src + 8 * i + 4);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int64_t i = i0 + u * stride;
+            if (i >= n8) continue;
+            const uint4 w = make_uint4(dtraits<T>::pack(v[u][0].x, v[u][0].y), dtraits<T>::pack(v[u][0].z, v[u][0].w),
+                                       dtraits<T>::pack(v[u][1].x, v[u][1].y), dtraits<T>::pack(v[u][1].z, v[u][1].w));
+            *(uint4 *)(dst + 8 * i) = w;
+        }
+    }
+}
+
 void nsa_cu_store32(grun *g, const float *src, const dview *dst, int64_t B, int64_t R, int64_t H, int64_t D)
 {
     const int64_t rows = B * R * H;
     if (!g_live(g) || rows == 0 || D == 0) return;
+    if ((dst->dt == NSA_DTYPE_BF16 || dst->dt == NSA_DTYPE_F16) && D % 8 == 0 && (uintptr_t)dst->p % 16 == 0 &&
+        (uintptr_t)src % 16 == 0 && dst->s2 == D && dst->s1 == H * D && (B == 1 || dst->s0 == R * H * D)) {
+        const int64_t n8 = rows * (D / 8);
+        const unsigned grid = grid_resident((n8 + 1) / 2, PREP_THREADS);
+        if (dst->dt == NSA_DTYPE_BF16)
+            store32_dense_kernel<__nv_bfloat16><<<grid, PREP_THREADS, 0, g->st>>>(src, (__nv_bfloat16 *)dst->p, n8);
+        else
+            store32_dense_kernel<__half><<<grid, PREP_THREADS, 0, g->st>>>(src, (__half *)dst->p, n8);
+        g_launched(g);
+        return;
+    }
     const int vec = vec4_ok(dst, 1, D) && (uintptr_t)src % 16 == 0; /* src rows: D % 4 == 0 keeps them aligned */
     store32_kernel<<<grid1(rows * 32, PREP_THREADS), PREP_THREADS, 0, g->st>>>(src, *dst, R, H, D, rows, vec);
     g_launched(g);

@@ -183,21 +183,17 @@ static int gate_dense_shift(int64_t DV)
     return s;
 }
 
-/* CTAs of the grid-stride elementwise kernels: enough for every SM to stay full (n items of
- * `per` threads each CTA), never more than the items need */
-static unsigned grid_resident(int64_t n, int per)
+template <typename T>
+static void launch_gate_dense(grun *g, const dview os[3], const dview gs[3], const dview *o, int64_t chunks, int cs,
+                              unsigned grid)
 {
-    static int sms;
-    if (!sms) {
-        int dev = 0;
-        if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-            sms < 1) {
-            cudaGetLastError();
-            sms = 132;
-        }
-    }
-    const int64_t need = (n + per - 1) / per, cap = (int64_t)sms * (2048 / per) * 2;
-    return (unsigned)(need < cap ? need : cap);
+    gate_dense<T> d;
+    memset(&d, 0, sizeof d);
+    for (int x = 0; x < 3; x++)
+        if (gs[x].p) d.o[x] = (const T *)os[x].p, d.g[x] = (const T *)gs[x].p;
+    d.out = (T *)o->p;
+    gate_dense_kernel<T><<<grid, PREP_THREADS, 0, g->st>>>(d, chunks, cs);
+    g_launched(g);
 }
 
 void nsa_cu_gate(grun *g, const dview os[3], const dview gs[3], const dview *o, int64_t B, int64_t T, int64_t HQ,
@@ -215,22 +211,8 @@ void nsa_cu_gate(grun *g, const dview os[3], const dview gs[3], const dview *o, 
     if (dense) {
         const int64_t chunks = rows * (DV / 8);
         const unsigned grid = grid_resident((chunks + 1) / 2, PREP_THREADS);
-        if (dt == NSA_DTYPE_BF16) {
-            gate_dense<__nv_bfloat16> d;
-            memset(&d, 0, sizeof d);
-            for (int x = 0; x < 3; x++)
-                if (gs[x].p) d.o[x] = (const __nv_bfloat16 *)os[x].p, d.g[x] = (const __nv_bfloat16 *)gs[x].p;
-            d.out = (__nv_bfloat16 *)o->p;
-            gate_dense_kernel<__nv_bfloat16><<<grid, PREP_THREADS, 0, g->st>>>(d, chunks, cs);
-        } else {
-            gate_dense<__half> d;
-            memset(&d, 0, sizeof d);
-            for (int x = 0; x < 3; x++)
-                if (gs[x].p) d.o[x] = (const __half *)os[x].p, d.g[x] = (const __half *)gs[x].p;
-            d.out = (__half *)o->p;
-            gate_dense_kernel<__half><<<grid, PREP_THREADS, 0, g->st>>>(d, chunks, cs);
-        }
-        g_launched(g);
+        if (dt == NSA_DTYPE_BF16) launch_gate_dense<__nv_bfloat16>(g, os, gs, o, chunks, cs, grid);
+        else launch_gate_dense<__half>(g, os, gs, o, chunks, cs, grid);
         return;
     }
     dview v[4] = {*o};

@@ -13,6 +13,23 @@
 
 static inline unsigned grid1(int64_t n, int per) { return (unsigned)((n + per - 1) / per); }
 
+/* CTAs of the grid-stride elementwise kernels: enough for every SM to stay full (n items of
+ * `per` threads each CTA), never more than the items need */
+static inline unsigned grid_resident(int64_t n, int per)
+{
+    static int sms;
+    if (!sms) {
+        int dev = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+            sms < 1) {
+            cudaGetLastError();
+            sms = 132;
+        }
+    }
+    const int64_t need = (n + per - 1) / per, cap = (int64_t)sms * (2048 / per) * 2;
+    return (unsigned)(need < cap ? need : cap);
+}
+
 /* row -> (b, i, h) of a [B, I, H] row space: 32-bit divisions whenever the row count fits
  * (a 64-bit division is a long software sequence, and these kernels are otherwise a few
  * loads per row) */
