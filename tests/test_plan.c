@@ -405,8 +405,24 @@ static void test_plan_cmp_segments(void)
  * unequal length), a window never (its tasks' rows are the window's whatever the segments),
  * many kv heads never; always a power of two 1..64 within 4096 tasks; NSA_CUDA_RANGE_SEG
  * overrides it. */
+/* cu_seg_rows: segments of whole 64-row chunks that cover a sequence's rows, none of them
+ * empty but possibly the last ones (as kt_task_get walks them) */
+static void test_seg_rows(void)
+{
+    static const int64_t ALL[] = {1, 63, 64, 65, 1000, 4096, 16384 * 16, 65536 * 16 + 5, (int64_t)1 << 36};
+    static const int64_t NSEG[] = {1, 2, 3, 8, 64, 128, 256};
+    for (int a = 0; a < N_OF(ALL); a++)
+        for (int k = 0; k < N_OF(NSEG); k++) {
+            const int64_t all = ALL[a], nseg = NSEG[k], sz = cu_seg_rows(all, nseg);
+            CHECK(sz > 0 && sz % 64 == 0);
+            CHECK(sz * nseg >= all);              /* the segments cover every row */
+            CHECK(sz - 64 < (all + nseg - 1) / nseg); /* and are no larger than a chunk past even shares */
+        }
+}
+
 static void test_plan_range_segments(void)
 {
+    test_seg_rows();
     cu_overrides o;
     cu_overrides_default(&o);
     /* causal (wl -1, wr 0), G 16, one kv head: 128 tasks at 16k (the first sees every row)
