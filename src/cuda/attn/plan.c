@@ -61,12 +61,9 @@ int cu_plan_cmp_segments(const nsa_problem *p, const cu_overrides *o)
 
 /* The window / dense dK / dV's segments aim at SEG_TASKS_MIN tasks with work: 5 / 4 of the 132
  * SMs of an H100 / H200 (a fixed count: the sizing pass does not query the device, and both
- * passes must pick the same segments). Measured on an H200 (causal, HQ 16 / H 1, backward ms
- * at 1 / 2 / 4 / 8 / 16 segments): 16k 11.24 / 7.03 / 7.49 / 7.31 / 7.28 (128 tiles: 2 make
- * 192 tasks), 8k 5.08 / 2.98 / 2.33 / 2.17 / 2.14 (64 tiles: 8 make 288), 4k 2.45 / 1.41 /
- * 0.88 / 0.80 / 0.89; where the tasks were already 256 or more (16k at H 2, H 4; 64k) the
- * segments measured slower: each costs its partial's write and read, and the fp32 dk / dv
- * instead of the direct store. */
+ * passes must pick the same segments). More segments than that cost more than they balance:
+ * each writes and reads its partial, and dk / dv go through fp32 instead of the direct store
+ * (the measurements by segment count: bench/NOTES.md, "Causal dK / dV with few kv heads"). */
 #define SEG_TASKS_MIN 165
 #define SEG_SMS 132
 
