@@ -90,9 +90,8 @@ __global__ void store32_dense_kernel(const float *src, T *dst, int64_t n8)
         for (int u = 0; u < 2; u++) {
             const int64_t i = i0 + u * stride;
             if (i >= n8) continue;
-            const uint4 w = make_uint4(dtraits<T>::pack(v[u][0].x, v[u][0].y), dtraits<T>::pack(v[u][0].z, v[u][0].w),
-                                       dtraits<T>::pack(v[u][1].x, v[u][1].y), dtraits<T>::pack(v[u][1].z, v[u][1].w));
-            *(uint4 *)(dst + 8 * i) = w;
+            const float w[8] = {v[u][0].x, v[u][0].y, v[u][0].z, v[u][0].w, v[u][1].x, v[u][1].y, v[u][1].z, v[u][1].w};
+            st8_any(dst, dtraits<T>::dt, 8 * i, w);
         }
     }
 }
@@ -101,8 +100,8 @@ void nsa_cu_store32(grun *g, const float *src, const dview *dst, int64_t B, int6
 {
     const int64_t rows = B * R * H;
     if (!g_live(g) || rows == 0 || D == 0) return;
-    if ((dst->dt == NSA_DTYPE_BF16 || dst->dt == NSA_DTYPE_F16) && D % 8 == 0 && (uintptr_t)dst->p % 16 == 0 &&
-        (uintptr_t)src % 16 == 0 && dst->s2 == D && dst->s1 == H * D && (B == 1 || dst->s0 == R * H * D)) {
+    if ((dst->dt == NSA_DTYPE_BF16 || dst->dt == NSA_DTYPE_F16) && D % 8 == 0 && (uintptr_t)src % 16 == 0 &&
+        dense_rows_view(dst, dst->dt, B, R, H, D)) {
         const int64_t n8 = rows * (D / 8);
         const unsigned grid = grid_resident((n8 + 1) / 2, PREP_THREADS);
         if (dst->dt == NSA_DTYPE_BF16)

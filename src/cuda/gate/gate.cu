@@ -65,28 +65,6 @@ template <typename T> struct gate_dense {
     float *Dw[3], *gw[3]; /* backward row terms, each when given */
 };
 
-__device__ __forceinline__ void ld8_t(const __nv_bfloat16 *p, float v[8])
-{
-    const uint4 u = *(const uint4 *)p;
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const __nv_bfloat162 h = *(const __nv_bfloat162 *)&w[i];
-        const float2 f = __bfloat1622float2(h);
-        v[2 * i] = f.x, v[2 * i + 1] = f.y;
-    }
-}
-__device__ __forceinline__ void ld8_t(const __half *p, float v[8])
-{
-    const uint4 u = *(const uint4 *)p;
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float2 f = __half22float2(*(const __half2 *)&w[i]);
-        v[2 * i] = f.x, v[2 * i + 1] = f.y;
-    }
-}
-
 /* o = sum of g_x o_x: thread = 16-byte chunk, two chunks a grid-stride step */
 template <typename T>
 __global__ void gate_dense_kernel(gate_dense<T> a, int64_t chunks, int cshift)
@@ -102,23 +80,22 @@ __global__ void gate_dense_kernel(gate_dense<T> a, int64_t chunks, int cshift)
             for (int x = 0; x < 3; x++)
                 if (a.g[x]) {
                     gv[u][x] = dtraits<T>::to_f(a.g[x][i >> cshift]);
-                    ld8_t(a.o[x] + i * 8, v[u][x]);
+                    ld8_any(a.o[x], dtraits<T>::dt, i * 8, v[u][x]);
                 }
         }
 #pragma unroll
         for (int u = 0; u < 2; u++) {
             const int64_t i = i0 + u * stride;
             if (i >= chunks) continue;
-            uint32_t w[4];
+            float acc[8];
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float lo = 0.0f, hi = 0.0f;
+            for (int e = 0; e < 8; e++) {
+                acc[e] = 0.0f;
 #pragma unroll
                 for (int x = 0; x < 3; x++)
-                    if (a.g[x]) lo += gv[u][x] * v[u][x][2 * e], hi += gv[u][x] * v[u][x][2 * e + 1];
-                w[e] = dtraits<T>::pack(lo, hi);
+                    if (a.g[x]) acc[e] += gv[u][x] * v[u][x][e];
             }
-            *(uint4 *)(a.out + i * 8) = make_uint4(w[0], w[1], w[2], w[3]);
+            st8_any(a.out, dtraits<T>::dt, i * 8, acc);
         }
     }
 }
@@ -136,10 +113,10 @@ __global__ void gate_bwd_dense_kernel(gate_dense<T> a, int64_t chunks, int cshif
         const bool live = i < chunks;
         float dd[8], ov[3][8], gv[3] = {0.0f, 0.0f, 0.0f};
         if (live) {
-            ld8_t(a.dout + i * 8, dd);
+            ld8_any(a.dout, dtraits<T>::dt, i * 8, dd);
 #pragma unroll
             for (int x = 0; x < 3; x++)
-                if (a.g[x] && (a.dg[x] || a.Dw[x])) ld8_t(a.o[x] + i * 8, ov[x]);
+                if (a.g[x] && (a.dg[x] || a.Dw[x])) ld8_any(a.o[x], dtraits<T>::dt, i * 8, ov[x]);
         }
         if (live && (i & (lpr - 1)) == 0)
 #pragma unroll
@@ -163,15 +140,6 @@ __global__ void gate_bwd_dense_kernel(gate_dense<T> a, int64_t chunks, int cshif
     }
 }
 
-/* Whether v is dense in row-major [B, T, HQ, D] order (D = 1: a [B, T, HQ] gate) in dtype dt,
- * 16-byte aligned where it holds rows of chunks. */
-static int gate_dense_view(const dview *v, int dt, int64_t T, int64_t HQ, int64_t D, int64_t B)
-{
-    if (!v->p || v->dt != dt) return 0;
-    if (D > 1 && ((uintptr_t)v->p % 16)) return 0;
-    return v->s2 == D && v->s1 == HQ * D && (B == 1 || v->s0 == T * HQ * D);
-}
-
 /* log2(DV / 8) when the rows split into a power of two of 16-byte chunks up to 32, else -1 */
 static int gate_dense_shift(int64_t DV)
 {
@@ -181,6 +149,16 @@ static int gate_dense_shift(int64_t DV)
     int s = 0;
     while ((1 << s) < c) s++;
     return s;
+}
+
+/* Whether the dense form takes these branches: dt a 16-bit dtype, and each present gate and
+ * its branch output dense in row-major order in dt */
+static int gate_dense_branches(const dview os[3], const dview gs[3], int dt, int64_t B, int64_t T, int64_t HQ, int64_t DV)
+{
+    if (dt != NSA_DTYPE_BF16 && dt != NSA_DTYPE_F16) return 0;
+    for (int x = 0; x < 3; x++)
+        if (gs[x].p && !(dense_rows_view(&gs[x], dt, B, T, HQ, 1) && dense_rows_view(&os[x], dt, B, T, HQ, DV))) return 0;
+    return 1;
 }
 
 template <typename T>
@@ -205,10 +183,7 @@ void nsa_cu_gate(grun *g, const dview os[3], const dview gs[3], const dview *o, 
     memset(&a, 0, sizeof a);
     for (int x = 0; x < 3; x++) a.o[x] = os[x], a.g[x] = gs[x];
     const int cs = gate_dense_shift(DV), dt = o->dt;
-    int dense = cs >= 0 && (dt == NSA_DTYPE_BF16 || dt == NSA_DTYPE_F16) && gate_dense_view(o, dt, T, HQ, DV, B);
-    for (int x = 0; x < 3; x++)
-        if (gs[x].p) dense = dense && gate_dense_view(&gs[x], dt, T, HQ, 1, B) && gate_dense_view(&os[x], dt, T, HQ, DV, B);
-    if (dense) {
+    if (cs >= 0 && dense_rows_view(o, dt, B, T, HQ, DV) && gate_dense_branches(os, gs, dt, B, T, HQ, DV)) {
         const int64_t chunks = rows * (DV / 8);
         const unsigned grid = grid_resident((chunks + 1) / 2, PREP_THREADS);
         if (dt == NSA_DTYPE_BF16) launch_gate_dense<__nv_bfloat16>(g, os, gs, o, chunks, cs, grid);
@@ -307,11 +282,10 @@ void nsa_cu_gate_bwd(grun *g, const dview *dout, const dview os[3], const dview 
     }
     /* the dense form: no do_x to write, every view dense in dout's dtype */
     const int cs = gate_dense_shift(DV), dt = dout->dt;
-    int dense = cs >= 0 && (dt == NSA_DTYPE_BF16 || dt == NSA_DTYPE_F16) && gate_dense_view(dout, dt, T, HQ, DV, B);
+    int dense = cs >= 0 && dense_rows_view(dout, dt, B, T, HQ, DV) && gate_dense_branches(os, gs, dt, B, T, HQ, DV);
     for (int x = 0; x < 3; x++) {
         if (dos && dos[x].p) dense = 0;
-        if (dgs && dgs[x].p && !gate_dense_view(&dgs[x], dt, T, HQ, 1, B)) dense = 0;
-        if (gs[x].p) dense = dense && gate_dense_view(&gs[x], dt, T, HQ, 1, B) && gate_dense_view(&os[x], dt, T, HQ, DV, B);
+        if (dgs && dgs[x].p && !dense_rows_view(&dgs[x], dt, B, T, HQ, 1)) dense = 0;
     }
     if (dense) {
         const int64_t chunks = rows * (DV / 8);

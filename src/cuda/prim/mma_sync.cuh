@@ -34,6 +34,7 @@ __device__ __forceinline__ void st_any(void *p, int dt, int64_t off, float x)
 
 template <typename T> struct dtraits;
 template <> struct dtraits<__nv_bfloat16> {
+    static constexpr int dt = NSA_DTYPE_BF16; /* for the any-dtype helpers, where it folds */
     static __device__ __forceinline__ uint32_t pack(float lo, float hi)
     {
         __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -50,6 +51,7 @@ template <> struct dtraits<__nv_bfloat16> {
     }
 };
 template <> struct dtraits<__half> {
+    static constexpr int dt = NSA_DTYPE_F16;
     static __device__ __forceinline__ uint32_t pack(float lo, float hi)
     {
         __half2 v = __floats2half2_rn(lo, hi);
