@@ -9,7 +9,8 @@
 #      to $OUT/hashes.txt; then a short pass (CASES/4) on the mma.sync tiles, the fallback of
 #      the wgmma paths (NSA_CUDA_WGMMA=0; AB=1 sweeps all CASES there instead), and one on each
 #      other fallback a planner override selects (NSA_CUDA_KWP=0, _SLC_RP=1, _SLC_NP=1,
-#      _SWG_WS=0, _CMP_SEG=2 and 256, _RANGE_SEG=1 and 8), and one on the scalar kernels of non-finite inputs
+#      _SWG_WS=0, _CMP_SEG=2 and 256, _RANGE_SEG=1 and 8; _RANGE_PIPE=2 takes the pipelined forward
+#      tile everywhere, which the planner keeps for long rows), and one on the scalar kernels of non-finite inputs
 #      (NSA_CUDA_NONFINITE=1);
 #   4. compute-sanitizer memcheck on a few small cases (RACE=1: racecheck too), and the fuzz
 #      inputs (tests/fuzz/regressions, tests/fuzz/corpus) replayed on the CUDA backend by
@@ -149,7 +150,7 @@ note "sweep with NSA_CUDA_WGMMA=0: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$
 # are); and the scalar kernels of non-finite inputs
 # (prim/nonfinite.cuh) on finite inputs; a short pass each on the same first cases.
 for v in NSA_CUDA_KWP=0 NSA_CUDA_SLC_RP=1 NSA_CUDA_SLC_NP=1 NSA_CUDA_SWG_WS=0 NSA_CUDA_CMP_SEG=2 NSA_CUDA_CMP_SEG=256 \
-    NSA_CUDA_RANGE_SEG=1 NSA_CUDA_RANGE_SEG=8 NSA_CUDA_NONFINITE=1; do
+    NSA_CUDA_RANGE_SEG=1 NSA_CUDA_RANGE_SEG=8 NSA_CUDA_RANGE_PIPE=2 NSA_CUDA_NONFINITE=1; do
     vlog="$OUT/sweep-${v#NSA_CUDA_}.log"
     NSA_TEST_ATTENTION_QUICK=1 timeout 240 "$BIN/nsa_gpu_tests" --seed "$SEED" --cases "$MMA_CASES" --max-T "$MAXT" \
         --jobs "$JOBS" --variant "$v" > "$vlog" 2>&1

@@ -108,6 +108,8 @@ typedef struct nsa_cuda_overrides {
     int swg_ws;     /* 0: the sm_90a selection merges each pass in the products' warpgroup, not a warpgroup of its own (NSA_CUDA_SWG_WS=0) */
     int cmp_seg;    /* the compressed dK / dV's row segments, a power of two 2..256 (NSA_CUDA_CMP_SEG); 0: the planner's choice */
     int range_seg;  /* the window / dense dK / dV's row segments, a power of two 1..128 (NSA_CUDA_RANGE_SEG; 1: none); 0: the planner's choice */
+    int range_pipe; /* the range forward's tile pipelined inside each warpgroup: 1 where the planner expects it to pay, 0 never
+                       (NSA_CUDA_RANGE_PIPE=0), 2 for every forward that reads V (NSA_CUDA_RANGE_PIPE=2: the checks' variant) */
     int cp_overlap; /* 0: context parallelism's collectives on the context's stream, after and before the chunk calls,
                        instead of on the context's communication stream beside them (NSA_CUDA_CP_OVERLAP=0) */
 } nsa_cuda_overrides;

@@ -420,6 +420,32 @@ static void test_seg_rows(void)
         }
 }
 
+/* The range forward's pipelined tile: the window / dense rule with V whose tasks span
+ * QWG_PIPE_MIN_CHUNKS chunks (dense causal, windows of 1024 keys and more, 2048 keys or more in
+ * the sequence); never the compressed rule, a lse-only pass, short windows or short sequences;
+ * the override's 0 and 2 take it nowhere and everywhere V is read. */
+static void test_plan_range_pipe(void)
+{
+    cu_overrides o;
+    cu_overrides_default(&o);
+    nsa_problem p = problem(16, 128, 128, 65536, 1);
+    CHECK(cu_plan_range_pipe(&p, &o, 1, -1, 1) == 1);   /* dense causal */
+    CHECK(cu_plan_range_pipe(&p, &o, 1, 1024, 1) == 1); /* a window of 1024 */
+    CHECK(cu_plan_range_pipe(&p, &o, 1, 512, 1) == 0);  /* 512: tasks of ~5 chunks */
+    CHECK(cu_plan_range_pipe(&p, &o, 0, -1, 1) == 0);   /* the compressed rule */
+    CHECK(cu_plan_range_pipe(&p, &o, 1, -1, 0) == 0);   /* no V: the lse pass */
+    p.T = p.Tk = 1024;
+    CHECK(cu_plan_range_pipe(&p, &o, 1, -1, 1) == 0); /* short sequences */
+    p.Tk = 4096; /* the attention op's Tq != Tk: the keys count */
+    CHECK(cu_plan_range_pipe(&p, &o, 1, -1, 1) == 1);
+    o.range_pipe = 0;
+    CHECK(cu_plan_range_pipe(&p, &o, 1, -1, 1) == 0);
+    o.range_pipe = 2;
+    p.T = p.Tk = 64;
+    CHECK(cu_plan_range_pipe(&p, &o, 0, 7, 1) == 1);
+    CHECK(cu_plan_range_pipe(&p, &o, 0, 7, 0) == 0);
+}
+
 static void test_plan_range_segments(void)
 {
     test_seg_rows();
@@ -630,6 +656,7 @@ void test_plan_all(void)
     test_plan_range_and_dkdv();
     test_plan_cmp_segments();
     test_plan_range_segments();
+    test_plan_range_pipe();
     test_plan_selected();
     test_plan_select();
     test_plan_attention();

@@ -19,6 +19,7 @@ void cu_overrides_default(cu_overrides *o)
     o->flex_tc = 1;
     o->cp_overlap = 1;
     o->swg_ws = 1;
+    o->range_pipe = 1;
 }
 
 void cu_overrides_from_env(cu_overrides *o)
@@ -57,6 +58,8 @@ void cu_overrides_from_env(cu_overrides *o)
     if (e && (atoi(e) == 1 || atoi(e) == 2 || atoi(e) == 4)) o->step_hc = atoi(e);
     e = getenv("NSA_CUDA_CMP_SEG");
     if (e && atoi(e) >= 2 && atoi(e) <= 256 && (atoi(e) & (atoi(e) - 1)) == 0) o->cmp_seg = atoi(e);
+    e = getenv("NSA_CUDA_RANGE_PIPE");
+    if (e && (e[0] == '0' || e[0] == '2')) o->range_pipe = e[0] - '0';
     e = getenv("NSA_CUDA_RANGE_SEG");
     if (e && atoi(e) >= 1 && atoi(e) <= 128 && (atoi(e) & (atoi(e) - 1)) == 0) o->range_seg = atoi(e);
 }

@@ -34,6 +34,7 @@ typedef struct qparams {
     dview dqo;             /* qwg dQ: .p set = write dq here (q's dtype or f32) instead of adding into dq */
     int *ctr;              /* qwg forward: zeroed task counter of a persistent walk (NULL: none) */
     int dyn;               /* (set by the launcher: the walk is persistent) */
+    int pipe;              /* qwg forward: the tile pipelined inside each warpgroup (cu_plan_range_pipe) */
     const int *nf;         /* the call's non-finite flag (run.h; NULL: never set) */
 } qparams;
 

@@ -155,10 +155,12 @@ __device__ __forceinline__ void sc_row_clear(float (&acc)[NA][4], int x, int see
     for (int d = 0; d < NA; d++) acc[d][2 * x] = acc[d][2 * x + 1] = 0.0f;
 }
 
-/* Online softmax step: S (log2 domain) becomes exp2(S - new max) per row; the row max m_,
- * the row sum l_ (this lane's share) and the accumulator rows rescale. */
-template <int NT, int NA>
-__device__ __forceinline__ void sc_softmax(float (&S)[NT][4], float m_[2], float l_[2], float (&acc)[NA][4])
+/* Online softmax step without touching the accumulator: S (log2 domain) becomes exp2(S - new
+ * max) per row; the row max m_ and the row sum l_ (this lane's share) update, and alpha[x] is
+ * the factor the accumulator's row x must take before the next product adds to it (a tile
+ * whose previous product still runs applies it later, sc_rescale). */
+template <int NT>
+__device__ __forceinline__ void sc_softmax_rows(float (&S)[NT][4], float m_[2], float l_[2], float alpha[2])
 {
 #pragma unroll
     for (int x = 0; x < 2; x++) {
@@ -169,7 +171,7 @@ __device__ __forceinline__ void sc_softmax(float (&S)[NT][4], float m_[2], float
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float mnew = fmaxf(m_[x], mx);
         const float muse = mnew == -INFINITY ? 0.0f : mnew;
-        const float alpha = ex2(m_[x] - muse);
+        alpha[x] = ex2(m_[x] - muse);
         m_[x] = mnew;
         float sum = 0.0f;
 #pragma unroll
@@ -178,10 +180,26 @@ __device__ __forceinline__ void sc_softmax(float (&S)[NT][4], float m_[2], float
             S[nt][2 * x + 1] = ex2(S[nt][2 * x + 1] - muse);
             sum += S[nt][2 * x] + S[nt][2 * x + 1];
         }
-        l_[x] = l_[x] * alpha + sum;
-#pragma unroll
-        for (int d = 0; d < NA; d++) acc[d][2 * x] *= alpha, acc[d][2 * x + 1] *= alpha;
+        l_[x] = l_[x] * alpha[x] + sum;
     }
+}
+
+/* The accumulator rows times sc_softmax_rows' factors. */
+template <int NA>
+__device__ __forceinline__ void sc_rescale(float (&acc)[NA][4], const float alpha[2])
+{
+#pragma unroll
+    for (int d = 0; d < NA; d++)
+        acc[d][0] *= alpha[0], acc[d][1] *= alpha[0], acc[d][2] *= alpha[1], acc[d][3] *= alpha[1];
+}
+
+/* Online softmax step: sc_softmax_rows, then the accumulator rows rescale. */
+template <int NT, int NA>
+__device__ __forceinline__ void sc_softmax(float (&S)[NT][4], float m_[2], float l_[2], float (&acc)[NA][4])
+{
+    float alpha[2];
+    sc_softmax_rows<NT>(S, m_, l_, alpha);
+    sc_rescale<NA>(acc, alpha);
 }
 
 /* The A fragment of 16 keys (columns 16 k2 .. 16 k2 + 15) from S[2 k2], S[2 k2 + 1]. */

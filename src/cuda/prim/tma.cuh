@@ -19,6 +19,7 @@ enum nb_id {
     NB_DKDV_SUM = 1, /* selected dK / dV: warpgroup 1's sums handed to warpgroup 0 (no ping-pong there) */
     NB_TASK = 4,     /* range tile: both consumers done with a task's Q, rows and offsets */
     NB_WG0 = 5,      /* range tile: a warpgroup's O tile written before its TMA store (5 + warpgroup) */
+    NB_PP_TURN0 = 7, /* range forward, pipelined: warpgroup w's turn to issue its products (7 + w) */
     NB_SWG_PRODUCTS = 1, /* selection, merge in its own warpgroup: the products' warpgroup alone */
     NB_SWG_FULL = 2,     /* ... a pass's importances written (2 + pass % 2) */
     NB_SWG_EMPTY = 4,    /* ... a pass's importances merged, its buffer free (4 + pass % 2) */

@@ -66,6 +66,134 @@ __device__ __forceinline__ void qwg_fwd_chunk(const qparams &P, const unsigned c
     }
 }
 
+/* ---- the forward with V, pipelined inside each warpgroup ------------------------------------
+ * FA3's schedule: a warpgroup issues chunk j's scores S_j = Q K_j^T and chunk j - 1's O += P V
+ * as one batch, then runs chunk j's softmax while its own P V and the other warpgroup's batch
+ * hold the tensor cores. The two warpgroups take turns to issue their batches (pp_turn_*), so
+ * their softmaxes fall under each other's products. O's rescale by a chunk's softmax factor
+ * waits for the next batch (its registers belong to the running P V until then). K and V of a
+ * stage have barriers of their own (K at full / empty [st], V at [NS + st]): K is released
+ * once its scores are done, a chunk before V. Every product is BN keys wide (a task's last
+ * chunk masks its keys past the task's range). */
+__device__ __forceinline__ void pp_turn_wait(int wg) { nb_sync(NB_PP_TURN0 + wg); }
+__device__ __forceinline__ void pp_turn_pass(int wg) { nb_arrive(NB_PP_TURN0 + (wg ^ 1)); }
+
+/* The pipelined forward's state: the chunk in flight's scores / probabilities and factors. */
+template <int BN> struct qwg_pipe {
+    float S[BN / 8][4];
+    uint32_t pa[BN / 16][4]; /* the previous chunk's P, the A fragments of its P V */
+    float alpha[2];          /* its softmax factors, for O before that P V */
+};
+
+/* Chunk j's scores (keys c0 .. c1 - 1) in pp.S masked, scaled and through the online softmax;
+ * pp.alpha its factors. Called once the scores landed. */
+template <typename T, int BN>
+__device__ __forceinline__ void qwg_pipe_softmax(const qparams &P, qwg_pipe<BN> &pp, int c0, int c1, const int rlo[2],
+                                                 const int rhi[2], int lane, float m_[2], float l_[2])
+{
+    sc_mask_scale<BN / 8>(pp.S, sc_chunk_whole(c0, c1, BN, rlo, rhi), c0, c1, rlo, rhi, lane,
+                          sc_softcap<BN / 8>(pp.S, P.rule, P.scale, P.sl2));
+    sc_softmax_rows<BN / 8>(pp.S, m_, l_, pp.alpha);
+}
+template <typename T, int BN> __device__ __forceinline__ void qwg_pipe_pack(qwg_pipe<BN> &pp)
+{
+#pragma unroll
+    for (int k2 = 0; k2 < BN / 16; k2++) sc_frag_a<T>(pp.pa[k2], pp.S[2 * k2], pp.S[2 * k2 + 1]);
+}
+
+/* A task's first chunk: its scores alone (no P V before it). */
+template <typename T, int BN, int KT, int BM>
+__device__ __forceinline__ void qwg_pipe_first(const qparams &P, qwg_pipe<BN> &pp, const unsigned char *Qw,
+                                               const unsigned char *Kp, uint64_t *k_empty, int wg, int c0, int c1,
+                                               const int rlo[2], const int rhi[2], int lane, float m_[2], float l_[2])
+{
+    pp_turn_wait(wg);
+    wg_fence();
+    wg_ss_kmajor<T, BN, KT, BM, BN>(&pp.S[0][0], Qw, Kp);
+    wg_commit();
+    pp_turn_pass(wg);
+    wg_wait<0>();
+    mb_arrive(k_empty); /* this thread's reads of K are done */
+    qwg_pipe_softmax<T, BN>(P, pp, c0, c1, rlo, rhi, lane, m_, l_);
+    qwg_pipe_pack<T, BN>(pp);
+}
+
+/* Chunk j (keys c0 .. c1 - 1, K at Kp) after chunk j - 1 (its V at Vprev): S_j and O += P_{j-1} V_{j-1}
+ * in one batch, then S_j's softmax under the P V. */
+template <typename T, int BN, int KT, int DA, int BM>
+__device__ __forceinline__ void qwg_pipe_next(const qparams &P, qwg_pipe<BN> &pp, const unsigned char *Qw,
+                                              const unsigned char *Kp, const unsigned char *Vprev, uint64_t *k_empty,
+                                              uint64_t *v_empty_prev, int wg, int c0, int c1, const int rlo[2],
+                                              const int rhi[2], int lane, float m_[2], float l_[2],
+                                              float (&acc)[DA / 8][4])
+{
+    pp_turn_wait(wg);
+    wg_fence();
+    wg_ss_kmajor<T, BN, KT, BM, BN>(&pp.S[0][0], Qw, Kp);
+    wg_commit();
+    sc_rescale<DA / 8>(acc, pp.alpha);
+    wg_fence();
+    wg_rs_mn<T, DA, BN, BN>(&acc[0][0], pp.pa, Vprev);
+    wg_commit();
+    pp_turn_pass(wg);
+    wg_wait<1>(); /* the scores */
+    mb_arrive(k_empty);
+    qwg_pipe_softmax<T, BN>(P, pp, c0, c1, rlo, rhi, lane, m_, l_);
+    wg_wait<0>(); /* the P V: pa and V_{j-1} free */
+    mb_arrive(v_empty_prev);
+    qwg_pipe_pack<T, BN>(pp);
+}
+
+/* The task's last P V. */
+template <typename T, int BN, int DA>
+__device__ __forceinline__ void qwg_pipe_last(qwg_pipe<BN> &pp, const unsigned char *Vp, uint64_t *v_empty, int wg,
+                                              float (&acc)[DA / 8][4])
+{
+    pp_turn_wait(wg);
+    sc_rescale<DA / 8>(acc, pp.alpha);
+    wg_fence();
+    wg_rs_mn<T, DA, BN, BN>(&acc[0][0], pp.pa, Vp);
+    wg_commit();
+    pp_turn_pass(wg);
+    wg_wait<0>();
+    mb_arrive(v_empty);
+}
+
+/* A task's chunks pipelined: n chunks of BN keys from kmin (the last one's keys to kmax, the
+ * rest masked); ci0 counts the chunks before it (the stages' index and phase). The previous
+ * task's O stores (store_qb) are released under the first chunk. */
+template <typename T, int BN, int KT, int DA, int BM, int NS, int KB, int VB>
+__device__ __forceinline__ void qwg_pipe_task(const qparams &P, int kmin, int kmax, int n, int ci0,
+                                              const unsigned char *Qw, const unsigned char *Ks,
+                                              const unsigned char *Vs, uint64_t *full, uint64_t *empty,
+                                              uint64_t *qempty, int &store_qb, int wg, const int rlo[2],
+                                              const int rhi[2], int lane, float m_[2], float l_[2],
+                                              float (&acc)[DA / 8][4])
+{
+    qwg_pipe<BN> pp;
+    const int cl1 = kmax + 1; /* the last chunk's end */
+    int st = ci0 % NS, ph = (ci0 / NS) & 1; /* chunk j's stage and phase */
+    mb_wait(&full[st], ph);
+    qwg_pipe_first<T, BN, KT, BM>(P, pp, Qw, Ks + st * KB, &empty[st], wg, kmin, n == 1 ? cl1 : kmin + BN, rlo, rhi, lane,
+                                  m_, l_);
+    if (store_qb >= 0) {
+        tma_store_wait_read();
+        mb_arrive(&qempty[store_qb]);
+        store_qb = -1;
+    }
+    for (int j = 1; j < n; j++) {
+        const int sp = st, pph = ph; /* chunk j - 1's */
+        st = (ci0 + j) % NS, ph = ((ci0 + j) / NS) & 1;
+        mb_wait(&full[st], ph);
+        mb_wait(&full[NS + sp], pph);
+        const int c0 = kmin + j * BN;
+        qwg_pipe_next<T, BN, KT, DA, BM>(P, pp, Qw, Ks + st * KB, Vs + sp * VB, &empty[st], &empty[NS + sp], wg, c0,
+                                         j < n - 1 ? c0 + BN : cl1, rlo, rhi, lane, m_, l_, acc);
+    }
+    mb_wait(&full[NS + st], ph);
+    qwg_pipe_last<T, BN, DA>(pp, Vs + st * VB, &empty[NS + st], wg, acc);
+}
+
 /* One task of qwg_kernel: 128 rows (position * G + head) of one kv head of one sequence and
  * the chunks of keys they see. Task order: kv head major, then the sequence map's tiles
  * (heaviest first: latest positions, longest causal ranges). */
@@ -115,16 +243,18 @@ template <int DKP, int DVP, int MODE> struct qwg_layout {
     static constexpr size_t v = k + NS * KB;                           /* [NS] V stages */
     static constexpr size_t roff = v + NS * VB;                        /* [BM] q row offsets */
     static constexpr size_t roff2 = roff + BM * sizeof(int64_t);       /* [BM] dout row offsets (dQ mode) */
-    static constexpr size_t full = roff2 + BM * sizeof(int64_t);       /* [NS] K / V chunk landed */
-    static constexpr size_t empty = full + NS * sizeof(uint64_t);      /* [NS] both warpgroups done with the stage */
-    static constexpr size_t qfull = empty + NS * sizeof(uint64_t);     /* [NQ] Q's box landed */
+    /* K / V chunk landed, both warpgroups done with the stage: [NS] for K and V together, or
+     * (the forward with V) [NS] for K and [NS] more for V */
+    static constexpr size_t full = roff2 + BM * sizeof(int64_t);       /* [2 NS] */
+    static constexpr size_t empty = full + 2 * NS * sizeof(uint64_t);  /* [2 NS] */
+    static constexpr size_t qfull = empty + 2 * NS * sizeof(uint64_t); /* [NQ] Q's box landed */
     static constexpr size_t qempty = qfull + NQ * sizeof(uint64_t);    /* [NQ] both warpgroups done with the Q buffer */
     static constexpr size_t task = qempty + NQ * sizeof(uint64_t);     /* [NQ] the task whose Q is in the buffer */
     static constexpr size_t bytes = task + NQ * QWG_TASK_BYTES;
     static_assert(bytes + 1024 == qwg_smem(DKP, DVP, MODE), "qwg_smem reserves exactly this layout");
 };
 
-template <int DKP, int DVP, typename T, int MODE>
+template <int DKP, int DVP, typename T, int MODE, bool PIPE = false>
 __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __grid_constant__ CUtensorMap tk,
                                                      const __grid_constant__ CUtensorMap tv,
                                                      const __grid_constant__ CUtensorMap tq,
@@ -170,9 +300,11 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
     const bool qbox = P.qbox;
     const int is_cmp = P.rule.kind == RULE_CMP;
     const int has_v = DQ || P.v.p != nullptr;
+    /* the forward with V runs pipelined (qwg_pipe_*): K and V of a stage on barriers of their own */
+    const bool kv_split = PIPE && !DQ && has_v;
 
     if (threadIdx.x == 0) {
-        for (int i = 0; i < NS; i++) {
+        for (int i = 0; i < 2 * NS; i++) {
             mb_init(&full[i], 1);
             mb_init(&empty[i], NTHR);
         }
@@ -219,23 +351,28 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                                   &qfull[qb]);
             }
             for (int c = 0; c < t.nchunks; c++, ci++) {
-                const int st = ci % NS, c0 = t.kmin + c * BN;
+                const int st = ci % NS, c0 = t.kmin + c * BN, vst = kv_split ? NS + st : st;
                 if (ci >= NS) mb_wait(&empty[st], ((ci / NS) & 1) ^ 1);
-                mb_expect(&full[st], KB + (has_v ? VB : 0));
+                mb_expect(&full[st], KB + (has_v && !kv_split ? VB : 0));
 #pragma unroll
                 for (int cb = 0; cb < DKP / 64; cb++)
                     tma_load4(Ks + st * KB + cb * BN * 128, &tk, cb * 64, t.h, (int)(key_row0 + c0), (int)t.sq.b, &full[st]);
+                if (kv_split) {
+                    if (ci >= NS) mb_wait(&empty[vst], ((ci / NS) & 1) ^ 1);
+                    mb_expect(&full[vst], VB);
+                }
                 if (has_v)
 #pragma unroll
                     for (int cb = 0; cb < DVP / 64; cb++)
                         tma_load4(Vs + st * VB + cb * BN * 128, &tv, cb * 64, t.h, (int)(key_row0 + c0), (int)t.sq.b,
-                                  &full[st]);
+                                  &full[vst]);
             }
             task = P.dyn ? (int64_t)atomicAdd(P.ctr, 1) + gridDim.x : task + gridDim.x;
         }
         return;
     }
     regs_inc<WS_CREGS>();
+    if (kv_split && wg == 1) pp_turn_pass(1); /* warpgroup 0 issues first */
     int ci = 0, it = 0;
     /* the Q buffer whose O this thread's TMA stores still read: with two buffers, released
      * under the next task's first chunk instead of waiting for the reads at the task's end */
@@ -306,10 +443,23 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
         const unsigned char *Qw = Qs + wg * 64 * 128;
         const unsigned char *Ow = Os + wg * 64 * 128;
 
-        for (int c = 0; c < t.nchunks; c++, ci++) {
+        /* the forward with V pipelined, where the last chunk's full-width products cost little
+         * (a short last chunk takes products of its width on the path below) */
+        bool pipe = false;
+        if constexpr (!DQ && PIPE) {
+            const int wl = (t.kmax + 1 - t.kmin) - (t.nchunks - 1) * BN; /* the last chunk's keys */
+            pipe = kv_split && t.nchunks > 0 && (wl > 64 || t.nchunks >= QWG_PIPE_MIN_CHUNKS);
+            if (pipe) {
+                qwg_pipe_task<T, BN, KT, DA, BM, NS, KB, VB>(P, t.kmin, t.kmax, t.nchunks, ci, Qw, Ks, Vs, full, empty,
+                                                             qempty, store_qb, wg, rlo, rhi, lane, m_, l_, acc);
+                ci += t.nchunks;
+            }
+        }
+        for (int c = 0; c < (pipe ? 0 : t.nchunks); c++, ci++) {
             const int st = ci % NS;
             const int c0 = t.kmin + c * BN, c1 = c0 + BN < t.kmax + 1 ? c0 + BN : t.kmax + 1;
             mb_wait(&full[st], (ci / NS) & 1); /* the chunk landed */
+            if (kv_split) mb_wait(&full[NS + st], (ci / NS) & 1); /* (its V on a barrier of its own) */
             const unsigned char *Kp = Ks + st * KB;
             const unsigned char *Vp = Vs + st * VB;
             if constexpr (!DQ) {
@@ -362,6 +512,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                 wg_wait<0>();
             }
             mb_arrive(&empty[st]); /* this thread's reads of the stage are done */
+            if (kv_split) mb_arrive(&empty[NS + st]);
             if (store_qb >= 0) { /* the previous task's O stores */
                 tma_store_wait_read();
                 mb_arrive(&qempty[store_qb]);
@@ -369,18 +520,21 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             }
         }
 
+        /* the task's record again for the epilogue: read back from its shared copy, not held in
+         * registers through the pipelined chunks, which need them */
+        const qwg_task eq = !DQ && qbox && ahead ? qtask[qb] : t;
         /* epilogue: O into this warpgroup's rows of the Q buffer (its last product that read
          * them is done), then one TMA box per 64 columns; else per-thread stores as qtile's */
-        const bool obox = !DQ && P.obox && P.o.p && wg * 64 + 64 <= nrows;
+        const bool obox = !DQ && P.obox && P.o.p && wg * 64 + 64 <= eq.nrows;
 #pragma unroll
         for (int x = 0; x < 2; x++) {
             const int r = warp * 16 + (lane >> 2) + x * 8;
             const float l = sc_quad_sum(l_[x]);
-            if (r >= nrows) continue;
-            const int64_t pos = pos0 + (g0 + r) / G32, g = (g0 + r) % G32, hq = h * G + g;
+            if (r >= eq.nrows) continue;
+            const int64_t pos = eq.pos0 + (eq.g0 + r) / G32, g = (eq.g0 + r) % G32, hq = eq.h * G + g;
             if constexpr (DQ) {
                 if (P.dqo.p) { /* the only term of dq: written once, in its own dtype */
-                    const int64_t qo = sq.b * P.dqo.s0 + (sq.row0 + pos) * P.dqo.s1 + hq * P.dqo.s2;
+                    const int64_t qo = eq.sq.b * P.dqo.s0 + (eq.sq.row0 + pos) * P.dqo.s1 + hq * P.dqo.s2;
 #pragma unroll
                     for (int d = 0; d < DA / 8; d++) {
                         const int col = d * 8 + 2 * (lane & 3);
@@ -390,7 +544,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                     }
                     continue;
                 }
-                float *dq = P.dq + ((sq.b * P.T + sq.row0 + pos) * P.HQ + hq) * P.DK;
+                float *dq = P.dq + ((eq.sq.b * P.T + eq.sq.row0 + pos) * P.HQ + hq) * P.DK;
 #pragma unroll
                 for (int d = 0; d < DA / 8; d++) {
                     float2 *q2 = (float2 *)(dq + d * 8 + 2 * (lane & 3));
@@ -413,7 +567,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                     *(uint32_t *)(Qs + (d >> 3) * BM * 128 + r * 128 + (((d & 7) ^ (r & 7)) << 4) + (lane & 3) * 4) =
                         dtraits<T>::pack(acc[d][2 * x] * inv, acc[d][2 * x + 1] * inv);
             } else if (P.o.p) {
-                const int64_t ob = sq.b * P.o.s0 + (sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
+                const int64_t ob = eq.sq.b * P.o.s0 + (eq.sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
                 if (P.o.dt == NSA_DTYPE_F32) {
 #pragma unroll
                     for (int d = 0; d < DA / 8; d++) {
@@ -429,7 +583,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                 }
             }
             if ((lane & 3) == 0 && P.lse.p)
-                ((float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + pos) * P.lse.s1 + hq * P.lse.s2] = lse;
+                ((float *)P.lse.p)[eq.sq.b * P.lse.s0 + (eq.sq.row0 + pos) * P.lse.s1 + hq * P.lse.s2] = lse;
         }
         if (obox) {
             fence_async_smem(); /* this thread's O writes -> the copy engine */
@@ -437,8 +591,8 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             if ((tid & 127) == 0) {
 #pragma unroll
                 for (int cb = 0; cb < DVP / 64; cb++)
-                    tma_store4(&to, Qs + cb * BM * 128 + wg * 64 * 128, cb * 64, h * G32,
-                               (int)(sq.row0 + pos0 + (g0 + wg * 64) / G32), (int)sq.b);
+                    tma_store4(&to, Qs + cb * BM * 128 + wg * 64 * 128, cb * 64, eq.h * G32,
+                               (int)(eq.sq.row0 + eq.pos0 + (eq.g0 + wg * 64) / G32), (int)eq.sq.b);
                 tma_store_commit();
                 if (NQ > 1) {
                     if (store_qb >= 0) { /* (a task without chunks left it pending) */
@@ -461,17 +615,18 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
         }
         if (qbox && store_qb != qb) mb_arrive(&qempty[qb]); /* this thread is done with the Q buffer */
     }
+    if (kv_split && wg == 0) pp_turn_wait(0); /* warpgroup 1's last pass: every turn taken */
     if (store_qb >= 0) tma_store_wait_read(); /* the CTA's shared memory outlives the stores' reads */
 #endif
 }
 
 /* ---- launcher ---- */
 
-template <int DKP, int DVP, typename T, int MODE>
-static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles, const void *maps)
+template <int DKP, int DVP, typename T, int MODE, bool PIPE>
+static void launch_qwg_k(grun *g, const qparams *P, int64_t tiles, const void *maps)
 {
     const size_t smem = qwg_layout<DKP, DVP, MODE>::bytes + 1024;
-    g_smem_optin(g, (const void *)qwg_kernel<DKP, DVP, T, MODE>, smem);
+    g_smem_optin(g, (const void *)qwg_kernel<DKP, DVP, T, MODE, PIPE>, smem);
     if (g->err != NSA_STATUS_SUCCESS) return;
     const CUtensorMap *m = (const CUtensorMap *)maps;
     qparams Pl = *P;
@@ -491,9 +646,17 @@ static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles, const void *m
         g_fail(g, NSA_STATUS_NOT_SUPPORTED, "q: %lld tasks exceed the CUDA grid limit", (long long)grid);
         return;
     }
-    qwg_kernel<DKP, DVP, T, MODE><<<(unsigned)grid, 384, smem, g->st>>>(Pl, m[QWG_MAP_K], m[QWG_MAP_V], m[QWG_MAP_Q],
-                                                                        m[QWG_MAP_O]);
+    qwg_kernel<DKP, DVP, T, MODE, PIPE><<<(unsigned)grid, 384, smem, g->st>>>(Pl, m[QWG_MAP_K], m[QWG_MAP_V],
+                                                                              m[QWG_MAP_Q], m[QWG_MAP_O]);
     g_launched(g);
+}
+
+/* the forward with V pipelined inside each warpgroup where the planner chose it (P->pipe) */
+template <int DKP, int DVP, typename T, int MODE>
+static void launch_qwg_t(grun *g, const qparams *P, int64_t tiles, const void *maps)
+{
+    if (MODE == MODE_FWD && P->pipe) launch_qwg_k<DKP, DVP, T, MODE_FWD, true>(g, P, tiles, maps);
+    else launch_qwg_k<DKP, DVP, T, MODE, false>(g, P, tiles, maps);
 }
 
 /* Whether this binary carries the sm_90a body of qwg_kernel<DP> for the current device (not

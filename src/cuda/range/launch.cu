@@ -139,6 +139,7 @@ void cu_fwd_range(grun *g, const rule_t *rule, const dview *q, nsa_dtype dt, con
     qwg_maps maps;
     const cu_range_plan pl = plan_range(g, &P, dt, MODE_FWD, KR, &maps);
     const int wg = pl.kernel == CU_FWD_QWG;
+    P.pipe = wg && cu_plan_range_pipe(p, g->ovr, rule->kind == RULE_WIN, rule->wl, v != NULL);
     P.ctr = (int *)g_take(g, sizeof(int)); /* (both passes: the workspace layout) */
     if (wg) g_zero(g, P.ctr, sizeof(int));
     unitspec u = {UK_ROWS, p->G, pl.rows, 0, 0};

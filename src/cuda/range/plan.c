@@ -34,3 +34,11 @@ cu_range_plan cu_plan_range(const nsa_problem *p, const cu_device *d, const cu_o
     pl.obox = mode == MODE_FWD && pl.qbox && v->has_o && v->o_dt == (int)dt && G <= 64 && 64 % G == 0;
     return pl;
 }
+
+int cu_plan_range_pipe(const nsa_problem *p, const cu_overrides *o, int window_rule, int64_t wl, int has_v)
+{
+    if (!has_v || o->range_pipe == 0) return 0;
+    if (o->range_pipe == 2) return 1;
+    const int64_t span = (int64_t)QWG_PIPE_MIN_CHUNKS * QWG_BN(MODE_FWD);
+    return window_rule && (wl < 0 || wl >= span) && p->Tk >= 2 * span;
+}
