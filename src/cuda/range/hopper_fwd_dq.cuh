@@ -4,9 +4,10 @@
  * producer warp that issues the K / V chunks (128 keys forward, 64 dQ) by TMA into full /
  * empty-mbarrier stages; scores (and dP) by wgmma SS, O += P V or dQ += dS K by wgmma RS with
  * P / dS from registers and V / K read MN-major. One CTA per SM; the forward ping-pongs its
- * warpgroups on named barriers so that one's softmax overlaps the other's products, and walks
- * its tasks persistently (heaviest first) from a zeroed counter. The kernel body exists only
- * in the sm_90a build. */
+ * warpgroups on named barriers so that one's softmax overlaps the other's products (in its PIPE
+ * form each warpgroup's softmax also overlaps its own previous P V: qwg_pipe_*), and walks its
+ * tasks persistently (heaviest first) from a zeroed counter. The kernel body exists only in the
+ * sm_90a build. */
 #ifndef NSA_CUDA_RANGE_HOPPER_FWD_DQ_CUH
 #define NSA_CUDA_RANGE_HOPPER_FWD_DQ_CUH
 
