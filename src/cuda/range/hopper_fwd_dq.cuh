@@ -88,7 +88,7 @@ template <int BN> struct qwg_pipe {
 
 /* Chunk j's scores (keys c0 .. c1 - 1) in pp.S masked, scaled and through the online softmax;
  * pp.alpha its factors. Called once the scores landed. */
-template <typename T, int BN>
+template <int BN>
 __device__ __forceinline__ void qwg_pipe_softmax(const qparams &P, qwg_pipe<BN> &pp, int c0, int c1, const int rlo[2],
                                                  const int rhi[2], int lane, float m_[2], float l_[2])
 {
@@ -115,7 +115,7 @@ __device__ __forceinline__ void qwg_pipe_first(const qparams &P, qwg_pipe<BN> &p
     pp_turn_pass(wg);
     wg_wait<0>();
     mb_arrive(k_empty); /* this thread's reads of K are done */
-    qwg_pipe_softmax<T, BN>(P, pp, c0, c1, rlo, rhi, lane, m_, l_);
+    qwg_pipe_softmax<BN>(P, pp, c0, c1, rlo, rhi, lane, m_, l_);
     qwg_pipe_pack<T, BN>(pp);
 }
 
@@ -139,7 +139,7 @@ __device__ __forceinline__ void qwg_pipe_next(const qparams &P, qwg_pipe<BN> &pp
     pp_turn_pass(wg);
     wg_wait<1>(); /* the scores */
     mb_arrive(k_empty);
-    qwg_pipe_softmax<T, BN>(P, pp, c0, c1, rlo, rhi, lane, m_, l_);
+    qwg_pipe_softmax<BN>(P, pp, c0, c1, rlo, rhi, lane, m_, l_);
     wg_wait<0>(); /* the P V: pa and V_{j-1} free */
     mb_arrive(v_empty_prev);
     qwg_pipe_pack<T, BN>(pp);
