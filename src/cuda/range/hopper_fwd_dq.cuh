@@ -521,8 +521,8 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             }
         }
 
-        /* the task's record again for the epilogue: read back from its shared copy, not held in
-         * registers through the pipelined chunks, which need them */
+        /* the task's record for the epilogue: its shared copy where the producer handed it over
+         * (the same values as t) */
         const qwg_task eq = !DQ && qbox && ahead ? qtask[qb] : t;
         /* epilogue: O into this warpgroup's rows of the Q buffer (its last product that read
          * them is done), then one TMA box per 64 columns; else per-thread stores as qtile's */
