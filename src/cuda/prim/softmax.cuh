@@ -46,6 +46,22 @@ __device__ __forceinline__ void sc_mask_scale(float (&S)[NT][4], int full, int c
     }
 }
 
+/* sc_mask_scale without the scale: keys outside a row's range or past c1 become -inf, the rest
+ * stay raw products (sc_softmax_rows_scaled applies the scale inside its exponent). */
+template <int NT>
+__device__ __forceinline__ void sc_mask_raw(float (&S)[NT][4], int full, int c0, int c1, const int lo[2],
+                                            const int hi[2], int lane)
+{
+    if (full) return;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int x = e >> 1, key = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+            if (!(key < c1 && key >= lo[x] && key <= hi[x])) S[nt][e] = -INFINITY;
+        }
+}
+
 /* tanh(x) as 1 - 2 / (e^2x + 1): a few instructions against tanhf's dozens, error ~1e-7
  * absolute (e^2x -> inf gives 1, -> 0 gives -1); the softcap of every attention path. */
 __device__ __forceinline__ float tanh_fast(float x) { return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f); }
@@ -178,6 +194,37 @@ __device__ __forceinline__ void sc_softmax_rows(float (&S)[NT][4], float m_[2], 
         for (int nt = 0; nt < NT; nt++) {
             S[nt][2 * x] = ex2(S[nt][2 * x] - muse);
             S[nt][2 * x + 1] = ex2(S[nt][2 * x + 1] - muse);
+            sum += S[nt][2 * x] + S[nt][2 * x + 1];
+        }
+        l_[x] = l_[x] * alpha[x] + sum;
+    }
+}
+
+/* sc_softmax_rows on raw scores (sc_mask_raw's) with the log2-domain factor f (sc_softcap's
+ * return: 1 after a cap): the exponent's argument is one FFMA, S f - max, where sc_mask_scale +
+ * sc_softmax_rows spend an FMUL and an FADD a score. The row max is taken on the raw scores and
+ * then scaled: rounding is monotone and f > 0, so it equals the max of the scaled scores, and
+ * m_ / alpha / the lse are the same values as there; each P differs only by the fused rounding. */
+template <int NT>
+__device__ __forceinline__ void sc_softmax_rows_scaled(float (&S)[NT][4], float m_[2], float l_[2], float alpha[2],
+                                                       float f)
+{
+#pragma unroll
+    for (int x = 0; x < 2; x++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(S[nt][2 * x], S[nt][2 * x + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mnew = fmaxf(m_[x], __fmul_rn(mx, f));
+        const float muse = mnew == -INFINITY ? 0.0f : mnew;
+        alpha[x] = ex2(m_[x] - muse);
+        m_[x] = mnew;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            S[nt][2 * x] = ex2(__fmaf_rn(S[nt][2 * x], f, -muse));
+            S[nt][2 * x + 1] = ex2(__fmaf_rn(S[nt][2 * x + 1], f, -muse));
             sum += S[nt][2 * x] + S[nt][2 * x + 1];
         }
         l_[x] = l_[x] * alpha[x] + sum;

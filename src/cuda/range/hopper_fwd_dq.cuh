@@ -92,9 +92,9 @@ template <int BN>
 __device__ __forceinline__ void qwg_pipe_softmax(const qparams &P, qwg_pipe<BN> &pp, int c0, int c1, const int rlo[2],
                                                  const int rhi[2], int lane, float m_[2], float l_[2])
 {
-    sc_mask_scale<BN / 8>(pp.S, sc_chunk_whole(c0, c1, BN, rlo, rhi), c0, c1, rlo, rhi, lane,
-                          sc_softcap<BN / 8>(pp.S, P.rule, P.scale, P.sl2));
-    sc_softmax_rows<BN / 8>(pp.S, m_, l_, pp.alpha);
+    const float f = sc_softcap<BN / 8>(pp.S, P.rule, P.scale, P.sl2);
+    sc_mask_raw<BN / 8>(pp.S, sc_chunk_whole(c0, c1, BN, rlo, rhi), c0, c1, rlo, rhi, lane);
+    sc_softmax_rows_scaled<BN / 8>(pp.S, m_, l_, pp.alpha, f);
 }
 template <typename T, int BN> __device__ __forceinline__ void qwg_pipe_pack(qwg_pipe<BN> &pp)
 {
@@ -521,21 +521,18 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             }
         }
 
-        /* the task's record for the epilogue: its shared copy where the producer handed it over
-         * (the same values as t) */
-        const qwg_task eq = !DQ && qbox && ahead ? qtask[qb] : t;
         /* epilogue: O into this warpgroup's rows of the Q buffer (its last product that read
          * them is done), then one TMA box per 64 columns; else per-thread stores as qtile's */
-        const bool obox = !DQ && P.obox && P.o.p && wg * 64 + 64 <= eq.nrows;
+        const bool obox = !DQ && P.obox && P.o.p && wg * 64 + 64 <= t.nrows;
 #pragma unroll
         for (int x = 0; x < 2; x++) {
             const int r = warp * 16 + (lane >> 2) + x * 8;
             const float l = sc_quad_sum(l_[x]);
-            if (r >= eq.nrows) continue;
-            const int64_t pos = eq.pos0 + (eq.g0 + r) / G32, g = (eq.g0 + r) % G32, hq = eq.h * G + g;
+            if (r >= t.nrows) continue;
+            const int64_t pos = t.pos0 + (t.g0 + r) / G32, g = (t.g0 + r) % G32, hq = t.h * G + g;
             if constexpr (DQ) {
                 if (P.dqo.p) { /* the only term of dq: written once, in its own dtype */
-                    const int64_t qo = eq.sq.b * P.dqo.s0 + (eq.sq.row0 + pos) * P.dqo.s1 + hq * P.dqo.s2;
+                    const int64_t qo = t.sq.b * P.dqo.s0 + (t.sq.row0 + pos) * P.dqo.s1 + hq * P.dqo.s2;
 #pragma unroll
                     for (int d = 0; d < DA / 8; d++) {
                         const int col = d * 8 + 2 * (lane & 3);
@@ -545,7 +542,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                     }
                     continue;
                 }
-                float *dq = P.dq + ((eq.sq.b * P.T + eq.sq.row0 + pos) * P.HQ + hq) * P.DK;
+                float *dq = P.dq + ((t.sq.b * P.T + t.sq.row0 + pos) * P.HQ + hq) * P.DK;
 #pragma unroll
                 for (int d = 0; d < DA / 8; d++) {
                     float2 *q2 = (float2 *)(dq + d * 8 + 2 * (lane & 3));
@@ -568,7 +565,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                     *(uint32_t *)(Qs + (d >> 3) * BM * 128 + r * 128 + (((d & 7) ^ (r & 7)) << 4) + (lane & 3) * 4) =
                         dtraits<T>::pack(acc[d][2 * x] * inv, acc[d][2 * x + 1] * inv);
             } else if (P.o.p) {
-                const int64_t ob = eq.sq.b * P.o.s0 + (eq.sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
+                const int64_t ob = t.sq.b * P.o.s0 + (t.sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
                 if (P.o.dt == NSA_DTYPE_F32) {
 #pragma unroll
                     for (int d = 0; d < DA / 8; d++) {
@@ -584,7 +581,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                 }
             }
             if ((lane & 3) == 0 && P.lse.p)
-                ((float *)P.lse.p)[eq.sq.b * P.lse.s0 + (eq.sq.row0 + pos) * P.lse.s1 + hq * P.lse.s2] = lse;
+                ((float *)P.lse.p)[t.sq.b * P.lse.s0 + (t.sq.row0 + pos) * P.lse.s1 + hq * P.lse.s2] = lse;
         }
         if (obox) {
             fence_async_smem(); /* this thread's O writes -> the copy engine */
@@ -592,8 +589,8 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             if ((tid & 127) == 0) {
 #pragma unroll
                 for (int cb = 0; cb < DVP / 64; cb++)
-                    tma_store4(&to, Qs + cb * BM * 128 + wg * 64 * 128, cb * 64, eq.h * G32,
-                               (int)(eq.sq.row0 + eq.pos0 + (eq.g0 + wg * 64) / G32), (int)eq.sq.b);
+                    tma_store4(&to, Qs + cb * BM * 128 + wg * 64 * 128, cb * 64, t.h * G32,
+                               (int)(t.sq.row0 + t.pos0 + (t.g0 + wg * 64) / G32), (int)t.sq.b);
                 tma_store_commit();
                 if (NQ > 1) {
                     if (store_qb >= 0) { /* (a task without chunks left it pending) */
