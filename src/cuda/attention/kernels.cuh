@@ -395,7 +395,7 @@ __global__ void __launch_bounds__(128) xfwd_kernel(const __grid_constant__ xpara
                 S[nt][e] = sc * NSA_LOG2E; /* -inf stays -inf */
                 seen[x] |= vis && mb != -INFINITY; /* a -inf bias or a mask hides; a -inf score does not */
             }
-        sc_softmax<NT, DP / 8>(S, m_, l_, acc);
+        sc_softmax<NT, DP / 8>(S, m_, l_, acc, 1.0f); /* S is in the log2 domain already */
         if (P.dropout) /* l keeps the undropped sum: lse is the undropped softmax's */
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)

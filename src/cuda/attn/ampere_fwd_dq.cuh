@@ -303,11 +303,11 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
             if (is_slc && !fl[rposl[x]]) mlo[x] = INT_MAX;
             rseen[x] |= mlo[x] <= mhi[x] && mlo[x] < c1 && mhi[x] >= c0;
         }
-        sc_mask_scale<NT>(S, sc_chunk_whole(c0, c1, BN, mlo, mhi), c0, c1, mlo, mhi, lane,
-                          sc_softcap<NT>(S, P.rule, P.scale, P.sl2));
+        const float f = sc_softcap<NT>(S, P.rule, P.scale, P.sl2);
+        sc_mask<NT>(S, sc_chunk_whole(c0, c1, BN, mlo, mhi), c0, c1, mlo, mhi, lane);
 
         if constexpr (MODE == MODE_FWD) {
-            sc_softmax<NT, DVP / 8>(S, m_, l_, acc);
+            sc_softmax<NT, DVP / 8>(S, m_, l_, acc, f);
             if (kvs) { /* V of chunk ci (the next K may still be in flight) */
                 cp_wait<1>();
                 __syncthreads();
@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(128) qtile_kernel(const qparams P)
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) S[nt][e] = ex2(S[nt][e] - rl2[e >> 1]);
+                for (int e = 0; e < 4; e++) S[nt][e] = ex2(__fmaf_rn(S[nt][e], f, -rl2[e >> 1]));
             float dP[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) dP[nt][0] = dP[nt][1] = dP[nt][2] = dP[nt][3] = 0.0f;

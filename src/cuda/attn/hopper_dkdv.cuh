@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
                 if (lane + 32 * x < PP) pn[x] = t.list[min((int64_t)warp * PP + lane + 32 * x, nlist - 1)];
         for (int64_t c = warp; c < nchunks; c += NS) {
             const int s = (int)(c % NS);
-            if (c >= NS) mb_wait(&empty[s], (int)(((c / NS) & 1) ^ 1));
+            if (c >= NS) mb_wait_sleep(&empty[s], (int)(((c / NS) & 1) ^ 1));
             if (lane == 0) mb_expect_tx(&full[s], 2 * TB + (c == 0 ? 2 * KB : 0));
             __syncwarp(); /* the bytes expected before any box of this phase lands */
             if (lane == 0 && c == 0)
@@ -408,12 +408,17 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         const float *l2 = rl2 + s * BQ, *Dr = rD + s * BQ, *gr = rg + s * BQ;
         const int *lo = rlo + s * BQ, *hi = rhi + s * BQ;
 
+        /* the range rules read the whole-chunk flags before the products, so that their
+         * shared-memory latency does not sit between S landing and its exponentials (the
+         * selected rule reads them after: held across the products, the flag made it spill) */
+        bool whole = false;
+        if constexpr (!SLC) whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
         float S[NT][4], dP[NT][4];
         kw_products<T, DP, BK, BQ, true>(S, dP, Ks, Vs, Qp, Dp, aoff);
         wg_wait<1>(); /* S^T ready, dP^T still on the tensor cores */
+        if constexpr (SLC) whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
 
         /* P^T (masked) in S; (g P)^T as the A fragments of dV */
-        const bool whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
         uint32_t pa[BQ / 16][4], da[BQ / 16][4];
         if (!SLC && cap.k != 0.0f) { /* a softcap (the selected rule has none) */
             if (whole) kt_cap_prob<true, NT>(S, cap, l2, lo, hi, kr, k1, lane);

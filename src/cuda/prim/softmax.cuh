@@ -20,36 +20,13 @@ __device__ __forceinline__ float ex2(float x)
  * S[nt][e]: the accumulator layout of a warp's 16 rows (row lane / 4 + 8 (e / 2), column
  * 8 nt + 2 (lane % 4) + (e % 2)), which is also the layout of the A fragments built from it. */
 
-/* Scale scores into the log2 domain and mask keys outside [lo[x], hi[x]] or past c1. A chunk
+/* Mask a chunk's raw scores: keys outside [lo[x], hi[x]] or past c1 become -inf, the rest stay
+ * raw products q.k (the softmax applies the log2-domain scale inside its exponent). A chunk
  * every row of the warp sees whole (full, warp-uniform: the compressed branch past its first
- * rows, window interiors, selected blocks that end before the query) takes a branch without
- * the per-element compares and selects: same products, so the same values as the masked path
- * (__fmul_rn in both: no FMA contraction with the later subtraction on one path only). */
+ * rows, window interiors, selected blocks that end before the query) skips the per-element
+ * compares. */
 template <int NT>
-__device__ __forceinline__ void sc_mask_scale(float (&S)[NT][4], int full, int c0, int c1, const int lo[2],
-                                              const int hi[2], int lane, float sl2)
-{
-    if (full) {
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) S[nt][e] = __fmul_rn(S[nt][e], sl2);
-    } else {
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int x = e >> 1, key = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
-                const int out = !(key < c1 && key >= lo[x] && key <= hi[x]);
-                S[nt][e] = out ? -INFINITY : __fmul_rn(S[nt][e], sl2);
-            }
-    }
-}
-
-/* sc_mask_scale without the scale: keys outside a row's range or past c1 become -inf, the rest
- * stay raw products (sc_softmax_rows_scaled applies the scale inside its exponent). */
-template <int NT>
-__device__ __forceinline__ void sc_mask_raw(float (&S)[NT][4], int full, int c0, int c1, const int lo[2],
+__device__ __forceinline__ void sc_mask(float (&S)[NT][4], int full, int c0, int c1, const int lo[2],
                                             const int hi[2], int lane)
 {
     if (full) return;
@@ -81,8 +58,8 @@ __device__ __forceinline__ sc_capbw sc_capbw_of(const rule_t &r, float scale)
 }
 
 /* The logit softcap of the attention op on raw scores q.k: S -> softcap * tanh(scale q.k /
- * softcap) in the log2 domain. @return the factor sc_mask_scale must still apply: 1 after the
- * cap, scale * log2(e) without one. */
+ * softcap) in the log2 domain. @return the log2-domain factor the softmax must still apply:
+ * 1 after the cap, scale * log2(e) without one. */
 template <int NT>
 __device__ __forceinline__ float sc_softcap(float (&S)[NT][4], const rule_t &r, float scale, float sl2)
 {
@@ -123,7 +100,7 @@ __device__ __forceinline__ float lg2(float x)
 }
 
 /* Whether every row of the warp sees all keys [c0, c1) of a chunk of `width` keys (rows' ranges
- * lo / hi): such a chunk skips sc_mask_scale's per-element compares. */
+ * lo / hi): such a chunk skips sc_mask's per-element compares. */
 __device__ __forceinline__ int sc_chunk_whole(int c0, int c1, int width, const int lo[2], const int hi[2])
 {
     const int w = c1 - c0 == width && lo[0] <= c0 && c1 - 1 <= hi[0] && lo[1] <= c0 && c1 - 1 <= hi[1];
@@ -171,42 +148,15 @@ __device__ __forceinline__ void sc_row_clear(float (&acc)[NA][4], int x, int see
     for (int d = 0; d < NA; d++) acc[d][2 * x] = acc[d][2 * x + 1] = 0.0f;
 }
 
-/* Online softmax step without touching the accumulator: S (log2 domain) becomes exp2(S - new
- * max) per row; the row max m_ and the row sum l_ (this lane's share) update, and alpha[x] is
+/* Online softmax step without touching the accumulator, on raw scores S (sc_mask's) and their
+ * log2-domain factor f (scale log2(e); 1 for scores already in that domain, as sc_softcap's):
+ * P = exp2(S f - new max) per row, the exponent's argument one FFMA. The row max is taken on
+ * the raw scores and then scaled (rounding is monotone and f > 0, so it is the max of the
+ * scaled scores). The row max m_ and the row sum l_ (this lane's share) update, and alpha[x] is
  * the factor the accumulator's row x must take before the next product adds to it (a tile
  * whose previous product still runs applies it later, sc_rescale). */
 template <int NT>
-__device__ __forceinline__ void sc_softmax_rows(float (&S)[NT][4], float m_[2], float l_[2], float alpha[2])
-{
-#pragma unroll
-    for (int x = 0; x < 2; x++) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(S[nt][2 * x], S[nt][2 * x + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mnew = fmaxf(m_[x], mx);
-        const float muse = mnew == -INFINITY ? 0.0f : mnew;
-        alpha[x] = ex2(m_[x] - muse);
-        m_[x] = mnew;
-        float sum = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            S[nt][2 * x] = ex2(S[nt][2 * x] - muse);
-            S[nt][2 * x + 1] = ex2(S[nt][2 * x + 1] - muse);
-            sum += S[nt][2 * x] + S[nt][2 * x + 1];
-        }
-        l_[x] = l_[x] * alpha[x] + sum;
-    }
-}
-
-/* sc_softmax_rows on raw scores (sc_mask_raw's) with the log2-domain factor f (sc_softcap's
- * return: 1 after a cap): the exponent's argument is one FFMA, S f - max, where sc_mask_scale +
- * sc_softmax_rows spend an FMUL and an FADD a score. The row max is taken on the raw scores and
- * then scaled: rounding is monotone and f > 0, so it equals the max of the scaled scores, and
- * m_ / alpha / the lse are the same values as there; each P differs only by the fused rounding. */
-template <int NT>
-__device__ __forceinline__ void sc_softmax_rows_scaled(float (&S)[NT][4], float m_[2], float l_[2], float alpha[2],
+__device__ __forceinline__ void sc_softmax_rows(float (&S)[NT][4], float m_[2], float l_[2], float alpha[2],
                                                        float f)
 {
 #pragma unroll
@@ -242,10 +192,10 @@ __device__ __forceinline__ void sc_rescale(float (&acc)[NA][4], const float alph
 
 /* Online softmax step: sc_softmax_rows, then the accumulator rows rescale. */
 template <int NT, int NA>
-__device__ __forceinline__ void sc_softmax(float (&S)[NT][4], float m_[2], float l_[2], float (&acc)[NA][4])
+__device__ __forceinline__ void sc_softmax(float (&S)[NT][4], float m_[2], float l_[2], float (&acc)[NA][4], float f)
 {
     float alpha[2];
-    sc_softmax_rows<NT>(S, m_, l_, alpha);
+    sc_softmax_rows<NT>(S, m_, l_, alpha, f);
     sc_rescale<NA>(acc, alpha);
 }
 

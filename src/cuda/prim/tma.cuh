@@ -65,6 +65,20 @@ __device__ __forceinline__ void mb_wait(uint64_t *bar, int parity)
                  : "memory");
 #endif
 }
+/* mb_wait for a producer warp: each try_wait may suspend the warp up to a long time limit
+ * (it still returns when the phase completes) instead of the short default, so that the
+ * producer's polling does not take issue slots from the consumer warps beside it on the same
+ * scheduler. */
+__device__ __forceinline__ void mb_wait_sleep(uint64_t *bar, int parity)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("{\n.reg .pred p;\nMB_WAIT_SLEEP_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1, %2;\n"
+                 "@!p bra MB_WAIT_SLEEP_%=;\n}\n" ::"r"(smem_addr(bar)),
+                 "r"(parity), "r"(10000000u)
+                 : "memory");
+#endif
+}
 /* expect `bytes` more of copies on the barrier's current phase, without arriving (the
  * copies may be issued before the arrivals that complete the phase) */
 __device__ __forceinline__ void mb_expect_tx(uint64_t *bar, uint32_t bytes)

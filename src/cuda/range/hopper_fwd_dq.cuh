@@ -51,9 +51,9 @@ __device__ __forceinline__ void qwg_fwd_chunk(const qparams &P, const unsigned c
     pp_after_a(wg, has_v);
     wg_wait<0>();
 
-    sc_mask_scale<NT>(S, sc_chunk_whole(c0, c1, NW, rlo, rhi), c0, c1, rlo, rhi, lane,
-                      sc_softcap<NT>(S, P.rule, P.scale, P.sl2));
-    sc_softmax<NT, DA / 8>(S, m_, l_, acc);
+    const float f = sc_softcap<NT>(S, P.rule, P.scale, P.sl2);
+    sc_mask<NT>(S, sc_chunk_whole(c0, c1, NW, rlo, rhi), c0, c1, rlo, rhi, lane);
+    sc_softmax<NT, DA / 8>(S, m_, l_, acc, f);
     if (has_v) {
         uint32_t pa[NW / 16][4];
 #pragma unroll
@@ -93,8 +93,8 @@ __device__ __forceinline__ void qwg_pipe_softmax(const qparams &P, qwg_pipe<BN> 
                                                  const int rhi[2], int lane, float m_[2], float l_[2])
 {
     const float f = sc_softcap<BN / 8>(pp.S, P.rule, P.scale, P.sl2);
-    sc_mask_raw<BN / 8>(pp.S, sc_chunk_whole(c0, c1, BN, rlo, rhi), c0, c1, rlo, rhi, lane);
-    sc_softmax_rows_scaled<BN / 8>(pp.S, m_, l_, pp.alpha, f);
+    sc_mask<BN / 8>(pp.S, sc_chunk_whole(c0, c1, BN, rlo, rhi), c0, c1, rlo, rhi, lane);
+    sc_softmax_rows<BN / 8>(pp.S, m_, l_, pp.alpha, f);
 }
 template <typename T, int BN> __device__ __forceinline__ void qwg_pipe_pack(qwg_pipe<BN> &pp)
 {
@@ -334,7 +334,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             const int64_t key_row0 = is_cmp ? t.sq.cmp0 : t.sq.row0;
             if (qbox) { /* 128 / G positions x G heads: rows past the tensor land as zeros */
                 const int qb = it % NQ;
-                if (it >= NQ) mb_wait(&qempty[qb], ((it / NQ) & 1) ^ 1);
+                if (it >= NQ) mb_wait_sleep(&qempty[qb], ((it / NQ) & 1) ^ 1);
                 qtask[qb] = t; /* for the consumers, who see it once the phase completes */
                 if (done) { /* the end of a persistent walk */
                     mb_arrive(&qfull[qb]);
@@ -353,13 +353,13 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             }
             for (int c = 0; c < t.nchunks; c++, ci++) {
                 const int st = ci % NS, c0 = t.kmin + c * BN, vst = kv_split ? NS + st : st;
-                if (ci >= NS) mb_wait(&empty[st], ((ci / NS) & 1) ^ 1);
+                if (ci >= NS) mb_wait_sleep(&empty[st], ((ci / NS) & 1) ^ 1);
                 mb_expect(&full[st], KB + (has_v && !kv_split ? VB : 0));
 #pragma unroll
                 for (int cb = 0; cb < DKP / 64; cb++)
                     tma_load4(Ks + st * KB + cb * BN * 128, &tk, cb * 64, t.h, (int)(key_row0 + c0), (int)t.sq.b, &full[st]);
                 if (kv_split) {
-                    if (ci >= NS) mb_wait(&empty[vst], ((ci / NS) & 1) ^ 1);
+                    if (ci >= NS) mb_wait_sleep(&empty[vst], ((ci / NS) & 1) ^ 1);
                     mb_expect(&full[vst], VB);
                 }
                 if (has_v)
@@ -485,8 +485,8 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                 wg_commit();
                 wg_wait<0>();
 
-                sc_mask_scale<NT>(S, sc_chunk_whole(c0, c1, BN, rlo, rhi), c0, c1, rlo, rhi, lane,
-                                  sc_softcap<NT>(S, P.rule, P.scale, P.sl2));
+                const float f = sc_softcap<NT>(S, P.rule, P.scale, P.sl2);
+                sc_mask<NT>(S, sc_chunk_whole(c0, c1, BN, rlo, rhi), c0, c1, rlo, rhi, lane);
                 /* P from the saved lse; dS = P (g dP - D) (times the softcap's factor) */
                 if (P.rule.cap > 0.0f) {
                     const float ic2 = sc_capbw_of(P.rule, P.scale).ic2;
@@ -494,14 +494,14 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                         for (int e = 0; e < 4; e++)
-                            S[nt][e] = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]) *
-                                       sc_cap_grad(S[nt][e], ic2);
+                            S[nt][e] = ex2(__fmaf_rn(S[nt][e], f, -rl2[e >> 1])) *
+                                       (dP[nt][e] * rg[e >> 1] - rD[e >> 1]) * sc_cap_grad(S[nt][e], ic2);
                 } else {
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                         for (int e = 0; e < 4; e++)
-                            S[nt][e] = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
+                            S[nt][e] = ex2(__fmaf_rn(S[nt][e], f, -rl2[e >> 1])) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
                 }
                 /* dQ += dS K: the A fragments from S (its accumulator layout is the A-fragment layout) */
                 uint32_t pa[BN / 16][4];

@@ -259,9 +259,9 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
         /* rows of a position that did not select this block see none of its keys */
         const int hi2[2] = {wm >> rpx[0] & 1 ? rpos[0] : -1, wm >> rpx[1] & 1 ? rpos[1] : -1};
         const int full = c1 - c0 == BN && wm == (1 << RP) - 1 && c1 - 1 <= wpos;
-        sc_mask_scale<NT>(S, full, c0, c1, lo2, hi2, lane, P.sl2);
+        sc_mask<NT>(S, full, c0, c1, lo2, hi2, lane);
         if constexpr (!DQ) {
-            sc_softmax<NT, DP / 8>(S, m_, l_, acc);
+            sc_softmax<NT, DP / 8>(S, m_, l_, acc, P.sl2);
             sfw_pb<T, NT, KT, BN>(acc, S, Vp, lane);
         } else {
             /* P from the saved lse; dP = dO V^T; dS = P (g dP - D); dQ += dS K */
@@ -270,7 +270,8 @@ __global__ void __launch_bounds__(32 * (NP / RP) * KS) sfw_kernel(const qparams 
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) dP[nt][e] = ex2(S[nt][e] - rl2[e >> 1]) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
+                for (int e = 0; e < 4; e++)
+                    dP[nt][e] = ex2(__fmaf_rn(S[nt][e], P.sl2, -rl2[e >> 1])) * (dP[nt][e] * rg[e >> 1] - rD[e >> 1]);
             sfw_pb<T, NT, KT, BN>(acc, dP, Kp, lane);
         }
         fence_async_smem(); /* this thread's ldmatrix reads before the stage's next TMA write */
