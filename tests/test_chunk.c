@@ -399,7 +399,7 @@ static void ops_case(nsa_context *ctx, const chunk_case *c, whole *w, test_rng *
         rdk[b] = (double *)calloc((size_t)(Nc * H * DK + 1), sizeof(double));
         rdv[b] = (double *)calloc((size_t)(Nc * H * DV + 1), sizeof(double));
         ref_cmp_attn(&c->cfg, scale, d, Nc, q, kc, vc, ro[b], rl[b]);
-        ref_cmp_attn_bwd(&c->cfg, scale, d, Nc, q, kc, vc, dfull, rdq[b], rdk[b], rdv[b]);
+        ref_cmp_attn_bwd(&c->cfg, scale, d, Nc, q, kc, vc, dfull, NULL, rdq[b], rdk[b], rdv[b]);
         so[b] = (double *)calloc((size_t)(Tk * HQ * DV + 1), sizeof(double));
         sl[b] = (double *)calloc((size_t)(Tk * HQ + 1), sizeof(double));
         sdq[b] = (double *)calloc((size_t)(Tk * HQ * DK + 1), sizeof(double));
@@ -407,7 +407,7 @@ static void ops_case(nsa_context *ctx, const chunk_case *c, whole *w, test_rng *
         sdv[b] = (double *)calloc((size_t)(Tk * H * DV + 1), sizeof(double));
         const int32_t *idx = w->idx + b * Tk * H * c->m, *cnt = c->counts ? w->cnt + b * Tk * H : NULL;
         ref_slc_attn(&c->cfg, scale, d, q, k, v, idx, c->m, cnt, so[b], sl[b]);
-        ref_slc_attn_bwd(&c->cfg, scale, d, q, k, v, idx, c->m, cnt, dfull, sdq[b], sdk[b], sdv[b]);
+        ref_slc_attn_bwd(&c->cfg, scale, d, q, k, v, idx, c->m, cnt, dfull, NULL, sdq[b], sdk[b], sdv[b]);
         free(q), free(k), free(v), free(kc), free(vc), free(dfull);
     }
 

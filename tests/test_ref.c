@@ -401,7 +401,7 @@ static void test_cmp_attn(void)
             CHECK_MSG(close_rel(o, ob, NO, 1e-12), msg);
             CHECK_MSG(lse_close(lse, lseb, T * d.HQ, 1e-12), msg);
 
-            ref_cmp_attn_bwd(&c, scale, d, Nc, q, kc, vc, dout, dq, dkc, dvc);
+            ref_cmp_attn_bwd(&c, scale, d, Nc, q, kc, vc, dout, NULL, dq, dkc, dvc);
             /* Rows that see no block: exactly zero output and dq, -inf lse, never NaN. */
             const int64_t ne = T < c.cmp_len - 1 ? T : c.cmp_len - 1;
             int empty_ok = 1;
@@ -519,7 +519,7 @@ static void test_slc_attn(void)
                 ref_attention(scale, 1, -1, -1, d, q, k, v, ob, lseb);
                 CHECK_MSG(close_rel(o, ob, NO, 1e-12) && lse_close(lse, lseb, T * d.HQ, 1e-12), msg);
 
-                ref_slc_attn_bwd(&c, scale, d, q, k, v, idx, m, cnts, dout, dq, dk, dv);
+                ref_slc_attn_bwd(&c, scale, d, q, k, v, idx, m, cnts, dout, NULL, dq, dk, dv);
                 slc_ctx ctx = {&c, scale, d, q, k, v, idx, m, cnts, dout};
                 fd_check("slc_attn dq", msg, loss_slc, &ctx, q, NQ, dq, NULL, 0, NULL);
                 fd_check("slc_attn dk", msg, loss_slc, &ctx, k, NK, dk, NULL, 0, NULL);
@@ -615,7 +615,7 @@ static void test_attention(void)
 
                 if (cases[ci].fd) {
                     double *dq = vec(NQ), *dk = vec(NK), *dv = vec(NV);
-                    ref_attention_bwd(scale, causal, wl, wr, d, q, k, v, dout, dq, dk, dv);
+                    ref_attention_bwd(scale, causal, wl, wr, d, q, k, v, dout, NULL, dq, dk, dv);
                     attn_ctx ctx = {scale, causal, wl, wr, d, q, k, v, dout};
                     fd_check("attention dq", msg, loss_attn, &ctx, q, NQ, dq, NULL, 0, NULL);
                     fd_check("attention dk", msg, loss_attn, &ctx, k, NK, dk, NULL, 0, NULL);

@@ -156,18 +156,22 @@ static void attend_rows(double scale, int64_t DK, int64_t DV, int64_t Tk, const 
             for (int64_t e = 0; e < DV; e++) o[r][e] = rnd(o[r][e]);
 }
 
-/* Backward of attend_rows for the loss sum_r o[r] . dout[r]; dout[r] [DV].
+/* Backward of attend_rows for the loss sum_r o[r] . dout[r]; dout[r] [DV]. o_in (NULL = none):
+ * the forward output o_in[r] [DV] that the backward is handed, from which the naive
+ * implementation takes D (below) instead of from its own.
  * dq[r] [DK] is overwritten; dk (key s at dk + s*k_stride, [DK]) and dv (dv + s*v_stride,
  * [DV]) are accumulated. P, dS: scratch [R, Tk].
  * dP = dO V^T, D_r = sum_s P dP, dS = P (dP - D); dQ = scale dS K, dK += scale dS^T Q,
  * dV += P^T dO. Empty rows have P = 0 and so contribute nothing. */
 static void attend_rows_bwd(double scale, int64_t DK, int64_t DV, int64_t Tk, const double *k, int64_t k_stride,
                             const double *v, int64_t v_stride, int64_t R, const double *const *q,
-                            const unsigned char *const *vis, const double *const *dout, double *P, double *dS,
-                            double *const *dq, double *dk, double *dv)
+                            const unsigned char *const *vis, const double *const *dout, const double *const *o_in,
+                            double *P, double *dS, double *const *dq, double *dk, double *dv)
 {
-    /* The naive same-precision implementation (ref_store_round set) takes D from its stored,
-     * rounded output, D = dO . O, as a fused kernel does; exactly, that equals sum_s P dP. */
+    /* The naive same-precision implementation (ref_store_round set) takes D = dO . O from a
+     * stored, rounded output, as a fused kernel does (exactly, that equals sum_s P dP): the o
+     * the backward is handed when there is one, as a kernel reads it, so that both round the
+     * same o; else its own. */
     double *o_store[REF_ROW_BLOCK] = {0}, *o_buf = ref_store_round ? dalloc(R * DV) : NULL;
     for (int64_t r = 0; r < R; r++) o_store[r] = o_buf ? o_buf + r * DV : NULL;
     attend_rows(scale, DK, DV, Tk, k, k_stride, v, v_stride, R, q, vis, P, o_buf ? o_store : NULL, NULL);
@@ -176,7 +180,7 @@ static void attend_rows_bwd(double scale, int64_t DK, int64_t DV, int64_t Tk, co
             dS[r * Tk + s] = vis[r][s] ? rnd(dot(dout[r], v + s * v_stride, DV)) : 0.0;
     for (int64_t r = 0; r < R; r++) {
         double D = 0.0;
-        if (o_buf) D = dot(dout[r], o_store[r], DV);
+        if (o_buf) D = dot(dout[r], o_in ? o_in[r] : o_store[r], DV);
         else
             for (int64_t s = 0; s < Tk; s++) D += P[r * Tk + s] * dS[r * Tk + s];
         for (int64_t s = 0; s < Tk; s++) dS[r * Tk + s] = rnd(P[r * Tk + s] * (dS[r * Tk + s] - D));
@@ -245,10 +249,11 @@ static void masked_attn(double scale, ref_dims d, int64_t Tk, const unsigned cha
 }
 
 /* Backward of masked_attn for the loss sum(o * dout): dout [T, HQ, DV] ->
- * dq [T, HQ, DK], dk [Tk, H, DK], dv [Tk, H, DV], all overwritten. */
+ * dq [T, HQ, DK], dk [Tk, H, DK], dv [Tk, H, DV], all overwritten. o_given [T, HQ, DV]
+ * (NULL = none): the forward output the backward is handed (attend_rows_bwd's o_in). */
 static void masked_attn_bwd(double scale, ref_dims d, int64_t Tk, const unsigned char *mask, int64_t mh,
                             const double *q, const double *k, const double *v, const double *dout,
-                            double *dq, double *dk, double *dv)
+                            const double *o_given, double *dq, double *dk, double *dv)
 {
     const int64_t G = d.HQ / d.H;
     double *P = dalloc(REF_ROW_BLOCK * Tk), *dS = dalloc(REF_ROW_BLOCK * Tk);
@@ -258,8 +263,10 @@ static void masked_attn_bwd(double scale, ref_dims d, int64_t Tk, const unsigned
     for (int64_t h = 0; h < d.H; h++)
         for (int64_t r0 = 0; r0 < d.T * G; r0 += REF_ROW_BLOCK) {
             block_rows(&B, d, h, r0, Tk, mask, mh, q, dq, d.DK, dout, d.DV);
+            const double *o_in[REF_ROW_BLOCK];
+            for (int64_t r = 0; r < B.R; r++) o_in[r] = o_given ? o_given + B.row[r] * d.DV : NULL;
             attend_rows_bwd(scale, d.DK, d.DV, Tk, k + h * d.DK, d.H * d.DK, v + h * d.DV, d.H * d.DV, B.R, B.q,
-                            B.vis, B.in, P, dS, B.out, dk + h * d.DK, dv + h * d.DV);
+                            B.vis, B.in, o_given ? o_in : NULL, P, dS, B.out, dk + h * d.DK, dv + h * d.DV);
         }
     free(P);
     free(dS);
@@ -387,11 +394,11 @@ void ref_cmp_attn(const nsa_config *c, double scale, ref_dims d, int64_t Nc, con
 
 /* dout [T, HQ, DV] -> dq [T, HQ, DK], dk_cmp [Nc, H, DK], dv_cmp [Nc, H, DV]. */
 void ref_cmp_attn_bwd(const nsa_config *c, double scale, ref_dims d, int64_t Nc, const double *q,
-                      const double *k_cmp, const double *v_cmp, const double *dout, double *dq,
-                      double *dk_cmp, double *dv_cmp)
+                      const double *k_cmp, const double *v_cmp, const double *dout, const double *o_given,
+                      double *dq, double *dk_cmp, double *dv_cmp)
 {
     unsigned char *mask = cmp_mask(c, d.T, Nc);
-    masked_attn_bwd(scale, d, Nc, mask, 1, q, k_cmp, v_cmp, dout, dq, dk_cmp, dv_cmp);
+    masked_attn_bwd(scale, d, Nc, mask, 1, q, k_cmp, v_cmp, dout, o_given, dq, dk_cmp, dv_cmp);
     free(mask);
 }
 
@@ -535,10 +542,10 @@ void ref_slc_attn(const nsa_config *c, double scale, ref_dims d, const double *q
 /* dout [T, HQ, DV] -> dq [T, HQ, DK], dk [T, H, DK], dv [T, H, DV]. */
 void ref_slc_attn_bwd(const nsa_config *c, double scale, ref_dims d, const double *q, const double *k,
                       const double *v, const int32_t *block_indices, int64_t m, const int32_t *counts,
-                      const double *dout, double *dq, double *dk, double *dv)
+                      const double *dout, const double *o_given, double *dq, double *dk, double *dv)
 {
     unsigned char *mask = slc_mask(c, d, block_indices, m, counts);
-    masked_attn_bwd(scale, d, d.T, mask, d.H, q, k, v, dout, dq, dk, dv);
+    masked_attn_bwd(scale, d, d.T, mask, d.H, q, k, v, dout, o_given, dq, dk, dv);
     free(mask);
 }
 
@@ -558,10 +565,10 @@ void ref_attention(double scale, int causal, int64_t window_left, int64_t window
 /* dout [T, HQ, DV] -> dq [T, HQ, DK], dk [T, H, DK], dv [T, H, DV]. */
 void ref_attention_bwd(double scale, int causal, int64_t window_left, int64_t window_right, ref_dims d,
                        const double *q, const double *k, const double *v, const double *dout,
-                       double *dq, double *dk, double *dv)
+                       const double *o_given, double *dq, double *dk, double *dv)
 {
     unsigned char *mask = win_mask(causal, window_left, window_right, d.T);
-    masked_attn_bwd(scale, d, d.T, mask, 1, q, k, v, dout, dq, dk, dv);
+    masked_attn_bwd(scale, d, d.T, mask, 1, q, k, v, dout, o_given, dq, dk, dv);
     free(mask);
 }
 
@@ -698,6 +705,10 @@ void ref_nsa_forward(const nsa_config *c, double scale, ref_dims d, const ref_ns
     pipe_close(&p);
 }
 
+/* A branch output the backward is handed (in->o_cmp, ...), for the naive pass only: the exact
+ * gradient uses the exact output. */
+static const double *handed_o(const double *o) { return ref_store_round ? o : NULL; }
+
 /* Backward of ref_nsa_forward for the loss sum(o * dout), dout [T, HQ, DV]. Every non-NULL
  * gradient is overwritten; one that no enabled branch reaches (a disabled branch's gate or
  * K/V, dk_slc without k_slc, ...) is written as zeros. The selection is treated as a
@@ -728,9 +739,10 @@ void ref_nsa_backward(const nsa_config *c, double scale, ref_dims d, const ref_n
 
     if (in->g_cmp) {
         double *dkc = dalloc(Nc * H * d.DK), *dvc = dalloc(Nc * H * d.DV);
+        const double *og = handed_o(in->o_cmp);
         ref_cmp_attn(c, scale, d, Nc, in->q, p.kc, p.vc, o_x, lse);
-        gate_bwd(T * d.HQ, d.DV, in->g_cmp, dout, o_x, do_x, grads->dg_cmp);
-        ref_cmp_attn_bwd(c, scale, d, Nc, in->q, p.kc, p.vc, do_x, dq_x, dkc, dvc);
+        gate_bwd(T * d.HQ, d.DV, in->g_cmp, dout, og ? og : o_x, do_x, grads->dg_cmp);
+        ref_cmp_attn_bwd(c, scale, d, Nc, in->q, p.kc, p.vc, do_x, og, dq_x, dkc, dvc);
         add_to(dq, dq_x, NQ);
         /* Mean pooling is linear: its backward spreads dk_cmp[i] / l over block i's tokens. */
         if (in->k_cmp) {
@@ -749,17 +761,19 @@ void ref_nsa_backward(const nsa_config *c, double scale, ref_dims d, const ref_n
         free(dvc);
     }
     if (in->g_slc) {
+        const double *og = handed_o(in->o_slc);
         ref_slc_attn(c, scale, d, in->q, p.ks, p.vs, p.idx, p.width, p.counts, o_x, lse);
-        gate_bwd(T * d.HQ, d.DV, in->g_slc, dout, o_x, do_x, grads->dg_slc);
-        ref_slc_attn_bwd(c, scale, d, in->q, p.ks, p.vs, p.idx, p.width, p.counts, do_x, dq_x, dk_x, dv_x);
+        gate_bwd(T * d.HQ, d.DV, in->g_slc, dout, og ? og : o_x, do_x, grads->dg_slc);
+        ref_slc_attn_bwd(c, scale, d, in->q, p.ks, p.vs, p.idx, p.width, p.counts, do_x, og, dq_x, dk_x, dv_x);
         add_to(dq, dq_x, NQ);
         route(in->k_slc != NULL, grads->dk_slc, dk, dk_x, NK);
         route(in->v_slc != NULL, grads->dv_slc, dv, dv_x, NV);
     }
     if (in->g_swa) {
+        const double *og = handed_o(in->o_swa);
         ref_attention(swa_scale(c, scale), 1, c->window - 1, 0, d, in->q, p.kw, p.vw, o_x, lse);
-        gate_bwd(T * d.HQ, d.DV, in->g_swa, dout, o_x, do_x, grads->dg_swa);
-        ref_attention_bwd(swa_scale(c, scale), 1, c->window - 1, 0, d, in->q, p.kw, p.vw, do_x, dq_x, dk_x, dv_x);
+        gate_bwd(T * d.HQ, d.DV, in->g_swa, dout, og ? og : o_x, do_x, grads->dg_swa);
+        ref_attention_bwd(swa_scale(c, scale), 1, c->window - 1, 0, d, in->q, p.kw, p.vw, do_x, og, dq_x, dk_x, dv_x);
         add_to(dq, dq_x, NQ);
         route(in->k_swa != NULL, grads->dk_swa, dk, dk_x, NK);
         route(in->v_swa != NULL, grads->dv_swa, dv, dv_x, NV);

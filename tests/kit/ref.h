@@ -20,7 +20,12 @@ typedef struct ref_dims {
 /* The tolerance rule's "straightforward same-precision implementation" (docs/spec.md, "Accuracy"):
  * when set, the reference rounds every tensor that a plain implementation in the storage
  * dtype would materialise (scores S, probabilities P, outputs O and branch outputs, dP, dS,
- * the compressed K/V) with this function. NULL (the default) = exact float64. */
+ * the compressed K/V) with this function. NULL (the default) = exact float64.
+ * The backward functions' o_given [T, HQ, DV] (NULL = none) is the forward output the op under
+ * test was handed: with ref_store_round set they take D = dout . o from it, as a kernel reads
+ * the stored o it is given, so that the naive implementation and the kernel round the same o
+ * (each rounding its own made the naive error a different draw of that rounding, which tiny
+ * tensors showed as a kernel 2-4x worse than a lucky naive result); the exact pass ignores it. */
 extern double (*ref_store_round)(double);
 
 /* Nc for a T-token sequence (0 when T < l). */
@@ -34,8 +39,8 @@ void ref_compress_bwd(const nsa_config *c, int64_t T, int64_t H, int64_t D, cons
 void ref_cmp_attn(const nsa_config *c, double scale, ref_dims d, int64_t Nc, const double *q,
                   const double *k_cmp, const double *v_cmp, double *o, double *lse);
 void ref_cmp_attn_bwd(const nsa_config *c, double scale, ref_dims d, int64_t Nc, const double *q,
-                      const double *k_cmp, const double *v_cmp, const double *dout, double *dq,
-                      double *dk_cmp, double *dv_cmp);
+                      const double *k_cmp, const double *v_cmp, const double *dout, const double *o_given,
+                      double *dq, double *dk_cmp, double *dv_cmp);
 
 /* Spec 3: block_indices [T, H, n] (n = c->slc_topk), ascending, -1 padded.
  * Also returns the importance imp [T, H, nb] when imp != NULL (nb = ceil(T / l')). */
@@ -48,7 +53,7 @@ void ref_slc_attn(const nsa_config *c, double scale, ref_dims d, const double *q
                   double *o, double *lse);
 void ref_slc_attn_bwd(const nsa_config *c, double scale, ref_dims d, const double *q, const double *k,
                       const double *v, const int32_t *block_indices, int64_t m, const int32_t *counts,
-                      const double *dout, double *dq, double *dk, double *dv);
+                      const double *dout, const double *o_given, double *dq, double *dk, double *dv);
 
 /* Spec 5 and the general core: key s visible to query t iff
  * (window_left < 0 || s >= t - window_left) && (right bound: causal ? s <= t :
@@ -57,7 +62,7 @@ void ref_attention(double scale, int causal, int64_t window_left, int64_t window
                    const double *q, const double *k, const double *v, double *o, double *lse);
 void ref_attention_bwd(double scale, int causal, int64_t window_left, int64_t window_right, ref_dims d,
                        const double *q, const double *k, const double *v, const double *dout,
-                       double *dq, double *dk, double *dv);
+                       const double *o_given, double *dq, double *dk, double *dv);
 
 /* The attention op with every option of nsa.h section 5, for ONE sequence of Tq = d.T queries
  * and Tk keys: q [Tq, HQ, DK], k [Tk, H, DK], v [Tk, H, DV]. It materialises the score matrix
@@ -109,6 +114,8 @@ typedef struct ref_nsa_inputs {
     const int32_t *block_indices;           /* [T, H, m] or NULL */
     int64_t m;
     const int32_t *block_counts;            /* [T, H] or NULL */
+    const double *o_cmp, *o_slc, *o_swa;    /* [T, HQ, DV] or NULL: the branch outputs the
+                                               backward is handed (o_given below) */
 } ref_nsa_inputs;
 
 typedef struct ref_nsa_grads {              /* each NULL when not wanted */
