@@ -462,7 +462,9 @@ typedef struct ref_out {
 } ref_out;
 
 /* The reference over every sequence of the call, into whole-call arrays. */
-static void reference(const world *w, ref_out *r)
+/* o_handed (NULL: none): the o the backward under test was handed, [B, Tq, HQ, DV], from which
+ * the naive pass takes D (ref.h, o_given). */
+static void reference(const world *w, ref_out *r, const double *o_handed)
 {
     const acase *c = &w->c;
     const int64_t HQ = c->HQ, H = c->H, DK = c->DK, DV = c->DV;
@@ -479,6 +481,7 @@ static void reference(const world *w, ref_out *r)
         o.causal = c->causal, o.window_left = c->wl, o.window_right = c->causal ? 0 : c->wr;
         o.softcap = c->softcap;
         o.sinks = c->sinks ? w->sinks.val : NULL;
+        o.o_given = o_handed ? o_handed + (b * w->Tq + q0) * HQ * DV : NULL;
         int32_t *qs = NULL, *ks = NULL;
         if (c->seg) {
             qs = malloc((size_t)ql * 4 + 4), ks = malloc((size_t)kl * 4 + 4);
@@ -546,12 +549,15 @@ static void run_case(const acase *c, uint64_t seed)
     /* the backward reads the forward's o and lse as stored */
     CHECK_STATUS(run_bwd(&w.g), NSA_STATUS_SUCCESS);
     ref_out ex, nv;
-    reference(&w, &ex);
+    reference(&w, &ex, NULL);
     const nsa_dtype dt = w.c.dt; /* as stored (bf16 for f32 cases on the GPU) */
+    double *o_handed = malloc((size_t)w.o.n * 8 + 8);
+    for (int64_t i = 0; i < w.o.n; i++) o_handed[i] = buf_get(&w.o, i);
     g_round_dt = dt;
     ref_store_round = round_hook;
-    reference(&w, &nv);
+    reference(&w, &nv, o_handed);
     ref_store_round = NULL;
+    free(o_handed);
     compare("o", &w.o, ex.o, nv.o, dt);
     compare("lse", &w.lse, ex.lse, nv.lse, NSA_DTYPE_F32);
     compare("dq", &w.dq, ex.dq, nv.dq, dt);

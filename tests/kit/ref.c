@@ -987,7 +987,7 @@ void ref_attention_ext_bwd(const ref_attn_opts *opt, ref_dims d, int64_t Tk, con
     const int64_t G = d.HQ / d.H, Tq = d.T;
     ref_ext e = ext_open(opt, d, Tk, q, k);
     double *dS = dalloc(Tk), *o_buf = ref_store_round ? dalloc(Tq * d.HQ * d.DV) : NULL;
-    if (o_buf) ext_out(&e, d, v, o_buf); /* the naive implementation takes D from its stored o */
+    if (o_buf) ext_out(&e, d, v, o_buf); /* the naive implementation's stored o: D's, unless handed one */
     zero_if(dq, Tq * d.HQ * d.DK);
     zero_if(dk, Tk * d.H * d.DK);
     zero_if(dv, Tk * d.H * d.DV);
