@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 
 #include "harness.h"
+#include "ref.h"
 #include "sweep.h"
 #include <math.h>
 #include <stdlib.h>
@@ -68,12 +69,108 @@ static void test_edge_cases(nsa_context *ctx)
 static void test_finite_differences(nsa_context *ctx);
 static void test_int64_offsets(nsa_context *ctx);
 
+/* got [n] (f32) against the float64 reference: the same NaN / inf elements, the rest close. */
+static void check_nonfinite_rows(const char *what, const float *got, const double *want, int64_t n)
+{
+    long bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int gn = !isfinite(got[i]), wn = !isfinite(want[i]);
+        bad += gn != wn || (!gn && fabs(got[i] - want[i]) > 1e-4 * (1.0 + fabs(want[i])));
+    }
+    char msg[160];
+    snprintf(msg, sizeof msg, "%s: %ld of %lld elements differ from the reference in value or finiteness", what, bad,
+             (long long)n);
+    CHECK_MSG(bad == 0, msg);
+}
+
+/* A row's first key block whose visible scores are all -inf, followed by finite ones: dense
+ * softmax gives those keys weight exp(-inf - max) = 0 and the row is finite; only a row with
+ * no finite score is NaN. The online softmax once took exp(-inf - -inf) = NaN in that first
+ * block (found by the non-finite sweep: selected attention with one-token blocks). */
+static void test_neg_inf_first_block(nsa_context *ctx)
+{
+    test_rng r = {77};
+    /* selected attention, one-token blocks, query t selects {0, t}: key 0 scores -inf for head 0
+     * (q . k = +1 * -inf), +inf for head 1 (NaN row, as dense) */
+    {
+        enum { T = 6, HQ = 2, D = 16 };
+        float q[T * HQ * D], k[T * D], v[T * D], o[T * HQ * D], lse[T * HQ];
+        int32_t idx[T * 2];
+        double qd[T * HQ * D], kd[T * D], vd[T * D], od[T * HQ * D], ld[T * HQ];
+        for (int i = 0; i < T * HQ * D; i++) q[i] = (float)rng_normal(&r);
+        for (int i = 0; i < T * D; i++) k[i] = (float)rng_normal(&r), v[i] = (float)rng_normal(&r);
+        k[0] = -INFINITY;
+        for (int t = 0; t < T; t++) {
+            q[(t * HQ + 0) * D] = 1.0f, q[(t * HQ + 1) * D] = -1.0f;
+            idx[t * 2] = 0, idx[t * 2 + 1] = t > 0 ? t : -1;
+        }
+        for (int i = 0; i < T * HQ * D; i++) qd[i] = q[i];
+        for (int i = 0; i < T * D; i++) kd[i] = k[i], vd[i] = v[i];
+        nsa_slc_attn_args a;
+        memset(&a, 0, sizeof a);
+        a.q = nsa_tensor_make(q, NSA_DTYPE_F32, 4, (int64_t[]){1, T, HQ, D});
+        a.k = nsa_tensor_make(k, NSA_DTYPE_F32, 4, (int64_t[]){1, T, 1, D});
+        a.v = nsa_tensor_make(v, NSA_DTYPE_F32, 4, (int64_t[]){1, T, 1, D});
+        a.block_indices = nsa_tensor_make(idx, NSA_DTYPE_I32, 4, (int64_t[]){1, T, 1, 2});
+        a.o = nsa_tensor_make(o, NSA_DTYPE_F32, 4, (int64_t[]){1, T, HQ, D});
+        a.lse = nsa_tensor_make(lse, NSA_DTYPE_F32, 3, (int64_t[]){1, T, HQ});
+        a.config = nsa_config_default();
+        a.config.cmp_len = a.config.cmp_stride = a.config.slc_block = 1;
+        a.config.slc_topk = 2, a.config.n_init = 0, a.config.n_local = 1;
+        size_t need = 0;
+        CHECK_STATUS(nsa_slc_attn_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
+        void *ws = malloc(need > 0 ? need : 1);
+        CHECK_STATUS(nsa_slc_attn(ctx, &a, ws, need), NSA_STATUS_SUCCESS);
+        free(ws);
+        const ref_dims d = {T, HQ, 1, D, D};
+        ref_slc_attn(&a.config, 1.0 / sqrt((double)D), d, qd, kd, vd, idx, 2, NULL, od, ld);
+        check_nonfinite_rows("selected attention o, key 0 at -inf first", o, od, T * HQ * D);
+        check_nonfinite_rows("selected attention lse, key 0 at -inf first", lse, ld, T * HQ);
+        CHECK(isfinite(o[(3 * HQ + 0) * D]) && isnan(o[(3 * HQ + 1) * D])); /* the two rows the case is about */
+    }
+    /* dense causal attention over 80 keys: keys 0 .. 63 (the first 64-key block) score -inf for
+     * every query, through the plain path and through the options' path (a zero bias) */
+    for (int with_bias = 0; with_bias < 2; with_bias++) {
+        enum { T = 80, D = 16 };
+        static float q[T * D], k[T * D], v[T * D], o[T * D], lse[T], bias[T * T];
+        static double qd[T * D], kd[T * D], vd[T * D], od[T * D], ld[T];
+        for (int i = 0; i < T * D; i++)
+            q[i] = (float)rng_normal(&r), k[i] = (float)rng_normal(&r), v[i] = (float)rng_normal(&r);
+        for (int t = 0; t < T; t++) {
+            q[t * D] = 1.0f;
+            if (t < 64) k[t * D] = -INFINITY;
+        }
+        for (int i = 0; i < T * D; i++) qd[i] = q[i], kd[i] = k[i], vd[i] = v[i];
+        nsa_attention_args a;
+        memset(&a, 0, sizeof a);
+        a.q = nsa_tensor_make(q, NSA_DTYPE_F32, 4, (int64_t[]){1, T, 1, D});
+        a.k = nsa_tensor_make(k, NSA_DTYPE_F32, 4, (int64_t[]){1, T, 1, D});
+        a.v = nsa_tensor_make(v, NSA_DTYPE_F32, 4, (int64_t[]){1, T, 1, D});
+        a.o = nsa_tensor_make(o, NSA_DTYPE_F32, 4, (int64_t[]){1, T, 1, D});
+        a.lse = nsa_tensor_make(lse, NSA_DTYPE_F32, 3, (int64_t[]){1, T, 1});
+        a.causal = 1, a.window_left = -1, a.window_right = -1;
+        if (with_bias) a.bias = nsa_tensor_make(bias, NSA_DTYPE_F32, 4, (int64_t[]){1, 1, T, T});
+        size_t need = 0;
+        CHECK_STATUS(nsa_attention_workspace_size(ctx, &a, &need), NSA_STATUS_SUCCESS);
+        void *ws = malloc(need > 0 ? need : 1);
+        CHECK_STATUS(nsa_attention(ctx, &a, ws, need), NSA_STATUS_SUCCESS);
+        free(ws);
+        const ref_dims d = {T, 1, 1, D, D};
+        ref_attention(1.0 / sqrt((double)D), 1, -1, -1, d, qd, kd, vd, od, ld);
+        check_nonfinite_rows(with_bias ? "attention (bias) o, keys 0..63 at -inf" : "attention o, keys 0..63 at -inf", o, od,
+                             T * D);
+        check_nonfinite_rows(with_bias ? "attention (bias) lse" : "attention lse", lse, ld, T);
+        CHECK(isnan(o[10 * D]) && isfinite(o[70 * D])); /* rows with and without a finite score */
+    }
+}
+
 void test_backend_all(void)
 {
     nsa_context *ctx = harness_cpu_context(0);
     CHECK(ctx != NULL);
     if (!ctx) return;
     test_edge_cases(ctx);
+    test_neg_inf_first_block(ctx);
     test_finite_differences(ctx);
     test_int64_offsets(ctx);
     nsa_context_destroy(ctx);

@@ -322,16 +322,18 @@ static void ext_softmax_block(ext_scratch *x, const ext_opts *o, const ext_seq *
             continue;
         }
         /* Visible scores that are all NaN or -inf leave the max at -inf (a row that has seen no
-         * other key). Dense softmax: a NaN makes the row NaN, and so does exp(-inf - max) with
-         * max = -inf; with a sink the max is the sink's and each -inf key has weight 0, which
-         * still multiplies its v (+0 here: visible, so 0 * inf stays NaN). */
+         * finite score yet). Dense softmax: a NaN makes the row NaN. Each -inf key has weight
+         * exp(-inf - max) = 0 once a later block (or a sink) brings a finite max, a weight that
+         * still multiplies its v (+0 here: visible, so 0 * inf stays NaN); if none comes, the
+         * row is exp(-inf - -inf) = NaN without a sink (ninf, ext_finish_rows). */
         if (mx == -INFINITY) {
             int any_nan = 0;
             for (int64_t c = 0; c < n; c++) any_nan |= vis[c] && s[c] != s[c];
-            if (any_nan || !o->sinks) {
+            if (any_nan) {
                 mx = NAN;
             } else {
                 for (int64_t c = 0; c < n; c++) s[c] = vis[c] ? 0.0f : -0.0f;
+                t->ninf[r] = 1;
                 continue;
             }
         }
@@ -356,8 +358,10 @@ static void ext_finish_rows(ext_scratch *x, const ext_opts *o)
     core_tile *t = &x->t;
     for (int r = 0; r < t->R; r++) {
         float *orow = t->O + (size_t)r * t->DV;
-        /* l == 0 exactly when the row saw no key; NaN l (a non-finite row) stays NaN */
-        float lse = t->l[r] != 0.0f ? t->m[r] + logf(t->l[r]) : -INFINITY;
+        /* l == 0 exactly when the row saw no key or only keys scored -inf (ninf: NaN without a
+         * sink); NaN l (a non-finite row) stays NaN */
+        const int nan_row = t->l[r] == 0.0f && t->ninf[r] && !o->sinks;
+        float lse = t->l[r] != 0.0f ? t->m[r] + logf(t->l[r]) : nan_row ? NAN : -INFINITY;
         if (o->sinks) {
             const float sk = io_get(o->sinks, x->rhq[r] * o->sinks->stride[0]);
             const float mx = lse > sk ? lse : sk;
@@ -366,7 +370,7 @@ static void ext_finish_rows(ext_scratch *x, const ext_opts *o)
         x->lse_rows[r] = lse;
         /* a row that saw no key has O exactly 0 (hidden pairs never add); one that saw only
          * weight-0 keys next to a sink may hold 0 * inf = NaN, which w = 0 keeps */
-        const float w = t->l[r] != 0.0f ? expf(t->m[r] - lse) : 0.0f;
+        const float w = t->l[r] != 0.0f ? expf(t->m[r] - lse) : nan_row ? NAN : 0.0f;
         for (int d = 0; d < t->DV; d++) orow[d] *= w;
     }
 }

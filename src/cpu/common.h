@@ -144,6 +144,8 @@ typedef struct core_tile {
     float *Q;        /* [R, DK] scaled queries */
     int64_t *lo, *hi;/* [R] visible key range per row */
     float *m, *l;    /* [R] running max and sum (forward) */
+    unsigned char *ninf; /* [R] the row saw keys and every score so far was -inf (m = -inf, l = 0):
+                            NaN at the end unless a finite score follows, as in dense softmax */
     float *O;        /* [R, DV] unnormalised output accumulator (forward) */
     float *S;        /* [R, S_cap] scores / probabilities scratch */
     int64_t S_cap;
@@ -164,8 +166,9 @@ void core_fwd_begin(core_tile *t);
  * Afterwards S[r * S_cap + (c - c0)] holds exp(s - m_r) for visible keys (-0.0f otherwise),
  * relative to the row max m_r after this block. c1 - c0 <= S_cap. */
 void core_fwd_block(core_tile *t, const float *K, const float *V, int64_t c0, int64_t c1);
-/* Normalises: O /= l and lse = m + log(l); rows with no visible key get O = 0, lse = -inf (a
- * row that saw keys keeps whatever its arithmetic gave, NaN included). */
+/* Normalises: O /= l and lse = m + log(l); rows with no visible key get O = 0, lse = -inf; a
+ * row whose visible scores were all -inf gets NaN (dense softmax's exp(-inf - max)); a row that
+ * saw keys keeps whatever its arithmetic gave, NaN included. */
 void core_fwd_end(core_tile *t, float *lse_out);
 /* Backward over keys [c0, c1): P = exp(s - lse), dS = P * (dO V^T - Drow). Accumulates
  * t->dQ += dS K (if t->dQ), dK[c] += dS^T Q (if dK), dV[c] += P^T dO (if dV), with dK/dV
@@ -194,10 +197,12 @@ void core_grad_row_masked(float *p, float *ds, const float *keep, const unsigned
 void core_softcap_row(float *s, float *dcap, int64_t n, float cap);
 
 /* exp(x) in fp32 for the softmax, branch-free so the compiler vectorises it: the input is
- * clamped to [-87, 88] (exp(-87) ~ 2e-38 stands in for 0), split as 2^n * e^f with
- * |f| <= ln2/2, and e^f comes from a degree-7 polynomial (relative error ~1e-7). */
+ * clamped to [-87, 88], split as 2^n * e^f with |f| <= ln2/2, and e^f comes from a degree-7
+ * polynomial (relative error ~1e-7); below -87 the result is exactly 0 (so a -inf score has
+ * weight 0, and 0 * inf = NaN in P V as in dense attention, not a tiny weight times inf). */
 static inline float core_exp(float x)
 {
+    const int under = x < -87.0f;
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x); /* not fminf: that is a libm call */
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
     const float f = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* ln2 split in two: exact n*hi */
@@ -205,7 +210,7 @@ static inline float core_exp(float x)
     /* a NaN input stays NaN through p; the exponent never converts a NaN to int */
     const int32_t ni = n == n ? (int32_t)n : 0;
     union { uint32_t u; float f; } scale = {(uint32_t)(ni + 127) << 23}; /* 2^n */
-    return p * scale.f;
+    return under ? 0.0f : p * scale.f;
 }
 
 /* ---- tasks over (sequence, kv head, tile) --------------------------------------------- */

@@ -18,6 +18,7 @@ void core_tile_alloc(core_tile *t, ws_arena *a, int64_t R, int64_t DK, int64_t D
     t->hi = (int64_t *)ws_take_n(a, r, i);
     t->m = (float *)ws_take_n(a, r, f);
     t->l = (float *)ws_take_n(a, r, f);
+    t->ninf = (unsigned char *)ws_take_n(a, r, 1);
     t->O = (float *)ws_take_2d(a, r, dv, f);
     t->S = (float *)ws_take_2d(a, r, nsa_size_of(s_cap), f);
     t->xt = (float *)ws_take_2d(a, xd, 16, f);
@@ -35,6 +36,7 @@ void core_fwd_begin(core_tile *t)
     for (int r = 0; r < t->R; r++) {
         t->m[r] = -INFINITY;
         t->l[r] = 0.0f;
+        t->ninf[r] = 0;
     }
     memset(t->O, 0, (size_t)t->R * t->DV * sizeof(float));
 }
@@ -70,7 +72,8 @@ typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
 static inline vf16 vexp(vf16 x)
 {
     const vf16 lo = vzero() - 87.0f, hi = vzero() + 88.0f;
-    vi16 m = x < lo;
+    const vi16 under = x < lo;
+    vi16 m = under;
     x = (vf16)((m & (vi16)lo) | (~m & (vi16)x));
     m = x > hi;
     x = (vf16)((m & (vi16)hi) | (~m & (vi16)x));
@@ -79,7 +82,7 @@ static inline vf16 vexp(vf16 x)
     const vf16 p =
         1.0f + f * (1.0f + f * (0.5f + f * (0.166666667f + f * (0.0416666667f + f * (0.00833333333f + f * (0.00138888889f + f * 0.000198412698f))))));
     const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-    return p * (vf16)bits;
+    return (vf16)(~under & (vi16)(p * (vf16)bits));
 }
 
 /* s[i] = exp(s[i] - shift) for i < n; @return their sum. */
@@ -332,7 +335,21 @@ void core_fwd_block(core_tile *t, const float *K, const float *V, int64_t c0, in
         for (int64_t c = a - c0; c < b - c0; c++) mx = s[c] > mx ? s[c] : mx;
         /* rescale what was accumulated under the old max */
         const float alpha = t->m[r] == -INFINITY ? 0.0f : core_exp(t->m[r] - mx);
-        const float sum = exp_row(s + (a - c0), b - a, mx);
+        float sum;
+        if (mx == -INFINITY) {
+            /* every visible score so far is -inf or NaN (the max skips NaN): weight 0 for -inf,
+             * NaN stays NaN (not exp(s - mx), which is NaN for both). Such a row is NaN at the
+             * end only if no finite score follows in a later block: over the whole row, dense
+             * softmax gives these keys exp(-inf - max) = 0 */
+            sum = 0.0f;
+            for (int64_t c = a - c0; c < b - c0; c++) {
+                s[c] = s[c] != s[c] ? s[c] : 0.0f;
+                sum += s[c];
+            }
+            if (sum == 0.0f) t->ninf[r] = 1;
+        } else {
+            sum = exp_row(s + (a - c0), b - a, mx);
+        }
         t->m[r] = mx;
         t->l[r] = t->l[r] * alpha + sum;
         if (V && alpha != 1.0f) {
@@ -348,12 +365,16 @@ void core_fwd_end(core_tile *t, float *lse_out)
 {
     for (int r = 0; r < t->R; r++) {
         float *o = t->O + (size_t)r * t->DV;
-        /* l is 0 exactly when the row saw no key (a visible key adds at least exp(0) = 1 at the
-         * running max); a NaN l is a non-finite row, never an empty one */
+        /* l is 0 exactly when the row saw no key (a visible key with a finite score adds at least
+         * exp(0) = 1 at the running max) or only keys scored -inf (ninf); a NaN l is a
+         * non-finite row, never an empty one */
         if (t->l[r] != 0.0f) {
             float inv = 1.0f / t->l[r];
             for (int d = 0; d < t->DV; d++) o[d] *= inv;
             if (lse_out) lse_out[r] = t->m[r] + logf(t->l[r]);
+        } else if (t->ninf[r]) { /* saw keys, all with score -inf */
+            for (int d = 0; d < t->DV; d++) o[d] = NAN;
+            if (lse_out) lse_out[r] = NAN;
         } else {
             memset(o, 0, (size_t)t->DV * sizeof(float));
             if (lse_out) lse_out[r] = -INFINITY;

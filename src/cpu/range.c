@@ -114,8 +114,10 @@ static void select_position(const nsa_problem *p, const core_tile *t, int64_t ti
     for (int64_t i = 0; i < nv; i++) psum[i] = 0.0f;
     for (int64_t g = 0; g < p->G; g++) {
         const int r = (int)(ti * p->G + g);
-        if (t->l[r] == 0.0f) continue; /* no visible block: p_cmp = 0 (a NaN l passes: NaN importance) */
-        float w = 1.0f / t->l[r];       /* S holds exp(s - m): p = S / l */
+        /* no visible block: p_cmp = 0; a NaN l passes (NaN importance), and so does a row whose
+         * visible scores were all -inf (its p_cmp is NaN, as core_fwd_end makes its o) */
+        if (t->l[r] == 0.0f && !t->ninf[r]) continue;
+        float w = t->l[r] == 0.0f ? NAN : 1.0f / t->l[r]; /* S holds exp(s - m): p = S / l */
         if (sel->lse_in) {
             float lse = io_get(sel->lse_in, io_off(sel->lse_in, b, row, h * p->G + g));
             w = lse == -INFINITY ? 0.0f : core_exp(t->m[r] - lse);
