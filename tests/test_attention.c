@@ -462,9 +462,10 @@ typedef struct ref_out {
 } ref_out;
 
 /* The reference over every sequence of the call, into whole-call arrays. */
-/* o_handed (NULL: none): the o the backward under test was handed, [B, Tq, HQ, DV], from which
- * the naive pass takes D (ref.h, o_given). */
-static void reference(const world *w, ref_out *r, const double *o_handed)
+/* o_handed, lse_handed (NULL: none): the o [B, Tq, HQ, DV] and lse [B, Tq, HQ] the backward
+ * under test was handed, from which the naive pass takes D and the sinks' probabilities (ref.h,
+ * o_given, lse_given). */
+static void reference(const world *w, ref_out *r, const double *o_handed, const double *lse_handed)
 {
     const acase *c = &w->c;
     const int64_t HQ = c->HQ, H = c->H, DK = c->DK, DV = c->DV;
@@ -482,6 +483,7 @@ static void reference(const world *w, ref_out *r, const double *o_handed)
         o.softcap = c->softcap;
         o.sinks = c->sinks ? w->sinks.val : NULL;
         o.o_given = o_handed ? o_handed + (b * w->Tq + q0) * HQ * DV : NULL;
+        o.lse_given = lse_handed ? lse_handed + (b * w->Tq + q0) * HQ : NULL;
         int32_t *qs = NULL, *ks = NULL;
         if (c->seg) {
             qs = malloc((size_t)ql * 4 + 4), ks = malloc((size_t)kl * 4 + 4);
@@ -549,15 +551,16 @@ static void run_case(const acase *c, uint64_t seed)
     /* the backward reads the forward's o and lse as stored */
     CHECK_STATUS(run_bwd(&w.g), NSA_STATUS_SUCCESS);
     ref_out ex, nv;
-    reference(&w, &ex, NULL);
+    reference(&w, &ex, NULL, NULL);
     const nsa_dtype dt = w.c.dt; /* as stored (bf16 for f32 cases on the GPU) */
-    double *o_handed = malloc((size_t)w.o.n * 8 + 8);
+    double *o_handed = malloc((size_t)w.o.n * 8 + 8), *lse_handed = malloc((size_t)w.lse.n * 8 + 8);
     for (int64_t i = 0; i < w.o.n; i++) o_handed[i] = buf_get(&w.o, i);
+    for (int64_t i = 0; i < w.lse.n; i++) lse_handed[i] = buf_get(&w.lse, i);
     g_round_dt = dt;
     ref_store_round = round_hook;
-    reference(&w, &nv, o_handed);
+    reference(&w, &nv, o_handed, w.lse.n > 0 ? lse_handed : NULL);
     ref_store_round = NULL;
-    free(o_handed);
+    free(o_handed), free(lse_handed);
     compare("o", &w.o, ex.o, nv.o, dt);
     compare("lse", &w.lse, ex.lse, nv.lse, NSA_DTYPE_F32);
     compare("dq", &w.dq, ex.dq, nv.dq, dt);
@@ -693,7 +696,9 @@ static void test_random_cases(void)
 {
     static const int64_t dks[] = {8, 16, 32, 48, 64, 96}, gs[] = {1, 2, 3, 4};
     static const nsa_dtype dts[] = {NSA_DTYPE_F32, NSA_DTYPE_F16, NSA_DTYPE_BF16};
-    test_rng r = {20261123};
+    /* NSA_TEST_ATTENTION_SEED=N draws another 40 cases (a longer hunt than the fixed seed) */
+    const char *seed = getenv("NSA_TEST_ATTENTION_SEED");
+    test_rng r = {seed && seed[0] ? strtoull(seed, NULL, 10) : 20261123};
     char names[40][64];
     for (int n = 0; n < 40; n++) {
         acase c = shape("", rng_int(&r, 1, 3), rng_int(&r, 0, 130), rng_int(&r, 0, 130), 0, rng_int(&r, 1, 2),

@@ -1003,7 +1003,8 @@ void ref_attention_ext_bwd(const ref_attn_opts *opt, ref_dims d, int64_t Tk, con
                 D += e.P[x] * dS[j];
             }
             if (o_buf) D = dot(dO, (opt->o_given ? opt->o_given : o_buf) + (i * d.HQ + hq) * d.DV, d.DV);
-            if (dsinks && opt->sinks) dsinks[hq] -= exp(opt->sinks[hq] - e.lse[hq * Tq + i]) * D;
+            const double lse = o_buf && opt->lse_given ? opt->lse_given[i * d.HQ + hq] : e.lse[hq * Tq + i];
+            if (dsinks && opt->sinks) dsinks[hq] -= exp(opt->sinks[hq] - lse) * D;
             for (int64_t j = 0; j < Tk; j++) {
                 const int64_t x = ext_at(&e, hq, i, j);
                 if (!e.vis[x]) continue;

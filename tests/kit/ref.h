@@ -85,6 +85,10 @@ typedef struct ref_attn_opts {
      * ref_store_round the naive backward takes D = dout . o from it, as a kernel reads the
      * stored o it is handed, so both round the same o */
     const double *o_given;
+    /* the forward lse a backward is handed, [Tq, HQ] (NULL: the reference's own): with
+     * ref_store_round the naive dsinks takes the sink's probability exp(sink - lse) from it, as
+     * a kernel does from the stored lse */
+    const double *lse_given;
 } ref_attn_opts;
 
 /* Philox4x32-10 written from Salmon et al. 2011 (independent of src/philox.h), and the keep

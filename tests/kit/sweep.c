@@ -1249,8 +1249,9 @@ static long check_attention_opts(nsa_context *ctx, problem *p, tens *q, tens *k,
 
     const int64_t nO = B * T * HQ * DV, nL = B * T * HQ, nb = with_bias ? bias.numel : 1;
     double *ro[2], *rl[2], *rdq[2], *rdk[2], *rdv[2], *rds[2], *rdb[2];
-    double *o_got = dalloc(nO); /* the forward's stored o, which the backward was handed */
+    double *o_got = dalloc(nO), *lse_got = dalloc(nL); /* the forward's stored o and lse, which the backward was handed */
     tens_read(o, o_got);
+    tens_read(lse, lse_got);
     for (int q2 = 0; q2 < 2; q2++) {
         ro[q2] = dalloc(nO), rl[q2] = dalloc(nL), rdq[q2] = dalloc(B * T * HQ * DK), rdk[q2] = dalloc(B * T * H * DK);
         rdv[q2] = dalloc(B * T * H * DV), rds[q2] = dalloc(HQ), rdb[q2] = dalloc(nb);
@@ -1264,6 +1265,7 @@ static long check_attention_opts(nsa_context *ctx, problem *p, tens *q, tens *k,
         op.softcap = a.softcap;
         op.sinks = sinks.buf ? sinks.val : NULL;
         op.o_given = o_got + row_off(p, sq, HQ, DV);
+        op.lse_given = lse_got + row_off(p, sq, HQ, 1);
         int32_t *qseg = NULL, *kseg = NULL;
         double *bs = NULL, *dbs = dalloc(HQ * L * L), *ds = dalloc(HQ);
         if (qs.buf) {
@@ -1315,6 +1317,7 @@ static long check_attention_opts(nsa_context *ctx, problem *p, tens *q, tens *k,
     nf_restore();
     for (int q2 = 0; q2 < 2; q2++) free(ro[q2]), free(rl[q2]), free(rdq[q2]), free(rdk[q2]), free(rdv[q2]), free(rds[q2]), free(rdb[q2]);
     free(o_got);
+    free(lse_got);
     tens *all[] = {&sinks, &dsinks, &qs, &ks, &bias, &dbias};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tens_free(all[i]);
     return fails;
