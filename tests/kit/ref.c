@@ -706,7 +706,7 @@ void ref_nsa_forward(const nsa_config *c, double scale, ref_dims d, const ref_ns
 }
 
 /* A branch output the backward is handed (in->o_cmp, ...), for the naive pass only: the exact
- * gradient uses the exact output. */
+ * gradient uses the exact output. With one, the branch's own forward is not needed. */
 static const double *handed_o(const double *o) { return ref_store_round ? o : NULL; }
 
 /* Backward of ref_nsa_forward for the loss sum(o * dout), dout [T, HQ, DV]. Every non-NULL
@@ -740,7 +740,7 @@ void ref_nsa_backward(const nsa_config *c, double scale, ref_dims d, const ref_n
     if (in->g_cmp) {
         double *dkc = dalloc(Nc * H * d.DK), *dvc = dalloc(Nc * H * d.DV);
         const double *og = handed_o(in->o_cmp);
-        ref_cmp_attn(c, scale, d, Nc, in->q, p.kc, p.vc, o_x, lse);
+        if (!og) ref_cmp_attn(c, scale, d, Nc, in->q, p.kc, p.vc, o_x, lse);
         gate_bwd(T * d.HQ, d.DV, in->g_cmp, dout, og ? og : o_x, do_x, grads->dg_cmp);
         ref_cmp_attn_bwd(c, scale, d, Nc, in->q, p.kc, p.vc, do_x, og, dq_x, dkc, dvc);
         add_to(dq, dq_x, NQ);
@@ -762,7 +762,7 @@ void ref_nsa_backward(const nsa_config *c, double scale, ref_dims d, const ref_n
     }
     if (in->g_slc) {
         const double *og = handed_o(in->o_slc);
-        ref_slc_attn(c, scale, d, in->q, p.ks, p.vs, p.idx, p.width, p.counts, o_x, lse);
+        if (!og) ref_slc_attn(c, scale, d, in->q, p.ks, p.vs, p.idx, p.width, p.counts, o_x, lse);
         gate_bwd(T * d.HQ, d.DV, in->g_slc, dout, og ? og : o_x, do_x, grads->dg_slc);
         ref_slc_attn_bwd(c, scale, d, in->q, p.ks, p.vs, p.idx, p.width, p.counts, do_x, og, dq_x, dk_x, dv_x);
         add_to(dq, dq_x, NQ);
@@ -771,7 +771,7 @@ void ref_nsa_backward(const nsa_config *c, double scale, ref_dims d, const ref_n
     }
     if (in->g_swa) {
         const double *og = handed_o(in->o_swa);
-        ref_attention(swa_scale(c, scale), 1, c->window - 1, 0, d, in->q, p.kw, p.vw, o_x, lse);
+        if (!og) ref_attention(swa_scale(c, scale), 1, c->window - 1, 0, d, in->q, p.kw, p.vw, o_x, lse);
         gate_bwd(T * d.HQ, d.DV, in->g_swa, dout, og ? og : o_x, do_x, grads->dg_swa);
         ref_attention_bwd(swa_scale(c, scale), 1, c->window - 1, 0, d, in->q, p.kw, p.vw, do_x, og, dq_x, dk_x, dv_x);
         add_to(dq, dq_x, NQ);

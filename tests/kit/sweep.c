@@ -184,9 +184,8 @@ static void tens_read(const tens *x, double *out)
     for (int64_t i = 0; i < x->numel; i++) out[i] = get_elem(x, storage_offset(&x->t, i));
 }
 
-/* A forward output as a backward op is handed it, read back as doubles: the naive
- * implementation takes its D from it (ref.h, o_given). */
-static double *tens_handed(const tens *x)
+/* The view's elements read back as doubles into a new buffer (free it). */
+static double *tens_values(const tens *x)
 {
     double *h = (double *)malloc((size_t)(x->numel > 0 ? x->numel : 1) * sizeof(double));
     tens_read(x, h);
@@ -303,8 +302,7 @@ static long check_close_x(const char *what, const tens *got, const double *ref, 
 {
     if (g_nf) return nf_check_close(what, got, ref, naive, storage, extra);
     const int64_t n = got->numel;
-    double *g = (double *)malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
-    tens_read(got, g);
+    double *g = tens_values(got);
     hash_host(what, got);
     const double tol = sweep_tolerance(storage, ref, naive, n) + extra;
     long bad = 0;
@@ -627,8 +625,7 @@ static long nf_check_close(const char *what, const tens *got, const double *ref,
 {
     if (g_large) return 0;
     const int64_t n = got->numel;
-    double *g = (double *)malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
-    tens_read(got, g);
+    double *g = tens_values(got);
     hash_host(what, got);
     const double tol = sweep_tolerance(storage, ref, naive, n) + extra;
     long bad = 0, nf_bad = 0;
@@ -671,9 +668,7 @@ static long check_rows(const char *what, const tens *o, const tens *lse, const d
 {
     if (!g_nf) return 0;
     const int64_t nr = lse->numel, DV = nr > 0 ? o->numel / nr : 0;
-    double *go = dalloc(o->numel), *gl = dalloc(nr);
-    tens_read(o, go);
-    tens_read(lse, gl);
+    double *go = tens_values(o), *gl = tens_values(lse);
     long bad = 0;
     int64_t first = -1;
     int first_empty = 0;
@@ -812,8 +807,7 @@ static double *ref_cmp_of(const problem *p, const tens *x, int64_t D)
 static int32_t *to_i32(const tens *x)
 {
     int32_t *o = (int32_t *)calloc((size_t)(x->numel > 0 ? x->numel : 1), sizeof(int32_t));
-    double *v = dalloc(x->numel);
-    tens_read(x, v);
+    double *v = tens_values(x);
     for (int64_t i = 0; i < x->numel; i++) o[i] = (int32_t)v[i];
     free(v);
     return o;
@@ -1076,7 +1070,7 @@ static long check_pipeline_backward(nsa_context *ctx, problem *p, pipe *x, const
     int32_t *counts = x->bc.buf ? to_i32(&x->bc) : NULL;
     double *so_handed[3] = {NULL, NULL, NULL}; /* the saved branch outputs the backward read */
     for (int b = 0; b < 3; b++)
-        if (c->gates >> b & 1) so_handed[b] = tens_handed(&x->so[b]);
+        if (c->gates >> b & 1) so_handed[b] = tens_values(&x->so[b]);
     REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
         const seqinfo *sq = &p->seq[s];
         const ref_dims d = seq_dims(p, sq);
@@ -1249,9 +1243,7 @@ static long check_attention_opts(nsa_context *ctx, problem *p, tens *q, tens *k,
 
     const int64_t nO = B * T * HQ * DV, nL = B * T * HQ, nb = with_bias ? bias.numel : 1;
     double *ro[2], *rl[2], *rdq[2], *rdk[2], *rdv[2], *rds[2], *rdb[2];
-    double *o_got = dalloc(nO), *lse_got = dalloc(nL); /* the forward's stored o and lse, which the backward was handed */
-    tens_read(o, o_got);
-    tens_read(lse, lse_got);
+    double *o_got = tens_values(o), *lse_got = tens_values(lse); /* the forward's stored o and lse, which the backward was handed */
     for (int q2 = 0; q2 < 2; q2++) {
         ro[q2] = dalloc(nO), rl[q2] = dalloc(nL), rdq[q2] = dalloc(B * T * HQ * DK), rdk[q2] = dalloc(B * T * H * DK);
         rdv[q2] = dalloc(B * T * H * DV), rds[q2] = dalloc(HQ), rdb[q2] = dalloc(nb);
@@ -1417,7 +1409,7 @@ static long check_ops(nsa_context *ctx, problem *p)
         memset(&b, 0, sizeof b);
         b.fwd = ca, b.dout = dout.t, b.dq = dq.t, b.dk_cmp = dkc.t, b.dv_cmp = dvc.t;
         RUN_OP(cmp_attn_bwd, ctx, &b);
-        double *o_handed = tens_handed(&o);
+        double *o_handed = tens_values(&o);
         REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
             const seqinfo *sq = &p->seq[s];
             ref_cmp_attn_bwd(&c->cfg, p->scale, seq_dims(p, sq), sq->ncmp, q.val + row_off(p, sq, HQ, DK),
@@ -1495,7 +1487,7 @@ static long check_ops(nsa_context *ctx, problem *p)
                 memset(&b, 0, sizeof b);
                 b.fwd = a, b.dout = dout.t, b.dq = dq.t, b.dk = dk.t, b.dv = dv.t;
                 RUN_OP(slc_attn_bwd, ctx, &b);
-                double *o_handed = tens_handed(&o);
+                double *o_handed = tens_values(&o);
                 REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
                     const seqinfo *sq = &p->seq[s];
                     ref_slc_attn_bwd(&c->cfg, p->scale, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK), k.val + row_off(p, sq, H, DK),
@@ -1543,7 +1535,7 @@ static long check_ops(nsa_context *ctx, problem *p)
                 memset(&b, 0, sizeof b);
                 b.fwd = a, b.dout = dout.t, b.dq = dq.t, b.dk = dk.t, b.dv = dv.t;
                 RUN_OP(attention_bwd, ctx, &b);
-                double *o_handed = tens_handed(&o);
+                double *o_handed = tens_values(&o);
                 REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
                     const seqinfo *sq = &p->seq[s];
                     ref_attention_bwd(sc, a.causal, a.window_left, a.window_right, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK),
