@@ -523,16 +523,16 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
 
         /* epilogue: O into this warpgroup's rows of the Q buffer (its last product that read
          * them is done), then one TMA box per 64 columns; else per-thread stores as qtile's */
-        const bool obox = !DQ && P.obox && P.o.p && wg * 64 + 64 <= t.nrows;
+        const bool obox = !DQ && P.obox && P.o.p && wg * 64 + 64 <= nrows;
 #pragma unroll
         for (int x = 0; x < 2; x++) {
             const int r = warp * 16 + (lane >> 2) + x * 8;
             const float l = sc_quad_sum(l_[x]);
-            if (r >= t.nrows) continue;
-            const int64_t pos = t.pos0 + (t.g0 + r) / G32, g = (t.g0 + r) % G32, hq = t.h * G + g;
+            if (r >= nrows) continue;
+            const int64_t pos = pos0 + (g0 + r) / G32, g = (g0 + r) % G32, hq = h * G + g;
             if constexpr (DQ) {
                 if (P.dqo.p) { /* the only term of dq: written once, in its own dtype */
-                    const int64_t qo = t.sq.b * P.dqo.s0 + (t.sq.row0 + pos) * P.dqo.s1 + hq * P.dqo.s2;
+                    const int64_t qo = sq.b * P.dqo.s0 + (sq.row0 + pos) * P.dqo.s1 + hq * P.dqo.s2;
 #pragma unroll
                     for (int d = 0; d < DA / 8; d++) {
                         const int col = d * 8 + 2 * (lane & 3);
@@ -542,7 +542,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                     }
                     continue;
                 }
-                float *dq = P.dq + ((t.sq.b * P.T + t.sq.row0 + pos) * P.HQ + hq) * P.DK;
+                float *dq = P.dq + ((sq.b * P.T + sq.row0 + pos) * P.HQ + hq) * P.DK;
 #pragma unroll
                 for (int d = 0; d < DA / 8; d++) {
                     float2 *q2 = (float2 *)(dq + d * 8 + 2 * (lane & 3));
@@ -565,7 +565,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                     *(uint32_t *)(Qs + (d >> 3) * BM * 128 + r * 128 + (((d & 7) ^ (r & 7)) << 4) + (lane & 3) * 4) =
                         dtraits<T>::pack(acc[d][2 * x] * inv, acc[d][2 * x + 1] * inv);
             } else if (P.o.p) {
-                const int64_t ob = t.sq.b * P.o.s0 + (t.sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
+                const int64_t ob = sq.b * P.o.s0 + (sq.row0 + pos) * P.o.s1 + hq * P.o.s2;
                 if (P.o.dt == NSA_DTYPE_F32) {
 #pragma unroll
                     for (int d = 0; d < DA / 8; d++) {
@@ -581,7 +581,7 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
                 }
             }
             if ((lane & 3) == 0 && P.lse.p)
-                ((float *)P.lse.p)[t.sq.b * P.lse.s0 + (t.sq.row0 + pos) * P.lse.s1 + hq * P.lse.s2] = lse;
+                ((float *)P.lse.p)[sq.b * P.lse.s0 + (sq.row0 + pos) * P.lse.s1 + hq * P.lse.s2] = lse;
         }
         if (obox) {
             fence_async_smem(); /* this thread's O writes -> the copy engine */
@@ -589,8 +589,8 @@ __global__ void __launch_bounds__(384, 1) qwg_kernel(const qparams P, const __gr
             if ((tid & 127) == 0) {
 #pragma unroll
                 for (int cb = 0; cb < DVP / 64; cb++)
-                    tma_store4(&to, Qs + cb * BM * 128 + wg * 64 * 128, cb * 64, t.h * G32,
-                               (int)(t.sq.row0 + t.pos0 + (t.g0 + wg * 64) / G32), (int)t.sq.b);
+                    tma_store4(&to, Qs + cb * BM * 128 + wg * 64 * 128, cb * 64, h * G32,
+                               (int)(sq.row0 + pos0 + (g0 + wg * 64) / G32), (int)sq.b);
                 tma_store_commit();
                 if (NQ > 1) {
                     if (store_qb >= 0) { /* (a task without chunks left it pending) */
