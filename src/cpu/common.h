@@ -203,7 +203,7 @@ void core_softcap_row(float *s, float *dcap, int64_t n, float cap);
 static inline float core_exp(float x)
 {
     const int under = x < -87.0f;
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x); /* not fminf: that is a libm call */
+    x = under ? -87.0f : (x > 88.0f ? 88.0f : x); /* not fminf: that is a libm call */
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
     const float f = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* ln2 split in two: exact n*hi */
     const float p = 1.0f + f * (1.0f + f * (0.5f + f * (0.166666667f + f * (0.0416666667f + f * (0.00833333333f + f * (0.00138888889f + f * 0.000198412698f))))));

@@ -73,10 +73,9 @@ static inline vf16 vexp(vf16 x)
 {
     const vf16 lo = vzero() - 87.0f, hi = vzero() + 88.0f;
     const vi16 under = x < lo;
-    vi16 m = under;
-    x = (vf16)((m & (vi16)lo) | (~m & (vi16)x));
-    m = x > hi;
-    x = (vf16)((m & (vi16)hi) | (~m & (vi16)x));
+    x = (vf16)((under & (vi16)lo) | (~under & (vi16)x));
+    const vi16 over = x > hi;
+    x = (vf16)((over & (vi16)hi) | (~over & (vi16)x));
     const vf16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     const vf16 f = (x - n * 0.693359375f) + n * 2.12194440e-4f;
     const vf16 p =
