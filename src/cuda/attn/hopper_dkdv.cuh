@@ -19,20 +19,29 @@
 #if defined(__CUDACC__)
 
 /* The dK / dV tiles' first two products for one chunk: S^T = K Q^T and dP^T = V dO^T (keys x
- * rows, wgmma SS, all operands K-major; A: 64 keys at byte offset aoff of the BK-key tile).
- * SPLIT commits S alone first (its consumer waits for S while dP runs). */
+ * rows, wgmma SS, all operands K-major: descriptors of this warpgroup's 64 keys of the BK-key
+ * K and V tiles and of the chunk's Q and dO). SPLIT commits S alone first (its consumer waits
+ * for S while dP runs). */
 template <typename T, int DP, int BK, int BQ, bool SPLIT>
-__device__ __forceinline__ void kw_products(float (*S)[4], float (*dP)[4], const unsigned char *Ks,
-                                            const unsigned char *Vs, const unsigned char *Qp, const unsigned char *Dp,
-                                            int aoff)
+__device__ __forceinline__ void kw_products(float (*S)[4], float (*dP)[4], uint64_t dk, uint64_t dv, uint64_t dq, uint64_t ddo)
 {
     constexpr int KT = DP / 16;
     wg_fence();
-    wg_ss_kmajor<T, BQ, KT, BK, BQ>(&S[0][0], Ks + aoff, Qp);
+    wg_ss_kd<T, BQ, KT, BK, BQ>(&S[0][0], dk, dq);
     if (SPLIT) wg_commit();
-    wg_ss_kmajor<T, BQ, KT, BK, BQ>(&dP[0][0], Vs + aoff, Dp);
+    wg_ss_kd<T, BQ, KT, BK, BQ>(&dP[0][0], dv, ddo);
     wg_commit();
 }
+
+/* Rows n and n + 1 (n even) of a row slot, one 8-byte shared load: a thread's columns of the
+ * accumulator layout come in such pairs. */
+__device__ __forceinline__ float2 kw_pair(const float *slot, int n) { return *(const float2 *)(slot + n); }
+__device__ __forceinline__ int2 kw_pair(const int *slot, int n) { return *(const int2 *)(slot + n); }
+
+/* The log2-domain offset of a row's raw lse for its visible keys: lse log2(e). Unlike kt_l2 no
+ * test for a row that sees no key (lse -inf): none of its keys is visible, so the masked step
+ * never uses it, and a whole chunk has none. */
+__device__ __forceinline__ float kw_l2(float lse) { return __fmul_rn(lse, NSA_LOG2E); }
 
 /* Two neighbouring columns of a dK / dV output row: the tile's dtype T, or f32. */
 template <typename T>
@@ -180,7 +189,8 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
 
         /* S^T = K Q^T and dP^T = V dO^T (keys x rows; this warpgroup's 64 keys) */
         float S[NT][4], dP[NT][4];
-        kw_products<T, DP, BK, BQ, false>(S, dP, Ks, Vs, Qp, Dp, wg * 64 * 128);
+        kw_products<T, DP, BK, BQ, false>(S, dP, wg_desc_k(Ks + wg * 64 * 128), wg_desc_k(Vs + wg * 64 * 128),
+                                          wg_desc_k(Qp), wg_desc_k(Dp));
         wg_wait<0>();
 
         /* P^T (masked), dS^T = P^T (g dP^T - D); S becomes g P^T for dV (as ktile) */
@@ -219,11 +229,8 @@ __global__ void __launch_bounds__(256, 1) kwg_kernel(const kparams P)
             sc_frag_a<T>(da[k2], dP[2 * k2], dP[2 * k2 + 1]);
         }
         wg_fence();
-#pragma unroll
-        for (int k2 = 0; k2 < BQ / 16; k2++) {
-            wgmma_op<T, DP>::template rs<1>(&dV[0][0], pa[k2], wg_desc(Dp + k2 * 16 * 128, BQ * 128, 1024), 1);
-            wgmma_op<T, DP>::template rs<1>(&dK[0][0], da[k2], wg_desc(Qp + k2 * 16 * 128, BQ * 128, 1024), 1);
-        }
+        wg_rs_mn<T, DP, BQ, BQ>(&dV[0][0], pa, Dp);
+        wg_rs_mn<T, DP, BQ, BQ>(&dK[0][0], da, Qp);
         wg_commit();
         wg_wait<0>();
     }
@@ -398,63 +405,70 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
     kr[0] = k0 + (SLC ? cwarp & 3 : cwarp) * 16 + (lane >> 2);
     kr[1] = kr[0] + 8;
     const int aoff = SLC ? 0 : cw * 64 * 128; /* this warpgroup's 64 rows of the key tile */
+    /* the products' descriptors, all from the two of the shared base (every tile sits at a
+     * fixed offset from it): K and V fixed, Q and dO of stage s at s * TB from stage 0's */
+    const uint64_t bk = wg_desc_k(smem), bm = wg_desc_mn<BQ>(smem);
+    const uint64_t dk = wg_desc_at(bk, L::k + aoff), dv = wg_desc_at(bk, L::v + aoff);
     /* the softcap's constants (all 0 without one; the selected rule never has one) */
     const sc_capbw cap = SLC ? sc_capbw{0.0f, 0.0f, 0.0f} : sc_capbw_of(P.rule, P.scale);
+    const int c0 = 2 * (lane & 3); /* this thread's first column of each 8-column block */
 
     for (int64_t c = SLC ? cw : 0; c < nchunks; c += SLC ? 2 : 1) {
         const int s = (int)(c % NS);
         mb_wait(&full[s], (int)((c / NS) & 1));
-        const unsigned char *Qp = Qs + s * TB, *Dp = Ds + s * TB;
+        const uint32_t so = (uint32_t)s * TB; /* stage s's chunk, from stage 0's */
         const float *l2 = rl2 + s * BQ, *Dr = rD + s * BQ, *gr = rg + s * BQ;
         const int *lo = rlo + s * BQ, *hi = rhi + s * BQ;
 
-        /* the range rules read the whole-chunk flags before the products, so that their
-         * shared-memory latency does not sit between S landing and its exponentials (the
-         * selected rule reads them after: held across the products, the flag made it spill) */
-        bool whole = false;
-        if constexpr (!SLC) whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
+        /* the whole-chunk flags are read before the products, so that their shared-memory
+         * latency does not sit between S landing and its exponentials */
+        const bool whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
         float S[NT][4], dP[NT][4];
-        kw_products<T, DP, BK, BQ, true>(S, dP, Ks, Vs, Qp, Dp, aoff);
+        kw_products<T, DP, BK, BQ, true>(S, dP, dk, dv, wg_desc_at(bk, L::q + so), wg_desc_at(bk, L::d + so));
         wg_wait<1>(); /* S^T ready, dP^T still on the tensor cores */
-        if constexpr (SLC) whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
 
-        /* P^T (masked) in S; (g P)^T as the A fragments of dV */
+        /* P^T (masked) in S; (g P)^T as the A fragments of dV. Row values in pairs (rows c0 + 8 nt
+         * and the next: columns e & 1 of the accumulator layout). */
         uint32_t pa[BQ / 16][4], da[BQ / 16][4];
         if (!SLC && cap.k != 0.0f) { /* a softcap (the selected rule has none) */
             if (whole) kt_cap_prob<true, NT>(S, cap, l2, lo, hi, kr, k1, lane);
             else kt_cap_prob<false, NT>(S, cap, l2, lo, hi, kr, k1, lane);
         } else if (whole) { /* (written out: dkdv_tasks.cuh says why) */
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++)
+            for (int nt = 0; nt < NT; nt++) {
+                const float2 l = kw_pair(l2, nt * 8 + c0);
+                const float m[2] = {kw_l2(l.x), kw_l2(l.y)};
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
-                    S[nt][e] = ex2(S[nt][e] * P.sl2 - kt_l2(l2[n]));
-                }
+                for (int e = 0; e < 4; e++) S[nt][e] = ex2(S[nt][e] * P.sl2 - m[e & 1]);
+            }
         } else {
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++)
+            for (int nt = 0; nt < NT; nt++) {
+                const float2 l = kw_pair(l2, nt * 8 + c0);
+                const int2 a = kw_pair(lo, nt * 8 + c0), z = kw_pair(hi, nt * 8 + c0);
+                const float m[2] = {kw_l2(l.x), kw_l2(l.y)};
+                const int vlo[2] = {a.x, a.y}, vhi[2] = {z.x, z.y};
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
-                    const int vis = key < k1 && key >= lo[n] && key <= hi[n];
-                    S[nt][e] = vis ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
+                    const int key = kr[e >> 1];
+                    const int vis = key < k1 && key >= vlo[e & 1] && key <= vhi[e & 1];
+                    S[nt][e] = vis ? ex2(S[nt][e] * P.sl2 - m[e & 1]) : 0.0f;
                 }
+            }
         }
 #pragma unroll
         for (int k2 = 0; k2 < BQ / 16; k2++) {
+            const float2 ga = kw_pair(gr, 2 * k2 * 8 + c0), gb = kw_pair(gr, (2 * k2 + 1) * 8 + c0);
             float a[4], b[4];
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                a[e] = S[2 * k2][e] * gr[2 * k2 * 8 + 2 * (lane & 3) + (e & 1)];
-                b[e] = S[2 * k2 + 1][e] * gr[(2 * k2 + 1) * 8 + 2 * (lane & 3) + (e & 1)];
+                a[e] = S[2 * k2][e] * (e & 1 ? ga.y : ga.x);
+                b[e] = S[2 * k2 + 1][e] * (e & 1 ? gb.y : gb.x);
             }
             sc_frag_a<T>(pa[k2], a, b);
         }
         wg_fence();
-#pragma unroll
-        for (int k2 = 0; k2 < BQ / 16; k2++)
-            wgmma_op<T, DP>::template rs<1>(&dV[0][0], pa[k2], wg_desc(Dp + k2 * 16 * 128, BQ * 128, 1024), 1);
+        wg_rs_md<T, DP, BQ>(&dV[0][0], pa, wg_desc_at(bm, L::d + so));
         wg_commit();
         wg_wait<1>(); /* dP^T ready, dV on the tensor cores */
 
@@ -463,19 +477,16 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
             kt_cap_ds<NT>(dP, S, cap, l2, gr, Dr, lane);
         } else {
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++)
+            for (int nt = 0; nt < NT; nt++) {
+                const float2 g = kw_pair(gr, nt * 8 + c0), d = kw_pair(Dr, nt * 8 + c0);
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
-                    dP[nt][e] = S[nt][e] * (dP[nt][e] * gr[n] - Dr[n]);
-                }
+                for (int e = 0; e < 4; e++) dP[nt][e] = S[nt][e] * (dP[nt][e] * (e & 1 ? g.y : g.x) - (e & 1 ? d.y : d.x));
+            }
         }
 #pragma unroll
         for (int k2 = 0; k2 < BQ / 16; k2++) sc_frag_a<T>(da[k2], dP[2 * k2], dP[2 * k2 + 1]);
         wg_fence();
-#pragma unroll
-        for (int k2 = 0; k2 < BQ / 16; k2++)
-            wgmma_op<T, DP>::template rs<1>(&dK[0][0], da[k2], wg_desc(Qp + k2 * 16 * 128, BQ * 128, 1024), 1);
+        wg_rs_md<T, DP, BQ>(&dK[0][0], da, wg_desc_at(bm, L::q + so));
         wg_commit();
         wg_wait<0>();
         mb_arrive(&empty[s]); /* stage s free for chunk c + NS (each thread releases its own reads) */

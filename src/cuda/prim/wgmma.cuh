@@ -46,31 +46,59 @@ __device__ __forceinline__ uint64_t wg_desc(const void *p, uint32_t lbo, uint32_
            (1ull << 62);
 }
 
+/* The descriptor of the same tile `off` bytes further on (off a multiple of 16). Only the
+ * start-address field changes, and it cannot carry out of its 14 bits (a CTA's shared memory
+ * ends below 256 KB), so one 32-bit add replaces rebuilding the descriptor's fields: a tile's
+ * products take their k-step and stage descriptors from one base this way. */
+__device__ __forceinline__ uint64_t wg_desc_at(uint64_t d, uint32_t off)
+{
+    const uint32_t lo = (uint32_t)d + (off >> 4), hi = (uint32_t)(d >> 32);
+    return ((uint64_t)hi << 32) | lo;
+}
+
 /* Byte offset of 16-byte chunk c of row r in a swizzled tile of R rows. */
 __device__ __forceinline__ int sw_off(int R, int r, int c) { return (c >> 3) * R * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4); }
 
-/* d (NW columns) = A B^T over KT steps of 16 head-dim columns: A (64 rows at a, inside a tile
- * of RA rows) and B (NW rows of a tile of RB rows) K-major swizzled tiles; a step is 32 bytes
- * of a 128-byte swizzle row, the next 64-column block after four steps. */
+/* The K-major descriptor of a swizzled tile at p (the products' A and B of wg_ss_kd). */
+__device__ __forceinline__ uint64_t wg_desc_k(const void *p) { return wg_desc(p, 16, 1024); }
+
+/* d (NW columns) = A B^T over KT steps of 16 head-dim columns: A (64 rows at descriptor da,
+ * inside a tile of RA rows) and B (NW rows of a tile of RB rows) K-major swizzled tiles; a step
+ * is 32 bytes of a 128-byte swizzle row, the next 64-column block after four steps. */
+template <typename T, int NW, int KT, int RA, int RB>
+__device__ __forceinline__ void wg_ss_kd(float *d, uint64_t da, uint64_t db)
+{
+#pragma unroll
+    for (int kk = 0; kk < KT; kk++)
+        wgmma_op<T, NW>::template ss<0>(d, wg_desc_at(da, (kk >> 2) * RA * 128 + (kk & 3) * 32),
+                                        wg_desc_at(db, (kk >> 2) * RB * 128 + (kk & 3) * 32), kk > 0);
+}
+
+/* ... the same from the tiles' addresses a and b */
 template <typename T, int NW, int KT, int RA, int RB>
 __device__ __forceinline__ void wg_ss_kmajor(float *d, const unsigned char *a, const unsigned char *b)
 {
-#pragma unroll
-    for (int kk = 0; kk < KT; kk++) {
-        const uint64_t da = wg_desc(a + (kk >> 2) * RA * 128 + (kk & 3) * 32, 16, 1024);
-        const uint64_t db = wg_desc(b + (kk >> 2) * RB * 128 + (kk & 3) * 32, 16, 1024);
-        wgmma_op<T, NW>::template ss<0>(d, da, db, kk > 0);
-    }
+    wg_ss_kd<T, NW, KT, RA, RB>(d, wg_desc_k(a), wg_desc_k(b));
 }
 
-/* acc (DA columns) += P B: P as A fragments pa[NW / 16] (16 keys each), B MN-major (the head
- * dim contiguous) in a tile of RB rows: 8-key row groups 1024 bytes apart, 64-column blocks
- * RB * 128 bytes apart (O += P V, dQ += dS K). */
+/* The MN-major descriptor of a B tile of RB rows at p (the head dim contiguous: 8-row groups
+ * 1024 bytes apart, 64-column blocks RB * 128 bytes apart), for wg_rs_md. */
+template <int RB> __device__ __forceinline__ uint64_t wg_desc_mn(const void *p) { return wg_desc(p, RB * 128, 1024); }
+
+/* acc (DA columns) += P B: P as A fragments pa[NW / 16] (16 keys each), B MN-major at
+ * descriptor db (wg_desc_mn<RB>) (O += P V, dQ += dS K, dV += P^T dO). */
+template <typename T, int DA, int NW>
+__device__ __forceinline__ void wg_rs_md(float *acc, const uint32_t (*pa)[4], uint64_t db)
+{
+#pragma unroll
+    for (int k2 = 0; k2 < NW / 16; k2++) wgmma_op<T, DA>::template rs<1>(acc, pa[k2], wg_desc_at(db, k2 * 16 * 128), 1);
+}
+
+/* ... the same from the tile's address b */
 template <typename T, int DA, int NW, int RB>
 __device__ __forceinline__ void wg_rs_mn(float *acc, const uint32_t (*pa)[4], const unsigned char *b)
 {
-#pragma unroll
-    for (int k2 = 0; k2 < NW / 16; k2++) wgmma_op<T, DA>::template rs<1>(acc, pa[k2], wg_desc(b + k2 * 16 * 128, RB * 128, 1024), 1);
+    wg_rs_md<T, DA, NW>(acc, pa, wg_desc_mn<RB>(b));
 }
 
 /* R rows of DP elements into a swizzled tile: row r from src + roff[r] (roff < 0: zeros). */
