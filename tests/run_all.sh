@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # run_all.sh -- the whole CPU test suite, as `make test` runs it: the C suite (build/nsa_tests)
 # one group at a time, each announced as it starts ("== C: <group>"; the long random sweep
-# prints a progress line every ~10 s), then the Python suite (pytest, tests/python) when
+# prints a progress line every ~10 s), then ptxas's reports of the CUDA build when there is one
+# (no tile's wgmma products serialised), then the Python suite (pytest, tests/python) when
 # python3 has numpy and pytest, and one combined "N passed, N failed, N skipped" line last.
 # Exit code non-zero on any failure.
 set -uo pipefail
@@ -24,6 +25,23 @@ for g in $groups; do
     [ "$rc" -eq 0 ] || [ "$f" -gt 0 ] || f=1 # a crash after the group's counts still fails
     c_pass=$((c_pass + p)); c_fail=$((c_fail + f))
 done
+
+# ptxas's reports of the CUDA build (one per unit, kept by the Makefile): a tile whose wgmma
+# products ptxas serialised (too few registers, or a product's input registers written inside
+# its pipeline stage) still computes the right values at a fraction of its speed, which no
+# test on a CPU can see. One check per unit.
+reports="$(ls "$B"/obj/src/cuda/*.o.ptxas "$B"/obj/src/cuda/*/*.o.ptxas 2> /dev/null)"
+if [ -n "$reports" ]; then
+    echo "== ptxas: wgmma products serialised in none of $(echo "$reports" | wc -l) CUDA units"
+    for r in $reports; do
+        if grep -q "are serialized" "$r"; then
+            echo "FAIL $r: $(grep -o "serialized due to [^']*'[^']*'" "$r" | sort -u | head -3)"
+            c_fail=$((c_fail + 1))
+        else
+            c_pass=$((c_pass + 1))
+        fi
+    done
+fi
 
 py_pass=0; py_fail=0; py_skip=0
 if python3 -c "import numpy, pytest" > /dev/null 2>&1; then

@@ -34,7 +34,8 @@ __device__ __forceinline__ void kw_products(float (*S)[4], float (*dP)[4], uint6
 }
 
 /* Rows n and n + 1 (n even) of a row slot, one 8-byte shared load: a thread's columns of the
- * accumulator layout come in such pairs. */
+ * accumulator layout come in such pairs. (Only the range rules' tile reads its slots this way:
+ * in the selected rule's, ptxas then spilled and serialised the products.) */
 __device__ __forceinline__ float2 kw_pair(const float *slot, int n) { return *(const float2 *)(slot + n); }
 __device__ __forceinline__ int2 kw_pair(const int *slot, int n) { return *(const int2 *)(slot + n); }
 
@@ -420,12 +421,15 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         const float *l2 = rl2 + s * BQ, *Dr = rD + s * BQ, *gr = rg + s * BQ;
         const int *lo = rlo + s * BQ, *hi = rhi + s * BQ;
 
-        /* the whole-chunk flags are read before the products, so that their shared-memory
-         * latency does not sit between S landing and its exponentials */
-        const bool whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
+        /* the range rules read the whole-chunk flags before the products, so that their
+         * shared-memory latency does not sit between S landing and its exponentials (the
+         * selected rule reads them after: held across the products, the flag made it spill) */
+        bool whole = false;
+        if constexpr (!SLC) whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
         float S[NT][4], dP[NT][4];
         kw_products<T, DP, BK, BQ, true>(S, dP, dk, dv, wg_desc_at(bk, L::q + so), wg_desc_at(bk, L::d + so));
         wg_wait<1>(); /* S^T ready, dP^T still on the tensor cores */
+        if constexpr (SLC) whole = k1 - k0 == BK && rfull[s * 2] && rfull[s * 2 + 1];
 
         /* P^T (masked) in S; (g P)^T as the A fragments of dV. Row values in pairs (rows c0 + 8 nt
          * and the next: columns e & 1 of the accumulator layout). */
@@ -433,7 +437,24 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         if (!SLC && cap.k != 0.0f) { /* a softcap (the selected rule has none) */
             if (whole) kt_cap_prob<true, NT>(S, cap, l2, lo, hi, kr, k1, lane);
             else kt_cap_prob<false, NT>(S, cap, l2, lo, hi, kr, k1, lane);
-        } else if (whole) { /* (written out: dkdv_tasks.cuh says why) */
+        } else if (SLC && whole) { /* (written out: dkdv_tasks.cuh says why) */
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
+                    S[nt][e] = ex2(S[nt][e] * P.sl2 - kw_l2(l2[n]));
+                }
+        } else if (SLC) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
+                    const int vis = key < k1 && key >= lo[n] && key <= hi[n];
+                    S[nt][e] = vis ? ex2(S[nt][e] * P.sl2 - kw_l2(l2[n])) : 0.0f;
+                }
+        } else if (whole) {
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 const float2 l = kw_pair(l2, nt * 8 + c0);
@@ -458,12 +479,20 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         }
 #pragma unroll
         for (int k2 = 0; k2 < BQ / 16; k2++) {
-            const float2 ga = kw_pair(gr, 2 * k2 * 8 + c0), gb = kw_pair(gr, (2 * k2 + 1) * 8 + c0);
             float a[4], b[4];
+            if constexpr (SLC) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                a[e] = S[2 * k2][e] * (e & 1 ? ga.y : ga.x);
-                b[e] = S[2 * k2 + 1][e] * (e & 1 ? gb.y : gb.x);
+                for (int e = 0; e < 4; e++) {
+                    a[e] = S[2 * k2][e] * gr[2 * k2 * 8 + 2 * (lane & 3) + (e & 1)];
+                    b[e] = S[2 * k2 + 1][e] * gr[(2 * k2 + 1) * 8 + 2 * (lane & 3) + (e & 1)];
+                }
+            } else {
+                const float2 ga = kw_pair(gr, 2 * k2 * 8 + c0), gb = kw_pair(gr, (2 * k2 + 1) * 8 + c0);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    a[e] = S[2 * k2][e] * (e & 1 ? ga.y : ga.x);
+                    b[e] = S[2 * k2 + 1][e] * (e & 1 ? gb.y : gb.x);
+                }
             }
             sc_frag_a<T>(pa[k2], a, b);
         }
@@ -475,6 +504,14 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
         /* dS^T = P^T (g dP^T - D) (times the softcap's factor) */
         if (!SLC && cap.k != 0.0f) {
             kt_cap_ds<NT>(dP, S, cap, l2, gr, Dr, lane);
+        } else if (SLC) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
+                    dP[nt][e] = S[nt][e] * (dP[nt][e] * gr[n] - Dr[n]);
+                }
         } else {
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
