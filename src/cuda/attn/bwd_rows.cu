@@ -100,8 +100,7 @@ void nsa_cu_store32(grun *g, const float *src, const dview *dst, int64_t B, int6
 {
     const int64_t rows = B * R * H;
     if (!g_live(g) || rows == 0 || D == 0) return;
-    if ((dst->dt == NSA_DTYPE_BF16 || dst->dt == NSA_DTYPE_F16) && D % 8 == 0 && (uintptr_t)src % 16 == 0 &&
-        dense_rows_view(dst, dst->dt, B, R, H, D)) {
+    if (D % 8 == 0 && (uintptr_t)src % 16 == 0 && dense_rows_view(dst, dst->dt, B, R, H, D)) {
         const int64_t n8 = rows * (D / 8);
         const unsigned grid = grid_resident((n8 + 1) / 2, PREP_THREADS);
         if (dst->dt == NSA_DTYPE_BF16)

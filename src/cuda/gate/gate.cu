@@ -151,11 +151,10 @@ static int gate_dense_shift(int64_t DV)
     return s;
 }
 
-/* Whether the dense form takes these branches: dt a 16-bit dtype, and each present gate and
- * its branch output dense in row-major order in dt */
+/* Whether the dense form takes these branches: each present gate and its branch output dense
+ * in row-major order in dt (a 16-bit dtype: dense_rows_view) */
 static int gate_dense_branches(const dview os[3], const dview gs[3], int dt, int64_t B, int64_t T, int64_t HQ, int64_t DV)
 {
-    if (dt != NSA_DTYPE_BF16 && dt != NSA_DTYPE_F16) return 0;
     for (int x = 0; x < 3; x++)
         if (gs[x].p && !(dense_rows_view(&gs[x], dt, B, T, HQ, 1) && dense_rows_view(&os[x], dt, B, T, HQ, DV))) return 0;
     return 1;

@@ -144,11 +144,12 @@ __device__ __forceinline__ void st8_any(void *p, int dt, int64_t off, const floa
 }
 
 /* Whether v is dense in row-major [B, R, H, D] order (D = 1: a [B, R, H] row term) in dtype dt,
- * 16-byte aligned where it holds rows of 16-byte chunks: the elementwise kernels' dense forms
- * then find an element's row by its index alone. */
+ * a 16-bit one (the dense forms are instantiated for bf16 and f16 only), 16-byte aligned where
+ * it holds rows of 16-byte chunks: the elementwise kernels' dense forms then find an element's
+ * row by its index alone. */
 static int dense_rows_view(const dview *v, int dt, int64_t B, int64_t R, int64_t H, int64_t D)
 {
-    if (!v->p || v->dt != dt) return 0;
+    if (!v->p || v->dt != dt || (dt != NSA_DTYPE_BF16 && dt != NSA_DTYPE_F16)) return 0;
     if (D > 1 && ((uintptr_t)v->p % 16)) return 0;
     return v->s2 == D && v->s1 == H * D && (B == 1 || v->s0 == R * H * D);
 }
