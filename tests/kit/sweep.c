@@ -9,7 +9,9 @@
  * err(naive) is the error of a straightforward same-precision implementation: the reference
  * run again with every tensor such an implementation stores rounded to the storage dtype
  * (ref.h's ref_store_round), its result stored in that dtype too, with an absolute floor for
- * fp32 accumulation (see check_close). NaN never passes; -inf must match -inf.
+ * fp32 accumulation (see check_close); for a backward, the larger error of two such runs, from
+ * the saved outputs the backward was handed and from its own (REF_BWD). NaN never passes; -inf
+ * must match -inf.
  *
  * Every check is named "op output" (nsa_attention o, nsa_forward saved lse_cmp, ...): --op
  * keeps one op's checks (sweep_set_op) and the hash of each checked output goes to a
@@ -272,6 +274,32 @@ static double store_round(double x) { return sweep_round_to(g_store_dtype, x); }
     for (int pass_ = (g_store_dtype = (dt), 0); pass_ < 2; pass_++, ref_store_round = NULL) \
         if ((ref_store_round = pass_ ? store_round : NULL), 1)
 
+/* A backward's checks run the naive implementation twice (REF_BWD): pass_ 1 takes D (and the
+ * sinks' probabilities) from the saved forward outputs that the backward under test was handed,
+ * as the kernels do (HANDED(x): x in that pass, NULL in the others); pass_ 2 from its own
+ * forward, as a straightforward implementation that recomputes it does. Each is one draw of the
+ * rounding, which a tensor of a few hundred elements can win by luck, and the two are equally
+ * straightforward, so the rule takes the larger of their errors: sweep_naive_merge folds pass
+ * 2's result into pass 1's before the comparison. */
+#define REF_BWD(dt)                                                                            \
+    for (int pass_ = (g_store_dtype = (dt), 0); pass_ < 3; pass_++, ref_store_round = NULL) \
+        if ((ref_store_round = pass_ ? store_round : NULL), 1)
+#define HANDED(x) (pass_ == 1 ? (x) : NULL)
+
+/* The error sweep_tolerance counts for one element: x stored in `storage` against ref (a
+ * non-finite naive result counts as exact, a non-finite reference is not counted). */
+static double naive_err(nsa_dtype storage, double ref, double x)
+{
+    if (!isfinite(ref)) return 0.0;
+    return fabs(sweep_round_to(storage, isfinite(x) ? x : ref) - ref);
+}
+
+void sweep_naive_merge(nsa_dtype storage, const double *ref, double *a, const double *b, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (naive_err(storage, ref[i], b[i]) > naive_err(storage, ref[i], a[i])) a[i] = b[i];
+}
+
 /* The tolerance rule above for one tensor: 2 * (err(naive) + an absolute floor). naive is the
  * naive implementation's result (NULL: only the storage rounding of the exact result). */
 double sweep_tolerance(nsa_dtype storage, const double *ref, const double *naive, int64_t n)
@@ -281,7 +309,7 @@ double sweep_tolerance(nsa_dtype storage, const double *ref, const double *naive
         if (!isfinite(ref[i])) continue;
         maxref = fabs(ref[i]) > maxref ? fabs(ref[i]) : maxref;
         /* the naive result is stored in the storage dtype too */
-        double e = fabs(sweep_round_to(storage, naive && isfinite(naive[i]) ? naive[i] : ref[i]) - ref[i]);
+        const double e = naive_err(storage, ref[i], naive ? naive[i] : ref[i]);
         e_naive = e > e_naive ? e : e_naive;
     }
     /* An absolute floor, for where the exact result is ~0 (e.g. T = 1, where dS = dP - D
@@ -1059,9 +1087,9 @@ static long check_pipeline_backward(nsa_context *ctx, problem *p, pipe *x, const
 
     const int64_t nQ = c->B * c->T * c->HQ * c->DK, nK = c->B * c->T * c->H * c->DK, nV = c->B * c->T * c->H * c->DV;
     const int64_t nKc = c->B * p->cmp_rows * c->H * c->DK, nVc = c->B * p->cmp_rows * c->H * c->DV, nG = c->B * c->T * c->HQ;
-    /* [0]: exact reference, [1]: naive same-precision implementation */
-    double *dq[2], *dk[2], *dv[2], *dks[2], *dvs[2], *dkw[2], *dvw[2], *dkc[2], *dvc[2], *dg3[2][3];
-    for (int q2 = 0; q2 < 2; q2++) {
+    /* [0]: exact reference, [1]: naive same-precision implementation, [2]: its second draw (REF_BWD) */
+    double *dq[3], *dk[3], *dv[3], *dks[3], *dvs[3], *dkw[3], *dvw[3], *dkc[3], *dvc[3], *dg3[3][3];
+    for (int q2 = 0; q2 < 3; q2++) {
         dq[q2] = dalloc(nQ), dk[q2] = dalloc(nK), dv[q2] = dalloc(nV), dks[q2] = dalloc(nK), dvs[q2] = dalloc(nV);
         dkw[q2] = dalloc(nK), dvw[q2] = dalloc(nV), dkc[q2] = dalloc(nKc), dvc[q2] = dalloc(nVc);
         for (int b = 0; b < 3; b++) dg3[q2][b] = dalloc(nG);
@@ -1071,7 +1099,7 @@ static long check_pipeline_backward(nsa_context *ctx, problem *p, pipe *x, const
     double *so_handed[3] = {NULL, NULL, NULL}; /* the saved branch outputs the backward read */
     for (int b = 0; b < 3; b++)
         if (c->gates >> b & 1) so_handed[b] = tens_values(&x->so[b]);
-    REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
+    REF_BWD(dt) for (int64_t s = 0; s < p->nseq; s++) {
         const seqinfo *sq = &p->seq[s];
         const ref_dims d = seq_dims(p, sq);
         const int64_t oq = row_off(p, sq, c->HQ, c->DK), ok = row_off(p, sq, c->H, c->DK), ov = row_off(p, sq, c->H, c->DV);
@@ -1089,9 +1117,9 @@ static long check_pipeline_backward(nsa_context *ctx, problem *p, pipe *x, const
         in.block_indices = idx_used ? idx_used + row_off(p, sq, c->H, m) : NULL;
         in.m = m;
         in.block_counts = counts ? counts + row_off(p, sq, c->H, 1) : NULL;
-        in.o_cmp = so_handed[0] ? so_handed[0] + oo : NULL;
-        in.o_slc = so_handed[1] ? so_handed[1] + oo : NULL;
-        in.o_swa = so_handed[2] ? so_handed[2] + oo : NULL;
+        in.o_cmp = so_handed[0] ? HANDED(so_handed[0] + oo) : NULL;
+        in.o_slc = so_handed[1] ? HANDED(so_handed[1] + oo) : NULL;
+        in.o_swa = so_handed[2] ? HANDED(so_handed[2] + oo) : NULL;
         ref_nsa_grads g;
         memset(&g, 0, sizeof g);
         g.dq = dq[pass_] + oq, g.dk = dk[pass_] + ok, g.dv = dv[pass_] + ov;
@@ -1103,6 +1131,13 @@ static long check_pipeline_backward(nsa_context *ctx, problem *p, pipe *x, const
         if (c->gates & 4) g.dg_swa = dg3[pass_][2] + ol;
         ref_nsa_backward(&c->cfg, p->scale, d, &in, x->dout.val + oo, &g);
     }
+    sweep_naive_merge(dt, dq[0], dq[1], dq[2], nQ), sweep_naive_merge(dt, dk[0], dk[1], dk[2], nK);
+    sweep_naive_merge(dt, dv[0], dv[1], dv[2], nV);
+    if (c->sep_slc) sweep_naive_merge(dt, dks[0], dks[1], dks[2], nK), sweep_naive_merge(dt, dvs[0], dvs[1], dvs[2], nV);
+    if (c->sep_swa) sweep_naive_merge(dt, dkw[0], dkw[1], dkw[2], nK), sweep_naive_merge(dt, dvw[0], dvw[1], dvw[2], nV);
+    if (c->own_cmp) sweep_naive_merge(dt, dkc[0], dkc[1], dkc[2], nKc), sweep_naive_merge(dt, dvc[0], dvc[1], dvc[2], nVc);
+    for (int b = 0; b < 3; b++)
+        if (c->gates >> b & 1) sweep_naive_merge(dt, dg3[0][b], dg3[1][b], dg3[2][b], nG);
     fails += check_close("nsa_backward dq", &x->dq, dq[0], dq[1], dt);
     fails += check_close("nsa_backward dk", &x->dk, dk[0], dk[1], dt);
     fails += check_close("nsa_backward dv", &x->dv, dv[0], dv[1], dt);
@@ -1113,7 +1148,7 @@ static long check_pipeline_backward(nsa_context *ctx, problem *p, pipe *x, const
     for (int b = 0; b < 3; b++)
         if (c->gates >> b & 1) fails += check_close(gn[b], &x->dg[b], dg3[0][b], dg3[1][b], dt);
     fails += check_guard("dq", &x->dq) + check_guard("dk", &x->dk) + check_guard("dv", &x->dv);
-    for (int q2 = 0; q2 < 2; q2++) {
+    for (int q2 = 0; q2 < 3; q2++) {
         free(dq[q2]), free(dk[q2]), free(dv[q2]), free(dks[q2]), free(dvs[q2]), free(dkw[q2]), free(dvw[q2]);
         free(dkc[q2]), free(dvc[q2]);
         for (int b = 0; b < 3; b++) free(dg3[q2][b]);
@@ -1242,13 +1277,14 @@ static long check_attention_opts(nsa_context *ctx, problem *p, tens *q, tens *k,
     RUN_OP(attention_bwd, ctx, &b);
 
     const int64_t nO = B * T * HQ * DV, nL = B * T * HQ, nb = with_bias ? bias.numel : 1;
-    double *ro[2], *rl[2], *rdq[2], *rdk[2], *rdv[2], *rds[2], *rdb[2];
+    /* [0] exact, [1] naive from the handed o and lse, [2] naive from its own (REF_BWD) */
+    double *ro[3], *rl[3], *rdq[3], *rdk[3], *rdv[3], *rds[3], *rdb[3];
     double *o_got = tens_values(o), *lse_got = tens_values(lse); /* the forward's stored o and lse, which the backward was handed */
-    for (int q2 = 0; q2 < 2; q2++) {
+    for (int q2 = 0; q2 < 3; q2++) {
         ro[q2] = dalloc(nO), rl[q2] = dalloc(nL), rdq[q2] = dalloc(B * T * HQ * DK), rdk[q2] = dalloc(B * T * H * DK);
         rdv[q2] = dalloc(B * T * H * DV), rds[q2] = dalloc(HQ), rdb[q2] = dalloc(nb);
     }
-    REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
+    REF_BWD(dt) for (int64_t s = 0; s < p->nseq; s++) {
         const seqinfo *sq = &p->seq[s];
         const int64_t L = sq->len;
         ref_attn_opts op;
@@ -1256,8 +1292,8 @@ static long check_attention_opts(nsa_context *ctx, problem *p, tens *q, tens *k,
         op.scale = sc, op.causal = a.causal, op.window_left = a.window_left, op.window_right = a.window_right;
         op.softcap = a.softcap;
         op.sinks = sinks.buf ? sinks.val : NULL;
-        op.o_given = o_got + row_off(p, sq, HQ, DV);
-        op.lse_given = lse_got + row_off(p, sq, HQ, 1);
+        op.o_given = HANDED(o_got + row_off(p, sq, HQ, DV));
+        op.lse_given = HANDED(lse_got + row_off(p, sq, HQ, 1));
         int32_t *qseg = NULL, *kseg = NULL;
         double *bs = NULL, *dbs = dalloc(HQ * L * L), *ds = dalloc(HQ);
         if (qs.buf) {
@@ -1294,6 +1330,11 @@ static long check_attention_opts(nsa_context *ctx, problem *p, tens *q, tens *k,
         fails += check_rows("nsa_attention(options) rows", o, lse, ro[0], rl[0], sinks.buf != NULL);
     }
     if (op_on("nsa_attention_bwd")) {
+        sweep_naive_merge(dt, rdq[0], rdq[1], rdq[2], B * T * HQ * DK);
+        sweep_naive_merge(dt, rdk[0], rdk[1], rdk[2], B * T * H * DK);
+        sweep_naive_merge(dt, rdv[0], rdv[1], rdv[2], B * T * H * DV);
+        sweep_naive_merge(NSA_DTYPE_F32, rds[0], rds[1], rds[2], HQ);
+        sweep_naive_merge(dt, rdb[0], rdb[1], rdb[2], nb);
         fails += check_close("nsa_attention_bwd(options) dq", dq, rdq[0], rdq[1], dt);
         fails += check_close("nsa_attention_bwd(options) dk", dk, rdk[0], rdk[1], dt);
         fails += check_close("nsa_attention_bwd(options) dv", dv, rdv[0], rdv[1], dt);
@@ -1307,7 +1348,7 @@ static long check_attention_opts(nsa_context *ctx, problem *p, tens *q, tens *k,
         if (with_bias) fails += check_close("nsa_attention_bwd(options) dbias", &dbias, rdb[0], rdb[1], dt);
     }
     nf_restore();
-    for (int q2 = 0; q2 < 2; q2++) free(ro[q2]), free(rl[q2]), free(rdq[q2]), free(rdk[q2]), free(rdv[q2]), free(rds[q2]), free(rdb[q2]);
+    for (int q2 = 0; q2 < 3; q2++) free(ro[q2]), free(rl[q2]), free(rdq[q2]), free(rdk[q2]), free(rdv[q2]), free(rds[q2]), free(rdb[q2]);
     free(o_got);
     free(lse_got);
     tens *all[] = {&sinks, &dsinks, &qs, &ks, &bias, &dbias};
@@ -1334,9 +1375,10 @@ static long check_ops(nsa_context *ctx, problem *p)
     alloc4(&dq, p, T, HQ, DK, dt), alloc4(&dk, p, T, H, DK, dt), alloc4(&dv, p, T, H, DV, dt);
     alloc4(&dkc, p, R, H, DK, dt), alloc4(&dvc, p, R, H, DV, dt);
     const int64_t nO = B * T * HQ * DV, nL = B * T * HQ;
-    /* reference results, [0] exact and [1] the naive same-precision implementation */
-    double *ro[2], *rl[2], *rdq[2], *rdk[2], *rdv[2], *rkc[2], *rvc[2];
-    for (int q2 = 0; q2 < 2; q2++) {
+    /* reference results, [0] exact and [1] the naive same-precision implementation ([2]: its
+     * second draw in a backward, REF_BWD) */
+    double *ro[3], *rl[3], *rdq[3], *rdk[3], *rdv[3], *rkc[3], *rvc[3];
+    for (int q2 = 0; q2 < 3; q2++) {
         ro[q2] = dalloc(nO), rl[q2] = dalloc(nL), rdq[q2] = dalloc(B * T * HQ * DK), rdk[q2] = dalloc(B * T * H * DK);
         rdv[q2] = dalloc(B * T * H * DV), rkc[q2] = dalloc(B * R * H * DK), rvc[q2] = dalloc(B * R * H * DV);
     }
@@ -1410,12 +1452,15 @@ static long check_ops(nsa_context *ctx, problem *p)
         b.fwd = ca, b.dout = dout.t, b.dq = dq.t, b.dk_cmp = dkc.t, b.dv_cmp = dvc.t;
         RUN_OP(cmp_attn_bwd, ctx, &b);
         double *o_handed = tens_values(&o);
-        REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
+        REF_BWD(dt) for (int64_t s = 0; s < p->nseq; s++) {
             const seqinfo *sq = &p->seq[s];
             ref_cmp_attn_bwd(&c->cfg, p->scale, seq_dims(p, sq), sq->ncmp, q.val + row_off(p, sq, HQ, DK),
                              kc.val + cmp_off(p, sq, H, DK), vc.val + cmp_off(p, sq, H, DV), dout.val + row_off(p, sq, HQ, DV),
-                             o_handed + row_off(p, sq, HQ, DV), rdq[pass_] + row_off(p, sq, HQ, DK), rkc[pass_] + cmp_off(p, sq, H, DK), rvc[pass_] + cmp_off(p, sq, H, DV));
+                             HANDED(o_handed + row_off(p, sq, HQ, DV)), rdq[pass_] + row_off(p, sq, HQ, DK), rkc[pass_] + cmp_off(p, sq, H, DK), rvc[pass_] + cmp_off(p, sq, H, DV));
         }
+        sweep_naive_merge(dt, rdq[0], rdq[1], rdq[2], B * T * HQ * DK);
+        sweep_naive_merge(dt, rkc[0], rkc[1], rkc[2], B * R * H * DK);
+        sweep_naive_merge(dt, rvc[0], rvc[1], rvc[2], B * R * H * DV);
         fails += check_close("nsa_cmp_attn_bwd dq", &dq, rdq[0], rdq[1], dt) + check_close("nsa_cmp_attn_bwd dk_cmp", &dkc, rkc[0], rkc[1], dt) +
                  check_close("nsa_cmp_attn_bwd dv_cmp", &dvc, rvc[0], rvc[1], dt);
         free(o_handed);
@@ -1488,14 +1533,17 @@ static long check_ops(nsa_context *ctx, problem *p)
                 b.fwd = a, b.dout = dout.t, b.dq = dq.t, b.dk = dk.t, b.dv = dv.t;
                 RUN_OP(slc_attn_bwd, ctx, &b);
                 double *o_handed = tens_values(&o);
-                REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
+                REF_BWD(dt) for (int64_t s = 0; s < p->nseq; s++) {
                     const seqinfo *sq = &p->seq[s];
                     ref_slc_attn_bwd(&c->cfg, p->scale, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK), k.val + row_off(p, sq, H, DK),
                                      v.val + row_off(p, sq, H, DV), ix + row_off(p, sq, H, m), m, cn ? cn + row_off(p, sq, H, 1) : NULL,
-                                     dout.val + row_off(p, sq, HQ, DV), o_handed + row_off(p, sq, HQ, DV),
+                                     dout.val + row_off(p, sq, HQ, DV), HANDED(o_handed + row_off(p, sq, HQ, DV)),
                                      rdq[pass_] + row_off(p, sq, HQ, DK), rdk[pass_] + row_off(p, sq, H, DK),
                                      rdv[pass_] + row_off(p, sq, H, DV));
                 }
+                sweep_naive_merge(dt, rdq[0], rdq[1], rdq[2], B * T * HQ * DK);
+                sweep_naive_merge(dt, rdk[0], rdk[1], rdk[2], B * T * H * DK);
+                sweep_naive_merge(dt, rdv[0], rdv[1], rdv[2], B * T * H * DV);
                 fails += check_close("nsa_slc_attn_bwd dq", &dq, rdq[0], rdq[1], dt) + check_close("nsa_slc_attn_bwd dk", &dk, rdk[0], rdk[1], dt) +
                          check_close("nsa_slc_attn_bwd dv", &dv, rdv[0], rdv[1], dt);
                 free(o_handed);
@@ -1536,12 +1584,15 @@ static long check_ops(nsa_context *ctx, problem *p)
                 b.fwd = a, b.dout = dout.t, b.dq = dq.t, b.dk = dk.t, b.dv = dv.t;
                 RUN_OP(attention_bwd, ctx, &b);
                 double *o_handed = tens_values(&o);
-                REF_TWICE(dt) for (int64_t s = 0; s < p->nseq; s++) {
+                REF_BWD(dt) for (int64_t s = 0; s < p->nseq; s++) {
                     const seqinfo *sq = &p->seq[s];
                     ref_attention_bwd(sc, a.causal, a.window_left, a.window_right, seq_dims(p, sq), q.val + row_off(p, sq, HQ, DK),
                                       k.val + row_off(p, sq, H, DK), v.val + row_off(p, sq, H, DV), dout.val + row_off(p, sq, HQ, DV),
-                                      o_handed + row_off(p, sq, HQ, DV), rdq[pass_] + row_off(p, sq, HQ, DK), rdk[pass_] + row_off(p, sq, H, DK), rdv[pass_] + row_off(p, sq, H, DV));
+                                      HANDED(o_handed + row_off(p, sq, HQ, DV)), rdq[pass_] + row_off(p, sq, HQ, DK), rdk[pass_] + row_off(p, sq, H, DK), rdv[pass_] + row_off(p, sq, H, DV));
                 }
+                sweep_naive_merge(dt, rdq[0], rdq[1], rdq[2], B * T * HQ * DK);
+                sweep_naive_merge(dt, rdk[0], rdk[1], rdk[2], B * T * H * DK);
+                sweep_naive_merge(dt, rdv[0], rdv[1], rdv[2], B * T * H * DV);
                 fails += check_close("nsa_attention_bwd dq", &dq, rdq[0], rdq[1], dt) + check_close("nsa_attention_bwd dk", &dk, rdk[0], rdk[1], dt) +
                          check_close("nsa_attention_bwd dv", &dv, rdv[0], rdv[1], dt);
                 free(o_handed);
@@ -1606,7 +1657,7 @@ static long check_ops(nsa_context *ctx, problem *p)
     }
     tens *all[] = {&q, &k, &v, &kc, &vc, &o, &lse, &dout, &dq, &dk, &dv, &dkc, &dvc, &idx, &cnt, &bi, &bc};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tens_free(all[i]);
-    for (int q2 = 0; q2 < 2; q2++) free(ro[q2]), free(rl[q2]), free(rdq[q2]), free(rdk[q2]), free(rdv[q2]), free(rkc[q2]), free(rvc[q2]);
+    for (int q2 = 0; q2 < 3; q2++) free(ro[q2]), free(rl[q2]), free(rdq[q2]), free(rdk[q2]), free(rdv[q2]), free(rkc[q2]), free(rvc[q2]);
     return fails;
 }
 

@@ -89,6 +89,10 @@ long sweep_run(const sweep_opts *o);
  * 2 * (max error of the naive same-precision result, stored in `storage`, + an fp32
  * accumulation floor). naive NULL: the exact result's storage rounding only. */
 double sweep_tolerance(nsa_dtype storage, const double *ref, const double *naive, int64_t n);
+/* A backward's two naive draws (sweep.c, REF_BWD: from the saved outputs the backward was
+ * handed, and from the naive pass's own): b folded into a, element by element the one farther
+ * from ref once stored in `storage`, so that sweep_tolerance(a) takes the larger error. */
+void sweep_naive_merge(nsa_dtype storage, const double *ref, double *a, const double *b, int64_t n);
 /* x rounded to what a tensor of dtype dt stores (f32, f16, bf16; other dtypes: x). */
 double sweep_round_to(nsa_dtype dt, double x);
 /* One-line description of a case (for failure messages). */
