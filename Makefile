@@ -64,12 +64,12 @@ GPU_TEST_SRC := tests/gpu_main.c tests/test_attention.c tests/test_step.c tests/
 all: $(B)/nsa_gpu_tests $(B)/nsa_wgmma_test $(B)/nsa_cp_tests
 
 # ptxas's report of each unit is kept beside its object ($@.ptxas: registers, spills, and whether
-# it serialised a tile's wgmma products, which tests/run_all.sh checks); only its other lines
-# (warnings, errors) are shown
+# it serialised a tile's wgmma products, which tests/run_all.sh checks); shown are its other
+# lines (warnings, errors) and its performance-loss notes
 $(B)/obj/src/cuda/%.o: src/cuda/%.cu $(CUDA_HDR) $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) $(if $(filter 1,$(EXPERIMENTAL)),-DNSA_CUDA_EXPERIMENTAL=1,) -Iinclude -Isrc -Xptxas -v -c $< -o $@ 2> $@.ptxas; \
-	rc=$$?; grep -vE '^ptxas info|^    [0-9]+ bytes stack frame' $@.ptxas >&2; exit $$rc
+	rc=$$?; grep -E -v '^ptxas info|^    [0-9]+ bytes stack frame' $@.ptxas >&2; grep 'Performance Loss' $@.ptxas >&2; exit $$rc
 
 $(B)/obj/src/api.o $(B)/nsa $(B)/nsa_gpu_tests $(B)/nsa_cp_tests $(B)/nsa_fuzz_replay $(KIT_OBJ): CFLAGS_BASE += $(CUDA_CFLAGS)
 

@@ -39,11 +39,6 @@ __device__ __forceinline__ void kw_products(float (*S)[4], float (*dP)[4], uint6
 __device__ __forceinline__ float2 kw_pair(const float *slot, int n) { return *(const float2 *)(slot + n); }
 __device__ __forceinline__ int2 kw_pair(const int *slot, int n) { return *(const int2 *)(slot + n); }
 
-/* The log2-domain offset of a row's raw lse for its visible keys: lse log2(e). Unlike kt_l2 no
- * test for a row that sees no key (lse -inf): none of its keys is visible, so the masked step
- * never uses it, and a whole chunk has none. */
-__device__ __forceinline__ float kw_l2(float lse) { return __fmul_rn(lse, NSA_LOG2E); }
-
 /* Two neighbouring columns of a dK / dV output row: the tile's dtype T, or f32. */
 template <typename T>
 __device__ __forceinline__ void kw_put2(const dview &o, int64_t off, float a, float b)
@@ -443,7 +438,7 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int n = nt * 8 + 2 * (lane & 3) + (e & 1);
-                    S[nt][e] = ex2(S[nt][e] * P.sl2 - kw_l2(l2[n]));
+                    S[nt][e] = ex2(S[nt][e] * P.sl2 - kt_l2(l2[n]));
                 }
         } else if (SLC) {
 #pragma unroll
@@ -452,13 +447,13 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
                 for (int e = 0; e < 4; e++) {
                     const int n = nt * 8 + 2 * (lane & 3) + (e & 1), key = kr[e >> 1];
                     const int vis = key < k1 && key >= lo[n] && key <= hi[n];
-                    S[nt][e] = vis ? ex2(S[nt][e] * P.sl2 - kw_l2(l2[n])) : 0.0f;
+                    S[nt][e] = vis ? ex2(S[nt][e] * P.sl2 - kt_l2(l2[n])) : 0.0f;
                 }
         } else if (whole) {
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 const float2 l = kw_pair(l2, nt * 8 + c0);
-                const float m[2] = {kw_l2(l.x), kw_l2(l.y)};
+                const float m[2] = {kt_l2(l.x), kt_l2(l.y)};
 #pragma unroll
                 for (int e = 0; e < 4; e++) S[nt][e] = ex2(S[nt][e] * P.sl2 - m[e & 1]);
             }
@@ -467,7 +462,7 @@ __global__ void __launch_bounds__(384, 1) kwp_kernel(const kparams P, const __gr
             for (int nt = 0; nt < NT; nt++) {
                 const float2 l = kw_pair(l2, nt * 8 + c0);
                 const int2 a = kw_pair(lo, nt * 8 + c0), z = kw_pair(hi, nt * 8 + c0);
-                const float m[2] = {kw_l2(l.x), kw_l2(l.y)};
+                const float m[2] = {kt_l2(l.x), kt_l2(l.y)};
                 const int vlo[2] = {a.x, a.y}, vhi[2] = {z.x, z.y};
 #pragma unroll
                 for (int e = 0; e < 4; e++) {

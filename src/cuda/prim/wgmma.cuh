@@ -86,7 +86,7 @@ __device__ __forceinline__ void wg_ss_kmajor(float *d, const unsigned char *a, c
 template <int RB> __device__ __forceinline__ uint64_t wg_desc_mn(const void *p) { return wg_desc(p, RB * 128, 1024); }
 
 /* acc (DA columns) += P B: P as A fragments pa[NW / 16] (16 keys each), B MN-major at
- * descriptor db (wg_desc_mn<RB>) (O += P V, dQ += dS K, dV += P^T dO). */
+ * descriptor db (wg_desc_mn<RB>) (O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q). */
 template <typename T, int DA, int NW>
 __device__ __forceinline__ void wg_rs_md(float *acc, const uint32_t (*pa)[4], uint64_t db)
 {
