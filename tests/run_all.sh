@@ -32,7 +32,7 @@ done
 # test on a CPU can see. One check per unit.
 reports="$(ls "$B"/obj/src/cuda/*.o.ptxas "$B"/obj/src/cuda/*/*.o.ptxas 2> /dev/null)"
 if [ -n "$reports" ]; then
-    units=$(ls "$B"/obj/src/cuda/*.o "$B"/obj/src/cuda/*/*.o 2> /dev/null | wc -l)
+    units=$(ls src/cuda/*.cu src/cuda/*/*.cu 2> /dev/null | wc -l)
     echo "== ptxas: the reports of $(echo "$reports" | wc -l) of $units CUDA units (an object built without one: rebuild it)"
     for r in $reports; do
         if grep -q "are serialized" "$r"; then
