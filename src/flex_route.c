@@ -150,6 +150,18 @@ static int32_t list_at(const nsa_tensor *t, int64_t b, int64_t h, int64_t i, int
     return ((const int32_t *)t->data)[bb * t->stride[0] + hh * t->stride[1] + i * t->stride[2] + e * (t->rank == 4 ? t->stride[3] : 0)];
 }
 
+void flex_lists_extent(const nsa_block_mask *m, const nsa_problem *p, int64_t *Bm, int64_t *Hm)
+{
+    const nsa_tensor *all[4] = {&m->kv_num_blocks, &m->kv_indices, &m->full_kv_num_blocks, &m->full_kv_indices};
+    *Bm = *Hm = 0;
+    if (p->B == 0 || p->HQ == 0) return; /* nothing to walk, nothing to compute */
+    for (int t = 0; t < 4; t++)
+        if (nsa_present(all[t])) {
+            *Bm = all[t]->shape[0] > *Bm ? all[t]->shape[0] : *Bm;
+            *Hm = all[t]->shape[1] > *Hm ? all[t]->shape[1] : *Hm;
+        }
+}
+
 int flex_route_decide(const flex_route *r, const flex_route_host *h, const nsa_problem *p, int32_t *cu, int64_t *nseq)
 {
     const int64_t T = p->T;
@@ -176,13 +188,8 @@ int flex_route_decide(const flex_route *r, const flex_route_host *h, const nsa_p
     if (!seen) return -1;
     for (int64_t j = 0; j < nkb; j++) seen[j] = -1;
     /* every (batch, head) any of the four tensors tells apart (each broadcasts its own size-1 dims) */
-    const nsa_tensor *all[4] = {&m->kv_num_blocks, &m->kv_indices, &m->full_kv_num_blocks, &m->full_kv_indices};
-    int64_t Bm = 0, Hm = 0; /* (0 with an empty batch or head dim: nothing to walk, nothing to compute) */
-    for (int t = 0; t < 4; t++)
-        if (nsa_present(all[t])) {
-            Bm = all[t]->shape[0] > Bm ? all[t]->shape[0] : Bm;
-            Hm = all[t]->shape[1] > Hm ? all[t]->shape[1] : Hm;
-        }
+    int64_t Bm, Hm;
+    flex_lists_extent(m, p, &Bm, &Hm);
     const int32_t *cuv = r->doc ? cu : NULL;
     int ok = 1;
     int64_t stamp = 0;

@@ -63,6 +63,12 @@ nsa_status flex_route_host_cpu(const nsa_flex_args *a, const nsa_problem *p, con
  * the engine) or -1 (no host memory: keep the engine). */
 int flex_route_decide(const flex_route *r, const flex_route_host *h, const nsa_problem *p, int32_t *cu, int64_t *nseq);
 
+/* The (batch, head) extents at which a walk over block mask m's lists reads them: the largest
+ * of its tensors' dims (each 1 or the call's B / HQ, a size-1 dim broadcast), but 0 when the
+ * call has no batch entry or no query head, where a tensor may broadcast a dim of 1 over a
+ * partner of size 0 that holds nothing to read. */
+void flex_lists_extent(const nsa_block_mask *m, const nsa_problem *p, int64_t *Bm, int64_t *Hm);
+
 /* The runs of equal ids of doc[0 .. T) as bounds cu[0 .. n] (cu: T + 1 entries). @return n; 0 when
  * an id comes back after another (two runs of one document would see each other); -1 without
  * memory. */

@@ -651,6 +651,20 @@ static void test_flex_refuses(nsa_context *ctx)
         CHECK_MSG(kept, "a refused flex call wrote o");
         memcpy(num, save_num, sizeof num), memcpy(idx, save_idx, sizeof idx), memcpy(fidx, save_fidx, sizeof fidx);
     }
+    /* an empty batch: counts broadcast over the batch (dim 0 of 1) beside index lists of batch
+     * size 0, which hold nothing to read (here a stray 99, which a read would refuse as a key
+     * block outside the keys): the call succeeds and reads no list */
+    {
+        int32_t stray[1] = {99};
+        nsa_flex_args a = base;
+        a.q.shape[0] = a.k.shape[0] = a.v.shape[0] = a.o.shape[0] = 0;
+        a.block_mask.kv_indices = nsa_tensor_4d(stray, NSA_DTYPE_I32, 0, 1, 2, 2);
+        memset(&a.block_mask.full_kv_num_blocks, 0, sizeof a.block_mask.full_kv_num_blocks);
+        memset(&a.block_mask.full_kv_indices, 0, sizeof a.block_mask.full_kv_indices);
+        size_t need0 = 0;
+        CHECK_STATUS(nsa_flex_attention_workspace_size(ctx, &a, &need0), NSA_STATUS_SUCCESS);
+        CHECK_STATUS(nsa_flex_attention(ctx, &a, ws, need + 4096), NSA_STATUS_SUCCESS);
+    }
     free(ws);
     nsa_mod_destroy(sm), nsa_mod_destroy(mm);
     nsa_mod *bad = (nsa_mod *)1;

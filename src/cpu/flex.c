@@ -30,19 +30,8 @@ static nsa_status flex_check(const nsa_flex_args *a, const nsa_problem *p, unsig
     const nsa_block_mask *m = &a->block_mask;
     if (!nsa_present(&m->kv_num_blocks)) return NSA_STATUS_SUCCESS;
     const int64_t nqb = m->kv_num_blocks.shape[2];
-    const int64_t Bm = m->kv_num_blocks.shape[0] > m->kv_indices.shape[0] ? m->kv_num_blocks.shape[0] : m->kv_indices.shape[0];
-    int64_t Hm = m->kv_num_blocks.shape[1] > m->kv_indices.shape[1] ? m->kv_num_blocks.shape[1] : m->kv_indices.shape[1];
-    int64_t Bx = Bm;
-    if (nsa_present(&m->full_kv_num_blocks)) {
-        for (int d = 0; d < 2; d++) {
-            const int64_t x = d ? m->full_kv_num_blocks.shape[1] : m->full_kv_num_blocks.shape[0];
-            const int64_t y = d ? m->full_kv_indices.shape[1] : m->full_kv_indices.shape[0];
-            int64_t *dst = d ? &Hm : &Bx;
-            *dst = x > *dst ? x : *dst;
-            *dst = y > *dst ? y : *dst;
-        }
-    }
-    (void)p;
+    int64_t Bx, Hm; /* every (batch, head) the lists tell apart */
+    flex_lists_extent(m, p, &Bx, &Hm);
     for (int64_t b = 0; b < Bx; b++)
         for (int64_t h = 0; h < Hm; h++)
             for (int64_t qb = 0; qb < nqb; qb++) {
