@@ -268,22 +268,21 @@ static void hash_host(const char *name, const tens *x)
 static nsa_dtype g_store_dtype;
 static double store_round(double x) { return sweep_round_to(g_store_dtype, x); }
 
-/* Runs the statement after it twice: pass_ 0 is the exact reference, pass_ 1 the naive
+/* Runs the statement after it n times: pass_ 0 is the exact reference, the others the naive
  * same-precision implementation (the reference with storage rounding, see ref.h). */
-#define REF_TWICE(dt)                                                                          \
-    for (int pass_ = (g_store_dtype = (dt), 0); pass_ < 2; pass_++, ref_store_round = NULL) \
+#define REF_PASSES(dt, n)                                                                      \
+    for (int pass_ = (g_store_dtype = (dt), 0); pass_ < (n); pass_++, ref_store_round = NULL) \
         if ((ref_store_round = pass_ ? store_round : NULL), 1)
+#define REF_TWICE(dt) REF_PASSES(dt, 2)
 
 /* A backward's checks run the naive implementation twice (REF_BWD): pass_ 1 takes D (and the
  * sinks' probabilities) from the saved forward outputs that the backward under test was handed,
  * as the kernels do (HANDED(x): x in that pass, NULL in the others); pass_ 2 from its own
  * forward, as a straightforward implementation that recomputes it does. Each is one draw of the
  * rounding, which a tensor of a few hundred elements can win by luck, and the two are equally
- * straightforward, so the rule takes the larger of their errors: sweep_naive_merge folds pass
- * 2's result into pass 1's before the comparison. */
-#define REF_BWD(dt)                                                                            \
-    for (int pass_ = (g_store_dtype = (dt), 0); pass_ < 3; pass_++, ref_store_round = NULL) \
-        if ((ref_store_round = pass_ ? store_round : NULL), 1)
+ * straightforward, so the rule takes the larger of their errors: check_close_bwd folds pass 2's
+ * result into pass 1's (sweep_naive_merge) before the comparison. */
+#define REF_BWD(dt) REF_PASSES(dt, 3)
 #define HANDED(x) (pass_ == 1 ? (x) : NULL)
 
 /* The error sweep_tolerance counts for one element: x stored in `storage` against ref (a
@@ -365,6 +364,14 @@ static long check_close_x(const char *what, const tens *got, const double *ref, 
 static long check_close(const char *what, const tens *got, const double *ref, const double *naive, nsa_dtype storage)
 {
     return check_close_x(what, got, ref, naive, storage, 0.0);
+}
+
+/* A backward output against r[0] (exact), with the larger error of the naive draws r[1] and
+ * r[2] (REF_BWD; r[1] becomes their merge). */
+static long check_close_bwd(const char *what, const tens *got, double *const r[3], nsa_dtype storage)
+{
+    sweep_naive_merge(storage, r[0], r[1], r[2], got->numel);
+    return check_close(what, got, r[0], r[1], storage);
 }
 
 static long check_guard(const char *what, const tens *x)
@@ -1131,22 +1138,18 @@ static long check_pipeline_backward(nsa_context *ctx, problem *p, pipe *x, const
         if (c->gates & 4) g.dg_swa = dg3[pass_][2] + ol;
         ref_nsa_backward(&c->cfg, p->scale, d, &in, x->dout.val + oo, &g);
     }
-    sweep_naive_merge(dt, dq[0], dq[1], dq[2], nQ), sweep_naive_merge(dt, dk[0], dk[1], dk[2], nK);
-    sweep_naive_merge(dt, dv[0], dv[1], dv[2], nV);
-    if (c->sep_slc) sweep_naive_merge(dt, dks[0], dks[1], dks[2], nK), sweep_naive_merge(dt, dvs[0], dvs[1], dvs[2], nV);
-    if (c->sep_swa) sweep_naive_merge(dt, dkw[0], dkw[1], dkw[2], nK), sweep_naive_merge(dt, dvw[0], dvw[1], dvw[2], nV);
-    if (c->own_cmp) sweep_naive_merge(dt, dkc[0], dkc[1], dkc[2], nKc), sweep_naive_merge(dt, dvc[0], dvc[1], dvc[2], nVc);
-    for (int b = 0; b < 3; b++)
-        if (c->gates >> b & 1) sweep_naive_merge(dt, dg3[0][b], dg3[1][b], dg3[2][b], nG);
-    fails += check_close("nsa_backward dq", &x->dq, dq[0], dq[1], dt);
-    fails += check_close("nsa_backward dk", &x->dk, dk[0], dk[1], dt);
-    fails += check_close("nsa_backward dv", &x->dv, dv[0], dv[1], dt);
-    if (c->sep_slc) fails += check_close("nsa_backward dk_slc", &x->dks, dks[0], dks[1], dt) + check_close("nsa_backward dv_slc", &x->dvs, dvs[0], dvs[1], dt);
-    if (c->sep_swa) fails += check_close("nsa_backward dk_swa", &x->dkw, dkw[0], dkw[1], dt) + check_close("nsa_backward dv_swa", &x->dvw, dvw[0], dvw[1], dt);
-    if (c->own_cmp) fails += check_close("nsa_backward dk_cmp", &x->dkc, dkc[0], dkc[1], dt) + check_close("nsa_backward dv_cmp", &x->dvc, dvc[0], dvc[1], dt);
+    fails += check_close_bwd("nsa_backward dq", &x->dq, dq, dt);
+    fails += check_close_bwd("nsa_backward dk", &x->dk, dk, dt);
+    fails += check_close_bwd("nsa_backward dv", &x->dv, dv, dt);
+    if (c->sep_slc) fails += check_close_bwd("nsa_backward dk_slc", &x->dks, dks, dt) + check_close_bwd("nsa_backward dv_slc", &x->dvs, dvs, dt);
+    if (c->sep_swa) fails += check_close_bwd("nsa_backward dk_swa", &x->dkw, dkw, dt) + check_close_bwd("nsa_backward dv_swa", &x->dvw, dvw, dt);
+    if (c->own_cmp) fails += check_close_bwd("nsa_backward dk_cmp", &x->dkc, dkc, dt) + check_close_bwd("nsa_backward dv_cmp", &x->dvc, dvc, dt);
     static const char *gn[3] = {"nsa_backward dg_cmp", "nsa_backward dg_slc", "nsa_backward dg_swa"};
     for (int b = 0; b < 3; b++)
-        if (c->gates >> b & 1) fails += check_close(gn[b], &x->dg[b], dg3[0][b], dg3[1][b], dt);
+        if (c->gates >> b & 1) {
+            double *const r[3] = {dg3[0][b], dg3[1][b], dg3[2][b]};
+            fails += check_close_bwd(gn[b], &x->dg[b], r, dt);
+        }
     fails += check_guard("dq", &x->dq) + check_guard("dk", &x->dk) + check_guard("dv", &x->dv);
     for (int q2 = 0; q2 < 3; q2++) {
         free(dq[q2]), free(dk[q2]), free(dv[q2]), free(dks[q2]), free(dvs[q2]), free(dkw[q2]), free(dvw[q2]);
@@ -1330,22 +1333,19 @@ static long check_attention_opts(nsa_context *ctx, problem *p, tens *q, tens *k,
         fails += check_rows("nsa_attention(options) rows", o, lse, ro[0], rl[0], sinks.buf != NULL);
     }
     if (op_on("nsa_attention_bwd")) {
-        sweep_naive_merge(dt, rdq[0], rdq[1], rdq[2], B * T * HQ * DK);
-        sweep_naive_merge(dt, rdk[0], rdk[1], rdk[2], B * T * H * DK);
-        sweep_naive_merge(dt, rdv[0], rdv[1], rdv[2], B * T * H * DV);
-        sweep_naive_merge(NSA_DTYPE_F32, rds[0], rds[1], rds[2], HQ);
-        sweep_naive_merge(dt, rdb[0], rdb[1], rdb[2], nb);
-        fails += check_close("nsa_attention_bwd(options) dq", dq, rdq[0], rdq[1], dt);
-        fails += check_close("nsa_attention_bwd(options) dk", dk, rdk[0], rdk[1], dt);
-        fails += check_close("nsa_attention_bwd(options) dv", dv, rdv[0], rdv[1], dt);
+        fails += check_close_bwd("nsa_attention_bwd(options) dq", dq, rdq, dt);
+        fails += check_close_bwd("nsa_attention_bwd(options) dk", dk, rdk, dt);
+        fails += check_close_bwd("nsa_attention_bwd(options) dv", dv, rdv, dt);
         /* dsinks sums a few rows' exp(sink - lse) * dout . o: the naive implementation's rounding
          * of the scores (lse) and the stored o enter with opposite signs and can cancel, which
          * makes 2 * err(naive) too tight a bar for a handful of terms. Here, in the non-finite
          * mode, only where non-finite values land is checked; its values are checked by the
          * attention op's fixed cases (tests/test_attention.c). */
-        if (sinks.buf)
+        if (sinks.buf) {
+            sweep_naive_merge(NSA_DTYPE_F32, rds[0], rds[1], rds[2], HQ);
             fails += check_close_x("nsa_attention_bwd(options) dsinks", &dsinks, rds[0], rds[1], NSA_DTYPE_F32, INFINITY);
-        if (with_bias) fails += check_close("nsa_attention_bwd(options) dbias", &dbias, rdb[0], rdb[1], dt);
+        }
+        if (with_bias) fails += check_close_bwd("nsa_attention_bwd(options) dbias", &dbias, rdb, dt);
     }
     nf_restore();
     for (int q2 = 0; q2 < 3; q2++) free(ro[q2]), free(rl[q2]), free(rdq[q2]), free(rdk[q2]), free(rdv[q2]), free(rds[q2]), free(rdb[q2]);
@@ -1458,11 +1458,8 @@ static long check_ops(nsa_context *ctx, problem *p)
                              kc.val + cmp_off(p, sq, H, DK), vc.val + cmp_off(p, sq, H, DV), dout.val + row_off(p, sq, HQ, DV),
                              HANDED(o_handed + row_off(p, sq, HQ, DV)), rdq[pass_] + row_off(p, sq, HQ, DK), rkc[pass_] + cmp_off(p, sq, H, DK), rvc[pass_] + cmp_off(p, sq, H, DV));
         }
-        sweep_naive_merge(dt, rdq[0], rdq[1], rdq[2], B * T * HQ * DK);
-        sweep_naive_merge(dt, rkc[0], rkc[1], rkc[2], B * R * H * DK);
-        sweep_naive_merge(dt, rvc[0], rvc[1], rvc[2], B * R * H * DV);
-        fails += check_close("nsa_cmp_attn_bwd dq", &dq, rdq[0], rdq[1], dt) + check_close("nsa_cmp_attn_bwd dk_cmp", &dkc, rkc[0], rkc[1], dt) +
-                 check_close("nsa_cmp_attn_bwd dv_cmp", &dvc, rvc[0], rvc[1], dt);
+        fails += check_close_bwd("nsa_cmp_attn_bwd dq", &dq, rdq, dt) + check_close_bwd("nsa_cmp_attn_bwd dk_cmp", &dkc, rkc, dt) +
+                 check_close_bwd("nsa_cmp_attn_bwd dv_cmp", &dvc, rvc, dt);
         free(o_handed);
     }
     /* 3. selection, with the lse of step 2 and without it */
@@ -1541,11 +1538,8 @@ static long check_ops(nsa_context *ctx, problem *p)
                                      rdq[pass_] + row_off(p, sq, HQ, DK), rdk[pass_] + row_off(p, sq, H, DK),
                                      rdv[pass_] + row_off(p, sq, H, DV));
                 }
-                sweep_naive_merge(dt, rdq[0], rdq[1], rdq[2], B * T * HQ * DK);
-                sweep_naive_merge(dt, rdk[0], rdk[1], rdk[2], B * T * H * DK);
-                sweep_naive_merge(dt, rdv[0], rdv[1], rdv[2], B * T * H * DV);
-                fails += check_close("nsa_slc_attn_bwd dq", &dq, rdq[0], rdq[1], dt) + check_close("nsa_slc_attn_bwd dk", &dk, rdk[0], rdk[1], dt) +
-                         check_close("nsa_slc_attn_bwd dv", &dv, rdv[0], rdv[1], dt);
+                fails += check_close_bwd("nsa_slc_attn_bwd dq", &dq, rdq, dt) + check_close_bwd("nsa_slc_attn_bwd dk", &dk, rdk, dt) +
+                         check_close_bwd("nsa_slc_attn_bwd dv", &dv, rdv, dt);
                 free(o_handed);
             }
             free(ix);
@@ -1590,11 +1584,8 @@ static long check_ops(nsa_context *ctx, problem *p)
                                       k.val + row_off(p, sq, H, DK), v.val + row_off(p, sq, H, DV), dout.val + row_off(p, sq, HQ, DV),
                                       HANDED(o_handed + row_off(p, sq, HQ, DV)), rdq[pass_] + row_off(p, sq, HQ, DK), rdk[pass_] + row_off(p, sq, H, DK), rdv[pass_] + row_off(p, sq, H, DV));
                 }
-                sweep_naive_merge(dt, rdq[0], rdq[1], rdq[2], B * T * HQ * DK);
-                sweep_naive_merge(dt, rdk[0], rdk[1], rdk[2], B * T * H * DK);
-                sweep_naive_merge(dt, rdv[0], rdv[1], rdv[2], B * T * H * DV);
-                fails += check_close("nsa_attention_bwd dq", &dq, rdq[0], rdq[1], dt) + check_close("nsa_attention_bwd dk", &dk, rdk[0], rdk[1], dt) +
-                         check_close("nsa_attention_bwd dv", &dv, rdv[0], rdv[1], dt);
+                fails += check_close_bwd("nsa_attention_bwd dq", &dq, rdq, dt) + check_close_bwd("nsa_attention_bwd dk", &dk, rdk, dt) +
+                         check_close_bwd("nsa_attention_bwd dv", &dv, rdv, dt);
                 free(o_handed);
             }
         }
