@@ -2443,8 +2443,9 @@ static int flex_bwd_wg_fits(const grun *g, const nsa_flex_bwd_args *a, const nsa
     if (nsa_present(&m->kv_num_blocks)) {
         const int fl = nsa_present(&m->full_kv_num_blocks);
         /* (0 with no batch entry or no head: a size-1 list dim may broadcast over an empty partner) */
-        *kB = p->B == 0 || p->HQ == 0 ? 0 : m->kv_num_blocks.shape[0] > 1 || (fl && m->full_kv_num_blocks.shape[0] > 1) ? p->B : 1;
-        *kH = p->B == 0 || p->HQ == 0 ? 0 : m->kv_num_blocks.shape[1] > 1 || (fl && m->full_kv_num_blocks.shape[1] > 1) ? p->HQ : 1;
+        const int empty = p->B == 0 || p->HQ == 0;
+        *kB = empty ? 0 : m->kv_num_blocks.shape[0] > 1 || (fl && m->full_kv_num_blocks.shape[0] > 1) ? p->B : 1;
+        *kH = empty ? 0 : m->kv_num_blocks.shape[1] > 1 || (fl && m->full_kv_num_blocks.shape[1] > 1) ? p->HQ : 1;
         const int64_t nqb = (p->T + m->q_block - 1) / m->q_block, nkb = (p->Tk + m->kv_block - 1) / m->kv_block;
         if ((double)*kB * (double)*kH * (double)nqb * (double)nkb > (double)(1 << 30)) return 0;
     }
